@@ -1,0 +1,115 @@
+"""Config sources, later wins: the recipe YAML (with its `base:` chain), then `section.key=value`."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from hybridmoe.config.schema import Config
+from hybridmoe.config.validate import ConfigError, check_requirements
+
+RECIPE_DIR = resources.files("hybridmoe.config") / "recipes"
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name[: -len(".yml")] for p in RECIPE_DIR.iterdir() if p.name.endswith(".yml"))
+
+
+def _read_recipe(name: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
+    path = Path(name) if name.endswith((".yml", ".yaml")) else None
+    if path is None:
+        candidate = RECIPE_DIR / f"{name}.yml"
+        if not candidate.is_file():
+            raise ConfigError([("recipe", f"unknown recipe {name!r}; known: {', '.join(recipe_names())}")])
+        text = candidate.read_text()
+    else:
+        if not path.is_file():
+            raise ConfigError([("recipe", f"no recipe file at {str(path)!r}")])
+        text = path.read_text()
+    if name in chain:
+        raise ConfigError([("recipe", f"base chain loops: {' -> '.join(chain + (name,))}")])
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([("recipe", f"{name!r} is not valid YAML: {e}")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([("recipe", f"{name!r} must be a mapping of sections")])
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    return _merge(_read_recipe(str(base), chain + (name,)), data)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError([(item, "an override is section.key=value")])
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError([(key, "an override key is section.key (e.g. train.steps=10)")])
+    # YAML scalars: numbers, booleans, lists ([a, b]); anything else stays a string.
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def _apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError([(".".join(parts), f"{p!r} is a value, not a section")])
+    node[parts[-1]] = value
+
+
+def _pydantic_errors(e: ValidationError) -> list[tuple[str, str]]:
+    out = []
+    for err in e.errors():
+        key = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (see `hybridmoe describe` for the config tree)"
+        elif "input" in err and not isinstance(err["input"], dict):
+            msg = f"{msg} (got {err['input']!r})"
+        out.append((key, msg))
+    return out
+
+
+def load_config(recipe: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Resolve a recipe plus overrides into a validated Config, or raise one ConfigError."""
+    data = _read_recipe(recipe)
+    for item in overrides:
+        parts, value = _parse_override(item)
+        if parts == ["recipe"]:
+            continue
+        _apply_override(data, parts, value)
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_pydantic_errors(e)) from None
+    check_requirements(cfg)
+    return cfg
+
+
+def split_args(args: list[str]) -> tuple[str, list[str]]:
+    """Split command-line words into (recipe, overrides): `recipe=NAME` and `section.key=value`."""
+    recipe, overrides = "tiny", []
+    for a in args:
+        if a.startswith("recipe="):
+            recipe = a.split("=", 1)[1]
+        else:
+            overrides.append(a)
+    return recipe, overrides

@@ -1,0 +1,178 @@
+"""The config tree: one pydantic model with nested sections.
+
+Field checks live on each section; cross-field requirements live in `validate.py`, which runs once
+at load and collects every unmet requirement into one error. Derived values are properties.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LayerKind = Literal["gdn", "attention"]
+DType = Literal["float32", "bfloat16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+class ModelConfig(Section):
+    vocab_size: int = Field(256, gt=0, description="Vocabulary size (embedding rows, LM head columns).")
+    d_model: int = Field(64, gt=0, description="Residual stream width D.")
+    num_layers: int = Field(4, gt=0, description="Decoder layers; a multiple of len(layer_pattern).")
+    layer_pattern: tuple[LayerKind, ...] = Field(
+        ("gdn", "gdn", "gdn", "attention"),
+        description="The repeating block of token mixers, e.g. three GDN layers then one attention layer.",
+    )
+    # Gated attention.
+    num_heads: int = Field(4, gt=0, description="Attention query heads.")
+    num_kv_heads: int = Field(2, gt=0, description="Attention key/value heads (grouped-query).")
+    head_dim: int = Field(16, gt=0, description="Attention head dimension.")
+    rope_theta: float = Field(10_000_000.0, gt=0, description="Rotary embedding base.")
+    partial_rotary_factor: float = Field(0.25, gt=0, le=1, description="Fraction of head_dim that is rotated.")
+    # Gated DeltaNet.
+    gdn_num_key_heads: int = Field(2, gt=0, description="GDN query/key heads Hk.")
+    gdn_num_value_heads: int = Field(4, gt=0, description="GDN value heads Hv (a multiple of Hk).")
+    gdn_key_dim: int = Field(16, gt=0, description="GDN key head dimension dk.")
+    gdn_value_dim: int = Field(16, gt=0, description="GDN value head dimension dv.")
+    gdn_conv_kernel: int = Field(4, gt=0, description="Causal depthwise conv width over the qkv channels.")
+    # Mixture of experts.
+    num_experts: int = Field(8, gt=0, description="Routed experts E.")
+    num_experts_per_tok: int = Field(2, gt=0, description="Experts each token is routed to (top-k).")
+    moe_intermediate_size: int = Field(32, gt=0, description="Routed expert hidden width F.")
+    shared_expert_intermediate_size: int = Field(32, ge=0, description="Shared expert hidden width (0 = none).")
+    norm_topk_prob: bool = Field(True, description="Renormalise the top-k routing weights to sum to one.")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="Epsilon of every RMSNorm.")
+    max_seq_len: int = Field(256, gt=0, description="Longest sequence the model is used with.")
+    param_dtype: DType = Field("float32", description="Storage dtype of the weights.")
+    compute_dtype: DType = Field("float32", description="Dtype of matmul inputs and activations.")
+    init_std: float = Field(0.02, gt=0, description="Standard deviation of the normal weight initialiser.")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers // len(self.layer_pattern)
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(self.layer_pattern[i % len(self.layer_pattern)] for i in range(self.num_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+class MeshConfig(Section):
+    data: int = Field(1, description="Data-parallel axis size (-1 absorbs the remaining devices).")
+    fsdp: int = Field(-1, description="Fully-sharded data-parallel axis size (-1 absorbs the rest).")
+    context: int = Field(1, description="Context (sequence) parallel axis size.")
+    expert: int = Field(1, description="Expert-parallel axis size.")
+    tensor: int = Field(1, description="Tensor-parallel axis size.")
+    rules: Literal["default", "cp_as_ep"] = Field(
+        "default", description="Logical-axis rules table: default, or experts sharded over context x expert."
+    )
+    cpu_devices: int = Field(
+        0, ge=0, description="Simulated devices when running on CPU (0 = the platform's own count)."
+    )
+
+    @field_validator("data", "fsdp", "context", "expert", "tensor")
+    @classmethod
+    def _axis_size(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("an axis size is a positive integer, or -1 to absorb the remaining devices")
+        return v
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "context": self.context, "expert": self.expert,
+                "tensor": self.tensor}
+
+
+class MoEConfig(Section):
+    impl: Literal["sparse", "dense"] = Field(
+        "sparse", description="sparse: dropless sort-and-group grouped matmuls; dense: every expert on every token (reference)."
+    )
+    expert_parallel: Literal["ring", "all_to_all"] = Field(
+        "ring", description="How tokens reach experts sharded over the expert axis."
+    )
+    capacity_factor: float = Field(
+        0.0, ge=0, description="Per-expert buffer as a multiple of the even share (0 = dropless); overflow is dropped and counted."
+    )
+
+
+class GmmKernelConfig(Section):
+    backend: Literal["xla", "pallas_tpu", "pallas_gpu"] = Field(
+        "xla", description="Grouped-matmul backend; checked against the platform at load."
+    )
+
+
+class GdnKernelConfig(Section):
+    backend: Literal["xla"] = Field("xla", description="Gated DeltaNet core backend.")
+
+
+class KernelsConfig(Section):
+    gmm: GmmKernelConfig = GmmKernelConfig()
+    gdn: GdnKernelConfig = GdnKernelConfig()
+    interpret: bool = Field(False, description="Run Pallas kernels in interpret mode (CPU testing).")
+
+
+class QuantConfig(Section):
+    pass
+
+
+class AttentionConfig(Section):
+    pass
+
+
+class GdnConfig(Section):
+    chunk_size: int = Field(64, gt=0, description="Chunk length C of the chunked delta rule.")
+
+
+class RematConfig(Section):
+    policy: Literal["none", "full", "minimal", "custom"] = Field(
+        "full", description="What the layer scan saves for the backward: nothing extra, only inputs, matmul outputs, or the save list."
+    )
+    save: tuple[str, ...] = Field((), description="Checkpoint names saved under the custom policy.")
+    scan_layers: bool = Field(True, description="Run the layer stack as a lax.scan over repeating blocks.")
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=0, description="Optimizer steps.")
+    batch_size: int = Field(8, gt=0, description="Sequences per micro-batch (global).")
+    seq_len: int = Field(64, gt=1, description="Tokens per sequence.")
+    micro_batches: int = Field(1, gt=0, description="Micro-batches whose gradients are accumulated per step.")
+    learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    b1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    b2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    grad_clip: float = Field(1.0, ge=0, description="Global-norm clip (0 = off).")
+    seed: int = Field(0, description="Seed of initialisation and data.")
+    data: Literal["synthetic", "arithmetic"] = Field(
+        "synthetic", description="Training data: packed synthetic documents, or the arithmetic task's solved examples."
+    )
+    checkpoint_every: int = Field(50, ge=0, description="Steps between checkpoints (0 = only at the end).")
+    log_every: int = Field(1, gt=0, description="Steps between metric records.")
+
+
+class RLConfig(Section):
+    pass
+
+
+class BenchConfig(Section):
+    steps: int = Field(5, ge=2, description="Timed steps per arm (the first compiles and is not averaged).")
+
+
+class Config(Section):
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    moe: MoEConfig = MoEConfig()
+    kernels: KernelsConfig = KernelsConfig()
+    quant: QuantConfig = QuantConfig()
+    attention: AttentionConfig = AttentionConfig()
+    gdn: GdnConfig = GdnConfig()
+    remat: RematConfig = RematConfig()
+    train: TrainConfig = TrainConfig()
+    rl: RLConfig = RLConfig()
+    bench: BenchConfig = BenchConfig()

@@ -1,0 +1,80 @@
+"""Cross-field requirements, checked once at load.
+
+Each rule looks at the whole config and returns the unmet requirements it finds as
+(dotted key, message). Every rule runs; the error names every unmet requirement at once.
+Rules only read the config; they never compute values for later use or change it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hybridmoe.config.schema import Config
+
+Problem = tuple[str, str]
+Rule = Callable[[Config], list[Problem]]
+RULES: list[Rule] = []
+
+
+class ConfigError(ValueError):
+    """One error naming every unmet requirement, each with its dotted key."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  {k}: {m}" for k, m in self.problems)
+        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def check_requirements(cfg: Config) -> None:
+    problems: list[Problem] = []
+    for r in RULES:
+        problems.extend(r(cfg))
+    if problems:
+        raise ConfigError(problems)
+
+
+@rule
+def _model_shapes(cfg: Config) -> list[Problem]:
+    m, out = cfg.model, []
+    if m.num_layers % len(m.layer_pattern):
+        out.append(("model.num_layers", f"{m.num_layers} is not a multiple of the layer pattern's length {len(m.layer_pattern)}"))
+    if m.num_heads % m.num_kv_heads:
+        out.append(("model.num_heads", f"{m.num_heads} query heads are not a multiple of model.num_kv_heads={m.num_kv_heads}"))
+    if m.gdn_num_value_heads % m.gdn_num_key_heads:
+        out.append(("model.gdn_num_value_heads", f"{m.gdn_num_value_heads} is not a multiple of model.gdn_num_key_heads={m.gdn_num_key_heads}"))
+    if m.num_experts_per_tok > m.num_experts:
+        out.append(("model.num_experts_per_tok", f"{m.num_experts_per_tok} exceeds model.num_experts={m.num_experts}"))
+    rd = m.head_dim * m.partial_rotary_factor
+    if rd != int(rd) or int(rd) % 2:
+        out.append(("model.partial_rotary_factor", f"head_dim * factor = {rd} must be an even integer"))
+    return out
+
+
+@rule
+def _mesh_fits(cfg: Config) -> list[Problem]:
+    sizes = cfg.mesh.axis_sizes
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        return [("mesh", f"at most one axis may be -1; got {', '.join('mesh.' + k for k in free)}")]
+    return []
+
+
+@rule
+def _train_shapes(cfg: Config) -> list[Problem]:
+    t, m, out = cfg.train, cfg.model, []
+    if t.seq_len > m.max_seq_len:
+        out.append(("train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}"))
+    return out
+
+
+@rule
+def _remat(cfg: Config) -> list[Problem]:
+    r = cfg.remat
+    if r.save and r.policy != "custom":
+        return [("remat.save", f"a save list needs remat.policy=custom (got {r.policy})")]
+    return []
