@@ -6,11 +6,15 @@ at load and collects every unmet requirement into one error. Derived values are 
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 LayerKind = Literal["gdn", "attention"]
+
+# Every checkpoint name the layers define (remat.save may only use these).
+CHECKPOINT_NAMES = ("attn_q", "attn_out", "gdn_q", "gdn_k", "gdn_v", "gdn_core_out", "moe_gate", "moe_up")
 DType = Literal["float32", "bfloat16"]
 
 
@@ -87,6 +91,23 @@ class MeshConfig(Section):
     def axis_sizes(self) -> dict[str, int]:
         return {"data": self.data, "fsdp": self.fsdp, "context": self.context, "expert": self.expert,
                 "tensor": self.tensor}
+
+    def resolve(self, num_devices: int) -> tuple[dict[str, int], tuple[str, str] | None]:
+        """(axis sizes with the -1 axis absorbing the rest, or the problem as (key, message))."""
+        sizes = dict(self.axis_sizes)
+        free = [k for k, v in sizes.items() if v == -1]
+        fixed = math.prod(v for v in sizes.values() if v != -1)
+        if len(free) > 1:
+            return sizes, ("mesh", f"at most one axis may be -1; got {', '.join('mesh.' + k for k in free)}")
+        if free:
+            if num_devices % fixed:
+                return sizes, (f"mesh.{free[0]}", f"cannot absorb the rest: {num_devices} devices are not a "
+                               f"multiple of the other axes' product {fixed}")
+            sizes[free[0]] = num_devices // fixed
+        elif fixed != num_devices:
+            return sizes, ("mesh", f"axis sizes multiply to {fixed} but {num_devices} devices are present; "
+                           "set one axis to -1 to absorb the rest")
+        return sizes, None
 
 
 class MoEConfig(Section):

@@ -7,9 +7,10 @@ Rules only read the config; they never compute values for later use or change it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
-from hybridmoe.config.schema import Config
+from hybridmoe.config.schema import CHECKPOINT_NAMES, Config
 
 Problem = tuple[str, str]
 Rule = Callable[[Config], list[Problem]]
@@ -57,11 +58,10 @@ def _model_shapes(cfg: Config) -> list[Problem]:
 
 @rule
 def _mesh_fits(cfg: Config) -> list[Problem]:
-    sizes = cfg.mesh.axis_sizes
-    free = [k for k, v in sizes.items() if v == -1]
-    if len(free) > 1:
-        return [("mesh", f"at most one axis may be -1; got {', '.join('mesh.' + k for k in free)}")]
-    return []
+    # The device count is known at load only when simulating CPU devices; make_mesh checks the rest.
+    n = cfg.mesh.cpu_devices or math.prod(abs(v) for v in cfg.mesh.axis_sizes.values())
+    _, problem = cfg.mesh.resolve(n)
+    return [problem] if problem else []
 
 
 @rule
@@ -75,6 +75,10 @@ def _train_shapes(cfg: Config) -> list[Problem]:
 @rule
 def _remat(cfg: Config) -> list[Problem]:
     r = cfg.remat
+    out = []
     if r.save and r.policy != "custom":
-        return [("remat.save", f"a save list needs remat.policy=custom (got {r.policy})")]
-    return []
+        out.append(("remat.save", f"a save list needs remat.policy=custom (got {r.policy})"))
+    unknown = [n for n in r.save if n not in CHECKPOINT_NAMES]
+    if unknown:
+        out.append(("remat.save", f"unknown checkpoint names {unknown}; known: {list(CHECKPOINT_NAMES)}"))
+    return out

@@ -1,0 +1,1 @@
+"""Mesh, logical axis rules and sharding helpers."""

@@ -1,0 +1,102 @@
+"""hybridmoe <command> [recipe=NAME] [section.key=value ...] [--flags]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hybridmoe.config import ConfigError, load_config, split_args
+
+
+def _config(words: list[str]):
+    recipe, overrides = split_args(words)
+    cfg = load_config(recipe, overrides)
+    from hybridmoe.parallel.mesh import configure_cpu_devices
+    configure_cpu_devices(cfg.mesh)
+    return cfg
+
+
+def cmd_describe(args, words):
+    from hybridmoe.model.params import count_active_params, count_params, declare_params, param_table
+    cfg = load_config(*split_args(words))
+    specs = declare_params(cfg.model)
+    total, active = count_params(specs), count_active_params(cfg.model)
+    if args.json:
+        print(json.dumps({"config": json.loads(cfg.model_dump_json()), "total_params": total,
+                          "active_params": active,
+                          "params": [{"name": n, "shape": list(s), "dtype": d, "axes": list(a)}
+                                     for n, s, d, a in param_table(specs)]}, indent=1))
+        return 0
+    print(cfg.model_dump_json(indent=1))
+    width = max(len(n) for n, *_ in param_table(specs))
+    for name, shape, dtype, axes in param_table(specs):
+        print(f"  {name:<{width}}  {str(shape):<28} {dtype:<9} {axes}")
+    print(f"total parameters:  {total:,} ({total / 1e9:.2f} B)")
+    print(f"active per token:  {active:,} ({active / 1e9:.2f} B)")
+    return 0
+
+
+def cmd_train(args, words):
+    cfg = _config(words)
+    from hybridmoe.train.loop import train
+    hist = train(cfg, Path(args.out) if args.out else None, resume=args.resume)
+    if hist:
+        print(f"steps {hist[0]['step']}..{hist[-1]['step']}: loss {hist[0]['loss']:.4f} -> {hist[-1]['loss']:.4f}")
+    return 0
+
+
+def cmd_score(args, words):
+    cfg = _config(["mesh.cpu_devices=0", *words])
+    del cfg
+    import numpy as np
+    from hybridmoe.model.score import score_tokens
+    tokens = np.load(args.tokens)
+    out = score_tokens(Path(args.hf), tokens)
+    tmp = Path(args.out).with_suffix(".tmp.npy")
+    np.save(tmp, out)
+    tmp.replace(args.out)
+    print(f"wrote {args.out}: log-probs {out.shape} float32, mean {out.mean():.4f}")
+    return 0
+
+
+COMMANDS = {
+    "describe": (cmd_describe, "the resolved config, the parameter tree and its totals"),
+    "train": (cmd_train, "supervised next-token training"),
+    "score": (cmd_score, "per-token log-probs of token ids under a Hugging Face checkpoint"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybridmoe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        if name == "describe":
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "train":
+            p.add_argument("--out", help="run directory: metrics.jsonl, TensorBoard events, checkpoints")
+            p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+        if name == "score":
+            p.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
+            p.add_argument("--tokens", required=True, help=".npy of int token ids [B, T]")
+            p.add_argument("--out", required=True, help=".npy to write the [B, T-1] float32 log-probs to")
+    args, words = parser.parse_known_args(argv)
+    bad = [w for w in words if "=" not in w]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}; overrides are section.key=value")
+    try:
+        return COMMANDS[args.command][0](args, words)
+    except ConfigError as e:
+        print(f"hybridmoe {args.command}: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        if type(e).__module__.startswith("jax"):
+            raise
+        print(f"hybridmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Gated DeltaNet: the token-by-token recurrence (GDN.md section 1), the oracle for every faster form.
+
+Also the one definition of the input semantics every backend shares: L2 normalisation of q and k,
+the dk^-1/2 query scale, value-head grouping and where packed documents start.
+
+Dimension letters:
+  B batch, T tokens, G key heads (Hk), H value heads (Hv, a multiple of G),
+  K key head dim (dk), V value head dim (dv).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Matches the eps of the l2norm in fla and in transformers' qwen3_next (added to the sum of squares).
+L2_NORM_EPS = 1e-6
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def l2_normalize(x_K, eps: float = L2_NORM_EPS):
+    """x * rsqrt(sum(x^2) + eps) over the last axis, as fla / transformers do (not F.normalize's max)."""
+    return x_K * lax.rsqrt(jnp.sum(x_K * x_K, axis=-1, keepdims=True) + eps)
+
+
+def compute_dtype(dtype):
+    """float32 for float32 and narrower inputs; float64 inputs (the x64 oracle checks) stay float64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def prepare_query_key(q_GK, k_GK, num_value_heads: int, normalize_qk: bool, dtype):
+    """Normalise, scale and group q, k (head axis -2) so that they index value heads.
+
+    Normalisation runs in `dtype` (float32 at least): in bf16 the sum of squares of 128 entries
+    loses the digits that make |k| = 1, and the delta rule's (I - beta k k^T) is only a
+    contraction when |k| <= 1. The dk^-1/2 scale is applied whether or not normalize_qk is set,
+    as in fla (scale defaults to dk^-1/2) and transformers' torch_*_gated_delta_rule.
+    """
+    num_key_heads, key_dim = q_GK.shape[-2], q_GK.shape[-1]
+    q_GK = q_GK.astype(dtype)
+    k_GK = k_GK.astype(dtype)
+    if normalize_qk:
+        q_GK = l2_normalize(q_GK)
+        k_GK = l2_normalize(k_GK)
+    q_GK = q_GK * (key_dim**-0.5)
+    # Value head h reads key head h // (H // G): repeat (not tile) lays the copies out that way.
+    group_size = num_value_heads // num_key_heads
+    q_HK = jnp.repeat(q_GK, group_size, axis=-2)
+    k_HK = jnp.repeat(k_GK, group_size, axis=-2)
+    return q_HK, k_HK
+
+
+def document_starts(segment_ids_BT):
+    """[B, T] bool: True where a token starts a new document after token 0 of the row.
+
+    A document starts wherever the id differs from the previous token's (ids need not be unique
+    or increasing). Token 0 is not flagged: the row's first document starts from initial_state.
+    """
+    differs_BT = segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]
+    first_B1 = jnp.zeros((segment_ids_BT.shape[0], 1), bool)
+    return jnp.concatenate([first_B1, differs_BT], axis=1)
+
+
+def recurrence_step(state_BHKV, q_BHK, k_BHK, v_BHV, g_BH, beta_BH):
+    """One token of the gated delta rule on prepared (normalised, grouped) inputs.
+
+    S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q.
+    """
+    state_BHKV = state_BHKV * jnp.exp(g_BH)[..., None, None]
+    recalled_BHV = jnp.einsum("bhkv,bhk->bhv", state_BHKV, k_BHK, precision=_HIGHEST)
+    delta_BHV = beta_BH[..., None] * (v_BHV - recalled_BHV)
+    state_BHKV = state_BHKV + k_BHK[..., :, None] * delta_BHV[..., None, :]
+    o_BHV = jnp.einsum("bhkv,bhk->bhv", state_BHKV, q_BHK, precision=_HIGHEST)
+    return o_BHV, state_BHKV
+
+
+def gated_delta_rule_reference(
+    q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids=None, initial_state=None, normalize_qk=True
+):
+    """The oracle: a `lax.scan` over tokens. Returns (o [B, T, H, V] in v's dtype, final state).
+
+    Computes in float32 (float64 for float64 inputs); the state is wiped to zero at every document
+    start, which is the recurrence with exp(g) = 0 at that token.
+    """
+    batch, num_tokens, num_value_heads, value_dim = v_BTHV.shape
+    key_dim = q_BTGK.shape[-1]
+    dtype = compute_dtype(v_BTHV.dtype)
+    q_BTHK, k_BTHK = prepare_query_key(q_BTGK, k_BTGK, num_value_heads, normalize_qk, dtype)
+    if segment_ids is None:
+        starts_BT = jnp.zeros((batch, num_tokens), bool)
+    else:
+        starts_BT = document_starts(segment_ids)
+    if initial_state is None:
+        state_BHKV = jnp.zeros((batch, num_value_heads, key_dim, value_dim), dtype)
+    else:
+        state_BHKV = initial_state.astype(dtype)
+
+    def step(state_BHKV, token):
+        q_BHK, k_BHK, v_BHV, g_BH, beta_BH, start_B = token
+        state_BHKV = jnp.where(start_B[:, None, None, None], 0.0, state_BHKV)
+        o_BHV, state_BHKV = recurrence_step(state_BHKV, q_BHK, k_BHK, v_BHV, g_BH, beta_BH)
+        return state_BHKV, o_BHV
+
+    time_major = lambda x: jnp.moveaxis(x, 1, 0)
+    tokens = (q_BTHK, k_BTHK, v_BTHV.astype(dtype), g_BTH.astype(dtype), beta_BTH.astype(dtype), starts_BT)
+    state_BHKV, o_TBHV = lax.scan(step, state_BHKV, jax.tree.map(time_major, tokens))
+    return jnp.moveaxis(o_TBHV, 0, 1).astype(v_BTHV.dtype), state_BHKV

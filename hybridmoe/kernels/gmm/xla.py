@@ -1,0 +1,117 @@
+"""XLA backend: jax.lax.ragged_dot / ragged_dot_general plus jnp epilogues (the CPU default).
+
+Legend: M rows, K contraction, N output columns, E groups in group_sizes, G local groups,
+D model width, F hidden half width, T forward tile per half.
+
+Expert-sharded groups (group_offset, G < E) are handled by prepending one zero "group" that
+absorbs the rows before the local groups; rows after them fall past the ragged sum and come out
+zero. Every output is masked to the local rows, so padding and foreign rows are exactly zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hybridmoe.kernels.gmm import epilogue
+
+
+def local_bounds(group_sizes_E, group_offset, num_local: int):
+    """(first row, one past the last row) of the local groups [offset, offset + G)."""
+    ends_E = jnp.cumsum(group_sizes_E.astype(jnp.int32))
+    starts_E = ends_E - group_sizes_E
+    off = jnp.asarray(group_offset, jnp.int32)
+    return starts_E[off], ends_E[off + num_local - 1]
+
+
+def row_mask(m: int, group_sizes_E, group_offset, num_local: int):
+    """[M] bool: the row belongs to a local group (not padding, not a foreign group)."""
+    lo, hi = local_bounds(group_sizes_E, group_offset, num_local)
+    rows_M = jnp.arange(m, dtype=jnp.int32)
+    return (rows_M >= lo) & (rows_M < hi)
+
+
+def _ragged_sizes(group_sizes_E, group_offset, num_local: int, sharded: bool):
+    """Group sizes for ragged_dot; sharded: [rows before the local groups, local sizes...]."""
+    if not sharded:
+        return group_sizes_E.astype(jnp.int32)
+    lo, _ = local_bounds(group_sizes_E, group_offset, num_local)
+    local_G = jax.lax.dynamic_slice_in_dim(
+        group_sizes_E.astype(jnp.int32), jnp.asarray(group_offset, jnp.int32), num_local
+    )
+    return jnp.concatenate([lo[None], local_G])
+
+
+def _pad_group(rhs_GKN):
+    return jnp.concatenate([jnp.zeros_like(rhs_GKN[:1]), rhs_GKN], axis=0)
+
+
+def gmm_f32(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded):
+    """float32 result of the grouped matmul; zero outside the local rows."""
+    if transpose_rhs:
+        rhs_GKN = jnp.swapaxes(rhs_GKN, 1, 2)
+    num_local = rhs_GKN.shape[0]
+    sizes = _ragged_sizes(group_sizes_E, group_offset, num_local, sharded)
+    if not sharded:
+        return jax.lax.ragged_dot(lhs_MK, rhs_GKN, sizes, preferred_element_type=jnp.float32)
+    keep_M = row_mask(lhs_MK.shape[0], group_sizes_E, group_offset, num_local)
+    # Zero the foreign rows before the product: the zero group would turn inf/nan into nan.
+    lhs_MK = jnp.where(keep_M[:, None], lhs_MK, jnp.zeros((), lhs_MK.dtype))
+    out = jax.lax.ragged_dot(lhs_MK, _pad_group(rhs_GKN), sizes, preferred_element_type=jnp.float32)
+    return jnp.where(keep_M[:, None], out, 0.0)
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded, out_dtype,
+        tiling=None, interpret=False):
+    del tiling, interpret
+    out = gmm_f32(lhs_MK, rhs_GKN, group_sizes_E, transpose_rhs=transpose_rhs,
+                  group_offset=group_offset, sharded=sharded)
+    return out.astype(out_dtype)
+
+
+def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, out_dtype,
+         tiling=None, interpret=False):
+    """[G, K, N]: per local group, lhs[rows]^T @ grad[rows] (float32 accumulation)."""
+    del tiling, interpret
+    sizes = _ragged_sizes(group_sizes_E, group_offset, num_local, sharded)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    out = jax.lax.ragged_dot_general(
+        lhs_MK, grad_MN, sizes, dims, preferred_element_type=jnp.float32
+    )
+    if sharded:
+        out = out[1:]  # drop the group of rows before the local ones
+    return out.astype(out_dtype)
+
+
+def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
+               tiling=None, interpret=False, rhs_buffer_count=0):
+    """(h [M, F], preact [M, 2F] in the per-tile layout for tile_n_per_half)."""
+    del tiling, interpret, rhs_buffer_count
+    acc = gmm_f32(x_MD, wi_GD2F, group_sizes_E, transpose_rhs=False,
+                  group_offset=group_offset, sharded=sharded)
+    f = wi_GD2F.shape[-1] // 2
+    gate, up = acc[:, :f], acc[:, f:]
+    h = epilogue.swiglu_fwd(gate, up, x_MD.dtype, mode)
+    preact = epilogue.write_tiles(gate.astype(x_MD.dtype), up.astype(x_MD.dtype), tile_n_per_half)
+    return h, preact
+
+
+def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
+                 out_tile_n_per_half, group_offset, sharded, mode, tiling=None, interpret=False):
+    """(d[gate | up] in the layout for out_tile_n_per_half, row_dot [M] float32)."""
+    del tiling, interpret
+    u = gmm_f32(g_MD, wo_GFD, group_sizes_E, transpose_rhs=True,
+                group_offset=group_offset, sharded=sharded)
+    gate, up = epilogue.read_halves(preact_M2F, preact_tile_n_per_half)
+    s_M1 = None if row_scale_M is None else row_scale_M[:, None]
+    d_gate, d_up, dot_M1 = epilogue.dswiglu(u, gate, up, s_M1, mode, preact_M2F.dtype)
+    d = epilogue.write_tiles(d_gate, d_up, out_tile_n_per_half)
+    if sharded:
+        keep_M = row_mask(g_MD.shape[0], group_sizes_E, group_offset, wo_GFD.shape[0])
+        d = jnp.where(keep_M[:, None], d, jnp.zeros((), d.dtype))
+        dot_M1 = jnp.where(keep_M[:, None], dot_M1, 0.0)
+    return d, dot_M1[:, 0]

@@ -1,0 +1,94 @@
+"""The decoder: embedding, the layer stack as a scan over repeating blocks, final norm, LM head.
+
+Shape legend: B batch, T tokens, D model, V vocab. The layer pattern (e.g. three GDN layers then
+one attention layer) is data: `MIXERS` is the one place a layer kind is dispatched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from hybridmoe.config.schema import Config, ModelConfig
+from hybridmoe.model.attention import attention_layer
+from hybridmoe.model.gdn import gdn_layer
+from hybridmoe.model.moe import moe_layer
+from hybridmoe.model.norms import rms_norm
+from hybridmoe.model.remat import remat_policy
+from hybridmoe.parallel.rules import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Packed token rows. segment_ids: 0 = padding, 1, 2, ... documents; positions restart per document."""
+    tokens: Any
+    segment_ids: Any
+    positions: Any
+
+
+def default_batch_fields(tokens_BT):
+    B, T = tokens_BT.shape
+    return (jnp.ones((B, T), jnp.int32), jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+
+
+def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config):
+    if kind == "attention":
+        return attention_layer(p, x, positions, segment_ids, cfg.model)
+    if kind == "gdn":
+        return gdn_layer(p, x, segment_ids, cfg.model, chunk_size=cfg.gdn.chunk_size,
+                         backend=cfg.kernels.gdn.backend)
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def block_fn(cfg: Config, positions_BT, segment_ids_BT):
+    """One repeating block (every position of the layer pattern) as a function (x, block params) -> x."""
+    m = cfg.model
+
+    def block(x_BTD, block_params):
+        for kind, lp in zip(m.layer_pattern, block_params):
+            h = rms_norm(x_BTD, lp["input_norm"], m.rms_norm_eps)
+            x_BTD = x_BTD + _mixer(kind, lp["mixer"], h, positions_BT, segment_ids_BT, cfg)
+            h = rms_norm(x_BTD, lp["post_norm"], m.rms_norm_eps)
+            x_BTD = x_BTD + moe_layer(lp["moe"], h, m, cfg.moe)
+            x_BTD = constrain(x_BTD, "batch", "seq", None)
+        return x_BTD
+
+    return block
+
+
+def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None):
+    """Final-normed hidden states [B, T, D]."""
+    m = cfg.model
+    if segment_ids_BT is None or positions_BT is None:
+        seg, pos = default_batch_fields(tokens_BT)
+        segment_ids_BT = seg if segment_ids_BT is None else segment_ids_BT
+        positions_BT = pos if positions_BT is None else positions_BT
+    dt = jnp.dtype(m.compute_dtype)
+    x = constrain(params["embed"].astype(dt)[tokens_BT], "batch", "seq", None)
+    block = block_fn(cfg, positions_BT, segment_ids_BT)
+    policy = cfg.remat.policy
+    if policy != "none":
+        block = jax.checkpoint(block, policy=remat_policy(cfg.remat), prevent_cse=not cfg.remat.scan_layers)
+    if cfg.remat.scan_layers:
+        x, _ = jax.lax.scan(lambda x, bp: (block(x, bp), None), x, params["blocks"])
+    else:
+        for i in range(m.num_blocks):
+            x = block(x, jax.tree.map(lambda a: a[i], params["blocks"]))
+    return rms_norm(x, params["final_norm"], m.rms_norm_eps)
+
+
+def logits(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None):
+    h = decoder_hidden(params, cfg, tokens_BT, segment_ids_BT, positions_BT)
+    return jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def token_logprobs(params, cfg, tokens_BT, segment_ids_BT=None, positions_BT=None):
+    """log p(token t+1 | tokens <= t): [B, T-1] float32. `cfg` is a Config or a ModelConfig."""
+    if isinstance(cfg, ModelConfig):
+        cfg = Config(model=cfg)
+    lg = logits(params, cfg, tokens_BT, segment_ids_BT, positions_BT)[:, :-1]
+    lp = jax.nn.log_softmax(lg, axis=-1)
+    return jnp.take_along_axis(lp, tokens_BT[:, 1:, None], axis=-1)[..., 0]

@@ -1,0 +1,35 @@
+"""The device mesh: five named axes whose sizes come from the config."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from hybridmoe.config.schema import MeshConfig
+from hybridmoe.config.validate import ConfigError
+
+MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
+
+
+def configure_cpu_devices(mesh_cfg: MeshConfig) -> None:
+    """Ask for simulated CPU devices; must run before JAX initialises its backends."""
+    if mesh_cfg.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", mesh_cfg.cpu_devices)
+
+
+def resolve_axis_sizes(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Axis sizes with the -1 axis absorbing the rest; raises naming the mesh keys if they cannot fit."""
+    sizes, problem = mesh_cfg.resolve(num_devices)
+    if problem:
+        raise ConfigError([problem])
+    return sizes
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_axis_sizes(mesh_cfg, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)

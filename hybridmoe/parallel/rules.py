@@ -1,0 +1,92 @@
+"""Logical axis names -> mesh axes. Model code names logical axes only; this table places them.
+
+Legend of logical axes:
+  batch     sequences of a batch          seq      tokens of a sequence
+  embed     the model width D             vocab    vocabulary rows/columns
+  heads     attention / GDN heads          kv_heads attention key/value heads
+  mlp       expert and shared-expert hidden width
+  exp       routed experts                layers   the stacked-block axis of the layer scan
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+
+DEFAULT_RULES: dict[str, MeshAxes] = {
+    "batch": ("data", "fsdp", "expert"),
+    "seq": "context",
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "exp": "expert",
+    "layers": None,
+}
+
+# Experts sharded over context x expert: the context ranks that split a sequence also split experts.
+CP_AS_EP_RULES: dict[str, MeshAxes] = {**DEFAULT_RULES, "exp": ("context", "expert"),
+                                       "batch": ("data", "fsdp")}
+
+RULES_TABLES = {"default": DEFAULT_RULES, "cp_as_ep": CP_AS_EP_RULES}
+
+_active_rules: contextvars.ContextVar[Mapping[str, MeshAxes]] = contextvars.ContextVar(
+    "active_rules", default=DEFAULT_RULES)
+
+
+class AxisRuleError(ValueError):
+    pass
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, MeshAxes] | None = None) -> PartitionSpec:
+    """Map logical axes to a PartitionSpec; a mesh axis used twice raises (a rules collision)."""
+    rules = _active_rules.get() if rules is None else rules
+    used: dict[str, str] = {}
+    out = []
+    for name in axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise AxisRuleError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
+        mesh_axes = rules[name]
+        for m in (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ()):
+            if m in used:
+                raise AxisRuleError(f"mesh axis {m!r} is used by both logical axes {used[m]!r} and {name!r} "
+                                    f"in {tuple(axes)}")
+            used[m] = name
+        out.append(mesh_axes)
+    return PartitionSpec(*out)
+
+
+def named_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str | None],
+                   rules: Mapping[str, MeshAxes] | None = None) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, rules))
+
+
+@contextlib.contextmanager
+def use_rules(rules: Mapping[str, MeshAxes]):
+    token = _active_rules.set(rules)
+    try:
+        yield
+    finally:
+        _active_rules.reset(token)
+
+
+def active_rules() -> Mapping[str, MeshAxes]:
+    return _active_rules.get()
+
+
+def constrain(x: jax.Array, *axes: str | None) -> jax.Array:
+    """Sharding constraint by logical axes under the current mesh; a no-op outside a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

@@ -1,0 +1,88 @@
+"""Supervised next-token training: the run around the jitted step (data, metrics, checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from hybridmoe.config.schema import Config
+from hybridmoe.train.checkpoint import Checkpoints
+from hybridmoe.train.data import synthetic_batch
+from hybridmoe.train.metrics import MetricsWriter
+from hybridmoe.train.setup import build, init_state, jit_train_step
+
+
+class RunError(RuntimeError):
+    """A run that cannot start as asked; nothing on disk was changed."""
+
+
+def training_batch(cfg: Config, step: int):
+    t = cfg.train
+    if t.data == "synthetic":
+        return synthetic_batch(t.seed, step, t.micro_batches, t.batch_size, t.seq_len, cfg.model.vocab_size)
+    from hybridmoe.rl.warmup import solved_batch  # the arithmetic task's solved examples
+    return solved_batch(cfg, step)
+
+
+def config_record(cfg: Config) -> dict:
+    return json.loads(cfg.model_dump_json())
+
+
+def open_run(cfg: Config, out: Path | None, resume: bool):
+    """(setup, state, start_step, checkpoints): a fresh state, or the latest checkpoint of `out`."""
+    setup = build(cfg)
+    ckpt = Checkpoints(out / "checkpoints") if out is not None else None
+    latest = ckpt.latest_step() if ckpt else None
+    if resume:
+        if latest is None:
+            raise RunError(f"--resume: no checkpoint under {out}/checkpoints to resume from")
+        state, meta = ckpt.restore(latest, setup.abstract_state())
+        saved_model = meta.get("config", {}).get("model")
+        if saved_model != config_record(cfg)["model"]:
+            raise RunError(f"--resume: the checkpoint in {out} was written with a different model config; "
+                           "resume with the same recipe and model.* overrides")
+        return setup, state, latest, ckpt
+    if latest is not None:
+        raise RunError(f"{out} already holds a run (checkpoint at step {latest}); pass --resume to continue it "
+                       "or choose another --out")
+    return setup, init_state(setup, jax.random.key(cfg.train.seed)), 0, ckpt
+
+
+def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progress: bool = True) -> list[dict]:
+    """Run cfg.train.steps optimizer steps; returns the per-step metrics."""
+    setup, state, start, ckpt = open_run(cfg, out, resume)
+    writer = MetricsWriter(out, resume_from_step=start if resume else None) if out is not None else None
+    step_fn = jit_train_step(setup)
+    t, history = cfg.train, []
+    meta = {"config": config_record(cfg)}
+    bar = tqdm(range(start, t.steps), initial=start, total=t.steps, disable=not progress, desc="train")
+    try:
+        with setup.context():
+            for step in bar:
+                batch = jax.device_put(training_batch(cfg, step), setup.batch_sharding(1))
+                t0 = time.perf_counter()
+                state, m = step_fn(state, batch)
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                dt = time.perf_counter() - t0
+                rec = {"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": int(m["tokens"]),
+                       "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}
+                history.append(rec)
+                if writer is not None and step % t.log_every == 0:
+                    writer.write(step, rec)
+                bar.set_postfix(loss=f"{m['loss']:.4f}")
+                done = step + 1
+                if ckpt is not None and t.checkpoint_every and done % t.checkpoint_every == 0 and done < t.steps:
+                    ckpt.save(done, state, meta)
+            if ckpt is not None and t.steps > start:
+                ckpt.save(t.steps, state, meta)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+        if writer is not None:
+            writer.close()
+    return history

@@ -1,0 +1,87 @@
+"""From a Config to a mesh, sharded state and one compiled step: the ordered set-up of a run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hybridmoe.config.schema import Config
+from hybridmoe.model.params import abstract_params, declare_params, init_params, param_shardings
+from hybridmoe.parallel.mesh import make_mesh
+from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, use_rules
+from hybridmoe.train.step import make_optimizer, train_step
+
+
+@dataclasses.dataclass
+class RunSetup:
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    rules: dict
+    specs: Any
+    param_shardings: Any
+    state_shardings: Any
+    optimizer: optax.GradientTransformation
+
+    def batch_sharding(self, leading: int = 1) -> NamedSharding:
+        """Sharding of [micro_batches?, B, T] batch arrays (leading unsharded dims first)."""
+        spec = logical_to_spec(("batch", "seq"), self.rules)
+        return NamedSharding(self.mesh, PartitionSpec(*([None] * leading), *spec))
+
+    def abstract_state(self):
+        params = abstract_params(self.specs, self.param_shardings)
+        opt = jax.eval_shape(self.optimizer.init, params)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            {"params": params, "opt_state": opt, "step": jax.ShapeDtypeStruct((), jnp.int32)},
+                            self.state_shardings)
+
+    def context(self):
+        """Mesh and rules in force while tracing model code."""
+        return _Both(jax.set_mesh(self.mesh), use_rules(self.rules))
+
+
+class _Both:
+    def __init__(self, *cms):
+        self.cms = cms
+
+    def __enter__(self):
+        for c in self.cms:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.cms):
+            c.__exit__(*exc)
+
+
+def build(cfg: Config, devices=None) -> RunSetup:
+    mesh = make_mesh(cfg.mesh, devices)
+    rules = RULES_TABLES[cfg.mesh.rules]
+    specs = declare_params(cfg.model)
+    p_sh = param_shardings(specs, mesh, rules)
+    optimizer = make_optimizer(cfg.train)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_abstract = jax.eval_shape(optimizer.init, abstract_params(specs))
+    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, opt_abstract, p_sh,
+                                   transform_non_params=lambda _: replicated)
+    state_sh = {"params": p_sh, "opt_state": opt_sh, "step": replicated}
+    return RunSetup(cfg, mesh, rules, specs, p_sh, state_sh, optimizer)
+
+
+def init_state(setup: RunSetup, key: jax.Array):
+    def init(key):
+        params = init_params(setup.specs, key)
+        return {"params": params, "opt_state": setup.optimizer.init(params), "step": jnp.int32(0)}
+
+    with setup.context():
+        return jax.jit(init, out_shardings=setup.state_shardings)(key)
+
+
+def jit_train_step(setup: RunSetup):
+    step = train_step(setup.cfg, setup.optimizer)
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+    return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding(1)),
+                   out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))

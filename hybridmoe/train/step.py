@@ -1,0 +1,71 @@
+"""The jitted training step: gradients accumulated over micro-batches, clipping, AdamW.
+
+The loss is the mean next-token negative log-likelihood over every valid target of every
+micro-batch of the step: per micro-batch we accumulate the summed NLL and the token count, so N
+micro-batches give exactly the gradient of one batch N times larger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from hybridmoe.config.schema import Config, TrainConfig
+from hybridmoe.model.forward import logits
+from hybridmoe.train.data import loss_mask
+
+
+def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_constant_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1))
+    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    parts.append(optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay))
+    return optax.chain(*parts)
+
+
+def nll_sum(params, cfg: Config, batch):
+    """(summed NLL over valid targets, number of valid targets) of one micro-batch."""
+    lg = logits(params, cfg, batch["tokens"], batch["segment_ids"], batch["positions"])[:, :-1]
+    lp = jax.nn.log_softmax(lg, axis=-1)
+    tgt = jnp.take_along_axis(lp, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
+    mask = loss_mask(batch["segment_ids"])
+    return -jnp.sum(jnp.where(mask, tgt, 0.0)), jnp.sum(mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+    init: Callable
+    step: Callable
+
+
+def accumulate_grads(loss_sum_fn, params, micro_batches):
+    """Sum (loss, count, grads) over the leading micro-batch axis with a scan (float32 sums)."""
+    grad_fn = jax.value_and_grad(loss_sum_fn, has_aux=True)
+
+    def body(acc, mb):
+        (loss, count), g = grad_fn(params, mb)
+        acc_loss, acc_count, acc_g = acc
+        return (acc_loss + loss, acc_count + count,
+                jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (loss, count, grads), _ = jax.lax.scan(body, (jnp.float32(0), jnp.int32(0), zeros), micro_batches)
+    return loss, count, grads
+
+
+def train_step(cfg: Config, optimizer: optax.GradientTransformation):
+    def step(state, batch):
+        params = state["params"]
+        loss_sum, count, grads = accumulate_grads(lambda p, mb: nll_sum(p, cfg, mb), params, batch)
+        denom = jnp.maximum(count, 1).astype(jnp.float32)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    return step

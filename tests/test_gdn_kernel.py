@@ -1,0 +1,218 @@
+"""Gated DeltaNet core kernel: chunked form vs the token-by-token oracle, and the oracle vs numpy.
+
+Dimension letters: B batch, T tokens, G key heads, H value heads, K key dim, V value dim.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybridmoe.kernels.gdn import BACKENDS, gated_delta_rule, gated_delta_step
+from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
+from hybridmoe.kernels.gdn.xla import unit_lower_inverse
+
+# GDN.md section 5: chunked vs recurrent in float32.
+RTOL, ATOL = 1e-4, 1e-5
+
+chunked = jax.jit(gated_delta_rule, static_argnames=("chunk_size", "normalize_qk", "backend"))
+oracle = jax.jit(gated_delta_rule_reference, static_argnames=("normalize_qk",))
+
+
+def make_inputs(seed, batch=2, tokens=130, key_heads=2, value_heads=4, key_dim=16, value_dim=8, dtype=np.float32):
+    """Random inputs with gates that keep a memory of tens of tokens (so chunks really interact)."""
+    rng = np.random.default_rng(seed)
+    q_BTGK = rng.normal(size=(batch, tokens, key_heads, key_dim))
+    k_BTGK = rng.normal(size=(batch, tokens, key_heads, key_dim))
+    v_BTHV = rng.normal(size=(batch, tokens, value_heads, value_dim))
+    g_BTH = np.log(rng.uniform(0.7, 1.0, size=(batch, tokens, value_heads)))
+    beta_BTH = rng.uniform(0.05, 1.0, size=(batch, tokens, value_heads))
+    state_BHKV = rng.normal(size=(batch, value_heads, key_dim, value_dim))
+    return tuple(jnp.asarray(x, dtype) for x in (q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, state_BHKV))
+
+
+def segments_from_lengths(*rows):
+    """[B, T] ids from per-row document lengths; ids repeat across non-adjacent documents on purpose
+    (a document starts where the id changes, not where a new id appears)."""
+    return jnp.asarray(np.stack([np.concatenate([np.full(n, (7, 3)[i % 2]) for i, n in enumerate(r)]) for r in rows]), jnp.int32)
+
+
+def assert_close(actual, expected, rtol=RTOL, atol=ATOL, what=""):
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=rtol, atol=atol, err_msg=what)
+
+
+def value_and_grads(rule, inputs, segment_ids, **options):
+    """Outputs and gradients w.r.t. q, k, v, g, beta and initial_state of a random projection."""
+    rng = np.random.default_rng(99)
+    q, _, v, _, _, state = inputs
+    o_weight = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
+    state_weight = jnp.asarray(rng.normal(size=state.shape), jnp.float32)
+
+    def loss(q, k, v, g, beta, state):
+        o, final = rule(q, k, v, g, beta, segment_ids=segment_ids, initial_state=state, **options)
+        return jnp.sum(o * o_weight) + jnp.sum(final * state_weight), (o, final)
+
+    (_, outputs), grads = jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True)(*inputs)
+    return outputs, grads
+
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
+
+
+@pytest.mark.parametrize(
+    "tokens, chunk_size, packed",
+    [(1, 64, False), (63, 64, False), (65, 64, True), (130, 64, True), (130, 16, False), (130, 24, True)],
+)
+def test_chunked_matches_oracle_forward_and_gradients(tokens, chunk_size, packed):
+    inputs = make_inputs(seed=tokens + chunk_size, tokens=tokens)
+    segment_ids = None
+    if packed:
+        segment_ids = segments_from_lengths([tokens // 3, tokens - tokens // 3], [tokens // 2, 1, tokens - tokens // 2 - 1])
+    rule = functools.partial(chunked, chunk_size=chunk_size)
+    (o, final), grads = value_and_grads(rule, inputs, segment_ids)
+    (o_ref, final_ref), grads_ref = value_and_grads(oracle, inputs, segment_ids)
+    assert o.shape == inputs[2].shape and final.dtype == jnp.float32
+    # The initial state must matter (else a dropped initial_state would pass unnoticed).
+    assert np.abs(np.asarray(grads_ref[5])).max() > 1e-3
+    assert_close(o, o_ref, what="o")
+    assert_close(final, final_ref, what="final state")
+    for name, grad, grad_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert_close(grad, grad_ref, what=name)
+
+
+def test_value_heads_read_their_key_group():
+    """Hv = 2 Hk: value heads 2j and 2j+1 read key head j (repeat, not tile)."""
+    q, k, v, g, beta, _ = make_inputs(seed=1, tokens=40, key_heads=2, value_heads=4)
+    o, _ = chunked(q, k, v, g, beta)
+    # Same computation with the key heads explicitly repeated to 4 and no grouping left to do.
+    o_expanded, _ = chunked(jnp.repeat(q, 2, axis=2), jnp.repeat(k, 2, axis=2), v, g, beta)
+    assert_close(o, o_expanded)
+    o_tiled, _ = chunked(jnp.tile(q, (1, 1, 2, 1)), jnp.tile(k, (1, 1, 2, 1)), v, g, beta)
+    assert not np.allclose(np.asarray(o), np.asarray(o_tiled), atol=1e-3)
+
+
+def test_extreme_gates_are_finite_and_exact():
+    """g ~ -1e4 on some tokens and a huge A_log: decays underflow to exactly 0, never NaN / inf."""
+    q, k, v, g, beta, state = make_inputs(seed=2, tokens=130)
+    rng = np.random.default_rng(3)
+    # Head 0: a sharp forget (g = -1e4) on every 7th token, including chunk edges 63 and 126.
+    hard_forget = np.zeros(g.shape, bool)
+    hard_forget[:, ::7, 0] = True
+    hard_forget[:, 63, 0] = True
+    g = jnp.where(jnp.asarray(hard_forget), -1e4, g)
+    # Head 1: the model's gate with A_log = 15: g = -exp(A_log) softplus(a) ~ -1e6.
+    a_BT = jnp.asarray(rng.normal(size=g.shape[:2]), jnp.float32)
+    g = g.at[:, :, 1].set(-jnp.exp(15.0) * jax.nn.softplus(a_BT))
+    inputs = (q, k, v, g, beta, state)
+    segment_ids = segments_from_lengths([50, 80], [64, 66])
+    (o, final), grads = value_and_grads(chunked, inputs, segment_ids)
+    (o_ref, final_ref), grads_ref = value_and_grads(oracle, inputs, segment_ids)
+    for name, x in zip(("o", "final state") + GRAD_NAMES, (o, final) + grads):
+        assert np.isfinite(np.asarray(x)).all(), name
+    assert_close(o, o_ref, what="o")
+    assert_close(final, final_ref, what="final state")
+    for name, grad, grad_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert_close(grad, grad_ref, what=name)
+    # After a -1e4 gate the old state is gone: the output at such a token ignores the past entirely.
+    o_alone, _ = chunked(q[:, 63:64], k[:, 63:64], v[:, 63:64], g[:, 63:64], beta[:, 63:64])
+    assert_close(o[:, 63, 0], o_alone[:, 0, 0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", [chunked, oracle], ids=["chunked", "oracle"])
+def test_packed_documents_equal_separate_runs(rule):
+    """Row 0: boundaries inside chunk 0 (40) and on the chunk edge (64); row 1: at 1 and at 65."""
+    q, k, v, g, beta, state = make_inputs(seed=4, tokens=130)
+    lengths = ([40, 24, 66], [1, 64, 65])
+    o, final = rule(q, k, v, g, beta, segment_ids=segments_from_lengths(*lengths), initial_state=state)
+    for row, row_lengths in enumerate(lengths):
+        start, doc_state = 0, state[row : row + 1]  # the initial state belongs to the first document only
+        for length in row_lengths:
+            piece = lambda x: x[row : row + 1, start : start + length]
+            o_doc, doc_state = rule(piece(q), piece(k), piece(v), piece(g), piece(beta), initial_state=doc_state)
+            assert_close(o[row : row + 1, start : start + length], o_doc, what=f"row {row} doc at {start}")
+            start, doc_state = start + length, jnp.zeros_like(doc_state)
+        # The row's final state is its last document's, run from zero.
+        last = row_lengths[-1]
+        _, final_last = rule(*(x[row : row + 1, -last:] for x in (q, k, v, g, beta)))
+        assert_close(final[row], final_last[0], what=f"row {row} final state")
+    # And the boundaries really cut something: without them the outputs differ.
+    o_unpacked, _ = rule(q, k, v, g, beta, initial_state=state)
+    assert not np.allclose(np.asarray(o[:, 41:]), np.asarray(o_unpacked[:, 41:]), atol=1e-3)
+
+
+def test_decode_steps_equal_oracle():
+    q, k, v, g, beta, state = make_inputs(seed=5, tokens=20)
+    step = jax.jit(gated_delta_step)
+    outputs, decode_state = [], state
+    for t in range(q.shape[1]):
+        o_t, decode_state = step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], decode_state)
+        outputs.append(o_t)
+    o_ref, final_ref = oracle(q, k, v, g, beta, initial_state=state)
+    assert decode_state.dtype == jnp.float32
+    assert_close(jnp.stack(outputs, axis=1), o_ref, rtol=1e-6, atol=1e-6)
+    assert_close(decode_state, final_ref, rtol=1e-6, atol=1e-6)
+
+
+def numpy_recurrence(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, state_BHKV):
+    """The recurrence written out in float64 numpy loops, independent of the package's helpers."""
+    batch, tokens, value_heads, _ = v_BTHV.shape
+    group = value_heads // q_BTGK.shape[2]
+    o_BTHV = np.zeros_like(v_BTHV)
+    state_BHKV = state_BHKV.copy()
+    for b in range(batch):
+        for t in range(tokens):
+            if t > 0 and segment_ids_BT[b, t] != segment_ids_BT[b, t - 1]:
+                state_BHKV[b] = 0.0
+            for h in range(value_heads):
+                q_K, k_K = q_BTGK[b, t, h // group], k_BTGK[b, t, h // group]
+                q_K = q_K / np.sqrt(q_K @ q_K + 1e-6) / np.sqrt(q_K.size)
+                k_K = k_K / np.sqrt(k_K @ k_K + 1e-6)
+                s_KV = np.exp(g_BTH[b, t, h]) * state_BHKV[b, h]
+                s_KV = s_KV + beta_BTH[b, t, h] * np.outer(k_K, v_BTHV[b, t, h] - s_KV.T @ k_K)
+                state_BHKV[b, h] = s_KV
+                o_BTHV[b, t, h] = s_KV.T @ q_K
+    return o_BTHV, state_BHKV
+
+
+def test_oracle_matches_numpy_loop_in_float64():
+    with jax.enable_x64(True):
+        inputs = make_inputs(seed=6, batch=2, tokens=12, key_heads=1, value_heads=2, key_dim=4, value_dim=3, dtype=np.float64)
+        segment_ids = segments_from_lengths([5, 7], [12])
+        o, final = gated_delta_rule_reference(*inputs[:5], segment_ids=segment_ids, initial_state=inputs[5])
+        assert o.dtype == jnp.float64
+        o_np, final_np = numpy_recurrence(*(np.asarray(x) for x in inputs[:5]), np.asarray(segment_ids), np.asarray(inputs[5]))
+        np.testing.assert_allclose(np.asarray(o), o_np, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(final), final_np, rtol=1e-12, atol=1e-12)
+
+
+def test_normalize_qk():
+    """With normalisation the output ignores the length of q and k; without it, it does not."""
+    q, k, v, g, beta, _ = make_inputs(seed=7, tokens=30)
+    o, _ = chunked(q, k, v, g, beta)
+    o_scaled, _ = chunked(3.0 * q, 0.5 * k, v, g, beta)
+    assert_close(o_scaled, o)
+    o_raw, _ = chunked(q, k, v, g, beta, normalize_qk=False)
+    o_raw_ref, _ = oracle(q, k, v, g, beta, normalize_qk=False)
+    assert_close(o_raw, o_raw_ref)
+    assert not np.allclose(np.asarray(o_raw), np.asarray(o), atol=1e-3)
+
+
+@pytest.mark.parametrize("size", [64, 24])
+def test_unit_lower_inverse(size):
+    """Blocked forward substitution (64 = 4 blocks of 16; 24 falls back to one block) vs numpy."""
+    rng = np.random.default_rng(size)
+    lower = np.tril(rng.normal(size=(3, size, size)) * 0.3, -1)
+    inverse = unit_lower_inverse(jnp.asarray(lower, jnp.float32))
+    expected = np.linalg.inv(np.eye(size) + lower)
+    np.testing.assert_allclose(np.asarray(inverse), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_rejects_unknown_backend_and_bad_shapes():
+    q, k, v, g, beta, _ = make_inputs(seed=8, tokens=4, key_heads=3, value_heads=4)
+    assert BACKENDS == ("xla",)
+    with pytest.raises(ValueError, match="choices: xla"):
+        gated_delta_rule(q[:, :, :2], k[:, :, :2], v, g, beta, backend="pallas")
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        gated_delta_rule(q, k, v, g, beta)
