@@ -214,9 +214,9 @@ def test_clipped_loss_hand_computed_both_aggregations():
     assert float(m["num_tokens"]) == 5.0 and float(m["kl"]) == 0.0
     loss, _ = clipped_policy_loss(logp, logp_old, adv, mask, aggregation="seq_mean_token_mean", **kw)
     np.testing.assert_allclose(loss, (-3.05 / 3 + 5.6 / 2) / 2, rtol=1e-6)
-    # symmetric clipping clips 1.25 too: token 1 becomes -1.2
+    # symmetric clipping (eps_high = eps = 0.2) caps seq 0's first two tokens at 1.2 instead
     loss, m = clipped_policy_loss(logp, logp_old, adv, mask, eps=0.2)
-    np.testing.assert_allclose(loss, (-1.3 - 1.2 - 0.5 + 1.6 + 4.0) / 5 + (-1.3 + 1.3) / 5, rtol=1e-6)
+    np.testing.assert_allclose(loss, (-1.2 - 1.2 - 0.5 + 1.6 + 4.0) / 5, rtol=1e-6)
     np.testing.assert_allclose(m["pg_clipfrac"], 0.6)
 
 
@@ -321,7 +321,12 @@ def test_chunked_logprobs_extreme_logits_stay_finite():
     hidden, lm_head, targets, _ = _logprob_case(batch=2, seq_len=5)
     hidden = hidden * 300.0
     logp, entropy = chunked_token_logprobs(hidden, lm_head, targets, chunk_tokens=3, chunk_vocab=8)
-    logp_ref, entropy_ref = token_logprobs_reference(hidden, lm_head, targets)
     assert bool(jnp.isfinite(logp).all() & jnp.isfinite(entropy).all())
-    np.testing.assert_allclose(logp, logp_ref, rtol=1e-5, atol=1e-3)
-    np.testing.assert_allclose(entropy, entropy_ref, atol=1e-4)
+    # Truth in float64. Logits near 1000 carry float32 rounding of ~6e-5 each (in the reference too),
+    # so the tolerance is a few of those, not 1e-5.
+    z = np.asarray(hidden, np.float64).reshape(-1, hidden.shape[-1]) @ np.asarray(lm_head, np.float64)
+    log_p = z - z.max(axis=1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose(logp.reshape(-1), log_p[np.arange(z.shape[0]), np.asarray(targets).reshape(-1)],
+                               rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(entropy.reshape(-1), -(np.exp(log_p) * log_p).sum(axis=1), atol=3e-4)

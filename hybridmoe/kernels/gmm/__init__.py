@@ -1,0 +1,34 @@
+"""Grouped matmuls (MoE experts) with custom VJPs and fused SwiGLU epilogues.
+
+See ops.py for the contract; reference.py for the per-group loop they are tested against;
+tiling.py for the tile rules; epilogue.py for the epilogues and the pre-activation layout.
+"""
+
+from hybridmoe.kernels.gmm.epilogue import EPILOGUES, scale_rows, swiglu
+from hybridmoe.kernels.gmm.ops import (
+    BACKENDS,
+    contiguous_to_preact,
+    gmm,
+    gmm_dswiglu,
+    gmm_swiglu,
+    preact_to_contiguous,
+    split_preact,
+    tgmm,
+)
+from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
+
+__all__ = [
+    "BACKENDS",
+    "EPILOGUES",
+    "Tiling",
+    "contiguous_to_preact",
+    "gmm",
+    "gmm_dswiglu",
+    "gmm_swiglu",
+    "preact_to_contiguous",
+    "scale_rows",
+    "split_preact",
+    "swiglu",
+    "tgmm",
+    "tile_problems",
+]

@@ -1,0 +1,144 @@
+"""VMEM need of the fused up-projection forward kernel (gmm_swiglu) at weight depths 2 and 3.
+
+Compiles the Mosaic TPU kernel for a compile-only TPU topology from a CPU host (needs libtpu:
+`pip install "jax[tpu]"` in a separate venv) at the upstream tile: tm 512, tk 4096 (one K tile,
+the only case the depth applies to), tn 1024 per half, bfloat16. The need is read from the Mosaic
+compiler's scoped-VMEM error at a 1 MiB limit; the fit is a compile at the given limit (upstream
+57.60 MiB = 90% of the core's 64 MiB). Prints a table and writes benchmarks/gmm_vmem.json.
+
+    python benchmarks/gmm_vmem.py [--topology tpu7x:2x2x1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import re
+import subprocess
+
+import jax
+import jax.numpy as jnp
+
+from hybridmoe.kernels.gmm import gmm_swiglu
+from hybridmoe.kernels.gmm.tiling import Tiling
+
+MIB = 2**20
+# Upstream tile and a problem that runs one K tile: D = tk.
+TM, TK, TN = 512, 4096, 1024
+M, D, F, E = 4096, 4096, 2048, 8
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:  # noqa: BLE001 - a missing package is simply unrecorded
+        return None
+
+
+def _commit() -> str | None:
+    try:
+        here = pathlib.Path(__file__).resolve().parent
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _compile(depth: int, topology: str, limit_mib: float):
+    """Compile the fused forward; returns (ok, error text)."""
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    topo = topologies.get_topology_desc(topology, platform="tpu")
+    sh = SingleDeviceSharding(topo.devices[0])
+    x = jax.ShapeDtypeStruct((M, D), jnp.bfloat16, sharding=sh)
+    wi = jax.ShapeDtypeStruct((E, D, 2 * F), jnp.bfloat16, sharding=sh)
+    gs = jax.ShapeDtypeStruct((E,), jnp.int32, sharding=sh)
+    tiling = Tiling(tm=TM, tk=TK, tn=TN, vmem_limit_mib=limit_mib)
+
+    def fwd(x, wi, gs):
+        return gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=TN,
+                          backend="pallas_tpu", tiling=tiling, rhs_buffer_count=depth)
+
+    try:
+        jax.jit(fwd).lower(x, wi, gs).compile()
+        return True, ""
+    except Exception as err:  # noqa: BLE001 - the compile error is the measurement
+        return False, str(err)
+
+
+_OOM = re.compile(r"size ([0-9.]+)M and limit ([0-9.]+)M")
+
+
+def measure(depth: int, topology: str, limit_mib: float) -> dict:
+    """The kernel's scoped VMEM need (read from the Mosaic OOM at a 1 MiB limit) and whether it
+    compiles under limit_mib."""
+    row = {"depth": depth, "need_mib": None, "limit_mib": limit_mib, "fits": None, "error": None}
+    ok, err = _compile(depth, topology, 1.0)
+    hit = _OOM.search(err)
+    if hit:
+        row["need_mib"] = float(hit.group(1))
+    elif not ok:
+        row["error"] = err.splitlines()[0][:300] if err else None
+        return row
+    ok, err = _compile(depth, topology, limit_mib)
+    row["fits"] = ok
+    if not ok and not _OOM.search(err):
+        row["error"] = err.splitlines()[0][:300]
+    return row
+
+
+def vmem_estimate(depth: int) -> float:
+    """Blocks the kernel holds, by hand: x (2 buffers), gate + up weight (depth each),
+    h and preact (2 buffers each), two float32 accumulators."""
+    b = 2
+    x = 2 * TM * TK * b
+    w = 2 * depth * TK * TN * b
+    outs = 2 * TM * TN * b + 2 * TM * 2 * TN * b
+    acc = 2 * TM * TN * 4
+    return (x + w + outs + acc) / MIB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--topology", default="tpu7x:2x2x1")
+    ap.add_argument("--limit-mib", type=float, default=57.60,
+                    help="scoped VMEM limit to test the fit against (upstream: 57.60 MiB)")
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).with_name("gmm_vmem.json")))
+    args = ap.parse_args()
+    rows = []
+    # 0 = the kernel default (no pipeline_mode); 1 is shown for reference only.
+    for depth in (0, 1, 2, 3):
+        r = measure(depth, args.topology, args.limit_mib)
+        r["hand_estimate_mib"] = round(vmem_estimate(depth or 2), 2)
+        rows.append(r)
+    print(f"fused gmm_swiglu forward, tm {TM} tk {TK} tn {TN}/half, bf16, {args.topology}")
+    print(f"{'depth':>5} {'need MiB':>9} {'limit MiB':>9} {'fits':>5} {'hand MiB':>9}  error")
+    for r in rows:
+        print(f"{r['depth']:>5} {str(r['need_mib']):>9} {r['limit_mib']:>9} "
+              f"{str(r['fits']):>5} {r['hand_estimate_mib']:>9}  {r['error'] or ''}")
+    record = {
+        "benchmark": "gmm_vmem",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"host": platform.node(), "platform": platform.platform(),
+                    "processor": platform.processor(),
+                    "note": "compile-only TPU topology on a CPU host"},
+        "commit": _commit(),
+        "versions": {"jax": jax.__version__, "jaxlib": _version("jaxlib"),
+                     "libtpu": _version("libtpu")},
+        "config": {"topology": args.topology, "tm": TM, "tk": TK, "tn_per_half": TN,
+                   "M": M, "D": D, "F": F, "E": E, "dtype": "bfloat16"},
+        "upstream": {"depth2_mib": 50.95, "depth3_mib": 66.95, "limit_mib": 57.60},
+        "rows": rows,
+    }
+    pathlib.Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

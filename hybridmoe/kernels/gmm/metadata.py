@@ -1,0 +1,66 @@
+"""Group metadata for the Pallas kernels: which (local group, row tile) each grid step works on.
+
+Legend: E groups in group_sizes, G local groups, S grid steps (a static upper bound).
+
+Rows are sorted by group, so walking the local groups in order and, inside each group, its row
+tiles in order gives a sequence of (group, tile) steps whose row tile never decreases: a row tile
+shared by two groups is visited on consecutive steps, which lets a TPU kernel keep that output
+block resident and merge the groups' rows into it with a row mask.
+
+A group spanning rows [lo, hi) touches tiles floor(lo / tm) .. ceil(hi / tm) - 1. An empty group
+touches none; with visit_empty it still gets one step (the transposed matmul must write its zero
+weight gradient). The total is bounded by tiles_m + G - 1: each group adds at most one tile shared
+with its predecessor, and an empty group's one step replaces that share.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def group_metadata(group_sizes_E, *, m: int, tm: int, group_offset, num_local: int,
+                   visit_empty: bool):
+    """Per local group its row bounds, per grid step its group and row tile, and the step count.
+
+    Returns (lo_G, hi_G, step_group_S, step_tile_S, num_steps): int32 arrays; S = tiles_m + G - 1;
+    steps at and past num_steps repeat the last real step's indices (no new block is fetched).
+    """
+    if m % tm:
+        raise ValueError(f"rows {m} must be padded to a multiple of tm={tm}")
+    tiles_m = m // tm
+    sizes_E = group_sizes_E.astype(jnp.int32)
+    ends_E = jnp.cumsum(sizes_E)
+    off = jnp.asarray(group_offset, jnp.int32)
+    sizes_G = jax.lax.dynamic_slice_in_dim(sizes_E, off, num_local)
+    hi_G = jax.lax.dynamic_slice_in_dim(ends_E, off, num_local)
+    lo_G = hi_G - sizes_G
+
+    first_G = lo_G // tm
+    span_G = (hi_G + tm - 1) // tm - first_G
+    steps_G = jnp.where(sizes_G > 0, span_G, 1 if visit_empty else 0)
+    cum_G = jnp.cumsum(steps_G)
+    num_steps = cum_G[-1]
+
+    s_max = tiles_m + num_local - 1
+    step_S = jnp.minimum(jnp.arange(s_max, dtype=jnp.int32), jnp.maximum(num_steps - 1, 0))
+    group_S = jnp.searchsorted(cum_G, step_S, side="right").astype(jnp.int32)
+    group_S = jnp.minimum(group_S, num_local - 1)
+    before_S = (cum_G - steps_G)[group_S]
+    tile_S = jnp.clip(first_G[group_S] + step_S - before_S, 0, tiles_m - 1).astype(jnp.int32)
+    return lo_G, hi_G, group_S, tile_S, num_steps.astype(jnp.int32)
+
+
+def row_mask(m: int, group_sizes_E, group_offset, num_local: int):
+    """[M] bool: the row belongs to one of the local groups."""
+    ends_E = jnp.cumsum(group_sizes_E.astype(jnp.int32))
+    starts_E = ends_E - group_sizes_E
+    off = jnp.asarray(group_offset, jnp.int32)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    return (rows >= starts_E[off]) & (rows < ends_E[off + num_local - 1])
+
+
+def pad_rows(x, m_pad: int):
+    if x is None or x.shape[0] == m_pad:
+        return x
+    return jnp.pad(x, [(0, m_pad - x.shape[0])] + [(0, 0)] * (x.ndim - 1))

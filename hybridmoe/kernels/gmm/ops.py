@@ -1,0 +1,284 @@
+"""Public grouped matmuls with custom VJPs: gmm, tgmm, gmm_swiglu, gmm_dswiglu.
+
+Legend: M rows (tokens x top-k, sorted by group), K contraction, N output columns, E groups in
+group_sizes (global experts), G groups held locally (the weight's leading dim), D model width,
+F expert hidden width (one half of the fused [gate | up]), T forward N tile per half.
+
+Common contract:
+- Rows are sorted by group: group e owns rows [sum(sizes[:e]), sum(sizes[:e + 1])). Rows past
+  sum(group_sizes) are padding: zero output, zero gradient.
+- group_sizes [E] int32 covers every global group; the weight holds the G groups
+  [group_offset, group_offset + G) (G = E and offset 0 unless experts are sharded). Rows of other
+  groups produce zeros and get zero gradient. group_offset is a Python int or a traced scalar.
+- Empty groups contribute nothing; their weight gradient is zero.
+- Accumulation is float32; outputs are in the activation dtype unless preferred_element_type.
+- backend: "xla" (ragged_dot; any platform), "pallas_tpu" (Mosaic TPU), "pallas_gpu" (Triton).
+  The Pallas backends run on CPU with interpret=True (tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from hybridmoe.kernels.gmm import epilogue as epi
+from hybridmoe.kernels.gmm.tiling import Tiling
+
+Backend = Literal["xla", "pallas_tpu", "pallas_gpu"]
+BACKENDS: tuple[str, ...] = ("xla", "pallas_tpu", "pallas_gpu")
+
+
+def _backend(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"unknown gmm backend {name!r}; choose one of {BACKENDS}")
+    return importlib.import_module(f"hybridmoe.kernels.gmm.{name}")
+
+
+def _sharded(group_sizes_E, num_local: int, group_offset) -> bool:
+    """Static: does the local weight hold fewer than all groups (or sit at a traced offset)?"""
+    literal_zero = isinstance(group_offset, int) and group_offset == 0
+    return group_sizes_E.shape[0] != num_local or not literal_zero
+
+
+def _check(lhs, rhs, group_sizes, k_axis: int):
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(f"gmm wants lhs [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
+    if lhs.shape[1] != rhs.shape[k_axis]:
+        raise ValueError(f"contraction mismatch: lhs {lhs.shape}, rhs {rhs.shape}")
+    if group_sizes.ndim != 1 or group_sizes.dtype != jnp.int32:
+        raise ValueError(f"group_sizes must be int32 [E]; got {group_sizes.dtype}{group_sizes.shape}")
+    if group_sizes.shape[0] < rhs.shape[0]:
+        raise ValueError(f"rhs holds {rhs.shape[0]} groups but group_sizes has {group_sizes.shape[0]}")
+
+
+def _kw(backend, tiling, interpret):
+    return dict(tiling=tiling, interpret=interpret) if backend != "xla" else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# gmm / tgmm
+
+
+def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local: int | None = None, group_offset=0,
+         backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
+         preferred_element_type=None):
+    """[G, K, N]: out[g] = lhs[rows of group offset+g]^T @ grad[same rows] (no VJP: a gradient)."""
+    num_local = group_sizes_E.shape[0] if num_local is None else num_local
+    sharded = _sharded(group_sizes_E, num_local, group_offset)
+    return _backend(backend).tgmm(
+        lhs_MK, grad_MN, group_sizes_E, num_local=num_local, group_offset=group_offset,
+        sharded=sharded, out_dtype=preferred_element_type or lhs_MK.dtype,
+        **_kw(backend, tiling, interpret))
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs: bool = False, group_offset=0,
+        backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
+        preferred_element_type=None):
+    """[M, N]: out[r] = lhs[r] @ rhs[group(r) - offset]  (rhs [G, N, K] with transpose_rhs).
+
+    Differentiable in lhs and rhs: DLHS = gmm(g, rhs, transpose_rhs=not transpose_rhs),
+    DRHS = tgmm(lhs, g) (or tgmm(g, lhs) with transpose_rhs).
+    """
+    _check(lhs_MK, rhs_GKN, group_sizes_E, 2 if transpose_rhs else 1)
+    be = _backend(backend)
+    sharded = _sharded(group_sizes_E, rhs_GKN.shape[0], group_offset)
+    out_dtype = preferred_element_type or lhs_MK.dtype
+    kw = _kw(backend, tiling, interpret)
+
+    def run(lhs, rhs, sizes, off, transpose, dtype):
+        return be.gmm(lhs, rhs, sizes, transpose_rhs=transpose, group_offset=off,
+                      sharded=sharded, out_dtype=dtype, **kw)
+
+    @jax.custom_vjp
+    def f(lhs, rhs, sizes, off):
+        return run(lhs, rhs, sizes, off, transpose_rhs, out_dtype)
+
+    def fwd(lhs, rhs, sizes, off):
+        return f(lhs, rhs, sizes, off), (lhs, rhs, sizes, off)
+
+    def bwd(res, g_MN):
+        lhs, rhs, sizes, off = res
+        dlhs = run(g_MN, rhs, sizes, off, not transpose_rhs, lhs.dtype)
+        g_local = rhs.shape[0]
+        if transpose_rhs:
+            drhs = be.tgmm(g_MN, lhs, sizes, num_local=g_local, group_offset=off,
+                           sharded=sharded, out_dtype=rhs.dtype, **kw)
+        else:
+            drhs = be.tgmm(lhs, g_MN, sizes, num_local=g_local, group_offset=off,
+                           sharded=sharded, out_dtype=rhs.dtype, **kw)
+        return dlhs, drhs, None, None
+
+    f.defvjp(fwd, bwd)
+    return f(lhs_MK, rhs_GKN, group_sizes_E, jnp.asarray(group_offset, jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused SwiGLU pair
+
+
+def _tile(f: int, tile_n_per_half: int | None) -> int:
+    t = f if tile_n_per_half is None else int(tile_n_per_half)
+    if t <= 0 or f % t:
+        raise ValueError(f"tile_n_per_half={t} must divide F={f}")
+    return t
+
+
+def preact_to_contiguous(preact_M2F, f: int, tile_n_per_half: int | None):
+    """The per-tile layout [M, 2F] -> contiguous [gate | up] (identity when the tile is F)."""
+    t = _tile(f, tile_n_per_half)
+    if t == f:
+        return preact_M2F
+    gate, up = epi.read_halves(preact_M2F, t)
+    return jnp.concatenate([gate, up], axis=-1)
+
+
+def split_preact(preact_M2F, f: int, tile_n_per_half: int | None):
+    """(gate [M, F], up [M, F]) from the per-tile layout."""
+    return epi.read_halves(preact_M2F, _tile(f, tile_n_per_half))
+
+
+def contiguous_to_preact(gate_up_M2F, tile_n_per_half: int | None):
+    """Contiguous [gate | up] -> the per-tile layout (the forward kernel's store order)."""
+    gate, up = epi.split_halves(gate_up_M2F)
+    return epi.write_tiles(gate, up, tile_n_per_half)
+
+
+def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False,
+               tile_n_per_half: int | None = None, group_offset=0, backend: Backend = "xla",
+               tiling: Tiling | None = None, interpret: bool = False,
+               epilogue: epi.Epilogue = "float32", rhs_buffer_count: int = 0):
+    """The up projection with SwiGLU in its epilogue: h = silu(gate) * up, gate|up = x @ wi.
+
+    wi [G, D, 2F] is the prefused [gate | up] weight (gate = columns [:F], up = [F:]). Math in
+    float32 on the accumulator; h (and preact) in x's dtype.
+
+    return_preact: also return the pre-activation [M, 2F] in the kernel's store layout: with
+    T = tile_n_per_half (default F), block j of a row is [gate_j | up_j] ("per-tile concat";
+    with T = F it is the contiguous [gate | up]). Read it back with split_preact /
+    preact_to_contiguous. Its cotangent is in the same layout (autodiff semantics).
+
+    Backward: d[gate | up] = (SwiGLU VJP of the h cotangent, skipped when that cotangent is a
+    symbolic zero, as it is behind gmm_dswiglu) + (the preact cotangent, made contiguous);
+    dx = gmm(d, wi^T), dwi = tgmm(x, d).
+
+    rhs_buffer_count: the weight's pipeline depth in the fused forward kernel (Pallas only;
+    0 = default; applied only when the kernel runs one K tile).
+    epilogue: "float32" (real) or "match_unfused" (rounds where gmm + swiglu would).
+    """
+    _check(x_MD, wi_GD2F, group_sizes_E, 1)
+    if wi_GD2F.shape[2] % 2:
+        raise ValueError(f"wi's last dim must be 2F; got {wi_GD2F.shape}")
+    f = wi_GD2F.shape[2] // 2
+    t = _tile(f, tile_n_per_half)
+    be = _backend(backend)
+    sharded = _sharded(group_sizes_E, wi_GD2F.shape[0], group_offset)
+    kw = _kw(backend, tiling, interpret)
+    fwd_kw = dict(kw, rhs_buffer_count=rhs_buffer_count) if backend != "xla" else {}
+
+    @jax.custom_vjp
+    def f_(x, wi, sizes, off):
+        return be.gmm_swiglu(x, wi, sizes, group_offset=off, sharded=sharded, tile_n_per_half=t,
+                             mode=epilogue, **fwd_kw)
+
+    def fwd(x, wi, sizes, off):
+        x, wi, sizes, off = (a.value for a in (x, wi, sizes, off))
+        h, preact = f_(x, wi, sizes, off)
+        return (h, preact), (x, wi, preact, sizes, off)
+
+    def bwd(res, cts):
+        x, wi, preact, sizes, off = res
+        ct_h, ct_pre = cts
+        parts = []
+        if not isinstance(ct_h, SymbolicZero):
+            # The activation's VJP, only when h itself is consumed by something differentiable.
+            gate, up = epi.read_halves(preact, t)
+            d_gate, d_up, _ = epi.dswiglu(ct_h.astype(jnp.float32), gate, up, None, epilogue,
+                                          preact.dtype)
+            parts.append(jnp.concatenate([d_gate, d_up], axis=-1))
+        if not isinstance(ct_pre, SymbolicZero):
+            parts.append(preact_to_contiguous(ct_pre, f, t).astype(preact.dtype))
+        if not parts:
+            return None, None, None, None
+        d = parts[0] if len(parts) == 1 else (parts[0].astype(jnp.float32) + parts[1]).astype(
+            preact.dtype)
+        dx = be.gmm(d, wi, sizes, transpose_rhs=True, group_offset=off, sharded=sharded,
+                    out_dtype=x.dtype, **kw)
+        dwi = be.tgmm(x, d, sizes, num_local=wi.shape[0], group_offset=off, sharded=sharded,
+                      out_dtype=wi.dtype, **kw)
+        return dx, dwi, None, None
+
+    f_.defvjp(fwd, bwd, symbolic_zeros=True)
+    h, preact = f_(x_MD, wi_GD2F, group_sizes_E, jnp.asarray(group_offset, jnp.int32))
+    return (h, preact) if return_preact else h
+
+
+def gmm_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_half: int | None,
+                row_scale=None, with_row_dot: bool | None = None, group_offset=0,
+                backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
+                epilogue: epi.Epilogue = "float32"):
+    """The down projection y = (s * h) @ wo per group, whose backward fuses the SwiGLU VJP.
+
+    Forward: y = gmm(scale_rows(h, s), wo) with scale_rows(h, s) = round_to_h_dtype(h * s)
+    (float32 multiply), exactly as the unfused path computes it; s = row_scale [M] (float32,
+    the routing weight) or None.
+
+    Contract (the fused pair): h must be swiglu(preact) from gmm_swiglu(..., return_preact=True)
+    and preact must be passed in that call's layout, with preact_tile_n_per_half its
+    tile_n_per_half. The backward's DLHS computes u = g @ wo^T per group with a float32
+    accumulator and, in its epilogue, from the stored [gate | up]:
+        d_gate = s * u * up * silu'(gate),  d_up = s * u * silu(gate),
+        silu'(x) = sig(x) (1 + x (1 - sig(x))),   row_dot = <u, silu(gate) * up>.
+    Cotangents returned:  h -> zero (symbolic: gmm_swiglu then never builds the activation VJP),
+    preact -> d[gate | up] in preact's layout (contiguous when the tile is F), row_scale ->
+    row_dot (with_row_dot; default: whenever row_scale is given; False treats s as a
+    constant), wo -> tgmm(scale_rows(h, s), g). The gradient thus reaches x and wi through
+    preact and the routing weight through row_dot. Differentiating h by any other route than
+    preact is outside the contract (its gradient would be lost).
+
+    epilogue: "float32" (real) or "match_unfused" (rounds u, s * u and the activation VJP in the
+    activation dtype, exactly as gmm + swiglu + scale_rows under autodiff do).
+    """
+    _check(h_MF, wo_GFD, group_sizes_E, 1)
+    f = wo_GFD.shape[1]
+    if preact.shape != (h_MF.shape[0], 2 * f):
+        raise ValueError(f"preact must be [M, 2F] = {(h_MF.shape[0], 2 * f)}; got {preact.shape}")
+    t = _tile(f, preact_tile_n_per_half)
+    if with_row_dot is None:
+        with_row_dot = row_scale is not None
+    if with_row_dot and row_scale is None:
+        raise ValueError("with_row_dot needs row_scale: the dot is the row scale's gradient")
+    be = _backend(backend)
+    sharded = _sharded(group_sizes_E, wo_GFD.shape[0], group_offset)
+    kw = _kw(backend, tiling, interpret)
+
+    @jax.custom_vjp
+    def f_(h, wo, pre, s, sizes, off):
+        del pre
+        lhs = h if s is None else epi.scale_rows(h, s)
+        return be.gmm(lhs, wo, sizes, transpose_rhs=False, group_offset=off, sharded=sharded,
+                      out_dtype=h.dtype, **kw)
+
+    def fwd(h, wo, pre, s, sizes, off):
+        lhs = h if s is None else epi.scale_rows(h, s)
+        y = be.gmm(lhs, wo, sizes, transpose_rhs=False, group_offset=off, sharded=sharded,
+                   out_dtype=h.dtype, **kw)
+        return y, (lhs, wo, pre, s, sizes, off)
+
+    def bwd(res, g_MD):
+        lhs, wo, pre, s, sizes, off = res
+        d, row_dot = be.dswiglu_dlhs(
+            g_MD, wo, sizes, pre, preact_tile_n_per_half=t, row_scale_M=s,
+            out_tile_n_per_half=t, group_offset=off, sharded=sharded, mode=epilogue, **kw)
+        dwo = be.tgmm(lhs, g_MD, sizes, num_local=wo.shape[0], group_offset=off,
+                      sharded=sharded, out_dtype=wo.dtype, **kw)
+        ds = None
+        if s is not None:
+            ds = row_dot.astype(s.dtype) if with_row_dot else jnp.zeros_like(s)
+        return None, dwo, d, ds, None, None
+
+    f_.defvjp(fwd, bwd)
+    return f_(h_MF, wo_GFD, preact, row_scale, group_sizes_E, jnp.asarray(group_offset, jnp.int32))

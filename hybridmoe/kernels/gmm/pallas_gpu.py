@@ -1,0 +1,236 @@
+"""Triton (Pallas GPU) backend.
+
+Legend: M rows (padded to a multiple of tm), K contraction, N output columns, G local groups,
+D model width, F hidden half width, T forward tile per half; tm, tk, tn the tiles.
+
+Triton programs run in parallel and keep nothing resident between grid steps, so the layout
+differs from the TPU kernels: the grid is (N tiles, group steps) with a static number of steps
+(metadata.py's bound tiles_m + G - 1; steps past the real count store nothing), each program loops
+over K itself (the loop the `num_stages` software pipeline overlaps), and a row tile shared by
+two groups is written by two programs with disjoint masked row stores. Rows no local group owns
+are never written; the wrapper masks the result to the local rows. The transposed matmul runs
+one program per (group, K tile, N tile) that loops over the group's row tiles.
+
+Triton blocks want power-of-two shapes >= 16 on hardware (tiling.tile_problems checks).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from hybridmoe.kernels.gmm import epilogue, metadata
+from hybridmoe.kernels.gmm.tiling import DEFAULT, Tiling, pick, resolve_tm
+
+
+def _tiles(tiling: Tiling | None, m: int):
+    t = tiling or DEFAULT
+    tm = resolve_tm(m, t.tm)
+    return t, tm, -(-m // tm) * tm
+
+
+def _step_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, nsteps_ref, tm: int):
+    """(row-tile start, [tm] bool: rows of this step's tile in this step's group)."""
+    g = grp_ref[s]
+    start = tile_ref[s] * tm
+    rows = start + jnp.arange(tm, dtype=jnp.int32)
+    live = s < nsteps_ref[0]
+    return start, g, (rows >= lo_ref[g]) & (rows < hi_ref[g]) & live
+
+
+def _store_rows(ref_at, value, mask_rows):
+    plgpu.store(ref_at, value.astype(ref_at.dtype),
+                mask=jnp.broadcast_to(mask_rows[:, None], value.shape))
+
+
+def _finish(out, m: int, group_sizes_E, group_offset, num_local: int):
+    keep = metadata.row_mask(out.shape[0], group_sizes_E, group_offset, num_local)
+    return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))[:m]
+
+
+def _meta(group_sizes_E, m_pad, tm, group_offset, num_local, visit_empty):
+    lo, hi, grp, tile, steps = metadata.group_metadata(
+        group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
+        visit_empty=visit_empty)
+    return (lo, hi, grp, tile, steps[None]), grp.shape[0]
+
+
+def _params(num_stages: int = 0):
+    return plgpu.CompilerParams(num_stages=num_stages or None)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded, out_dtype,
+        tiling=None, interpret=False):
+    del sharded
+    m, k = lhs_MK.shape
+    num_local = rhs_GKN.shape[0]
+    n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
+    t, tm, m_pad = _tiles(tiling, m)
+    tk, tn = pick(k, t.tk), pick(n, t.tn)
+    meta, s_max = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, False)
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, lhs_ref, rhs_ref, out_ref):
+        ni, s = pl.program_id(0), pl.program_id(1)
+        start, g, mask = _step_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, tm)
+        cols = pl.ds(ni * tn, tn)
+
+        def body(ki, acc):
+            a = lhs_ref[pl.ds(start, tm), pl.ds(ki * tk, tk)]
+            if transpose_rhs:
+                b = rhs_ref[g, cols, pl.ds(ki * tk, tk)].T
+            else:
+                b = rhs_ref[g, pl.ds(ki * tk, tk), cols]
+            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, k // tk, body, jnp.zeros((tm, tn), jnp.float32))
+        _store_rows(out_ref.at[pl.ds(start, tm), cols], acc, mask)
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        grid=(n // tn, s_max),
+        compiler_params=_params(),
+        interpret=interpret,
+        name="gmm_t" if transpose_rhs else "gmm",
+    )(*meta, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
+    return _finish(out, m, group_sizes_E, group_offset, num_local)
+
+
+def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, out_dtype,
+         tiling=None, interpret=False):
+    del sharded
+    m, k = lhs_MK.shape
+    n = grad_MN.shape[1]
+    t, tm, m_pad = _tiles(tiling, m)
+    tk, tn = pick(k, t.tk), pick(n, t.tn)
+    (lo, hi, *_), _ = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, True)
+    in_dtype = jnp.promote_types(lhs_MK.dtype, grad_MN.dtype)
+
+    def kernel(lo_ref, hi_ref, lhs_ref, grad_ref, out_ref):
+        ni, ki, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        lo_r, hi_r = lo_ref[g], hi_ref[g]
+
+        def body(mt, acc):
+            rows = mt * tm + jnp.arange(tm, dtype=jnp.int32)
+            keep = ((rows >= lo_r) & (rows < hi_r))[:, None]
+            # Mask both operands: padding rows may hold anything (0 * nan is nan).
+            a = jnp.where(keep, lhs_ref[pl.ds(mt * tm, tm), pl.ds(ki * tk, tk)], 0)
+            b = jnp.where(keep, grad_ref[pl.ds(mt * tm, tm), pl.ds(ni * tn, tn)], 0)
+            return acc + jnp.dot(a.T.astype(in_dtype), b.astype(in_dtype),
+                                 preferred_element_type=jnp.float32)
+
+        first = lo_r // tm
+        last = jnp.where(hi_r > lo_r, (hi_r + tm - 1) // tm, first)
+        acc = jax.lax.fori_loop(first, last, body, jnp.zeros((tk, tn), jnp.float32))
+        out_ref[g, pl.ds(ki * tk, tk), pl.ds(ni * tn, tn)] = acc.astype(out_ref.dtype)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_local, k, n), out_dtype),
+        grid=(n // tn, k // tk, num_local),
+        compiler_params=_params(),
+        interpret=interpret,
+        name="tgmm",
+    )(lo, hi, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad))
+
+
+def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
+               tiling=None, interpret=False, rhs_buffer_count=0):
+    """(h [M, F], preact [M, 2F] per-tile); rhs_buffer_count -> the Triton stage count."""
+    del sharded
+    m, d = x_MD.shape
+    num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
+    tn = tile_n_per_half
+    t, tm, m_pad = _tiles(tiling, m)
+    tk = pick(d, t.tk)
+    tiles_k = d // tk
+    meta, s_max = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, False)
+    out_dtype = x_MD.dtype
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, x_ref, w_ref, h_ref, pre_ref):
+        j, s = pl.program_id(0), pl.program_id(1)
+        start, g, mask = _step_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, tm)
+
+        def body(ki, accs):
+            acc_g, acc_u = accs
+            a = x_ref[pl.ds(start, tm), pl.ds(ki * tk, tk)]
+            wg = w_ref[g, pl.ds(ki * tk, tk), pl.ds(j * tn, tn)]
+            wu = w_ref[g, pl.ds(ki * tk, tk), pl.ds(f + j * tn, tn)]
+            return (acc_g + jnp.dot(a, wg, preferred_element_type=jnp.float32),
+                    acc_u + jnp.dot(a, wu, preferred_element_type=jnp.float32))
+
+        zero = jnp.zeros((tm, tn), jnp.float32)
+        gate, up = jax.lax.fori_loop(0, tiles_k, body, (zero, zero))
+        rows = pl.ds(start, tm)
+        _store_rows(h_ref.at[rows, pl.ds(j * tn, tn)],
+                    epilogue.swiglu_fwd(gate, up, out_dtype, mode), mask)
+        _store_rows(pre_ref.at[rows, pl.ds(2 * tn * j, tn)], gate, mask)
+        _store_rows(pre_ref.at[rows, pl.ds(2 * tn * j + tn, tn)], up, mask)
+
+    stages = rhs_buffer_count if (rhs_buffer_count and tiles_k == 1) else 0
+    h, pre = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((m_pad, f), out_dtype),
+                   jax.ShapeDtypeStruct((m_pad, 2 * f), out_dtype)),
+        grid=(f // tn, s_max),
+        compiler_params=_params(stages),
+        interpret=interpret,
+        name="gmm_swiglu_fwd" + (f"_stages{stages}" if stages else ""),
+    )(*meta, metadata.pad_rows(x_MD, m_pad), wi_GD2F)
+    return (_finish(h, m, group_sizes_E, group_offset, num_local),
+            _finish(pre, m, group_sizes_E, group_offset, num_local))
+
+
+def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
+                 out_tile_n_per_half, group_offset, sharded, mode, tiling=None, interpret=False):
+    """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
+    del sharded
+    m, d = g_MD.shape
+    num_local, f = wo_GFD.shape[0], wo_GFD.shape[1]
+    t, tm, m_pad = _tiles(tiling, m)
+    tk = pick(d, t.tk)
+    meta, s_max = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, False)
+    has_scale = row_scale_M is not None
+    t_in, t_out = preact_tile_n_per_half, out_tile_n_per_half
+    pre_dtype = preact_M2F.dtype
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, g_ref, wo_ref, pre_ref, *rest):
+        s_ref, d_ref, dot_ref = rest if has_scale else (None, *rest)
+        s = pl.program_id(0)
+        start, g, mask = _step_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, tm)
+        rows = pl.ds(start, tm)
+
+        def body(ki, acc):
+            a = g_ref[rows, pl.ds(ki * tk, tk)]
+            b = wo_ref[g, :, pl.ds(ki * tk, tk)]
+            return acc + jnp.dot(a, b.T, preferred_element_type=jnp.float32)
+
+        u = jax.lax.fori_loop(0, d // tk, body, jnp.zeros((tm, f), jnp.float32))
+        gate, up = epilogue.read_halves(pre_ref[rows, :], t_in)
+        scale = s_ref[rows, :] if has_scale else None
+        d_gate, d_up, dot = epilogue.dswiglu(u, gate, up, scale, mode, pre_dtype)
+        for j in range(f // t_out):
+            cols = slice(j * t_out, (j + 1) * t_out)
+            _store_rows(d_ref.at[rows, pl.ds(2 * t_out * j, t_out)], d_gate[:, cols], mask)
+            _store_rows(d_ref.at[rows, pl.ds(2 * t_out * j + t_out, t_out)], d_up[:, cols], mask)
+        _store_rows(dot_ref.at[rows, :], dot, mask)
+
+    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad)]
+    if has_scale:
+        args.append(metadata.pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
+    d_out, dot = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),
+                   jax.ShapeDtypeStruct((m_pad, 1), jnp.float32)),
+        grid=(s_max,),
+        compiler_params=_params(),
+        interpret=interpret,
+        name="gmm_dswiglu_dlhs",
+    )(*meta, *args)
+    return (_finish(d_out, m, group_sizes_E, group_offset, num_local),
+            _finish(dot, m, group_sizes_E, group_offset, num_local)[:, 0])

@@ -1,0 +1,322 @@
+"""Mosaic TPU backend: Pallas kernels with group metadata by scalar prefetch.
+
+Legend: M rows (padded to a multiple of tm), K contraction, N output columns, G local groups,
+D model width, F hidden half width, T forward tile per half; tm, tk, tn the tiles.
+
+Grid of the row-tiled kernels: (N tiles, group steps, K tiles). The group steps (metadata.py)
+visit row tiles in non-decreasing order, so an output block shared by two groups stays resident
+and each group writes only its own rows (a row mask selects between the new rows and the
+block's current content). Blocks no local group touches are never written; the wrapper masks the
+result to the local rows, so padding and foreign rows come out exactly zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from hybridmoe.kernels.gmm import epilogue, metadata
+from hybridmoe.kernels.gmm.tiling import DEFAULT, Tiling, pick, resolve_tm
+
+_ROW_TILED = ("parallel", "arbitrary", "arbitrary")
+
+
+def _params(t: Tiling, semantics=_ROW_TILED):
+    limit = int(t.vmem_limit_mib * 2**20) or None
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
+
+
+def _tiles(tiling: Tiling | None, m: int):
+    t = tiling or DEFAULT
+    tm = resolve_tm(m, t.tm)
+    return t, tm, -(-m // tm) * tm
+
+
+def _rows_in_group(step, lo_ref, hi_ref, grp_ref, tile_ref, tm: int):
+    """[tm, 1] bool: which rows of this step's row tile belong to this step's group."""
+    g = grp_ref[step]
+    rows = tile_ref[step] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+    return (rows >= lo_ref[g]) & (rows < hi_ref[g])
+
+
+def _merge(out_ref, mask, value, sl=slice(None)):
+    """Write this group's rows of a resident output block; keep the other rows."""
+    out_ref[:, sl] = jnp.where(mask, value.astype(out_ref.dtype), out_ref[:, sl])
+
+
+def _finish(out, m: int, group_sizes_E, group_offset, num_local: int):
+    keep = metadata.row_mask(out.shape[0], group_sizes_E, group_offset, num_local)
+    return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))[:m]
+
+
+# ---------------------------------------------------------------------------------------------
+# gmm
+
+
+def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded, out_dtype,
+        tiling=None, interpret=False):
+    del sharded
+    m, k = lhs_MK.shape
+    num_local = rhs_GKN.shape[0]
+    n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
+    t, tm, m_pad = _tiles(tiling, m)
+    tk, tn = pick(k, t.tk), pick(n, t.tn)
+    lo, hi, grp, tile, steps = metadata.group_metadata(
+        group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
+        visit_empty=False)
+    tiles_k = k // tk
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, lhs_ref, rhs_ref, out_ref, acc_ref):
+        s, ki = pl.program_id(1), pl.program_id(2)
+
+        @pl.when(ki == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+        acc_ref[...] += jax.lax.dot_general(lhs_ref[...], rhs_ref[...], contract,
+                                            preferred_element_type=jnp.float32)
+
+        @pl.when(ki == tiles_k - 1)
+        def _():
+            _merge(out_ref, _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm), acc_ref[...])
+
+    def rhs_map(ni, s, ki, lo, hi, grp, tile):
+        return (grp[s], ni, ki) if transpose_rhs else (grp[s], ki, ni)
+
+    rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(n // tn, steps, tiles_k),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lambda ni, s, ki, lo, hi, grp, tile: (tile[s], ki)),
+                pl.BlockSpec(rhs_block, rhs_map),
+            ],
+            out_specs=pl.BlockSpec((tm, tn), lambda ni, s, ki, lo, hi, grp, tile: (tile[s], ni)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=_params(t),
+        interpret=interpret,
+        name="gmm_t" if transpose_rhs else "gmm",
+    )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
+    return _finish(out, m, group_sizes_E, group_offset, num_local)
+
+
+# ---------------------------------------------------------------------------------------------
+# tgmm: [G, K, N] per-group lhs^T @ grad
+
+
+def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, out_dtype,
+         tiling=None, interpret=False):
+    del sharded
+    m, k = lhs_MK.shape
+    n = grad_MN.shape[1]
+    t, tm, m_pad = _tiles(tiling, m)
+    tk, tn = pick(k, t.tk), pick(n, t.tn)
+    lo, hi, grp, tile, steps = metadata.group_metadata(
+        group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
+        visit_empty=True)
+    in_dtype = jnp.promote_types(lhs_MK.dtype, grad_MN.dtype)
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, lhs_ref, grad_ref, out_ref, acc_ref):
+        s = pl.program_id(2)
+        last = pl.num_programs(2) - 1
+        g = grp_ref[s]
+        new_group = (s == 0) | (grp_ref[jnp.maximum(s - 1, 0)] != g)
+        ends_group = (s == last) | (grp_ref[jnp.minimum(s + 1, last)] != g)
+
+        @pl.when(new_group)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        @pl.when(hi_ref[g] > lo_ref[g])
+        def _():
+            mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
+            # Mask both operands: padding rows may hold anything (0 * nan is nan).
+            a = jnp.where(mask, lhs_ref[...].astype(jnp.float32), 0.0)
+            b = jnp.where(mask, grad_ref[...].astype(jnp.float32), 0.0)
+            acc_ref[...] += jnp.dot(a.T.astype(in_dtype), b.astype(in_dtype),
+                                    preferred_element_type=jnp.float32)
+
+        @pl.when(ends_group)
+        def _():
+            out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_local, k, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(n // tn, k // tk, steps),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lambda ni, ki, s, lo, hi, grp, tile: (tile[s], ki)),
+                pl.BlockSpec((tm, tn), lambda ni, ki, s, lo, hi, grp, tile: (tile[s], ni)),
+            ],
+            out_specs=pl.BlockSpec((None, tk, tn),
+                                   lambda ni, ki, s, lo, hi, grp, tile: (grp[s], ki, ni)),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        ),
+        compiler_params=_params(t),
+        interpret=interpret,
+        name="tgmm",
+    )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused up projection: h = silu(gate) * up, preact stored per tile
+
+
+def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
+               tiling=None, interpret=False, rhs_buffer_count=0):
+    """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones."""
+    del sharded
+    m, d = x_MD.shape
+    num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
+    tn = tile_n_per_half
+    nt = f // tn
+    t, tm, m_pad = _tiles(tiling, m)
+    tk = pick(d, t.tk)
+    tiles_k = d // tk
+    lo, hi, grp, tile, steps = metadata.group_metadata(
+        group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
+        visit_empty=False)
+    out_dtype = x_MD.dtype
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, x_ref, wg_ref, wu_ref, h_ref, pre_ref,
+               accg_ref, accu_ref):
+        s, ki = pl.program_id(1), pl.program_id(2)
+
+        @pl.when(ki == 0)
+        def _():
+            accg_ref[...] = jnp.zeros_like(accg_ref)
+            accu_ref[...] = jnp.zeros_like(accu_ref)
+
+        xb = x_ref[...]
+        accg_ref[...] += jnp.dot(xb, wg_ref[...], preferred_element_type=jnp.float32)
+        accu_ref[...] += jnp.dot(xb, wu_ref[...], preferred_element_type=jnp.float32)
+
+        @pl.when(ki == tiles_k - 1)
+        def _():
+            mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
+            gate, up = accg_ref[...], accu_ref[...]
+            _merge(h_ref, mask, epilogue.swiglu_fwd(gate, up, out_dtype, mode))
+            _merge(pre_ref, mask, gate, slice(0, tn))
+            _merge(pre_ref, mask, up, slice(tn, 2 * tn))
+
+    # The weight's pipeline depth: only with one K tile (the weight block then changes only
+    # with the group, and a deeper buffer prefetches the next group's block).
+    mode_kw = {}
+    if rhs_buffer_count and tiles_k == 1:
+        mode_kw = dict(pipeline_mode=pl.Buffered(rhs_buffer_count))
+    gate_spec = pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile: (grp[s], ki, j),
+                             **mode_kw)
+    up_spec = pl.BlockSpec((None, tk, tn),
+                           lambda j, s, ki, lo, hi, grp, tile: (grp[s], ki, nt + j), **mode_kw)
+    name = "gmm_swiglu_fwd" + (f"_rhsbuf{rhs_buffer_count}" if mode_kw else "")
+    h, pre = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((m_pad, f), out_dtype),
+                   jax.ShapeDtypeStruct((m_pad, 2 * f), out_dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(nt, steps, tiles_k),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lambda j, s, ki, lo, hi, grp, tile: (tile[s], ki)),
+                gate_spec,
+                up_spec,
+            ],
+            out_specs=(
+                pl.BlockSpec((tm, tn), lambda j, s, ki, lo, hi, grp, tile: (tile[s], j)),
+                pl.BlockSpec((tm, 2 * tn), lambda j, s, ki, lo, hi, grp, tile: (tile[s], j)),
+            ),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=_params(t),
+        interpret=interpret,
+        name=name,
+    )(lo, hi, grp, tile, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
+    return (_finish(h, m, group_sizes_E, group_offset, num_local),
+            _finish(pre, m, group_sizes_E, group_offset, num_local))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused down-projection DLHS: u = g @ wo^T (one N tile = F), SwiGLU VJP in the epilogue
+
+
+def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
+                 out_tile_n_per_half, group_offset, sharded, mode, tiling=None, interpret=False):
+    """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
+    del sharded
+    m, d = g_MD.shape
+    num_local, f = wo_GFD.shape[0], wo_GFD.shape[1]
+    t, tm, m_pad = _tiles(tiling, m)
+    tk = pick(d, t.tk)
+    tiles_k = d // tk
+    lo, hi, grp, tile, steps = metadata.group_metadata(
+        group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
+        visit_empty=False)
+    has_scale = row_scale_M is not None
+    t_in, t_out = preact_tile_n_per_half, out_tile_n_per_half
+    pre_dtype = preact_M2F.dtype
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, g_ref, wo_ref, pre_ref, *rest):
+        if has_scale:
+            s_ref, d_ref, dot_ref, acc_ref = rest
+        else:
+            s_ref, (d_ref, dot_ref, acc_ref) = None, rest
+        s, ki = pl.program_id(0), pl.program_id(1)
+
+        @pl.when(ki == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        acc_ref[...] += jax.lax.dot_general(g_ref[...], wo_ref[...], (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+
+        @pl.when(ki == tiles_k - 1)
+        def _():
+            mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
+            gate, up = epilogue.read_halves(pre_ref[...], t_in)
+            scale = s_ref[...] if has_scale else None
+            d_gate, d_up, dot = epilogue.dswiglu(acc_ref[...], gate, up, scale, mode, pre_dtype)
+            for j in range(f // t_out):
+                cols = slice(j * t_out, (j + 1) * t_out)
+                _merge(d_ref, mask, d_gate[:, cols], slice(2 * t_out * j, 2 * t_out * j + t_out))
+                _merge(d_ref, mask, d_up[:, cols],
+                       slice(2 * t_out * j + t_out, 2 * t_out * (j + 1)))
+            _merge(dot_ref, mask, dot)
+
+    row_map = lambda s, ki, lo, hi, grp, tile: (tile[s], 0)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((tm, tk), lambda s, ki, lo, hi, grp, tile: (tile[s], ki)),
+        pl.BlockSpec((None, f, tk), lambda s, ki, lo, hi, grp, tile: (grp[s], 0, ki)),
+        pl.BlockSpec((tm, 2 * f), row_map),
+    ]
+    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad)]
+    if has_scale:
+        in_specs.append(pl.BlockSpec((tm, 1), row_map))
+        args.append(metadata.pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
+    d_out, dot = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),
+                   jax.ShapeDtypeStruct((m_pad, 1), jnp.float32)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(steps, tiles_k),
+            in_specs=in_specs,
+            out_specs=(pl.BlockSpec((tm, 2 * f), row_map), pl.BlockSpec((tm, 1), row_map)),
+            scratch_shapes=[pltpu.VMEM((tm, f), jnp.float32)],
+        ),
+        compiler_params=_params(t, ("arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="gmm_dswiglu_dlhs",
+    )(lo, hi, grp, tile, *args)
+    return (_finish(d_out, m, group_sizes_E, group_offset, num_local),
+            _finish(dot, m, group_sizes_E, group_offset, num_local)[:, 0])
+

@@ -1,0 +1,33 @@
+"""Small shared builders for tests: a tiny config, its params and a packed batch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridmoe.config import load_config
+from hybridmoe.model.params import declare_params, init_params
+from hybridmoe.train.data import pack_documents
+
+
+def tiny_config(*overrides: str):
+    return load_config("tiny", list(overrides))
+
+
+def tiny_params(cfg, seed: int = 0, perturb: bool = True):
+    """Initialised params; with `perturb`, norm offsets and zero-init weights get noise too, so no
+    parameter sits at a value (0 or 1) that could hide a wrong formula."""
+    params = init_params(declare_params(cfg.model), jax.random.key(seed))
+    if not perturb:
+        return params
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    leaves = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(tree, leaves)
+
+
+def packed_batch(seed: int, rows: int, seq_len: int, vocab: int, doc_lengths=(5, 70, 9, 30)):
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(1, vocab, size=n) for n in doc_lengths for _ in range(rows)]
+    return {k: jnp.asarray(v) for k, v in pack_documents(docs, rows, seq_len).items()}

@@ -1,0 +1,356 @@
+"""Grouped matmuls against the per-group reference, on every backend (Pallas in interpret mode).
+
+Legend: M rows, K contraction, N output columns, E groups in group_sizes, G local groups,
+D model width, F hidden half width, T forward tile per half.
+
+Interpret mode is slow, so the Pallas cases are few and tiny; the XLA backend takes the
+hypothesis-drawn group sizes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridmoe.kernels import gmm as K
+from hybridmoe.kernels.gmm import epilogue as epi
+from hybridmoe.kernels.gmm import reference as R
+from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # max |a - b| / max(|b|, 1)
+TINY = Tiling(tm=8, tk=8, tn=8)
+PALLAS = ["pallas_tpu", "pallas_gpu"]
+HYP = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def _kw(backend):
+    return dict(backend=backend, interpret=backend != "xla", tiling=TINY)
+
+
+def _err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1.0)) if b.size else 0.0
+
+
+def _close(a, b, dtype, what=""):
+    e = _err(a, b)
+    assert e <= TOL[dtype], f"{what}: rel err {e:.3g} > {TOL[dtype]}"
+
+
+def _data(seed, m, k, n, e, dtype):
+    r = np.random.default_rng(seed)
+    lhs = jnp.asarray(r.normal(size=(m, k)), dtype)
+    rhs = jnp.asarray(r.normal(size=(e, k, n)) / np.sqrt(k), dtype)
+    return lhs, rhs
+
+
+def _sizes(draw_sizes, m):
+    return jnp.asarray(draw_sizes, jnp.int32)
+
+
+group_sizes_st = st.integers(1, 4).flatmap(
+    lambda e: st.lists(st.integers(0, 9), min_size=e, max_size=e).filter(lambda s: sum(s) <= 24))
+
+
+# ---------------------------------------------------------------------------------------------
+# gmm forward and gradients
+
+
+def _check_gmm(backend, sizes, dtype, offset=0, num_local=None, transpose=False, m=24, k=16,
+               n=16, seed=0):
+    e = len(sizes)
+    num_local = e if num_local is None else num_local
+    gs = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs = _data(seed, m, k, n, num_local, dtype)
+    if transpose:
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    # Padding rows hold garbage: they must not leak into outputs or weight gradients.
+    lhs = lhs.at[int(sum(sizes)):].set(jnp.nan) if sum(sizes) < m else lhs
+    cot = jnp.asarray(np.random.default_rng(seed + 1).normal(size=(m, n)), jnp.float32)
+
+    def loss(fn, lhs, rhs):
+        return jnp.sum(fn(lhs, rhs).astype(jnp.float32) * cot)
+
+    ours = lambda a, b: K.gmm(a, b, gs, transpose_rhs=transpose, group_offset=offset,  # noqa: E731
+                              **_kw(backend))
+    ref = lambda a, b: R.gmm(jnp.nan_to_num(a), b, gs, transpose_rhs=transpose,  # noqa: E731
+                             group_offset=offset)
+    out = ours(lhs, rhs)
+    assert out.dtype == dtype and out.shape == (m, n)
+    _close(out, ref(lhs, rhs), dtype, "forward")
+    assert not np.any(np.asarray(out[int(sum(sizes)):], np.float32)), "padding rows not zero"
+    lhs0 = jnp.nan_to_num(lhs)
+    g_ours = jax.grad(lambda a, b: loss(ours, a, b), (0, 1))(lhs0, rhs)
+    g_ref = jax.grad(lambda a, b: loss(ref, a, b), (0, 1))(lhs0, rhs)
+    _close(g_ours[0], g_ref[0], dtype, "dlhs")
+    _close(g_ours[1], g_ref[1], dtype, "drhs")
+    # Rows of foreign groups and padding rows get zero gradient; empty local groups zero weight
+    # gradient.
+    keep = np.asarray(R.group_row_masks(gs, m, offset, num_local).any(0))
+    assert not np.any(np.asarray(g_ours[0], np.float32)[~keep])
+    local = np.asarray(sizes)[offset:offset + num_local]
+    assert not np.any(np.asarray(g_ours[1], np.float32)[local == 0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@HYP
+@given(sizes=group_sizes_st, transpose=st.booleans())
+def test_gmm_xla(dtype, sizes, transpose):
+    _check_gmm("xla", sizes, dtype, transpose=transpose)
+
+
+@HYP
+@given(sizes=st.lists(st.integers(0, 9), min_size=4, max_size=4), data=st.data())
+def test_gmm_xla_group_offset(sizes, data):
+    num_local = data.draw(st.integers(1, 3))
+    offset = data.draw(st.integers(0, 4 - num_local))
+    _check_gmm("xla", sizes, jnp.float32, offset=offset, num_local=num_local)
+
+
+PALLAS_CASES = [
+    # (sizes, offset, num_local, transpose): zeros, one group with everything, padding rows,
+    # a group straddling row tiles, expert-sharded groups.
+    ([5, 0, 11, 3], 0, None, False),
+    ([0, 24, 0], 0, None, True),
+    ([3, 7, 0, 6], 1, 2, False),
+]
+
+
+@pytest.mark.parametrize("backend", PALLAS)
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=["zeros-pad", "one-group-T", "offset"])
+def test_gmm_pallas(backend, case):
+    sizes, offset, num_local, transpose = case
+    _check_gmm(backend, sizes, jnp.float32, offset=offset, num_local=num_local,
+               transpose=transpose)
+
+
+@pytest.mark.parametrize("backend", PALLAS)
+def test_gmm_pallas_bf16(backend):
+    _check_gmm(backend, [9, 0, 10], jnp.bfloat16, m=24)
+
+
+def test_gmm_traced_offset():
+    gs = jnp.asarray([4, 6, 5, 3], jnp.int32)
+    lhs, rhs = _data(3, 24, 8, 8, 2, jnp.float32)
+    f = jax.jit(lambda off: K.gmm(lhs, rhs, gs, group_offset=off))
+    for off in (0, 1, 2):
+        _close(f(jnp.int32(off)), R.gmm(lhs, rhs, gs, group_offset=off), jnp.float32, f"off {off}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused SwiGLU pair
+
+
+M, D, F, T, E = 24, 16, 16, 8, 4
+
+
+def _pair_data(dtype, seed=0, e=E):
+    r = np.random.default_rng(seed)
+    x = jnp.asarray(r.normal(size=(M, D)), dtype)
+    wi = jnp.asarray(r.normal(size=(e, D, 2 * F)) / np.sqrt(D), dtype)
+    wo = jnp.asarray(r.normal(size=(e, F, D)) / np.sqrt(F), dtype)
+    s = jnp.asarray(r.uniform(0.1, 1.0, size=(M,)), jnp.float32)
+    cot = jnp.asarray(r.normal(size=(M, D)), jnp.float32)
+    return x, wi, wo, s, cot
+
+
+def fused_loss(x, wi, wo, s, gs, cot, *, tile=T, offset=0, epilogue="float32", **kw):
+    h, pre = K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=tile,
+                          group_offset=offset, epilogue=epilogue, **kw)
+    y = K.gmm_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=tile, row_scale=s,
+                      group_offset=offset, epilogue=epilogue, **kw)
+    return jnp.sum(y.astype(jnp.float32) * cot), y
+
+
+def unfused_loss(x, wi, wo, s, gs, cot, *, offset=0, **kw):
+    """The unfused composition the match_unfused epilogue reproduces bit for bit."""
+    pre = K.gmm(x, wi, gs, group_offset=offset, **kw)
+    h = K.swiglu(pre)
+    y = K.gmm(K.scale_rows(h, s), wo, gs, group_offset=offset, **kw)
+    return jnp.sum(y.astype(jnp.float32) * cot), y
+
+
+def ref_loss(x, wi, wo, s, gs, cot, *, offset=0):
+    y = R.moe_mlp(x, wi, wo, gs, row_scale_M=s, group_offset=offset)
+    return jnp.sum(y * cot), y
+
+
+def _grads(fn, x, wi, wo, s, gs, cot, **kw):
+    (_, y), g = jax.value_and_grad(lambda *a: fn(*a, gs, cot, **kw), (0, 1, 2, 3), has_aux=True)(
+        x, wi, wo, s)
+    return y, g
+
+
+def _check_pair(backend, dtype, sizes, offset=0, num_local=E, tile=T):
+    x, wi, wo, s, cot = _pair_data(dtype, e=num_local)
+    gs = jnp.asarray(sizes, jnp.int32)
+    y, g = _grads(fused_loss, x, wi, wo, s, gs, cot, tile=tile, offset=offset, **_kw(backend))
+    y_r, g_r = _grads(ref_loss, x, wi, wo, s, gs, cot, offset=offset)
+    _close(y, y_r, dtype, "y")
+    for name, a, b in zip(["dx", "dwi", "dwo", "ds"], g, g_r):
+        _close(a, b, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@HYP
+@given(sizes=st.lists(st.integers(0, 8), min_size=E, max_size=E), tile=st.sampled_from([8, 16]))
+def test_pair_xla(dtype, sizes, tile):
+    _check_pair("xla", dtype, sizes, tile=tile)
+
+
+@pytest.mark.parametrize("backend", PALLAS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pair_pallas(backend, dtype):
+    _check_pair(backend, dtype, [5, 0, 11, 3])
+
+
+@pytest.mark.parametrize("backend", ["xla", *PALLAS])
+def test_pair_group_offset(backend):
+    _check_pair(backend, jnp.float32, [3, 7, 0, 6], offset=1, num_local=2)
+
+
+def test_preact_layout_round_trip():
+    r = np.random.default_rng(0)
+    gate_up = jnp.asarray(r.normal(size=(5, 2 * F)), jnp.float32)
+    for tile in (4, 8, 16):
+        pre = K.contiguous_to_preact(gate_up, tile)
+        assert np.array_equal(K.preact_to_contiguous(pre, F, tile), gate_up)
+        gate, up = K.split_preact(pre, F, tile)
+        assert np.array_equal(gate, gate_up[:, :F]) and np.array_equal(up, gate_up[:, F:])
+        # block j of a row is [gate_j | up_j]
+        assert np.array_equal(pre[:, tile:2 * tile], gate_up[:, F:F + tile])
+    assert K.contiguous_to_preact(gate_up, F) is not None
+    assert np.array_equal(K.contiguous_to_preact(gate_up, F), gate_up)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+def test_kernel_stores_per_tile_layout(backend):
+    x, wi, _, _, _ = _pair_data(jnp.float32)
+    gs = jnp.asarray([6, 6, 6, 6], jnp.int32)
+    h, pre = K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=T, **_kw(backend))
+    gate_up = R.gmm(x, wi, gs)
+    _close(pre, K.contiguous_to_preact(gate_up, T), jnp.float32, "preact layout")
+    _close(h, R.swiglu(gate_up), jnp.float32, "h")
+
+
+def test_activation_vjp_never_built():
+    """Behind gmm_dswiglu, h's cotangent is a symbolic zero: one logistic in the forward, one
+    in the fused DLHS epilogue, none for the activation's own VJP."""
+    x, wi, wo, s, cot = _pair_data(jnp.float32)
+    gs = jnp.asarray([6, 6, 6, 6], jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: fused_loss(*a, gs, cot)[0], (0, 1, 2, 3)))(
+        x, wi, wo, s)
+    assert str(jaxpr).count("logistic") == 2
+
+    # Control: when h is also consumed directly, gmm_swiglu's backward does build the VJP.
+    def leaky(x, wi, wo, s):
+        h, pre = K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=T)
+        y = K.gmm_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=T, row_scale=s)
+        return jnp.sum(y * cot) + jnp.sum(h)
+
+    assert str(jax.make_jaxpr(jax.grad(leaky, (0, 1, 2, 3)))(x, wi, wo, s)).count("logistic") == 3
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+def test_fused_equals_unfused(backend):
+    """match_unfused: bit-identical to the unfused path in bf16 (output and every gradient).
+    float32 epilogue: output and wo gradient bit-identical, the rest within bf16 rounding."""
+    x, wi, wo, s, cot = _pair_data(jnp.bfloat16)
+    gs = jnp.asarray([5, 0, 11, 3], jnp.int32)
+    kw = _kw(backend)
+    y_u, g_u = _grads(unfused_loss, x, wi, wo, s, gs, cot, **kw)
+    y_m, g_m = _grads(fused_loss, x, wi, wo, s, gs, cot, epilogue="match_unfused", **kw)
+    assert np.array_equal(y_m, y_u)
+    for name, a, b in zip(["dx", "dwi", "dwo", "ds"], g_m, g_u):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)), name
+    # The real epilogue on the unfused forward (x -> pre by gmm): the down projection's output
+    # and wo gradient stay bit-identical.
+    pre = K.gmm(x, wi, gs, **kw)
+    h = K.swiglu(pre)
+
+    def down(h, wo, pre, s, epilogue):
+        y = K.gmm_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=F, row_scale=s,
+                          epilogue=epilogue, **kw)
+        return jnp.sum(y.astype(jnp.float32) * cot), y
+
+    (_, y_f), g_f = jax.value_and_grad(lambda *a: down(*a, "float32"), (1, 2, 3), has_aux=True)(
+        h, wo, pre, s)
+    (_, y_m2), g_m2 = jax.value_and_grad(lambda *a: down(*a, "match_unfused"), (1, 2, 3),
+                                         has_aux=True)(h, wo, pre, s)
+    assert np.array_equal(y_f, y_m2) and np.array_equal(g_f[0], g_m2[0])
+    for a, b in zip(g_f[1:], g_m2[1:]):
+        rel = np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32)) / max(
+            np.linalg.norm(np.asarray(b, np.float32)), 1e-30)
+        assert rel <= 1e-2, rel
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken variants: each must be caught by the reference comparison of the fused pair.
+
+
+def _swap_halves(block, j, t):
+    g, u = _orig["read_tile"](block, j, t)
+    return u, g
+
+
+def _contiguous_reader(block, j, t):
+    f = block.shape[-1] // 2
+    return block[..., j * t:(j + 1) * t], block[..., f + j * t:f + (j + 1) * t]
+
+
+_orig = {"read_tile": epi.read_tile}
+BROKEN = {
+    "halves_swapped": ("read_tile", _swap_halves),
+    "silu_grad_first_term_only": ("silu_grad", lambda x, sig: sig),
+    "row_scale_dropped": ("row_scale_f32", lambda s: jnp.ones_like(s, jnp.float32)),
+    "row_scale_bf16": ("row_scale_f32", lambda s: s.astype(jnp.bfloat16).astype(jnp.float32)),
+    "contiguous_reader": ("read_tile", _contiguous_reader),
+    "reversed_tile_order": ("tile_order", lambda n: list(range(n))[::-1]),
+}
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+@pytest.mark.parametrize("variant", list(BROKEN))
+def test_broken_variant_caught(backend, variant, monkeypatch):
+    if backend != "xla" and variant not in ("contiguous_reader", "reversed_tile_order"):
+        pytest.skip("the epilogue math is shared; the Pallas kernels differ in their readers")
+    name, fn = BROKEN[variant]
+    monkeypatch.setattr(epi, name, fn)
+    with pytest.raises(AssertionError):
+        _check_pair(backend, jnp.float32, [5, 2, 11, 3], tile=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile rules
+
+
+def test_tile_problems():
+    ok = Tiling(tm=512, tk=1024, tn=256)
+    assert tile_problems(d_model=2048, hidden=512, tiling=ok, tile_n_per_half=256) == []
+    probs = tile_problems(d_model=2048, hidden=512, tiling=Tiling(tm=12, rhs_buffer_count=1),
+                          tile_n_per_half=96)
+    joined = " ".join(probs)
+    assert "tm=12" in joined and "tile_n_per_half=96" in joined and "rhs_buffer_count" in joined
+    assert tile_problems(d_model=16, hidden=16, tiling=TINY, tile_n_per_half=8,
+                         hardware=False) == []
+    assert any("power of two" in p for p in tile_problems(
+        d_model=2048, hidden=384, tiling=Tiling(tm=64, tk=128, tn=128), tile_n_per_half=128,
+        backend="pallas_gpu"))
+
+
+def test_bad_arguments():
+    x, wi, wo, s, _ = _pair_data(jnp.float32)
+    gs = jnp.asarray([6, 6, 6, 6], jnp.int32)
+    with pytest.raises(ValueError, match="tile_n_per_half"):
+        K.gmm_swiglu(x, wi, gs, tile_n_per_half=5)
+    with pytest.raises(ValueError, match="int32"):
+        K.gmm(x, wi, gs.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.float32))
+    with pytest.raises(ValueError, match="with_row_dot"):
+        K.gmm_dswiglu(x[:, :F], wo, gs, preact=jnp.zeros((M, 2 * F)), preact_tile_n_per_half=F,
+                      with_row_dot=True)
+    with pytest.raises(ValueError, match="backend"):
+        K.gmm(x, wi, gs, backend="cuda")
