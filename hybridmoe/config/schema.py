@@ -178,7 +178,43 @@ class TrainConfig(Section):
 
 
 class RLConfig(Section):
-    pass
+    # The task and its prompts.
+    task: Literal["arithmetic", "format"] = Field("arithmetic", description="Built-in task: exact-match arithmetic, or the stated-format reward.")
+    digits: int = Field(1, ge=1, description="Operand digits of the arithmetic prompts (each operand in [0, 10**digits)).")
+    operators: str = Field("+", pattern=r"^[+\-*]+$", description="Operators the prompts draw from, any subset of '+-*'.")
+    prompts_per_step: int = Field(8, gt=0, description="Prompts P per GRPO step.")
+    group_size: int = Field(8, ge=2, description="Completions G sampled per prompt (the group of the advantage).")
+    max_prompt_len: int = Field(16, gt=0, description="Prompt tokens (left-padded to this); a longer prompt is a counted skip.")
+    max_new_tokens: int = Field(8, gt=0, description="Completion tokens sampled at most; a completion without EOS by then is truncated.")
+    # Sampling.
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
+    # Phases.
+    warmup_steps: int = Field(20, ge=0, description="Supervised steps on the task's solved examples before GRPO (batch and lr from train.*).")
+    steps: int = Field(30, ge=0, description="GRPO policy-update steps.")
+    # The policy update.
+    learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate of the GRPO phase (betas, clip, decay from train.*).")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps of the GRPO phase.")
+    micro_batches: int = Field(1, gt=0, description="Micro-batches the P*G sequences are split into; gradients accumulate.")
+    estimator: Literal["grpo", "rloo", "drgrpo"] = Field("grpo", description="Group advantage estimator.")
+    mask_truncated: bool = Field(True, description="Truncated completions (no EOS) carry no loss.")
+    mask_zero_variance: bool = Field(True, description="Groups whose rewards are all equal carry no loss.")
+    eps: float = Field(0.2, gt=0, lt=1, description="Lower clip of the ratio: 1 - eps.")
+    eps_high: float | None = Field(None, gt=0, description="Upper clip of the ratio: 1 + eps_high (None = eps).")
+    beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference policy (0 = no reference held).")
+    aggregation: Literal["token_mean", "seq_mean_token_mean"] = Field("token_mean", description="How per-token losses reduce to the step loss.")
+    logprob_chunk_tokens: int = Field(256, gt=0, description="Tokens per chunk of the chunked log-probs (never the full [tokens, vocab] logits).")
+    logprob_chunk_vocab: int = Field(4096, gt=0, description="Vocabulary columns per chunk of the chunked log-probs.")
+    checkpoint_every: int = Field(10, ge=0, description="Steps (warm-up and GRPO alike) between checkpoints (0 = only at the end).")
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def sequence_len(self) -> int:
+        """Tokens of a rollout row: the left-padded prompt then the completion."""
+        return self.max_prompt_len + self.max_new_tokens
 
 
 class BenchConfig(Section):

@@ -82,3 +82,34 @@ def _remat(cfg: Config) -> list[Problem]:
     if unknown:
         out.append(("remat.save", f"unknown checkpoint names {unknown}; known: {list(CHECKPOINT_NAMES)}"))
     return out
+
+
+@rule
+def _rl_shapes(cfg: Config) -> list[Problem]:
+    r, out = cfg.rl, []
+    if r.sequence_len > cfg.model.max_seq_len:
+        out.append(("rl.max_new_tokens", f"rl.max_prompt_len + rl.max_new_tokens = {r.sequence_len} exceeds "
+                    f"model.max_seq_len={cfg.model.max_seq_len}; shorten either or raise model.max_seq_len"))
+    if r.rollouts_per_step % r.micro_batches:
+        out.append(("rl.micro_batches", f"{r.micro_batches} does not divide the {r.rollouts_per_step} rollouts of a "
+                    "step (rl.prompts_per_step * rl.group_size)"))
+    if r.operators and len(set(r.operators)) != len(r.operators):
+        out.append(("rl.operators", f"{r.operators!r} repeats an operator"))
+    return out
+
+
+@rule
+def _rl_batch_fits_mesh(cfg: Config) -> list[Problem]:
+    # Rollout rows are sharded over the batch axes (data x fsdp x expert under either rules table at
+    # most); the device count is known at load only when simulating CPU devices.
+    if not cfg.mesh.cpu_devices:
+        return []
+    sizes, problem = cfg.mesh.resolve(cfg.mesh.cpu_devices)
+    if problem:
+        return []
+    shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    rows = cfg.rl.rollouts_per_step // cfg.rl.micro_batches
+    if rows % shards:
+        return [("rl.prompts_per_step", f"a micro-batch of {rows} rollouts (rl.prompts_per_step * rl.group_size / "
+                 f"rl.micro_batches) does not split over the {shards} batch shards of the mesh")]
+    return []

@@ -43,17 +43,29 @@ def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config):
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
+def decoder_layer(lp, x_BTD, mix, cfg: Config):
+    """One layer around its token mixer: x + mix(norm x), then x + moe(norm x).
+
+    `mix(mixer_params, h_BTD) -> (y_BTD, aux)` is the token mixer (the full-sequence one here, the
+    cached one in decode.py); returns (x_BTD, aux).
+    """
+    m = cfg.model
+    h = rms_norm(x_BTD, lp["input_norm"], m.rms_norm_eps)
+    y_BTD, aux = mix(lp["mixer"], h)
+    x_BTD = x_BTD + y_BTD
+    h = rms_norm(x_BTD, lp["post_norm"], m.rms_norm_eps)
+    x_BTD = x_BTD + moe_layer(lp["moe"], h, m, cfg.moe)
+    return constrain(x_BTD, "batch", "seq", None), aux
+
+
 def block_fn(cfg: Config, positions_BT, segment_ids_BT):
     """One repeating block (every position of the layer pattern) as a function (x, block params) -> x."""
     m = cfg.model
 
     def block(x_BTD, block_params):
         for kind, lp in zip(m.layer_pattern, block_params):
-            h = rms_norm(x_BTD, lp["input_norm"], m.rms_norm_eps)
-            x_BTD = x_BTD + _mixer(kind, lp["mixer"], h, positions_BT, segment_ids_BT, cfg)
-            h = rms_norm(x_BTD, lp["post_norm"], m.rms_norm_eps)
-            x_BTD = x_BTD + moe_layer(lp["moe"], h, m, cfg.moe)
-            x_BTD = constrain(x_BTD, "batch", "seq", None)
+            mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg), None)
+            x_BTD, _ = decoder_layer(lp, x_BTD, mix, cfg)
         return x_BTD
 
     return block

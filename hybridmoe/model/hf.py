@@ -87,7 +87,8 @@ def model_fields_from_hf_config(config_json: dict) -> dict:
     """
     model_type = config_json.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config.json: model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+        raise ValueError(
+            f"config.json: model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
     text = config_json["text_config"] if "text_config" in config_json else config_json
 
     def need(key):
@@ -180,9 +181,11 @@ def hf_config_from_model_fields(fields, dtype: str = "float32") -> dict:
     """A Qwen3_5MoeForCausalLM (text-only) config.json for the given model fields."""
     f = _fields(fields)
     if not f["norm_topk_prob"]:
-        raise ValueError("model.norm_topk_prob=False has no Qwen3.5-MoE form (it always renormalises the top-k weights)")
+        raise ValueError(
+            "model.norm_topk_prob=False has no Qwen3.5-MoE form (it always renormalises the top-k weights)")
     if f["num_layers"] % len(f["layer_pattern"]):
-        raise ValueError(f"model.num_layers={f['num_layers']} is not a multiple of len(model.layer_pattern)={len(f['layer_pattern'])}")
+        raise ValueError(f"model.num_layers={f['num_layers']} is not a multiple of "
+                         f"len(model.layer_pattern)={len(f['layer_pattern'])}")
     pattern = f["layer_pattern"]
     return {
         "architectures": ["Qwen3_5MoeForCausalLM"],
@@ -303,7 +306,8 @@ def deinterleave_qkvz(qkvz: np.ndarray, ba: np.ndarray, d: dict) -> tuple[np.nda
     return qkv, z.reshape(U * v, D), b, a
 
 
-def interleave_qkvz(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, d: dict) -> tuple[np.ndarray, np.ndarray]:
+def interleave_qkvz(qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray,
+                    d: dict) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of `deinterleave_qkvz`: split projections -> Qwen3-Next's (in_proj_qkvz, in_proj_ba)."""
     D, K, U, k, v = d["D"], d["K"], d["U"], d["k"], d["v"]
     r = U // K

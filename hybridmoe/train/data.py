@@ -30,21 +30,29 @@ def pack_documents(docs: list[np.ndarray], rows: int, seq_len: int, pad_id: int 
     return {"tokens": tokens, "segment_ids": seg, "positions": pos}
 
 
-def synthetic_batch(seed: int, step: int, micro_batches: int, batch_size: int, seq_len: int, vocab: int):
-    """Copy-task documents (a random string, a separator, the string again): learnable, so loss falls.
+def synthetic_batch(seed: int, step: int, micro_batches: int, batch_size: int, seq_len: int, vocab: int,
+                    successors: int = 4):
+    """Documents from a fixed sparse Markov chain (each token has `successors` likely next tokens,
+    the table drawn from `seed` alone): learnable structure, so the loss falls from ln(vocab)
+    towards ln(successors).
 
     Returns arrays [micro_batches, batch_size, seq_len].
     """
+    table = np.random.default_rng([seed, 2**31 - 1]).integers(1, vocab, size=(vocab, successors))
     rng = np.random.default_rng([seed, step])
     out = []
     for _ in range(micro_batches):
         docs = []
         budget = batch_size * seq_len
         while budget > 0:
-            half = int(rng.integers(4, max(5, seq_len // 2)))
-            body = rng.integers(2, vocab, size=half)
-            docs.append(np.concatenate([body, [1], body])[:seq_len])
-            budget -= len(docs[-1])
+            n = int(rng.integers(4, seq_len + 1))
+            doc = np.empty(n, np.int64)
+            doc[0] = rng.integers(1, vocab)
+            choice = rng.integers(0, successors, size=n)
+            for i in range(1, n):
+                doc[i] = table[doc[i - 1], choice[i]]
+            docs.append(doc)
+            budget -= n
         out.append(pack_documents(docs, batch_size, seq_len))
     return {k: np.stack([o[k] for o in out]) for k in out[0]}
 

@@ -73,7 +73,7 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progres
                        "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}
                 history.append(rec)
                 if writer is not None and step % t.log_every == 0:
-                    writer.write(step, rec)
+                    writer.write(step, {k: v for k, v in rec.items() if k != "step"})
                 bar.set_postfix(loss=f"{m['loss']:.4f}")
                 done = step + 1
                 if ckpt is not None and t.checkpoint_every and done % t.checkpoint_every == 0 and done < t.steps:

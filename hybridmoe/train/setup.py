@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -11,6 +12,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridmoe.config.schema import Config
+from hybridmoe.config.validate import ConfigError
 from hybridmoe.model.params import abstract_params, declare_params, init_params, param_shardings
 from hybridmoe.parallel.mesh import make_mesh
 from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, use_rules
@@ -57,9 +59,24 @@ class _Both:
             c.__exit__(*exc)
 
 
+def check_batch_fits(cfg: Config, mesh, rules) -> None:
+    """The batch and sequence must split evenly over the mesh axes the rules give them."""
+    problems = []
+    for key, size, axis in (("train.batch_size", cfg.train.batch_size, "batch"),
+                            ("train.seq_len", cfg.train.seq_len, "seq")):
+        mesh_axes = rules[axis]
+        names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        shards = math.prod(mesh.shape[a] for a in names)
+        if size % shards:
+            problems.append((key, f"{size} does not split over the {shards} shards of mesh axes {names}"))
+    if problems:
+        raise ConfigError(problems)
+
+
 def build(cfg: Config, devices=None) -> RunSetup:
     mesh = make_mesh(cfg.mesh, devices)
     rules = RULES_TABLES[cfg.mesh.rules]
+    check_batch_fits(cfg, mesh, rules)
     specs = declare_params(cfg.model)
     p_sh = param_shardings(specs, mesh, rules)
     optimizer = make_optimizer(cfg.train)

@@ -42,17 +42,24 @@ class StepFns:
 
 
 def accumulate_grads(loss_sum_fn, params, micro_batches):
-    """Sum (loss, count, grads) over the leading micro-batch axis with a scan (float32 sums)."""
+    """Sum (loss, count, grads) over the leading micro-batch axis with a scan (float32 sums).
+
+    `loss_sum_fn(params, micro_batch) -> (loss, count)`; `count` may be any tree of scalars (the
+    RL step sums its metric numerators there), each summed in its own dtype.
+    """
     grad_fn = jax.value_and_grad(loss_sum_fn, has_aux=True)
 
     def body(acc, mb):
         (loss, count), g = grad_fn(params, mb)
         acc_loss, acc_count, acc_g = acc
-        return (acc_loss + loss, acc_count + count,
+        return (acc_loss + loss, jax.tree.map(jnp.add, acc_count, count),
                 jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)), None
 
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    (_, count_shape), _ = jax.eval_shape(grad_fn, params, first)
+    zero_count = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), count_shape)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (loss, count, grads), _ = jax.lax.scan(body, (jnp.float32(0), jnp.int32(0), zeros), micro_batches)
+    (loss, count, grads), _ = jax.lax.scan(body, (jnp.float32(0), zero_count, zeros), micro_batches)
     return loss, count, grads
 
 
@@ -62,7 +69,7 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation):
         loss_sum, count, grads = accumulate_grads(lambda p, mb: nll_sum(p, cfg, mb), params, batch)
         denom = jnp.maximum(count, 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}

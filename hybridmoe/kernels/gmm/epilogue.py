@@ -89,13 +89,15 @@ def swiglu_fwd(gate_acc, up_acc, out_dtype, mode: Epilogue):
 # Backward epilogue of the down projection's DLHS: u = g @ wo^T (float32) -> d[gate | up].
 
 
-def dswiglu(u_MF, gate_MF, up_MF, s_M1, mode: Epilogue, out_dtype):
+def dswiglu(u_MF, gate_MF, up_MF, s_M1, mode: Epilogue, out_dtype, h_MF=None):
     """SwiGLU backward from u (float32 accumulator) and the stored pre-activation halves.
 
     Returns (d_gate, d_up, row_dot) with d_* in out_dtype and row_dot [rows, 1] float32:
         d_gate = s * u * up * silu'(gate),  d_up = s * u * silu(gate),
         row_dot = <u, silu(gate) * up>     (the gradient of the row scale s).
-    s_M1 is None for no row scale.
+    s_M1 is None for no row scale. h_MF: the forward's stored h, which "match_unfused" uses for
+    the row dot (the unfused path dots with the stored h, whose rounding depends on how the
+    forward's elementwise ops were fused; recomputing it need not give the same bits).
     """
     if mode == "float32":
         u = u_MF.astype(jnp.float32)
@@ -113,7 +115,7 @@ def dswiglu(u_MF, gate_MF, up_MF, s_M1, mode: Epilogue, out_dtype):
         # dh = round(u_r * s) and ds = sum(u_r * h) in float32; swiglu's autodiff VJP in the
         # activation dtype gives d[gate | up].
         u_r = u_MF.astype(out_dtype)
-        h = jax.nn.silu(gate_MF) * up_MF
+        h = jax.nn.silu(gate_MF) * up_MF if h_MF is None else h_MF
         row_dot = jnp.sum(u_r.astype(jnp.float32) * h.astype(jnp.float32), axis=-1, keepdims=True)
         if s_M1 is None:
             dh = u_r

@@ -266,13 +266,16 @@ def gmm_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_half: 
         lhs = h if s is None else epi.scale_rows(h, s)
         y = be.gmm(lhs, wo, sizes, transpose_rhs=False, group_offset=off, sharded=sharded,
                    out_dtype=h.dtype, **kw)
-        return y, (lhs, wo, pre, s, sizes, off)
+        # Only the match_unfused stand-in keeps h: its row dot uses the stored h, as unfused does.
+        h_res = h if (epilogue == "match_unfused" and s is not None) else None
+        return y, (lhs, wo, pre, s, h_res, sizes, off)
 
     def bwd(res, g_MD):
-        lhs, wo, pre, s, sizes, off = res
+        lhs, wo, pre, s, h_res, sizes, off = res
         d, row_dot = be.dswiglu_dlhs(
             g_MD, wo, sizes, pre, preact_tile_n_per_half=t, row_scale_M=s,
-            out_tile_n_per_half=t, group_offset=off, sharded=sharded, mode=epilogue, **kw)
+            out_tile_n_per_half=t, group_offset=off, sharded=sharded, mode=epilogue,
+            h_MF=h_res, **kw)
         dwo = be.tgmm(lhs, g_MD, sizes, num_local=wo.shape[0], group_offset=off,
                       sharded=sharded, out_dtype=wo.dtype, **kw)
         ds = None

@@ -187,7 +187,8 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
 
 
 def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
-                 out_tile_n_per_half, group_offset, sharded, mode, tiling=None, interpret=False):
+                 out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
+                 interpret=False):
     """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
     del sharded
     m, d = g_MD.shape
@@ -196,11 +197,15 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
     tk = pick(d, t.tk)
     meta, s_max = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, False)
     has_scale = row_scale_M is not None
+    has_h = h_MF is not None  # only the match_unfused stand-in reads the stored h
     t_in, t_out = preact_tile_n_per_half, out_tile_n_per_half
     pre_dtype = preact_M2F.dtype
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, g_ref, wo_ref, pre_ref, *rest):
-        s_ref, d_ref, dot_ref = rest if has_scale else (None, *rest)
+        rest = list(rest)
+        s_ref = rest.pop(0) if has_scale else None
+        h_ref = rest.pop(0) if has_h else None
+        d_ref, dot_ref = rest
         s = pl.program_id(0)
         start, g, mask = _step_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, tm)
         rows = pl.ds(start, tm)
@@ -213,7 +218,8 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
         u = jax.lax.fori_loop(0, d // tk, body, jnp.zeros((tm, f), jnp.float32))
         gate, up = epilogue.read_halves(pre_ref[rows, :], t_in)
         scale = s_ref[rows, :] if has_scale else None
-        d_gate, d_up, dot = epilogue.dswiglu(u, gate, up, scale, mode, pre_dtype)
+        h = h_ref[rows, :] if has_h else None
+        d_gate, d_up, dot = epilogue.dswiglu(u, gate, up, scale, mode, pre_dtype, h)
         for j in range(f // t_out):
             cols = slice(j * t_out, (j + 1) * t_out)
             _store_rows(d_ref.at[rows, pl.ds(2 * t_out * j, t_out)], d_gate[:, cols], mask)
@@ -223,6 +229,8 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
     args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad)]
     if has_scale:
         args.append(metadata.pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
+    if has_h:
+        args.append(metadata.pad_rows(h_MF, m_pad))
     d_out, dot = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),

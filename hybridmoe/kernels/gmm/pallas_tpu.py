@@ -250,7 +250,8 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
 
 
 def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
-                 out_tile_n_per_half, group_offset, sharded, mode, tiling=None, interpret=False):
+                 out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
+                 interpret=False):
     """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
     del sharded
     m, d = g_MD.shape
@@ -262,14 +263,15 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
         visit_empty=False)
     has_scale = row_scale_M is not None
+    has_h = h_MF is not None  # only the match_unfused stand-in reads the stored h
     t_in, t_out = preact_tile_n_per_half, out_tile_n_per_half
     pre_dtype = preact_M2F.dtype
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, g_ref, wo_ref, pre_ref, *rest):
-        if has_scale:
-            s_ref, d_ref, dot_ref, acc_ref = rest
-        else:
-            s_ref, (d_ref, dot_ref, acc_ref) = None, rest
+        rest = list(rest)
+        s_ref = rest.pop(0) if has_scale else None
+        h_ref = rest.pop(0) if has_h else None
+        d_ref, dot_ref, acc_ref = rest
         s, ki = pl.program_id(0), pl.program_id(1)
 
         @pl.when(ki == 0)
@@ -284,7 +286,8 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
             mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
             gate, up = epilogue.read_halves(pre_ref[...], t_in)
             scale = s_ref[...] if has_scale else None
-            d_gate, d_up, dot = epilogue.dswiglu(acc_ref[...], gate, up, scale, mode, pre_dtype)
+            h = h_ref[...] if has_h else None
+            d_gate, d_up, dot = epilogue.dswiglu(acc_ref[...], gate, up, scale, mode, pre_dtype, h)
             for j in range(f // t_out):
                 cols = slice(j * t_out, (j + 1) * t_out)
                 _merge(d_ref, mask, d_gate[:, cols], slice(2 * t_out * j, 2 * t_out * j + t_out))
@@ -302,6 +305,9 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
     if has_scale:
         in_specs.append(pl.BlockSpec((tm, 1), row_map))
         args.append(metadata.pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
+    if has_h:
+        in_specs.append(pl.BlockSpec((tm, f), row_map))
+        args.append(metadata.pad_rows(h_MF, m_pad))
     d_out, dot = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),

@@ -101,14 +101,15 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
 
 
 def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
-                 out_tile_n_per_half, group_offset, sharded, mode, tiling=None, interpret=False):
+                 out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
+                 interpret=False):
     """(d[gate | up] in the layout for out_tile_n_per_half, row_dot [M] float32)."""
     del tiling, interpret
     u = gmm_f32(g_MD, wo_GFD, group_sizes_E, transpose_rhs=True,
                 group_offset=group_offset, sharded=sharded)
     gate, up = epilogue.read_halves(preact_M2F, preact_tile_n_per_half)
     s_M1 = None if row_scale_M is None else row_scale_M[:, None]
-    d_gate, d_up, dot_M1 = epilogue.dswiglu(u, gate, up, s_M1, mode, preact_M2F.dtype)
+    d_gate, d_up, dot_M1 = epilogue.dswiglu(u, gate, up, s_M1, mode, preact_M2F.dtype, h_MF)
     d = epilogue.write_tiles(d_gate, d_up, out_tile_n_per_half)
     if sharded:
         keep_M = row_mask(g_MD.shape[0], group_sizes_E, group_offset, wo_GFD.shape[0])

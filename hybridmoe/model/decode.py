@@ -1,0 +1,115 @@
+"""The decoder with a cache: prefill a batch of prompts, then extend it one token at a time.
+
+Shape legend: B batch, T new tokens of this call, S cache slots (prompt + completion), D model,
+V vocab, G attention key/value heads, A attention head dim, K GDN key heads, U GDN value heads,
+k GDN key dim, v GDN value dim, W conv width, L stacked blocks (the layer scan's axis).
+
+The cache mirrors the weight tree: `layers[p]` holds the state of layer-pattern position p for
+every block, stacked on a leading L axis, so the layer stack is the same `lax.scan` over blocks as
+the trainer's forward and each layer runs the trainer's own layer functions:
+  attention  k, v [L, B, S, G, A]: the projected keys/values of every slot written so far;
+  gdn        conv_q, conv_k [L, B, W-1, K, k], conv_v [L, B, W-1, U, v] (pre-conv tails) and
+             ssm [L, B, U, k, v] float32 (the delta-rule state), what `gdn_layer(state=...)` carries.
+Shared by all attention layers: kv_pos, kv_seg [B, S] (position and segment of each slot; segment
+-1 marks a slot not written yet, which no query matches) and `slot`, the next slot to write.
+
+Prompts are left-padded (segment 0) so that every row writes the same slot at each step; padding
+never enters a state: the GDN layer zeroes padded inputs and resets at the first real token, and
+attention masks padded keys by segment.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hybridmoe.config.schema import Config
+from hybridmoe.kernels.attention import attention
+from hybridmoe.model.attention import gated_output, project_qkv
+from hybridmoe.model.forward import decoder_layer
+from hybridmoe.model.gdn import gdn_layer
+from hybridmoe.model.norms import rms_norm
+from hybridmoe.parallel.rules import constrain
+
+UNWRITTEN_SEGMENT = -1
+
+
+def init_cache(cfg: Config, batch: int, num_slots: int):
+    """An empty cache for `batch` rows of up to `num_slots` tokens (prompt + completion)."""
+    m = cfg.model
+    dt = jnp.dtype(m.compute_dtype)
+    L, W = m.num_blocks, m.gdn_conv_kernel
+    layers = []
+    for kind in m.layer_pattern:
+        if kind == "attention":
+            kv = jnp.zeros((L, batch, num_slots, m.num_kv_heads, m.head_dim), dt)
+            layers.append({"k": kv, "v": kv})
+        elif kind == "gdn":
+            K, U, k, v = m.gdn_num_key_heads, m.gdn_num_value_heads, m.gdn_key_dim, m.gdn_value_dim
+            layers.append({
+                "conv_q": jnp.zeros((L, batch, W - 1, K, k), dt),
+                "conv_k": jnp.zeros((L, batch, W - 1, K, k), dt),
+                "conv_v": jnp.zeros((L, batch, W - 1, U, v), dt),
+                "ssm": jnp.zeros((L, batch, U, k, v), jnp.float32),
+            })
+        else:
+            raise ValueError(f"unknown layer kind {kind!r}")
+    return {
+        "layers": layers,
+        "kv_pos": jnp.zeros((batch, num_slots), jnp.int32),
+        "kv_seg": jnp.full((batch, num_slots), UNWRITTEN_SEGMENT, jnp.int32),
+        "slot": jnp.int32(0),
+    }
+
+
+def _cached_mixer(kind: str, p, h_BTD, layer_cache, ctx, cfg: Config):
+    """The one dispatch on layer kind: (mixer output, the layer's new cache)."""
+    m = cfg.model
+    positions_BT, segment_ids_BT, kv_pos_BS, kv_seg_BS, slot = ctx
+    if kind == "attention":
+        q, gate, k, v = project_qkv(p, h_BTD, positions_BT, m)
+        k_BSGA = jax.lax.dynamic_update_slice_in_dim(layer_cache["k"], k.astype(layer_cache["k"].dtype), slot, axis=1)
+        v_BSGA = jax.lax.dynamic_update_slice_in_dim(layer_cache["v"], v.astype(layer_cache["v"].dtype), slot, axis=1)
+        o_BTNA = attention(q, k_BSGA.astype(q.dtype), v_BSGA.astype(q.dtype), q_pos_BT=positions_BT,
+                           kv_pos_BS=kv_pos_BS, q_seg_BT=segment_ids_BT, kv_seg_BS=kv_seg_BS,
+                           scale=m.head_dim ** -0.5)
+        return gated_output(p, o_BTNA, gate), {"k": k_BSGA, "v": v_BSGA}
+    if kind == "gdn":
+        # One new token: chunk size 1 is the plain recurrence (no padding to a whole chunk).
+        chunk = cfg.gdn.chunk_size if h_BTD.shape[1] > 1 else 1
+        y, state = gdn_layer(p, h_BTD, segment_ids_BT, m, chunk_size=chunk, backend=cfg.kernels.gdn.backend,
+                             state=layer_cache)
+        return y, jax.tree.map(lambda new, old: new.astype(old.dtype), state, layer_cache)
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def cached_hidden(params, cfg: Config, cache, tokens_BT, segment_ids_BT, positions_BT):
+    """Run T new tokens (a prompt, or one decode token) through the decoder, writing them to cache
+    slots [slot, slot + T). Returns (final-normed hidden states [B, T, D], the new cache)."""
+    m = cfg.model
+    slot = cache["slot"]
+    kv_pos_BS = jax.lax.dynamic_update_slice_in_dim(cache["kv_pos"], positions_BT.astype(jnp.int32), slot, axis=1)
+    kv_seg_BS = jax.lax.dynamic_update_slice_in_dim(cache["kv_seg"], segment_ids_BT.astype(jnp.int32), slot, axis=1)
+    ctx = (positions_BT, segment_ids_BT, kv_pos_BS, kv_seg_BS, slot)
+    dt = jnp.dtype(m.compute_dtype)
+    x = constrain(params["embed"].astype(dt)[tokens_BT], "batch", "seq", None)
+
+    def block(x_BTD, xs):
+        block_params, block_cache = xs
+        new_cache = []
+        for kind, lp, lc in zip(m.layer_pattern, block_params, block_cache):
+            mix = lambda p, h, kind=kind, lc=lc: _cached_mixer(kind, p, h, lc, ctx, cfg)
+            x_BTD, lc = decoder_layer(lp, x_BTD, mix, cfg)
+            new_cache.append(lc)
+        return x_BTD, new_cache
+
+    x, layers = jax.lax.scan(block, x, (params["blocks"], cache["layers"]))
+    hidden = rms_norm(x, params["final_norm"], m.rms_norm_eps)
+    new_cache = {"layers": layers, "kv_pos": kv_pos_BS, "kv_seg": kv_seg_BS,
+                 "slot": slot + jnp.int32(tokens_BT.shape[1])}
+    return hidden, new_cache
+
+
+def next_token_logits(params, hidden_BD):
+    """float32 logits [B, V] of the next token from final-normed hidden states."""
+    return jnp.dot(hidden_BD, params["lm_head"].astype(hidden_BD.dtype), preferred_element_type=jnp.float32)

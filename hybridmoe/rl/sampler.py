@@ -1,0 +1,127 @@
+"""Rollouts: batched prefill, then token-by-token decode under one `lax.while_loop`.
+
+Shape legend: B rows (prompts x group), P prompt slots (left-padded), N max new tokens, V vocab.
+
+Each row's prompt is left-padded to P with segment 0, so all rows decode in lock-step (the same
+cache slot per step) and padding never enters a state. Sampling is greedy (temperature 0) or from
+softmax(logits / temperature) restricted to the top-p nucleus; the returned log-prob of each
+sampled token is the model's own at temperature 1, log softmax(logits)[token]: the logp_old that
+GRPO's ratio needs (the trainer's forward gives the same number on the same tokens). A row stops
+at EOS (EOS included in its completion); later slots hold padding. A row that reaches N tokens
+without EOS is truncated.
+
+The returned rows are ready for the trainer: tokens [B, P + N] = prompt then completion, with
+segment 1 on the prompt's real tokens and the completion (through EOS), 0 elsewhere, and positions
+counting from 0 at each row's first real token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridmoe.config.schema import Config
+from hybridmoe.model.decode import cached_hidden, init_cache, next_token_logits
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    eos_id: int = 2
+    pad_id: int = 0
+
+
+def left_pad_prompts(prompt_ids: Sequence[Sequence[int]], prompt_len: int, pad_id: int):
+    """numpy (tokens, segment_ids, positions) [B, prompt_len]: each prompt right-aligned, segment 1,
+    positions 0.. from its first token; the padding on the left has segment 0 and position 0."""
+    B = len(prompt_ids)
+    tokens = np.full((B, prompt_len), pad_id, np.int32)
+    seg = np.zeros((B, prompt_len), np.int32)
+    pos = np.zeros((B, prompt_len), np.int32)
+    for i, ids in enumerate(prompt_ids):
+        n = len(ids)
+        if not 0 < n <= prompt_len:
+            raise ValueError(f"prompt {i} has {n} tokens; a prompt needs 1 to {prompt_len} (rl.max_prompt_len)")
+        tokens[i, prompt_len - n:] = ids
+        seg[i, prompt_len - n:] = 1
+        pos[i, prompt_len - n:] = np.arange(n)
+    return tokens, seg, pos
+
+
+def choose_tokens(logits_BV, key, temperature: float, top_p: float):
+    """Greedy at temperature 0; otherwise a draw from softmax(logits / temperature) over the top-p
+    nucleus (the fewest most likely tokens whose mass reaches top_p; ties at its edge stay in)."""
+    if temperature == 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    scaled_BV = logits_BV / temperature
+    if top_p < 1.0:
+        sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        # The most likely token always stays (its mass_before is 0).
+        threshold_B = jnp.min(jnp.where(mass_before_BV < top_p, sorted_BV, jnp.inf), axis=-1)
+        scaled_BV = jnp.where(scaled_BV >= threshold_B[:, None], scaled_BV, -jnp.inf)
+    return jax.random.categorical(key, scaled_BV, axis=-1).astype(jnp.int32)
+
+
+def generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids_BP, positions_BP, key):
+    """Sample completions. Returns a dict of arrays:
+    completion [B, N] int32 (padding after EOS), logprobs [B, N] float32 (0 past the end),
+    lengths [B] int32 (tokens through EOS), truncated [B] bool, and the trainer's rows
+    tokens / segment_ids / positions [B, P + N]."""
+    B, P = tokens_BP.shape
+    N = opts.max_new_tokens
+    cache = init_cache(cfg, B, P + N)
+    hidden_BPD, cache = cached_hidden(params, cfg, cache, tokens_BP, segment_ids_BP, positions_BP)
+    logits_BV = next_token_logits(params, hidden_BPD[:, -1])
+    next_pos_B = positions_BP[:, -1] + 1
+
+    def cond(carry):
+        t, _, _, _, _, done_B, _ = carry
+        return (t < N) & ~jnp.all(done_B)
+
+    def body(carry):
+        t, logits_BV, cache, completion_BN, logprobs_BN, done_B, pos_B = carry
+        token_B = choose_tokens(logits_BV, jax.random.fold_in(key, t), opts.temperature, opts.top_p)
+        logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, axis=-1), token_B[:, None], axis=-1)[:, 0]
+        token_B = jnp.where(done_B, opts.pad_id, token_B)
+        logp_B = jnp.where(done_B, 0.0, logp_B)
+        completion_BN = jax.lax.dynamic_update_slice_in_dim(completion_BN, token_B[:, None], t, axis=1)
+        logprobs_BN = jax.lax.dynamic_update_slice_in_dim(logprobs_BN, logp_B[:, None], t, axis=1)
+        done_B = done_B | (token_B == opts.eos_id)
+        # Finished rows keep decoding padding in their own segment; nothing reads their outputs.
+        hidden_B1D, cache = cached_hidden(params, cfg, cache, token_B[:, None], jnp.ones((B, 1), jnp.int32),
+                                          pos_B[:, None])
+        return (t + 1, next_token_logits(params, hidden_B1D[:, 0]), cache, completion_BN, logprobs_BN, done_B,
+                pos_B + 1)
+
+    init = (jnp.int32(0), logits_BV, cache, jnp.full((B, N), opts.pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
+            jnp.zeros((B,), bool), next_pos_B)
+    _, _, _, completion_BN, logprobs_BN, _, _ = jax.lax.while_loop(cond, body, init)
+
+    is_eos_BN = completion_BN == opts.eos_id
+    has_eos_B = jnp.any(is_eos_BN, axis=1)
+    lengths_B = jnp.where(has_eos_B, jnp.argmax(is_eos_BN, axis=1) + 1, N).astype(jnp.int32)
+    in_completion_BN = jnp.arange(N)[None, :] < lengths_B[:, None]
+    rows_tokens = jnp.concatenate([tokens_BP, completion_BN], axis=1)
+    rows_seg = jnp.concatenate([segment_ids_BP, in_completion_BN.astype(jnp.int32)], axis=1)
+    completion_pos_BN = next_pos_B[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
+    rows_pos = jnp.concatenate([positions_BP, jnp.where(in_completion_BN, completion_pos_BN, 0)], axis=1)
+    return {"completion": completion_BN, "logprobs": jnp.where(in_completion_BN, logprobs_BN, 0.0),
+            "lengths": lengths_B, "truncated": ~has_eos_B,
+            "tokens": rows_tokens, "segment_ids": rows_seg, "positions": rows_pos}
+
+
+def make_generate(cfg: Config, opts: SamplingOptions, *, in_shardings=None, out_shardings=None):
+    """The jitted sampler (compiled once per prompt shape): (params, tokens, segment_ids, positions,
+    key) -> generate's dict."""
+    fn = lambda params, tokens, seg, pos, key: generate(params, cfg, opts, tokens, seg, pos, key)
+    if in_shardings is None:
+        return jax.jit(fn)
+    return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)

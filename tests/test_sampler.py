@@ -1,0 +1,97 @@
+"""The sampler against the trainer: same log-probs on the same tokens, and the cached greedy decode
+equals greedy decoding by re-running the full forward (8 simulated CPU devices, tiny model)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from helpers import tiny_config, tiny_params
+from hybridmoe.model.forward import decoder_hidden, logits
+from hybridmoe.rl.logprobs import chunked_token_logprobs
+from hybridmoe.rl.sampler import SamplingOptions, choose_tokens, left_pad_prompts, make_generate
+from hybridmoe.train.setup import build
+
+PROMPT_LEN, NEW_TOKENS = 7, 6
+# Different lengths in one batch (1 token up to the full prompt width); 8 rows split over 8 devices.
+PROMPT_LENGTHS = (3, 7, 1, 5, 2, 7, 4, 6)
+
+
+def _prompts(vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(3, vocab, size=n).tolist() for n in PROMPT_LENGTHS]
+    return left_pad_prompts(ids, PROMPT_LEN, pad_id=0)
+
+
+def _setup():
+    # gdn.chunk_size=4: the prefill and the trainer forward both cross chunk boundaries.
+    cfg = tiny_config("gdn.chunk_size=4")
+    return cfg, build(cfg), tiny_params(cfg)
+
+
+def test_sampler_logprobs_equal_trainer_logprobs():
+    cfg, setup, params = _setup()
+    # eos_id=-1: no row stops early, so every completion slot is compared.
+    opts = SamplingOptions(max_new_tokens=NEW_TOKENS, temperature=1.0, eos_id=-1)
+    tokens, seg, pos = _prompts(cfg.model.vocab_size)
+    with setup.context():
+        out = make_generate(cfg, opts)(params, tokens, seg, pos, jax.random.key(1))
+        h = jax.jit(lambda p, t, s, q: decoder_hidden(p, cfg, t, s, q))(
+            params, out["tokens"], out["segment_ids"], out["positions"])
+        trainer_logp, _ = chunked_token_logprobs(h[:, :-1], params["lm_head"], out["tokens"][:, 1:],
+                                                 chunk_tokens=16, chunk_vocab=64)
+    trainer_logp = np.asarray(trainer_logp)[:, PROMPT_LEN - 1:]
+    sampler_logp = np.asarray(out["logprobs"])
+    assert np.all(np.asarray(out["lengths"]) == NEW_TOKENS) and np.all(np.asarray(out["truncated"]))
+    assert np.all(sampler_logp < 0)
+    np.testing.assert_allclose(sampler_logp, trainer_logp, rtol=0, atol=1e-5)
+    # The rows the trainer sees: prompt then completion, positions counting on from the prompt.
+    lengths = np.asarray(PROMPT_LENGTHS)
+    np.testing.assert_array_equal(np.asarray(out["positions"])[:, -1], lengths + NEW_TOKENS - 1)
+    np.testing.assert_array_equal(np.asarray(out["segment_ids"]).sum(1), lengths + NEW_TOKENS)
+
+
+def test_cached_greedy_equals_full_forward_greedy_and_stops_at_eos():
+    cfg, setup, params = _setup()
+    tokens, seg, pos = _prompts(cfg.model.vocab_size, seed=1)
+    B = tokens.shape[0]
+    T = PROMPT_LEN + NEW_TOKENS
+    full_logits = jax.jit(lambda p, t, s, q: logits(p, cfg, t, s, q))
+    with setup.context():
+        # Reference: re-run the whole forward each step on fixed-width rows (future slots hold
+        # padding in the row's segment; causality keeps them out of the positions read).
+        rows = np.concatenate([tokens, np.zeros((B, NEW_TOKENS), np.int32)], axis=1)
+        rows_seg = np.concatenate([seg, np.ones((B, NEW_TOKENS), np.int32)], axis=1)
+        rows_pos = np.concatenate([pos, pos[:, -1:] + 1 + np.arange(NEW_TOKENS)], axis=1)
+        for t in range(NEW_TOKENS):
+            lg = np.asarray(full_logits(params, rows, rows_seg, rows_pos))
+            rows[:, PROMPT_LEN + t] = lg[:, PROMPT_LEN + t - 1].argmax(-1)
+        want = rows[:, PROMPT_LEN:]
+        greedy = make_generate(cfg, SamplingOptions(max_new_tokens=NEW_TOKENS, temperature=0.0, eos_id=-1))
+        got = greedy(params, tokens, seg, pos, jax.random.key(0))
+        np.testing.assert_array_equal(np.asarray(got["completion"]), want)
+
+        # Make the third greedy token of row 0 the EOS: that row stops there, the rest pad.
+        eos = int(want[0, 2])
+        stopping = make_generate(cfg, SamplingOptions(max_new_tokens=NEW_TOKENS, temperature=0.0, eos_id=eos))
+        out = stopping(params, tokens, seg, pos, jax.random.key(0))
+    completion = np.asarray(out["completion"])
+    first_eos = [list(r).index(eos) if eos in r else None for r in want]
+    for b in range(B):
+        if first_eos[b] is None:
+            np.testing.assert_array_equal(completion[b], want[b])
+            assert out["truncated"][b] and out["lengths"][b] == NEW_TOKENS
+        else:
+            n = first_eos[b] + 1
+            np.testing.assert_array_equal(completion[b, :n], want[b, :n])
+            assert np.all(completion[b, n:] == 0) and np.all(np.asarray(out["logprobs"])[b, n:] == 0)
+            assert not out["truncated"][b] and out["lengths"][b] == n
+    assert int(out["lengths"][0]) == 3
+
+
+def test_top_p_keeps_the_nucleus_only():
+    logits_BV = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 4000))
+    draws = np.asarray(choose_tokens(logits_BV, jax.random.key(0), 1.0, 0.7))
+    assert set(np.unique(draws)) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 are cut
+    assert abs((draws == 0).mean() - 0.5 / 0.8) < 0.03
+    greedy = np.asarray(choose_tokens(logits_BV[:3], jax.random.key(0), 0.0, 1.0))
+    assert np.all(greedy == 0)
