@@ -61,10 +61,53 @@ def cmd_score(args, words):
     return 0
 
 
+def _rl_summary(history: list[dict]) -> str:
+    grpo = [h for h in history if h.get("reward_mean") is not None]
+    if not grpo:
+        return f"{len(history)} warm-up step(s), no GRPO step"
+    first, last = grpo[0], grpo[-1]
+    return (f"GRPO steps {first['step']}..{last['step']}: reward_mean {first['reward_mean']:.3f} -> "
+            f"{last['reward_mean']:.3f}")
+
+
+def cmd_rl(args, words):
+    cfg = _config(words)
+    from hybridmoe.rl.loop import run_rl
+    hist = run_rl(cfg, Path(args.out) if args.out else None, resume=args.resume,
+                  init_hf=Path(args.init_hf) if args.init_hf else None,
+                  export_hf=Path(args.export_hf) if args.export_hf else None)
+    print(_rl_summary(hist))
+    return 0
+
+
+DEMO_OUT = Path("runs/demo")
+
+
+def cmd_demo(args, words):
+    import shutil
+    import time
+    cfg = _config(["recipe=demo", *words])
+    from hybridmoe.rl.loop import run_rl
+    if DEMO_OUT.exists():
+        # The demo always starts over: a fresh run, never appended to an earlier one.
+        print(f"removing the previous demo run in {DEMO_OUT}/")
+        shutil.rmtree(DEMO_OUT)
+    print(f"demo: tiny model on {cfg.mesh.cpu_devices or 'the platform'} devices; {cfg.rl.warmup_steps} supervised "
+          f"warm-up steps, then {cfg.rl.steps} GRPO steps on {cfg.rl.digits}-digit arithmetic "
+          f"({cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} completions)")
+    t0 = time.perf_counter()
+    hist = run_rl(cfg, DEMO_OUT)
+    print(f"{_rl_summary(hist)} in {time.perf_counter() - t0:.0f} s")
+    print(f"metrics: {DEMO_OUT}/metrics.jsonl, plot: {DEMO_OUT}/metrics.png, TensorBoard: {DEMO_OUT}/tb")
+    return 0
+
+
 COMMANDS = {
     "describe": (cmd_describe, "the resolved config, the parameter tree and its totals"),
     "train": (cmd_train, "supervised next-token training"),
     "score": (cmd_score, "per-token log-probs of token ids under a Hugging Face checkpoint"),
+    "rl": (cmd_rl, "GRPO post-training: supervised warm-up on the task, then rollouts, rewards and policy updates"),
+    "demo": (cmd_demo, "the embedded default: GRPO on one-digit addition with the tiny model, into runs/demo"),
 }
 
 
@@ -78,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "train":
             p.add_argument("--out", help="run directory: metrics.jsonl, TensorBoard events, checkpoints")
             p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+        if name == "rl":
+            p.add_argument("--out", help="run directory: metrics.jsonl, metrics.png, TensorBoard events, checkpoints")
+            p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+            p.add_argument("--init-hf", help="start from this Hugging Face checkpoint directory")
+            p.add_argument("--export-hf", help="write the final policy to this directory in the Hugging Face layout")
         if name == "score":
             p.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
             p.add_argument("--tokens", required=True, help=".npy of int token ids [B, T]")

@@ -41,7 +41,8 @@ def make_inputs(seed, batch=2, tokens=130, key_heads=2, value_heads=4, key_dim=1
 def segments_from_lengths(*rows):
     """[B, T] ids from per-row document lengths; ids repeat across non-adjacent documents on purpose
     (a document starts where the id changes, not where a new id appears)."""
-    return jnp.asarray(np.stack([np.concatenate([np.full(n, (7, 3)[i % 2]) for i, n in enumerate(r)]) for r in rows]), jnp.int32)
+    ids = [np.concatenate([np.full(n, (7, 3)[i % 2]) for i, n in enumerate(row)]) for row in rows]
+    return jnp.asarray(np.stack(ids), jnp.int32)
 
 
 def assert_close(actual, expected, rtol=RTOL, atol=ATOL, what=""):
@@ -77,7 +78,8 @@ def test_chunked_matches_oracle_forward_and_gradients(tokens, chunk_size, packed
     inputs = make_inputs(seed=tokens + chunk_size, tokens=tokens)
     segment_ids = None
     if packed:
-        segment_ids = segments_from_lengths([tokens // 3, tokens - tokens // 3], [tokens // 2, 1, tokens - tokens // 2 - 1])
+        third, half = tokens // 3, tokens // 2
+        segment_ids = segments_from_lengths([third, tokens - third], [half, 1, tokens - half - 1])
     rule = functools.partial(gated_delta_rule, chunk_size=chunk_size)
     (o, final), grads = value_and_grads(rule, inputs, segment_ids)
     (o_ref, final_ref), grads_ref = value_and_grads(gated_delta_rule_reference, inputs, segment_ids)
@@ -194,11 +196,13 @@ def numpy_recurrence(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, segment_ids_BT, st
 
 def test_oracle_matches_numpy_loop_in_float64():
     with jax.enable_x64(True):
-        inputs = make_inputs(seed=6, batch=2, tokens=12, key_heads=1, value_heads=2, key_dim=4, value_dim=3, dtype=np.float64)
+        shapes = dict(batch=2, tokens=12, key_heads=1, value_heads=2, key_dim=4, value_dim=3)
+        inputs = make_inputs(seed=6, dtype=np.float64, **shapes)
         segment_ids = segments_from_lengths([5, 7], [12])
         o, final = gated_delta_rule_reference(*inputs[:5], segment_ids=segment_ids, initial_state=inputs[5])
         assert o.dtype == jnp.float64
-        o_np, final_np = numpy_recurrence(*(np.asarray(x) for x in inputs[:5]), np.asarray(segment_ids), np.asarray(inputs[5]))
+        q, k, v, g, beta, state = (np.asarray(x) for x in inputs)
+        o_np, final_np = numpy_recurrence(q, k, v, g, beta, np.asarray(segment_ids), state)
         np.testing.assert_allclose(np.asarray(o), o_np, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(np.asarray(final), final_np, rtol=1e-12, atol=1e-12)
 

@@ -49,14 +49,20 @@ def _advantages(seed=0):
     return np.where(keep, rng.normal(size=ROWS), 0.0).astype(np.float32), keep
 
 
+_COMPILED = {}
+
+
 def _run_step(cfg, params, ref_params, batch):
-    setup = build(cfg)
-    opt = rl_optimizer(cfg)
+    """One step from a fresh optimizer state; compiled once per config."""
+    key = (cfg.model_dump_json(), ref_params is not None)
+    if key not in _COMPILED:
+        setup, opt = build(cfg), rl_optimizer(cfg)
+        init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
+                       out_shardings=setup.state_shardings)
+        _COMPILED[key] = setup, init, jit_grpo_step(setup, opt, with_reference=ref_params is not None)
+    setup, init, step = _COMPILED[key]
     with setup.context():
-        state = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
-                        out_shardings=setup.state_shardings)(params)
-        step = jit_grpo_step(setup, opt, with_reference=ref_params is not None)
-        return step(state, ref_params, batch)
+        return step(init(params), ref_params, batch)
 
 
 def test_step_loss_equals_objective_of_unchunked_logprobs():

@@ -120,11 +120,36 @@ class MoEConfig(Section):
     capacity_factor: float = Field(
         0.0, ge=0, description="Per-expert buffer as a multiple of the even share (0 = dropless); overflow is dropped and counted."
     )
+    wi_fused_swiglu: bool = Field(
+        False, description="Up projection as one grouped matmul over the prefused [gate | up] weight with SwiGLU in its epilogue."
+    )
+    wo_fused_dswiglu: bool = Field(
+        False, description="Down projection whose input-gradient grouped matmul runs the SwiGLU backward in its epilogue."
+    )
+    router_grad_from_wo_input: bool = Field(
+        False, description="Routing weight scales the down projection's input (h * w) instead of its output."
+    )
 
 
 class GmmKernelConfig(Section):
     backend: Literal["xla", "pallas_tpu", "pallas_gpu"] = Field(
         "xla", description="Grouped-matmul backend; checked against the platform at load."
+    )
+    tiling: Literal["heuristic", "explicit"] = Field(
+        "heuristic", description="heuristic: the kernels' default tiles; explicit: the tm/tk/tn and per-half tile below."
+    )
+    tm: int = Field(128, gt=0, description="Row tile (explicit tiling; Pallas backends).")
+    tk: int = Field(128, gt=0, description="Contraction tile (explicit tiling; Pallas backends).")
+    tn: int = Field(128, gt=0, description="Output-column tile (explicit tiling; Pallas backends).")
+    wi_fwd_tile_n_per_half: int = Field(
+        0, ge=0, description="Fused up-projection forward: output tile per half of [gate | up] (explicit tiling; 0 = F)."
+    )
+    wi_fwd_rhs_buffer_count: int = Field(
+        0, description="Fused up-projection forward: the weight operand's pipeline depth (0 = kernel default; >= 2)."
+    )
+    vmem_limit_mib: float = Field(0.0, ge=0, description="Mosaic TPU scoped VMEM limit in MiB (0 = compiler default).")
+    epilogue: Literal["float32", "match_unfused"] = Field(
+        "float32", description="Fused epilogues: float32 (real), or match_unfused (rounds where the unfused path does; exactness proofs)."
     )
 
 

@@ -113,3 +113,120 @@ def _rl_batch_fits_mesh(cfg: Config) -> list[Problem]:
         return [("rl.prompts_per_step", f"a micro-batch of {rows} rollouts (rl.prompts_per_step * rl.group_size / "
                  f"rl.micro_batches) does not split over the {shards} batch shards of the mesh")]
     return []
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE grouped matmuls: the fused SwiGLU levers, the kernel's tiles and its backend.
+# Structural requirements that this model always meets are not checked: the expert weights are
+# prefused [gate | up], the activation is silu times a linear up (no clipping) and there is no
+# MLP bias. Everything the config can get wrong is.
+
+MOE_GATE_UP_NAMES = ("moe_gate", "moe_up")
+_PALLAS_PLATFORM = {"pallas_tpu": ("tpu",), "pallas_gpu": ("gpu", "cuda", "rocm")}
+# JAX 0.10.2's Mosaic TPU grid pipeline refuses a weight buffer count above 2 at lowering
+# (benchmarks/gmm_vmem.json).
+TPU_MAX_RHS_BUFFERS = 2
+
+
+def _run_platform(cfg: Config) -> str:
+    """The platform the run will use: simulated CPU devices, or JAX's default backend."""
+    if cfg.mesh.cpu_devices:
+        return "cpu"
+    import jax  # only when asked: with simulated devices the backends must start later
+
+    return jax.default_backend()
+
+
+def _gmm_on_hardware(cfg: Config) -> bool:
+    return cfg.kernels.gmm.backend != "xla" and not cfg.kernels.interpret
+
+
+def _gmm_tile_problems(cfg: Config) -> list[str]:
+    # The tile rules belong to the kernel (pure Python, no JAX); imported here, lazily, so the
+    # validator and the kernels can never disagree about them.
+    from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
+
+    g, m = cfg.kernels.gmm, cfg.model
+    if g.tiling != "explicit":
+        return []
+    return tile_problems(d_model=m.d_model, hidden=m.moe_intermediate_size,
+                         tiling=Tiling(tm=g.tm, tk=g.tk, tn=g.tn),
+                         tile_n_per_half=g.wi_fwd_tile_n_per_half or None, backend=g.backend,
+                         hardware=_gmm_on_hardware(cfg))
+
+
+def _quantized_gmm(cfg: Config) -> list[str]:
+    """Quantization keys that rewrite the expert matmuls (the fused epilogues assume bf16/f32)."""
+    q = cfg.quant.model_dump()
+    return [f"quant.{k}" for k in ("fp8_gmm", "fp8_moe_fake_quant") if q.get(k)]
+
+
+@rule
+def _moe_fused_levers(cfg: Config) -> list[Problem]:
+    moe, out = cfg.moe, []
+    saved_halves = [n for n in cfg.remat.save if n in MOE_GATE_UP_NAMES] if cfg.remat.policy == "custom" else []
+    tiles = _gmm_tile_problems(cfg)
+    for key in ("wi_fused_swiglu", "wo_fused_dswiglu", "router_grad_from_wo_input"):
+        if not getattr(moe, key):
+            continue
+        unmet = []
+        if moe.impl != "sparse":
+            unmet.append("needs moe.impl=sparse (the grouped-matmul path); moe.impl=dense runs every expert densely")
+        if key != "router_grad_from_wo_input":
+            if saved_halves:
+                unmet.append(f"remat.save names {saved_halves}: the fused kernel keeps [gate | up] as one "
+                             "pre-activation, so the gate and up halves cannot be saved by name")
+            quant = _quantized_gmm(cfg)
+            if quant:
+                unmet.append(f"needs unquantized grouped matmuls ({', '.join(quant)} is on)")
+            unmet += [f"kernel tile rule: {p}" for p in tiles]
+        if unmet:
+            out.append((f"moe.{key}", "; ".join(unmet)))
+    if moe.impl == "dense" and moe.capacity_factor > 0:
+        out.append(("moe.capacity_factor", "the dense reference path has no expert buffers; use moe.impl=sparse"))
+    if moe.expert_parallel == "all_to_all":
+        out.append(("moe.expert_parallel", "all_to_all is not built; use ring (all-gather tokens over the expert "
+                    "axes, local experts, reduce-scatter)"))
+    return out
+
+
+@rule
+def _gmm_kernel(cfg: Config) -> list[Problem]:
+    g, moe, out = cfg.kernels.gmm, cfg.moe, []
+    fused = moe.wi_fused_swiglu or moe.wo_fused_dswiglu
+    if g.backend != "xla" and not cfg.kernels.interpret:
+        platform = _run_platform(cfg)
+        if platform not in _PALLAS_PLATFORM[g.backend]:
+            out.append(("kernels.gmm.backend", f"{g.backend} cannot run on this platform ({platform}); use xla, "
+                        "or kernels.interpret=true to run the Pallas kernel interpreted"))
+    tiles = _gmm_tile_problems(cfg)
+    if tiles and not fused:
+        out.append(("kernels.gmm.tiling", "; ".join(tiles)))
+    if g.wi_fwd_tile_n_per_half:
+        unmet = []
+        if not moe.wi_fused_swiglu:
+            unmet.append("needs moe.wi_fused_swiglu (it tiles the fused up-projection forward)")
+        if g.tiling != "explicit":
+            unmet.append("needs kernels.gmm.tiling=explicit")
+        if unmet:
+            out.append(("kernels.gmm.wi_fwd_tile_n_per_half", "; ".join(unmet)))
+    depth = g.wi_fwd_rhs_buffer_count
+    if depth:
+        unmet = []
+        if depth < 2:
+            unmet.append(f"{depth} must be 0 (the kernel default) or >= 2")
+        if not moe.wi_fused_swiglu:
+            unmet.append("needs moe.wi_fused_swiglu (only the fused up-projection forward takes the depth)")
+        if g.tiling != "explicit":
+            unmet.append("needs kernels.gmm.tiling=explicit (heuristic tiles may split K, where the depth is not applied)")
+        elif g.tk < cfg.model.d_model:
+            unmet.append(f"needs one K tile: kernels.gmm.tk={g.tk} must span model.d_model={cfg.model.d_model} "
+                         "(the depth is applied only when the kernel runs one K tile)")
+        if g.backend == "xla":
+            unmet.append("needs a Pallas backend (kernels.gmm.backend=pallas_tpu or pallas_gpu): the xla backend "
+                         "has no weight pipeline")
+        if g.backend == "pallas_tpu" and not cfg.kernels.interpret and depth > TPU_MAX_RHS_BUFFERS:
+            unmet.append(f"Mosaic TPU (JAX 0.10.2) accepts at most {TPU_MAX_RHS_BUFFERS} buffers")
+        if unmet:
+            out.append(("kernels.gmm.wi_fwd_rhs_buffer_count", "; ".join(unmet)))
+    return out

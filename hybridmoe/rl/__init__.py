@@ -1,0 +1,1 @@
+"""GRPO post-training: sampler, rewards, advantages, the policy update and the run around them."""

@@ -31,6 +31,11 @@ class Checkpoints:
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
 
+    def restore_meta(self, step: int) -> dict:
+        """The run metadata alone: lets a caller check a checkpoint before restoring its arrays."""
+        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 

@@ -20,7 +20,9 @@ from hybridmoe.train.data import loss_mask
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_constant_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1))
+    # No warm-up means the full rate from the first step (a one-step ramp would make step 0 a no-op).
+    schedule = (optax.warmup_constant_schedule(0.0, t.learning_rate, t.warmup_steps) if t.warmup_steps
+                else optax.constant_schedule(t.learning_rate))
     parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     parts.append(optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay))
     return optax.chain(*parts)

@@ -132,7 +132,7 @@ def gated_delta_rule_chunked(
     doc_BNC = jnp.cumsum(starts_BNC.astype(jnp.int32), axis=-1)
     same_doc_BNCD = doc_BNC[..., :, None] == doc_BNC[..., None, :]
     reads_state_BNC = doc_BNC == 0  # no document start at or before this token in the chunk
-    writes_state_BNC = doc_BNC >= 0  # no document start after this token
+    writes_state_BNC = doc_BNC == doc_BNC[..., -1:]  # no document start after this token
     carries_state_BN = doc_BNC[..., -1] == 0  # no document start anywhere in the chunk
     position = jnp.arange(chunk_size)
     causal_CD = position[:, None] >= position[None, :]

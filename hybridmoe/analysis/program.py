@@ -1,0 +1,379 @@
+"""What a jitted program does, read from its lowered (StableHLO) and compiled (HLO) text.
+
+The program proofs of the performance levers use this module: which collectives a program runs
+(kind, dtype, bytes), whether they sit inside a while loop (the layer scan) and how often per
+iteration, the compiled memory figures and bytes accessed, and the residuals a remat policy saves.
+
+Two texts, two truths:
+- lowered: the program as JAX wrote it, before XLA. Explicit collectives (shard_map's psum,
+  all_gather, ...) appear with the dtype JAX chose; collectives that the SPMD partitioner adds
+  for jit shardings do not appear yet.
+- compiled: the program the backend runs. Every collective, partitioner-made ones included, but
+  the backend may rewrite dtypes (the CPU backend widens bf16 and f8 collectives to f32), so
+  "what dtype moves on the wire" is a lowered-text question and "how many collectives run" is a
+  compiled-text question.
+
+Loop nesting: in HLO a while names its body computation; in StableHLO the body is a region
+(`stablehlo.while ... cond { } do { }`) and may call private functions. Both are walked as a
+call graph from the entry, so a collective reached through calls from a loop body counts as
+inside that loop. `loop_depth` 0 = outside every loop.
+
+`bytes` of a collective is the byte size of its result (all-gather: the gathered array;
+reduce-scatter: the scattered shard; tuple results are summed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+
+import jax
+import numpy as np
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+         "collective-permute")
+
+_DTYPE_BYTES = {
+    "pred": 1, "i1": 1, "s8": 1, "u8": 1, "i8": 1, "ui8": 1, "s16": 2, "u16": 2, "i16": 2, "ui16": 2,
+    "s32": 4, "u32": 4, "i32": 4, "ui32": 4, "s64": 8, "u64": 8, "i64": 8, "ui64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1,
+    "f8E4M3FN": 1, "f8E5M2": 1, "f8E4M3": 1, "f8E4M3FNUZ": 1, "f8E5M2FNUZ": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype in _DTYPE_BYTES:
+        return _DTYPE_BYTES[dtype]
+    raise ValueError(f"unknown element type {dtype!r} in program text")
+
+
+def _normal_dtype(dtype: str) -> str:
+    """One spelling for both texts: HLO s32/bf16/f8e4m3fn, StableHLO i32/bf16/f8E4M3FN."""
+    d = dtype.lower()
+    return {"i1": "pred", "i8": "s8", "i16": "s16", "i32": "s32", "i64": "s64",
+            "ui8": "u8", "ui16": "u16", "ui32": "u32", "ui64": "u64"}.get(d, d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str            # one of KINDS
+    dtype: str           # element type of the result, normalised (f32, bf16, s32, f8e4m3fn, ...)
+    shape: tuple         # result shape (the first element's for a tuple result)
+    bytes: int           # byte size of the whole result
+    loop_depth: int      # 0 = outside every while loop
+    loop: str | None     # the innermost enclosing loop (HLO: the while's name; StableHLO: "while#n")
+    trip_count: int | None  # iterations of that loop when the compiler knows them
+    computation: str     # where the op is written
+    op_name: str         # HLO metadata op_name (jax's name stack) or ""
+
+    @property
+    def in_loop(self) -> bool:
+        return self.loop_depth > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled HLO text
+
+
+_HLO_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_HLO_OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_HLO_SHAPE = re.compile(r"([a-z]\w*?)\[([\d,]*)\]")
+_HLO_CALLS = re.compile(r"\b(body|condition|to_apply|calls|branch_computations|"
+                        r"true_computation|false_computation)=(\{[%\w.\-, ]+\}|%?[\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _hlo_result(type_text: str):
+    """(dtype, first shape, total bytes) of an HLO result type such as `(f32[4]{0}, s32[])`."""
+    shapes = _HLO_SHAPE.findall(type_text)
+    if not shapes:
+        return "?", (), 0
+    total = 0
+    for dt, dims in shapes:
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += n * dtype_bytes(dt)
+    dt, dims = shapes[0]
+    return _normal_dtype(dt), tuple(int(d) for d in dims.split(",") if d), total
+
+
+def _hlo_kind(opcode: str) -> str | None:
+    base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+    return base if base in KINDS else None
+
+
+def parse_hlo(text: str) -> list[Collective]:
+    """Every collective of a compiled HLO module, with its loop nesting."""
+    comps: dict[str, list[tuple[str, str, str, str]]] = {}   # name -> [(kind, type, rest, op)]
+    edges: dict[str, list[tuple[str, str | None, int | None]]] = defaultdict(list)
+    entry = None
+    current = None
+    for line in text.splitlines():
+        m = _HLO_COMP.match(line)
+        if m and not line.startswith(" "):
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        op = _HLO_OP.match(line)
+        if not op:
+            continue
+        name, type_text, opcode, rest = op.groups()
+        for key, targets in _HLO_CALLS.findall(rest):
+            for t in targets.strip("{}").replace("%", "").split(","):
+                t = t.strip()
+                if not t:
+                    continue
+                if opcode == "while" and key == "body":
+                    trip = _TRIP.search(rest)
+                    edges[current].append((t, name, int(trip.group(1)) if trip else None))
+                elif opcode == "while" and key == "condition":
+                    edges[current].append((t, name, None))
+                else:
+                    edges[current].append((t, "", None))
+        kind = _hlo_kind(opcode)
+        if kind:
+            opname = _OPNAME.search(rest)
+            comps[current].append((kind, type_text, name, opname.group(1) if opname else ""))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    out: list[Collective] = []
+    seen: set[tuple[str, int, str | None]] = set()
+
+    def walk(comp: str, depth: int, loop: str | None, trip: int | None):
+        key = (comp, depth, loop)
+        if key in seen or comp not in comps:
+            return
+        seen.add(key)
+        for kind, type_text, _, opname in comps[comp]:
+            dt, shape, nbytes = _hlo_result(type_text)
+            out.append(Collective(kind, dt, shape, nbytes, depth, loop, trip, comp, opname))
+        for target, while_name, while_trip in edges.get(comp, []):
+            if while_name:  # a while's body or condition: one level deeper
+                walk(target, depth + 1, while_name, while_trip)
+            else:
+                walk(target, depth, loop, trip)
+
+    walk(entry, 0, None, None)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowered StableHLO text
+
+
+_MLIR_FUNC = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([\w.\-$]+)\(")
+_MLIR_COLL = re.compile(r'"?stablehlo\.(all_gather|all_reduce|reduce_scatter|all_to_all|'
+                        r'collective_permute|ragged_all_to_all)"?\(')
+_MLIR_CALL = re.compile(r"\bcall\s+@([\w.\-$]+)\(")
+_MLIR_TENSOR = re.compile(r"tensor<([^<>]*)>")
+
+
+def _mlir_result(text: str):
+    """(dtype, shape, bytes) of the result types after the op's `->` (or its only type)."""
+    tail = text.rsplit("->", 1)[-1] if "->" in text else text.rsplit(":", 1)[-1]
+    tensors = _MLIR_TENSOR.findall(tail)
+    if not tensors:
+        return "?", (), 0
+    total, first = 0, None
+    for t in tensors:
+        parts = t.split("x")
+        dims, dt = parts[:-1], parts[-1]
+        n = int(np.prod([int(d) for d in dims])) if dims else 1
+        total += n * dtype_bytes(dt)
+        if first is None:
+            first = (_normal_dtype(dt), tuple(int(d) for d in dims))
+    return first[0], first[1], total
+
+
+def parse_stablehlo(text: str) -> list[Collective]:
+    """Every explicit collective of a lowered module, with its loop nesting through calls."""
+    funcs: dict[str, list] = {}                  # name -> [(kind, dtype, shape, bytes, depth, loop)]
+    calls: dict[str, list] = defaultdict(list)   # name -> [(callee, depth, loop)]
+    entry = None
+    current = None
+    braces = 0
+    loops: list[tuple[int, str]] = []            # open whiles: (brace depth at the op, loop id)
+    pending: tuple[str, int, str | None] | None = None  # a collective whose type closes later
+    n_while = 0
+    for line in text.splitlines():
+        f = _MLIR_FUNC.match(line)
+        if f:
+            current, braces, loops, pending = f.group(1), 0, [], None
+            funcs[current] = []
+            if entry is None or current == "main":
+                entry = current
+        if current is None:
+            continue
+        here = (len(loops), loops[-1][1] if loops else None)
+        c = _MLIR_COLL.search(line)
+        if c:
+            pending = (c.group(1).replace("_", "-"), *here)
+        for callee in _MLIR_CALL.findall(line):
+            calls[current].append((callee, *here))
+        # The op's result types end it: on its own line, or on the `}) : (...) -> ...` line
+        # that closes its reduction region.
+        if pending and re.search(r":\s*\(.*\)\s*->", line) and (c or line.lstrip().startswith("})")):
+            kind, depth, loop = pending
+            dt, shape, nbytes = _mlir_result(line)
+            funcs[current].append((kind, dt, shape, nbytes, depth, loop))
+            pending = None
+        if "stablehlo.while" in line:
+            n_while += 1
+            loops.append((braces, f"{current}/while#{n_while}"))
+        braces += line.count("{") - line.count("}")
+        while loops and "}" in line and braces <= loops[-1][0]:
+            loops.pop()
+    if entry is None:
+        raise ValueError("no func.func in the lowered text")
+    out: list[Collective] = []
+
+    def walk(fn: str, base_depth: int, base_loop: str | None, stack: tuple[str, ...]):
+        if fn in stack or fn not in funcs:
+            return
+        for kind, dt, shape, nbytes, d, lp in funcs[fn]:
+            out.append(Collective(kind, dt, shape, nbytes, base_depth + d, lp or base_loop, None,
+                                  fn, ""))
+        for callee, d, lp in calls.get(fn, []):
+            walk(callee, base_depth + d, lp or base_loop, stack + (fn,))
+
+    walk(entry, 0, None, ())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries
+
+
+def count(colls: Iterable[Collective], *, kind: str | None = None, dtype: str | None = None,
+          in_loop: bool | None = None) -> int:
+    """How many collectives match (each written op once, not times its trip count)."""
+    return sum(1 for c in colls if (kind is None or c.kind == kind)
+               and (dtype is None or c.dtype == dtype)
+               and (in_loop is None or c.in_loop == in_loop))
+
+
+def table(colls: Iterable[Collective]) -> dict[tuple[str, str, bool], dict[str, int]]:
+    """{(kind, dtype, in_loop): {"ops": n, "bytes": per-execution bytes summed}}."""
+    acc: dict = defaultdict(lambda: {"ops": 0, "bytes": 0})
+    for c in colls:
+        row = acc[(c.kind, c.dtype, c.in_loop)]
+        row["ops"] += 1
+        row["bytes"] += c.bytes
+    return dict(acc)
+
+
+def per_iteration(colls: Iterable[Collective]) -> dict[str, Counter]:
+    """{loop: Counter(kind -> ops run per iteration)} for the collectives inside loops."""
+    out: dict[str, Counter] = defaultdict(Counter)
+    for c in colls:
+        if c.in_loop:
+            out[c.loop][c.kind] += 1
+    return dict(out)
+
+
+def executed_bytes(colls: Iterable[Collective]) -> int:
+    """Bytes moved by one run of the program: loop collectives times their known trip count."""
+    return sum(c.bytes * (c.trip_count or 1 if c.in_loop else 1) for c in colls)
+
+
+# ---------------------------------------------------------------------------------------------
+# From a jitted function
+
+
+@dataclasses.dataclass
+class Program:
+    """A jitted function's lowered and compiled forms and what they say."""
+    lowered_text: str
+    compiled_text: str
+    memory: dict[str, int]
+    cost: dict[str, float]
+
+    @property
+    def lowered_collectives(self) -> list[Collective]:
+        return parse_stablehlo(self.lowered_text)
+
+    @property
+    def compiled_collectives(self) -> list[Collective]:
+        return parse_hlo(self.compiled_text)
+
+    @property
+    def bytes_accessed(self) -> float:
+        return float(self.cost.get("bytes accessed", 0.0))
+
+    @property
+    def temp_bytes(self) -> int:
+        return int(self.memory.get("temp", 0))
+
+
+def memory_figures(compiled) -> dict[str, int]:
+    """The compiled memory figures in bytes: temp, argument, output, alias, generated code."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    return {"temp": int(m.temp_size_in_bytes), "argument": int(m.argument_size_in_bytes),
+            "output": int(m.output_size_in_bytes), "alias": int(m.alias_size_in_bytes),
+            "generated_code": int(m.generated_code_size_in_bytes)}
+
+
+def cost_figures(compiled) -> dict[str, float]:
+    """XLA's cost analysis (flops, "bytes accessed", ...); the per-operand breakdown dropped."""
+    c = compiled.cost_analysis()
+    if isinstance(c, (list, tuple)):
+        c = c[0] if c else {}
+    return {k: float(v) for k, v in (c or {}).items() if "{" not in k}
+
+
+def analyze(fn: Callable, *args, **kwargs) -> Program:
+    """Lower and compile `fn` (jitted if it is not already) for these arguments."""
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    lowered = jitted.lower(*args, **kwargs)
+    compiled = lowered.compile()
+    return Program(lowered.as_text(), compiled.as_text(), memory_figures(compiled),
+                   cost_figures(compiled))
+
+
+# ---------------------------------------------------------------------------------------------
+# Remat residuals
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    shape: tuple
+    dtype: str
+    source: str          # jax's description: "from the argument ...", "named 'x' from ...", ...
+    name: str | None     # the checkpoint name when the residual was saved by name
+
+
+_NAMED = re.compile(r"named '([^']+)'")
+
+
+def saved_residuals(fn: Callable, *args) -> list[Residual]:
+    """What the forward of `fn` keeps for its backward under the remat policies inside it.
+
+    Call it on the checkpointed function itself (one block); under a scan the residuals are
+    the scan's stacked outputs and lose their names. Uses the implementation behind
+    `jax.ad_checkpoint.print_saved_residuals`.
+    """
+    from jax._src.ad_checkpoint import saved_residuals as _saved
+
+    out = []
+    for aval, src in _saved(fn, *args):
+        named = _NAMED.search(src)
+        out.append(Residual(tuple(aval.shape), str(np.dtype(aval.dtype)), src,
+                            named.group(1) if named else None))
+    return out
+
+
+def saved_names(fn: Callable, *args) -> Counter:
+    """Counter of the checkpoint names among the saved residuals."""
+    return Counter(r.name for r in saved_residuals(fn, *args) if r.name)

@@ -1,0 +1,326 @@
+"""The RL run: a supervised warm-up on the task's solved examples, then GRPO steps.
+
+Steps are counted globally: 0 .. rl.warmup_steps - 1 are warm-up steps (phase 0), the next
+rl.steps are GRPO steps (phase 1). One GRPO step: P prompts of the task (a pure function of
+(seed, step)), G completions each from the sampler, rewards, group advantages, one policy update.
+
+Everything a step depends on is in the checkpoint or a pure function of the step: the train state
+(policy, optimizer, step), the frozen reference policy when rl.beta > 0, the RNG key (meta) and the
+data position (the step itself). So a killed run resumed from its last checkpoint replays the same
+steps bit for bit. On an error inside the loop the last completed step is checkpointed before the
+error propagates, and metrics.jsonl is flushed line by line, so nothing already done is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from tqdm import tqdm
+
+from hybridmoe.config.schema import Config
+from hybridmoe.config.validate import ConfigError, check_requirements
+from hybridmoe.model.params import abstract_params
+from hybridmoe.rl.advantages import advantage_stats, group_advantages
+from hybridmoe.rl.grpo import build_update_batch, jit_grpo_step, rl_optimizer, update_batch_shardings
+from hybridmoe.rl.rewards import RewardFn, score_completions
+from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
+from hybridmoe.rl.tasks import Task
+from hybridmoe.rl.tokenizer import Tokenizer, load_tokenizer
+from hybridmoe.rl.warmup import PROMPT_STREAM, solved_batch, task_from_config
+from hybridmoe.train.checkpoint import Checkpoints
+from hybridmoe.train.loop import RunError, config_record
+from hybridmoe.train.metrics import JSONL_NAME, MetricsWriter, plot_metrics
+from hybridmoe.train.setup import build, init_state, jit_train_step
+
+log = logging.getLogger(__name__)
+
+WARMUP, GRPO = 0, 1
+PLOT_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "warmup_loss")
+PLOT_EVERY = 5
+# Model fields that decide a weight's shape: an HF checkpoint must agree with the recipe on these.
+SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "layer_pattern", "num_heads", "num_kv_heads", "head_dim",
+                "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim", "gdn_value_dim", "gdn_conv_kernel",
+                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
+    """The recipe's config with the model fields of an HF checkpoint's config.json; a RunError naming
+    every shape field where the recipe disagrees (and the overrides that would match)."""
+    import json
+
+    from hybridmoe.model.hf import model_fields_from_hf_config
+    config_path = Path(hf_dir) / "config.json"
+    if not config_path.is_file():
+        raise RunError(f"--init-hf: no config.json in {hf_dir}")
+    fields = model_fields_from_hf_config(json.loads(config_path.read_text()))
+    current = cfg.model.model_dump()
+    wrong = [(k, current[k], fields[k]) for k in SHAPE_FIELDS
+             if k in fields and tuple(np.atleast_1d(current[k])) != tuple(np.atleast_1d(fields[k]))]
+    if wrong:
+        lines = "\n".join(f"  model.{k}: recipe {a!r}, checkpoint {b!r}" for k, a, b in wrong)
+        fix = " ".join(f"model.{k}={list(b) if isinstance(b, (list, tuple)) else b}".replace(" ", "").replace("'", "")
+                       for k, _, b in wrong)
+        raise RunError(f"--init-hf {hf_dir}: the checkpoint's shapes disagree with the recipe's model section:\n{lines}\n"
+                       f"use a recipe with this model, or pass: {fix}")
+    known = {k: v for k, v in fields.items() if k in current}
+    try:
+        new = Config.model_validate({**cfg.model_dump(), "model": {**current, **known}})
+        check_requirements(new)
+    except (ConfigError, ValueError) as e:
+        raise RunError(f"--init-hf {hf_dir}: its model fields do not make a valid config: {e}") from None
+    return new
+
+
+def _params_from_hf(setup, hf_dir: Path):
+    from hybridmoe.model.hf import load_hf_checkpoint
+    _, tree = load_hf_checkpoint(str(hf_dir))
+    want = abstract_params(setup.specs)
+    problems = []
+    try:
+        jax.tree.map(lambda a, w: problems.append(f"{np.shape(a)} != {w.shape}") if np.shape(a) != w.shape else None,
+                     tree, want)
+    except ValueError as e:
+        raise RunError(f"--init-hf {hf_dir}: its weight tree does not match the model's: {e}") from None
+    if problems:
+        raise RunError(f"--init-hf {hf_dir}: weight shapes differ from the model's: {problems[:5]}")
+    return jax.device_put(jax.tree.map(lambda a, w: np.asarray(a).astype(w.dtype), tree, want), setup.param_shardings)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the step functions need, built once per run."""
+    cfg: Config
+    task: Task
+    tokenizer: Tokenizer
+    reward_fns: Sequence[tuple[RewardFn, float]]
+    setup: object
+    warmup_step: object
+    grpo_step: object
+    generate: object
+    rl_init: object
+
+    @property
+    def total_steps(self) -> int:
+        return self.cfg.rl.warmup_steps + self.cfg.rl.steps
+
+
+def _encode_prompts(run: _Run, prompts: list[str]) -> tuple[list[list[int]], np.ndarray]:
+    """Token ids per prompt ([BOS] prompt) and which prompts are skipped (too long, or text the
+    tokenizer cannot encode); a skipped prompt is replaced by a one-token placeholder."""
+    tok, P = run.tokenizer, run.cfg.rl.max_prompt_len
+    ids_list, skipped = [], np.zeros(len(prompts), bool)
+    for i, text in enumerate(prompts):
+        try:
+            ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
+        except ValueError as e:
+            log.warning("prompt %d (%r) cannot be encoded: %s; skipped", i, text[:80], e)
+            ids = []
+        if not 0 < len(ids) <= P:
+            if ids:
+                log.warning("prompt %d has %d tokens > rl.max_prompt_len=%d; skipped", i, len(ids), P)
+            ids, skipped[i] = [tok.pad_id], True
+        ids_list.append(ids)
+    return ids_list, skipped
+
+
+def _grpo_step(run: _Run, state, ref_params, step: int, key):
+    cfg, r = run.cfg, run.cfg.rl
+    t0 = time.perf_counter()
+    examples = run.task.sample(np.random.default_rng([cfg.train.seed, PROMPT_STREAM, step]), r.prompts_per_step)
+    if len(examples) != r.prompts_per_step:
+        raise RunError(f"step {step}: task {run.task.name!r} gave {len(examples)} prompts; a GRPO step needs "
+                       f"rl.prompts_per_step={r.prompts_per_step}")
+    prompts = [e.prompt for e in examples]
+    prompt_ids, prompt_skipped = _encode_prompts(run, prompts)
+    G = r.group_size
+    rows = left_pad_prompts([ids for ids in prompt_ids for _ in range(G)], r.max_prompt_len, run.tokenizer.pad_id)
+    rows = jax.device_put(rows, run.setup.batch_sharding(0))
+    rollout = jax.device_get(run.generate(state["params"], *rows, key))
+    t_rollout = time.perf_counter() - t0
+
+    row_prompts = [p for p in prompts for _ in range(G)]
+    completions = [run.tokenizer.decode(c) for c in rollout["completion"]]
+    rewards, reward_skipped, counts = score_completions(run.reward_fns, row_prompts, completions)
+    skipped = reward_skipped | np.repeat(prompt_skipped, G)
+    adv_PG, keep_PG, kept_frac = group_advantages(
+        jnp.asarray(rewards.reshape(-1, G)), estimator=r.estimator, skipped_PG=jnp.asarray(skipped.reshape(-1, G)),
+        truncated_PG=jnp.asarray(rollout["truncated"].reshape(-1, G)), mask_truncated=r.mask_truncated,
+        mask_zero_variance=r.mask_zero_variance)
+    adv_PG, keep_PG = np.asarray(adv_PG), np.asarray(keep_PG)
+    batch = build_update_batch(cfg, rollout, adv_PG.reshape(-1), keep_PG.reshape(-1))
+    batch = jax.device_put(batch, update_batch_shardings(run.setup))
+    t1 = time.perf_counter()
+    state, m = run.grpo_step(state, ref_params, batch)
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    t_update = time.perf_counter() - t1
+    dt = time.perf_counter() - t0
+
+    valid = ~skipped
+    scored = rewards[valid]
+    lengths = rollout["lengths"].astype(np.float64)
+    tokens = float(np.asarray(rollout["segment_ids"]).sum())
+    nan = float("nan")
+    rec = {
+        "phase": GRPO,
+        "reward_mean": float(scored.mean()) if scored.size else nan,
+        "reward_max": float(scored.max()) if scored.size else nan,
+        "reward_min": float(scored.min()) if scored.size else nan,
+        "reward_std": float(scored.std()) if scored.size else nan,
+        **{k: m[k] for k in ("loss", "pg_loss", "kl", "entropy", "logp_mean", "grad_norm", "pg_clipfrac",
+                             "pg_clipfrac_high", "pg_clipfrac_low", "ratio_mean", "update_applied")},
+        "kept_frac": float(kept_frac),
+        **{k: float(v) for k, v in advantage_stats(jnp.asarray(adv_PG), jnp.asarray(keep_PG)).items()},
+        "completion_len_mean": float(lengths.mean()), "completion_len_min": float(lengths.min()),
+        "completion_len_max": float(lengths.max()), "truncated_frac": float(np.mean(rollout["truncated"])),
+        "rewards_skipped": float(counts["skipped"]), "prompts_skipped": float(prompt_skipped.sum()),
+        "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
+        "rollout_time_s": t_rollout, "update_time_s": t_update,
+    }
+    return state, rec
+
+
+def _warmup_step(run: _Run, state, step: int):
+    t0 = time.perf_counter()
+    batch = jax.device_put(solved_batch(run.cfg, step, run.task, run.tokenizer), run.setup.batch_sharding(1))
+    state, m = run.warmup_step(state, batch)
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    dt = time.perf_counter() - t0
+    return state, {"phase": WARMUP, "warmup_loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": m["tokens"],
+                   "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}
+
+
+def _key_record(key) -> list[int]:
+    return np.asarray(jax.random.key_data(key)).tolist()
+
+
+def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_hf: Path | None = None,
+           export_hf: Path | None = None, progress: bool = True, task: Task | None = None,
+           reward_fns: Sequence[tuple[RewardFn, float]] | None = None) -> list[dict]:
+    """Warm-up then GRPO; returns the per-step records (those of this invocation).
+
+    task / reward_fns: the built-in task of cfg.rl and its own reward unless given (the Python API
+    for custom tasks and rewards; a resumed run must pass the same ones).
+    """
+    out = Path(out) if out is not None else None
+    if init_hf is not None:
+        cfg = config_with_hf_model(cfg, init_hf)
+    tokenizer = load_tokenizer(init_hf if init_hf is not None and (Path(init_hf) / "tokenizer.json").is_file() else None)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise RunError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}")
+    task = task_from_config(cfg) if task is None else task
+    reward_fns = [(task.reward, 1.0)] if reward_fns is None else list(reward_fns)
+    r = cfg.rl
+
+    setup = build(cfg)
+    ckpt = Checkpoints(out / "checkpoints") if out is not None else None
+    latest = ckpt.latest_step() if ckpt else None
+    with_reference = r.beta > 0
+    abstract = {"train": setup.abstract_state()}
+    if with_reference:
+        abstract["ref_params"] = abstract_params(setup.specs, setup.param_shardings)
+    meta = {"config": config_record(cfg), "init_hf": str(init_hf) if init_hf else None}
+    try:
+        if resume:
+            if latest is None:
+                raise RunError(f"--resume: no checkpoint under {out}/checkpoints to resume from")
+            saved = ckpt.restore_meta(latest)
+            if saved.get("config", {}).get("model") != meta["config"]["model"]:
+                raise RunError(f"--resume: the checkpoint in {out} holds a model of another shape or kind than the "
+                               "config asks for; resume with the same recipe, model.* overrides and --init-hf")
+            if (saved.get("config", {}).get("rl", {}).get("beta", 0) > 0) != with_reference:
+                raise RunError("--resume: rl.beta switches the reference policy on or off; keep the run's rl.beta")
+            try:
+                restored, _ = ckpt.restore(latest, abstract)
+            except (ValueError, KeyError, TypeError) as e:
+                raise RunError(f"--resume: the checkpoint at step {latest} in {out} does not fit the model: {e}") from None
+            state, ref_params = restored["train"], restored.get("ref_params")
+            key = jax.random.wrap_key_data(jnp.asarray(saved["rng_key"], jnp.uint32))
+            start = int(saved["step"])
+        else:
+            if latest is not None or (out is not None and (out / JSONL_NAME).exists()):
+                raise RunError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+            state = init_state(setup, jax.random.key(cfg.train.seed))
+            if init_hf is not None:
+                state = {**state, "params": _params_from_hf(setup, init_hf)}
+            ref_params, key, start = (state["params"] if with_reference else None), jax.random.key(cfg.train.seed + 1), 0
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        raise
+
+    rl_opt = rl_optimizer(cfg)
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+    rows_sh = setup.batch_sharding(0)
+    run = _Run(
+        cfg, task, tokenizer, reward_fns, setup, jit_train_step(setup) if r.warmup_steps else None,
+        jit_grpo_step(setup, rl_opt, with_reference) if r.steps else None,
+        make_generate(cfg, SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id),
+                      in_shardings=(setup.param_shardings, rows_sh, rows_sh, rows_sh, replicated)),
+        # The GRPO phase starts from the warmed-up policy with a fresh optimizer state.
+        jax.jit(lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
+                in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings))
+    writer = MetricsWriter(out, resume_from_step=start if resume else None) if out is not None else None
+    history, last_saved, done = [], start, start
+
+    def save(step_done: int):
+        meta_now = {**meta, "step": step_done, "phase": WARMUP if step_done < r.warmup_steps else GRPO,
+                    "data_position": step_done, "rng_key": _key_record(key)}
+        tree = {"train": state, **({"ref_params": ref_params} if with_reference else {})}
+        ckpt.save(step_done, tree, meta_now)
+
+    bar = tqdm(range(start, run.total_steps), initial=start, total=run.total_steps, disable=not progress, desc="rl")
+    try:
+        with setup.context():
+            for step in bar:
+                if step < r.warmup_steps:
+                    state, rec = _warmup_step(run, state, step)
+                    bar.set_postfix(phase="warm-up", loss=f"{rec['warmup_loss']:.3f}")
+                else:
+                    if step == r.warmup_steps:
+                        state = run.rl_init(state)
+                        if with_reference:  # the reference is the policy GRPO starts from, frozen
+                            ref_params = jax.tree.map(jnp.copy, state["params"])
+                    key, sample_key = jax.random.split(key)
+                    state, rec = _grpo_step(run, state, ref_params, step, sample_key)
+                    bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", kept=f"{rec['kept_frac']:.2f}")
+                done = step + 1
+                history.append({"step": step, **rec})
+                if writer is not None:
+                    writer.write(step, rec)
+                    if done % PLOT_EVERY == 0:
+                        plot_metrics(writer.jsonl_path, out / "metrics.png", PLOT_KEYS)
+                if ckpt is not None and r.checkpoint_every and done % r.checkpoint_every == 0:
+                    save(done)
+                    last_saved = done
+            if ckpt is not None and done > last_saved:
+                save(done)
+                last_saved = done
+    except (Exception, KeyboardInterrupt):
+        # Keep what is done: the last completed step's state is intact (the failure came between
+        # steps or inside one whose donated input is then gone: that save fails and is logged).
+        if ckpt is not None and done > last_saved:
+            try:
+                save(done)
+                log.warning("run stopped by an error after step %d; checkpointed it in %s", done - 1, out)
+            except Exception as e:  # noqa: BLE001 -- the original error is the one to report
+                log.warning("could not checkpoint step %d after the error: %s", done, e)
+        raise
+    finally:
+        bar.close()
+        if ckpt is not None:
+            ckpt.close()
+        if writer is not None:
+            writer.close()
+            plot_metrics(writer.jsonl_path, out / "metrics.png", PLOT_KEYS)
+    if export_hf is not None:
+        from hybridmoe.model.hf import save_hf_checkpoint
+        save_hf_checkpoint(str(export_hf), cfg.model, jax.device_get(state["params"]))
+    return history

@@ -1,0 +1,154 @@
+"""The RL run end to end on the 8-device CPU mesh: outputs, exact resume after a kill, bad input."""
+
+import json
+import math
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import tiny_config
+from hybridmoe.config import ConfigError
+from hybridmoe.model.params import abstract_params
+from hybridmoe.rl.loop import run_rl
+from hybridmoe.rl.tasks import ArithmeticTask, Example
+from hybridmoe.train.checkpoint import Checkpoints
+from hybridmoe.train.loop import RunError
+from hybridmoe.train.metrics import read_metrics
+from hybridmoe.train.setup import build
+
+TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s"}
+# 2 warm-up steps then 4 GRPO steps; checkpoints after steps 2 and 5 (done = 3, 6).
+OVERRIDES = ("rl.warmup_steps=2", "rl.steps=4", "rl.checkpoint_every=3", "rl.prompts_per_step=2", "rl.group_size=4",
+             "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05", "train.batch_size=8", "train.seq_len=32",
+             "gdn.chunk_size=8")
+
+
+class OneLongPrompt(ArithmeticTask):
+    """Arithmetic whose first prompt of each draw is longer than rl.max_prompt_len (a counted skip)."""
+
+    def sample(self, rng, num_examples):
+        examples = super().sample(rng, num_examples)
+        if examples and num_examples < 64:  # the GRPO prompts, not the warm-up's solved examples
+            examples[0] = Example("000000" + examples[0].prompt, examples[0].reference)
+        return examples
+
+
+def flaky_reward(prompt: str, completion: str) -> float:
+    """Deterministic in its input: raises on about a fifth of the samples, NaN on another fifth."""
+    h = zlib.crc32((prompt + "|" + completion).encode()) % 5
+    if h == 0:
+        raise ValueError("flaky reward")
+    return float("nan") if h == 1 else 0.0
+
+
+class HardKill(BaseException):
+    """Stands in for SIGKILL: not an Exception, so the run's error handling does not see it."""
+
+
+def _rewards(task, kill_at_call=None):
+    calls = {"n": 0}
+
+    def killing_reward(prompt, completion):
+        calls["n"] += 1
+        if kill_at_call is not None and calls["n"] > kill_at_call:
+            raise HardKill()
+        return 0.0
+
+    return [(task.reward, 1.0), (flaky_reward, 0.5), (killing_reward, 1.0)]
+
+
+def _final_params(cfg, out):
+    ckpt = Checkpoints(out / "checkpoints")
+    setup = build(cfg)
+    abstract = {"train": setup.abstract_state(), "ref_params": abstract_params(setup.specs, setup.param_shardings)}
+    state, meta = ckpt.restore(ckpt.latest_step(), abstract)
+    ckpt.close()
+    return jax.device_get(state["train"]["params"]), meta
+
+
+def _comparable(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return tiny_config(*OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def finished_run(cfg, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl") / "run"
+    task = OneLongPrompt(digits=1)
+    history = run_rl(cfg, out, progress=False, task=task, reward_fns=_rewards(task))
+    return out, history
+
+
+def test_run_writes_metrics_plot_tensorboard_checkpoints_and_counts_bad_samples(finished_run):
+    out, history = finished_run
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6)) == [h["step"] for h in history]
+    assert [r["phase"] for r in records] == [0, 0, 1, 1, 1, 1]
+    for r in records[2:]:
+        for key in ("reward_mean", "reward_max", "reward_min", "loss", "kl", "entropy", "kept_frac", "grad_norm",
+                    "pg_clipfrac", "completion_len_mean", "tokens_per_s", "step_time_s"):
+            assert key in r and r[key] is not None and math.isfinite(r[key]), key
+        assert r["prompts_skipped"] == 1  # the over-long prompt: its group is skipped, counted
+        assert r["rewards_skipped"] >= 4  # at least that group; plus the flaky reward's raises and NaNs
+    assert sum(r["rewards_skipped"] for r in records[2:]) > 4 * 4
+    assert (out / "metrics.png").stat().st_size > 0
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert Checkpoints(out / "checkpoints").latest_step() == 6
+
+
+def test_resume_after_a_kill_continues_exactly(cfg, finished_run, tmp_path):
+    out_full, _ = finished_run
+    out = tmp_path / "killed"
+    task = OneLongPrompt(digits=1)
+    # Killed inside step 5 (the 4th GRPO step, 8 rows per step): the last checkpoint is after step 2.
+    with pytest.raises(HardKill):
+        run_rl(cfg, out, progress=False, task=task, reward_fns=_rewards(task, kill_at_call=3 * 8))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert Checkpoints(out / "checkpoints").latest_step() == 3
+    resumed = run_rl(cfg, out, resume=True, progress=False, task=task, reward_fns=_rewards(task))
+    assert [h["step"] for h in resumed] == [3, 4, 5]
+    assert _comparable(read_metrics(out / "metrics.jsonl")) == _comparable(read_metrics(out_full / "metrics.jsonl"))
+    params_full, meta_full = _final_params(cfg, out_full)
+    params_resumed, meta_resumed = _final_params(cfg, out)
+    jax.tree.map(np.testing.assert_array_equal, params_resumed, params_full)
+    assert meta_resumed["rng_key"] == meta_full["rng_key"] and meta_resumed["phase"] == 1
+
+
+def test_wrong_shape_checkpoints_are_clear_errors(cfg, finished_run, tmp_path):
+    out, _ = finished_run
+    with pytest.raises(RunError, match="another shape"):
+        run_rl(tiny_config(*OVERRIDES, "model.d_model=32"), out, resume=True, progress=False)
+    with pytest.raises(RunError, match="already holds a run"):
+        run_rl(cfg, out, progress=False)
+    from hybridmoe.model.hf import hf_config_from_model_fields
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    fields = {**cfg.model.model_dump(), "d_model": 32, "num_experts": 4}
+    (hf_dir / "config.json").write_text(json.dumps(hf_config_from_model_fields(fields)))
+    with pytest.raises(RunError, match=r"model\.d_model: recipe 64, checkpoint 32") as e:
+        run_rl(cfg, tmp_path / "from_hf", init_hf=hf_dir, progress=False)
+    assert "model.num_experts" in str(e.value)
+
+
+def test_empty_prompt_set_stops_with_a_clear_error_keeping_checkpoints_and_metrics(tmp_path):
+    class NoPrompts(ArithmeticTask):
+        def sample(self, rng, num_examples):
+            return super().sample(rng, num_examples) if num_examples >= 64 else []
+
+    cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=1", "rl.checkpoint_every=0")
+    out = tmp_path / "run"
+    with pytest.raises(RunError, match="gave 0 prompts"):
+        run_rl(cfg, out, progress=False, task=NoPrompts(digits=1))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0]
+    assert Checkpoints(out / "checkpoints").latest_step() == 1  # the warm-up step, saved on the way out
+
+
+def test_prompt_and_completion_longer_than_the_context_is_a_config_error():
+    with pytest.raises(ConfigError, match="rl.max_new_tokens"):
+        tiny_config("model.max_seq_len=16", "rl.max_prompt_len=12", "rl.max_new_tokens=8")
