@@ -31,3 +31,12 @@ def packed_batch(seed: int, rows: int, seq_len: int, vocab: int, doc_lengths=(5,
     rng = np.random.default_rng(seed)
     docs = [rng.integers(1, vocab, size=n) for n in doc_lengths for _ in range(rows)]
     return {k: jnp.asarray(v) for k, v in pack_documents(docs, rows, seq_len).items()}
+
+
+def assert_rel_l2(a, b, tol):
+    """Per-leaf relative L2 error: float32 sums in another order differ by ~1e-5, a wrong
+    collective or layout by O(1)."""
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        err = np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30)
+        assert err < tol, f"{jax.tree_util.keystr(path)}: relative L2 error {err:.2e} >= {tol}"

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import packed_batch, tiny_config, tiny_params
+from helpers import assert_rel_l2, packed_batch, tiny_config, tiny_params
 from hybridmoe.kernels.attention import attention
 from hybridmoe.kernels.attention.reference import attention_reference
 from hybridmoe.model import moe as moe_mod
@@ -16,15 +16,6 @@ from hybridmoe.train.step import nll_sum
 
 def _close(a, b, rtol=1e-5, atol=1e-5):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol), a, b)
-
-
-def _rel_l2(a, b, tol):
-    """Per-leaf relative L2 error: float32 sums in another order differ by ~1e-5, a wrong
-    collective or layout by O(1)."""
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        err = np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30)
-        assert err < tol, f"{jax.tree_util.keystr(path)}: relative L2 error {err:.2e} >= {tol}"
 
 
 def test_attention_matches_reference():
@@ -103,7 +94,7 @@ def test_sharded_on_8_devices_equals_one_device():
         sharded_batch = jax.device_put(batch, jax.tree.map(lambda _: setup.batch_sharding(0), batch))
         multi = _loss_and_grads(cfg, sharded_params, sharded_batch)
     assert len(multi[1]["embed"].sharding.device_set) == 8
-    _rel_l2(single, multi, 1e-4)
+    assert_rel_l2(single, multi, 1e-4)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -222,7 +222,7 @@ class RLConfig(Section):
     lr_warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps of the GRPO phase.")
     micro_batches: int = Field(1, gt=0, description="Micro-batches the P*G sequences are split into; gradients accumulate.")
     estimator: Literal["grpo", "rloo", "drgrpo"] = Field("grpo", description="Group advantage estimator.")
-    mask_truncated: bool = Field(True, description="Truncated completions (no EOS) carry no loss.")
+    mask_truncated: bool = Field(False, description="Truncated completions (no EOS) carry no loss (off: their low reward teaches the policy to stop).")
     mask_zero_variance: bool = Field(True, description="Groups whose rewards are all equal carry no loss.")
     eps: float = Field(0.2, gt=0, lt=1, description="Lower clip of the ratio: 1 - eps.")
     eps_high: float | None = Field(None, gt=0, description="Upper clip of the ratio: 1 + eps_high (None = eps).")

@@ -43,36 +43,46 @@ def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config):
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
-def decoder_layer(lp, x_BTD, mix, cfg: Config):
+def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False):
     """One layer around its token mixer: x + mix(norm x), then x + moe(norm x).
 
     `mix(mixer_params, h_BTD) -> (y_BTD, aux)` is the token mixer (the full-sequence one here, the
-    cached one in decode.py); returns (x_BTD, aux).
+    cached one in decode.py); returns (x_BTD, aux), and with_moe_dropped also the MoE block's
+    dropped (token, expert) rows (int32; see moe.capacity_factor).
     """
     m = cfg.model
     h = rms_norm(x_BTD, lp["input_norm"], m.rms_norm_eps)
     y_BTD, aux = mix(lp["mixer"], h)
     x_BTD = x_BTD + y_BTD
     h = rms_norm(x_BTD, lp["post_norm"], m.rms_norm_eps)
-    x_BTD = x_BTD + moe_layer(lp["moe"], h, m, cfg.moe)
-    return constrain(x_BTD, "batch", "seq", None), aux
+    y_BTD = moe_layer(lp["moe"], h, m, cfg.moe, cfg.kernels, return_dropped=with_moe_dropped)
+    if with_moe_dropped:
+        y_BTD, dropped = y_BTD
+    x_BTD = constrain(x_BTD + y_BTD, "batch", "seq", None)
+    return (x_BTD, aux, dropped) if with_moe_dropped else (x_BTD, aux)
 
 
-def block_fn(cfg: Config, positions_BT, segment_ids_BT):
-    """One repeating block (every position of the layer pattern) as a function (x, block params) -> x."""
+def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: bool = False):
+    """One repeating block (every position of the layer pattern) as a function (x, block params) -> x
+    (with_moe_dropped: -> (x, the block's dropped MoE rows))."""
     m = cfg.model
 
     def block(x_BTD, block_params):
+        dropped = jnp.int32(0)
         for kind, lp in zip(m.layer_pattern, block_params):
             mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg), None)
-            x_BTD, _ = decoder_layer(lp, x_BTD, mix, cfg)
-        return x_BTD
+            out = decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped)
+            x_BTD = out[0]
+            if with_moe_dropped:
+                dropped = dropped + out[2]
+        return (x_BTD, dropped) if with_moe_dropped else x_BTD
 
     return block
 
 
-def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None):
-    """Final-normed hidden states [B, T, D]."""
+def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None, *,
+                   with_moe_dropped: bool = False):
+    """Final-normed hidden states [B, T, D] (with_moe_dropped: and the MoE rows dropped in all layers)."""
     m = cfg.model
     if segment_ids_BT is None or positions_BT is None:
         seg, pos = default_batch_fields(tokens_BT)
@@ -80,10 +90,20 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
         positions_BT = pos if positions_BT is None else positions_BT
     dt = jnp.dtype(m.compute_dtype)
     x = constrain(params["embed"].astype(dt)[tokens_BT], "batch", "seq", None)
-    block = block_fn(cfg, positions_BT, segment_ids_BT)
+    block = block_fn(cfg, positions_BT, segment_ids_BT, with_moe_dropped=with_moe_dropped)
     policy = cfg.remat.policy
     if policy != "none":
         block = jax.checkpoint(block, policy=remat_policy(cfg.remat), prevent_cse=not cfg.remat.scan_layers)
+    if with_moe_dropped:
+        step = lambda carry, bp: ((lambda x, d: (x, carry[1] + d))(*block(carry[0], bp)), None)  # noqa: E731
+        carry = (x, jnp.int32(0))
+        if cfg.remat.scan_layers:
+            carry, _ = jax.lax.scan(step, carry, params["blocks"])
+        else:
+            for i in range(m.num_blocks):
+                carry, _ = step(carry, jax.tree.map(lambda a: a[i], params["blocks"]))
+        x, dropped = carry
+        return rms_norm(x, params["final_norm"], m.rms_norm_eps), dropped
     if cfg.remat.scan_layers:
         x, _ = jax.lax.scan(lambda x, bp: (block(x, bp), None), x, params["blocks"])
     else:
@@ -92,9 +112,13 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
     return rms_norm(x, params["final_norm"], m.rms_norm_eps)
 
 
-def logits(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None):
-    h = decoder_hidden(params, cfg, tokens_BT, segment_ids_BT, positions_BT)
-    return jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+def logits(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None, *,
+           with_moe_dropped: bool = False):
+    h = decoder_hidden(params, cfg, tokens_BT, segment_ids_BT, positions_BT, with_moe_dropped=with_moe_dropped)
+    if with_moe_dropped:
+        h, dropped = h
+    out = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    return (out, dropped) if with_moe_dropped else out
 
 
 def token_logprobs(params, cfg, tokens_BT, segment_ids_BT=None, positions_BT=None):

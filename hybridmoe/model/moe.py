@@ -1,22 +1,37 @@
 """The routed-experts block with its gated shared expert.
 
-Shape legend: T tokens (flattened batch x sequence, local to a shard), D model, E experts,
-F expert hidden, S shared hidden, k experts per token, M = T * k routed rows.
+Shape legend: T tokens (flattened batch x sequence, local to a shard), D model, E experts (global),
+G experts held by this shard, F expert hidden, S shared hidden, k experts per token, M = T * k
+routed rows, n the expert-parallel ranks a token set is gathered over.
 
 Routing: softmax router in float32, top-k, optional renormalisation. The sparse path is
 dropless sort-and-group: rows sorted by expert, grouped matmuls over contiguous groups, unsorted
 and summed per token (a gather, not a scatter-add, so the sum order is fixed). The dense path runs
-every expert on every token and is the reference.
+every expert on every token and is the reference (always with every expert weight gathered).
+
+Three ways the sparse path runs, chosen once per trace from the config and the mesh:
+- `sparse_experts`: the default program (no lever, no buffer, xla backend, one expert rank);
+  jax.lax.ragged_dot on every expert, weights gathered to every shard.
+- `grouped_experts`: the kernel family (hybridmoe.kernels.gmm) with the MoE levers, an optional
+  per-expert buffer (moe.capacity_factor) and expert-sharded groups (group_offset).
+- ring of experts (mesh's "exp" axes > 1): tokens, routing weights and expert ids are
+  all-gathered over the expert axes the tokens are sharded on, each rank runs its G = E / n local
+  experts on the gathered rows (the others' rows come out zero), and the partial outputs are
+  reduce-scattered back (psum over expert axes the tokens are replicated on).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from hybridmoe.config.schema import ModelConfig, MoEConfig
+from hybridmoe.config.schema import GmmKernelConfig, KernelsConfig, ModelConfig, MoEConfig
+from hybridmoe.kernels import gmm as K
 from hybridmoe.parallel.rules import logical_to_spec
 
 
@@ -73,27 +88,239 @@ def shared_expert(p, x_TD):
     return (y.astype(jnp.float32) * gate_T[:, None]).astype(dt)
 
 
-def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig):
+@dataclasses.dataclass(frozen=True)
+class GroupedPlan:
+    """Static choices of the grouped-matmul path (from moe.* and kernels.gmm.*)."""
+
+    num_experts: int
+    capacity_factor: float = 0.0
+    wi_fused_swiglu: bool = False
+    wo_fused_dswiglu: bool = False
+    router_grad_from_wo_input: bool = False
+    backend: str = "xla"
+    tiling: K.Tiling | None = None
+    interpret: bool = False
+    epilogue: str = "float32"
+    tile_n_per_half: int | None = None
+    rhs_buffer_count: int = 0
+
+    @classmethod
+    def of(cls, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None) -> GroupedPlan:
+        kern = kernels or KernelsConfig()
+        g: GmmKernelConfig = kern.gmm
+        explicit = g.tiling == "explicit"
+        return cls(
+            num_experts=m.num_experts, capacity_factor=moe.capacity_factor,
+            wi_fused_swiglu=moe.wi_fused_swiglu, wo_fused_dswiglu=moe.wo_fused_dswiglu,
+            router_grad_from_wo_input=moe.router_grad_from_wo_input, backend=g.backend,
+            tiling=K.Tiling(tm=g.tm, tk=g.tk, tn=g.tn, vmem_limit_mib=g.vmem_limit_mib) if explicit else None,
+            interpret=kern.interpret, epilogue=g.epilogue,
+            tile_n_per_half=(g.wi_fwd_tile_n_per_half or None) if explicit else None,
+            rhs_buffer_count=g.wi_fwd_rhs_buffer_count)
+
+    @property
+    def is_default(self) -> bool:
+        """No lever, no buffer, the xla backend: the default program (`sparse_experts`)."""
+        return not (self.capacity_factor or self.wi_fused_swiglu or self.wo_fused_dswiglu
+                    or self.router_grad_from_wo_input or self.backend != "xla")
+
+
+def capacity_rows(num_rows: int, num_experts: int, capacity_factor: float) -> int:
+    """Per-expert buffer: capacity_factor times the even share of the rows, at least one row."""
+    return max(1, math.ceil(capacity_factor * num_rows / num_experts))
+
+
+def grouped_experts(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_offset=0):
+    """(y_TD, dropped): the experts [offset, offset + G) of E on these tokens; others give zero.
+
+    dropped: int32, the (token, expert) rows of the local experts that overflowed their buffer
+    (always 0 when dropless). Rows are sorted by expert with a stable sort, so within an expert
+    the earlier tokens keep their place and the later ones are dropped.
+    """
+    T, k = idx_Tk.shape
+    E, G = plan.num_experts, wi_GD2F.shape[0]
+    M = T * k
+    dt = x_TD.dtype
+    flat_e_M = idx_Tk.reshape(-1)
+    order_M = jnp.argsort(flat_e_M, stable=True)
+    group_sizes_E = jnp.bincount(flat_e_M, length=E).astype(jnp.int32)
+    dropped = jnp.int32(0)
+    rows = M
+    if plan.capacity_factor > 0:
+        cap = capacity_rows(M, E, plan.capacity_factor)
+        starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+        e_sorted_M = flat_e_M[order_M]
+        keep_M = jnp.arange(M, dtype=jnp.int32) - starts_E[e_sorted_M] < cap
+        kept_E = jnp.minimum(group_sizes_E, cap)
+        experts_E = jnp.arange(E, dtype=jnp.int32)
+        local_E = (experts_E >= group_offset) & (experts_E < group_offset + G)
+        dropped = jnp.sum(jnp.where(local_E, group_sizes_E - kept_E, 0)).astype(jnp.int32)
+        # Kept rows first (still by expert), dropped rows after them: past the groups' sum
+        # they are padding rows, which the grouped matmuls give zero output and zero gradient.
+        order_M = order_M[jnp.argsort(jnp.where(keep_M, e_sorted_M, E), stable=True)]
+        group_sizes_E = kept_E
+        rows = min(M, E * cap)
+    buffer_R = order_M[:rows]
+    x_RD = x_TD[buffer_R // k]
+    w_R = w_Tk.reshape(-1)[buffer_R]
+    y_RD = _expert_mlp(x_RD, w_R, wi_GD2F.astype(dt), wo_GFD.astype(dt), group_sizes_E, plan,
+                       group_offset)
+    if rows < M:
+        y_RD = jnp.concatenate([y_RD, jnp.zeros((M - rows, y_RD.shape[1]), dt)])
+    inverse_M = jnp.argsort(order_M)
+    y_TD = jnp.sum(y_RD[inverse_M].reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
+    return y_TD, dropped
+
+
+def _vary_alike(*arrays):
+    """The arrays marked as varying over every manual mesh axis any of them varies over.
+
+    The grouped matmuls' custom VJPs return cotangents that vary like the whole computation
+    (tokens, weights and the traced group offset together); each input must already carry that
+    type. The transpose of the cast is the psum that autodiff inserts on its own around a plain
+    matmul (a no-op outside shard_map).
+    """
+    want = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+    out = []
+    for a in arrays:
+        missing = want - jax.typeof(a).manual_axis_type.varying
+        out.append(jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a)
+    return out
+
+
+def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, group_offset):
+    """Routed rows through their experts: (w * swiglu(x @ wi)) @ wo, per the plan's levers."""
+    offset = jnp.asarray(group_offset, jnp.int32)
+    x_MD, w_M, wi_GD2F, wo_GFD, group_offset = _vary_alike(x_MD, w_M, wi_GD2F, wo_GFD, offset)
+    kw = dict(backend=plan.backend, tiling=plan.tiling, interpret=plan.interpret,
+              group_offset=group_offset)
+    row_scale_M = w_M if plan.router_grad_from_wo_input else None
+    if plan.wi_fused_swiglu:
+        out = K.gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,
+                           tile_n_per_half=plan.tile_n_per_half, epilogue=plan.epilogue,
+                           rhs_buffer_count=plan.rhs_buffer_count, **kw)
+        h_MF, preact_M2F = out if plan.wo_fused_dswiglu else (out, None)
+        preact_tile = plan.tile_n_per_half
+    else:
+        preact_M2F = K.gmm(x_MD, wi_GD2F, group_sizes_E, **kw)
+        h_MF = swiglu(preact_M2F)
+        preact_tile = None  # the unfused matmul stores contiguous [gate | up]
+    if plan.wo_fused_dswiglu:
+        y_MD = K.gmm_dswiglu(h_MF, wo_GFD, group_sizes_E, preact=preact_M2F,
+                             preact_tile_n_per_half=preact_tile, row_scale=row_scale_M,
+                             epilogue=plan.epilogue, **kw)
+    else:
+        lhs_MF = h_MF if row_scale_M is None else K.scale_rows(h_MF, row_scale_M)
+        y_MD = K.gmm(lhs_MF, wo_GFD, group_sizes_E, **kw)
+    if row_scale_M is None:
+        y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(y_MD.dtype)
+    return y_MD
+
+
+def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None = None, *,
+              return_dropped: bool = False):
     """The block on the tokens a shard holds (every expert weight visible)."""
     w_Tk, idx_Tk, _ = route(p["router"], x_TD, m)
-    experts = sparse_experts if moe.impl == "sparse" else dense_experts
-    y = experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
+    plan = GroupedPlan.of(m, moe, kernels)
+    dropped = jnp.int32(0)
+    if moe.impl == "dense":
+        y = dense_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
+    elif plan.is_default:
+        y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
+    else:
+        y, dropped = grouped_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan)
     if "shared_wi" in p:
         y = y + shared_expert(p, x_TD)
-    return y
+    return (y, dropped) if return_dropped else y
 
 
-def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig):
-    """Tokens stay on their shard; expert weights are gathered to every shard (FSDP style)."""
+def _mesh_axes(spec_entry) -> tuple[str, ...]:
+    if spec_entry is None:
+        return ()
+    return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
+
+
+def expert_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes the rules shard experts over, those of size 1 left out."""
+    return tuple(a for a in _mesh_axes(logical_to_spec(("exp",))[0]) if mesh.shape[a] > 1)
+
+
+def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None = None, *,
+              return_dropped: bool = False):
+    """The block on a [B, T, D] batch, under the mesh in force (if any).
+
+    One expert rank: tokens stay on their shard and expert weights are gathered to every shard
+    (FSDP style). Experts sharded (the rules' "exp" axes > 1) and the sparse path: ring of
+    experts (module docstring). With return_dropped, also the number of (token, expert) rows
+    the per-expert buffers dropped in the whole batch (int32, 0 when dropless).
+    """
     B, T, D = x_BTD.shape
-
-    def local(p, x_btd):
-        b, t, _ = x_btd.shape
-        return moe_local(p, x_btd.reshape(b * t, D), m, moe).reshape(b, t, D)
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return local(p, x_BTD)
+        y, dropped = moe_local(p, x_BTD.reshape(B * T, D), m, moe, kernels, return_dropped=True)
+        y = y.reshape(B, T, D)
+        return (y, dropped) if return_dropped else y
     token_spec = logical_to_spec(("batch", "seq", None))
-    weight_specs = jax.tree.map(lambda _: PartitionSpec(), p)
-    return jax.shard_map(local, in_specs=(weight_specs, token_spec), out_specs=token_spec)(p, x_BTD)
+    ep_axes = expert_axes(mesh) if moe.impl == "sparse" else ()
+    replicated = jax.tree.map(lambda _: PartitionSpec(), p)
+    default = moe.impl == "dense" or GroupedPlan.of(m, moe, kernels).is_default
+    if default and not ep_axes and not return_dropped:
+        # The default program: the replicated block and nothing else in the shard_map.
+        def plain(p, x_btd):
+            b, t, _ = x_btd.shape
+            return moe_local(p, x_btd.reshape(b * t, D), m, moe, kernels).reshape(b, t, D)
+
+        return jax.shard_map(plain, in_specs=(replicated, token_spec), out_specs=token_spec)(p, x_BTD)
+
+    token_axes = {a for entry in token_spec for a in _mesh_axes(entry)}
+    all_axes = tuple(mesh.axis_names)
+    # Each (token shard, expert shard) pair counts its drops once: divide out the replicas.
+    replicas = math.prod(mesh.shape[a] for a in all_axes if a not in token_axes and a not in ep_axes)
+    if ep_axes:
+        local = _ring_of_experts(m, moe, kernels, ep_axes, token_axes, all_axes, replicas)
+        ep_spec = PartitionSpec(_mesh_axes(logical_to_spec(("exp",))[0]))
+        weight_specs = {k: ep_spec if k in ("wi", "wo") else PartitionSpec() for k in p}
+    else:
+        def local(p, x_btd):
+            b, t, _ = x_btd.shape
+            y, dropped = moe_local(p, x_btd.reshape(b * t, D), m, moe, kernels, return_dropped=True)
+            return y.reshape(b, t, D), jax.lax.psum(dropped, all_axes) // replicas
+
+        weight_specs = replicated
+    y, dropped = jax.shard_map(local, in_specs=(weight_specs, token_spec),
+                               out_specs=(token_spec, PartitionSpec()))(p, x_BTD)
+    return (y, dropped) if return_dropped else y
+
+
+def _ring_of_experts(m: ModelConfig, moe: MoEConfig, kernels, ep_axes, token_axes, all_axes,
+                     replicas: int):
+    """The per-shard body of the ring: gather tokens over the expert axes, local experts, scatter."""
+    plan = GroupedPlan.of(m, moe, kernels)
+    # Gather over the expert axes the tokens are split on; where the tokens are replicated
+    # (cp_as_ep's context x expert with tokens on context only) every rank already holds them
+    # and the partial outputs are summed instead.
+    exp_spec_axes = _mesh_axes(logical_to_spec(("exp",))[0])
+    gather_axes = tuple(a for a in exp_spec_axes if a in ep_axes and a in token_axes)
+    sum_axes = tuple(a for a in exp_spec_axes if a in ep_axes and a not in token_axes)
+
+    def local(p, x_btd):
+        b, t, D = x_btd.shape
+        x_TD = x_btd.reshape(b * t, D)
+        w_Tk, idx_Tk, _ = route(p["router"], x_TD, m)
+        x_nTD, w_nTk, idx_nTk = x_TD, w_Tk, idx_Tk
+        if gather_axes:
+            x_nTD, w_nTk, idx_nTk = (jax.lax.all_gather(a, gather_axes, axis=0, tiled=True)
+                                     for a in (x_TD, w_Tk, idx_Tk))
+        num_local = p["wi"].shape[0]
+        offset = jax.lax.axis_index(exp_spec_axes) * num_local
+        y_nTD, dropped = grouped_experts(x_nTD, w_nTk, idx_nTk, p["wi"], p["wo"], plan, offset)
+        y_TD = y_nTD
+        if gather_axes:
+            y_TD = jax.lax.psum_scatter(y_nTD, gather_axes, scatter_dimension=0, tiled=True)
+        if sum_axes:
+            y_TD = jax.lax.psum(y_TD, sum_axes)
+        if "shared_wi" in p:
+            y_TD = y_TD + shared_expert(p, x_TD)
+        return y_TD.reshape(b, t, D), jax.lax.psum(dropped, all_axes) // replicas
+
+    return local

@@ -71,6 +71,8 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progres
                 dt = time.perf_counter() - t0
                 rec = {"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": int(m["tokens"]),
                        "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}
+                if "moe_dropped" in m:  # expert buffers (moe.capacity_factor > 0) report their drops
+                    rec["moe_dropped"] = int(m["moe_dropped"])
                 history.append(rec)
                 if writer is not None and step % t.log_every == 0:
                     writer.write(step, {k: v for k, v in rec.items() if k != "step"})

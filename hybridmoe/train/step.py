@@ -28,13 +28,19 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
-def nll_sum(params, cfg: Config, batch):
-    """(summed NLL over valid targets, number of valid targets) of one micro-batch."""
-    lg = logits(params, cfg, batch["tokens"], batch["segment_ids"], batch["positions"])[:, :-1]
+def nll_sum(params, cfg: Config, batch, *, with_moe_dropped: bool = False):
+    """(summed NLL over valid targets, number of valid targets) of one micro-batch
+    (with_moe_dropped: and the MoE rows its expert buffers dropped, int32)."""
+    lg = logits(params, cfg, batch["tokens"], batch["segment_ids"], batch["positions"],
+                with_moe_dropped=with_moe_dropped)
+    if with_moe_dropped:
+        lg, dropped = lg
+    lg = lg[:, :-1]
     lp = jax.nn.log_softmax(lg, axis=-1)
     tgt = jnp.take_along_axis(lp, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
     mask = loss_mask(batch["segment_ids"])
-    return -jnp.sum(jnp.where(mask, tgt, 0.0)), jnp.sum(mask)
+    out = (-jnp.sum(jnp.where(mask, tgt, 0.0)), jnp.sum(mask))
+    return (*out, dropped) if with_moe_dropped else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +72,28 @@ def accumulate_grads(loss_sum_fn, params, micro_batches):
 
 
 def train_step(cfg: Config, optimizer: optax.GradientTransformation):
+    # Expert buffers that can overflow report what they dropped, summed over layers, micro-batches
+    # and the mesh, as the metric moe_dropped (rows = (token, expert) assignments).
+    report_dropped = cfg.moe.capacity_factor > 0
+
+    def loss_sum_fn(p, mb):
+        if not report_dropped:
+            return nll_sum(p, cfg, mb)
+        loss, count, dropped = nll_sum(p, cfg, mb, with_moe_dropped=True)
+        return loss, {"tokens": count, "moe_dropped": dropped}
+
     def step(state, batch):
         params = state["params"]
-        loss_sum, count, grads = accumulate_grads(lambda p, mb: nll_sum(p, cfg, mb), params, batch)
+        loss_sum, counts, grads = accumulate_grads(loss_sum_fn, params, batch)
+        count = counts["tokens"] if report_dropped else counts
         denom = jnp.maximum(count, 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
+        if report_dropped:
+            metrics["moe_dropped"] = counts["moe_dropped"]
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     return step
