@@ -1,0 +1,40 @@
+"""Per-token log-probabilities of given token ids under a Hugging Face checkpoint.
+
+The way to check a conversion against the reference implementation (and sampler/trainer parity):
+the same tokens scored here and by the reference must agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hybridmoe.config.schema import Config, ModelConfig
+from hybridmoe.config.validate import check_requirements
+from hybridmoe.model.forward import token_logprobs
+from hybridmoe.model.hf import load_hf_checkpoint
+
+
+def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"{where}: token ids must be [batch, length >= 2], got shape {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{where}: token ids must be integers, got {tokens.dtype}")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}); found {tokens.min()}..{tokens.max()}")
+    return tokens.astype(np.int32)
+
+
+def score_tokens(hf_dir: Path, tokens: np.ndarray) -> np.ndarray:
+    """[B, T-1] float32: log p(tokens[:, t+1] | tokens[:, :t+1]), computed in float32."""
+    fields, tree = load_hf_checkpoint(str(hf_dir))
+    tokens = check_tokens(np.asarray(tokens), fields["vocab_size"], "--tokens")
+    model = ModelConfig(**{**fields, "max_seq_len": max(tokens.shape[1], 2), "param_dtype": "float32",
+                           "compute_dtype": "float32"})
+    cfg = Config(model=model)
+    check_requirements(cfg)
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), tree)
+    return np.asarray(jax.jit(lambda p, t: token_logprobs(p, cfg, t))(params, tokens), np.float32)
