@@ -109,7 +109,9 @@ def test_micro_batches_accumulate_to_one_big_batch_and_empty_batches_do_not_step
     (s1, m1), (s2, m2) = outs[1], outs[2]
     for key in ("loss", "pg_loss", "grad_norm", "entropy", "pg_clipfrac", "kept_tokens"):
         np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, err_msg=key)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), s2["params"], s1["params"])
+    # Adam's first step is nearly sign(g) * lr: where g is ~0, float-order noise in g moves the
+    # update by up to lr; 5e-5 is 5% of lr = 1e-3, far below a wrong accumulation (O(lr) everywhere).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), s2["params"], s1["params"])
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(params)))
 
     # Nothing kept: the update is skipped (params unchanged), not an AdamW step on a zero gradient.

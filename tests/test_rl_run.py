@@ -95,8 +95,8 @@ def test_run_writes_metrics_plot_tensorboard_checkpoints_and_counts_bad_samples(
                     "pg_clipfrac", "completion_len_mean", "tokens_per_s", "step_time_s"):
             assert key in r and r[key] is not None and math.isfinite(r[key]), key
         assert r["prompts_skipped"] == 1  # the over-long prompt: its group is skipped, counted
-        assert r["rewards_skipped"] >= 4  # at least that group; plus the flaky reward's raises and NaNs
-    assert sum(r["rewards_skipped"] for r in records[2:]) > 4 * 4
+    # The flaky reward's raises and NaNs (about 2 in 5 of the 4 scored rows of each step).
+    assert sum(r["rewards_skipped"] for r in records[2:]) >= 2
     assert (out / "metrics.png").stat().st_size > 0
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert Checkpoints(out / "checkpoints").latest_step() == 6

@@ -377,3 +377,34 @@ def saved_residuals(fn: Callable, *args) -> list[Residual]:
 def saved_names(fn: Callable, *args) -> Counter:
     """Counter of the checkpoint names among the saved residuals."""
     return Counter(r.name for r in saved_residuals(fn, *args) if r.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Jaxpr walking
+
+
+def iter_eqns(jaxpr):
+    """Every equation of a (closed) jaxpr and of the jaxprs nested in its equations' params."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in inner.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from iter_eqns(sub)
+
+
+def primitive_counts(jaxpr) -> Counter:
+    """Counter of primitive names over the whole nested jaxpr."""
+    return Counter(eqn.primitive.name for eqn in iter_eqns(jaxpr))
+
+
+def pallas_kernels(jaxpr) -> list[tuple[str, tuple]]:
+    """(kernel name, per-operand pipeline modes) of every pallas_call, in program order."""
+    out = []
+    for eqn in iter_eqns(jaxpr):
+        if eqn.primitive.name == "pallas_call":
+            modes = tuple(getattr(bm, "pipeline_mode", None)
+                          for bm in eqn.params["grid_mapping"].block_mappings)
+            out.append((eqn.params.get("name") or str(eqn.params.get("name_and_src_info", "")), modes))
+    return out

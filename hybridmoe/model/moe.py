@@ -274,26 +274,36 @@ def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig |
 
     token_axes = {a for entry in token_spec for a in _mesh_axes(entry)}
     all_axes = tuple(mesh.axis_names)
+    # Pallas kernels declare no varying-axes type on their outputs: trace them unchecked.
+    check_vma = GroupedPlan.of(m, moe, kernels).backend == "xla"
     # Each (token shard, expert shard) pair counts its drops once: divide out the replicas.
     replicas = math.prod(mesh.shape[a] for a in all_axes if a not in token_axes and a not in ep_axes)
     if ep_axes:
-        local = _ring_of_experts(m, moe, kernels, ep_axes, token_axes, all_axes, replicas)
+        local = _ring_of_experts(m, moe, kernels, ep_axes, token_axes, all_axes, replicas, check_vma)
         ep_spec = PartitionSpec(_mesh_axes(logical_to_spec(("exp",))[0]))
         weight_specs = {k: ep_spec if k in ("wi", "wo") else PartitionSpec() for k in p}
     else:
         def local(p, x_btd):
             b, t, _ = x_btd.shape
             y, dropped = moe_local(p, x_btd.reshape(b * t, D), m, moe, kernels, return_dropped=True)
-            return y.reshape(b, t, D), jax.lax.psum(dropped, all_axes) // replicas
+            return y.reshape(b, t, D), _count_once(dropped, all_axes, replicas, check_vma)
 
         weight_specs = replicated
     y, dropped = jax.shard_map(local, in_specs=(weight_specs, token_spec),
-                               out_specs=(token_spec, PartitionSpec()))(p, x_BTD)
+                               out_specs=(token_spec, PartitionSpec()), check_vma=check_vma)(p, x_BTD)
     return (y, dropped) if return_dropped else y
 
 
+def _count_once(dropped, all_axes, replicas: int, check_vma: bool):
+    """The mesh-wide total of a per-shard count that `replicas` shards compute identically."""
+    missing = set(all_axes) - jax.typeof(dropped).manual_axis_type.varying
+    if check_vma and missing:
+        dropped = jax.lax.pcast(dropped, tuple(sorted(missing)), to="varying")
+    return jax.lax.psum(dropped, all_axes) // replicas
+
+
 def _ring_of_experts(m: ModelConfig, moe: MoEConfig, kernels, ep_axes, token_axes, all_axes,
-                     replicas: int):
+                     replicas: int, check_vma: bool):
     """The per-shard body of the ring: gather tokens over the expert axes, local experts, scatter."""
     plan = GroupedPlan.of(m, moe, kernels)
     # Gather over the expert axes the tokens are split on; where the tokens are replicated
@@ -321,6 +331,6 @@ def _ring_of_experts(m: ModelConfig, moe: MoEConfig, kernels, ep_axes, token_axe
             y_TD = jax.lax.psum(y_TD, sum_axes)
         if "shared_wi" in p:
             y_TD = y_TD + shared_expert(p, x_TD)
-        return y_TD.reshape(b, t, D), jax.lax.psum(dropped, all_axes) // replicas
+        return y_TD.reshape(b, t, D), _count_once(dropped, all_axes, replicas, check_vma)
 
     return local

@@ -146,10 +146,14 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
     rollout = jax.device_get(run.generate(state["params"], *rows, key))
     t_rollout = time.perf_counter() - t0
 
-    row_prompts = [p for p in prompts for _ in range(G)]
-    completions = [run.tokenizer.decode(c) for c in rollout["completion"]]
-    rewards, reward_skipped, counts = score_completions(run.reward_fns, row_prompts, completions)
-    skipped = reward_skipped | np.repeat(prompt_skipped, G)
+    # Rows of a skipped prompt were sampled from a placeholder: they are not scored at all.
+    scored_rows = np.flatnonzero(~np.repeat(prompt_skipped, G))
+    completions = [run.tokenizer.decode(rollout["completion"][i]) for i in scored_rows]
+    scored_rewards, reward_skipped, counts = score_completions(
+        run.reward_fns, [prompts[i // G] for i in scored_rows], completions)
+    rewards = np.zeros(len(prompts) * G, np.float32)
+    skipped = np.ones(len(prompts) * G, bool)
+    rewards[scored_rows], skipped[scored_rows] = scored_rewards, reward_skipped
     adv_PG, keep_PG, kept_frac = group_advantages(
         jnp.asarray(rewards.reshape(-1, G)), estimator=r.estimator, skipped_PG=jnp.asarray(skipped.reshape(-1, G)),
         truncated_PG=jnp.asarray(rollout["truncated"].reshape(-1, G)), mask_truncated=r.mask_truncated,
