@@ -72,6 +72,23 @@ def _comparable(records):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+    """Every run here compiles the same programs: share them through JAX's persistent cache."""
+    from jax._src import compilation_cache
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update(keys[0], str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update(keys[1], 0)
+    jax.config.update(keys[2], 0)
+    compilation_cache.reset_cache()
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
 @pytest.fixture(scope="module")
 def cfg():
     return tiny_config(*OVERRIDES)
@@ -106,9 +123,10 @@ def test_resume_after_a_kill_continues_exactly(cfg, finished_run, tmp_path):
     out_full, _ = finished_run
     out = tmp_path / "killed"
     task = OneLongPrompt(digits=1)
-    # Killed inside step 5 (the 4th GRPO step, 8 rows per step): the last checkpoint is after step 2.
+    # Killed inside step 5 (the 4th GRPO step; 4 scored rows per step, the long prompt's group is
+    # not scored): the last checkpoint is after step 2.
     with pytest.raises(HardKill):
-        run_rl(cfg, out, progress=False, task=task, reward_fns=_rewards(task, kill_at_call=3 * 8))
+        run_rl(cfg, out, progress=False, task=task, reward_fns=_rewards(task, kill_at_call=3 * 4))
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3, 4]
     assert Checkpoints(out / "checkpoints").latest_step() == 3
     resumed = run_rl(cfg, out, resume=True, progress=False, task=task, reward_fns=_rewards(task))

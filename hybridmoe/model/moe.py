@@ -190,8 +190,12 @@ def _vary_alike(*arrays):
 
 def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, group_offset):
     """Routed rows through their experts: (w * swiglu(x @ wi)) @ wo, per the plan's levers."""
-    offset = jnp.asarray(group_offset, jnp.int32)
-    x_MD, w_M, wi_GD2F, wo_GFD, group_offset = _vary_alike(x_MD, w_M, wi_GD2F, wo_GFD, offset)
+    if isinstance(group_offset, int):
+        # A literal offset (every expert local) keeps the kernels' unsharded path.
+        x_MD, w_M, wi_GD2F, wo_GFD = _vary_alike(x_MD, w_M, wi_GD2F, wo_GFD)
+    else:
+        x_MD, w_M, wi_GD2F, wo_GFD, group_offset = _vary_alike(
+            x_MD, w_M, wi_GD2F, wo_GFD, jnp.asarray(group_offset, jnp.int32))
     kw = dict(backend=plan.backend, tiling=plan.tiling, interpret=plan.interpret,
               group_offset=group_offset)
     row_scale_M = w_M if plan.router_grad_from_wo_input else None
