@@ -15,6 +15,9 @@ def _config(words: list[str]):
     cfg = load_config(recipe, overrides)
     from hybridmoe.parallel.mesh import configure_cpu_devices
     configure_cpu_devices(cfg.mesh)
+    if cfg.mesh.distributed:
+        from hybridmoe.parallel.host import initialize_distributed
+        initialize_distributed()
     return cfg
 
 

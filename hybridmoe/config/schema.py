@@ -79,6 +79,9 @@ class MeshConfig(Section):
     cpu_devices: int = Field(
         0, ge=0, description="Simulated devices when running on CPU (0 = the platform's own count)."
     )
+    distributed: bool = Field(
+        False, description="Join JAX's multi-controller runtime at start-up: one process per host, the "
+        "coordinator found from the cluster (TPU pods, SLURM, ...); the mesh then spans every host.")
 
     @field_validator("data", "fsdp", "context", "expert", "tensor")
     @classmethod

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from hybridmoe.config.schema import Config
 from hybridmoe.config.validate import ConfigError, check_requirements
 from hybridmoe.model.params import abstract_params
+from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
 from hybridmoe.rl.advantages import advantage_stats, group_advantages
 from hybridmoe.rl.grpo import build_update_batch, jit_grpo_step, rl_optimizer, update_batch_shardings
 from hybridmoe.rl.rewards import RewardFn, score_completions
@@ -91,7 +92,7 @@ def _params_from_hf(setup, hf_dir: Path):
         raise RunError(f"--init-hf {hf_dir}: its weight tree does not match the model's: {e}") from None
     if problems:
         raise RunError(f"--init-hf {hf_dir}: weight shapes differ from the model's: {problems[:5]}")
-    return jax.device_put(jax.tree.map(lambda a, w: np.asarray(a).astype(w.dtype), tree, want), setup.param_shardings)
+    return put_global(jax.tree.map(lambda a, w: np.asarray(a).astype(w.dtype), tree, want), setup.param_shardings)
 
 
 @dataclasses.dataclass
@@ -142,8 +143,8 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
     prompt_ids, prompt_skipped = _encode_prompts(run, prompts)
     G = r.group_size
     rows = left_pad_prompts([ids for ids in prompt_ids for _ in range(G)], r.max_prompt_len, run.tokenizer.pad_id)
-    rows = jax.device_put(rows, run.setup.batch_sharding(0))
-    rollout = jax.device_get(run.generate(state["params"], *rows, key))
+    rows = put_global(rows, run.setup.batch_sharding(0))
+    rollout = fetch_global(run.generate(state["params"], *rows, key))
     t_rollout = time.perf_counter() - t0
 
     # Rows of a skipped prompt were sampled from a placeholder: they are not scored at all.
@@ -160,10 +161,10 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
         mask_zero_variance=r.mask_zero_variance)
     adv_PG, keep_PG = np.asarray(adv_PG), np.asarray(keep_PG)
     batch = build_update_batch(cfg, rollout, adv_PG.reshape(-1), keep_PG.reshape(-1))
-    batch = jax.device_put(batch, update_batch_shardings(run.setup))
+    batch = put_global(batch, update_batch_shardings(run.setup))
     t1 = time.perf_counter()
     state, m = run.grpo_step(state, ref_params, batch)
-    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    m = {k: float(v) for k, v in fetch_global(m).items()}
     t_update = time.perf_counter() - t1
     dt = time.perf_counter() - t0
 
@@ -193,9 +194,9 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
 
 def _warmup_step(run: _Run, state, step: int):
     t0 = time.perf_counter()
-    batch = jax.device_put(solved_batch(run.cfg, step, run.task, run.tokenizer), run.setup.batch_sharding(1))
+    batch = put_global(solved_batch(run.cfg, step, run.task, run.tokenizer), run.setup.batch_sharding(1))
     state, m = run.warmup_step(state, batch)
-    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    m = {k: float(v) for k, v in fetch_global(m).items()}
     dt = time.perf_counter() - t0
     return state, {"phase": WARMUP, "warmup_loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": m["tokens"],
                    "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}
@@ -271,7 +272,8 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
         # The GRPO phase starts from the warmed-up policy with a fresh optimizer state.
         jax.jit(lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
                 in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings))
-    writer = MetricsWriter(out, resume_from_step=start if resume else None) if out is not None else None
+    writer = (MetricsWriter(out, resume_from_step=start if resume else None)
+              if out is not None and is_lead_host() else None)
     history, last_saved, done = [], start, start
 
     def save(step_done: int):
@@ -326,5 +328,7 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
             plot_metrics(writer.jsonl_path, out / "metrics.png", PLOT_KEYS)
     if export_hf is not None:
         from hybridmoe.model.hf import save_hf_checkpoint
-        save_hf_checkpoint(str(export_hf), cfg.model, jax.device_get(state["params"]))
+        params = fetch_global(state["params"])
+        if is_lead_host():
+            save_hf_checkpoint(str(export_hf), cfg.model, params)
     return history

@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hybridmoe.config.schema import Config
+from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
 from hybridmoe.train.checkpoint import Checkpoints
 from hybridmoe.train.data import synthetic_batch
 from hybridmoe.train.metrics import MetricsWriter
@@ -56,7 +57,8 @@ def open_run(cfg: Config, out: Path | None, resume: bool):
 def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progress: bool = True) -> list[dict]:
     """Run cfg.train.steps optimizer steps; returns the per-step metrics."""
     setup, state, start, ckpt = open_run(cfg, out, resume)
-    writer = MetricsWriter(out, resume_from_step=start if resume else None) if out is not None else None
+    writer = (MetricsWriter(out, resume_from_step=start if resume else None)
+              if out is not None and is_lead_host() else None)
     step_fn = jit_train_step(setup)
     t, history = cfg.train, []
     meta = {"config": config_record(cfg)}
@@ -64,10 +66,10 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progres
     try:
         with setup.context():
             for step in bar:
-                batch = jax.device_put(training_batch(cfg, step), setup.batch_sharding(1))
+                batch = put_global(training_batch(cfg, step), setup.batch_sharding(1))
                 t0 = time.perf_counter()
                 state, m = step_fn(state, batch)
-                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                m = {k: float(v) for k, v in fetch_global(m).items()}
                 dt = time.perf_counter() - t0
                 rec = {"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": int(m["tokens"]),
                        "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}

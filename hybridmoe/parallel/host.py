@@ -1,0 +1,44 @@
+"""Moving data between the hosts' numpy arrays and global (possibly multi-host) device arrays.
+
+Every host builds the same global batch (the data is a pure function of seed and step), so a
+global array is assembled from the shards each host addresses; results come back to every host
+with an all-gather. On one host these are device_put / device_get.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def initialize_distributed() -> None:
+    """Join the multi-controller runtime (coordinator found from the cluster: TPU pod, SLURM, ...)."""
+    jax.distributed.initialize()
+
+
+def is_lead_host() -> bool:
+    """The host that writes metrics and exports (checkpoints are written by every host via orbax)."""
+    return jax.process_index() == 0
+
+
+def put_global(tree, shardings):
+    """Host numpy arrays (the same global values on every host) -> global arrays with `shardings`.
+
+    `shardings` is one sharding for every leaf or a tree matching `tree`.
+    """
+    if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+
+    def put(a, sharding):
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+    return jax.tree.map(put, tree, shardings)
+
+
+def fetch_global(tree):
+    """Global arrays -> numpy on every host."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
