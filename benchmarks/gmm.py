@@ -16,10 +16,7 @@ figures need a GPU run (the record says whether one was made).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe.analysis import program
+from hybridmoe.analysis.record import machine_record, write_record
 from hybridmoe.config import load_config, split_args
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.model.params import declare_params, init_params
@@ -42,14 +40,6 @@ ARMS = {
     "all three": ("moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true",
                   "moe.router_grad_from_wo_input=true"),
 }
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _layer_step(cfg):
@@ -108,13 +98,7 @@ def main(argv=None) -> int:
               f"{row['bytes_accessed'] / 2**20:>14.1f}{row['temp_bytes'] / 2**20:>10.1f}")
     record = {
         "benchmark": "gmm",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"host": platform.node(), "platform": platform.platform(),
-                    "processor": platform.processor(), "devices": str(jax.devices()),
-                    "cpu_count": __import__("os").cpu_count()},
-        "commit": _commit(),
-        "versions": {"python": sys.version.split()[0], "jax": jax.__version__,
-                     "jaxlib": __import__("jaxlib").__version__, "numpy": np.__version__},
+        **machine_record(),
         "config": {"recipe": recipe, "overrides": overrides, "resolved": json.loads(base.model_dump_json())},
         "method": f"one device; every arm compiled first, then {steps} rounds with the arms interleaved "
                   "(order rotated per round); mean wall time of one jitted forward+backward; bytes accessed "
@@ -126,8 +110,7 @@ def main(argv=None) -> int:
         "pallas_rhs_buffer_count": "not timed on CPU (interpret mode); its VMEM effect is measured in "
                                    "benchmarks/gmm_vmem.json",
     }
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_record(Path(args.out), record)
     return 0
 
 

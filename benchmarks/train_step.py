@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from record import machine_record, write_record  # noqa: E402
+from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
 
 
 def jax_arm(devices: int, steps: int) -> dict:

@@ -104,9 +104,24 @@ def cmd_demo(args, words):
     return 0
 
 
+def cmd_bench(args, words):
+    recipe, overrides = split_args(words)
+    cfg = _config(words)
+    from hybridmoe.train.bench import format_table, parse_arm, run_bench
+    arms = [parse_arm(a) for a in (args.arm or ["control"])]
+    results = run_bench(recipe, overrides, arms, max(cfg.bench.steps, 2))
+    print(format_table(results))
+    if args.out:
+        from hybridmoe.analysis.record import machine_record, write_record
+        write_record(Path(args.out), {"benchmark": "step_time", "recipe": recipe, "overrides": overrides,
+                                      **machine_record(), "arms": results})
+    return 0
+
+
 COMMANDS = {
     "describe": (cmd_describe, "the resolved config, the parameter tree and its totals"),
     "train": (cmd_train, "supervised next-token training"),
+    "bench": (cmd_bench, "the training step of named arms (override sets), timed interleaved in one run"),
     "score": (cmd_score, "per-token log-probs of token ids under a Hugging Face checkpoint"),
     "rl": (cmd_rl, "GRPO post-training: supervised warm-up on the task, then rollouts, rewards and policy updates"),
     "demo": (cmd_demo, "the embedded default: GRPO on one-digit addition with the tiny model, into runs/demo"),
@@ -128,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
             p.add_argument("--init-hf", help="start from this Hugging Face checkpoint directory")
             p.add_argument("--export-hf", help="write the final policy to this directory in the Hugging Face layout")
+        if name == "bench":
+            p.add_argument("--arm", action="append", help="NAME or NAME:section.key=value,... (repeatable)")
+            p.add_argument("--out", help="write the JSON record here")
         if name == "score":
             p.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
             p.add_argument("--tokens", required=True, help=".npy of int token ids [B, T]")

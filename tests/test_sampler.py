@@ -54,7 +54,6 @@ def test_cached_greedy_equals_full_forward_greedy_and_stops_at_eos():
     cfg, setup, params = _setup()
     tokens, seg, pos = _prompts(cfg.model.vocab_size, seed=1)
     B = tokens.shape[0]
-    T = PROMPT_LEN + NEW_TOKENS
     full_logits = jax.jit(lambda p, t, s, q: logits(p, cfg, t, s, q))
     with setup.context():
         # Reference: re-run the whole forward each step on fixed-width rows (future slots hold

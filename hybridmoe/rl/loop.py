@@ -215,6 +215,10 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
     for custom tasks and rewards; a resumed run must pass the same ones).
     """
     out = Path(out) if out is not None else None
+    if cfg.moe.capacity_factor > 0:
+        # The rollout and the policy update would drop different tokens, and the update does not
+        # report its drops: refuse rather than train on a silently different model.
+        raise ConfigError([("moe.capacity_factor", "the RL trainer runs dropless MoE only; set it to 0")])
     if init_hf is not None:
         cfg = config_with_hf_model(cfg, init_hf)
     tokenizer = load_tokenizer(init_hf if init_hf is not None and (Path(init_hf) / "tokenizer.json").is_file() else None)

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from hybridmoe.config.schema import Config

@@ -1,0 +1,96 @@
+"""The step-time bench: named arms (sets of overrides) of one recipe, timed in one process.
+
+Every arm is built and compiled first; then the arms take turns, one training step each per round
+(the order rotates every round), so drift in the machine's speed spreads over all arms. Seconds
+per step is the mean of rounds 1.. (round 0 runs the freshly compiled program and is left out).
+Program facts come from the compiled step: temporaries and collectives inside the layer loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import numpy as np
+
+from hybridmoe.analysis.program import count, memory_figures, parse_hlo
+from hybridmoe.config import load_config
+from hybridmoe.config.schema import Config
+from hybridmoe.parallel.host import fetch_global, put_global
+from hybridmoe.train.data import synthetic_batch
+from hybridmoe.train.setup import build, init_state, jit_train_step
+
+
+@dataclasses.dataclass
+class Arm:
+    name: str
+    overrides: list[str]
+    cfg: Config
+    times: list[float] = dataclasses.field(default_factory=list)
+    compile_s: float = 0.0
+    program: dict = dataclasses.field(default_factory=dict)
+
+
+def parse_arm(text: str) -> tuple[str, list[str]]:
+    """'name:key=value,key=value' (or just 'name' for the recipe as it is)."""
+    name, _, rest = text.partition(":")
+    if not name:
+        raise ValueError(f"--arm {text!r}: an arm is NAME or NAME:section.key=value,...")
+    return name, [o for o in rest.split(",") if o]
+
+
+def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]], rounds: int) -> dict:
+    if len({n for n, _ in arms}) != len(arms):
+        raise ValueError("--arm names must be distinct")
+    built = [Arm(n, o, load_config(recipe, [*common, *o])) for n, o in arms]
+    runs, states = [], []
+    for arm in built:
+        setup = build(arm.cfg)
+        t = arm.cfg.train
+        step_fn = jit_train_step(setup)
+        with setup.context():
+            batch0 = put_global(synthetic_batch(t.seed, 0, t.micro_batches, t.batch_size, t.seq_len,
+                                                arm.cfg.model.vocab_size), setup.batch_sharding(1))
+            t0 = time.perf_counter()
+            compiled = step_fn.lower(setup.abstract_state(), batch0).compile()
+            arm.compile_s = time.perf_counter() - t0
+        colls = parse_hlo(compiled.as_text())
+        arm.program = {**memory_figures(compiled),
+                       "collectives_in_loop": count(colls, in_loop=True),
+                       "collectives_outside_loop": count(colls, in_loop=False)}
+        runs.append((arm, setup, compiled))
+        states.append(init_state(setup, jax.random.key(t.seed)))
+    for r in range(rounds):
+        for i in np.roll(np.arange(len(runs)), -r):
+            arm, setup, compiled = runs[i]
+            t = arm.cfg.train
+            with setup.context():
+                batch = put_global(synthetic_batch(t.seed, r, t.micro_batches, t.batch_size, t.seq_len,
+                                                   arm.cfg.model.vocab_size), setup.batch_sharding(1))
+                t0 = time.perf_counter()
+                states[i], m = compiled(states[i], batch)
+                fetch_global(m)
+                arm.times.append(time.perf_counter() - t0)
+    out = {}
+    for arm, setup, _ in runs:
+        t = arm.cfg.train
+        sec = float(np.mean(arm.times[1:]))
+        tokens = t.micro_batches * t.batch_size * t.seq_len
+        out[arm.name] = {"overrides": arm.overrides, "seconds_per_step": sec, "step_times_s": arm.times,
+                         "tokens_per_step": tokens, "tokens_per_s_per_device": tokens / sec / setup.mesh.size,
+                         "compile_s": arm.compile_s, "program": arm.program,
+                         "config": json.loads(arm.cfg.model_dump_json())}
+    return out
+
+
+def format_table(results: dict) -> str:
+    first = next(iter(results.values()))["seconds_per_step"]
+    lines = [f"{'arm':<16} {'s/step':>8} {'ratio':>6} {'tok/s/dev':>10} {'compile s':>9} {'temp MiB':>9} "
+             f"{'loop colls':>10}"]
+    for name, a in results.items():
+        lines.append(f"{name:<16} {a['seconds_per_step']:>8.4f} {a['seconds_per_step'] / first:>6.3f} "
+                     f"{a['tokens_per_s_per_device']:>10.1f} {a['compile_s']:>9.1f} "
+                     f"{a['program'].get('temp', 0) / 2**20:>9.2f} {a['program']['collectives_in_loop']:>10}")
+    return "\n".join(lines)
