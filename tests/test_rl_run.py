@@ -72,23 +72,6 @@ def _comparable(records):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-    """Every run here compiles the same programs: share them through JAX's persistent cache."""
-    from jax._src import compilation_cache
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    old = {k: getattr(jax.config, k) for k in keys}
-    jax.config.update(keys[0], str(tmp_path_factory.mktemp("xla_cache")))
-    jax.config.update(keys[1], 0)
-    jax.config.update(keys[2], 0)
-    compilation_cache.reset_cache()
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
-
-
 @pytest.fixture(scope="module")
 def cfg():
     return tiny_config(*OVERRIDES)

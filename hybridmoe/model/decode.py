@@ -26,10 +26,9 @@ import jax.numpy as jnp
 from hybridmoe.config.schema import Config
 from hybridmoe.kernels.attention import attention
 from hybridmoe.model.attention import gated_output, project_qkv
-from hybridmoe.model.forward import decoder_layer
+from hybridmoe.model.forward import decoder_layer, embed_tokens, lm_head_at_use
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.norms import rms_norm
-from hybridmoe.parallel.rules import constrain
 
 UNWRITTEN_SEGMENT = -1
 
@@ -92,7 +91,7 @@ def cached_hidden(params, cfg: Config, cache, tokens_BT, segment_ids_BT, positio
     kv_seg_BS = jax.lax.dynamic_update_slice_in_dim(cache["kv_seg"], segment_ids_BT.astype(jnp.int32), slot, axis=1)
     ctx = (positions_BT, segment_ids_BT, kv_pos_BS, kv_seg_BS, slot)
     dt = jnp.dtype(m.compute_dtype)
-    x = constrain(params["embed"].astype(dt)[tokens_BT], "batch", "seq", None)
+    x = embed_tokens(params, tokens_BT, dt)
 
     def block(x_BTD, xs):
         block_params, block_cache = xs
@@ -112,4 +111,4 @@ def cached_hidden(params, cfg: Config, cache, tokens_BT, segment_ids_BT, positio
 
 def next_token_logits(params, hidden_BD):
     """float32 logits [B, V] of the next token from final-normed hidden states."""
-    return jnp.dot(hidden_BD, params["lm_head"].astype(hidden_BD.dtype), preferred_element_type=jnp.float32)
+    return jnp.dot(hidden_BD, lm_head_at_use(params).astype(hidden_BD.dtype), preferred_element_type=jnp.float32)

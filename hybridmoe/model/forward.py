@@ -17,8 +17,9 @@ from hybridmoe.model.attention import attention_layer
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.moe import moe_layer
 from hybridmoe.model.norms import rms_norm
+from hybridmoe.model.params import layer_axes
 from hybridmoe.model.remat import remat_policy
-from hybridmoe.parallel.rules import constrain
+from hybridmoe.parallel.rules import constrain, constrain_at_use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,15 @@ def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config):
         return gdn_layer(p, x, segment_ids, cfg.model, chunk_size=cfg.gdn.chunk_size,
                          backend=cfg.kernels.gdn.backend)
     raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def embed_tokens(params, tokens_BT, dtype):
+    table_VD = constrain_at_use(params["embed"], ("vocab", "embed"))
+    return constrain(table_VD.astype(dtype)[tokens_BT], "batch", "seq", None)
+
+
+def lm_head_at_use(params):
+    return constrain_at_use(params["lm_head"], ("embed", "vocab"))
 
 
 def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False):
@@ -66,10 +76,12 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
     """One repeating block (every position of the layer pattern) as a function (x, block params) -> x
     (with_moe_dropped: -> (x, the block's dropped MoE rows))."""
     m = cfg.model
+    axes = layer_axes(m)
 
     def block(x_BTD, block_params):
         dropped = jnp.int32(0)
-        for kind, lp in zip(m.layer_pattern, block_params):
+        for kind, lp, lp_axes in zip(m.layer_pattern, block_params, axes):
+            lp = jax.tree.map(constrain_at_use, lp, lp_axes, is_leaf=lambda a: isinstance(a, jax.Array))
             mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg), None)
             out = decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped)
             x_BTD = out[0]
@@ -89,7 +101,7 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
         segment_ids_BT = seg if segment_ids_BT is None else segment_ids_BT
         positions_BT = pos if positions_BT is None else positions_BT
     dt = jnp.dtype(m.compute_dtype)
-    x = constrain(params["embed"].astype(dt)[tokens_BT], "batch", "seq", None)
+    x = embed_tokens(params, tokens_BT, dt)
     block = block_fn(cfg, positions_BT, segment_ids_BT, with_moe_dropped=with_moe_dropped)
     policy = cfg.remat.policy
     if policy != "none":
@@ -117,7 +129,7 @@ def logits(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=Non
     h = decoder_hidden(params, cfg, tokens_BT, segment_ids_BT, positions_BT, with_moe_dropped=with_moe_dropped)
     if with_moe_dropped:
         h, dropped = h
-    out = jnp.einsum("btd,dv->btv", h, params["lm_head"].astype(h.dtype), preferred_element_type=jnp.float32)
+    out = jnp.einsum("btd,dv->btv", h, lm_head_at_use(params).astype(h.dtype), preferred_element_type=jnp.float32)
     return (out, dropped) if with_moe_dropped else out
 
 

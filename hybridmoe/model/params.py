@@ -139,6 +139,11 @@ def declare_params(m: ModelConfig) -> dict:
     }
 
 
+def layer_axes(m: ModelConfig) -> list:
+    """Per pattern position, the logical axes of one layer's weights (the stacked axis dropped)."""
+    return [jax.tree.map(lambda s: s.axes[1:], block, is_leaf=is_spec) for block in declare_params(m)["blocks"]]
+
+
 def init_params(specs, key: jax.Array):
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))

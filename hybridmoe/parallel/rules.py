@@ -90,3 +90,26 @@ def constrain(x: jax.Array, *axes: str | None) -> jax.Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
+
+
+def _without(entry: MeshAxes, axis: str) -> MeshAxes:
+    if entry is None or entry == axis:
+        return None
+    if isinstance(entry, str):
+        return entry
+    kept = tuple(a for a in entry if a != axis)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+
+def constrain_at_use(w: jax.Array, axes) -> jax.Array:
+    """A weight where it is used: its stored sharding with the FSDP axis gathered.
+
+    Naming the gather makes FSDP explicit (left to itself the partitioner may instead shard the
+    contraction and reshuffle activations); the transpose of this constraint reduce-scatters the
+    weight's gradient back to its stored sharding. A no-op outside a mesh.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return w
+    spec = logical_to_spec(axes)
+    return jax.lax.with_sharding_constraint(w, PartitionSpec(*(_without(e, "fsdp") for e in spec)))

@@ -24,7 +24,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridmoe.config.schema import Config
-from hybridmoe.model.forward import decoder_hidden
+from hybridmoe.model.forward import decoder_hidden, lm_head_at_use
 from hybridmoe.rl.logprobs import chunked_token_logprobs
 from hybridmoe.rl.objective import clipped_policy_loss
 from hybridmoe.train.step import accumulate_grads, make_optimizer
@@ -43,7 +43,7 @@ def rl_optimizer(cfg: Config) -> optax.GradientTransformation:
 def sequence_logprobs(params, cfg: Config, tokens_BT, segment_ids_BT, positions_BT):
     """(log p of each next token, entropy of each next-token distribution), float32 [B, T-1]."""
     h = decoder_hidden(params, cfg, tokens_BT, segment_ids_BT, positions_BT)
-    return chunked_token_logprobs(h[:, :-1], params["lm_head"].astype(h.dtype), tokens_BT[:, 1:],
+    return chunked_token_logprobs(h[:, :-1], lm_head_at_use(params).astype(h.dtype), tokens_BT[:, 1:],
                                   chunk_tokens=cfg.rl.logprob_chunk_tokens, chunk_vocab=cfg.rl.logprob_chunk_vocab)
 
 
