@@ -41,3 +41,23 @@ def test_rl_starts_from_a_hf_checkpoint_and_exports_it_back_exactly(tmp_path):
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_bench_times_every_arm_interleaved_and_records_program_facts(tmp_path, capsys):
+    import json
+
+    import pytest
+
+    from hybridmoe.train.bench import parse_arm
+    with pytest.raises(ValueError, match="--arm"):
+        parse_arm(":remat.policy=none")
+    assert parse_arm("lever:moe.impl=dense,remat.policy=none") == ("lever", ["moe.impl=dense", "remat.policy=none"])
+    out = tmp_path / "bench.json"
+    assert main(["bench", "recipe=tiny", "bench.steps=2", "train.seq_len=16", "--arm", "control",
+                 "--arm", "no_remat:remat.policy=none", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert set(rec["arms"]) == {"control", "no_remat"}
+    for arm in rec["arms"].values():
+        assert len(arm["step_times_s"]) == 2 and arm["seconds_per_step"] > 0 and arm["program"]["temp"] > 0
+    assert rec["arms"]["no_remat"]["config"]["remat"]["policy"] == "none"
+    assert "control" in capsys.readouterr().out
