@@ -138,6 +138,11 @@ class GmmKernelConfig(Section):
     backend: Literal["xla", "pallas_tpu", "pallas_gpu"] = Field(
         "xla", description="Grouped-matmul backend; checked against the platform at load."
     )
+    xla_impl: Literal["ragged_dot", "row_tiles"] = Field(
+        "ragged_dot", description="The xla backend's default grouped matmul: jax.lax.ragged_dot, or row_tiles "
+        "(rows padded per group to tiles, one dense matmul per tile; on CPU, where ragged_dot computes every "
+        "group for every row, several times faster).")
+    xla_tile_rows: int = Field(128, gt=0, description="Rows per tile of xla_impl=row_tiles.")
     tiling: Literal["heuristic", "explicit"] = Field(
         "heuristic", description="heuristic: the kernels' default tiles; explicit: the tm/tk/tn and per-half tile below."
     )

@@ -23,6 +23,7 @@ Three ways the sparse path runs, chosen once per trace from the config and the m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -52,8 +53,8 @@ def swiglu(h_M2F):
     return jax.nn.silu(gate) * up
 
 
-def sparse_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD):
-    """Dropless sort-and-group dispatch through grouped matmuls."""
+def sparse_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, grouped_dot=jax.lax.ragged_dot):
+    """Dropless sort-and-group dispatch through grouped matmuls (`grouped_dot(lhs, rhs, sizes)`)."""
     T, k = idx_Tk.shape
     E = wi_ED2F.shape[0]
     flat_e = idx_Tk.reshape(-1)
@@ -61,9 +62,9 @@ def sparse_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD):
     group_sizes_E = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     x_MD = x_TD[order_M // k]
     dt = x_TD.dtype
-    h_M2F = jax.lax.ragged_dot(x_MD, wi_ED2F.astype(dt), group_sizes_E)
+    h_M2F = grouped_dot(x_MD, wi_ED2F.astype(dt), group_sizes_E)
     a_MF = swiglu(h_M2F)
-    y_MD = jax.lax.ragged_dot(a_MF, wo_EFD.astype(dt), group_sizes_E)
+    y_MD = grouped_dot(a_MF, wo_EFD.astype(dt), group_sizes_E)
     w_M = w_Tk.reshape(-1)[order_M]
     y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(dt)
     inverse_M = jnp.argsort(order_M)
@@ -123,6 +124,14 @@ class GroupedPlan:
         """No lever, no buffer, the xla backend: the default program (`sparse_experts`)."""
         return not (self.capacity_factor or self.wi_fused_swiglu or self.wo_fused_dswiglu
                     or self.router_grad_from_wo_input or self.backend != "xla")
+
+
+def default_grouped_dot(kernels: KernelsConfig | None):
+    """The grouped matmul of the default path: jax.lax.ragged_dot, or the row-tiled form."""
+    g = (kernels or KernelsConfig()).gmm
+    if g.xla_impl == "row_tiles":
+        return functools.partial(K.row_tiled_dot, tile_rows=g.xla_tile_rows)
+    return jax.lax.ragged_dot
 
 
 def capacity_rows(num_rows: int, num_experts: int, capacity_factor: float) -> int:
@@ -230,7 +239,7 @@ def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | 
     if moe.impl == "dense":
         y = dense_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
     elif plan.is_default:
-        y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
+        y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], default_grouped_dot(kernels))
     else:
         y, dropped = grouped_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan)
     if "shared_wi" in p:

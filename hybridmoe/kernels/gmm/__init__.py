@@ -15,6 +15,7 @@ from hybridmoe.kernels.gmm.ops import (
     split_preact,
     tgmm,
 )
+from hybridmoe.kernels.gmm.row_tiles import row_tiled_dot
 from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "gmm_dswiglu",
     "gmm_swiglu",
     "preact_to_contiguous",
+    "row_tiled_dot",
     "scale_rows",
     "split_preact",
     "swiglu",
