@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from broken_variants import BROKEN, READER_VARIANTS
 from hybridmoe.kernels import gmm as K
 from hybridmoe.kernels.gmm import epilogue as epi
 from hybridmoe.kernels.gmm import reference as R
@@ -288,31 +289,10 @@ def test_fused_equals_unfused(backend):
 # Broken variants: each must be caught by the reference comparison of the fused pair.
 
 
-def _swap_halves(block, j, t):
-    g, u = _orig["read_tile"](block, j, t)
-    return u, g
-
-
-def _contiguous_reader(block, j, t):
-    f = block.shape[-1] // 2
-    return block[..., j * t:(j + 1) * t], block[..., f + j * t:f + (j + 1) * t]
-
-
-_orig = {"read_tile": epi.read_tile}
-BROKEN = {
-    "halves_swapped": ("read_tile", _swap_halves),
-    "silu_grad_first_term_only": ("silu_grad", lambda x, sig: sig),
-    "row_scale_dropped": ("row_scale_f32", lambda s: jnp.ones_like(s, jnp.float32)),
-    "row_scale_bf16": ("row_scale_f32", lambda s: s.astype(jnp.bfloat16).astype(jnp.float32)),
-    "contiguous_reader": ("read_tile", _contiguous_reader),
-    "reversed_tile_order": ("tile_order", lambda n: list(range(n))[::-1]),
-}
-
-
 @pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
 @pytest.mark.parametrize("variant", list(BROKEN))
 def test_broken_variant_caught(backend, variant, monkeypatch):
-    if backend != "xla" and variant not in ("contiguous_reader", "reversed_tile_order"):
+    if backend != "xla" and variant not in READER_VARIANTS:
         pytest.skip("the epilogue math is shared; the Pallas kernels differ in their readers")
     name, fn = BROKEN[variant]
     monkeypatch.setattr(epi, name, fn)

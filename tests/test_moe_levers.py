@@ -25,6 +25,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from broken_variants import BROKEN
 from helpers import packed_batch, tiny_config, tiny_params
 from hybridmoe.analysis import program
 from hybridmoe.config import ConfigError
@@ -349,27 +350,6 @@ def test_tiny_recipe_trains_with_all_four_levers():
 
 # ---------------------------------------------------------------------------------------------
 # Broken variants (LEVERS.md): each patched into the epilogue module, each caught.
-
-
-def _swap_halves(block, j, t):
-    g, u = _ORIGINAL_READ_TILE(block, j, t)
-    return u, g
-
-
-def _contiguous_reader(block, j, t):
-    f = block.shape[-1] // 2
-    return block[..., j * t:(j + 1) * t], block[..., f + j * t:f + (j + 1) * t]
-
-
-_ORIGINAL_READ_TILE = epi.read_tile
-BROKEN = {
-    "halves_swapped": ("read_tile", _swap_halves),
-    "silu_grad_without_second_term": ("silu_grad", lambda x, sig: sig),
-    "row_scale_dropped": ("row_scale_f32", lambda s: jnp.ones_like(s, jnp.float32)),
-    "row_scale_bf16": ("row_scale_f32", lambda s: s.astype(jnp.bfloat16).astype(jnp.float32)),
-    "contiguous_reader_on_interleaved_layout": ("read_tile", _contiguous_reader),
-    "reversed_tile_order": ("tile_order", lambda n: list(range(n))[::-1]),
-}
 
 
 @pytest.fixture(params=list(BROKEN))

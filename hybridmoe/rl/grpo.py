@@ -84,7 +84,7 @@ def grpo_step(cfg: Config, optimizer: optax.GradientTransformation):
         params = state["params"]
         loss, sums, grads = accumulate_grads(lambda p, mb: micro_batch_loss(p, ref_params, cfg, mb), params, batch)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         apply = (sums["kept_tokens"] > 0) & jnp.isfinite(grad_norm) & jnp.isfinite(loss)
