@@ -51,7 +51,8 @@ def cmd_train(args, words):
 
 
 def cmd_score(args, words):
-    del words  # the model comes from the checkpoint's config.json
+    if words:
+        raise ValueError(f"score takes no overrides (got {words}): the model comes from the checkpoint's config.json")
     import numpy as np
     from hybridmoe.model.score import score_tokens
     tokens = np.load(args.tokens)

@@ -61,3 +61,10 @@ def test_bench_times_every_arm_interleaved_and_records_program_facts(tmp_path, c
         assert len(arm["step_times_s"]) == 2 and arm["seconds_per_step"] > 0 and arm["program"]["temp"] > 0
     assert rec["arms"]["no_remat"]["config"]["remat"]["policy"] == "none"
     assert "control" in capsys.readouterr().out
+
+
+def test_score_refuses_overrides(tmp_path, capsys):
+    out = tmp_path / "lp.npy"
+    assert main(["score", "model.d_model=8", "--hf", str(FIXTURE), "--tokens", str(FIXTURE / "tokens.npy"),
+                 "--out", str(out)]) == 2
+    assert "config.json" in capsys.readouterr().err and not out.exists()

@@ -1,13 +1,11 @@
 """The decoder: embedding, the layer stack as a scan over repeating blocks, final norm, LM head.
 
 Shape legend: B batch, T tokens, D model, V vocab. The layer pattern (e.g. three GDN layers then
-one attention layer) is data: `MIXERS` is the one place a layer kind is dispatched.
+one attention layer) is data: `_mixer` is the one place a layer kind is dispatched.
+Packed rows: segment ids 0 = padding, 1, 2, ... documents; positions restart per document.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +18,6 @@ from hybridmoe.model.norms import rms_norm
 from hybridmoe.model.params import layer_axes
 from hybridmoe.model.remat import remat_policy
 from hybridmoe.parallel.rules import constrain, constrain_at_use
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """Packed token rows. segment_ids: 0 = padding, 1, 2, ... documents; positions restart per document."""
-    tokens: Any
-    segment_ids: Any
-    positions: Any
 
 
 def default_batch_fields(tokens_BT):

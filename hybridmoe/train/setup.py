@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -41,22 +42,11 @@ class RunSetup:
                             {"params": params, "opt_state": opt, "step": jax.ShapeDtypeStruct((), jnp.int32)},
                             self.state_shardings)
 
+    @contextlib.contextmanager
     def context(self):
         """Mesh and rules in force while tracing model code."""
-        return _Both(jax.set_mesh(self.mesh), use_rules(self.rules))
-
-
-class _Both:
-    def __init__(self, *cms):
-        self.cms = cms
-
-    def __enter__(self):
-        for c in self.cms:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self.cms):
-            c.__exit__(*exc)
+        with jax.set_mesh(self.mesh), use_rules(self.rules):
+            yield
 
 
 def check_batch_fits(cfg: Config, mesh, rules) -> None:

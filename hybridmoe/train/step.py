@@ -7,8 +7,6 @@ micro-batches give exactly the gradient of one batch N times larger.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +39,6 @@ def nll_sum(params, cfg: Config, batch, *, with_moe_dropped: bool = False):
     mask = loss_mask(batch["segment_ids"])
     out = (-jnp.sum(jnp.where(mask, tgt, 0.0)), jnp.sum(mask))
     return (*out, dropped) if with_moe_dropped else out
-
-
-@dataclasses.dataclass(frozen=True)
-class StepFns:
-    init: Callable
-    step: Callable
 
 
 def accumulate_grads(loss_sum_fn, params, micro_batches):
