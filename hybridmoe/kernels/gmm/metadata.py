@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hybridmoe.kernels.gmm.tiling import DEFAULT, Tiling, resolve_tm
+
 
 def group_metadata(group_sizes_E, *, m: int, tm: int, group_offset, num_local: int,
                    visit_empty: bool):
@@ -51,13 +53,32 @@ def group_metadata(group_sizes_E, *, m: int, tm: int, group_offset, num_local: i
     return lo_G, hi_G, group_S, tile_S, num_steps.astype(jnp.int32)
 
 
-def row_mask(m: int, group_sizes_E, group_offset, num_local: int):
-    """[M] bool: the row belongs to one of the local groups."""
+def local_bounds(group_sizes_E, group_offset, num_local: int):
+    """(first row, one past the last row) of the local groups [offset, offset + G)."""
     ends_E = jnp.cumsum(group_sizes_E.astype(jnp.int32))
     starts_E = ends_E - group_sizes_E
     off = jnp.asarray(group_offset, jnp.int32)
+    return starts_E[off], ends_E[off + num_local - 1]
+
+
+def row_mask(m: int, group_sizes_E, group_offset, num_local: int):
+    """[M] bool: the row belongs to one of the local groups (not padding, not a foreign group)."""
+    lo, hi = local_bounds(group_sizes_E, group_offset, num_local)
     rows = jnp.arange(m, dtype=jnp.int32)
-    return (rows >= starts_E[off]) & (rows < ends_E[off + num_local - 1])
+    return (rows >= lo) & (rows < hi)
+
+
+def keep_local_rows(out, m: int, group_sizes_E, group_offset, num_local: int):
+    """A kernel's padded output cut to its M rows, zero outside the local groups' rows."""
+    keep = row_mask(out.shape[0], group_sizes_E, group_offset, num_local)
+    return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))[:m]
+
+
+def row_tiling(tiling: Tiling | None, m: int):
+    """(tiling, row tile tm, rows padded to whole tiles) of the Pallas kernels."""
+    t = tiling or DEFAULT
+    tm = resolve_tm(m, t.tm)
+    return t, tm, -(-m // tm) * tm
 
 
 def pad_rows(x, m_pad: int):

@@ -22,13 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from hybridmoe.kernels.gmm import epilogue, metadata
-from hybridmoe.kernels.gmm.tiling import DEFAULT, Tiling, pick, resolve_tm
-
-
-def _tiles(tiling: Tiling | None, m: int):
-    t = tiling or DEFAULT
-    tm = resolve_tm(m, t.tm)
-    return t, tm, -(-m // tm) * tm
+from hybridmoe.kernels.gmm.tiling import pick
 
 
 def _step_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, nsteps_ref, tm: int):
@@ -43,11 +37,6 @@ def _step_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, nsteps_ref, tm: int):
 def _store_rows(ref_at, value, mask_rows):
     plgpu.store(ref_at, value.astype(ref_at.dtype),
                 mask=jnp.broadcast_to(mask_rows[:, None], value.shape))
-
-
-def _finish(out, m: int, group_sizes_E, group_offset, num_local: int):
-    keep = metadata.row_mask(out.shape[0], group_sizes_E, group_offset, num_local)
-    return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))[:m]
 
 
 def _meta(group_sizes_E, m_pad, tm, group_offset, num_local, visit_empty):
@@ -70,7 +59,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
     m, k = lhs_MK.shape
     num_local = rhs_GKN.shape[0]
     n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
-    t, tm, m_pad = _tiles(tiling, m)
+    t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk, tn = pick(k, t.tk), pick(n, t.tn)
     meta, s_max = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, False)
 
@@ -98,7 +87,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
         interpret=interpret,
         name="gmm_t" if transpose_rhs else "gmm",
     )(*meta, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
-    return _finish(out, m, group_sizes_E, group_offset, num_local)
+    return metadata.keep_local_rows(out, m, group_sizes_E, group_offset, num_local)
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, out_dtype,
@@ -106,7 +95,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     del sharded
     m, k = lhs_MK.shape
     n = grad_MN.shape[1]
-    t, tm, m_pad = _tiles(tiling, m)
+    t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk, tn = pick(k, t.tk), pick(n, t.tn)
     (lo, hi, *_), _ = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, True)
     in_dtype = jnp.promote_types(lhs_MK.dtype, grad_MN.dtype)
@@ -146,7 +135,7 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
     m, d = x_MD.shape
     num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
     tn = tile_n_per_half
-    t, tm, m_pad = _tiles(tiling, m)
+    t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk = pick(d, t.tk)
     tiles_k = d // tk
     meta, s_max = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, False)
@@ -182,8 +171,8 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
         interpret=interpret,
         name="gmm_swiglu_fwd" + (f"_stages{stages}" if stages else ""),
     )(*meta, metadata.pad_rows(x_MD, m_pad), wi_GD2F)
-    return (_finish(h, m, group_sizes_E, group_offset, num_local),
-            _finish(pre, m, group_sizes_E, group_offset, num_local))
+    return (metadata.keep_local_rows(h, m, group_sizes_E, group_offset, num_local),
+            metadata.keep_local_rows(pre, m, group_sizes_E, group_offset, num_local))
 
 
 def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
@@ -193,7 +182,7 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
     del sharded
     m, d = g_MD.shape
     num_local, f = wo_GFD.shape[0], wo_GFD.shape[1]
-    t, tm, m_pad = _tiles(tiling, m)
+    t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk = pick(d, t.tk)
     meta, s_max = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, False)
     has_scale = row_scale_M is not None
@@ -240,5 +229,5 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
         interpret=interpret,
         name="gmm_dswiglu_dlhs",
     )(*meta, *args)
-    return (_finish(d_out, m, group_sizes_E, group_offset, num_local),
-            _finish(dot, m, group_sizes_E, group_offset, num_local)[:, 0])
+    return (metadata.keep_local_rows(d_out, m, group_sizes_E, group_offset, num_local),
+            metadata.keep_local_rows(dot, m, group_sizes_E, group_offset, num_local)[:, 0])

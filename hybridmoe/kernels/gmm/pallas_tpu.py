@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gmm import epilogue, metadata
-from hybridmoe.kernels.gmm.tiling import DEFAULT, Tiling, pick, resolve_tm
+from hybridmoe.kernels.gmm.tiling import Tiling, pick
 
 _ROW_TILED = ("parallel", "arbitrary", "arbitrary")
 
@@ -26,12 +26,6 @@ _ROW_TILED = ("parallel", "arbitrary", "arbitrary")
 def _params(t: Tiling, semantics=_ROW_TILED):
     limit = int(t.vmem_limit_mib * 2**20) or None
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
-
-
-def _tiles(tiling: Tiling | None, m: int):
-    t = tiling or DEFAULT
-    tm = resolve_tm(m, t.tm)
-    return t, tm, -(-m // tm) * tm
 
 
 def _rows_in_group(step, lo_ref, hi_ref, grp_ref, tile_ref, tm: int):
@@ -46,11 +40,6 @@ def _merge(out_ref, mask, value, sl=slice(None)):
     out_ref[:, sl] = jnp.where(mask, value.astype(out_ref.dtype), out_ref[:, sl])
 
 
-def _finish(out, m: int, group_sizes_E, group_offset, num_local: int):
-    keep = metadata.row_mask(out.shape[0], group_sizes_E, group_offset, num_local)
-    return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))[:m]
-
-
 # ---------------------------------------------------------------------------------------------
 # gmm
 
@@ -61,7 +50,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
     m, k = lhs_MK.shape
     num_local = rhs_GKN.shape[0]
     n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
-    t, tm, m_pad = _tiles(tiling, m)
+    t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk, tn = pick(k, t.tk), pick(n, t.tn)
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
@@ -104,7 +93,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
         interpret=interpret,
         name="gmm_t" if transpose_rhs else "gmm",
     )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
-    return _finish(out, m, group_sizes_E, group_offset, num_local)
+    return metadata.keep_local_rows(out, m, group_sizes_E, group_offset, num_local)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +105,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     del sharded
     m, k = lhs_MK.shape
     n = grad_MN.shape[1]
-    t, tm, m_pad = _tiles(tiling, m)
+    t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk, tn = pick(k, t.tk), pick(n, t.tn)
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
@@ -180,7 +169,7 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
     num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
     tn = tile_n_per_half
     nt = f // tn
-    t, tm, m_pad = _tiles(tiling, m)
+    t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk = pick(d, t.tk)
     tiles_k = d // tk
     lo, hi, grp, tile, steps = metadata.group_metadata(
@@ -241,8 +230,8 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
         interpret=interpret,
         name=name,
     )(lo, hi, grp, tile, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
-    return (_finish(h, m, group_sizes_E, group_offset, num_local),
-            _finish(pre, m, group_sizes_E, group_offset, num_local))
+    return (metadata.keep_local_rows(h, m, group_sizes_E, group_offset, num_local),
+            metadata.keep_local_rows(pre, m, group_sizes_E, group_offset, num_local))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +245,7 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
     del sharded
     m, d = g_MD.shape
     num_local, f = wo_GFD.shape[0], wo_GFD.shape[1]
-    t, tm, m_pad = _tiles(tiling, m)
+    t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk = pick(d, t.tk)
     tiles_k = d // tk
     lo, hi, grp, tile, steps = metadata.group_metadata(
@@ -323,6 +312,6 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
         interpret=interpret,
         name="gmm_dswiglu_dlhs",
     )(lo, hi, grp, tile, *args)
-    return (_finish(d_out, m, group_sizes_E, group_offset, num_local),
-            _finish(dot, m, group_sizes_E, group_offset, num_local)[:, 0])
+    return (metadata.keep_local_rows(d_out, m, group_sizes_E, group_offset, num_local),
+            metadata.keep_local_rows(dot, m, group_sizes_E, group_offset, num_local)[:, 0])
 

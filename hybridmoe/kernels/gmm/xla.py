@@ -14,21 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe.kernels.gmm import epilogue
-
-
-def local_bounds(group_sizes_E, group_offset, num_local: int):
-    """(first row, one past the last row) of the local groups [offset, offset + G)."""
-    ends_E = jnp.cumsum(group_sizes_E.astype(jnp.int32))
-    starts_E = ends_E - group_sizes_E
-    off = jnp.asarray(group_offset, jnp.int32)
-    return starts_E[off], ends_E[off + num_local - 1]
-
-
-def row_mask(m: int, group_sizes_E, group_offset, num_local: int):
-    """[M] bool: the row belongs to a local group (not padding, not a foreign group)."""
-    lo, hi = local_bounds(group_sizes_E, group_offset, num_local)
-    rows_M = jnp.arange(m, dtype=jnp.int32)
-    return (rows_M >= lo) & (rows_M < hi)
+from hybridmoe.kernels.gmm.metadata import local_bounds, row_mask
 
 
 def _ragged_sizes(group_sizes_E, group_offset, num_local: int, sharded: bool):
