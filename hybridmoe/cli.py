@@ -10,9 +10,16 @@ from pathlib import Path
 from hybridmoe.config import ConfigError, load_config, split_args
 
 
-def _config(words: list[str]):
+def _recipe(words: list[str], init_hf: str | None = None) -> tuple[str, list[str]]:
+    """(recipe, overrides); with --init-hf DIR the model section comes from DIR's config.json."""
     recipe, overrides = split_args(words)
-    cfg = load_config(recipe, overrides)
+    if init_hf and not recipe.startswith("hf:"):
+        recipe = f"hf:{init_hf}@{recipe}"
+    return recipe, overrides
+
+
+def _config(words: list[str], init_hf: str | None = None):
+    cfg = load_config(*_recipe(words, init_hf))
     from hybridmoe.parallel.mesh import configure_cpu_devices
     configure_cpu_devices(cfg.mesh)
     if cfg.mesh.distributed:
@@ -74,7 +81,7 @@ def _rl_summary(history: list[dict]) -> str:
 
 
 def cmd_rl(args, words):
-    cfg = _config(words)
+    cfg = _config(words, args.init_hf)
     from hybridmoe.rl.loop import run_rl
     hist = run_rl(cfg, Path(args.out) if args.out else None, resume=args.resume,
                   init_hf=Path(args.init_hf) if args.init_hf else None,

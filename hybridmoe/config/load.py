@@ -1,7 +1,13 @@
-"""Config sources, later wins: the recipe YAML (with its `base:` chain), then `section.key=value`."""
+"""Config sources, later wins: the recipe YAML (with its `base:` chain), then `section.key=value`.
+
+A recipe is a name (`tiny`, `qwen3.5-35b-a3b`, ...), a YAML file, or `hf:DIR` / `hf:DIR@BASE`: the
+model section read from a Hugging Face checkpoint's config.json, every other section from the named
+base recipe (`tiny` unless given).
+"""
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -19,7 +25,55 @@ def recipe_names() -> list[str]:
     return sorted(p.name[: -len(".yml")] for p in RECIPE_DIR.iterdir() if p.name.endswith(".yml"))
 
 
+HF_PREFIX, DEFAULT_HF_BASE = "hf:", "tiny"
+
+
+def split_hf_recipe(name: str) -> tuple[Path, str]:
+    """`hf:DIR[@BASE]` -> (DIR, BASE). A DIR that exists with an '@' in its name is taken whole."""
+    spec = name[len(HF_PREFIX):]
+    if "@" in spec and not Path(spec).is_dir():
+        spec, base = spec.rsplit("@", 1)
+        return Path(spec), base or DEFAULT_HF_BASE
+    return Path(spec), DEFAULT_HF_BASE
+
+
+def hf_model_section(hf_dir: str | Path) -> dict[str, Any]:
+    """The `model.*` values of a Hugging Face checkpoint folder, from its config.json: the shape
+    fields, max_seq_len from max_position_embeddings and both dtypes from the stored dtype."""
+    from hybridmoe.model.hf import model_fields_from_hf_config
+    config_path = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise ConfigError([("recipe", f"hf:{hf_dir}: no such checkpoint folder")])
+    if not config_path.is_file():
+        raise ConfigError([("recipe", f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json "
+                                      "(copy it from the model's release beside the *.safetensors files)")])
+    try:
+        config_json = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError([("recipe", f"{config_path}: not valid JSON ({e})")]) from None
+    if not isinstance(config_json, dict):
+        raise ConfigError([("recipe", f"{config_path}: expected a JSON object")])
+    try:
+        fields = dict(model_fields_from_hf_config(config_json))
+    except ValueError as e:
+        raise ConfigError([("recipe", f"{config_path}: {str(e).removeprefix('config.json: ')}")]) from None
+    fields["layer_pattern"] = list(fields["layer_pattern"])
+    text = config_json.get("text_config", config_json)
+    if text.get("max_position_embeddings"):
+        fields["max_seq_len"] = int(text["max_position_embeddings"])
+    dtype = text.get("dtype") or text.get("torch_dtype") or config_json.get("dtype") or config_json.get("torch_dtype")
+    if dtype in ("float32", "bfloat16"):
+        fields["param_dtype"] = fields["compute_dtype"] = dtype
+    return fields
+
+
 def _read_recipe(name: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
+    if name.startswith(HF_PREFIX):
+        hf_dir, base = split_hf_recipe(name)
+        data = _read_recipe(base, chain + (name,))
+        data["model"] = {**{k: v for k, v in data.get("model", {}).items() if k == "init_std"},
+                         **hf_model_section(hf_dir)}
+        return data
     path = Path(name) if name.endswith((".yml", ".yaml")) else None
     if path is None:
         candidate = RECIPE_DIR / f"{name}.yml"

@@ -53,7 +53,7 @@ HF_LAYER_KIND = {"linear_attention": "gdn", "full_attention": "attention"}
 NATIVE_LAYER_KIND = {v: k for k, v in HF_LAYER_KIND.items()}
 IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 MULTIMODAL_PREFIX = "model.language_model."
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 
 ExpertLayout = Literal["per_expert", "fused"]
 GDNProjections = Literal["split", "interleaved"]
@@ -535,27 +535,80 @@ def native_to_hf(tree, fields, *, expert_layout: ExpertLayout = "per_expert",
 # ------------------------------------------------------------------------------------------- files
 
 
-def load_hf_checkpoint(path: str) -> tuple[dict, dict]:
-    """config.json + every *.safetensors shard in `path` -> (model fields, native tree of numpy arrays)."""
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{config_path}: no config.json in the checkpoint folder")
-    with open(config_path) as fh:
-        fields = model_fields_from_hf_config(json.load(fh))
+class CheckpointError(ValueError):
+    """A Hugging Face checkpoint folder that cannot be read; the message names the file and the fix."""
+
+
+def checkpoint_shards(path: str) -> list[str]:
+    """The *.safetensors files of a checkpoint: those model.safetensors.index.json names when it is
+    present (every one must exist), else every *.safetensors file in the folder."""
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index_path):
+        try:
+            with open(index_path) as fh:
+                weight_map = json.load(fh)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a safetensors index (no valid weight_map: {e}); "
+                                  "re-download it or delete it to read every *.safetensors file") from None
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise CheckpointError(f"{index_path}: names shard(s) missing from the folder: {', '.join(missing[:4])}; "
+                                  "download every shard the index lists")
+        return [os.path.join(path, n) for n in names]
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
+        raise CheckpointError(f"{path}: no *.safetensors files; a checkpoint folder holds config.json and its weights")
+    return shards
+
+
+def read_hf_config(path: str) -> dict:
+    """config.json of a checkpoint folder as a dict; CheckpointError naming the file otherwise."""
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if not os.path.exists(config_path):
+        raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json "
+                              "beside its *.safetensors files")
+    try:
+        with open(config_path) as fh:
+            config = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object")
+    return config
+
+
+def load_hf_checkpoint(path: str) -> tuple[dict, dict]:
+    """config.json + the checkpoint's *.safetensors shards in `path` -> (model fields, native tree of numpy arrays).
+
+    Raises CheckpointError (a ValueError) naming the file for a missing/invalid config.json, an
+    unsupported architecture, a missing shard and a truncated or corrupt safetensors file.
+    """
+    try:
+        fields = model_fields_from_hf_config(read_hf_config(path))
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: {str(e).removeprefix('config.json: ')}") from None
     state: dict[str, np.ndarray] = {}
     files: dict[str, str] = {}
-    for shard in shards:
-        with safe_open(shard, framework="numpy") as fh:
-            for name in fh.keys():
-                if name.startswith(IGNORED_PREFIXES):
-                    continue
-                if name in state:
-                    raise ValueError(f"{shard}: tensor {name} is also in {files[name]}")
-                state[name] = fh.get_tensor(name)
-                files[name] = shard
+    for shard in checkpoint_shards(path):
+        try:
+            with safe_open(shard, framework="numpy") as fh:
+                for name in fh.keys():
+                    if name.startswith(IGNORED_PREFIXES):
+                        continue
+                    if name in state:
+                        raise CheckpointError(f"{shard}: tensor {name} is also in {files[name]}")
+                    state[name] = fh.get_tensor(name)
+                    files[name] = shard
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- safetensors raises its own SafetensorError (and OSError)
+            raise CheckpointError(f"{shard}: truncated or corrupt safetensors file ({e}); "
+                                  "download it again (its size must match the published one)") from None
     return fields, hf_to_native(state, fields, files=files, where=path)
 
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridmoe.config.load import hf_model_section
 from hybridmoe.config.schema import Config, ModelConfig
 from hybridmoe.config.validate import check_requirements
 from hybridmoe.model.forward import token_logprobs
@@ -30,9 +31,10 @@ def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> np.ndarray:
 
 def score_tokens(hf_dir: Path, tokens: np.ndarray) -> np.ndarray:
     """[B, T-1] float32: log p(tokens[:, t+1] | tokens[:, :t+1]), computed in float32."""
-    fields, tree = load_hf_checkpoint(str(hf_dir))
-    tokens = check_tokens(np.asarray(tokens), fields["vocab_size"], "--tokens")
-    model = ModelConfig(**{**fields, "max_seq_len": max(tokens.shape[1], 2), "param_dtype": "float32",
+    section = hf_model_section(hf_dir)  # the path `recipe=hf:DIR` and `--init-hf` read config.json by
+    tokens = check_tokens(np.asarray(tokens), section["vocab_size"], "--tokens")
+    _, tree = load_hf_checkpoint(str(hf_dir))
+    model = ModelConfig(**{**section, "max_seq_len": max(tokens.shape[1], 2), "param_dtype": "float32",
                            "compute_dtype": "float32"})
     cfg = Config(model=model)
     check_requirements(cfg)
