@@ -30,7 +30,7 @@ def jax_arm(devices: int, steps: int) -> dict:
     import jax
     jax.config.update("jax_num_cpu_devices", devices)
     from hybridmoe.config import load_config
-    from hybridmoe.train.data import synthetic_batch
+    from hybridmoe.data.synthetic import synthetic_batch
     from hybridmoe.train.setup import build, init_state, jit_train_step
 
     mesh = ["mesh.cpu_devices=%d" % devices, "mesh.data=1", "mesh.fsdp=-1"]

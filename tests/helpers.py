@@ -8,7 +8,7 @@ import numpy as np
 
 from hybridmoe.config import load_config
 from hybridmoe.model.params import declare_params, init_params
-from hybridmoe.train.data import pack_documents
+from hybridmoe.data.packing import pack_documents
 
 
 def tiny_config(*overrides: str):

@@ -13,8 +13,8 @@ from hybridmoe.rl.advantages import advantage_stats, group_advantages
 from hybridmoe.rl.logprobs import chunked_token_logprobs, token_logprobs_reference
 from hybridmoe.rl.objective import clipped_policy_loss
 from hybridmoe.rl.rewards import score_completions
-from hybridmoe.rl.tasks import ArithmeticTask, Example, FormatTask, get_task, solved_token_ids
-from hybridmoe.rl.tokenizer import CharTokenizer, load_tokenizer
+from hybridmoe.data.arithmetic import ArithmeticTask, Example, FormatTask, get_task, solved_token_ids
+from hybridmoe.data.tokenizer import CharTokenizer, load_tokenizer
 
 LN2 = math.log(2.0)
 

@@ -12,7 +12,7 @@ from helpers import tiny_config
 from hybridmoe.config import ConfigError
 from hybridmoe.model.params import abstract_params
 from hybridmoe.rl.loop import run_rl
-from hybridmoe.rl.tasks import ArithmeticTask, Example
+from hybridmoe.data.arithmetic import ArithmeticTask, Example
 from hybridmoe.train.checkpoint import Checkpoints
 from hybridmoe.train.loop import RunError
 from hybridmoe.train.metrics import read_metrics

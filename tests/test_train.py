@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_rel_l2, tiny_config, tiny_params
-from hybridmoe.train.data import synthetic_batch
+from hybridmoe.data.synthetic import synthetic_batch
 from hybridmoe.train.loop import RunError, train
 from hybridmoe.train.step import accumulate_grads, nll_sum
 

@@ -33,9 +33,8 @@ from hybridmoe.rl.advantages import advantage_stats, group_advantages
 from hybridmoe.rl.grpo import build_update_batch, jit_grpo_step, rl_optimizer, update_batch_shardings
 from hybridmoe.rl.rewards import RewardFn, score_completions
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
-from hybridmoe.rl.tasks import Task
-from hybridmoe.rl.tokenizer import Tokenizer, load_tokenizer
-from hybridmoe.rl.warmup import PROMPT_STREAM, solved_batch, task_from_config
+from hybridmoe.data.arithmetic import PROMPT_STREAM, Task, solved_batch, task_from_config
+from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
 from hybridmoe.train.checkpoint import Checkpoints
 from hybridmoe.train.loop import RunError, config_record
 from hybridmoe.train.metrics import JSONL_NAME, MetricsWriter, plot_metrics

@@ -19,7 +19,7 @@ from hybridmoe.analysis.program import count, memory_figures, parse_hlo
 from hybridmoe.config import load_config
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, put_global
-from hybridmoe.train.data import synthetic_batch
+from hybridmoe.data.synthetic import synthetic_batch
 from hybridmoe.train.setup import build, init_state, jit_train_step
 
 

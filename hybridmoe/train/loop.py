@@ -12,7 +12,8 @@ from tqdm import tqdm
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
 from hybridmoe.train.checkpoint import Checkpoints
-from hybridmoe.train.data import synthetic_batch
+from hybridmoe.data.arithmetic import solved_batch
+from hybridmoe.data.synthetic import synthetic_batch
 from hybridmoe.train.metrics import MetricsWriter
 from hybridmoe.train.setup import build, init_state, jit_train_step
 
@@ -25,7 +26,6 @@ def training_batch(cfg: Config, step: int):
     t = cfg.train
     if t.data == "synthetic":
         return synthetic_batch(t.seed, step, t.micro_batches, t.batch_size, t.seq_len, cfg.model.vocab_size)
-    from hybridmoe.rl.warmup import solved_batch  # the arithmetic task's solved examples
     return solved_batch(cfg, step)
 
 
