@@ -49,9 +49,11 @@ def cmd_describe(args, words):
 
 
 def cmd_train(args, words):
-    cfg = _config(words)
+    cfg = _config(words, args.init_hf)
     from hybridmoe.train.loop import train
-    hist = train(cfg, Path(args.out) if args.out else None, resume=args.resume)
+    hist = train(cfg, Path(args.out) if args.out else None, resume=args.resume,
+                 init_hf=Path(args.init_hf) if args.init_hf else None,
+                 export_hf=Path(args.export_hf) if args.export_hf else None)
     if hist:
         print(f"steps {hist[0]['step']}..{hist[-1]['step']}: loss {hist[0]['loss']:.4f} -> {hist[-1]['loss']:.4f}")
     return 0
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "train":
             p.add_argument("--out", help="run directory: metrics.jsonl, TensorBoard events, checkpoints")
             p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+            p.add_argument("--init-hf", help="start from this Hugging Face checkpoint directory (its config.json gives "
+                           "the model section, its tokenizer.json the tokenizer)")
+            p.add_argument("--export-hf", help="write the final weights to this directory in the Hugging Face layout")
         if name == "rl":
             p.add_argument("--out", help="run directory: metrics.jsonl, metrics.png, TensorBoard events, checkpoints")
             p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")

@@ -38,8 +38,8 @@ def corpus() -> list[str]:
 
 def build() -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tok.decoder = decoders.Metaspace(prepend_scheme="never")
     alphabet = list(string.printable.replace("\x0b", "").replace("\x0c", "").replace("\r", "")) + ["\u2581"]
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL, initial_alphabet=alphabet,
                                   limit_alphabet=len(alphabet), show_progress=False)

@@ -73,6 +73,8 @@ def _read_recipe(name: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
         data = _read_recipe(base, chain + (name,))
         data["model"] = {**{k: v for k, v in data.get("model", {}).items() if k == "init_std"},
                          **hf_model_section(hf_dir)}
+        if (hf_dir / "tokenizer.json").is_file():  # the checkpoint's own vocabulary, unless the recipe names one
+            data["data"] = {"tokenizer": str(hf_dir), **data.get("data", {})}
         return data
     path = Path(name) if name.endswith((".yml", ".yaml")) else None
     if path is None:

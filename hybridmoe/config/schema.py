@@ -203,8 +203,9 @@ class TrainConfig(Section):
     b2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
     grad_clip: float = Field(1.0, ge=0, description="Global-norm clip (0 = off).")
     seed: int = Field(0, description="Seed of initialisation and data.")
-    data: Literal["synthetic", "arithmetic"] = Field(
-        "synthetic", description="Training data: packed synthetic documents, or the arithmetic task's solved examples."
+    data: Literal["synthetic", "arithmetic", "files"] = Field(
+        "synthetic", description="Training data: packed synthetic documents, the arithmetic task's solved examples, "
+        "or the JSONL/Parquet text of data.path."
     )
     checkpoint_every: int = Field(50, ge=0, description="Steps between checkpoints (0 = only at the end).")
     log_every: int = Field(1, gt=0, description="Steps between metric records.")
@@ -212,7 +213,16 @@ class TrainConfig(Section):
 
 class RLConfig(Section):
     # The task and its prompts.
-    task: Literal["arithmetic", "format"] = Field("arithmetic", description="Built-in task: exact-match arithmetic, or the stated-format reward.")
+    task: Literal["arithmetic", "format", "prompts"] = Field(
+        "arithmetic", description="Built-in task (exact-match arithmetic, the stated-format reward), or prompts: "
+        "the prompt set of data.prompts scored by rl.reward.")
+    reward: tuple[str, ...] = Field(
+        (), description="Reward functions as path/to/file.py:function or module:function, called with "
+        "(prompt, completion, example fields) -> float; replace the task's own reward when given.")
+    reward_weights: tuple[float, ...] = Field((), description="Weight of each rl.reward (empty = 1.0 each).")
+    reward_error: Literal["skip_sample", "zero", "skip_group"] = Field(
+        "skip_sample", description="A reward that raises or is not finite (counted and logged): its sample is masked "
+        "out, scored 0 and kept, or its whole group is masked out.")
     digits: int = Field(1, ge=1, description="Operand digits of the arithmetic prompts (each operand in [0, 10**digits)).")
     operators: str = Field("+", pattern=r"^[+\-*]+$", description="Operators the prompts draw from, any subset of '+-*'.")
     prompts_per_step: int = Field(8, gt=0, description="Prompts P per GRPO step.")
@@ -240,6 +250,12 @@ class RLConfig(Section):
     logprob_chunk_vocab: int = Field(4096, gt=0, description="Vocabulary columns per chunk of the chunked log-probs.")
     checkpoint_every: int = Field(10, ge=0, description="Steps (warm-up and GRPO alike) between checkpoints (0 = only at the end).")
 
+    @field_validator("reward", "reward_weights", mode="before")
+    @classmethod
+    def _one_or_many(cls, v):
+        """`rl.reward=file.py:fn` (one) or `rl.reward=[a.py:f, b:g]` (several)."""
+        return (v,) if isinstance(v, (str, int, float)) else v
+
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
@@ -248,6 +264,20 @@ class RLConfig(Section):
     def sequence_len(self) -> int:
         """Tokens of a rollout row: the left-padded prompt then the completion."""
         return self.max_prompt_len + self.max_new_tokens
+
+
+class DataConfig(Section):
+    path: str = Field("", description="train.data=files: a JSONL or Parquet file, or a folder of them (read in name order).")
+    prompts: str = Field("", description="rl.task=prompts: a JSONL or Parquet prompt set (`prompt` or `messages`, plus any "
+                         "fields the rewards read, e.g. `answer`).")
+    text_field: str = Field("text", description="Field of a training document's text (a `messages` field is rendered "
+                            "with the chat template instead).")
+    tokenizer: str = Field("", description="A checkpoint folder or tokenizer.json (empty: the hf:DIR recipe's, else the "
+                           "built-in character tokenizer).")
+    on_bad_line: Literal["stop", "skip"] = Field(
+        "stop", description="A line that is not JSON or lacks the fields: stop (one error naming the first such line and "
+        "the count) or skip (counted, logged).")
+    shuffle: bool = Field(True, description="Shuffle the documents each epoch (a pure function of train.seed and the epoch).")
 
 
 class BenchConfig(Section):
@@ -265,4 +295,5 @@ class Config(Section):
     remat: RematConfig = RematConfig()
     train: TrainConfig = TrainConfig()
     rl: RLConfig = RLConfig()
+    data: DataConfig = DataConfig()
     bench: BenchConfig = BenchConfig()

@@ -251,3 +251,20 @@ def _gmm_row_tiles(cfg: Config) -> list[Problem]:
     if expert_ranks != 1:
         unmet.append("expert parallelism runs the grouped path with expert offsets (expert ranks > 1)")
     return [("kernels.gmm.xla_impl", "; ".join(unmet))] if unmet else []
+
+
+@rule
+def _data_sources(cfg: Config) -> list[Problem]:
+    out = []
+    if cfg.train.data == "files" and not cfg.data.path:
+        out.append(("data.path", "train.data=files reads a JSONL/Parquet file or folder: set data.path=FILE"))
+    if cfg.rl.task == "prompts":
+        if not cfg.data.prompts:
+            out.append(("data.prompts", "rl.task=prompts reads a JSONL/Parquet prompt set: set data.prompts=FILE"))
+        if not cfg.rl.reward:
+            out.append(("rl.reward", "rl.task=prompts needs reward functions: rl.reward=[path/to/file.py:function]"))
+    if cfg.rl.reward_weights and len(cfg.rl.reward_weights) != len(cfg.rl.reward):
+        out.append(("rl.reward_weights", f"{len(cfg.rl.reward_weights)} weights for {len(cfg.rl.reward)} rl.reward "
+                    "functions; give one weight each, or none (1.0 each)"))
+    return out
+

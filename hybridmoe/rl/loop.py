@@ -36,6 +36,7 @@ from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generat
 from hybridmoe.data.arithmetic import PROMPT_STREAM, Task, solved_batch, task_from_config
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
 from hybridmoe.train.checkpoint import Checkpoints
+from hybridmoe.train.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf
 from hybridmoe.train.loop import RunError, config_record
 from hybridmoe.train.metrics import JSONL_NAME, MetricsWriter, plot_metrics
 from hybridmoe.train.setup import build, init_state, jit_train_step
@@ -45,55 +46,6 @@ log = logging.getLogger(__name__)
 WARMUP, GRPO = 0, 1
 PLOT_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "warmup_loss")
 PLOT_EVERY = 5
-# Model fields that decide a weight's shape: an HF checkpoint must agree with the recipe on these.
-SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "layer_pattern", "num_heads", "num_kv_heads", "head_dim",
-                "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim", "gdn_value_dim", "gdn_conv_kernel",
-                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
-
-
-def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
-    """The recipe's config with the model fields of an HF checkpoint's config.json; a RunError naming
-    every shape field where the recipe disagrees (and the overrides that would match)."""
-    import json
-
-    from hybridmoe.model.hf import model_fields_from_hf_config
-    config_path = Path(hf_dir) / "config.json"
-    if not config_path.is_file():
-        raise RunError(f"--init-hf: no config.json in {hf_dir}")
-    fields = model_fields_from_hf_config(json.loads(config_path.read_text()))
-    current = cfg.model.model_dump()
-    wrong = [(k, current[k], fields[k]) for k in SHAPE_FIELDS
-             if k in fields and tuple(np.atleast_1d(current[k])) != tuple(np.atleast_1d(fields[k]))]
-    if wrong:
-        lines = "\n".join(f"  model.{k}: recipe {a!r}, checkpoint {b!r}" for k, a, b in wrong)
-        fix = " ".join(f"model.{k}={list(b) if isinstance(b, (list, tuple)) else b}".replace(" ", "").replace("'", "")
-                       for k, _, b in wrong)
-        raise RunError(f"--init-hf {hf_dir}: the checkpoint's shapes disagree with the recipe's model section:\n{lines}\n"
-                       f"use a recipe with this model, or pass: {fix}")
-    known = {k: v for k, v in fields.items() if k in current}
-    try:
-        new = Config.model_validate({**cfg.model_dump(), "model": {**current, **known}})
-        check_requirements(new)
-    except (ConfigError, ValueError) as e:
-        raise RunError(f"--init-hf {hf_dir}: its model fields do not make a valid config: {e}") from None
-    return new
-
-
-def _params_from_hf(setup, hf_dir: Path):
-    from hybridmoe.model.hf import load_hf_checkpoint
-    _, tree = load_hf_checkpoint(str(hf_dir))
-    want = abstract_params(setup.specs)
-    problems = []
-    try:
-        jax.tree.map(lambda a, w: problems.append(f"{np.shape(a)} != {w.shape}") if np.shape(a) != w.shape else None,
-                     tree, want)
-    except ValueError as e:
-        raise RunError(f"--init-hf {hf_dir}: its weight tree does not match the model's: {e}") from None
-    if problems:
-        raise RunError(f"--init-hf {hf_dir}: weight shapes differ from the model's: {problems[:5]}")
-    return put_global(jax.tree.map(lambda a, w: np.asarray(a).astype(w.dtype), tree, want), setup.param_shardings)
-
-
 @dataclasses.dataclass
 class _Run:
     """What the step functions need, built once per run."""
@@ -257,7 +209,7 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
                 raise RunError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
             state = init_state(setup, jax.random.key(cfg.train.seed))
             if init_hf is not None:
-                state = {**state, "params": _params_from_hf(setup, init_hf)}
+                state = {**state, "params": params_from_hf(setup, init_hf)}
             ref_params, key, start = (state["params"] if with_reference else None), jax.random.key(cfg.train.seed + 1), 0
     except BaseException:
         if ckpt is not None:
@@ -330,8 +282,5 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
             writer.close()
             plot_metrics(writer.jsonl_path, out / "metrics.png", PLOT_KEYS)
     if export_hf is not None:
-        from hybridmoe.model.hf import save_hf_checkpoint
-        params = fetch_global(state["params"])
-        if is_lead_host():
-            save_hf_checkpoint(str(export_hf), cfg.model, params)
+        export_hf_checkpoint(export_hf, cfg, state["params"], tokenizer_from=init_hf)
     return history

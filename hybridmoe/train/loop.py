@@ -10,23 +10,15 @@ import jax
 from tqdm import tqdm
 
 from hybridmoe.config.schema import Config
-from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
+from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global, put_process_local
 from hybridmoe.train.checkpoint import Checkpoints
-from hybridmoe.data.arithmetic import solved_batch
-from hybridmoe.data.synthetic import synthetic_batch
+from hybridmoe.data.sources import position_record, start_position, training_source
 from hybridmoe.train.metrics import MetricsWriter
 from hybridmoe.train.setup import build, init_state, jit_train_step
 
 
 class RunError(RuntimeError):
     """A run that cannot start as asked; nothing on disk was changed."""
-
-
-def training_batch(cfg: Config, step: int):
-    t = cfg.train
-    if t.data == "synthetic":
-        return synthetic_batch(t.seed, step, t.micro_batches, t.batch_size, t.seq_len, cfg.model.vocab_size)
-    return solved_batch(cfg, step)
 
 
 def config_record(cfg: Config) -> dict:
@@ -53,9 +45,20 @@ def open_run(cfg: Config, out: Path | None, resume: bool):
     return setup, init_state(setup, jax.random.key(cfg.train.seed)), 0, ckpt
 
 
-def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progress: bool = True) -> list[dict]:
-    """Run cfg.train.steps optimizer steps; returns the per-step metrics."""
+def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progress: bool = True,
+          init_hf: Path | None = None, export_hf: Path | None = None) -> list[dict]:
+    """Run cfg.train.steps optimizer steps; returns the per-step metrics.
+
+    init_hf: start from this Hugging Face checkpoint's weights; export_hf: write the final weights
+    there in the Hugging Face layout (with the checkpoint's tokenizer and generation files)."""
+    from hybridmoe.train.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf
+    if init_hf is not None:
+        cfg = config_with_hf_model(cfg, init_hf)
+    source = training_source(cfg)  # reads and checks the data before anything is written
     setup, state, start, ckpt = open_run(cfg, out, resume)
+    if init_hf is not None and not resume:
+        state = {**state, "params": params_from_hf(setup, init_hf)}
+    position = start_position(ckpt.restore_meta(start) if resume else None)
     writer = (MetricsWriter(out, resume_from_step=start if resume else None)
               if out is not None and is_lead_host() else None)
     step_fn = jit_train_step(setup)
@@ -65,7 +68,9 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progres
     try:
         with setup.context():
             for step in bar:
-                batch = put_global(training_batch(cfg, step), setup.batch_sharding(1))
+                rows, position = source.batch(step, position)
+                put = put_process_local if source.host_local else put_global
+                batch = put(rows, setup.batch_sharding(1))
                 t0 = time.perf_counter()
                 state, m = step_fn(state, batch)
                 m = {k: float(v) for k, v in fetch_global(m).items()}
@@ -80,12 +85,14 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progres
                 bar.set_postfix(loss=f"{m['loss']:.4f}")
                 done = step + 1
                 if ckpt is not None and t.checkpoint_every and done % t.checkpoint_every == 0 and done < t.steps:
-                    ckpt.save(done, state, meta)
+                    ckpt.save(done, state, {**meta, "data_position": position_record(position)})
             if ckpt is not None and t.steps > start:
-                ckpt.save(t.steps, state, meta)
+                ckpt.save(t.steps, state, {**meta, "data_position": position_record(position)})
     finally:
         if ckpt is not None:
             ckpt.close()
         if writer is not None:
             writer.close()
+    if export_hf is not None:
+        export_hf_checkpoint(export_hf, cfg, state["params"], tokenizer_from=init_hf)
     return history

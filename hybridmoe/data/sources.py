@@ -1,0 +1,74 @@
+"""The training-row source a config asks for, behind one interface for the train loop.
+
+`batch(step, position) -> (rows, position)`: synthetic and arithmetic rows are pure functions of
+the step (every host builds the same global batch; the position is unused); file rows depend on
+the per-host cursor, which the checkpoint keeps (`position_record` / `start_position`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from hybridmoe.config.schema import Config
+from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
+
+
+def config_tokenizer(cfg: Config) -> Tokenizer:
+    """data.tokenizer (set by recipe=hf:DIR when the checkpoint has tokenizer.json), else the built-in one."""
+    return load_tokenizer(Path(cfg.data.tokenizer) if cfg.data.tokenizer else None)
+
+
+class StepSource:
+    """Rows that are a pure function of (seed, step): the same global batch on every host."""
+
+    host_local = False
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def batch(self, step: int, position: int):
+        cfg, t = self.cfg, self.cfg.train
+        if t.data == "synthetic":
+            from hybridmoe.data.synthetic import synthetic_batch
+            return synthetic_batch(t.seed, step, t.micro_batches, t.batch_size, t.seq_len, cfg.model.vocab_size), position
+        from hybridmoe.data.arithmetic import solved_batch
+        return solved_batch(cfg, step), position
+
+
+class FileSource:
+    """JSONL/Parquet documents, this host's share (hybridmoe/data/text.py)."""
+
+    host_local = True
+
+    def __init__(self, cfg: Config):
+        from hybridmoe.data.text import TextSource
+        tokenizer = config_tokenizer(cfg)
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            from hybridmoe.data.records import DataError
+            raise DataError(f"the tokenizer ({cfg.data.tokenizer or 'built-in'}) has {tokenizer.vocab_size} ids but "
+                            f"model.vocab_size={cfg.model.vocab_size}")
+        self.text = TextSource(cfg, tokenizer, jax.process_index(), jax.process_count())
+
+    def batch(self, step: int, position: int):
+        return self.text.batch(position)
+
+
+def training_source(cfg: Config):
+    return FileSource(cfg) if cfg.train.data == "files" else StepSource(cfg)
+
+
+def position_record(position: int) -> list[int]:
+    """Every host's cursor (index = process index), for the checkpoint's metadata."""
+    if jax.process_count() == 1:
+        return [int(position)]
+    from jax.experimental import multihost_utils
+    return [int(p) for p in np.asarray(multihost_utils.process_allgather(np.int64(position)))]
+
+
+def start_position(meta: dict | None) -> int:
+    """This host's cursor from a checkpoint's metadata (0 for a fresh run or a step-derived source)."""
+    positions = (meta or {}).get("data_position") or []
+    return int(positions[jax.process_index()]) if isinstance(positions, list) and positions else 0

@@ -1,0 +1,90 @@
+"""Hugging Face checkpoints in and out of a run: --init-hf (weights into the sharded state) and
+--export-hf (the trained weights, with the checkpoint's tokenizer and generation files, back out)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from hybridmoe.config.schema import Config
+from hybridmoe.config.validate import ConfigError, check_requirements
+from hybridmoe.model.params import abstract_params
+from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
+
+
+# Model fields that decide a weight's shape: an HF checkpoint must agree with the recipe on these.
+SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "layer_pattern", "num_heads", "num_kv_heads", "head_dim",
+                "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim", "gdn_value_dim", "gdn_conv_kernel",
+                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
+    """The recipe's config with the model fields of an HF checkpoint's config.json; a RunError naming
+    every shape field where the recipe disagrees (and the overrides that would match)."""
+    from hybridmoe.train.loop import RunError
+    import json
+
+    from hybridmoe.model.hf import model_fields_from_hf_config
+    config_path = Path(hf_dir) / "config.json"
+    if not config_path.is_file():
+        raise RunError(f"--init-hf: no config.json in {hf_dir}")
+    fields = model_fields_from_hf_config(json.loads(config_path.read_text()))
+    current = cfg.model.model_dump()
+    wrong = [(k, current[k], fields[k]) for k in SHAPE_FIELDS
+             if k in fields and tuple(np.atleast_1d(current[k])) != tuple(np.atleast_1d(fields[k]))]
+    if wrong:
+        lines = "\n".join(f"  model.{k}: recipe {a!r}, checkpoint {b!r}" for k, a, b in wrong)
+        fix = " ".join(f"model.{k}={list(b) if isinstance(b, (list, tuple)) else b}".replace(" ", "").replace("'", "")
+                       for k, _, b in wrong)
+        raise RunError(f"--init-hf {hf_dir}: the checkpoint's shapes disagree with the recipe's model section:\n{lines}\n"
+                       f"use a recipe with this model, or pass: {fix}")
+    known = {k: v for k, v in fields.items() if k in current}
+    try:
+        new = Config.model_validate({**cfg.model_dump(), "model": {**current, **known}})
+        check_requirements(new)
+    except (ConfigError, ValueError) as e:
+        raise RunError(f"--init-hf {hf_dir}: its model fields do not make a valid config: {e}") from None
+    return new
+
+
+def params_from_hf(setup, hf_dir: Path):
+    from hybridmoe.train.loop import RunError
+    from hybridmoe.model.hf import load_hf_checkpoint
+    _, tree = load_hf_checkpoint(str(hf_dir))
+    want = abstract_params(setup.specs)
+    problems = []
+    try:
+        jax.tree.map(lambda a, w: problems.append(f"{np.shape(a)} != {w.shape}") if np.shape(a) != w.shape else None,
+                     tree, want)
+    except ValueError as e:
+        raise RunError(f"--init-hf {hf_dir}: its weight tree does not match the model's: {e}") from None
+    if problems:
+        raise RunError(f"--init-hf {hf_dir}: weight shapes differ from the model's: {problems[:5]}")
+    return put_global(jax.tree.map(lambda a, w: np.asarray(a).astype(w.dtype), tree, want), setup.param_shardings)
+
+
+# Files of a checkpoint folder that are not weights or config.json and travel with an export.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+              "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+              "generation_config.json")
+
+
+def export_hf_checkpoint(out: Path, cfg: Config, params, tokenizer_from: Path | None = None) -> None:
+    """The policy as a Hugging Face checkpoint in `out`, with the side files of `tokenizer_from`
+    (the --init-hf folder, else data.tokenizer's folder) copied beside it."""
+    from hybridmoe.model.hf import save_hf_checkpoint
+    params = fetch_global(params)
+    if not is_lead_host():
+        return
+    save_hf_checkpoint(str(out), cfg.model, params)
+    source = Path(tokenizer_from) if tokenizer_from else (Path(cfg.data.tokenizer) if cfg.data.tokenizer else None)
+    if source is not None and source.is_file():
+        source = source.parent
+    if source is not None:
+        for name in SIDE_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, Path(out) / name)
+                (Path(out) / name).chmod(0o644)
