@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 LayerKind = Literal["gdn", "attention"]
 
 # Every checkpoint name the layers define (remat.save may only use these).
-CHECKPOINT_NAMES = ("attn_q", "attn_out", "gdn_q", "gdn_k", "gdn_v", "gdn_core_out", "moe_gate", "moe_up")
+CHECKPOINT_NAMES = ("attn_q", "attn_out", "gdn_q", "gdn_k", "gdn_v", "gdn_core_out", "moe_gate", "moe_up",
+                    "attn_lb_ids")
 DType = Literal["float32", "bfloat16"]
 
 
@@ -176,7 +177,12 @@ class QuantConfig(Section):
 
 
 class AttentionConfig(Section):
-    pass
+    cp_load_balance: bool = Field(
+        False, description="Under context parallelism, each attention layer works in load-balanced order (rank r "
+        "holds half-chunks r and 2P-1-r of the sequence) so causal work is even over the ranks; natural order outside.")
+    cp_load_balance_hoist_ids: bool = Field(
+        False, description="Save the load-balanced positions and segment ids (checkpoint name attn_lb_ids) under "
+        "the custom remat policy, so the layer scan reorders them once instead of in every layer's backward.")
 
 
 class GdnConfig(Section):

@@ -268,3 +268,46 @@ def _data_sources(cfg: Config) -> list[Problem]:
                     "functions; give one weight each, or none (1.0 each)"))
     return out
 
+# ---------------------------------------------------------------------------------------------
+# Context-parallel attention: the sequence split over mesh.context, its load balancing and the
+# id hoist. (Both rules tables map logical "seq" to the context axis.)
+
+
+def _context_size(cfg: Config) -> int | None:
+    """mesh.context, or the size it absorbs when it is -1 and the device count is known at load."""
+    if cfg.mesh.context != -1:
+        return cfg.mesh.context
+    if not cfg.mesh.cpu_devices:
+        return None
+    sizes, problem = cfg.mesh.resolve(cfg.mesh.cpu_devices)
+    return None if problem else sizes["context"]
+
+
+@rule
+def _context_parallel_attention(cfg: Config) -> list[Problem]:
+    a, r, out = cfg.attention, cfg.remat, []
+    P = _context_size(cfg)
+    if P and P > 1:
+        pieces = 2 * P if a.cp_load_balance else P
+        what = f"the {pieces} half-chunks of load balancing over" if a.cp_load_balance else "the"
+        if cfg.train.seq_len % pieces:
+            out.append(("train.seq_len", f"{cfg.train.seq_len} tokens do not split into {what} mesh.context={P} "
+                        f"shards; make it a multiple of {pieces}"))
+    if a.cp_load_balance:
+        if P is not None and (P < 2 or P % 2):
+            out.append(("attention.cp_load_balance", f"needs an even mesh.context >= 2 (got {P}): with one rank "
+                        "there is nothing to balance, and the half-chunk pairing (r, 2P-1-r) is built for an even "
+                        "count"))
+    if a.cp_load_balance_hoist_ids:
+        unmet = []
+        if not a.cp_load_balance:
+            unmet.append("needs attention.cp_load_balance=true (without it there are no reordered ids to hoist)")
+        if P is not None and (P < 2 or P % 2):
+            unmet.append(f"needs an even mesh.context >= 2 (got {P})")
+        if r.policy != "custom":
+            unmet.append(f"needs remat.policy=custom, the only policy whose save list takes the name (got {r.policy})")
+        if not r.scan_layers:
+            unmet.append("needs remat.scan_layers=true (the hoist out of the layer loop is the scan's)")
+        if unmet:
+            out.append(("attention.cp_load_balance_hoist_ids", "; ".join(unmet)))
+    return out

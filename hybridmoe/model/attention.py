@@ -4,6 +4,12 @@ Shape legend: B batch, T tokens, D model, N query heads, G key/value heads, A he
 The query projection carries a per-head output gate ([q_h | gate_h] per head); q and k get a
 per-head RMSNorm, then partial rotary embedding; the attention output is scaled by
 sigmoid(gate) before the output projection.
+
+Context parallelism (the sequence split over the mesh axes of logical "seq"): queries stay
+sequence-sharded and keys/values are all-gathered (kernels/attention/context_parallel.py). With
+attention.cp_load_balance the layer first moves its input, positions and segment ids into the
+load-balanced order of parallel/context.py and moves its output back, so the layers around it
+see natural order.
 """
 
 from __future__ import annotations
@@ -12,10 +18,15 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from hybridmoe.config.schema import ModelConfig
+from hybridmoe.config.schema import AttentionConfig, ModelConfig
 from hybridmoe.kernels.attention import attention
+from hybridmoe.kernels.attention.context_parallel import context_parallel_attention
 from hybridmoe.model.norms import apply_partial_rope, rms_norm, rope_tables
+from hybridmoe.parallel import context
 from hybridmoe.parallel.rules import constrain
+
+# The checkpoint name of the load-balanced positions and segment ids (attention.cp_load_balance_hoist_ids).
+LB_IDS_NAME = "attn_lb_ids"
 
 
 def project_qkv(p, x_BTD, positions_BT, m: ModelConfig):
@@ -41,8 +52,38 @@ def gated_output(p, o_BTNA, gate_BTNA):
     return checkpoint_name(y_BTD, "attn_out")
 
 
-def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig):
+def load_balanced_ids(positions_BT, segment_ids_BT, a: AttentionConfig):
+    """Positions and segment ids (None: unpacked) in load-balanced order.
+
+    They depend only on the batch, yet under remat each layer's backward replay would reorder them
+    again; with the hoist they carry a checkpoint name that the save list holds, so the layer scan
+    keeps one copy, made outside the loop, and the backward reads it.
+    """
+    ids = [context.reorder(positions_BT, ("batch", "seq"))]
+    if segment_ids_BT is not None:
+        ids.append(context.reorder(segment_ids_BT, ("batch", "seq")))
+    if a.cp_load_balance_hoist_ids:
+        ids = [checkpoint_name(i, LB_IDS_NAME) for i in ids]
+    return ids[0], (ids[1] if len(ids) > 1 else None)
+
+
+def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig, a: AttentionConfig = AttentionConfig(),
+                    *, packed: bool = True):
+    """`packed`: whether segment_ids_BT came with the batch (else it is all ones and context
+    parallelism neither moves nor compares it)."""
+    axes = context.context_axes()
+    if not axes:
+        q, gate, k, v = project_qkv(p, x_BTD, positions_BT, m)
+        o_BTNA = attention(q, k, v, q_pos_BT=positions_BT, kv_pos_BS=positions_BT, q_seg_BT=segment_ids_BT,
+                           kv_seg_BS=segment_ids_BT, scale=m.head_dim ** -0.5)
+        return gated_output(p, o_BTNA, gate)
+    seg_BT = segment_ids_BT if packed else None
+    if a.cp_load_balance:
+        x_BTD = context.reorder(x_BTD, ("batch", "seq", None))
+        positions_BT, seg_BT = load_balanced_ids(positions_BT, seg_BT, a)
     q, gate, k, v = project_qkv(p, x_BTD, positions_BT, m)
-    o_BTNA = attention(q, k, v, q_pos_BT=positions_BT, kv_pos_BS=positions_BT, q_seg_BT=segment_ids_BT,
-                       kv_seg_BS=segment_ids_BT, scale=m.head_dim ** -0.5)
-    return gated_output(p, o_BTNA, gate)
+    o_BTNA = context_parallel_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5)
+    y_BTD = gated_output(p, o_BTNA, gate)
+    if a.cp_load_balance:
+        y_BTD = context.reorder(y_BTD, ("batch", "seq", None), inverse=True)
+    return y_BTD

@@ -25,9 +25,9 @@ def default_batch_fields(tokens_BT):
     return (jnp.ones((B, T), jnp.int32), jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
 
 
-def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config):
+def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config, packed: bool = True):
     if kind == "attention":
-        return attention_layer(p, x, positions, segment_ids, cfg.model)
+        return attention_layer(p, x, positions, segment_ids, cfg.model, cfg.attention, packed=packed)
     if kind == "gdn":
         return gdn_layer(p, x, segment_ids, cfg.model, chunk_size=cfg.gdn.chunk_size,
                          backend=cfg.kernels.gdn.backend)
@@ -62,7 +62,7 @@ def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False
     return (x_BTD, aux, dropped) if with_moe_dropped else (x_BTD, aux)
 
 
-def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: bool = False):
+def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: bool = False, packed: bool = True):
     """One repeating block (every position of the layer pattern) as a function (x, block params) -> x
     (with_moe_dropped: -> (x, the block's dropped MoE rows))."""
     m = cfg.model
@@ -72,7 +72,7 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
         dropped = jnp.int32(0)
         for kind, lp, lp_axes in zip(m.layer_pattern, block_params, axes):
             lp = jax.tree.map(constrain_at_use, lp, lp_axes, is_leaf=lambda a: isinstance(a, jax.Array))
-            mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg), None)
+            mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)
             out = decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped)
             x_BTD = out[0]
             if with_moe_dropped:
@@ -86,16 +86,17 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
                    with_moe_dropped: bool = False):
     """Final-normed hidden states [B, T, D] (with_moe_dropped: and the MoE rows dropped in all layers)."""
     m = cfg.model
+    packed = segment_ids_BT is not None
     if segment_ids_BT is None or positions_BT is None:
         seg, pos = default_batch_fields(tokens_BT)
         segment_ids_BT = seg if segment_ids_BT is None else segment_ids_BT
         positions_BT = pos if positions_BT is None else positions_BT
     dt = jnp.dtype(m.compute_dtype)
     x = embed_tokens(params, tokens_BT, dt)
-    block = block_fn(cfg, positions_BT, segment_ids_BT, with_moe_dropped=with_moe_dropped)
+    block = block_fn(cfg, positions_BT, segment_ids_BT, with_moe_dropped=with_moe_dropped, packed=packed)
     policy = cfg.remat.policy
     if policy != "none":
-        block = jax.checkpoint(block, policy=remat_policy(cfg.remat), prevent_cse=not cfg.remat.scan_layers)
+        block = jax.checkpoint(block, policy=remat_policy(cfg), prevent_cse=not cfg.remat.scan_layers)
     if with_moe_dropped:
         step = lambda carry, bp: ((lambda x, d: (x, carry[1] + d))(*block(carry[0], bp)), None)  # noqa: E731
         carry = (x, jnp.int32(0))
