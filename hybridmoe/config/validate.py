@@ -268,6 +268,7 @@ def _data_sources(cfg: Config) -> list[Problem]:
                     "functions; give one weight each, or none (1.0 each)"))
     return out
 
+
 # ---------------------------------------------------------------------------------------------
 # Context-parallel attention: the sequence split over mesh.context, its load balancing and the
 # id hoist. (Both rules tables map logical "seq" to the context axis.)
