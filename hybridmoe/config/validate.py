@@ -263,6 +263,9 @@ def _data_sources(cfg: Config) -> list[Problem]:
             out.append(("data.prompts", "rl.task=prompts reads a JSONL/Parquet prompt set: set data.prompts=FILE"))
         if not cfg.rl.reward:
             out.append(("rl.reward", "rl.task=prompts needs reward functions: rl.reward=[path/to/file.py:function]"))
+        if cfg.rl.warmup_steps:
+            out.append(("rl.warmup_steps", "rl.task=prompts has no solved examples to warm up on: set rl.warmup_steps=0 "
+                        "(fine-tune first with `train train.data=files` if the model needs it)"))
     if cfg.rl.reward_weights and len(cfg.rl.reward_weights) != len(cfg.rl.reward):
         out.append(("rl.reward_weights", f"{len(cfg.rl.reward_weights)} weights for {len(cfg.rl.reward)} rl.reward "
                     "functions; give one weight each, or none (1.0 each)"))

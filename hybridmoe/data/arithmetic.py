@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -38,6 +38,7 @@ _INTEGER = re.compile(r"[+-]?\d+")
 class Example:
     prompt: str
     reference: str  # the answer a solved example writes after the prompt
+    fields: dict = field(default_factory=dict, hash=False, compare=False)  # a prompt set's line, for rewards
 
 
 class Task(Protocol):

@@ -31,9 +31,12 @@ from hybridmoe.model.params import abstract_params
 from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
 from hybridmoe.rl.advantages import advantage_stats, group_advantages
 from hybridmoe.rl.grpo import build_update_batch, jit_grpo_step, rl_optimizer, update_batch_shardings
-from hybridmoe.rl.rewards import RewardFn, score_completions
+from hybridmoe.rl.reward_loading import load_rewards
+from hybridmoe.rl.rewards import RewardFn, apply_reward_error_policy, score_completions
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
 from hybridmoe.data.arithmetic import PROMPT_STREAM, Task, solved_batch, task_from_config
+from hybridmoe.data.prompts import PromptSetTask
+from hybridmoe.data.sources import config_tokenizer
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
 from hybridmoe.train.checkpoint import Checkpoints
 from hybridmoe.train.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf
@@ -102,10 +105,12 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
     scored_rows = np.flatnonzero(~np.repeat(prompt_skipped, G))
     completions = [run.tokenizer.decode(rollout["completion"][i]) for i in scored_rows]
     scored_rewards, reward_skipped, counts = score_completions(
-        run.reward_fns, [prompts[i // G] for i in scored_rows], completions)
+        run.reward_fns, [prompts[i // G] for i in scored_rows], completions,
+        [getattr(examples[i // G], "fields", {}) for i in scored_rows])
     rewards = np.zeros(len(prompts) * G, np.float32)
     skipped = np.ones(len(prompts) * G, bool)
     rewards[scored_rows], skipped[scored_rows] = scored_rewards, reward_skipped
+    skipped = apply_reward_error_policy(r.reward_error, skipped, np.repeat(prompt_skipped, G), G)
     adv_PG, keep_PG, kept_frac = group_advantages(
         jnp.asarray(rewards.reshape(-1, G)), estimator=r.estimator, skipped_PG=jnp.asarray(skipped.reshape(-1, G)),
         truncated_PG=jnp.asarray(rollout["truncated"].reshape(-1, G)), mask_truncated=r.mask_truncated,
@@ -136,7 +141,8 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
         **{k: float(v) for k, v in advantage_stats(jnp.asarray(adv_PG), jnp.asarray(keep_PG)).items()},
         "completion_len_mean": float(lengths.mean()), "completion_len_min": float(lengths.min()),
         "completion_len_max": float(lengths.max()), "truncated_frac": float(np.mean(rollout["truncated"])),
-        "rewards_skipped": float(counts["skipped"]), "prompts_skipped": float(prompt_skipped.sum()),
+        "rewards_skipped": float(counts["skipped"]),
+        "reward_errors": float(sum(v for k, v in counts.items() if k.startswith("raised:") or k == "nonfinite")), "prompts_skipped": float(prompt_skipped.sum()),
         "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
         "rollout_time_s": t_rollout, "update_time_s": t_update,
     }
@@ -172,11 +178,15 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
         raise ConfigError([("moe.capacity_factor", "the RL trainer runs dropless MoE only; set it to 0")])
     if init_hf is not None:
         cfg = config_with_hf_model(cfg, init_hf)
-    tokenizer = load_tokenizer(init_hf if init_hf is not None and (Path(init_hf) / "tokenizer.json").is_file() else None)
+    tokenizer = (config_tokenizer(cfg) if cfg.data.tokenizer else
+                 load_tokenizer(init_hf if init_hf is not None and (Path(init_hf) / "tokenizer.json").is_file() else None))
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise RunError(f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}")
-    task = task_from_config(cfg) if task is None else task
-    reward_fns = [(task.reward, 1.0)] if reward_fns is None else list(reward_fns)
+    if task is None:
+        task = PromptSetTask.from_config(cfg, tokenizer) if cfg.rl.task == "prompts" else task_from_config(cfg)
+    if reward_fns is None:
+        reward_fns = load_rewards(cfg.rl.reward, cfg.rl.reward_weights) if cfg.rl.reward else [(task.reward, 1.0)]
+    reward_fns = list(reward_fns)
     r = cfg.rl
 
     setup = build(cfg)

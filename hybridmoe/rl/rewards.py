@@ -29,8 +29,12 @@ def score_completions(
     fns_with_weights: Sequence[tuple[RewardFn, float]],
     prompts: Sequence[str],
     completions: Sequence[str],
+    examples: Sequence[dict] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Counter[str]]:
     """Weighted sum of every reward function on each (prompt, completion) pair.
+
+    A function marked `takes_example` (user rewards, see reward_loading.py) is called with the
+    sample's example fields as a third argument (`examples[i]`, or {} when none are given).
 
     Returns (rewards float32 [N], skipped bool [N], counts). A sample is skipped when any function
     raises or returns something that is not a finite number; its reward is 0.0. `counts` holds
@@ -52,7 +56,9 @@ def score_completions(
         total = 0.0
         for fn, weight in fns_with_weights:
             try:
-                value = float(fn(prompt, completion))  # float(): a str or None lands in TypeError/ValueError
+                # float(): a str or None lands in TypeError/ValueError
+                value = float(fn(prompt, completion, examples[i] if examples is not None else {})
+                              if getattr(fn, "takes_example", False) else fn(prompt, completion))
             except Exception as e:  # noqa: BLE001 -- any failure of user code is a counted skip
                 kind = f"raised:{type(e).__name__}"
                 counts[kind] += 1
@@ -77,3 +83,18 @@ def score_completions(
             rewards_N[i] = total
             counts["scored"] += 1
     return rewards_N, skipped_N, counts
+
+
+def apply_reward_error_policy(policy: str, failed_N: np.ndarray, prompt_skipped_N: np.ndarray,
+                              group_size: int) -> np.ndarray:
+    """Which samples carry no loss, given the samples whose reward failed (rl.reward_error):
+    skip_sample masks them out; zero keeps them with reward 0.0; skip_group masks their whole
+    group. Samples of a skipped prompt (never scored) stay masked whatever the policy."""
+    if policy == "skip_sample":
+        return failed_N
+    if policy == "zero":
+        return prompt_skipped_N.copy()
+    if policy == "skip_group":
+        return np.repeat(failed_N.reshape(-1, group_size).any(axis=1), group_size) | prompt_skipped_N
+    raise ValueError(f"rl.reward_error={policy!r}: expected skip_sample, zero or skip_group")
+

@@ -1,0 +1,50 @@
+"""rl.task=prompts: a JSONL/Parquet prompt set as an RL task.
+
+Each line holds `prompt` (text given to the model as is) or `messages` (rendered with the
+checkpoint's chat template, ending with the assistant's turn opened), plus any fields the rewards
+read (e.g. `answer`); the whole line reaches every reward as `example`. The rewards come from
+rl.reward (the set has no reward of its own).
+
+Every host reads the whole set (prompt sets are small, and the RL step builds the same global
+rollout batch on every host). A step's prompts are drawn without replacement by the step's own
+generator (a pure function of (train.seed, step)), so a resumed run asks the same prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridmoe.config.schema import Config
+from hybridmoe.data.arithmetic import Example
+from hybridmoe.data.records import DataError, prompt_or_messages, read_records
+from hybridmoe.data.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class PromptSetTask:
+    examples: tuple[Example, ...]
+    name: str = "prompts"
+    max_completion_chars: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer: Tokenizer) -> PromptSetTask:
+        records, _ = read_records(cfg.data.prompts, "data.prompts", prompt_or_messages, cfg.data.on_bad_line)
+        examples = []
+        for rec in records:
+            f = rec.fields
+            try:
+                text = f["prompt"] if isinstance(f.get("prompt"), str) else tokenizer.render_chat(f["messages"])
+            except ValueError as e:
+                raise DataError(f"{rec.file}:{rec.line}: {e}") from None
+            examples.append(Example(text, str(f.get("answer", "")), fields=dict(f)))
+        return cls(tuple(examples))
+
+    def sample(self, rng: np.random.Generator, num_examples: int) -> list[Example]:
+        n = len(self.examples)
+        picks = rng.choice(n, size=num_examples, replace=num_examples > n)
+        return [self.examples[i] for i in picks.tolist()]
+
+    def reward(self, prompt: str, completion: str) -> float:
+        raise RuntimeError("a prompt set has no reward of its own: set rl.reward")
