@@ -128,12 +128,84 @@ def cmd_bench(args, words):
     return 0
 
 
+def _policy(args, words):
+    """The policy of --hf DIR (model from its config.json, other sections from `recipe=`) or of
+    --run DIR (the run's saved config; overrides apply on top)."""
+    if bool(args.hf) == bool(args.run):
+        raise ValueError("give exactly one of --hf DIR (a Hugging Face checkpoint) or --run DIR (a run's --out)")
+    if args.hf:
+        cfg = _config(words, args.hf)
+    else:
+        from hybridmoe.config.load import config_with_overrides
+        from hybridmoe.parallel.mesh import configure_cpu_devices
+        from hybridmoe.rl.policy_io import run_config
+        saved, _, _ = run_config(Path(args.run))
+        cfg = config_with_overrides(saved.model_dump(), split_args(words)[1])
+        configure_cpu_devices(cfg.mesh)
+    from hybridmoe.rl.policy_io import load_policy
+    return load_policy(cfg, hf_dir=Path(args.hf) if args.hf else None, run_dir=Path(args.run) if args.run else None)
+
+
+def _sampling(args, policy) -> dict:
+    return {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "seed": args.seed,
+            "temperature": policy.cfg.rl.temperature if args.temperature is None else args.temperature,
+            "top_p": policy.cfg.rl.top_p if args.top_p is None else args.top_p}
+
+
+def cmd_generate(args, words):
+    if bool(args.prompts) == bool(args.prompt):
+        raise ValueError("give --prompts FILE (JSONL/Parquet with `prompt` or `messages`) or --prompt TEXT (repeatable)")
+    policy = _policy(args, words)
+    if args.prompts:
+        from hybridmoe.data.prompts import read_prompt_set
+        prompts = [e.prompt for e in read_prompt_set(args.prompts, policy.tokenizer, what="--prompts")]
+    else:
+        prompts = [policy.tokenizer.render_chat([{"role": "user", "content": p}]) if args.chat else p
+                   for p in args.prompt]
+    from hybridmoe.rl.policy_io import generate_texts
+    records, timing = generate_texts(policy, prompts, **_sampling(args, policy))
+    for r in records:
+        print(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}, ensure_ascii=False))
+    print(f"{timing['new_tokens']} new tokens in {timing['batches']} batch(es) of {timing['rows_per_batch']} rows: "
+          f"{timing['tokens_per_s']:.1f} tokens/s ({timing['tokens_per_s_note']})", file=sys.stderr)
+    if args.out:
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        tmp.replace(args.out)
+    return 0
+
+
+def cmd_eval(args, words):
+    policy = _policy(args, words)
+    if not policy.cfg.rl.reward:
+        raise ValueError("eval scores with reward functions: pass rl.reward=[path/to/file.py:function, ...]")
+    from hybridmoe.data.prompts import read_prompt_set
+    from hybridmoe.rl.evaluate import evaluate
+    from hybridmoe.rl.reward_loading import load_rewards
+    reward_fns = load_rewards(policy.cfg.rl.reward, policy.cfg.rl.reward_weights)
+    examples = read_prompt_set(args.prompts, policy.tokenizer, policy.cfg.data.on_bad_line, what="--prompts")
+    result = evaluate(policy, examples, reward_fns, samples=args.samples, pass_threshold=args.pass_threshold,
+                      generate_kwargs=_sampling(args, policy))
+    for name, t in result["tasks"].items():
+        print(f"{name}: {t['prompts']} prompts x {args.samples}: mean reward {t['mean_reward']:.3f}, "
+              + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if k.startswith("pass@")))
+    if args.out:
+        from hybridmoe.analysis.record import machine_record, write_record
+        write_record(Path(args.out), {"benchmark": "eval", "source": {"hf": args.hf, "run": args.run},
+                                      "prompts": args.prompts, "rewards": list(policy.cfg.rl.reward),
+                                      "reward_weights": list(policy.cfg.rl.reward_weights), **machine_record(),
+                                      **result})
+    return 0
+
+
 COMMANDS = {
     "describe": (cmd_describe, "the resolved config, the parameter tree and its totals"),
     "train": (cmd_train, "supervised next-token training"),
     "bench": (cmd_bench, "the training step of named arms (override sets), timed interleaved in one run"),
     "score": (cmd_score, "per-token log-probs of token ids under a Hugging Face checkpoint"),
     "rl": (cmd_rl, "GRPO post-training: supervised warm-up on the task, then rollouts, rewards and policy updates"),
+    "generate": (cmd_generate, "sample completions of prompts from a checkpoint (--hf DIR or --run DIR), with tokens/s"),
+    "eval": (cmd_eval, "mean reward and pass@k per task of a prompt set under rl.reward functions; a JSON record"),
     "demo": (cmd_demo, "the embedded default: GRPO on one-digit addition with the tiny model, into runs/demo"),
 }
 
@@ -163,6 +235,24 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")
             p.add_argument("--tokens", required=True, help=".npy of int token ids [B, T]")
             p.add_argument("--out", required=True, help=".npy to write the [B, T-1] float32 log-probs to")
+        if name in ("generate", "eval"):
+            p.add_argument("--hf", help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+            p.add_argument("--run", help="a train/rl run's --out folder: its latest checkpoint")
+            p.add_argument("--prompts", required=name == "eval",
+                           help="JSONL/Parquet prompt set: `prompt` or `messages` per line (+ fields the rewards read)")
+            p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy; default rl.temperature)")
+            p.add_argument("--top-p", type=float, help="nucleus mass (default rl.top_p)")
+            p.add_argument("--max-new-tokens", type=int, default=64, help="completion tokens at most (default 64)")
+            p.add_argument("--batch-size", type=int, default=8, help="rows per generation batch (default 8)")
+            p.add_argument("--seed", type=int, default=0, help="sampling seed")
+        if name == "generate":
+            p.add_argument("--prompt", action="append", help="a prompt on the command line (repeatable)")
+            p.add_argument("--chat", action="store_true", help="wrap each --prompt as a user message in the chat template")
+            p.add_argument("--out", help="write one JSON line per prompt: prompt, completion, tokens, truncated")
+        if name == "eval":
+            p.add_argument("--samples", type=int, default=4, help="completions per prompt (pass@1 and pass@samples)")
+            p.add_argument("--pass-threshold", type=float, default=1.0, help="a sample passes at this reward or more")
+            p.add_argument("--out", help="write the JSON record here")
     args, words = parser.parse_known_args(argv)
     bad = [w for w in words if "=" not in w]
     if bad:

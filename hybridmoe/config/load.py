@@ -146,7 +146,12 @@ def _pydantic_errors(e: ValidationError) -> list[tuple[str, str]]:
 
 def load_config(recipe: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Resolve a recipe plus overrides into a validated Config, or raise one ConfigError."""
-    data = _read_recipe(recipe)
+    return config_with_overrides(_read_recipe(recipe), overrides)
+
+
+def config_with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """`section.key=value` overrides applied to a config's sections (e.g. a run's saved config), validated."""
+    data = _merge({}, data)
     for item in overrides:
         parts, value = _parse_override(item)
         if parts == ["recipe"]:

@@ -30,16 +30,7 @@ class PromptSetTask:
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Tokenizer) -> PromptSetTask:
-        records, _ = read_records(cfg.data.prompts, "data.prompts", prompt_or_messages, cfg.data.on_bad_line)
-        examples = []
-        for rec in records:
-            f = rec.fields
-            try:
-                text = f["prompt"] if isinstance(f.get("prompt"), str) else tokenizer.render_chat(f["messages"])
-            except ValueError as e:
-                raise DataError(f"{rec.file}:{rec.line}: {e}") from None
-            examples.append(Example(text, str(f.get("answer", "")), fields=dict(f)))
-        return cls(tuple(examples))
+        return cls(tuple(read_prompt_set(cfg.data.prompts, tokenizer, cfg.data.on_bad_line)))
 
     def sample(self, rng: np.random.Generator, num_examples: int) -> list[Example]:
         n = len(self.examples)
@@ -48,3 +39,19 @@ class PromptSetTask:
 
     def reward(self, prompt: str, completion: str) -> float:
         raise RuntimeError("a prompt set has no reward of its own: set rl.reward")
+
+
+def read_prompt_set(path, tokenizer: Tokenizer, on_bad_line: str = "stop", what: str = "data.prompts") -> list[Example]:
+    """The examples of a prompt set: the prompt text (`prompt`, or `messages` through the chat
+    template) and the line's fields."""
+    records, _ = read_records(path, what, prompt_or_messages, on_bad_line)
+    examples = []
+    for rec in records:
+        f = rec.fields
+        try:
+            text = f["prompt"] if isinstance(f.get("prompt"), str) else tokenizer.render_chat(f["messages"])
+        except ValueError as e:
+            raise DataError(f"{rec.file}:{rec.line}: {e}") from None
+        examples.append(Example(text, str(f.get("answer", "")), fields=dict(f)))
+    return examples
+
