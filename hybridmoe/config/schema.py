@@ -15,7 +15,7 @@ LayerKind = Literal["gdn", "attention"]
 
 # Every checkpoint name the layers define (remat.save may only use these).
 CHECKPOINT_NAMES = ("attn_q", "attn_out", "gdn_q", "gdn_k", "gdn_v", "gdn_core_out", "moe_gate", "moe_up",
-                    "attn_lb_ids")
+                    "attn_lb_ids", "gdn_cp_transition", "gdn_cp_state_in")
 DType = Literal["float32", "bfloat16"]
 
 
@@ -187,6 +187,13 @@ class AttentionConfig(Section):
 
 class GdnConfig(Section):
     chunk_size: int = Field(64, gt=0, description="Chunk length C of the chunked delta rule.")
+    cp_m_scan: bool = Field(
+        False, description="Sequence-sharded GDN (mesh.context > 1): form each rank's chunk-transition product "
+        "by one sequential scan keeping one [dk, dk] product per head, instead of a balanced tree over the "
+        "materialised [chunks, heads, dk, dk] stack.")
+    cp_dh_scan: bool = Field(
+        False, description="Sequence-sharded GDN: the backward's local state cotangent by the reverse "
+        "recurrence as one scan instead of a tree over the [chunks, heads, dk, dk] stack.")
 
 
 class RematConfig(Section):

@@ -315,3 +315,35 @@ def _context_parallel_attention(cfg: Config) -> list[Problem]:
         if unmet:
             out.append(("attention.cp_load_balance_hoist_ids", "; ".join(unmet)))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated DeltaNet: sequence-sharded context parallelism (mesh.context > 1) and its scan keys.
+
+# The chunk size the scan keys are built and proven for (LEVERS.md).
+GDN_SCAN_CHUNK_SIZE = 64
+
+
+@rule
+def _gdn_context_parallel(cfg: Config) -> list[Problem]:
+    has_gdn = "gdn" in cfg.model.layer_pattern
+    ranks = _context_size(cfg)
+    chunk = cfg.gdn.chunk_size
+    out = []
+    if has_gdn and ranks and ranks > 1 and cfg.train.seq_len % (ranks * chunk):
+        out.append(("gdn.chunk_size", f"sequence-sharded GDN needs whole chunks on every context rank: "
+                    f"train.seq_len={cfg.train.seq_len} is not a multiple of mesh.context={ranks} x "
+                    f"gdn.chunk_size={chunk}"))
+    for key in ("cp_m_scan", "cp_dh_scan"):
+        if not getattr(cfg.gdn, key):
+            continue
+        unmet = []
+        if not has_gdn:
+            unmet.append("needs GDN layers (model.layer_pattern has none)")
+        if ranks is not None and ranks <= 1:
+            unmet.append("needs sequence-sharded GDN context parallelism (mesh.context > 1)")
+        if chunk != GDN_SCAN_CHUNK_SIZE:
+            unmet.append(f"needs gdn.chunk_size={GDN_SCAN_CHUNK_SIZE} (got {chunk})")
+        if unmet:
+            out.append((f"gdn.{key}", "; ".join(unmet)))
+    return out

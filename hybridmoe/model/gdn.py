@@ -13,21 +13,26 @@ from jax.ad_checkpoint import checkpoint_name
 
 from hybridmoe.config.schema import ModelConfig
 from hybridmoe.kernels.gdn import gated_delta_rule
+from hybridmoe.kernels.gdn.context_parallel import gated_delta_rule_context_parallel
 from hybridmoe.model.norms import gated_rms_norm
-from hybridmoe.parallel.rules import constrain
+from hybridmoe.parallel.rules import constrain, logical_to_spec
 
 
-def causal_conv(x_BTHC, taps_WHC, segment_ids_BT, tail_BSHC=None):
+def causal_conv(x_BTHC, taps_WHC, segment_ids_BT, tail_BSHC=None, tail_segment_ids_BS=None):
     """Depthwise causal conv (tap W-1 on the current token) then SiLU; returns (y, new tail).
 
     A tap reads token t - s only when it lies in t's document. `tail` holds the previous W-1
-    pre-conv tokens of a continuing sequence (decode), taken to be in the first token's document.
+    pre-conv tokens of a continuing sequence: with `tail_segment_ids` (the previous context rank's
+    halo) they are read where their ids match; without (decode), they are taken to be in the
+    first token's document.
     """
     W = taps_WHC.shape[0]
     B, T = x_BTHC.shape[:2]
     if tail_BSHC is None:
         tail_BSHC = jnp.zeros((B, W - 1) + x_BTHC.shape[2:], x_BTHC.dtype)
         tail_seg = jnp.full((B, W - 1), -1, segment_ids_BT.dtype)  # matches no document
+    elif tail_segment_ids_BS is not None:
+        tail_seg = tail_segment_ids_BS
     else:
         tail_seg = jnp.broadcast_to(segment_ids_BT[:, :1], (B, W - 1))
     xp = jnp.concatenate([tail_BSHC.astype(x_BTHC.dtype), x_BTHC], axis=1)
@@ -52,11 +57,56 @@ def gdn_gates(p, x_BTD):
     return g, beta
 
 
+def context_ranks() -> int:
+    """Size of the mesh's context axis in force (1 outside a mesh): > 1 shards the sequence."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get("context", 1)
+
+
+def _halo_from_previous_rank(x_BS, axis_name: str):
+    """The previous context rank's last tokens (the first rank receives zeros)."""
+    ranks = jax.lax.axis_size(axis_name)
+    return jax.lax.ppermute(x_BS, axis_name, [(i, i + 1) for i in range(ranks - 1)])
+
+
+def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chunk_size: int,
+                                     m_scan: bool, dh_scan: bool):
+    """Causal convs and the core with the sequence split over the mesh's context axis (GDN.md 3).
+
+    Each rank holds a [B, T / P] slice: the convs read the previous rank's last W-1 pre-conv tokens
+    (the halo, masked by document like any tap); the core chains the shards' states across ranks.
+    """
+    token = logical_to_spec(("batch", "seq", "heads", None))
+    gate = logical_to_spec(("batch", "seq", "heads"))
+    ids = logical_to_spec(("batch", "seq"))
+    taps = logical_to_spec((None, "heads", None))
+    axis = "context"
+
+    def local(conv_q, conv_k, conv_v, q, k, v, g, beta, seg):
+        W = conv_q.shape[0]
+        tail_seg = _halo_from_previous_rank(seg[:, seg.shape[1] - (W - 1):], axis) if W > 1 else None
+        convolved = []
+        for x, taps_WHC in ((q, conv_q), (k, conv_k), (v, conv_v)):
+            tail = _halo_from_previous_rank(x[:, x.shape[1] - (W - 1):], axis) if W > 1 else None
+            convolved.append(causal_conv(x, taps_WHC, seg, tail, tail_seg)[0])
+        return gated_delta_rule_context_parallel(
+            *convolved, g, beta, segment_ids=seg, axis_name=axis, chunk_size=chunk_size, normalize_qk=True,
+            m_scan=m_scan, dh_scan=dh_scan)
+
+    # check_vma off: the core's custom backward places its own collectives.
+    return jax.shard_map(local, in_specs=(taps, taps, taps, token, token, token, gate, gate, ids),
+                         out_specs=token, check_vma=False)(
+        p["conv_q"], p["conv_k"], p["conv_v"], q, k, v, g, beta, segment_ids_BT)
+
+
 def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, backend: str = "xla",
-              state=None):
+              state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False):
     """Returns the layer output, and the new recurrent state when `state` is given (decode/prefill).
 
     state: {"conv_q", "conv_k", "conv_v": [B, W-1, heads, dim] pre-conv tails, "ssm": [B, U, k, v]}.
+    Under a mesh whose context axis is > 1 (and without `state`) the sequence stays sharded: the
+    convs and the core run per rank (`_conv_and_core_sequence_sharded`); cp_m_scan / cp_dh_scan
+    choose the scans over the trees there (gdn.cp_m_scan, gdn.cp_dh_scan).
     """
     dt = x_BTD.dtype
     x_BTD = x_BTD * (segment_ids_BT > 0)[..., None].astype(dt)
@@ -65,13 +115,17 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     v = jnp.einsum("btd,dhc->bthc", x_BTD, p["wv"].astype(dt))
     z = jnp.einsum("btd,dhc->bthc", x_BTD, p["wz"].astype(dt))
     q, k, v = (checkpoint_name(t, n) for t, n in ((q, "gdn_q"), (k, "gdn_k"), (v, "gdn_v")))
-    st = state or {}
-    q, tail_q = causal_conv(q, p["conv_q"], segment_ids_BT, st.get("conv_q"))
-    k, tail_k = causal_conv(k, p["conv_k"], segment_ids_BT, st.get("conv_k"))
-    v, tail_v = causal_conv(v, p["conv_v"], segment_ids_BT, st.get("conv_v"))
     g, beta = gdn_gates(p, x_BTD)
-    o_BTUv, ssm = gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids_BT, initial_state=st.get("ssm"),
-                                   chunk_size=chunk_size, normalize_qk=True, backend=backend)
+    if state is None and context_ranks() > 1:
+        o_BTUv = _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, chunk_size=chunk_size,
+                                                 m_scan=cp_m_scan, dh_scan=cp_dh_scan)
+    else:
+        st = state or {}
+        q, tail_q = causal_conv(q, p["conv_q"], segment_ids_BT, st.get("conv_q"))
+        k, tail_k = causal_conv(k, p["conv_k"], segment_ids_BT, st.get("conv_k"))
+        v, tail_v = causal_conv(v, p["conv_v"], segment_ids_BT, st.get("conv_v"))
+        o_BTUv, ssm = gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids_BT, initial_state=st.get("ssm"),
+                                       chunk_size=chunk_size, normalize_qk=True, backend=backend)
     o_BTUv = checkpoint_name(constrain(o_BTUv, "batch", "seq", "heads", None), "gdn_core_out")
     y = gated_rms_norm(o_BTUv, z, p["norm"], m.rms_norm_eps)
     out = jnp.einsum("btuv,uvd->btd", y.astype(dt), p["wo"].astype(dt))

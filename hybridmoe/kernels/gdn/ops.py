@@ -5,13 +5,19 @@ Dimension letters:
   K key head dim (dk), V value head dim (dv).
 """
 
+import functools
+
 import jax.numpy as jnp
 
 from hybridmoe.kernels.gdn import xla
 from hybridmoe.kernels.gdn.reference import prepare_query_key, recurrence_step
 
-# One entry per backend; Pallas backends join here.
-_BACKENDS = {"xla": xla.gated_delta_rule_chunked}
+# One entry per backend; Pallas backends join here. xla_autodiff is the same forward differentiated
+# by autodiff: the baseline the custom backward is measured and tested against (not a config choice).
+_BACKENDS = {
+    "xla": xla.gated_delta_rule_chunked,
+    "xla_autodiff": functools.partial(xla.gated_delta_rule_chunked, vjp="autodiff"),
+}
 BACKENDS = tuple(_BACKENDS)
 
 

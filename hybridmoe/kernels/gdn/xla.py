@@ -1,13 +1,26 @@
-"""Gated DeltaNet, chunked form (GDN.md section 2) in plain XLA ops; gradients by autodiff.
+"""Gated DeltaNet, chunked form (GDN.md section 2) in plain XLA ops, with its own backward.
 
 Within a chunk everything is batched matmuls (the WY form); only the [K, V] state crosses chunks,
 carried by a `lax.scan`. All of it runs in float32 with HIGHEST matmul precision: the state is
 a long product of chunk transitions and a bf16 pass anywhere in it compounds over the sequence.
 
+The backward (`vjp="custom"`, the default) saves only the prepared inputs and the state at every
+chunk start ([B, N, H, K, V], one state per chunk: less than autodiff's per-chunk residuals of the
+scan and of the inverse's substitution loop). It replays the vectorised intra-chunk terms, runs
+one reverse scan for the state cotangent (GDN.md section 2's adjoint recurrence) and then
+differentiates every chunk at once with the state at its start and end fixed. The inverse
+T = (I + L)^-1 has the closed-form adjoint dL = -T^T dT T^T instead of autodiff through the
+forward substitution. `vjp="autodiff"` keeps the earlier path (the benchmark's baseline).
+
 Dimension letters:
   B batch, T tokens, N chunks, C position in a chunk (D: a second position axis, the key / source
   side of a [C, C] matrix), G key heads (Hk), H value heads (Hv), K key dim (dk), V value dim (dv).
 """
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +93,27 @@ def unit_lower_inverse(strict_lower_CD, block_size: int = INVERSE_BLOCK_SIZE):
     return _matmul("...ce,...ed->...cd", series_CD, diag_inverse_CD)
 
 
+@jax.custom_vjp
+def unit_lower_inverse_closed_form_vjp(strict_lower_CD):
+    """unit_lower_inverse with the adjoint of a matrix inverse: dL = strict_lower(-T^T dT T^T)."""
+    return unit_lower_inverse(strict_lower_CD)
+
+
+def _inverse_fwd(strict_lower_CD):
+    inverse_CD = unit_lower_inverse(strict_lower_CD)
+    return inverse_CD, inverse_CD
+
+
+def _inverse_bwd(inverse_CD, d_inverse_CD):
+    size = inverse_CD.shape[-1]
+    strictly_lower = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
+    d_lower = -_matmul("...ec,...ef,...df->...cd", inverse_CD, d_inverse_CD, inverse_CD)
+    return (jnp.where(strictly_lower, d_lower, 0.0),)
+
+
+unit_lower_inverse_closed_form_vjp.defvjp(_inverse_fwd, _inverse_bwd)
+
+
 def _masked_exp(log_x, keep):
     """exp(log_x) where keep, else exactly 0, with the mask applied to the exponent BEFORE exp.
 
@@ -90,44 +124,45 @@ def _masked_exp(log_x, keep):
     return jnp.exp(jnp.where(keep, log_x, -jnp.inf))
 
 
-def _to_chunks(x_BT, num_chunks: int, chunk_size: int):
+def to_chunks(x_BT, chunk_size: int):
     """[B, N*C, H, ...] -> [B, N, H, C, ...] (heads ahead of positions for the per-chunk matmuls)."""
+    num_chunks = x_BT.shape[1] // chunk_size
     chunked = x_BT.reshape(x_BT.shape[0], num_chunks, chunk_size, *x_BT.shape[2:])
     return jnp.moveaxis(chunked, 2, 3)
 
 
-def gated_delta_rule_chunked(
-    q_BTGK,
-    k_BTGK,
-    v_BTHV,
-    g_BTH,
-    beta_BTH,
-    *,
-    segment_ids=None,
-    initial_state=None,
-    chunk_size: int = 64,
-    normalize_qk: bool = True,
-):
-    """Chunked gated delta rule. Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] f32)."""
-    batch, num_tokens, num_value_heads, value_dim = v_BTHV.shape
-    key_dim = q_BTGK.shape[-1]
-    f32 = jnp.float32
-    q_BTHK, k_BTHK = prepare_query_key(q_BTGK, k_BTGK, num_value_heads, normalize_qk, f32)
-    if segment_ids is None:
-        starts_BT = jnp.zeros((batch, num_tokens), bool)
-    else:
-        starts_BT = document_starts(segment_ids)
+def from_chunks(x_BNHC):
+    """[B, N, H, C, ...] -> [B, N*C, H, ...]."""
+    x_BNCH = jnp.moveaxis(x_BNHC, 3, 2)
+    return x_BNCH.reshape(x_BNCH.shape[0], -1, *x_BNCH.shape[3:])
 
-    # Pad to whole chunks with tokens that leave the state alone: g = 0 (decay exp(0) = 1), beta = 0
-    # and k = 0 (write nothing), no document start (they belong to the row's last document).
-    num_chunks = -(-num_tokens // chunk_size)
-    pad = num_chunks * chunk_size - num_tokens
-    pad_time = lambda x: jnp.pad(x.astype(f32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    chunks = lambda x: _to_chunks(pad_time(x), num_chunks, chunk_size)
-    q_BNHCK, k_BNHCK, v_BNHCV = chunks(q_BTHK), chunks(k_BTHK), chunks(v_BTHV)
-    g_BNHC, beta_BNHC = chunks(g_BTH[..., None])[..., 0], chunks(beta_BTH[..., None])[..., 0]
-    starts_BNC = jnp.pad(starts_BT, [(0, 0), (0, pad)]).reshape(batch, num_chunks, chunk_size)
 
+class ChunkInputs(NamedTuple):
+    """Prepared float32 inputs in chunk layout: q, k [B, N, H, C, K] (normalised, scaled, grouped),
+    v [B, N, H, C, V], g, beta [B, N, H, C]."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+
+
+class ChunkTerms(NamedTuple):
+    """What the chunk-to-chunk recurrence reads, per chunk (GDN.md section 2, step 4):
+    V_new = U - W S;  O = Q_dec S + A_qk V_new;  S_next = decay S + K_bwd^T V_new."""
+
+    w: jax.Array  # [B, N, H, C, K]
+    u: jax.Array  # [B, N, H, C, V]
+    attn: jax.Array  # A_qk [B, N, H, C, D]
+    q_decayed: jax.Array  # [B, N, H, C, K]
+    k_to_end: jax.Array  # K_bwd [B, N, H, C, K]
+    decay: jax.Array  # [B, N, H]
+
+
+def chunk_terms(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_form_vjp) -> ChunkTerms:
+    """Every chunk's WY terms at once; a document start (starts_BNC) is a decay of exactly 0."""
+    chunk_size = x.g.shape[-1]
     # Document index of each position within its chunk: 0 for the document the chunk starts in.
     doc_BNC = jnp.cumsum(starts_BNC.astype(jnp.int32), axis=-1)
     same_doc_BNCD = doc_BNC[..., :, None] == doc_BNC[..., None, :]
@@ -142,46 +177,173 @@ def gated_delta_rule_chunked(
     # accumulated directly (Mamba-2's segsum) rather than as b_i - b_j of chunk cumsums: after one
     # g ~ -1e4 token the cumsum sits near -6e5 where a float32 ulp is 0.06, and b_i - b_j would
     # carry that error into every later decay of the chunk. Summing g_t over (j, i] has no cancellation.
-    log_segment_BNHCD = jnp.cumsum(jnp.where(strictly_causal_CD, g_BNHC[..., :, None], 0.0), axis=-2)
-    log_from_start_BNHC = jnp.cumsum(g_BNHC, axis=-1)  # decay from chunk start through token i
+    log_segment_BNHCD = jnp.cumsum(jnp.where(strictly_causal_CD, x.g[..., :, None], 0.0), axis=-2)
+    log_from_start_BNHC = jnp.cumsum(x.g, axis=-1)  # decay from chunk start through token i
     log_to_end_BNHC = log_segment_BNHCD[..., -1, :]  # decay after token i to the chunk's end
     log_chunk_BNH = log_from_start_BNHC[..., -1]
 
-    # A document start is a decay of exactly 0: masking these exponents is the recurrence's reset.
     gamma_BNHCD = _masked_exp(log_segment_BNHCD, (causal_CD & same_doc_BNCD)[:, :, None])
     decay_from_start_BNHC = _masked_exp(log_from_start_BNHC, reads_state_BNC[:, :, None])
     decay_to_end_BNHC = _masked_exp(log_to_end_BNHC, writes_state_BNC[:, :, None])
     decay_chunk_BNH = _masked_exp(log_chunk_BNH, carries_state_BN[:, :, None])
 
     # WY form: T = (I + L)^-1, L = strict_lower(diag(beta) (K K^T) * Gamma).
-    kk_BNHCD = _matmul("bnhck,bnhdk->bnhcd", k_BNHCK, k_BNHCK)
-    lower_BNHCD = jnp.where(strictly_causal_CD, beta_BNHC[..., None] * kk_BNHCD * gamma_BNHCD, 0.0)
-    wy_BNHCD = unit_lower_inverse(lower_BNHCD)
-    w_BNHCK = _matmul("bnhcd,bnhdk->bnhck", wy_BNHCD, (beta_BNHC * decay_from_start_BNHC)[..., None] * k_BNHCK)
-    u_BNHCV = _matmul("bnhcd,bnhdv->bnhcv", wy_BNHCD, beta_BNHC[..., None] * v_BNHCV)
-    attn_BNHCD = _matmul("bnhck,bnhdk->bnhcd", q_BNHCK, k_BNHCK) * gamma_BNHCD
-    q_decayed_BNHCK = q_BNHCK * decay_from_start_BNHC[..., None]
-    k_to_end_BNHCK = k_BNHCK * decay_to_end_BNHC[..., None]
+    kk_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.k, x.k)
+    lower_BNHCD = jnp.where(strictly_causal_CD, x.beta[..., None] * kk_BNHCD * gamma_BNHCD, 0.0)
+    wy_BNHCD = inverse(lower_BNHCD)
+    w_BNHCK = _matmul("bnhcd,bnhdk->bnhck", wy_BNHCD, (x.beta * decay_from_start_BNHC)[..., None] * x.k)
+    u_BNHCV = _matmul("bnhcd,bnhdv->bnhcv", wy_BNHCD, x.beta[..., None] * x.v)
+    attn_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.q, x.k) * gamma_BNHCD
+    return ChunkTerms(w_BNHCK, u_BNHCV, attn_BNHCD, x.q * decay_from_start_BNHC[..., None],
+                      x.k * decay_to_end_BNHC[..., None], decay_chunk_BNH)
 
-    def chunk_step(state_BHKV, chunk):
-        w_BHCK, u_BHCV, attn_BHCD, q_decayed_BHCK, k_to_end_BHCK, decay_chunk_BH = chunk
-        v_new_BHCV = u_BHCV - _matmul("bhck,bhkv->bhcv", w_BHCK, state_BHKV)
-        o_BHCV = _matmul("bhck,bhkv->bhcv", q_decayed_BHCK, state_BHKV) + _matmul(
-            "bhcd,bhdv->bhcv", attn_BHCD, v_new_BHCV
-        )
-        state_BHKV = decay_chunk_BH[..., None, None] * state_BHKV + _matmul(
-            "bhck,bhcv->bhkv", k_to_end_BHCK, v_new_BHCV
-        )
-        return state_BHKV, o_BHCV
 
-    if initial_state is None:
-        state_BHKV = jnp.zeros((batch, num_value_heads, key_dim, value_dim), f32)
+def chunk_state_step(state_BHKV, w_BHCK, u_BHCV, k_to_end_BHCK, decay_BH):
+    """S_next = decay S + K_bwd^T (U - W S): one chunk's transition of the state."""
+    v_new_BHCV = u_BHCV - _matmul("bhck,bhkv->bhcv", w_BHCK, state_BHKV)
+    return decay_BH[..., None, None] * state_BHKV + _matmul("bhck,bhcv->bhkv", k_to_end_BHCK, v_new_BHCV)
+
+
+def chunk_start_states(t: ChunkTerms, initial_BHKV):
+    """The state at every chunk's start [B, N, H, K, V] and the final state, by a scan over chunks."""
+
+    def step(state_BHKV, chunk):
+        return chunk_state_step(state_BHKV, *chunk), state_BHKV
+
+    chunk_major = lambda a: jnp.moveaxis(a, 1, 0)
+    per_chunk = jax.tree.map(chunk_major, (t.w, t.u, t.k_to_end, t.decay))
+    final_BHKV, states_NBHKV = lax.scan(step, initial_BHKV, per_chunk)
+    return jnp.moveaxis(states_NBHKV, 0, 1), final_BHKV
+
+
+def chunk_outputs(t: ChunkTerms, states_BNHKV):
+    """Every chunk's output and end state from the state at its start (no sequential dependence)."""
+    v_new = t.u - _matmul("bnhck,bnhkv->bnhcv", t.w, states_BNHKV)
+    o_BNHCV = _matmul("bnhck,bnhkv->bnhcv", t.q_decayed, states_BNHKV) + _matmul("bnhcd,bnhdv->bnhcv", t.attn, v_new)
+    ends_BNHKV = t.decay[..., None, None] * states_BNHKV + _matmul("bnhck,bnhcv->bnhkv", t.k_to_end, v_new)
+    return o_BNHCV, ends_BNHKV
+
+
+def state_cotangent_step(d_end_BHKV, do_BHCV, w_BHCK, attn_BHCD, q_decayed_BHCK, k_to_end_BHCK, decay_BH):
+    """GDN.md section 2's adjoint: dS_in = decay dS_out + Q_dec^T dO - W^T (A_qk^T dO + K_bwd dS_out)."""
+    d_v_new_BHCV = _matmul("bhcd,bhcv->bhdv", attn_BHCD, do_BHCV) + _matmul("bhck,bhkv->bhcv", k_to_end_BHCK, d_end_BHKV)
+    return (decay_BH[..., None, None] * d_end_BHKV + _matmul("bhck,bhcv->bhkv", q_decayed_BHCK, do_BHCV)
+            - _matmul("bhck,bhcv->bhkv", w_BHCK, d_v_new_BHCV))
+
+
+def chunk_end_cotangents(t: ChunkTerms, do_BNHCV, d_final_BHKV):
+    """dL/d(state at every chunk's end) [B, N, H, K, V] and dL/d(initial state), by a reverse scan."""
+
+    def step(d_end_BHKV, chunk):
+        return state_cotangent_step(d_end_BHKV, *chunk), d_end_BHKV
+
+    chunk_major = lambda a: jnp.moveaxis(a, 1, 0)
+    per_chunk = jax.tree.map(chunk_major, (do_BNHCV, t.w, t.attn, t.q_decayed, t.k_to_end, t.decay))
+    d_initial_BHKV, d_ends_NBHKV = lax.scan(step, d_final_BHKV, per_chunk, reverse=True)
+    return jnp.moveaxis(d_ends_NBHKV, 0, 1), d_initial_BHKV
+
+
+def _local_chunks(x: ChunkInputs, starts_BNC, states_BNHKV):
+    """Each chunk on its own with its start state given: (outputs, end states), and the terms."""
+    t = chunk_terms(x, starts_BNC)
+    return chunk_outputs(t, states_BNHKV), t
+
+
+def core_forward(x: ChunkInputs, starts_BNC, initial_BHKV):
+    """(o [B, N, H, C, V], final state) and the residuals of `core_backward`."""
+    t = chunk_terms(x, starts_BNC)
+    states_BNHKV, final_BHKV = chunk_start_states(t, initial_BHKV)
+    o_BNHCV, _ = chunk_outputs(t, states_BNHKV)
+    return (o_BNHCV, final_BHKV), (x, starts_BNC, states_BNHKV)
+
+
+def replay_chunks(residuals):
+    """The backward's recomputation: every chunk's terms, and the vjp of the chunks taken one by one."""
+    x, starts_BNC, states_BNHKV = residuals
+    _, local_vjp, t = jax.vjp(lambda x, s: _local_chunks(x, starts_BNC, s), x, states_BNHKV, has_aux=True)
+    return local_vjp, t
+
+
+def finish_backward(local_vjp, t: ChunkTerms, do_BNHCV, d_final_BHKV):
+    """Given the replay: one reverse scan for the state cotangents, then every chunk's vjp at once."""
+    d_ends_BNHKV, d_initial_BHKV = chunk_end_cotangents(t, do_BNHCV, d_final_BHKV)
+    dx, _ = local_vjp((do_BNHCV, d_ends_BNHKV))
+    return dx, d_initial_BHKV
+
+
+def core_backward(residuals, do_BNHCV, d_final_BHKV):
+    """Cotangents of (ChunkInputs, initial state): recompute the terms, one reverse scan, one vjp."""
+    return finish_backward(*replay_chunks(residuals), do_BNHCV, d_final_BHKV)
+
+
+@jax.custom_vjp
+def chunked_core(x: ChunkInputs, starts_BNC, initial_BHKV):
+    """The chunked recurrence on prepared chunk-layout inputs: (o [B, N, H, C, V], final state)."""
+    return core_forward(x, starts_BNC, initial_BHKV)[0]
+
+
+def _core_fwd(x, starts_BNC, initial_BHKV):
+    return core_forward(x, starts_BNC, initial_BHKV)
+
+
+def _core_bwd(residuals, cotangents):
+    dx, d_initial_BHKV = core_backward(residuals, *cotangents)
+    return dx, None, d_initial_BHKV
+
+
+chunked_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _chunked_core_autodiff(x: ChunkInputs, starts_BNC, initial_BHKV):
+    """The same forward with gradients by autodiff through the scan and the substitution loop."""
+    t = chunk_terms(x, starts_BNC, inverse=unit_lower_inverse)
+    states_BNHKV, final_BHKV = chunk_start_states(t, initial_BHKV)
+    return chunk_outputs(t, states_BNHKV)[0], final_BHKV
+
+
+def prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size: int, normalize_qk: bool):
+    """Normalise and group q, k, cast to float32, pad to whole chunks, chunk layout.
+
+    Padding tokens leave the state alone: g = 0 (decay exp(0) = 1), beta = 0 and k = 0 (write
+    nothing), no document start (they belong to the row's last document).
+    """
+    num_tokens, num_value_heads = v_BTHV.shape[1:3]
+    f32 = jnp.float32
+    q_BTHK, k_BTHK = prepare_query_key(q_BTGK, k_BTGK, num_value_heads, normalize_qk, f32)
+    pad = -num_tokens % chunk_size
+    pad_time = lambda a: jnp.pad(a.astype(f32), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+    chunks = lambda a: to_chunks(pad_time(a), chunk_size)
+    x = ChunkInputs(chunks(q_BTHK), chunks(k_BTHK), chunks(v_BTHV),
+                    chunks(g_BTH[..., None])[..., 0], chunks(beta_BTH[..., None])[..., 0])
+    starts_BNC = jnp.pad(starts_BT, [(0, 0), (0, pad)]).reshape(starts_BT.shape[0], -1, chunk_size)
+    return x, starts_BNC
+
+
+def gated_delta_rule_chunked(
+    q_BTGK,
+    k_BTGK,
+    v_BTHV,
+    g_BTH,
+    beta_BTH,
+    *,
+    segment_ids=None,
+    initial_state=None,
+    chunk_size: int = 64,
+    normalize_qk: bool = True,
+    vjp: str = "custom",
+):
+    """Chunked gated delta rule. Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] f32)."""
+    batch, num_tokens, num_value_heads, value_dim = v_BTHV.shape
+    key_dim = q_BTGK.shape[-1]
+    if segment_ids is None:
+        starts_BT = jnp.zeros((batch, num_tokens), bool)
     else:
-        state_BHKV = initial_state.astype(f32)
-    per_chunk = (w_BNHCK, u_BNHCV, attn_BNHCD, q_decayed_BNHCK, k_to_end_BNHCK, decay_chunk_BNH)
-    chunk_major = lambda x: jnp.moveaxis(x, 1, 0)
-    state_BHKV, o_NBHCV = lax.scan(chunk_step, state_BHKV, jax.tree.map(chunk_major, per_chunk))
-
-    o_BNCHV = jnp.moveaxis(o_NBHCV, (0, 2), (1, 3))
-    o_BTHV = o_BNCHV.reshape(batch, num_chunks * chunk_size, num_value_heads, value_dim)[:, :num_tokens]
-    return o_BTHV.astype(v_BTHV.dtype), state_BHKV
+        starts_BT = document_starts(segment_ids)
+    x, starts_BNC = prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size, normalize_qk)
+    if initial_state is None:
+        initial_BHKV = jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
+    else:
+        initial_BHKV = initial_state.astype(jnp.float32)
+    core = {"custom": chunked_core, "autodiff": _chunked_core_autodiff}[vjp]
+    o_BNHCV, final_BHKV = core(x, starts_BNC, initial_BHKV)
+    return from_chunks(o_BNHCV)[:, :num_tokens].astype(v_BTHV.dtype), final_BHKV

@@ -1,0 +1,251 @@
+"""Sequence-sharded context parallelism of the chunked core (GDN.md section 3). Runs inside shard_map.
+
+A rank's shard is an affine map of the state it receives: S_out = M_r S_in + S_ext_r, with M_r the
+product of its chunk transitions M_c = decay I - K_bwd^T W (later chunks on the left) and S_ext_r
+its end state from a zero start. Forward: pass 1 (S_ext_r, M_r); the exclusive prefix over ranks
+gives S_in_r; pass 2 is the local chunked pass from S_in_r. Backward, mirrored: the local state
+cotangent from a zero end (dS_loc_r); the reverse exclusive prefix with the transposed forward
+M_r gives the cotangent at the shard's end; then the single-device backward from there.
+
+Packed documents need nothing extra: a chunk holding a document start has M_c = 0 (its decay and
+every K_bwd^T W term across the start are masked), so the chain is cut inside a shard, and the
+first token of a shard is flagged as a start when its document differs from the previous rank's
+last token's (`cross_rank_starts`).
+
+Remat: the forward names M_r ("gdn_cp_transition") and S_in_r ("gdn_cp_state_in"); a policy that
+saves both replays only pass 2 in the backward (no pass 1, no cross-rank collective).
+
+Dimension letters as in xla.py; P ranks along the context axis.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from hybridmoe.kernels.gdn.reference import document_starts
+from hybridmoe.kernels.gdn.xla import (
+    ChunkInputs,
+    ChunkTerms,
+    chunk_end_cotangents,
+    chunk_outputs,
+    chunk_start_states,
+    chunk_state_step,
+    chunk_terms,
+    finish_backward,
+    from_chunks,
+    prepare_chunks,
+    replay_chunks,
+)
+
+_HIGHEST = lax.Precision.HIGHEST
+PREFIXES = ("all_gather", "ppermute")
+TRANSITION_NAME, STATE_IN_NAME = "gdn_cp_transition", "gdn_cp_state_in"
+
+
+def _matmul(subscripts, *operands):
+    return jnp.einsum(subscripts, *operands, precision=_HIGHEST)
+
+
+# ---------------------------------------------------------------------------------------------
+# The shard's transition product M_r (forward) and its local state cotangent (backward), each as a
+# balanced tree over the materialised [N, ..., K, K] stack (default) or a sequential scan.
+
+
+def chunk_transitions(t: ChunkTerms):
+    """M_c = decay I - K_bwd^T W for every chunk: [B, N, H, K, K] float32."""
+    eye_KK = jnp.eye(t.w.shape[-1], dtype=t.w.dtype)
+    return t.decay[..., None, None] * eye_KK - _matmul("bnhck,bnhcj->bnhkj", t.k_to_end, t.w)
+
+
+def _fold_pairs(items_N, combine, identity):
+    """Left-to-right fold of a [N, ...] stack in log depth: combine(earlier, later) on pairs."""
+    while items_N[0].shape[0] > 1:
+        if items_N[0].shape[0] % 2:
+            items_N = tuple(jnp.concatenate([a, i[None]]) for a, i in zip(items_N, identity))
+        items_N = combine(tuple(a[0::2] for a in items_N), tuple(a[1::2] for a in items_N))
+    return tuple(a[0] for a in items_N)
+
+
+def transition_product_tree(t: ChunkTerms):
+    """M_r = M_{N-1} ... M_0 [B, H, K, K] by pairwise products (m[1::2] @ m[0::2])."""
+    m_NBHKK = jnp.moveaxis(chunk_transitions(t), 1, 0)
+    eye = jnp.broadcast_to(jnp.eye(m_NBHKK.shape[-1], dtype=m_NBHKK.dtype), m_NBHKK.shape[1:])
+    (m_BHKK,) = _fold_pairs((m_NBHKK,), lambda early, late: (_matmul("...ij,...jk->...ik", late[0], early[0]),),
+                            (eye,))
+    return m_BHKK
+
+
+def transition_product_scan(t: ChunkTerms):
+    """M_r by one pass over chunks carrying one [K, K] product per head: M <- decay M - K_bwd^T (W M).
+
+    The state step with U = 0 applied to the identity, in a fori_loop that reads chunk n in place
+    (a lax.scan would first copy its inputs to chunk-major order): no [N, H, K, K] stack is formed.
+    """
+    batch, num_chunks, heads, _, key_dim = t.w.shape
+    eye_BHKK = jnp.broadcast_to(jnp.eye(key_dim, dtype=t.w.dtype), (batch, heads, key_dim, key_dim))
+    zeros_BHCK = jnp.zeros_like(t.w[:, 0])
+
+    def step(n, m_BHKK):
+        chunk = (lax.dynamic_index_in_dim(a, n, 1, keepdims=False) for a in (t.w, t.k_to_end, t.decay))
+        w_BHCK, k_to_end_BHCK, decay_BH = chunk
+        return chunk_state_step(m_BHKK, w_BHCK, zeros_BHCK, k_to_end_BHCK, decay_BH)
+
+    return lax.fori_loop(0, num_chunks, step, eye_BHKK)
+
+
+def local_state_cotangent_tree(t: ChunkTerms, do_BNHCV):
+    """dS_loc: the cotangent at the shard's start from its outputs alone (zero cotangent at its end).
+
+    Each chunk is the adjoint map x -> M_c^T x + e_c, e_c = Q_dec^T dO - W^T A_qk^T dO; the maps
+    are composed pairwise over the materialised [N, H, K, K] stack of M_c^T.
+    """
+    mt_NBHKK = jnp.moveaxis(jnp.swapaxes(chunk_transitions(t), -1, -2), 1, 0)
+    e_BNHKV = _matmul("bnhck,bnhcv->bnhkv", t.q_decayed, do_BNHCV) - _matmul(
+        "bnhck,bnhdc,bnhdv->bnhkv", t.w, t.attn, do_BNHCV)
+    e_NBHKV = jnp.moveaxis(e_BNHKV, 1, 0)
+
+    def combine(early, late):  # x -> early(late(x)): the later chunk's map is applied first
+        mt_early, e_early = early
+        mt_late, e_late = late
+        return (_matmul("...ij,...jk->...ik", mt_early, mt_late),
+                _matmul("...ij,...jv->...iv", mt_early, e_late) + e_early)
+
+    eye = jnp.broadcast_to(jnp.eye(mt_NBHKK.shape[-1], dtype=mt_NBHKK.dtype), mt_NBHKK.shape[1:])
+    _, d_start_BHKV = _fold_pairs((mt_NBHKK, e_NBHKV), combine, (eye, jnp.zeros_like(e_NBHKV[0])))
+    return d_start_BHKV
+
+
+def local_state_cotangent_scan(t: ChunkTerms, do_BNHCV):
+    """dS_loc by the reverse recurrence of GDN.md section 2 as one scan (no [N, H, K, K] stack)."""
+    return chunk_end_cotangents(t, do_BNHCV, _zero_state(t))[1]
+
+
+def _zero_state(t: ChunkTerms):
+    batch, _, heads, _, key_dim = t.w.shape
+    return jnp.zeros((batch, heads, key_dim, t.u.shape[-1]), t.w.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The exclusive prefix over ranks of the affine maps x -> A_r x + b_r (A_r^T with `transpose`):
+# forward, S_in_r = map_{r-1} o ... o map_0 (0); reverse (the backward), over the ranks after r
+# from the last one down.
+
+
+def _apply(a_BHKK, x_BHKV, transpose):
+    return _matmul("bhjk,bhjv->bhkv" if transpose else "bhkj,bhjv->bhkv", a_BHKK, x_BHKV)
+
+
+def exclusive_prefix_all_gather(a_BHKK, b_BHKV, axis_name, *, reverse=False):
+    """All-gather every rank's (A, b), then each rank folds the ranks before it (P - 1 small matmuls).
+
+    The chosen prefix: one collective of P * (K*K + K*V) floats per head, then P matrix-state
+    products ([K, K] x [K, V]) on every rank; it never multiplies two [K, K] maps. At the context
+    sizes a sequence is split over (2 to 8, benchmarks/gdn_cp.json) its latency is one collective
+    against log2(P) + 1 dependent permutes, and the gathered stack (P maps) stays small.
+    """
+    ranks = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    a_PBHKK = lax.all_gather(a_BHKK, axis_name)
+    b_PBHKV = lax.all_gather(b_BHKV, axis_name)
+    x_BHKV = jnp.zeros_like(b_BHKV)
+    for p in reversed(range(ranks)) if reverse else range(ranks):
+        before = p > me if reverse else p < me
+        x_BHKV = jnp.where(before, _apply(a_PBHKK[p], x_BHKV, reverse) + b_PBHKV[p], x_BHKV)
+    return x_BHKV
+
+
+def exclusive_prefix_ppermute(a_BHKK, b_BHKV, axis_name, *, reverse=False):
+    """Hillis-Steele scan over collective-permutes: log2(P) steps composing maps, then a shift by one."""
+    ranks = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    if reverse:
+        a_BHKK = jnp.swapaxes(a_BHKK, -1, -2)
+
+    def from_rank_before(x, distance):
+        if reverse:  # "before" is the higher rank
+            return lax.ppermute(x, axis_name, [(i + distance, i) for i in range(ranks - distance)])
+        return lax.ppermute(x, axis_name, [(i, i + distance) for i in range(ranks - distance)])
+
+    distance = 1
+    while distance < ranks:
+        a_prev, b_prev = from_rank_before(a_BHKK, distance), from_rank_before(b_BHKV, distance)
+        has_prev = me + distance < ranks if reverse else me >= distance
+        b_BHKV = jnp.where(has_prev, _apply(a_BHKK, b_prev, False) + b_BHKV, b_BHKV)
+        if 2 * distance < ranks:
+            a_BHKK = jnp.where(has_prev, _matmul("...ij,...jk->...ik", a_BHKK, a_prev), a_BHKK)
+        distance *= 2
+    return from_rank_before(b_BHKV, 1)  # the first rank in order receives zeros
+
+
+def exclusive_prefix(a_BHKK, b_BHKV, axis_name, *, prefix, reverse=False):
+    fn = {"all_gather": exclusive_prefix_all_gather, "ppermute": exclusive_prefix_ppermute}[prefix]
+    return fn(a_BHKK, b_BHKV, axis_name, reverse=reverse)
+
+
+def cross_rank_starts(starts_BT, segment_ids_BT, axis_name):
+    """Flag the shard's first token as a document start when the previous rank's last token is in
+    another document (the first rank: never; the row's first document starts from zero anyway)."""
+    ranks = lax.axis_size(axis_name)
+    prev_last_B = lax.ppermute(segment_ids_BT[:, -1], axis_name, [(i, i + 1) for i in range(ranks - 1)])
+    first_B = (segment_ids_BT[:, 0] != prev_last_B) & (lax.axis_index(axis_name) > 0)
+    return starts_BT.at[:, 0].set(first_B | starts_BT[:, 0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The core on one rank's shard, with its custom backward.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def context_parallel_core(x: ChunkInputs, starts_BNC, axis_name, m_scan, dh_scan, prefix):
+    """o [B, N, H, C, V] of this rank's chunks, the state entering the shard from the ranks before."""
+    return _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix)[0]
+
+
+def _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix):
+    t = chunk_terms(x, starts_BNC)
+    _, s_ext_BHKV = chunk_start_states(t, _zero_state(t))  # pass 1
+    m_BHKK = transition_product_scan(t) if m_scan else transition_product_tree(t)
+    m_BHKK = checkpoint_name(m_BHKK, TRANSITION_NAME)
+    s_in_BHKV = checkpoint_name(exclusive_prefix(m_BHKK, s_ext_BHKV, axis_name, prefix=prefix), STATE_IN_NAME)
+    states_BNHKV, _ = chunk_start_states(t, s_in_BHKV)  # pass 2
+    o_BNHCV, _ = chunk_outputs(t, states_BNHKV)
+    return o_BNHCV, (x, starts_BNC, states_BNHKV, m_BHKK)
+
+
+def _cp_bwd(axis_name, m_scan, dh_scan, prefix, residuals, do_BNHCV):
+    x, starts_BNC, states_BNHKV, m_BHKK = residuals
+    local_vjp, t = replay_chunks((x, starts_BNC, states_BNHKV))
+    d_local_BHKV = (local_state_cotangent_scan if dh_scan else local_state_cotangent_tree)(t, do_BNHCV)
+    # dS_in_r = M_r^T dS_out_r + dS_loc_r, folded from the last rank down: the cotangent at this
+    # shard's end is what the ranks after it send back.
+    d_end_BHKV = exclusive_prefix(m_BHKK, d_local_BHKV, axis_name, prefix=prefix, reverse=True)
+    dx, _ = finish_backward(local_vjp, t, do_BNHCV, d_end_BHKV)
+    return dx, None
+
+
+context_parallel_core.defvjp(_cp_fwd, _cp_bwd)
+
+
+def gated_delta_rule_context_parallel(
+    q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids, axis_name, chunk_size: int = 64,
+    normalize_qk: bool = True, m_scan: bool = False, dh_scan: bool = False, prefix: str = "all_gather",
+):
+    """gated_delta_rule on this rank's shard of the sequence (inside shard_map over `axis_name`).
+
+    Same inputs as ops.gated_delta_rule, each the rank's [B, T / P, ...] slice; segment_ids is
+    required (the shard's own ids). No initial or final state: the first rank starts from zero.
+    Returns o [B, T / P, H, V] in v's dtype.
+    """
+    num_tokens = v_BTHV.shape[1]
+    if num_tokens % chunk_size:
+        raise ValueError(f"gdn context parallelism: a shard of {num_tokens} tokens is not a whole number of "
+                         f"chunks of {chunk_size}")
+    starts_BT = cross_rank_starts(document_starts(segment_ids), segment_ids, axis_name)
+    x, starts_BNC = prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size, normalize_qk)
+    o_BNHCV = context_parallel_core(x, starts_BNC, axis_name, m_scan, dh_scan, prefix)
+    return from_chunks(o_BNHCV).astype(v_BTHV.dtype)

@@ -1,0 +1,275 @@
+"""Sequence-sharded GDN (GDN.md section 3) and its scan keys gdn.cp_m_scan / gdn.cp_dh_scan.
+
+- The GDN layer with the sequence split over 2, 4 and 8 context ranks equals the single-device
+  layer (forward and every gradient), on rows that are one document and rows packed with
+  documents that start inside a shard, on a shard edge and on a chunk edge.
+- The scans equal a float32 HIGHEST tree (transition product and local state cotangent) within
+  1e-5 relative to max; the broken variants (chunks in the wrong order, a document start that
+  does not cut the chain) are caught with a margin of 10x.
+- Program facts: the scan drops the tree's [chunks, heads, dk, dk] stack from the compiled
+  temporaries; the remat names keep the backward from replaying the cross-rank prefix; keys off
+  trace the program of a call without them.
+- The validator names each key and every unmet requirement.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import tiny_config, tiny_params
+from hybridmoe.analysis import program
+from hybridmoe.config.validate import ConfigError
+from hybridmoe.kernels.gdn import context_parallel as cp
+from hybridmoe.kernels.gdn.reference import document_starts
+from hybridmoe.kernels.gdn.xla import ChunkInputs, chunk_terms, prepare_chunks
+from hybridmoe.model.gdn import gdn_layer
+from hybridmoe.train.setup import build
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+
+
+def _rel_max(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer on 2, 4, 8 context ranks against one device.
+
+TOKENS = 128  # 8 ranks x 16 tokens: one chunk of 16 per rank at 8 ranks
+
+
+def _segment_ids(rows: int, tokens: int):
+    """Row 0 one document; row 1 starts at 5 (inside a shard), 64 (every mesh's shard edge), 96 (a
+    chunk edge at 2 ranks, a shard edge at 4 and 8) and 100; rows repeat the pair."""
+    one = np.ones(tokens, np.int32)
+    packed = np.ones(tokens, np.int32)
+    for i, start in enumerate((5, 64, 96, 100)):
+        packed[start:] = (3, 1, 2, 4)[i]
+    return jnp.asarray(np.stack([one, packed] * (rows // 2)), jnp.int32)
+
+
+def _layer_loss(cfg, chunk_size, cp_m_scan=False, cp_dh_scan=False):
+    rng = np.random.default_rng(7)
+
+    def loss(p, x, seg):
+        y = gdn_layer(p, x, seg, cfg.model, chunk_size=chunk_size, cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan)
+        weight = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
+        return jnp.sum(y * weight)
+
+    return loss
+
+
+@pytest.fixture(scope="module")
+def layer_case():
+    cfg = tiny_config()
+    params = jax.tree.map(lambda a: a[0], tiny_params(cfg)["blocks"][0]["mixer"])
+    x = jax.random.normal(jax.random.key(2), (8, TOKENS, cfg.model.d_model), jnp.float32)
+    seg = _segment_ids(8, TOKENS)
+    return cfg, params, x, seg
+
+
+def _on_context_mesh(ranks, fn, *args, overrides=()):
+    cfg = tiny_config(f"mesh.context={ranks}", "mesh.fsdp=1", "mesh.data=-1", f"train.seq_len={TOKENS}",
+                      "gdn.chunk_size=16", *overrides)
+    setup = build(cfg)
+    with setup.context():
+        return fn(*args)
+
+
+@pytest.fixture(scope="module")
+def single_device(layer_case):
+    cfg, params, x, seg = layer_case
+    return {chunk: jit(jax.value_and_grad(_layer_loss(cfg, chunk), argnums=(0, 1)))(params, x, seg)
+            for chunk in (16,)}
+
+
+LAYER_CASES = {  # name: (ranks, chunk size, cp_m_scan, cp_dh_scan)
+    "2 ranks": (2, 16, False, False),
+    "4 ranks": (4, 16, False, False),
+    "8 ranks": (8, 16, False, False),
+    "4 ranks, both scans": (4, 16, True, True),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_sequence_sharded_layer_equals_one_device(case, layer_case, single_device):
+    ranks, chunk, m_scan, dh_scan = LAYER_CASES[case]
+    cfg, params, x, seg = layer_case
+    loss = _layer_loss(cfg, chunk, m_scan, dh_scan)
+    value, grads = _on_context_mesh(ranks, jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, seg)
+    value_1, grads_1 = single_device[chunk]
+    errors = {"loss": _rel_max(value, value_1)}
+    for (path, g), g_1 in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads_1)):
+        errors[jax.tree_util.keystr(path)] = _rel_max(g, g_1)
+    # GDN.md section 5: context-parallel vs not, 3e-3 in the field; float32 here lands near 1e-6.
+    assert max(errors.values()) < 1e-4, errors
+
+
+def test_cross_rank_document_start_is_needed(layer_case, single_device, monkeypatch):
+    """Broken variant: a document that starts on a shard edge does not cut the chain across ranks."""
+    cfg, params, x, seg = layer_case
+    monkeypatch.setattr(cp, "cross_rank_starts", lambda starts, seg, axis: starts)
+    value, _ = _on_context_mesh(4, jit(jax.value_and_grad(_layer_loss(cfg, 16), argnums=(0, 1))), params, x, seg)
+    assert _rel_max(value, single_device[16][0]) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# The scans against the float32 HIGHEST tree, and the broken variants.
+
+SCAN_CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def scan_terms():
+    """Terms of 4 chunks of 64 (dims 16) with long-memory gates; row 1 packed (starts at 70 and 192)."""
+    rng = np.random.default_rng(11)
+    B, T, G, H, K, V = 2, 4 * SCAN_CHUNK, 1, 2, 16, 16
+    q, k = (jnp.asarray(rng.normal(size=(B, T, G, K)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32)
+    g = jnp.asarray(np.log(rng.uniform(0.995, 1.0, size=(B, T, H))), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.01, 0.1, size=(B, T, H)), jnp.float32)
+    seg = np.ones((B, T), np.int32)
+    seg[1, 70:], seg[1, 192:] = 2, 3
+    starts = document_starts(jnp.asarray(seg))
+    x, starts_BNC = prepare_chunks(q, k, v, g, beta, starts, SCAN_CHUNK, True)
+    do = jnp.asarray(rng.normal(size=x.v.shape), jnp.float32)
+    return jit(chunk_terms)(x, starts_BNC), do
+
+
+def _forward_scan_wrong_order(t):
+    """Broken: the chunk transitions composed earliest-on-the-left (M_0 M_1 ... instead of ... M_1 M_0)."""
+    flipped = t._replace(w=t.w[:, ::-1], k_to_end=t.k_to_end[:, ::-1], decay=t.decay[:, ::-1])
+    return cp.transition_product_scan(flipped)
+
+
+def _backward_scan_wrong_order(t, do):
+    """Broken: the reverse recurrence run front to back."""
+    flip = lambda a: a[:, ::-1]  # noqa: E731
+    return cp.local_state_cotangent_scan(jax.tree.map(flip, t), flip(do))
+
+
+def _ignoring_starts(t):
+    """Broken: the chunk decay of a chunk holding a document start is not zeroed (the chain is not cut)."""
+    return t._replace(decay=jnp.where(t.decay == 0.0, 1.0, t.decay))
+
+
+BROKEN_SCANS = {
+    "m: chunks in the wrong order": ("m", lambda t, do: _forward_scan_wrong_order(t)),
+    "m: a document start not cutting the chain": ("m", lambda t, do: cp.transition_product_scan(_ignoring_starts(t))),
+    "dh: chunks in the wrong order": ("dh", _backward_scan_wrong_order),
+    "dh: a document start not cutting the chain": ("dh", lambda t, do: cp.local_state_cotangent_scan(
+        _ignoring_starts(t), do)),
+}
+
+
+def _tree_and_scan(terms, do, which):
+    if which == "m":
+        return jit(cp.transition_product_tree)(terms), jit(cp.transition_product_scan)(terms)
+    return jit(cp.local_state_cotangent_tree)(terms, do), jit(cp.local_state_cotangent_scan)(terms, do)
+
+
+@pytest.fixture(scope="module")
+def trees_and_scans(scan_terms):
+    terms, do = scan_terms
+    return {which: _tree_and_scan(terms, do, which) for which in ("m", "dh")}
+
+
+@pytest.mark.parametrize("which", ["m", "dh"])
+def test_scan_equals_highest_tree(which, trees_and_scans):
+    tree, scan = trees_and_scans[which]
+    assert np.abs(np.asarray(tree)).max() > 1e-2  # long-memory gates: the product is not ~0
+    assert _rel_max(scan, tree) < 1e-5, _rel_max(scan, tree)
+
+
+@pytest.mark.parametrize("variant", list(BROKEN_SCANS))
+def test_broken_scan_is_caught(variant, scan_terms, trees_and_scans):
+    terms, do = scan_terms
+    which, broken_fn = BROKEN_SCANS[variant]
+    tree, scan = trees_and_scans[which]
+    clean = _rel_max(scan, tree)
+    broken = _rel_max(jit(broken_fn)(terms, do), tree)
+    assert broken > 10 * max(clean, 1e-5), f"clean {clean:.2e}, broken {broken:.2e}"
+
+
+def test_scan_drops_the_transition_stack_from_compiled_temporaries():
+    """Program fact: the tree materialises [N, B, H, K, K] float32; the scan keeps one [B, H, K, K].
+
+    Compiled only (abstract inputs), at dk 128 where the stack outweighs the chunk inputs.
+    """
+    batch, chunks, heads, chunk, key_dim = 1, 16, 4, 64, 128
+    shapes = [(batch, chunks, heads, chunk, key_dim)] * 2 + [(batch, chunks, heads, chunk, chunk)] + [
+        (batch, chunks, heads, chunk, key_dim)] * 2 + [(batch, chunks, heads)]
+    terms = cp.ChunkTerms(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
+    stack_bytes = chunks * batch * heads * key_dim * key_dim * 4
+    tree_temp = program.analyze(jax.jit(cp.transition_product_tree), terms).temp_bytes
+    scan_temp = program.analyze(jax.jit(cp.transition_product_scan), terms).temp_bytes
+    assert tree_temp >= stack_bytes, (tree_temp, stack_bytes)
+    assert scan_temp < stack_bytes // 4, (scan_temp, stack_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Program facts of the layer: remat names, keys off.
+
+
+def _cp_layer_jaxpr(cfg, params, x, seg, **keys):
+    loss = lambda p, x: _layer_loss(cfg, 16, **keys)(p, x, seg)  # noqa: E731
+    return _on_context_mesh(4, lambda: str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x)))
+
+
+def test_keys_off_trace_the_program_without_them(layer_case):
+    cfg, params, x, seg = layer_case
+    without = _on_context_mesh(4, lambda: str(jax.make_jaxpr(jax.grad(
+        lambda p, x: jnp.sum(gdn_layer(p, x, seg, cfg.model, chunk_size=16)), argnums=(0, 1)))(params, x)))
+    off = _on_context_mesh(4, lambda: str(jax.make_jaxpr(jax.grad(
+        lambda p, x: jnp.sum(gdn_layer(p, x, seg, cfg.model, chunk_size=16, cp_m_scan=False, cp_dh_scan=False)),
+        argnums=(0, 1)))(params, x)))
+    on = _on_context_mesh(4, lambda: str(jax.make_jaxpr(jax.grad(
+        lambda p, x: jnp.sum(gdn_layer(p, x, seg, cfg.model, chunk_size=16, cp_m_scan=True, cp_dh_scan=True)),
+        argnums=(0, 1)))(params, x)))
+    assert off == without
+    assert on != off
+
+
+@pytest.mark.parametrize("saved, replayed_gathers", [((), 2), (("gdn_cp_transition", "gdn_cp_state_in"), 0)])
+def test_remat_names_keep_the_prefix_out_of_the_replay(layer_case, saved, replayed_gathers):
+    """Under remat, saving M_r and S_in_r by name removes pass 1's all-gathers from the backward."""
+    cfg, params, x, seg = layer_case
+    policy = jax.checkpoint_policies.save_only_these_names(*saved)
+
+    def loss(p, x):
+        layer = jax.checkpoint(lambda p, x: gdn_layer(p, x, seg, cfg.model, chunk_size=16), policy=policy)
+        return jnp.sum(layer(p, x) ** 2)
+
+    text = _on_context_mesh(4, lambda: jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).as_text())
+    gathers = program.count(program.parse_stablehlo(text), kind="all-gather")
+    # Forward: M and S_ext gathered (2); backward: the reverse prefix's M and dS_loc (2); the replay
+    # of an unsaved forward: pass 1's two again.
+    assert gathers == 4 + replayed_gathers, gathers
+
+
+# ---------------------------------------------------------------------------------------------
+# The validator.
+
+
+def test_validator_names_each_scan_key_and_every_requirement():
+    with pytest.raises(ConfigError) as err:
+        tiny_config("gdn.cp_m_scan=true", "gdn.cp_dh_scan=true", "gdn.chunk_size=32",
+                    "model.layer_pattern=[attention]", "model.num_layers=2")
+    problems = dict(err.value.problems)
+    for key in ("gdn.cp_m_scan", "gdn.cp_dh_scan"):
+        assert "needs GDN layers" in problems[key]
+        assert "mesh.context > 1" in problems[key]
+        assert "gdn.chunk_size=64" in problems[key]
+
+
+def test_validator_accepts_the_scans_with_sequence_sharding_and_refuses_partial_chunks():
+    tiny_config("mesh.context=2", "mesh.fsdp=1", "mesh.data=-1", "mesh.cpu_devices=8", "train.seq_len=128",
+                "gdn.cp_m_scan=true", "gdn.cp_dh_scan=true")
+    with pytest.raises(ConfigError) as err:
+        tiny_config("mesh.context=4", "mesh.fsdp=1", "mesh.data=-1", "train.seq_len=128")
+    assert "gdn.chunk_size" in dict(err.value.problems)
