@@ -434,8 +434,7 @@ def native_to_hf(tree, fields, *, expert_layout: ExpertLayout = "per_expert",
     """
     f = _fields(fields)
     d = _dims(f)
-    D, V, E, F, S = d["D"], d["V"], d["E"], d["F"], d["S"]
-    N, G, A, K, U, k, v, W = d["N"], d["G"], d["A"], d["K"], d["U"], d["k"], d["v"], d["W"]
+    D, V = d["D"], d["V"]
     pattern, L = tuple(f["layer_pattern"]), f["num_layers"]
     P = len(pattern)
     if L % P:
@@ -443,92 +442,139 @@ def native_to_hf(tree, fields, *, expert_layout: ExpertLayout = "per_expert",
     nb = L // P
     if len(tree["blocks"]) != P:
         raise ValueError(f"native tree: blocks has {len(tree['blocks'])} entries for a layer pattern of {P}")
+    out = {name: value for name, value in outer_to_hf(tree, f).items()}
+    for p, kind in enumerate(pattern):
+        blk = tree["blocks"][p]
+        for path, shape in layer_shapes(kind, d).items():
+            node = blk
+            for key in path.split("/"):
+                node = node[key]
+            _expect(f"blocks[{p}]/{path}", node, (nb, *shape))
+        for b in range(nb):
+            layer = _map_arrays(lambda a, b=b: np.asarray(a)[b], blk)
+            out.update(layer_to_hf(kind, p + b * P, layer, f, expert_layout=expert_layout,
+                                   gdn_projections=gdn_projections))
+    return out
+
+
+def _map_arrays(fn, tree):
+    """fn on every array of a nested dict (the native tree's blocks are plain dicts of arrays)."""
+    return {k: _map_arrays(fn, v) if isinstance(v, dict) else fn(v) for k, v in tree.items()}
+
+
+def outer_to_hf(tree, fields) -> dict[str, np.ndarray]:
+    """The tensors outside the layers: embedding, final norm, LM head."""
+    d = _dims(_fields(fields))
+    D, V = d["D"], d["V"]
+    return {"model.embed_tokens.weight": np.ascontiguousarray(_expect("embed", tree["embed"], (V, D))),
+            "model.norm.weight": np.ascontiguousarray(_expect("final_norm", tree["final_norm"], (D,))),
+            "lm_head.weight": np.ascontiguousarray(_expect("lm_head", tree["lm_head"], (D, V)).T)}
+
+
+def layer_shapes(kind: str, d: dict, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's native leaves (the stacked axis dropped), by path in the block."""
+    D, F, S = d["D"], d["F"], d["S"]
+    E = d["E"] if num_experts is None else num_experts
+    N, G, A, K, U, k, v, W = d["N"], d["G"], d["A"], d["K"], d["U"], d["k"], d["v"], d["W"]
+    shapes = {"input_norm": (D,), "post_norm": (D,), "moe/router": (D, d["E"]), "moe/wi": (E, D, 2 * F),
+              "moe/wo": (E, F, D), "moe/shared_wi": (D, 2 * S), "moe/shared_wo": (S, D), "moe/shared_gate": (D,)}
+    if kind == "attention":
+        mixer = {"wq": (D, N, 2 * A), "wk": (D, G, A), "wv": (D, G, A), "q_norm": (A,), "k_norm": (A,),
+                 "wo": (N, A, D)}
+    else:
+        mixer = {"wq": (D, K, k), "wk": (D, K, k), "wv": (D, U, v), "wz": (D, U, v), "wb": (D, U), "wa": (D, U),
+                 "conv_q": (W, K, k), "conv_k": (W, K, k), "conv_v": (W, U, v), "A_log": (U,), "dt_bias": (U,),
+                 "norm": (v,), "wo": (U, v, D)}
+    return {**shapes, **{"mixer/" + name: shape for name, shape in mixer.items()}}
+
+
+EXPERT_LEAVES = ("moe/wi", "moe/wo")
+
+
+def layer_to_hf(kind: str, index: int, layer: dict, fields, *, expert_layout: ExpertLayout = "per_expert",
+                gdn_projections: GDNProjections = "split", experts: tuple[int, int] | None = None,
+                parts: tuple[str, ...] = ("dense", "experts")) -> dict[str, np.ndarray]:
+    """One layer's native leaves (no stacked axis) -> its HF tensors.
+
+    parts: "dense" (everything but the routed experts) and/or "experts". experts=(e0, e1): the
+    layer's moe/wi and moe/wo hold only experts e0 .. e1 - 1 (per_expert layout), so a sharded
+    export can write a layer's experts in pieces.
+    """
+    f = _fields(fields)
+    d = _dims(f)
+    D, E, F, S = d["D"], d["E"], d["F"], d["S"]
+    N, G, A, K, U, k, v, W = d["N"], d["G"], d["A"], d["K"], d["U"], d["k"], d["v"], d["W"]
+    e0, e1 = experts if experts is not None else (0, E)
+    if experts is not None and expert_layout != "per_expert":
+        raise ValueError("a piece of a layer's experts has only the per_expert layout")
     out: dict[str, np.ndarray] = {}
 
     def put(name, value):
         out[name] = np.ascontiguousarray(value)
 
-    put("model.embed_tokens.weight", _expect("embed", tree["embed"], (V, D)))
-    put("model.norm.weight", _expect("final_norm", tree["final_norm"], (D,)))
-    put("lm_head.weight", _expect("lm_head", tree["lm_head"], (D, V)).T)
-    for p, kind in enumerate(pattern):
-        blk = tree["blocks"][p]
+    def leaf(path):
+        node = layer
+        for key in path.split("/"):
+            node = node[key]
+        shape = layer_shapes(kind, d, e1 - e0)[path]
+        return _expect(f"layer {index} {path}", node, shape)
 
-        def leaf(path, shape, blk=blk, p=p):
-            node = blk
-            for key in path.split("/"):
-                node = node[key]
-            return _expect(f"blocks[{p}]/{path}", node, (nb, *shape))
-
-        stacked = {
-            "input_norm": leaf("input_norm", (D,)), "post_norm": leaf("post_norm", (D,)),
-            "router": leaf("moe/router", (D, E)), "wi": leaf("moe/wi", (E, D, 2 * F)),
-            "wo": leaf("moe/wo", (E, F, D)), "shared_wi": leaf("moe/shared_wi", (D, 2 * S)),
-            "shared_wo": leaf("moe/shared_wo", (S, D)), "shared_gate": leaf("moe/shared_gate", (D,)),
-        }
+    pre = f"model.layers.{index}."
+    e = pre + "mlp."
+    if "dense" in parts:
+        put(pre + "input_layernorm.weight", leaf("input_norm"))
+        put(pre + "post_attention_layernorm.weight", leaf("post_norm"))
+        m = {name: leaf("mixer/" + name) for name in
+             [p.split("/", 1)[1] for p in layer_shapes(kind, d) if p.startswith("mixer/")]}
         if kind == "attention":
-            mixer_shapes = {"wq": (D, N, 2 * A), "wk": (D, G, A), "wv": (D, G, A), "q_norm": (A,),
-                            "k_norm": (A,), "wo": (N, A, D)}
+            a = pre + "self_attn."
+            put(a + "q_proj.weight", m["wq"].reshape(D, N * 2 * A).T)
+            put(a + "k_proj.weight", m["wk"].reshape(D, G * A).T)
+            put(a + "v_proj.weight", m["wv"].reshape(D, G * A).T)
+            put(a + "o_proj.weight", m["wo"].reshape(N * A, D).T)
+            put(a + "q_norm.weight", m["q_norm"])
+            put(a + "k_norm.weight", m["k_norm"])
         else:
-            mixer_shapes = {"wq": (D, K, k), "wk": (D, K, k), "wv": (D, U, v), "wz": (D, U, v),
-                            "wb": (D, U), "wa": (D, U), "conv_q": (W, K, k), "conv_k": (W, K, k),
-                            "conv_v": (W, U, v), "A_log": (U,), "dt_bias": (U,), "norm": (v,),
-                            "wo": (U, v, D)}
-        mixer = {name: leaf("mixer/" + name, shape) for name, shape in mixer_shapes.items()}
-        for b in range(nb):
-            pre = f"model.layers.{p + b * P}."
-            put(pre + "input_layernorm.weight", stacked["input_norm"][b])
-            put(pre + "post_attention_layernorm.weight", stacked["post_norm"][b])
-            m = {name: value[b] for name, value in mixer.items()}
-            if kind == "attention":
-                a = pre + "self_attn."
-                put(a + "q_proj.weight", m["wq"].reshape(D, N * 2 * A).T)
-                put(a + "k_proj.weight", m["wk"].reshape(D, G * A).T)
-                put(a + "v_proj.weight", m["wv"].reshape(D, G * A).T)
-                put(a + "o_proj.weight", m["wo"].reshape(N * A, D).T)
-                put(a + "q_norm.weight", m["q_norm"])
-                put(a + "k_norm.weight", m["k_norm"])
+            g = pre + "linear_attn."
+            qkv = np.concatenate(
+                [m["wq"].reshape(D, K * k), m["wk"].reshape(D, K * k), m["wv"].reshape(D, U * v)], axis=1).T
+            z, bb, aa = m["wz"].reshape(D, U * v).T, m["wb"].T, m["wa"].T
+            if gdn_projections == "split":
+                put(g + "in_proj_qkv.weight", qkv)
+                put(g + "in_proj_z.weight", z)
+                put(g + "in_proj_b.weight", bb)
+                put(g + "in_proj_a.weight", aa)
+            elif gdn_projections == "interleaved":
+                qkvz, ba = interleave_qkvz(qkv, z, bb, aa, d)
+                put(g + "in_proj_qkvz.weight", qkvz)
+                put(g + "in_proj_ba.weight", ba)
             else:
-                g = pre + "linear_attn."
-                qkv = np.concatenate(
-                    [m["wq"].reshape(D, K * k), m["wk"].reshape(D, K * k), m["wv"].reshape(D, U * v)], axis=1).T
-                z, bb, aa = m["wz"].reshape(D, U * v).T, m["wb"].T, m["wa"].T
-                if gdn_projections == "split":
-                    put(g + "in_proj_qkv.weight", qkv)
-                    put(g + "in_proj_z.weight", z)
-                    put(g + "in_proj_b.weight", bb)
-                    put(g + "in_proj_a.weight", aa)
-                elif gdn_projections == "interleaved":
-                    qkvz, ba = interleave_qkvz(qkv, z, bb, aa, d)
-                    put(g + "in_proj_qkvz.weight", qkvz)
-                    put(g + "in_proj_ba.weight", ba)
-                else:
-                    raise ValueError(f"gdn_projections={gdn_projections!r}: expected 'split' or 'interleaved'")
-                conv = np.concatenate(
-                    [m["conv_q"].reshape(W, K * k), m["conv_k"].reshape(W, K * k), m["conv_v"].reshape(W, U * v)],
-                    axis=1)
-                put(g + "conv1d.weight", conv.T[:, None, :])
-                put(g + "A_log", m["A_log"])
-                put(g + "dt_bias", m["dt_bias"])
-                put(g + "norm.weight", m["norm"])
-                put(g + "out_proj.weight", m["wo"].reshape(U * v, D).T)
-            e = pre + "mlp."
-            put(e + "gate.weight", stacked["router"][b].T)
-            wi, wo = stacked["wi"][b], stacked["wo"][b]  # [E, D, 2F] (columns [gate | up]), [E, F, D]
-            if expert_layout == "per_expert":
-                for x in range(E):
-                    put(f"{e}experts.{x}.gate_proj.weight", wi[x, :, :F].T)
-                    put(f"{e}experts.{x}.up_proj.weight", wi[x, :, F:].T)
-                    put(f"{e}experts.{x}.down_proj.weight", wo[x].T)
-            elif expert_layout == "fused":
-                put(e + "experts.gate_up_proj", wi.transpose(0, 2, 1))
-                put(e + "experts.down_proj", wo.transpose(0, 2, 1))
-            else:
-                raise ValueError(f"expert_layout={expert_layout!r}: expected 'per_expert' or 'fused'")
-            put(e + "shared_expert.gate_proj.weight", stacked["shared_wi"][b][:, :S].T)
-            put(e + "shared_expert.up_proj.weight", stacked["shared_wi"][b][:, S:].T)
-            put(e + "shared_expert.down_proj.weight", stacked["shared_wo"][b].T)
-            put(e + "shared_expert_gate.weight", stacked["shared_gate"][b][None, :])
+                raise ValueError(f"gdn_projections={gdn_projections!r}: expected 'split' or 'interleaved'")
+            conv = np.concatenate(
+                [m["conv_q"].reshape(W, K * k), m["conv_k"].reshape(W, K * k), m["conv_v"].reshape(W, U * v)], axis=1)
+            put(g + "conv1d.weight", conv.T[:, None, :])
+            put(g + "A_log", m["A_log"])
+            put(g + "dt_bias", m["dt_bias"])
+            put(g + "norm.weight", m["norm"])
+            put(g + "out_proj.weight", m["wo"].reshape(U * v, D).T)
+        put(e + "gate.weight", leaf("moe/router").T)
+        shared_wi = leaf("moe/shared_wi")
+        put(e + "shared_expert.gate_proj.weight", shared_wi[:, :S].T)
+        put(e + "shared_expert.up_proj.weight", shared_wi[:, S:].T)
+        put(e + "shared_expert.down_proj.weight", leaf("moe/shared_wo").T)
+        put(e + "shared_expert_gate.weight", leaf("moe/shared_gate")[None, :])
+    if "experts" in parts:
+        wi, wo = leaf("moe/wi"), leaf("moe/wo")  # [Ec, D, 2F] (columns [gate | up]), [Ec, F, D]
+        if expert_layout == "per_expert":
+            for x in range(e1 - e0):
+                put(f"{e}experts.{e0 + x}.gate_proj.weight", wi[x, :, :F].T)
+                put(f"{e}experts.{e0 + x}.up_proj.weight", wi[x, :, F:].T)
+                put(f"{e}experts.{e0 + x}.down_proj.weight", wo[x].T)
+        elif expert_layout == "fused":
+            put(e + "experts.gate_up_proj", wi.transpose(0, 2, 1))
+            put(e + "experts.down_proj", wo.transpose(0, 2, 1))
+        else:
+            raise ValueError(f"expert_layout={expert_layout!r}: expected 'per_expert' or 'fused'")
     return out
 
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import jax
@@ -12,7 +11,7 @@ import numpy as np
 from hybridmoe.config.schema import Config
 from hybridmoe.config.validate import ConfigError, check_requirements
 from hybridmoe.model.params import abstract_params
-from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
+from hybridmoe.parallel.host import put_global
 
 
 # Model fields that decide a weight's shape: an HF checkpoint must agree with the recipe on these.
@@ -66,25 +65,9 @@ def params_from_hf(setup, hf_dir: Path):
     return put_global(jax.tree.map(lambda a, w: np.asarray(a).astype(w.dtype), tree, want), setup.param_shardings)
 
 
-# Files of a checkpoint folder that are not weights or config.json and travel with an export.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-              "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-              "generation_config.json")
-
-
-def export_hf_checkpoint(out: Path, cfg: Config, params, tokenizer_from: Path | None = None) -> None:
-    """The policy as a Hugging Face checkpoint in `out`, with the side files of `tokenizer_from`
-    (the --init-hf folder, else data.tokenizer's folder) copied beside it."""
-    from hybridmoe.model.hf import save_hf_checkpoint
-    params = fetch_global(params)
-    if not is_lead_host():
-        return
-    save_hf_checkpoint(str(out), cfg.model, params)
+def export_hf_checkpoint(out: Path, cfg: Config, params, tokenizer_from: Path | None = None):
+    """The policy as a sharded Hugging Face checkpoint in `out` (written by every host, see
+    hf_export.py), with the side files of `tokenizer_from` (the --init-hf folder, else data.tokenizer's)."""
+    from hybridmoe.train.hf_export import export_hf_sharded
     source = Path(tokenizer_from) if tokenizer_from else (Path(cfg.data.tokenizer) if cfg.data.tokenizer else None)
-    if source is not None and source.is_file():
-        source = source.parent
-    if source is not None:
-        for name in SIDE_FILES:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, Path(out) / name)
-                (Path(out) / name).chmod(0o644)
+    return export_hf_sharded(out, cfg, params, side_files_from=source)
