@@ -105,10 +105,14 @@ def _hlo_kind(opcode: str) -> str | None:
     return base if base in KINDS else None
 
 
-def parse_hlo(text: str) -> list[Collective]:
-    """Every collective of a compiled HLO module, with its loop nesting."""
-    comps: dict[str, list[tuple[str, str, str, str]]] = {}   # name -> [(kind, type, rest, op)]
-    edges: dict[str, list[tuple[str, str | None, int | None]]] = defaultdict(list)
+def _hlo_graph(text: str):
+    """Every instruction of every computation, and the call edges: (comps, edges, entry).
+
+    comps: name -> [(opcode, result type, instruction name, op_name)];
+    edges: name -> [(callee, while name or "", trip count)] (a while's body/condition carry its name).
+    """
+    comps: dict[str, list[tuple[str, str, str, str]]] = {}
+    edges: dict[str, list[tuple[str, str, int | None]]] = defaultdict(list)
     entry = None
     current = None
     for line in text.splitlines():
@@ -140,31 +144,54 @@ def parse_hlo(text: str) -> list[Collective]:
                     edges[current].append((t, name, None))
                 else:
                     edges[current].append((t, "", None))
-        kind = _hlo_kind(opcode)
-        if kind:
-            opname = _OPNAME.search(rest)
-            comps[current].append((kind, type_text, name, opname.group(1) if opname else ""))
+        opname = _OPNAME.search(rest)
+        comps[current].append((opcode, type_text, name, opname.group(1) if opname else ""))
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
-    out: list[Collective] = []
-    seen: set[tuple[str, int, str | None]] = set()
+    return comps, edges, entry
 
-    def walk(comp: str, depth: int, loop: str | None, trip: int | None):
+
+def _walk_hlo(text: str):
+    """Yield (computation, depth, loop, trip, its instructions) for each computation reached from
+    the entry, once per (computation, loop) it is reached in."""
+    comps, edges, entry = _hlo_graph(text)
+    seen: set[tuple[str, int, str | None]] = set()
+    stack = [(entry, 0, None, None)]
+    while stack:
+        comp, depth, loop, trip = stack.pop()
         key = (comp, depth, loop)
         if key in seen or comp not in comps:
-            return
+            continue
         seen.add(key)
-        for kind, type_text, _, opname in comps[comp]:
-            dt, shape, nbytes = _hlo_result(type_text)
-            out.append(Collective(kind, dt, shape, nbytes, depth, loop, trip, comp, opname))
-        for target, while_name, while_trip in edges.get(comp, []):
+        yield comp, depth, loop, trip, comps[comp]
+        for target, while_name, while_trip in reversed(edges.get(comp, [])):
             if while_name:  # a while's body or condition: one level deeper
-                walk(target, depth + 1, while_name, while_trip)
+                stack.append((target, depth + 1, while_name, while_trip))
             else:
-                walk(target, depth, loop, trip)
+                stack.append((target, depth, loop, trip))
 
-    walk(entry, 0, None, None)
+
+def parse_hlo(text: str) -> list[Collective]:
+    """Every collective of a compiled HLO module, with its loop nesting."""
+    out: list[Collective] = []
+    for comp, depth, loop, trip, ops in _walk_hlo(text):
+        for opcode, type_text, _, opname in ops:
+            kind = _hlo_kind(opcode)
+            if kind:
+                dt, shape, nbytes = _hlo_result(type_text)
+                out.append(Collective(kind, dt, shape, nbytes, depth, loop, trip, comp, opname))
     return out
+
+
+def loop_instructions(text: str) -> dict[str, Counter]:
+    """{loop: Counter((opcode, result dtype) -> instructions)} of a compiled HLO module, for the
+    instructions reached from each while loop's body (innermost loop; each written op once)."""
+    out: dict[str, Counter] = defaultdict(Counter)
+    for _, depth, loop, _, ops in _walk_hlo(text):
+        if depth:
+            for opcode, type_text, _, _ in ops:
+                out[loop][(opcode, _hlo_result(type_text)[0])] += 1
+    return dict(out)
 
 
 # ---------------------------------------------------------------------------------------------
