@@ -1,4 +1,4 @@
-"""hybridmoe <command> [recipe=NAME] [section.key=value ...] [--flags]"""
+"""hybridmoe <command> [recipe=NAME | recipe=hf:DIR[@BASE]] [section.key=value ...] [--flags]"""
 
 from __future__ import annotations
 
@@ -8,6 +8,21 @@ import sys
 from pathlib import Path
 
 from hybridmoe.config import ConfigError, load_config, split_args
+
+
+CONFIG_HELP = """\
+the config:
+  recipe=NAME          a named recipe (tiny, small, demo, qwen3.5-35b-a3b, qwen3.5-397b-a17b,
+                       qwen3-next-80b-a3b) or a path to a recipe .yml; default tiny
+  recipe=hf:DIR        the model section from a Hugging Face checkpoint folder's config.json
+                       (Qwen3.5-MoE or Qwen3-Next), its tokenizer.json as the tokenizer, every
+                       other section from the tiny recipe; recipe=hf:DIR@BASE takes them from
+                       recipe BASE instead (--init-hf DIR does the same with the recipe given)
+  section.key=value    an override, applied after the recipe (later wins), e.g. train.steps=100
+                       model.max_seq_len=4096 rl.reward=[my_rewards.py:correct,mod:fmt]
+                       (values are YAML: numbers, true/false, [lists]); `hybridmoe describe`
+                       prints every section and key
+"""
 
 
 def _recipe(words: list[str], init_hf: str | None = None) -> tuple[str, list[str]]:
@@ -211,10 +226,13 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybridmoe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hybridmoe", description=__doc__, epilog=CONFIG_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, description=f"hybridmoe {name}: {help_}", epilog=CONFIG_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           usage=f"hybridmoe {name} [recipe=NAME | recipe=hf:DIR[@BASE]] [section.key=value ...] [--flags]")
         if name == "describe":
             p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "train":

@@ -62,3 +62,12 @@ def test_generate_from_a_runs_checkpoint(tmp_path):
                  "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["prompt"] == "1+2=" and 1 <= rec["tokens"] <= 4
+
+
+def test_help_names_recipes_hf_dirs_and_overrides(capsys):
+    from hybridmoe.cli import COMMANDS
+    for words in [[], *([name] for name in COMMANDS)]:
+        with pytest.raises(SystemExit):
+            main([*words, "--help"])
+        text = capsys.readouterr().out
+        assert "recipe=hf:DIR" in text and "section.key=value" in text and "recipe=NAME" in text, words

@@ -59,6 +59,10 @@ def test_template_from_tokenizer_config_and_sandbox(tmp_path):
         compile_chat_template("{{ ''.__class__.__mro__[1].__subclasses__() }}").render()
     with pytest.raises(jinja2.exceptions.TemplateError, match="only user"):
         compile_chat_template("{{ raise_exception('only user') }}").render()
+    tok = load_tokenizer(tmp_path)
+    tok.chat_template = "{{ raise_exception('the template refuses: ' + messages[0].role) }}"
+    with pytest.raises(ValueError, match=f"chat template of {tmp_path}: TemplateError: the template refuses: user"):
+        tok.render_chat([{"role": "user", "content": "x"}])
 
 
 def test_no_template_and_builtin_tokenizer_say_what_to_do(tmp_path):

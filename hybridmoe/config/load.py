@@ -7,7 +7,6 @@ base recipe (`tiny` unless given).
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -40,23 +39,14 @@ def split_hf_recipe(name: str) -> tuple[Path, str]:
 def hf_model_section(hf_dir: str | Path) -> dict[str, Any]:
     """The `model.*` values of a Hugging Face checkpoint folder, from its config.json: the shape
     fields, max_seq_len from max_position_embeddings and both dtypes from the stored dtype."""
-    from hybridmoe.model.hf import model_fields_from_hf_config
-    config_path = Path(hf_dir) / "config.json"
-    if not Path(hf_dir).is_dir():
-        raise ConfigError([("recipe", f"hf:{hf_dir}: no such checkpoint folder")])
-    if not config_path.is_file():
-        raise ConfigError([("recipe", f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json "
-                                      "(copy it from the model's release beside the *.safetensors files)")])
+    from hybridmoe.model.hf import CheckpointError, model_fields_from_hf_config, read_hf_config
     try:
-        config_json = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError([("recipe", f"{config_path}: not valid JSON ({e})")]) from None
-    if not isinstance(config_json, dict):
-        raise ConfigError([("recipe", f"{config_path}: expected a JSON object")])
-    try:
+        config_json = read_hf_config(str(hf_dir))
         fields = dict(model_fields_from_hf_config(config_json))
-    except ValueError as e:
-        raise ConfigError([("recipe", f"{config_path}: {str(e).removeprefix('config.json: ')}")]) from None
+    except CheckpointError as e:
+        raise ConfigError([("recipe", str(e))]) from None
+    except ValueError as e:  # an unsupported architecture or field, named by model_fields_from_hf_config
+        raise ConfigError([("recipe", f"{Path(hf_dir) / 'config.json'}: {str(e).removeprefix('config.json: ')}")]) from None
     fields["layer_pattern"] = list(fields["layer_pattern"])
     text = config_json.get("text_config", config_json)
     if text.get("max_position_embeddings"):

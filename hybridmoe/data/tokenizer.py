@@ -142,10 +142,14 @@ class HFTokenizer:
             raise ValueError(f"{self.where}: the checkpoint has no chat template (no chat_template in "
                              "tokenizer_config.json, no chat_template.jinja): give `prompt`/`text` fields instead "
                              "of `messages`, or add the model's chat_template.jinja to the folder")
-        if self._compiled is None:
-            self._compiled = compile_chat_template(self.chat_template)
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self._special)
+        import jinja2
+        try:
+            if self._compiled is None:
+                self._compiled = compile_chat_template(self.chat_template)
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self._special)
+        except jinja2.exceptions.TemplateError as e:  # a syntax error, or the template's raise_exception
+            raise ValueError(f"the chat template of {Path(self.where).parent}: {type(e).__name__}: {e}") from None
 
 
 def compile_chat_template(source: str):
