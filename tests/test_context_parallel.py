@@ -27,7 +27,8 @@ def _attention_params(cfg):
 
 
 def cp_overrides(P, *more):
-    return (f"mesh.context={P}", "mesh.data=1", *more)
+    # GDN layers (sequence-sharded too) need whole chunks on every context rank.
+    return (f"mesh.context={P}", "mesh.data=1", "gdn.chunk_size=8", *more)
 
 
 def layer_value_and_grads(cfg, batch, packed):
@@ -104,7 +105,7 @@ def test_cp_model_equals_unsharded_model():
         f = jax.jit(jax.value_and_grad(lambda p, b: nll_sum(p, cfg, b)[0]))
         return run_on_mesh(cfg, f, params, batch)
 
-    assert_rel_l2(run("mesh.context=2", "attention.cp_load_balance=true"), run(), 1e-4)
+    assert_rel_l2(run("mesh.context=2", "attention.cp_load_balance=true", "gdn.chunk_size=8"), run("gdn.chunk_size=8"), 1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +198,6 @@ def test_validator_odd_context():
 
 
 def test_validator_accepts_the_supported_setting():
-    cfg = tiny_config("mesh.context=4", "mesh.data=1", "attention.cp_load_balance=true",
+    cfg = tiny_config("mesh.context=4", "mesh.data=1", "gdn.chunk_size=8", "attention.cp_load_balance=true",
                       "attention.cp_load_balance_hoist_ids=true", "remat.policy=custom")
     assert cfg.attention.cp_load_balance_hoist_ids
