@@ -213,6 +213,71 @@ def cmd_eval(args, words):
     return 0
 
 
+def _inspect_config(words: list[str], target_kind: str | None, cpu_count: int | None):
+    from contextlib import nullcontext
+
+    from hybridmoe.config.validate import compile_target
+    recipe, overrides = split_args(words)
+    if target_kind == "cpu":
+        overrides = [*overrides, f"mesh.cpu_devices={cpu_count}"]
+    elif target_kind == "tpu":
+        overrides = [*overrides, "mesh.cpu_devices=0"]
+    with compile_target("tpu") if target_kind == "tpu" else nullcontext():
+        return recipe, overrides, load_config(recipe, overrides)
+
+
+def cmd_inspect(args, words):
+    from hybridmoe.analysis import train_program as tp
+    from hybridmoe.parallel.mesh import configure_cpu_devices
+    kind, count = tp.parse_target(args.target) if args.target else (None, None)
+    arms = {"base": words}
+    if args.compare is not None:
+        bad = [w for w in args.compare if "=" not in w]
+        if bad:
+            raise ValueError(f"--compare takes overrides section.key=value (or recipe=NAME); got {bad}")
+        arms["compare"] = [*words, *args.compare]
+    configs = {name: _inspect_config(w, kind, count) for name, w in arms.items()}
+    if kind != "tpu":
+        configure_cpu_devices(configs["base"][2].mesh)
+    target = tp.tpu_target(args.target) if kind == "tpu" else tp.host_target()
+    facts = {}
+    for name, (recipe, overrides, cfg) in configs.items():
+        print(f"{name}: recipe={recipe} {' '.join(overrides)}  (compiling for {target.name}, "
+              f"{target.num_devices} devices)", flush=True)
+        facts[name] = tp.step_facts(tp.compile_step(cfg, target))
+    print(tp.format_facts(facts))
+    if args.out:
+        from hybridmoe.analysis.record import machine_record, write_record
+        write_record(Path(args.out), {
+            "benchmark": "inspect", **machine_record(), "target": target.name,
+            "programs": {name: {"recipe": configs[name][0], "overrides": configs[name][1], **facts[name],
+                                "config": json.loads(configs[name][2].model_dump_json())}
+                         for name in facts}})
+    return 0
+
+
+def cmd_gates(args, words):
+    if not args.candidate:
+        raise ValueError("gates needs --candidate section.key=value ... (or recipe=NAME): the candidate's overrides")
+    bad = [w for w in args.candidate if "=" not in w]
+    if bad:
+        raise ValueError(f"--candidate takes overrides section.key=value (or recipe=NAME); got {bad}")
+    reference = _config(words)
+    cand_recipe, cand_overrides = split_args([*words, *args.candidate])
+    candidate = load_config(cand_recipe, cand_overrides)
+    from hybridmoe.rl.gates import format_gates, run_gates
+    print(f"reference: recipe={split_args(words)[0]} {' '.join(split_args(words)[1])} (run twice)")
+    print(f"candidate: recipe={cand_recipe} {' '.join(cand_overrides)}")
+    out = run_gates(reference, candidate, args.steps)
+    print(format_gates(out["gates"], out["reference"], out["candidate"]))
+    print("all gates PASS" if out["passed"] else "a gate FAILED")
+    if args.out:
+        from hybridmoe.analysis.record import machine_record, write_record
+        write_record(Path(args.out), {"benchmark": "gates", **machine_record(), "reference_words": words,
+                                      "candidate_words": [*words, *args.candidate], **out})
+    return 0 if out["passed"] else 1
+
+
 COMMANDS = {
     "describe": (cmd_describe, "the resolved config, the parameter tree and its totals"),
     "train": (cmd_train, "supervised next-token training"),
@@ -221,6 +286,9 @@ COMMANDS = {
     "rl": (cmd_rl, "GRPO post-training: supervised warm-up on the task, then rollouts, rewards and policy updates"),
     "generate": (cmd_generate, "sample completions of prompts from a checkpoint (--hf DIR or --run DIR), with tokens/s"),
     "eval": (cmd_eval, "mean reward and pass@k per task of a prompt set under rl.reward functions; a JSON record"),
+    "inspect": (cmd_inspect, "compile the training step without running it (this host or a TPU topology): "
+                "per-device memory, collectives, FLOPs, saved residuals"),
+    "gates": (cmd_gates, "the six numerics gates: a candidate's GRPO steps against the reference run twice"),
     "demo": (cmd_demo, "the embedded default: GRPO on one-digit addition with the tiny model, into runs/demo"),
 }
 
@@ -248,6 +316,17 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--export-hf", help="write the final policy to this directory in the Hugging Face layout")
         if name == "bench":
             p.add_argument("--arm", action="append", help="NAME or NAME:section.key=value,... (repeatable)")
+            p.add_argument("--out", help="write the JSON record here")
+        if name == "inspect":
+            p.add_argument("--target", help="cpu:N (simulated CPU devices) or a TPU topology, e.g. tpu7x:2x2x1, "
+                           "v5p:4x4x4 (compile-only devices; needs libtpu)")
+            p.add_argument("--compare", nargs="*", metavar="OVERRIDE",
+                           help="a second program: the same words plus these overrides, shown side by side")
+            p.add_argument("--out", help="write the JSON record here")
+        if name == "gates":
+            p.add_argument("--candidate", nargs="*", metavar="OVERRIDE",
+                           help="the candidate: the reference's words plus these overrides (recipe=NAME allowed)")
+            p.add_argument("--steps", type=int, default=3, help="GRPO steps per run (step 0 is gated)")
             p.add_argument("--out", help="write the JSON record here")
         if name == "score":
             p.add_argument("--hf", required=True, help="Hugging Face checkpoint directory")

@@ -421,6 +421,37 @@ def iter_eqns(jaxpr):
                     yield from iter_eqns(sub)
 
 
+def iter_eqns_outside_kernels(jaxpr):
+    """Like iter_eqns, but not into the bodies of pallas_call kernels (the ops XLA runs)."""
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in inner.eqns:
+        yield eqn
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from iter_eqns_outside_kernels(sub)
+
+
+def ops_by_shape(jaxpr) -> Counter:
+    """Counter of (primitive, output shape, output dtype) over the ops outside Pallas kernels."""
+    out = Counter()
+    for eqn in iter_eqns_outside_kernels(jaxpr):
+        for v in eqn.outvars:
+            aval = getattr(v, "aval", None)
+            if hasattr(aval, "shape"):
+                out[(eqn.primitive.name, tuple(aval.shape), str(aval.dtype))] += 1
+    return out
+
+
+def pallas_operand_shapes(jaxpr) -> list[tuple[str, tuple]]:
+    """(kernel name, operand shapes) of every pallas_call, in program order."""
+    return [(eqn.params.get("name") or str(eqn.params.get("name_and_src_info", "")),
+             tuple(tuple(v.aval.shape) for v in eqn.invars))
+            for eqn in iter_eqns(jaxpr) if eqn.primitive.name == "pallas_call"]
+
+
 def primitive_counts(jaxpr) -> Counter:
     """Counter of primitive names over the whole nested jaxpr."""
     return Counter(eqn.primitive.name for eqn in iter_eqns(jaxpr))

@@ -154,7 +154,8 @@ class GmmKernelConfig(Section):
         0, ge=0, description="Fused up-projection forward: output tile per half of [gate | up] (explicit tiling; 0 = F)."
     )
     wi_fwd_rhs_buffer_count: int = Field(
-        0, description="Fused up-projection forward: the weight operand's pipeline depth (0 = kernel default; >= 2)."
+        0, description="Fused up-projection forward: the weight operand's pipeline depth (0 = kernel default, "
+        "2 on Mosaic TPU; 1 frees the VMEM of one weight block)."
     )
     vmem_limit_mib: float = Field(0.0, ge=0, description="Mosaic TPU scoped VMEM limit in MiB (0 = compiler default).")
     epilogue: Literal["float32", "match_unfused"] = Field(

@@ -7,8 +7,10 @@ Rules only read the config; they never compute values for later use or change it
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from hybridmoe.config.schema import CHECKPOINT_NAMES, Config
 
@@ -123,13 +125,31 @@ def _rl_batch_fits_mesh(cfg: Config) -> list[Problem]:
 
 MOE_GATE_UP_NAMES = ("moe_gate", "moe_up")
 _PALLAS_PLATFORM = {"pallas_tpu": ("tpu",), "pallas_gpu": ("gpu", "cuda", "rocm")}
-# JAX 0.10.2's Mosaic TPU grid pipeline refuses a weight buffer count above 2 at lowering
-# (benchmarks/gmm_vmem.json).
+# JAX 0.10.2's Mosaic TPU grid pipeline takes 1 or 2 weight buffers (2 is its default) and
+# refuses more at lowering (benchmarks/gmm_vmem.json).
 TPU_MAX_RHS_BUFFERS = 2
 
 
+# Set while validating a config for a program compiled for another platform than this host's
+# (`hybridmoe inspect --target tpu7x:2x2x1` compiles for compile-only TPU devices).
+_COMPILE_TARGET: ContextVar[str | None] = ContextVar("hybridmoe_compile_target", default=None)
+
+
+@contextlib.contextmanager
+def compile_target(platform: str):
+    """Validate the configs loaded inside for programs compiled for `platform` ("tpu", ...)."""
+    token = _COMPILE_TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _COMPILE_TARGET.reset(token)
+
+
 def _run_platform(cfg: Config) -> str:
-    """The platform the run will use: simulated CPU devices, or JAX's default backend."""
+    """The platform the program is for: the compile target if one is set, simulated CPU devices,
+    or JAX's default backend."""
+    if _COMPILE_TARGET.get():
+        return _COMPILE_TARGET.get()
     if cfg.mesh.cpu_devices:
         return "cpu"
     import jax  # only when asked: with simulated devices the backends must start later
@@ -213,8 +233,8 @@ def _gmm_kernel(cfg: Config) -> list[Problem]:
     depth = g.wi_fwd_rhs_buffer_count
     if depth:
         unmet = []
-        if depth < 2:
-            unmet.append(f"{depth} must be 0 (the kernel default) or >= 2")
+        if depth < 0:
+            unmet.append(f"{depth} must be 0 (the kernel default) or a depth >= 1")
         if not moe.wi_fused_swiglu:
             unmet.append("needs moe.wi_fused_swiglu (only the fused up-projection forward takes the depth)")
         if g.tiling != "explicit":
@@ -226,7 +246,8 @@ def _gmm_kernel(cfg: Config) -> list[Problem]:
             unmet.append("needs a Pallas backend (kernels.gmm.backend=pallas_tpu or pallas_gpu): the xla backend "
                          "has no weight pipeline")
         if g.backend == "pallas_tpu" and not cfg.kernels.interpret and depth > TPU_MAX_RHS_BUFFERS:
-            unmet.append(f"Mosaic TPU (JAX 0.10.2) accepts at most {TPU_MAX_RHS_BUFFERS} buffers")
+            unmet.append(f"Mosaic TPU (JAX 0.10.2) accepts 1 or {TPU_MAX_RHS_BUFFERS} buffers (its default is 2; "
+                         "1 is the depth that frees VMEM, benchmarks/gmm_vmem.json)")
         if unmet:
             out.append(("kernels.gmm.wi_fwd_rhs_buffer_count", "; ".join(unmet)))
     return out

@@ -139,6 +139,11 @@ def capacity_rows(num_rows: int, num_experts: int, capacity_factor: float) -> in
     return max(1, math.ceil(capacity_factor * num_rows / num_experts))
 
 
+def within_capacity(position_M, cap: int):
+    """Rows kept by an expert's buffer: those with fewer than `cap` rows of the expert before them."""
+    return position_M < cap
+
+
 def grouped_experts(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_offset=0):
     """(y_TD, dropped): the experts [offset, offset + G) of E on these tokens; others give zero.
 
@@ -159,7 +164,7 @@ def grouped_experts(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, grou
         cap = capacity_rows(M, E, plan.capacity_factor)
         starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
         e_sorted_M = flat_e_M[order_M]
-        keep_M = jnp.arange(M, dtype=jnp.int32) - starts_E[e_sorted_M] < cap
+        keep_M = within_capacity(jnp.arange(M, dtype=jnp.int32) - starts_E[e_sorted_M], cap)
         kept_E = jnp.minimum(group_sizes_E, cap)
         experts_E = jnp.arange(E, dtype=jnp.int32)
         local_E = (experts_E >= group_offset) & (experts_E < group_offset + G)
@@ -315,6 +320,11 @@ def _count_once(dropped, all_axes, replicas: int, check_vma: bool):
     return jax.lax.psum(dropped, all_axes) // replicas
 
 
+def local_expert_offset(exp_axes, num_local: int):
+    """The first global expert this rank holds (experts are split in rank order)."""
+    return jax.lax.axis_index(exp_axes) * num_local
+
+
 def _ring_of_experts(m: ModelConfig, moe: MoEConfig, kernels, ep_axes, token_axes, all_axes,
                      replicas: int, check_vma: bool):
     """The per-shard body of the ring: gather tokens over the expert axes, local experts, scatter."""
@@ -335,7 +345,7 @@ def _ring_of_experts(m: ModelConfig, moe: MoEConfig, kernels, ep_axes, token_axe
             x_nTD, w_nTk, idx_nTk = (jax.lax.all_gather(a, gather_axes, axis=0, tiled=True)
                                      for a in (x_TD, w_Tk, idx_Tk))
         num_local = p["wi"].shape[0]
-        offset = jax.lax.axis_index(exp_spec_axes) * num_local
+        offset = local_expert_offset(exp_spec_axes, num_local)
         y_nTD, dropped = grouped_experts(x_nTD, w_nTk, idx_nTk, p["wi"], p["wo"], plan, offset)
         y_TD = y_nTD
         if gather_axes:

@@ -13,9 +13,15 @@ MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 
 
 def configure_cpu_devices(mesh_cfg: MeshConfig) -> None:
-    """Ask for simulated CPU devices; must run before JAX initialises its backends."""
+    """Ask for simulated CPU devices; must run before JAX initialises its backends.
+
+    A config that simulates CPU devices runs on the CPU platform: unless the platforms were
+    chosen already, no other backend (e.g. a TPU plugin installed for compile-only targets) is
+    started."""
     if mesh_cfg.cpu_devices:
         jax.config.update("jax_num_cpu_devices", mesh_cfg.cpu_devices)
+        if not jax.config.jax_platforms:
+            jax.config.update("jax_platforms", "cpu")
 
 
 def resolve_axis_sizes(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:

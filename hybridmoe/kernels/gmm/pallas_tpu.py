@@ -161,6 +161,15 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
 # Fused up projection: h = silu(gate) * up, preact stored per tile
 
 
+def weight_pipeline(rhs_buffer_count: int, tiles_k: int) -> dict:
+    """BlockSpec keywords for the fused forward's weight: the depth only with one K tile (the
+    weight block then changes only with the group, and the depth decides how many groups'
+    blocks are in flight); {} keeps Mosaic's default (2 buffers in JAX 0.10.2)."""
+    if rhs_buffer_count and tiles_k == 1:
+        return dict(pipeline_mode=pl.Buffered(rhs_buffer_count))
+    return {}
+
+
 def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
                tiling=None, interpret=False, rhs_buffer_count=0):
     """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones."""
@@ -198,11 +207,7 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
             _merge(pre_ref, mask, gate, slice(0, tn))
             _merge(pre_ref, mask, up, slice(tn, 2 * tn))
 
-    # The weight's pipeline depth: only with one K tile (the weight block then changes only
-    # with the group, and a deeper buffer prefetches the next group's block).
-    mode_kw = {}
-    if rhs_buffer_count and tiles_k == 1:
-        mode_kw = dict(pipeline_mode=pl.Buffered(rhs_buffer_count))
+    mode_kw = weight_pipeline(rhs_buffer_count, tiles_k)
     gate_spec = pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile: (grp[s], ki, j),
                              **mode_kw)
     up_spec = pl.BlockSpec((None, tk, tn),

@@ -1,0 +1,252 @@
+"""The training step as a compiled program, for this host or a TPU topology, and its facts.
+
+`compile_step` lowers and compiles the jitted training step for abstract inputs (nothing runs,
+no parameter is allocated) on the devices of a *target*: "cpu:N" (N simulated CPU devices of this
+host) or a TPU topology such as "tpu7x:2x2x1" or "v5p:4x4x4", whose compile-only devices come
+from `jax.experimental.topologies.get_topology_desc` (needs libtpu, installed by `jax[tpu]`).
+The Mosaic TPU compiler then runs for real, so memory and VMEM errors surface on this host.
+
+`step_facts` reads what a compiled step says: per-device memory (arguments, outputs, aliased,
+temporaries and their sum, against the target's HBM), the collectives by kind, dtype and loop
+(per loop iteration: each op in a loop body runs once per iteration) and XLA's FLOP count;
+`saved_residuals` lists what one layer block keeps for the backward under the remat policy.
+The `inspect` command prints these; lever tests read the same functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+
+from hybridmoe.analysis import program
+from hybridmoe.config.schema import Config
+
+GIB = 2**30
+
+# HBM per chip in GiB (Google Cloud TPU documentation, "TPU7x (Ironwood)" system architecture
+# table: v5p 95, v6e 32, TPU7x 192; v5e 16, v4 32 from the v5e and v4 pages). A chip's HBM is
+# shared by the JAX devices on it (a TPU7x chip shows two); per device = chip / devices per chip.
+HBM_GIB_PER_CHIP = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32, "tpu7x": 192}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the step is compiled for."""
+    name: str                   # "cpu:8", "tpu7x:2x2x1", ...
+    platform: str               # "cpu" or "tpu"
+    devices: tuple
+    hbm_bytes_per_device: int | None
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+
+_TOPOLOGY = re.compile(r"^([a-z0-9]+):(\d+(?:x\d+)*)$")
+
+
+def parse_target(name: str) -> tuple[str, int | None]:
+    """("cpu", N) for "cpu:N"; ("tpu", None) for a TPU topology name; ValueError otherwise."""
+    if name.startswith("cpu:"):
+        n = name.split(":", 1)[1]
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"target {name!r}: cpu:N needs a positive device count N")
+        return "cpu", int(n)
+    m = _TOPOLOGY.match(name)
+    if not m or m.group(1) not in HBM_GIB_PER_CHIP:
+        raise ValueError(f"target {name!r}: use cpu:N or a TPU topology GEN:AxBxC with GEN one of "
+                         f"{', '.join(sorted(HBM_GIB_PER_CHIP))} (e.g. tpu7x:2x2x1, v5p:4x4x4)")
+    return "tpu", None
+
+
+def tpu_target(name: str) -> Target:
+    """Compile-only devices of a TPU topology (no TPU needed; libtpu must be installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise RuntimeError(f"target {name!r} needs libtpu on this host: pip install 'jax[tpu]=="
+                           f"{jax.__version__}' (installs libtpu; JAX itself is unchanged)")
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(name, platform="tpu")
+    gen, shape = _TOPOLOGY.match(name).groups()
+    chips = math.prod(int(s) for s in shape.split("x"))
+    per_chip = len(topo.devices) // chips or 1
+    hbm = HBM_GIB_PER_CHIP[gen] * GIB // per_chip
+    return Target(name, "tpu", tuple(topo.devices), hbm)
+
+
+def host_target() -> Target:
+    devs = tuple(jax.devices())
+    return Target(f"{devs[0].platform}:{len(devs)}", devs[0].platform, devs, None)
+
+
+def abstract_batch(cfg: Config, setup):
+    """The step's batch as ShapeDtypeStructs: [micro_batches, B, T] int32 per field."""
+    t = cfg.train
+    shape = (t.micro_batches, t.batch_size, t.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding(1))
+            for k in ("tokens", "segment_ids", "positions")}
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    cfg: Config
+    target: Target
+    program: program.Program
+    compile_s: float
+    residuals: list
+
+
+def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True) -> CompiledStep:
+    """Lower and compile the training step for the target's devices (nothing is run)."""
+    from hybridmoe.train.setup import build, jit_train_step
+
+    setup = build(cfg, list(target.devices))
+    step = jit_train_step(setup)
+    with setup.context():
+        t0 = time.perf_counter()
+        lowered = step.lower(setup.abstract_state(), abstract_batch(cfg, setup))
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - t0
+        residuals = block_residuals(cfg, setup) if with_residuals else []
+    prog = program.Program(lowered.as_text(), compiled.as_text(), program.memory_figures(compiled),
+                           program.cost_figures(compiled))
+    return CompiledStep(cfg, target, prog, compile_s, residuals)
+
+
+def block_residuals(cfg: Config, setup) -> list[program.Residual]:
+    """What one layer block's forward keeps for its backward under the config's remat policy
+    (global shapes; the layer scan stacks one set per block)."""
+    from hybridmoe.model.forward import block_fn
+    from hybridmoe.model.params import abstract_params
+    from hybridmoe.model.remat import remat_policy
+
+    t, m = cfg.train, cfg.model
+    params = abstract_params(setup.specs, setup.param_shardings)
+    block_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["blocks"])
+    ids = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32)
+    x = jax.ShapeDtypeStruct((t.batch_size, t.seq_len, m.d_model), jnp.dtype(m.compute_dtype))
+
+    def block(x, bp, seg, pos):
+        f = block_fn(cfg, pos, seg)
+        if cfg.remat.policy != "none":
+            f = jax.checkpoint(f, policy=remat_policy(cfg.remat))
+        return f(x, bp)
+
+    return program.saved_residuals(block, x, block_params, ids, ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts
+
+
+def memory_facts(prog: program.Program, hbm_bytes: int | None) -> dict:
+    """Per-device bytes. `total` = arguments + outputs - aliased (donated) + temporaries: every
+    buffer of the step live at once, an upper bound of the step's HBM need."""
+    m = prog.memory
+    total = m.get("argument", 0) + m.get("output", 0) - m.get("alias", 0) + m.get("temp", 0)
+    out = {k: m.get(k, 0) for k in ("argument", "output", "alias", "temp", "generated_code")}
+    out["total"] = total
+    out["hbm"] = hbm_bytes
+    out["fits"] = None if hbm_bytes is None else total <= hbm_bytes
+    return out
+
+
+def collective_rows(colls: list[program.Collective]) -> list[dict]:
+    """One row per (where, kind, dtype): `where` is "outside loops" or the enclosing loop with
+    its trip count; ops and bytes are per execution of that place (per loop iteration)."""
+    acc: dict = defaultdict(lambda: {"ops": 0, "bytes": 0})
+    for c in colls:
+        where = "outside loops" if not c.in_loop else (
+            f"loop depth {c.loop_depth}, {c.trip_count if c.trip_count else '?'} iterations")
+        row = acc[(where, c.kind, c.dtype)]
+        row["ops"] += 1
+        row["bytes"] += c.bytes
+    return [{"where": w, "kind": k, "dtype": d, **v} for (w, k, d), v in sorted(acc.items())]
+
+
+def residual_rows(residuals: list[program.Residual]) -> list[dict]:
+    """Named residuals grouped by name: count, shapes, dtype, bytes (one block, global)."""
+    acc: dict = {}
+    for r in residuals:
+        if not r.name:
+            continue
+        nbytes = math.prod(r.shape) * jnp.dtype(r.dtype).itemsize
+        row = acc.setdefault(r.name, {"name": r.name, "count": 0, "shape": list(r.shape),
+                                      "dtype": r.dtype, "bytes": 0})
+        row["count"] += 1
+        row["bytes"] += nbytes
+    return sorted(acc.values(), key=lambda r: r["name"])
+
+
+def residual_bytes(residuals: list[program.Residual]) -> int:
+    return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals)
+
+
+def step_facts(step: CompiledStep) -> dict:
+    prog = step.program
+    return {"target": step.target.name, "devices": step.target.num_devices,
+            "compile_s": round(step.compile_s, 1),
+            "memory": memory_facts(prog, step.target.hbm_bytes_per_device),
+            "flops": prog.cost.get("flops"),
+            "collectives": collective_rows(prog.compiled_collectives),
+            "saved_residuals": residual_rows(step.residuals),
+            "saved_residual_bytes_per_block": residual_bytes(step.residuals)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+
+
+def _in(unit: int):
+    return lambda n: "-" if n is None else f"{n / unit:.2f}"
+
+
+def format_facts(columns: dict[str, dict]) -> str:
+    """The facts of one or more programs (name -> step_facts) side by side."""
+    names = list(columns)
+    width = max(12, *(len(n) for n in names))
+    head = lambda title: f"{title:<34}" + "".join(f"{n:>{width + 2}}" for n in names)  # noqa: E731
+    lines = [head("per device")]
+    mem = {n: c["memory"] for n, c in columns.items()}
+    big = max(m["total"] for m in mem.values()) >= GIB
+    unit, fmt = ("GiB", _in(GIB)) if big else ("MiB", _in(2**20))
+    for key, label in (("argument", "arguments"), ("output", "outputs"), ("alias", "aliased (donated)"),
+                       ("temp", "temporaries"), ("total", "total (args+outs-aliased+temps)"),
+                       ("hbm", "HBM")):
+        lines.append(f"{label + ' ' + unit:<34}" + "".join(f"{fmt(mem[n][key]):>{width + 2}}" for n in names))
+    fits = {n: mem[n]["fits"] for n in names}
+    lines.append(f"{'fits HBM':<34}" + "".join(
+        f"{'-' if fits[n] is None else ('yes' if fits[n] else 'NO'):>{width + 2}}" for n in names))
+    lines.append(f"{'TFLOPs per device (XLA)':<34}" + "".join(
+        f"{(columns[n]['flops'] or 0) / 1e12:>{width + 2}.4f}" for n in names))
+    lines.append(f"{'compile s':<34}" + "".join(f"{columns[n]['compile_s']:>{width + 2}.1f}" for n in names))
+    lines.append("")
+    lines.append("collectives (compiled; ops and MiB per execution of the place, per device)")
+    keys = sorted({(r["where"], r["kind"], r["dtype"]) for c in columns.values() for r in c["collectives"]})
+    by = {n: {(r["where"], r["kind"], r["dtype"]): r for r in c["collectives"]} for n, c in columns.items()}
+    for key in keys:
+        label = f"  {key[0]}: {key[1]} {key[2]}"
+        cells = []
+        for n in names:
+            r = by[n].get(key)
+            cells.append("-" if r is None else f"{r['ops']} / {r['bytes'] / 2**20:.2f}")
+        lines.append(f"{label:<50}" + "".join(f"{c:>{width + 2}}" for c in cells))
+    lines.append("")
+    lines.append("named residuals one layer block saves for the backward (global MiB)")
+    rnames = sorted({r["name"] for c in columns.values() for r in c["saved_residuals"]})
+    rby = {n: {r["name"]: r for r in c["saved_residuals"]} for n, c in columns.items()}
+    for rn in rnames:
+        cells = ["-" if rn not in rby[n] else f"{rby[n][rn]['count']}x {rby[n][rn]['bytes'] / 2**20:.2f}"
+                 for n in names]
+        lines.append(f"  {rn:<32}" + "".join(f"{c:>{width + 2}}" for c in cells))
+    lines.append(f"  {'all residuals (named or not)':<32}" + "".join(
+        f"{columns[n]['saved_residual_bytes_per_block'] / 2**20:>{width + 2}.2f}" for n in names))
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""The inspect and gates commands end to end on tiny shapes (the TPU-target inspect is in
+test_gmm_tpu_compile.py, where every libtpu user lives)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridmoe.analysis import train_program as tp
+from hybridmoe.cli import main
+from hybridmoe.config import ConfigError, load_config
+from hybridmoe.config.validate import compile_target
+
+PALLAS_TPU = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "moe.wi_fused_swiglu=true",
+              "model.d_model=128", "model.moe_intermediate_size=128", "kernels.gmm.tk=128"]
+
+
+def test_targets_are_parsed_or_refused_clearly():
+    assert tp.parse_target("cpu:8") == ("cpu", 8)
+    assert tp.parse_target("tpu7x:2x2x1") == ("tpu", None)
+    for bad in ("cpu:0", "tpu9:2x2", "v5p", "gpu:8"):
+        with pytest.raises(ValueError, match="cpu:N or a TPU topology|positive device count"):
+            tp.parse_target(bad)
+
+
+def test_validator_accepts_the_pallas_tpu_backend_for_a_tpu_target():
+    cfg = ["mesh.cpu_devices=0", *PALLAS_TPU]
+    with pytest.raises(ConfigError, match="cannot run on this platform"):
+        load_config("tiny", cfg)
+    with compile_target("tpu"):
+        load_config("tiny", cfg)
+
+
+def test_inspect_cpu_side_by_side(tmp_path, capsys):
+    out = tmp_path / "inspect.json"
+    rc = main(["inspect", "recipe=tiny", "train.batch_size=8", "--target", "cpu:8",
+               "--compare", "moe.capacity_factor=0.5", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "temporaries MiB" in text and "collectives" in text and "all-gather f32" in text
+    rec = json.loads(out.read_text())
+    base, other = rec["programs"]["base"], rec["programs"]["compare"]
+    assert rec["target"] == "cpu:8" and base["devices"] == 8
+    assert base["memory"]["argument"] > 0 and base["memory"]["temp"] > 0 and base["flops"] > 0
+    assert base["memory"]["fits"] is None  # no HBM figure for a CPU host
+    assert any(r["kind"] == "all-gather" for r in base["collectives"])
+    # The capacity buffer halves the routed rows the grouped matmuls run: fewer FLOPs.
+    assert other["flops"] < base["flops"]
+
+
+GATE_SHAPES = ["rl.prompts_per_step=2", "rl.group_size=4", "rl.max_prompt_len=8", "rl.max_new_tokens=4"]
+
+
+def test_gates_pass_the_reference_and_fail_a_perturbed_candidate(capsys):
+    assert main(["gates", "recipe=tiny", *GATE_SHAPES, "--steps", "1", "--candidate", "train.seed=0"]) == 0
+    text = capsys.readouterr().out
+    results = [line.split()[-1] for line in text.splitlines() if line.split()[:1] and
+               line.split()[0] in ("V1", "V2", "N1", "N1-last", "N2", "N3")]
+    assert results == ["PASS"] * 6 and "all gates PASS" in text, text
+    # A slightly different model (RMSNorm epsilon 1e-6 -> 1e-3): the log-prob, entropy and
+    # gradient-norm gates see it.
+    assert main(["gates", "recipe=tiny", *GATE_SHAPES, "--steps", "1", "--candidate",
+                 "model.rms_norm_eps=1e-3"]) == 1
+    text = capsys.readouterr().out
+    failed = {line.split()[0] for line in text.splitlines() if line.endswith("FAIL")}
+    assert {"N1", "N3"} <= failed, text
