@@ -149,3 +149,18 @@ def test_cursor_round_trips_through_checkpoint_metadata():
     from hybridmoe.data.sources import position_record, start_position
     assert start_position({"data_position": position_record(17)}) == 17
     assert start_position(None) == 0 and start_position({}) == 0  # a fresh run; step-derived sources
+
+
+def test_fine_tune_a_checkpoint_on_jsonl_and_export_it(tmp_path):
+    """The user's path end to end: `train --init-hf DIR` on a JSONL file, `--export-hf` a folder
+    that our loader reads back with the trained weights (not the initial ones)."""
+    from hybridmoe.cli import main
+    from hybridmoe.model import hf
+    out = tmp_path / "hf_out"
+    assert main(["train", "train.data=files", f"data.path={SFT}", "train.steps=2", "train.warmup_steps=0",
+                 "train.seq_len=32", "--init-hf", str(HF_TINY), "--export-hf", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (HF_TINY / "tokenizer.json").read_bytes()
+    _, trained = hf.load_hf_checkpoint(str(out))
+    _, initial = hf.load_hf_checkpoint(str(HF_TINY))
+    assert trained["embed"].shape == initial["embed"].shape
+    assert not np.array_equal(trained["embed"], initial["embed"])  # two optimizer steps moved the weights
