@@ -164,3 +164,18 @@ def test_fine_tune_a_checkpoint_on_jsonl_and_export_it(tmp_path):
     _, initial = hf.load_hf_checkpoint(str(HF_TINY))
     assert trained["embed"].shape == initial["embed"].shape
     assert not np.array_equal(trained["embed"], initial["embed"])  # two optimizer steps moved the weights
+
+
+@pytest.mark.parametrize("lines, needle", [
+    (['{"text": "1+1=2"}', "{oops"], ":2: not valid JSON"),
+    (['{"txt": "1+1=2"}'], "no 'text' string and no 'messages' list (fields: txt)"),
+])
+def test_train_on_bad_data_stops_before_anything_is_written(tmp_path, capsys, lines, needle):
+    from hybridmoe.cli import main
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    assert main(["train", "train.data=files", f"data.path={f}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(f) in err and "data.on_bad_line=skip" in err and "Traceback" not in err
+    assert not out.exists()
