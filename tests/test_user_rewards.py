@@ -115,3 +115,13 @@ def test_grpo_on_a_jsonl_prompt_set_survives_a_raising_reward(tmp_path):
     # 4 of the 16 prompts are `mul`: over 8 prompts some step very likely drew one (fixed seed: it did).
     assert sum(r["reward_errors"] for r in recs) > 0
     assert sum(r["reward_errors"] for r in recs) == sum(r["rewards_skipped"] for r in recs)
+
+
+def test_a_prompt_set_longer_than_the_prompt_slots_is_refused_up_front(tmp_path, capsys):
+    out = tmp_path / "run"
+    words = [w for w in RL_WORDS if not w.startswith("rl.max_prompt_len")]
+    assert main([*words, "rl.max_prompt_len=8", "rl.reward=hybridmoe.rl.answer_rewards:answer_format",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "every prompt is longer than rl.max_prompt_len=8" in err and "raise rl.max_prompt_len" in err
+    assert not out.exists()

@@ -12,6 +12,7 @@ generator (a pure function of (train.seed, step)), so a resumed run asks the sam
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,8 @@ from hybridmoe.config.schema import Config
 from hybridmoe.data.arithmetic import Example
 from hybridmoe.data.records import DataError, prompt_or_messages, read_records
 from hybridmoe.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,20 @@ class PromptSetTask:
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Tokenizer) -> PromptSetTask:
-        return cls(tuple(read_prompt_set(cfg.data.prompts, tokenizer, cfg.data.on_bad_line)))
+        """The prompt set of data.prompts; a DataError when no prompt fits rl.max_prompt_len (a
+        longer prompt is a counted skip at run time: a set of only such prompts could not train)."""
+        examples = read_prompt_set(cfg.data.prompts, tokenizer, cfg.data.on_bad_line)
+        bos = 1 if tokenizer.bos_id is not None else 0
+        lengths = [bos + len(tokenizer.encode(e.prompt)) for e in examples]
+        too_long = sum(n > cfg.rl.max_prompt_len for n in lengths)
+        if too_long == len(lengths):
+            raise DataError(f"data.prompts={cfg.data.prompts}: every prompt is longer than rl.max_prompt_len="
+                            f"{cfg.rl.max_prompt_len} tokens (shortest {min(lengths)}, longest {max(lengths)}); "
+                            f"raise rl.max_prompt_len to at least {max(lengths)}")
+        if too_long:
+            log.warning("data.prompts: %d of %d prompts exceed rl.max_prompt_len=%d tokens (longest %d) and will be "
+                        "skipped when drawn", too_long, len(lengths), cfg.rl.max_prompt_len, max(lengths))
+        return cls(tuple(examples))
 
     def sample(self, rng: np.random.Generator, num_examples: int) -> list[Example]:
         n = len(self.examples)
