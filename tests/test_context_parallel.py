@@ -201,3 +201,26 @@ def test_validator_accepts_the_supported_setting():
     cfg = tiny_config("mesh.context=4", "mesh.data=1", "gdn.chunk_size=8", "attention.cp_load_balance=true",
                       "attention.cp_load_balance_hoist_ids=true", "remat.policy=custom")
     assert cfg.attention.cp_load_balance_hoist_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler under a context-parallel mesh: decoding runs with the sequence unsharded.
+
+
+def test_sampler_under_context_parallelism_matches_the_cp_trainer():
+    from hybridmoe.model.forward import token_logprobs
+    from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
+
+    cfg = tiny_config(*cp_overrides(2, "attention.cp_load_balance=true", "gdn.chunk_size=4"))
+    params = tiny_params(cfg)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.model.vocab_size, size=n).tolist() for n in (3, 8, 1, 5, 2, 8, 4, 6)]
+    tokens, seg, pos = left_pad_prompts(prompts, 8, pad_id=0)
+    opts = SamplingOptions(max_new_tokens=8, temperature=1.0, eos_id=-1)
+    setup = build(cfg)
+    with setup.context():
+        out = make_generate(cfg, opts)(params, tokens, seg, pos, jax.random.key(1))
+        # The trainer's forward on the sampled rows, sequence-sharded (16 tokens over 2 ranks).
+        trainer = jax.jit(lambda p, t, s, q: token_logprobs(p, cfg, t, s, q))(
+            params, out["tokens"], out["segment_ids"], out["positions"])
+    np.testing.assert_allclose(np.asarray(out["logprobs"]), np.asarray(trainer)[:, 7:], rtol=0, atol=1e-5)

@@ -113,3 +113,13 @@ def reorder(x, logical_axes: Sequence[str | None], *, inverse: bool = False):
     spec = logical_to_spec(tuple(logical_axes))
     fn = from_load_balanced_local if inverse else to_load_balanced_local
     return jax.shard_map(lambda a: fn(a, axes, P), in_specs=(spec,), out_specs=spec)(x)
+
+
+def sequence_unsharded(rules):
+    """`rules` with the sequence on no mesh axis: how decoding runs under a context-parallel mesh.
+
+    A decode step has one new token per row, which cannot be split; the context ranks then hold
+    the same rows (the batch stays split over its own axes), and each layer runs its unsharded
+    path.
+    """
+    return {**rules, "seq": None}

@@ -26,6 +26,8 @@ import numpy as np
 
 from hybridmoe.config.schema import Config
 from hybridmoe.model.decode import cached_hidden, init_cache, next_token_logits
+from hybridmoe.parallel.context import sequence_unsharded
+from hybridmoe.parallel.rules import active_rules, use_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +76,15 @@ def generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids_
     """Sample completions. Returns a dict of arrays:
     completion [B, N] int32 (padding after EOS), logprobs [B, N] float32 (0 past the end),
     lengths [B] int32 (tokens through EOS), truncated [B] bool, and the trainer's rows
-    tokens / segment_ids / positions [B, P + N]."""
+    tokens / segment_ids / positions [B, P + N].
+
+    Under context parallelism the sampler runs without it (parallel/context.sequence_unsharded):
+    the rows stay split over the batch axes and the context ranks decode the same rows."""
+    with use_rules(sequence_unsharded(active_rules())):
+        return _generate(params, cfg, opts, tokens_BP, segment_ids_BP, positions_BP, key)
+
+
+def _generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids_BP, positions_BP, key):
     B, P = tokens_BP.shape
     N = opts.max_new_tokens
     cache = init_cache(cfg, B, P + N)
