@@ -15,7 +15,7 @@ import time
 import jax
 import numpy as np
 
-from hybridmoe.analysis.program import count, memory_figures, parse_hlo
+from hybridmoe.analysis.program import count, memory_figures, parse_hlo, parse_stablehlo, per_iteration
 from hybridmoe.config import load_config
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, put_global
@@ -54,10 +54,18 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
             batch0 = put_global(synthetic_batch(t.seed, 0, t.micro_batches, t.batch_size, t.seq_len,
                                                 arm.cfg.model.vocab_size), setup.batch_sharding(1))
             t0 = time.perf_counter()
-            compiled = step_fn.lower(setup.abstract_state(), batch0).compile()
+            lowered = step_fn.lower(setup.abstract_state(), batch0)
+            compiled = lowered.compile()
             arm.compile_s = time.perf_counter() - t0
-        colls = parse_hlo(compiled.as_text())
+        colls, lowered_colls = parse_hlo(compiled.as_text()), parse_stablehlo(lowered.as_text())
+        per_loop = lambda cs: {loop: dict(c) for loop, c in per_iteration(cs).items()}  # noqa: E731
+        # Per loop (micro-batch scan, forward and backward layer scans): collectives per iteration,
+        # compiled (every one) and lowered (the explicit ones, before XLA moves any out of a loop).
         arm.program = {**memory_figures(compiled),
+                       "compiled_collectives_per_loop_iteration": per_loop(colls),
+                       "lowered_collectives_per_loop_iteration": per_loop(lowered_colls),
+                       "lowered_int32_permutes_per_loop_iteration": per_loop(
+                           [c for c in lowered_colls if c.kind == "collective-permute" and c.dtype == "s32"]),
                        "collectives_in_loop": count(colls, in_loop=True),
                        "collectives_outside_loop": count(colls, in_loop=False)}
         runs.append((arm, setup, compiled))

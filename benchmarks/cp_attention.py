@@ -1,0 +1,101 @@
+"""Context-parallel attention at the `small` recipe on 8 simulated CPU devices: the causal balance
+of load balancing, and the program and step time of each key off and on.
+
+Arms (remat.policy=custom, empty save list, in every arm so that only the key differs), for
+context 2 and context 4 (fsdp absorbs the rest of the 8 devices):
+  cpP            context parallelism, natural order
+  cpP-lb         + attention.cp_load_balance
+  cpP-lb-hoist   + attention.cp_load_balance_hoist_ids
+Every arm is compiled first, then the arms take turns step by step (hybridmoe.train.bench), so the
+step-time ratios are measured interleaved in one run. Program facts come from each arm's lowered
+and compiled training step. The balance figures count, per context rank, the (query, key) score
+entries the causal and segment mask leaves, for the recipe's packed synthetic batch and for one
+document per row, in natural and in load-balanced order.
+
+  .venv/bin/python benchmarks/cp_attention.py [--rounds 4]
+Prints tables and writes benchmarks/cp_attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+
+from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
+from hybridmoe.config import load_config  # noqa: E402
+from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
+from hybridmoe.parallel.context import load_balanced_token_index  # noqa: E402
+from hybridmoe.train.bench import format_table, run_bench  # noqa: E402
+
+RECIPE = "small"
+COMMON = ["mesh.cpu_devices=8", "mesh.data=1", "mesh.fsdp=-1", "remat.policy=custom"]
+CONTEXTS = (2, 4)
+
+
+def arms() -> list[tuple[str, list[str]]]:
+    out = []
+    for P in CONTEXTS:
+        cp = [f"mesh.context={P}"]
+        lb = cp + ["attention.cp_load_balance=true"]
+        out += [(f"cp{P}", cp), (f"cp{P}-lb", lb), (f"cp{P}-lb-hoist", lb + ["attention.cp_load_balance_hoist_ids=true"])]
+    return out
+
+
+def unmasked_per_rank(pos_BT, seg_BT, P: int, order) -> list[int]:
+    pos, seg = pos_BT[:, order], seg_BT[:, order]
+    ok = (pos[:, None, :] <= pos[:, :, None]) & (seg[:, None, :] == seg[:, :, None])
+    return [int(c) for c in ok.sum(axis=-1).sum(axis=0).reshape(P, -1).sum(axis=1)]
+
+
+def balance() -> dict:
+    cfg = load_config(RECIPE, COMMON)
+    t = cfg.train
+    packed = synthetic_batch(t.seed, 0, 1, t.batch_size, t.seq_len, cfg.model.vocab_size)
+    rows = {"packed synthetic batch": (np.asarray(packed["positions"][0]), np.asarray(packed["segment_ids"][0])),
+            "one document per row": (np.broadcast_to(np.arange(t.seq_len), (t.batch_size, t.seq_len)),
+                                     np.ones((t.batch_size, t.seq_len), np.int32))}
+    out = {}
+    for what, (pos, seg) in rows.items():
+        for P in CONTEXTS:
+            natural = unmasked_per_rank(pos, seg, P, np.arange(t.seq_len))
+            balanced = unmasked_per_rank(pos, seg, P, load_balanced_token_index(t.seq_len, P))
+            spread = lambda c: (max(c) - min(c)) / (sum(c) / len(c))  # noqa: E731
+            out[f"{what}, context {P}"] = {"natural": natural, "load_balanced": balanced,
+                                           "spread_natural": spread(natural), "spread_load_balanced": spread(balanced)}
+    return out
+
+
+def backward_loop(per_loop: dict) -> dict:
+    """The layer loop with the most collectives per iteration: the backward (replay + transposes)."""
+    return max(per_loop.values(), key=lambda c: sum(c.values())) if per_loop else {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out", default=str(Path(__file__).with_name("cp_attention.json")))
+    args = ap.parse_args()
+    bal = balance()
+    print(f"{'unmasked score entries per rank':<44} {'natural':<36} load-balanced")
+    for k, v in bal.items():
+        print(f"{k:<44} {str(v['natural']):<36} {v['load_balanced']}")
+    results = run_bench(RECIPE, COMMON, arms(), args.rounds)
+    print(format_table(results))
+    print(f"{'arm':<14} {'bwd loop: compiled collectives / iteration':<60} lowered int32 permutes / iteration")
+    for name, a in results.items():
+        prog = a["program"]
+        print(f"{name:<14} {str(backward_loop(prog['compiled_collectives_per_loop_iteration'])):<60} "
+              f"{backward_loop(prog['lowered_int32_permutes_per_loop_iteration'])}")
+    write_record(Path(args.out), {**machine_record(), "benchmark": "cp_attention", "recipe": RECIPE,
+                                  "common_overrides": COMMON, "rounds": args.rounds, "balance": bal,
+                                  "arms": results})
+
+
+if __name__ == "__main__":
+    main()
