@@ -24,13 +24,14 @@ from pathlib import Path
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
 
 import numpy as np  # noqa: E402
 
 from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
 from hybridmoe.config import load_config  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
-from hybridmoe.parallel.context import load_balanced_token_index  # noqa: E402
+from hybridmoe.parallel.context import load_balanced_token_index, unmasked_scores_per_rank  # noqa: E402
 from hybridmoe.train.bench import format_table, run_bench  # noqa: E402
 
 RECIPE = "small"
@@ -47,12 +48,6 @@ def arms() -> list[tuple[str, list[str]]]:
     return out
 
 
-def unmasked_per_rank(pos_BT, seg_BT, P: int, order) -> list[int]:
-    pos, seg = pos_BT[:, order], seg_BT[:, order]
-    ok = (pos[:, None, :] <= pos[:, :, None]) & (seg[:, None, :] == seg[:, :, None])
-    return [int(c) for c in ok.sum(axis=-1).sum(axis=0).reshape(P, -1).sum(axis=1)]
-
-
 def balance() -> dict:
     cfg = load_config(RECIPE, COMMON)
     t = cfg.train
@@ -63,8 +58,9 @@ def balance() -> dict:
     out = {}
     for what, (pos, seg) in rows.items():
         for P in CONTEXTS:
-            natural = unmasked_per_rank(pos, seg, P, np.arange(t.seq_len))
-            balanced = unmasked_per_rank(pos, seg, P, load_balanced_token_index(t.seq_len, P))
+            order = load_balanced_token_index(t.seq_len, P)
+            natural = unmasked_scores_per_rank(pos, seg, P).tolist()
+            balanced = unmasked_scores_per_rank(pos[:, order], seg[:, order], P).tolist()
             spread = lambda c: (max(c) - min(c)) / (sum(c) / len(c))  # noqa: E731
             out[f"{what}, context {P}"] = {"natural": natural, "load_balanced": balanced,
                                            "spread_natural": spread(natural), "spread_load_balanced": spread(balanced)}

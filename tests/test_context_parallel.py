@@ -130,25 +130,16 @@ def test_load_balanced_order_and_back(P):
     assert [(s[0] // h, s[h] // h) for s in shards] == [(r, 2 * P - 1 - r) for r in range(P)]
 
 
-def unmasked_scores_per_rank(positions_BT, segment_ids_BT, P):
-    """Per rank: how many (query, key) score entries the causal, segment mask leaves, for the
-    queries that rank holds (keys: the whole gathered row)."""
-    pos, seg = np.asarray(positions_BT), np.asarray(segment_ids_BT)
-    ok = (pos[:, None, :] <= pos[:, :, None]) & (seg[:, None, :] == seg[:, :, None])
-    per_query = ok.sum(axis=-1).sum(axis=0)  # [T], summed over the batch
-    return per_query.reshape(P, -1).sum(axis=1)
-
-
 def balance_figures(P, seq_len=T, packed=True):
     """Per-rank unmasked score entries in natural and in load-balanced order (the order taken
     from the reorder run on the mesh)."""
     cfg = tiny_config(*cp_overrides(P), f"train.seq_len={seq_len}")
     batch = packed_batch(0, B, seq_len, cfg.model.vocab_size, doc_lengths=(5, 70, 9, 30) if packed else (seq_len,))
-    natural = unmasked_scores_per_rank(batch["positions"], batch["segment_ids"], P)
+    natural = context.unmasked_scores_per_rank(batch["positions"], batch["segment_ids"], P)
     reordered = run_on_mesh(cfg, jax.jit(lambda p, s: (context.reorder(p, ("batch", "seq")),
                                                         context.reorder(s, ("batch", "seq")))),
                             batch["positions"], batch["segment_ids"])
-    balanced = unmasked_scores_per_rank(*reordered, P)
+    balanced = context.unmasked_scores_per_rank(*reordered, P)
     return natural, balanced
 
 

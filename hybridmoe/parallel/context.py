@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hybridmoe.parallel.rules import logical_to_spec
 
@@ -91,8 +92,6 @@ def from_load_balanced_local(x, axes: tuple[str, ...], P: int, axis: int = 1):
 
 def load_balanced_token_index(T: int, P: int):
     """numpy [T]: the natural index of the token at each position of the load-balanced order."""
-    import numpy as np
-
     h = T // (2 * P)
     order = []
     for r in range(P):
@@ -123,3 +122,12 @@ def sequence_unsharded(rules):
     path.
     """
     return {**rules, "seq": None}
+
+
+def unmasked_scores_per_rank(positions_BT, segment_ids_BT, P: int):
+    """numpy [P]: per context rank, the (query, key) score entries that the causal, segment mask
+    leaves for the queries the rank holds (in the order given), summed over the batch; keys are the
+    whole gathered row. The measure of causal attention work that load balancing evens out."""
+    pos, seg = np.asarray(positions_BT), np.asarray(segment_ids_BT)
+    ok = (pos[:, None, :] <= pos[:, :, None]) & (seg[:, None, :] == seg[:, :, None])
+    return ok.sum(axis=-1).sum(axis=0).reshape(P, -1).sum(axis=1)
