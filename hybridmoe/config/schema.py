@@ -174,7 +174,21 @@ class KernelsConfig(Section):
 
 
 class QuantConfig(Section):
-    pass
+    fp8_moe_fake_quant: bool = Field(
+        False, description="Round every routed-expert weight to its per-output-channel float8_e4m3fn grid "
+        "(straight-through gradient), in every layer, forward and remat replay.")
+    fp8_fake_quant_hoist: Literal["off", "absmax", "gather8"] = Field(
+        "off", description="off; absmax: the fake quant's absmax computed once for the scanned stack before "
+        "the layer scan; gather8: that, plus FSDP all-gathers of 1-byte fp8 codes instead of the weight.")
+    fp8_gmm: bool = Field(
+        False, description="MoE grouped matmuls in fp8 (forward, input and weight gradients): e4m3 weights "
+        "and activations, e5m2 gradients, per-row / per-channel scales, float32 accumulation.")
+
+    @field_validator("fp8_fake_quant_hoist", mode="before")
+    @classmethod
+    def _bare_off(cls, v):
+        # YAML 1.1 reads a bare `off` as False.
+        return "off" if v is False else v
 
 
 class AttentionConfig(Section):

@@ -176,9 +176,9 @@ def _gmm_tile_problems(cfg: Config) -> list[str]:
 
 
 def _quantized_gmm(cfg: Config) -> list[str]:
-    """Quantization keys that rewrite the expert matmuls (the fused epilogues assume bf16/f32)."""
-    q = cfg.quant.model_dump()
-    return [f"quant.{k}" for k in ("fp8_gmm", "fp8_moe_fake_quant") if q.get(k)]
+    """Quantization keys that rewrite the expert matmuls (the fused epilogues assume bf16/f32).
+    fp8_moe_fake_quant is not one: it rounds the weights before any matmul sees them."""
+    return ["quant.fp8_gmm"] if cfg.quant.fp8_gmm else []
 
 
 @rule
@@ -368,3 +368,34 @@ def _gdn_context_parallel(cfg: Config) -> list[Problem]:
         if unmet:
             out.append((f"gdn.{key}", "; ".join(unmet)))
     return out
+
+
+# fp8: fake quantization of the routed experts and its hoist (LEVERS.md, "fp8").
+
+
+def _fsdp_size(cfg: Config) -> int | None:
+    """The fsdp axis size when the config fixes it (explicitly, or through simulated devices)."""
+    if cfg.mesh.fsdp != -1:
+        return cfg.mesh.fsdp
+    if cfg.mesh.cpu_devices:
+        sizes, problem = cfg.mesh.resolve(cfg.mesh.cpu_devices)
+        return None if problem else sizes["fsdp"]
+    return None
+
+
+@rule
+def _fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
+    q, unmet = cfg.quant, []
+    mode = q.fp8_fake_quant_hoist
+    if mode == "off":
+        return []
+    if not q.fp8_moe_fake_quant:
+        unmet.append("needs quant.fp8_moe_fake_quant=true (it hoists the fake quantization's absmax)")
+    if mode == "gather8":
+        if cfg.moe.impl != "sparse":
+            unmet.append("gather8 needs moe.impl=sparse (the grouped-matmul path)")
+        fsdp = _fsdp_size(cfg)
+        if fsdp == 1:
+            unmet.append("gather8 needs FSDP-sharded expert weights (mesh.fsdp > 1): with mesh.fsdp=1 "
+                         "nothing is gathered")
+    return [("quant.fp8_fake_quant_hoist", "; ".join(unmet))] if unmet else []

@@ -26,9 +26,11 @@ import jax.numpy as jnp
 from hybridmoe.config.schema import Config
 from hybridmoe.kernels.attention import attention
 from hybridmoe.model.attention import gated_output, project_qkv
+from hybridmoe.model.expert_fp8 import sampling_weights
 from hybridmoe.model.forward import decoder_layer, embed_tokens, lm_head_at_use
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.norms import rms_norm
+from hybridmoe.model.params import layer_axes
 
 UNWRITTEN_SEGMENT = -1
 
@@ -96,7 +98,8 @@ def cached_hidden(params, cfg: Config, cache, tokens_BT, segment_ids_BT, positio
     def block(x_BTD, xs):
         block_params, block_cache = xs
         new_cache = []
-        for kind, lp, lc in zip(m.layer_pattern, block_params, block_cache):
+        for kind, lp, lc, lp_axes in zip(m.layer_pattern, block_params, block_cache, layer_axes(m)):
+            lp = sampling_weights(lp, lp_axes, cfg)
             mix = lambda p, h, kind=kind, lc=lc: _cached_mixer(kind, p, h, lc, ctx, cfg)
             x_BTD, lc = decoder_layer(lp, x_BTD, mix, cfg)
             new_cache.append(lc)

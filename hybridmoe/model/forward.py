@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from hybridmoe.config.schema import Config, ModelConfig
 from hybridmoe.model.attention import attention_layer
+from hybridmoe.model.expert_fp8 import hoisted, layer_weights_at_use, scan_xs
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.moe import moe_layer
 from hybridmoe.model.norms import rms_norm
@@ -64,15 +65,18 @@ def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False
 
 
 def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: bool = False, packed: bool = True):
-    """One repeating block (every position of the layer pattern) as a function (x, block params) -> x
-    (with_moe_dropped: -> (x, the block's dropped MoE rows))."""
+    """One repeating block (every position of the layer pattern) as a function (x, block xs) -> x
+    (with_moe_dropped: -> (x, the block's dropped MoE rows)). The xs are the block's params, or
+    (params, hoisted fp8 absmax) under quant.fp8_fake_quant_hoist (expert_fp8.scan_xs)."""
     m = cfg.model
     axes = layer_axes(m)
+    with_absmax = hoisted(cfg)
 
-    def block(x_BTD, block_params):
+    def block(x_BTD, block_xs):
         dropped = jnp.int32(0)
-        for kind, lp, lp_axes in zip(m.layer_pattern, block_params, axes):
-            lp = jax.tree.map(constrain_at_use, lp, lp_axes, is_leaf=lambda a: isinstance(a, jax.Array))
+        block_params, block_absmax = block_xs if with_absmax else (block_xs, [None] * len(axes))
+        for kind, lp, lp_axes, amax in zip(m.layer_pattern, block_params, axes, block_absmax):
+            lp = layer_weights_at_use(lp, lp_axes, cfg, amax)
             mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)
             out = decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped)
             x_BTD = out[0]
@@ -98,21 +102,22 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
     policy = cfg.remat.policy
     if policy != "none":
         block = jax.checkpoint(block, policy=remat_policy(cfg), prevent_cse=not cfg.remat.scan_layers)
+    xs = scan_xs(params, cfg, layer_axes(m))
     if with_moe_dropped:
         step = lambda carry, bp: ((lambda x, d: (x, carry[1] + d))(*block(carry[0], bp)), None)  # noqa: E731
         carry = (x, jnp.int32(0))
         if cfg.remat.scan_layers:
-            carry, _ = jax.lax.scan(step, carry, params["blocks"])
+            carry, _ = jax.lax.scan(step, carry, xs)
         else:
             for i in range(m.num_blocks):
-                carry, _ = step(carry, jax.tree.map(lambda a: a[i], params["blocks"]))
+                carry, _ = step(carry, jax.tree.map(lambda a: a[i], xs))
         x, dropped = carry
         return rms_norm(x, params["final_norm"], m.rms_norm_eps), dropped
     if cfg.remat.scan_layers:
-        x, _ = jax.lax.scan(lambda x, bp: (block(x, bp), None), x, params["blocks"])
+        x, _ = jax.lax.scan(lambda x, bp: (block(x, bp), None), x, xs)
     else:
         for i in range(m.num_blocks):
-            x = block(x, jax.tree.map(lambda a: a[i], params["blocks"]))
+            x = block(x, jax.tree.map(lambda a: a[i], xs))
     return rms_norm(x, params["final_norm"], m.rms_norm_eps)
 
 

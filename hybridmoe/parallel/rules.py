@@ -101,6 +101,11 @@ def _without(entry: MeshAxes, axis: str) -> MeshAxes:
     return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
+def at_use_spec(axes) -> PartitionSpec:
+    """A weight's stored sharding with the FSDP axis gathered (its layout where it is used)."""
+    return PartitionSpec(*(_without(e, "fsdp") for e in logical_to_spec(axes)))
+
+
 def constrain_at_use(w: jax.Array, axes) -> jax.Array:
     """A weight where it is used: its stored sharding with the FSDP axis gathered.
 
@@ -111,5 +116,4 @@ def constrain_at_use(w: jax.Array, axes) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return w
-    spec = logical_to_spec(axes)
-    return jax.lax.with_sharding_constraint(w, PartitionSpec(*(_without(e, "fsdp") for e in spec)))
+    return jax.lax.with_sharding_constraint(w, at_use_spec(axes))

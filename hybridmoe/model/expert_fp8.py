@@ -1,0 +1,197 @@
+"""fp8 fake quantization of the routed-expert weights where they are used, and its hoist.
+
+quant.fp8_moe_fake_quant rounds wi [E, D, 2F] and wo [E, F, D] to their per-output-channel
+float8_e4m3fn grid (hybridmoe.quant.fp8; one scale per expert and output column, from the
+absmax over the contracting axis 1) with the straight-through gradient, in every layer, in the
+forward and again in the remat replay. It is a transform of the weights before the MoE block, so
+every MoE path (default grouped matmul, the kernel family with its levers, expert parallelism,
+the dense reference) sees the quantized weights.
+
+The weight is quantized on its FSDP shard and then all-gathered, both written explicitly in one
+shard_map (the FSDP gather at use, made by `constrain_at_use` for every other weight): the
+absmax reduces over the contracting axis, which is FSDP-sharded for wi, so each layer pays a max
+all-reduce per pass (forward and replay). quant.fp8_fake_quant_hoist:
+- off: as above.
+- absmax: the absmax of the whole scanned stack is computed once before the layer scan (one
+  all-reduce per weight) and rides in the scan's xs; each layer quantizes with its slice.
+- gather8: absmax, and each layer quantizes its shard to e4m3 codes (-0.0 stored as +0.0),
+  all-gathers the 1-byte codes instead of the weight and dequantizes after the gather, under a
+  custom VJP whose backward hands the cotangent to the shard (the straight-through estimator).
+  The absmax stack of a weight whose output channels are FSDP-sharded (wo) is gathered once,
+  before the scan, so no scale moves inside the loop.
+Exactness: a max is exact in any order, so every layer gets the absmax, scale and codes it
+computed before; dequantization is exact (power-of-two scale), so it commutes with the gather.
+
+Collectives of the absmax run under the name scope "fp8_absmax" (the program proofs count them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from hybridmoe.config.schema import Config, QuantConfig
+from hybridmoe.config.validate import ConfigError
+from hybridmoe.parallel.rules import at_use_spec, constrain_at_use, logical_to_spec
+from hybridmoe.quant import fp8
+
+ROUTED = ("wi", "wo")
+CONTRACT = 1          # wi [E, D, 2F] contracts D, wo [E, F, D] contracts F
+FSDP = "fsdp"
+ABSMAX_SCOPE = "fp8_absmax"
+
+
+def hoisted(cfg: Config) -> bool:
+    return cfg.quant.fp8_moe_fake_quant and cfg.quant.fp8_fake_quant_hoist != "off"
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _amax_spec(spec: PartitionSpec, leading=()) -> PartitionSpec:
+    """The absmax [.., E, 1, N] of a weight with this spec: the contracting axis is size 1."""
+    s = tuple(spec) + (None,) * (3 - len(tuple(spec)))
+    return PartitionSpec(*leading, s[0], None, s[2])
+
+
+def _local_absmax(w_blk, contract_axes, axis: int):
+    with jax.named_scope(ABSMAX_SCOPE):
+        amax = fp8.absmax(w_blk, axis)
+        return jax.lax.pmax(amax, contract_axes) if contract_axes else amax
+
+
+def _gather(x_blk, stored: PartitionSpec, gather_axes):
+    """All-gather the FSDP-sharded dims of a weight block (the result is invariant over them)."""
+    if not gather_axes:
+        return x_blk
+    for dim, entry in enumerate(stored):
+        if FSDP in _axes_of(entry):
+            if _axes_of(entry)[-1] != FSDP:
+                raise ValueError(f"FSDP must be the minor mesh axis of a gathered weight dim; got {entry}")
+            x_blk = jax.lax.all_gather(x_blk, gather_axes, axis=dim, tiled=True, to="invarying")
+    return x_blk
+
+
+def dequantize_gathered(codes, scale, dtype):
+    """The gathered codes back to the weight (the gather8 path's dequantization)."""
+    return fp8.dequantize(codes, scale, dtype)
+
+
+def cotangent_to_shard(ct, stored: PartitionSpec):
+    """gather8's backward: the gathered weight's cotangent as the shard's (the gather's transpose,
+    as the straight-through estimator of the fake-quant expression passes it)."""
+    return jax.lax.with_sharding_constraint(ct, stored)
+
+
+def _gather8(w, amax_local, amax_full, mesh, stored, used, gather_axes):
+    def body(w_blk, amax_blk, amax_full_blk):
+        scale = fp8.scale_from_absmax(amax_blk)
+        codes = fp8.positive_zero(fp8.quantize(w_blk, scale))
+        codes = _gather(codes, stored, gather_axes)
+        return dequantize_gathered(codes, fp8.scale_from_absmax(amax_full_blk), w_blk.dtype)
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(stored, _amax_spec(stored), _amax_spec(used)),
+                        out_specs=used)
+
+    @jax.custom_vjp
+    def f(w, amax_local, amax_full):
+        return run(w, amax_local, amax_full)
+
+    def fwd(w, amax_local, amax_full):
+        return run(w, amax_local, amax_full), None
+
+    def bwd(_, ct):
+        return cotangent_to_shard(ct, stored), None, None
+
+    f.defvjp(fwd, bwd)
+    return f(w, jax.lax.stop_gradient(amax_local), jax.lax.stop_gradient(amax_full))
+
+
+def weight_at_use(w, axes, mode: str, amax=None):
+    """One routed-expert weight fake-quantized and gathered to its layout at use.
+
+    amax: this layer's absmax (hoisted modes; for gather8 in the gathered layout), else None.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        if mode == "gather8":
+            raise ConfigError([("quant.fp8_fake_quant_hoist", "gather8 needs a device mesh with an "
+                                "FSDP-sharded expert weight; there is no mesh here")])
+        return fp8.fake_quant(w, CONTRACT, amax)
+    stored, used = logical_to_spec(axes), at_use_spec(axes)
+    # Collectives over size-1 axes too: shard_map types every manual axis, and XLA drops them.
+    contract_axes = _axes_of(tuple(stored)[CONTRACT])
+    gather_axes = (FSDP,)
+    if mode == "gather8":
+        if mesh.shape[FSDP] == 1 or not any(FSDP in _axes_of(e) for e in stored):
+            raise ConfigError([("quant.fp8_fake_quant_hoist", f"gather8 needs an FSDP-sharded expert weight; "
+                                f"the mesh's fsdp axis is {mesh.shape[FSDP]} and the weight is {stored}")])
+        return _gather8(w, amax, amax, mesh, stored, used, gather_axes)
+    if amax is None:
+        def body(w_blk):
+            return _gather(fp8.fake_quant(w_blk, CONTRACT, _local_absmax(w_blk, contract_axes, CONTRACT)),
+                           stored, gather_axes)
+
+        return jax.shard_map(body, mesh=mesh, in_specs=stored, out_specs=used)(w)
+
+    def body(w_blk, amax_blk):
+        return _gather(fp8.fake_quant(w_blk, CONTRACT, amax_blk), stored, gather_axes)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(stored, _amax_spec(stored)), out_specs=used)(w, amax)
+
+
+def stacked_absmax(w_LEKN, axes, mode: str):
+    """The absmax [L, E, 1, N] of a scanned stack of one routed weight, for every layer at once
+    (gather8: in the gathered layout, so layers never move a scale)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return fp8.absmax(w_LEKN, CONTRACT + 1)
+    stored, used = logical_to_spec(axes), at_use_spec(axes)
+    contract_axes = _axes_of(tuple(stored)[CONTRACT])
+    gather_axes = (FSDP,) if mode == "gather8" else ()
+    stack = PartitionSpec(None, *stored)
+
+    def body(w_blk):
+        amax = _local_absmax(w_blk, contract_axes, CONTRACT + 1)
+        return _gather(amax, _amax_spec(stored, leading=(None,)), gather_axes)
+
+    out = _amax_spec(used if gather_axes else stored, leading=(None,))
+    return jax.shard_map(body, mesh=mesh, in_specs=stack, out_specs=out)(w_LEKN)
+
+
+def hoisted_absmax(blocks, block_axes, q: QuantConfig):
+    """Per position of the layer pattern, {"wi": [L, E, 1, 2F], "wo": [L, E, 1, D]}."""
+    return [{k: stacked_absmax(lp["moe"][k], la["moe"][k], q.fp8_fake_quant_hoist) for k in ROUTED}
+            for lp, la in zip(blocks, block_axes)]
+
+
+def scan_xs(params, cfg: Config, block_axes):
+    """What the layer scan iterates over: the stacked blocks (and the hoisted absmax)."""
+    if not hoisted(cfg):
+        return params["blocks"]
+    return params["blocks"], hoisted_absmax(params["blocks"], block_axes, cfg.quant)
+
+
+def layer_weights_at_use(lp, lp_axes, cfg: Config, amax=None):
+    """A layer's weights where they are used: gathered over FSDP; the routed experts fake-quantized
+    (with the hoisted absmax `amax` when given, else computed here: the same bits)."""
+    is_arr = lambda a: isinstance(a, jax.Array)  # noqa: E731
+    if not cfg.quant.fp8_moe_fake_quant:
+        return jax.tree.map(constrain_at_use, lp, lp_axes, is_leaf=is_arr)
+    moe_axes = lp_axes["moe"]
+    rest = {k: v for k, v in lp.items() if k != "moe"}
+    out = jax.tree.map(constrain_at_use, rest, {k: lp_axes[k] for k in rest}, is_leaf=is_arr)
+    mode = cfg.quant.fp8_fake_quant_hoist if amax is not None else "off"
+    moe = {k: (weight_at_use(v, moe_axes[k], mode, None if amax is None else amax[k]) if k in ROUTED
+               else constrain_at_use(v, moe_axes[k])) for k, v in lp["moe"].items()}
+    return {**out, "moe": moe}
+
+
+def sampling_weights(lp, lp_axes, cfg: Config):
+    """The layer's weights for the sampler's cached forward: the routed experts fake-quantized as
+    the trainer sees them (unchanged when fake quantization is off)."""
+    return layer_weights_at_use(lp, lp_axes, cfg) if cfg.quant.fp8_moe_fake_quant else lp
