@@ -1,10 +1,14 @@
-"""VMEM need of the fused up-projection forward kernel (gmm_swiglu) at weight depths 2 and 3.
+"""VMEM need of the fused up-projection forward kernel (gmm_swiglu) at weight depths 0 (Mosaic's
+default), 1, 2 and 3, at two tiles.
 
-Compiles the Mosaic TPU kernel for a compile-only TPU topology from a CPU host (needs libtpu:
-`pip install "jax[tpu]"` in a separate venv) at the upstream tile: tm 512, tk 4096 (one K tile,
-the only case the depth applies to), tn 1024 per half, bfloat16. The need is read from the Mosaic
-compiler's scoped-VMEM error at a 1 MiB limit; the fit is a compile at the given limit (upstream
-57.60 MiB = 90% of the core's 64 MiB). Prints a table and writes benchmarks/gmm_vmem.json.
+Compiles the Mosaic TPU kernel for a compile-only TPU topology from a CPU host (libtpu comes with
+the test extra, `jax[tpu]`), bfloat16, one K tile (the only case the depth applies to):
+- upstream: tm 512, tk 4096, tn 1024 per half (the seed's 2048-wide [gate | up] tile);
+- deciding: tm 256, tk 4096, tn 2048 per half, where Mosaic's default depth does not fit the
+  57.60 MiB limit and depth 1 does.
+The need is read from the Mosaic compiler's scoped-VMEM error at a 1 MiB limit; the fit is a
+compile at the given limit (upstream 57.60 MiB = 90% of the core's 64 MiB). Prints a table and
+writes benchmarks/gmm_vmem.json.
 
     python benchmarks/gmm_vmem.py [--topology tpu7x:2x2x1]
 """
@@ -26,9 +30,9 @@ from hybridmoe.kernels.gmm import gmm_swiglu
 from hybridmoe.kernels.gmm.tiling import Tiling
 
 MIB = 2**20
-# Upstream tile and a problem that runs one K tile: D = tk.
-TM, TK, TN = 512, 4096, 1024
-M, D, F, E = 4096, 4096, 2048, 8
+# Tiles (tm, tk, tn per half); the problem runs one K tile (D = tk) and one N tile per half.
+TILES = {"upstream": (512, 4096, 1024), "deciding": (256, 4096, 2048)}
+M, E = 4096, 8
 
 
 def _version(pkg: str) -> str | None:
@@ -49,13 +53,15 @@ def _commit() -> str | None:
         return None
 
 
-def _compile(depth: int, topology: str, limit_mib: float):
+def _compile(tile, depth: int, topology: str, limit_mib: float):
     """Compile the fused forward; returns (ok, error text)."""
-    from jax.experimental import topologies
+    TM, TK, TN = tile
+    D, F = TK, TN
     from jax.sharding import SingleDeviceSharding
 
-    topo = topologies.get_topology_desc(topology, platform="tpu")
-    sh = SingleDeviceSharding(topo.devices[0])
+    from hybridmoe.analysis.train_program import tpu_target
+
+    sh = SingleDeviceSharding(tpu_target(topology).devices[0])
     x = jax.ShapeDtypeStruct((M, D), jnp.bfloat16, sharding=sh)
     wi = jax.ShapeDtypeStruct((E, D, 2 * F), jnp.bfloat16, sharding=sh)
     gs = jax.ShapeDtypeStruct((E,), jnp.int32, sharding=sh)
@@ -75,27 +81,29 @@ def _compile(depth: int, topology: str, limit_mib: float):
 _OOM = re.compile(r"size ([0-9.]+)M and limit ([0-9.]+)M")
 
 
-def measure(depth: int, topology: str, limit_mib: float) -> dict:
+def measure(tile, depth: int, topology: str, limit_mib: float) -> dict:
     """The kernel's scoped VMEM need (read from the Mosaic OOM at a 1 MiB limit) and whether it
     compiles under limit_mib."""
-    row = {"depth": depth, "need_mib": None, "limit_mib": limit_mib, "fits": None, "error": None}
-    ok, err = _compile(depth, topology, 1.0)
+    row = {"tm": tile[0], "tk": tile[1], "tn_per_half": tile[2], "depth": depth, "need_mib": None,
+           "limit_mib": limit_mib, "fits": None, "error": None}
+    ok, err = _compile(tile, depth, topology, 1.0)
     hit = _OOM.search(err)
     if hit:
         row["need_mib"] = float(hit.group(1))
     elif not ok:
         row["error"] = err.splitlines()[0][:300] if err else None
         return row
-    ok, err = _compile(depth, topology, limit_mib)
+    ok, err = _compile(tile, depth, topology, limit_mib)
     row["fits"] = ok
     if not ok and not _OOM.search(err):
         row["error"] = err.splitlines()[0][:300]
     return row
 
 
-def vmem_estimate(depth: int) -> float:
+def vmem_estimate(tile, depth: int) -> float:
     """Blocks the kernel holds, by hand: x (2 buffers), gate + up weight (depth each),
     h and preact (2 buffers each), two float32 accumulators."""
+    TM, TK, TN = tile
     b = 2
     x = 2 * TM * TK * b
     w = 2 * depth * TK * TN * b
@@ -112,16 +120,18 @@ def main() -> None:
     ap.add_argument("--out", default=str(pathlib.Path(__file__).with_name("gmm_vmem.json")))
     args = ap.parse_args()
     rows = []
-    # 0 = the kernel default (no pipeline_mode); 1 is shown for reference only.
-    for depth in (0, 1, 2, 3):
-        r = measure(depth, args.topology, args.limit_mib)
-        r["hand_estimate_mib"] = round(vmem_estimate(depth or 2), 2)
-        rows.append(r)
-    print(f"fused gmm_swiglu forward, tm {TM} tk {TK} tn {TN}/half, bf16, {args.topology}")
-    print(f"{'depth':>5} {'need MiB':>9} {'limit MiB':>9} {'fits':>5} {'hand MiB':>9}  error")
+    # 0 = the kernel default (no pipeline_mode).
+    for name, tile in TILES.items():
+        for depth in (0, 1, 2, 3):
+            r = {"tile": name, **measure(tile, depth, args.topology, args.limit_mib)}
+            r["hand_estimate_mib"] = round(vmem_estimate(tile, depth or 2), 2)
+            rows.append(r)
+    print(f"fused gmm_swiglu forward, bf16, one K tile, {args.topology}, limit {args.limit_mib} MiB")
+    print(f"{'tile':<9} {'tm':>4} {'tk':>5} {'tn/half':>7} {'depth':>5} {'need MiB':>9} {'fits':>5} "
+          f"{'hand MiB':>9}  error")
     for r in rows:
-        print(f"{r['depth']:>5} {str(r['need_mib']):>9} {r['limit_mib']:>9} "
-              f"{str(r['fits']):>5} {r['hand_estimate_mib']:>9}  {r['error'] or ''}")
+        print(f"{r['tile']:<9} {r['tm']:>4} {r['tk']:>5} {r['tn_per_half']:>7} {r['depth']:>5} "
+              f"{str(r['need_mib']):>9} {str(r['fits']):>5} {r['hand_estimate_mib']:>9}  {r['error'] or ''}")
     record = {
         "benchmark": "gmm_vmem",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -131,8 +141,8 @@ def main() -> None:
         "commit": _commit(),
         "versions": {"jax": jax.__version__, "jaxlib": _version("jaxlib"),
                      "libtpu": _version("libtpu")},
-        "config": {"topology": args.topology, "tm": TM, "tk": TK, "tn_per_half": TN,
-                   "M": M, "D": D, "F": F, "E": E, "dtype": "bfloat16"},
+        "config": {"topology": args.topology, "tiles": TILES, "M": M, "E": E, "D": "tk",
+                   "F": "tn_per_half", "dtype": "bfloat16"},
         "upstream": {"depth2_mib": 50.95, "depth3_mib": 66.95, "limit_mib": 57.60},
         "rows": rows,
     }

@@ -1,9 +1,10 @@
 """The Mosaic TPU grouped-matmul kernels compile for a real TPU target from this CPU host.
 
 `jax.experimental.topologies.get_topology_desc(..., platform="tpu")` gives compile-only devices
-when libtpu is installed (`pip install "jax[tpu]"` at the installed JAX version, in a separate
-venv); `.lower(...).compile()` then runs the real Mosaic compiler, so layout, tiling and VMEM
-errors surface here. Skips cleanly without libtpu.
+(libtpu comes with the test extra, `jax[tpu]` at the pinned JAX version); `.lower(...).compile()`
+then runs the real Mosaic compiler, so layout, tiling and VMEM errors surface here. libtpu lets
+one process per host hold it, so every test that compiles for a TPU target lives in this file
+(xdist's loadfile keeps a file on one worker).
 """
 
 from __future__ import annotations
@@ -27,14 +28,10 @@ TILING = Tiling(tm=128, tk=128, tn=128)
 @pytest.fixture(scope="module")
 def device():
     if importlib.util.find_spec("libtpu") is None:
-        pytest.skip("libtpu is not installed (pip install 'jax[tpu]' in a separate venv)")
-    from jax.experimental import topologies
+        pytest.fail(f"libtpu is not installed: pip install -e '.[test]' (jax[tpu]=={jax.__version__})")
+    from hybridmoe.analysis.train_program import tpu_target
 
-    try:
-        topo = topologies.get_topology_desc(TOPOLOGY, platform="tpu")
-    except Exception as err:  # noqa: BLE001 - any failure to get the target means skip
-        pytest.skip(f"no compile-only TPU topology: {err}")
-    return topo.devices[0]
+    return tpu_target(TOPOLOGY).devices[0]
 
 
 def _spec(shape, dtype, dev):
@@ -101,3 +98,45 @@ def test_vmem_overflow_is_caught(device):
     roomy = Tiling(tm=512, tk=4096, tn=1024, vmem_limit_mib=57.6)
     _compile(lambda x, wi, gs: K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=1024,
                                             backend="pallas_tpu", tiling=roomy), x, wi, gs)
+
+
+# The weight depth decides the fit (benchmarks/gmm_vmem.json): at this tile Mosaic's default
+# (2 buffers in JAX 0.10.2) needs more than the 57.6 MiB scoped limit, one buffer fits.
+DECIDING = dict(tm=256, tk=4096, tn=2048)
+
+
+def _fused_forward(device, depth, tm, tk, tn, limit_mib=57.6):
+    x = _spec((1024, tk), jnp.bfloat16, device)
+    wi = _spec((2, tk, 2 * tn), jnp.bfloat16, device)  # one N tile per half
+    gs = _spec((2,), jnp.int32, device)
+    tiling = Tiling(tm=tm, tk=tk, tn=tn, vmem_limit_mib=limit_mib)
+    return _compile(lambda x, wi, gs: K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=tn,
+                                                   backend="pallas_tpu", tiling=tiling,
+                                                   rhs_buffer_count=depth), x, wi, gs)
+
+
+def test_buffer_depth_decides_the_fit(device):
+    with pytest.raises(Exception, match="(?i)vmem"):
+        _fused_forward(device, 0, **DECIDING)
+    with pytest.raises(Exception, match="(?i)vmem"):
+        _fused_forward(device, 2, **DECIDING)
+    assert "gmm_swiglu_fwd_rhsbuf1" in _fused_forward(device, 1, **DECIDING).as_text()
+
+
+def test_inspect_compiles_the_training_step_for_a_tpu_target(device):
+    """`hybridmoe inspect --target tpu7x:2x2x1`'s path: the validator accepts the Pallas TPU
+    kernels for a TPU target, the whole training step (fused levers on Mosaic kernels) compiles
+    for the topology's 8 devices, and the memory facts come against the v7x's 96 GiB per device."""
+    from hybridmoe.analysis import train_program as tp
+    from hybridmoe.config import load_config
+    from hybridmoe.config.validate import compile_target
+
+    with compile_target("tpu"):
+        cfg = load_config("tiny", ["mesh.cpu_devices=0", "model.d_model=128", "model.moe_intermediate_size=128",
+                                   "kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit",
+                                   "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"])
+    facts = tp.step_facts(tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False))
+    mem = facts["memory"]
+    assert facts["devices"] == 8 and mem["hbm"] == 96 * 2**30 and mem["fits"] is True
+    assert 0 < mem["argument"] < mem["total"] and facts["flops"] > 0
+    assert any(r["kind"] == "all-gather" for r in facts["collectives"])

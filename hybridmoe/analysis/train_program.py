@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import time
 from collections import defaultdict
@@ -74,6 +75,10 @@ def tpu_target(name: str) -> Target:
                            f"{jax.__version__}' (installs libtpu; JAX itself is unchanged)")
     from jax.experimental import topologies
 
+    # libtpu lets one process per host hold it (a lockfile), and on a CPU host any JAX process
+    # that probes for a TPU backend takes it. Compile-only devices never touch a chip, so this
+    # process shares libtpu instead of failing on that lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     topo = topologies.get_topology_desc(name, platform="tpu")
     gen, shape = _TOPOLOGY.match(name).groups()
     chips = math.prod(int(s) for s in shape.split("x"))
