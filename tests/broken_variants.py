@@ -30,3 +30,46 @@ BROKEN = {
 # The variants that live in a Pallas kernel's own code (its tile readers); the others are
 # epilogue maths the backends share.
 READER_VARIANTS = ("contiguous_reader_on_interleaved_layout", "reversed_tile_order")
+
+
+# ---------------------------------------------------------------------------------------------
+# The broken variants of the MoE levers' plumbing (issue 7): each is a list of
+# (module, attribute, the broken function to patch in); tests/test_moe_proofs.py must catch each.
+
+import jax  # noqa: E402
+
+import hybridmoe.kernels.gmm as _gmm  # noqa: E402
+from hybridmoe.kernels.gmm import pallas_tpu as _pallas_tpu  # noqa: E402
+from hybridmoe.kernels.gmm import row_tiles as _row_tiles  # noqa: E402
+from hybridmoe.model import moe as _moe  # noqa: E402
+
+_ORIGINAL_SCALE_ROWS = epi.scale_rows
+_ORIGINAL_PIPELINE = _pallas_tpu.weight_pipeline
+
+
+def _sqrt_routing_weight(h_MF, s_M):
+    return _ORIGINAL_SCALE_ROWS(h_MF, jnp.sqrt(s_M))
+
+
+def _reversed_expert_ranks(exp_axes, num_local):
+    n = jax.lax.axis_size(exp_axes)
+    return (n - 1 - jax.lax.axis_index(exp_axes)) * num_local
+
+
+BROKEN_MOE = {
+    # moe.router_grad_from_wo_input: the down projection's input scaled by sqrt(w) instead of w.
+    "router_sqrt_weight": [(epi, "scale_rows", _sqrt_routing_weight),
+                           (_gmm, "scale_rows", _sqrt_routing_weight)],
+    # moe.capacity_factor: one row too many kept per overflowing expert (`<` -> `<=`).
+    "capacity_keeps_one_more": [(_moe, "within_capacity", lambda position, cap: position <= cap)],
+    # The expert-parallel ring: each rank runs the experts of the mirrored rank.
+    "ring_mirrored_expert_offset": [(_moe, "local_expert_offset", _reversed_expert_ranks)],
+    # kernels.gmm.xla_impl=row_tiles: a tile boundary assigned to the group before it.
+    "row_tiles_group_boundary": [(_row_tiles, "_group_of", lambda ends, pos: jnp.minimum(
+        jnp.searchsorted(ends, pos, side="left"), ends.shape[0] - 1))],
+    # kernels.gmm.wi_fwd_rhs_buffer_count: the depth never reaches the weight's BlockSpec.
+    "buffer_depth_ignored": [(_pallas_tpu, "weight_pipeline", lambda depth, tiles_k: {})],
+    # ... or reaches it one deeper than asked.
+    "buffer_depth_off_by_one": [(_pallas_tpu, "weight_pipeline",
+                                 lambda depth, tiles_k: _ORIGINAL_PIPELINE(depth + 1 if depth else 0, tiles_k))],
+}
