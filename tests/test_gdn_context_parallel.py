@@ -94,9 +94,11 @@ LAYER_CASES = {  # name: (ranks, chunk size, cp_m_scan, cp_dh_scan)
     "8 ranks": (8, 16, False, False),
     "4 ranks, both scans": (4, 16, True, True),
 }
+SLOW_LAYER_CASES = ("2 ranks",)  # 4 and 8 cross more shard edges; 2 adds no path of its own
 
 
-@pytest.mark.parametrize("case", list(LAYER_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_LAYER_CASES else c
+                                  for c in LAYER_CASES])
 def test_sequence_sharded_layer_equals_one_device(case, layer_case, single_device):
     ranks, chunk, m_scan, dh_scan = LAYER_CASES[case]
     cfg, params, x, seg = layer_case
@@ -273,3 +275,39 @@ def test_validator_accepts_the_scans_with_sequence_sharding_and_refuses_partial_
     with pytest.raises(ConfigError) as err:
         tiny_config("mesh.context=4", "mesh.fsdp=1", "mesh.data=-1", "train.seq_len=128")
     assert "gdn.chunk_size" in dict(err.value.problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole model: sequence-sharded GDN next to context-parallel attention.
+
+
+@pytest.fixture(scope="module")
+def model_case():
+    from helpers import packed_batch
+
+    overrides = ("gdn.chunk_size=16", "train.seq_len=128")
+    cfg = tiny_config(*overrides)
+    params = tiny_params(cfg)
+    # Documents of 5, 70, 9, 30 tokens per row: starts inside shards and across shard edges.
+    batch = packed_batch(3, 8, TOKENS, cfg.model.vocab_size)
+    return overrides, params, batch, _model_loss_and_grads(cfg, params, batch)
+
+
+def _model_loss_and_grads(cfg, params, batch):
+    from hybridmoe.train.step import nll_sum
+
+    return jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0]))(params)
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_whole_model_with_context_parallelism_equals_one_device(ranks, model_case):
+    overrides, params, batch, (loss_1, grads_1) = model_case
+    cfg = tiny_config(f"mesh.context={ranks}", "mesh.fsdp=1", "mesh.data=-1", *overrides)
+    setup = build(cfg)
+    with setup.context():
+        sharded_batch = jax.device_put(batch, jax.tree.map(lambda _: setup.batch_sharding(0), batch))
+        loss, grads = _model_loss_and_grads(cfg, jax.device_put(params, setup.param_shardings), sharded_batch)
+    errors = {"loss": _rel_max(loss, loss_1)}
+    for (path, g), g_1 in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads_1)):
+        errors[jax.tree_util.keystr(path)] = _rel_max(g, g_1)
+    assert max(errors.values()) < 1e-4, {k: f"{v:.1e}" for k, v in errors.items() if v >= 1e-4}
