@@ -53,11 +53,12 @@ def _segment_ids(rows: int, tokens: int):
     return jnp.asarray(np.stack([one, packed] * (rows // 2)), jnp.int32)
 
 
-def _layer_loss(cfg, chunk_size, cp_m_scan=False, cp_dh_scan=False):
+def _layer_loss(cfg, chunk_size, cp_m_scan=False, cp_dh_scan=False, cp_prefix="all_gather"):
     rng = np.random.default_rng(7)
 
     def loss(p, x, seg):
-        y = gdn_layer(p, x, seg, cfg.model, chunk_size=chunk_size, cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan)
+        y = gdn_layer(p, x, seg, cfg.model, chunk_size=chunk_size, cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan,
+                      cp_prefix=cp_prefix)
         weight = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
         return jnp.sum(y * weight)
 
@@ -88,21 +89,22 @@ def single_device(layer_case):
             for chunk in (16,)}
 
 
-LAYER_CASES = {  # name: (ranks, chunk size, cp_m_scan, cp_dh_scan)
-    "2 ranks": (2, 16, False, False),
-    "4 ranks": (4, 16, False, False),
-    "8 ranks": (8, 16, False, False),
-    "4 ranks, both scans": (4, 16, True, True),
+LAYER_CASES = {  # name: (ranks, chunk size, cp_m_scan, cp_dh_scan, cross-rank prefix)
+    "2 ranks": (2, 16, False, False, "all_gather"),
+    "4 ranks": (4, 16, False, False, "all_gather"),
+    "8 ranks": (8, 16, False, False, "all_gather"),
+    "4 ranks, both scans": (4, 16, True, True, "all_gather"),
+    "8 ranks, ppermute prefix": (8, 16, False, False, "ppermute"),
 }
-SLOW_LAYER_CASES = ("2 ranks",)  # 4 and 8 cross more shard edges; 2 adds no path of its own
+SLOW_LAYER_CASES = ("2 ranks", "8 ranks")  # 4 and 8 cross more shard edges; 2 adds no path of its own
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_LAYER_CASES else c
                                   for c in LAYER_CASES])
 def test_sequence_sharded_layer_equals_one_device(case, layer_case, single_device):
-    ranks, chunk, m_scan, dh_scan = LAYER_CASES[case]
+    ranks, chunk, m_scan, dh_scan, prefix = LAYER_CASES[case]
     cfg, params, x, seg = layer_case
-    loss = _layer_loss(cfg, chunk, m_scan, dh_scan)
+    loss = _layer_loss(cfg, chunk, m_scan, dh_scan, prefix)
     value, grads = _on_context_mesh(ranks, jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, seg)
     value_1, grads_1 = single_device[chunk]
     errors = {"loss": _rel_max(value, value_1)}

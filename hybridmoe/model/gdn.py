@@ -70,7 +70,7 @@ def _halo_from_previous_rank(x_BS, axis_name: str):
 
 
 def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chunk_size: int,
-                                     m_scan: bool, dh_scan: bool):
+                                     m_scan: bool, dh_scan: bool, prefix: str):
     """Causal convs and the core with the sequence split over the mesh's context axis (GDN.md 3).
 
     Each rank holds a [B, T / P] slice: the convs read the previous rank's last W-1 pre-conv tokens
@@ -91,7 +91,7 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
             convolved.append(causal_conv(x, taps_WHC, seg, tail, tail_seg)[0])
         return gated_delta_rule_context_parallel(
             *convolved, g, beta, segment_ids=seg, axis_name=axis, chunk_size=chunk_size, normalize_qk=True,
-            m_scan=m_scan, dh_scan=dh_scan)
+            m_scan=m_scan, dh_scan=dh_scan, prefix=prefix)
 
     # check_vma off: the core's custom backward places its own collectives.
     return jax.shard_map(local, in_specs=(taps, taps, taps, token, token, token, gate, gate, ids),
@@ -100,13 +100,14 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
 
 
 def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, backend: str = "xla",
-              state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False):
+              state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False, cp_prefix: str = "all_gather"):
     """Returns the layer output, and the new recurrent state when `state` is given (decode/prefill).
 
     state: {"conv_q", "conv_k", "conv_v": [B, W-1, heads, dim] pre-conv tails, "ssm": [B, U, k, v]}.
     Under a mesh whose context axis is > 1 (and without `state`) the sequence stays sharded: the
     convs and the core run per rank (`_conv_and_core_sequence_sharded`); cp_m_scan / cp_dh_scan
-    choose the scans over the trees there (gdn.cp_m_scan, gdn.cp_dh_scan).
+    choose the scans over the trees there (gdn.cp_m_scan, gdn.cp_dh_scan); cp_prefix the cross-rank
+    prefix (context_parallel.PREFIXES; the other one is kept for benchmarks/gdn_cp.py).
     """
     dt = x_BTD.dtype
     x_BTD = x_BTD * (segment_ids_BT > 0)[..., None].astype(dt)
@@ -118,7 +119,7 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     g, beta = gdn_gates(p, x_BTD)
     if state is None and context_ranks() > 1:
         o_BTUv = _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, chunk_size=chunk_size,
-                                                 m_scan=cp_m_scan, dh_scan=cp_dh_scan)
+                                                 m_scan=cp_m_scan, dh_scan=cp_dh_scan, prefix=cp_prefix)
     else:
         st = state or {}
         q, tail_q = causal_conv(q, p["conv_q"], segment_ids_BT, st.get("conv_q"))
