@@ -4,7 +4,7 @@
 
 One process, one CPU device. Arms: the core backend (xla = the custom backward, xla_autodiff =
 the same forward differentiated by autodiff, the path before the custom backward) times the chunk
-size. Every arm is compiled first, then timed interleaved (the arm order rotates each round);
+size, for the whole layer and for the core alone at the layer's shapes. Every arm is compiled first, then timed interleaved (the arm order rotates each round);
 the figure is the mean over the timed rounds, as a ratio to the autodiff arm at chunk 64. For each
 arm: the compiled program's temporaries, and the residuals the core's forward saves for its
 backward (bytes, read from the linearised core by hybridmoe.analysis.program.saved_residuals).
@@ -30,13 +30,17 @@ from hybridmoe.kernels.gdn import gated_delta_rule
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.params import declare_params, init_params
 
-ARMS = {  # name: (backend, chunk size)
-    "autodiff C64": ("xla_autodiff", 64),
-    "custom C64": ("xla", 64),
-    "autodiff C32": ("xla_autodiff", 32),
-    "custom C32": ("xla", 32),
+ARMS = {  # name: (what, backend, chunk size)
+    "layer autodiff C64": ("layer", "xla_autodiff", 64),
+    "layer custom C64": ("layer", "xla", 64),
+    "layer autodiff C32": ("layer", "xla_autodiff", 32),
+    "layer custom C32": ("layer", "xla", 32),
+    "core autodiff C64": ("core", "xla_autodiff", 64),
+    "core custom C64": ("core", "xla", 64),
+    "core autodiff C32": ("core", "xla_autodiff", 32),
+    "core custom C32": ("core", "xla", 32),
 }
-BASELINE = "autodiff C64"
+BASELINE = {"layer": "layer autodiff C64", "core": "core autodiff C64"}
 
 
 def layer_step(m, backend, chunk_size):
@@ -47,19 +51,29 @@ def layer_step(m, backend, chunk_size):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def core_residual_bytes(m, batch, tokens, backend, chunk_size):
+def core_inputs(m, batch, tokens):
+    """Random core inputs at the layer's shapes (q, k, v, g, beta) with gates as the model makes them."""
+    keys = jax.random.split(jax.random.key(2), 5)
+    qk_shape = (batch, tokens, m.gdn_num_key_heads, m.gdn_key_dim)
+    v_shape = (batch, tokens, m.gdn_num_value_heads, m.gdn_value_dim)
+    gate_shape = v_shape[:3]
+    return (jax.random.normal(keys[0], qk_shape), jax.random.normal(keys[1], qk_shape),
+            jax.random.normal(keys[2], v_shape), -0.1 * jax.nn.softplus(jax.random.normal(keys[3], gate_shape)),
+            jax.nn.sigmoid(jax.random.normal(keys[4], gate_shape)))
+
+
+def core_loss(backend, chunk_size, seg):
+    def loss(q, k, v, g, beta):
+        o, _ = gated_delta_rule(q, k, v, g, beta, segment_ids=seg, chunk_size=chunk_size, backend=backend)
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+
+    return loss
+
+
+def core_residual_bytes(core_args, backend, chunk_size, seg):
     """Bytes the core's forward keeps for its backward (inputs it reads are counted too)."""
-    f32 = jnp.float32
-    shapes = [(batch, tokens, m.gdn_num_key_heads, m.gdn_key_dim)] * 2 + [
-        (batch, tokens, m.gdn_num_value_heads, m.gdn_value_dim), (batch, tokens, m.gdn_num_value_heads),
-        (batch, tokens, m.gdn_num_value_heads)]
-    args = [jnp.zeros(s, f32) for s in shapes]
-
-    def core(q, k, v, g, beta):
-        o, _ = gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, backend=backend)
-        return jnp.sum(o)
-
-    return sum(int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize for r in program.saved_residuals(core, *args))
+    residuals = program.saved_residuals(core_loss(backend, chunk_size, seg), *core_args)
+    return sum(int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize for r in residuals)
 
 
 def main(argv=None) -> int:
@@ -79,44 +93,51 @@ def main(argv=None) -> int:
     # Two documents per row: the packed path, as training runs it.
     seg = jnp.where(jnp.arange(t.seq_len) < t.seq_len // 3, 1, 2)[None].repeat(t.batch_size, 0).astype(jnp.int32)
 
+    core_args = core_inputs(m, t.batch_size, t.seq_len)
     arms = {}
-    for name, (backend, chunk_size) in ARMS.items():
-        fn = layer_step(m, backend, chunk_size)
-        prog = program.analyze(fn, params, x, seg)
-        jax.block_until_ready(fn(params, x, seg))
-        arms[name] = {"fn": fn, "backend": backend, "chunk_size": chunk_size, "times": [],
-                      "temp_bytes": prog.temp_bytes,
-                      "core_residual_bytes": core_residual_bytes(m, t.batch_size, t.seq_len, backend, chunk_size)}
+    for name, (what, backend, chunk_size) in ARMS.items():
+        if what == "layer":
+            fn, args = layer_step(m, backend, chunk_size), (params, x, seg)
+        else:
+            fn, args = jax.jit(jax.grad(core_loss(backend, chunk_size, seg), argnums=range(5))), core_args
+        prog = program.analyze(fn, *args)
+        jax.block_until_ready(fn(*args))
+        arms[name] = {"fn": fn, "args": args, "what": what, "backend": backend, "chunk_size": chunk_size,
+                      "times": [], "temp_bytes": prog.temp_bytes, "gflops": prog.cost.get("flops", 0.0) / 1e9,
+                      "core_residual_bytes": core_residual_bytes(core_args, backend, chunk_size, seg)}
     names = list(arms)
     for r in range(steps):
         for name in names[r % len(names):] + names[: r % len(names)]:
             t0 = time.perf_counter()
-            jax.block_until_ready(arms[name]["fn"](params, x, seg))
+            jax.block_until_ready(arms[name]["fn"](*arms[name]["args"]))
             arms[name]["times"].append(time.perf_counter() - t0)
 
-    base_ms = 1e3 * float(np.mean(arms[BASELINE]["times"]))
+    base_ms = {what: 1e3 * float(np.mean(arms[name]["times"])) for what, name in BASELINE.items()}
     rows = []
     for name, a in arms.items():
         ms = 1e3 * float(np.mean(a["times"]))
-        rows.append({"arm": name, "backend": a["backend"], "chunk_size": a["chunk_size"], "mean_ms": ms,
-                     "std_ms": 1e3 * float(np.std(a["times"])), "time_ratio_to_baseline": ms / base_ms,
-                     "temp_bytes": a["temp_bytes"], "core_residual_bytes": a["core_residual_bytes"]})
+        rows.append({"arm": name, "what": a["what"], "backend": a["backend"], "chunk_size": a["chunk_size"],
+                     "mean_ms": ms, "min_ms": 1e3 * float(np.min(a["times"])),
+                     "std_ms": 1e3 * float(np.std(a["times"])), "time_ratio_to_baseline": ms / base_ms[a["what"]],
+                     "gflops": a["gflops"], "temp_bytes": a["temp_bytes"],
+                     "core_residual_bytes": a["core_residual_bytes"]})
     print(f"GDN layer forward+backward, {t.batch_size}x{t.seq_len} tokens, D={m.d_model} "
           f"Hk={m.gdn_num_key_heads} Hv={m.gdn_num_value_heads} dk={m.gdn_key_dim} dv={m.gdn_value_dim} "
           f"{m.compute_dtype}, {steps} interleaved rounds on {jax.devices()[0].device_kind}")
-    print(f"{'arm':<16}{'ms':>10}{'ratio':>8}{'temp MB':>10}{'core residuals MB':>19}")
+    print(f"{'arm':<22}{'ms':>10}{'ratio':>8}{'GFLOP':>8}{'temp MB':>10}{'core residuals MB':>19}")
     for row in rows:
-        print(f"{row['arm']:<16}{row['mean_ms']:>10.2f}{row['time_ratio_to_baseline']:>8.3f}"
+        print(f"{row['arm']:<22}{row['mean_ms']:>10.2f}{row['time_ratio_to_baseline']:>8.3f}{row['gflops']:>8.2f}"
               f"{row['temp_bytes'] / 2**20:>10.2f}{row['core_residual_bytes'] / 2**20:>19.2f}")
     record = {
         "benchmark": "gdn_core",
         **machine_record(),
         "config": {"recipe": recipe, "overrides": overrides, "resolved": json.loads(cfg.model_dump_json())},
         "method": f"one device; every arm compiled first, then {steps} rounds with the arms interleaved "
-                  "(order rotated per round); mean wall time of one jitted GDN layer forward+backward on "
-                  "packed rows (two documents); compiled temporaries (hybridmoe.analysis.program); the core's "
-                  "saved residuals from jax's saved_residuals of the core alone",
-        "baseline": BASELINE,
+                  "(order rotated per round); mean wall time of one jitted forward+backward of the GDN layer, "
+                  "or of the core alone at the layer's shapes, on packed rows (two documents); ratios to the "
+                  "autodiff chunk-64 arm of the same kind; XLA's flop count and compiled temporaries "
+                  "(hybridmoe.analysis.program); the core's saved residuals from jax's saved_residuals",
+        "baselines": BASELINE,
         "rows": rows,
         "gpu": "not measured: no GPU was lent to this session (the Pallas core's forward + backward at "
                "Qwen3.5-35B-A3B per-device shapes remains to be measured)",
