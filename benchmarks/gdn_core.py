@@ -97,12 +97,12 @@ def main(argv=None) -> int:
     arms = {}
     for name, (what, backend, chunk_size) in ARMS.items():
         if what == "layer":
-            fn, args = layer_step(m, backend, chunk_size), (params, x, seg)
+            fn, fn_args = layer_step(m, backend, chunk_size), (params, x, seg)
         else:
-            fn, args = jax.jit(jax.grad(core_loss(backend, chunk_size, seg), argnums=range(5))), core_args
-        prog = program.analyze(fn, *args)
-        jax.block_until_ready(fn(*args))
-        arms[name] = {"fn": fn, "args": args, "what": what, "backend": backend, "chunk_size": chunk_size,
+            fn, fn_args = jax.jit(jax.grad(core_loss(backend, chunk_size, seg), argnums=range(5))), core_args
+        prog = program.analyze(fn, *fn_args)
+        jax.block_until_ready(fn(*fn_args))
+        arms[name] = {"fn": fn, "args": fn_args, "what": what, "backend": backend, "chunk_size": chunk_size,
                       "times": [], "temp_bytes": prog.temp_bytes, "gflops": prog.cost.get("flops", 0.0) / 1e9,
                       "core_residual_bytes": core_residual_bytes(core_args, backend, chunk_size, seg)}
     names = list(arms)
