@@ -239,3 +239,33 @@ def test_rejects_unknown_backend_and_bad_shapes():
         gated_delta_rule(q[:, :, :2], k[:, :, :2], v, g, beta, backend="pallas")
     with pytest.raises(ValueError, match="multiple of key heads"):
         gated_delta_rule(q, k, v, g, beta)
+
+
+def _relative_rms(actual, expected):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.sqrt(np.mean((actual - expected) ** 2) / np.mean(expected**2)))
+
+
+# GDN.md section 5: reduced-precision kernels against the float32 recurrence, relative RMS.
+BF16_TOLERANCE = {"o": 5e-3, "final state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2,
+                  "dinitial_state": 8e-3}
+
+
+def test_custom_backward_with_bf16_inputs_meets_the_field_tolerances():
+    """bf16 q, k, v, g, beta, state (packed rows) against the float32 oracle on the same values; and
+    the float32 call within 1e-5 relative to max of the oracle."""
+    inputs_f32 = make_inputs(seed=12, tokens=130)
+    inputs_bf16 = tuple(x.astype(jnp.bfloat16) for x in inputs_f32)
+    segment_ids = segments_from_lengths([40, 90], [64, 66])
+    (o, final), grads = value_and_grads(gated_delta_rule, inputs_bf16, segment_ids)
+    rounded = tuple(x.astype(jnp.float32) for x in inputs_bf16)
+    (o_ref, final_ref), grads_ref = value_and_grads(gated_delta_rule_reference, rounded, segment_ids)
+    assert o.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
+    errors = {"o": _relative_rms(o, o_ref), "final state": _relative_rms(final, final_ref)}
+    errors |= {name: _relative_rms(g, g_ref) for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref)}
+    assert all(errors[k] <= BF16_TOLERANCE[k] for k in errors), errors
+
+    (o, final), grads = value_and_grads(gated_delta_rule, rounded, segment_ids)
+    for name, x, x_ref in zip(("o", "final state") + GRAD_NAMES, (o, final) + grads, (o_ref, final_ref) + grads_ref):
+        err = float(np.abs(np.asarray(x) - np.asarray(x_ref)).max() / np.abs(np.asarray(x_ref)).max())
+        assert err < 1e-5, (name, err)
