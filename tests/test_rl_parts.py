@@ -330,3 +330,60 @@ def test_chunked_logprobs_extreme_logits_stay_finite():
     np.testing.assert_allclose(logp.reshape(-1), log_p[np.arange(z.shape[0]), np.asarray(targets).reshape(-1)],
                                rtol=1e-5, atol=1e-3)
     np.testing.assert_allclose(entropy.reshape(-1), -(np.exp(log_p) * log_p).sum(axis=1), atol=3e-4)
+
+
+def test_importance_weights_tis_caps_and_mis_masks_whole_sequences():
+    from hybridmoe.rl.objective import importance_weights
+    logp_old = jnp.log(jnp.array([[0.5, 0.2, 0.9], [0.4, 0.4, 0.1]]))
+    # The sampler's probabilities: token (0, 0) 5x less likely than the trainer's, (1, 2) unchanged.
+    logp_sampler = jnp.log(jnp.array([[0.1, 0.4, 0.9], [0.2, 0.4, 0.1]]))
+    mask = jnp.array([[1, 1, 1], [1, 1, 0]])
+    assert importance_weights("none", 2.0, logp_old, logp_sampler, mask) is None
+    tis = importance_weights("tis", 2.0, logp_old, logp_sampler, mask)
+    # min(w, C): 5 capped at 2, 0.5 kept, 1 kept; seq 1: 2 (at the cap), 1, masked slot weight 1.
+    np.testing.assert_allclose(tis, [[2.0, 0.5, 1.0], [2.0, 1.0, 1.0]], rtol=1e-6)
+    # MIS at C = 2.2: sequence ratio prod w = 5 * 0.5 = 2.5 masks seq 0; seq 1's 2 * 1 = 2 stays
+    # (its masked slot, far off, does not count).
+    mis = importance_weights("mis", 2.2, logp_old, logp_sampler * jnp.array([[1, 1, 1], [1, 1, 9.0]]), mask)
+    np.testing.assert_allclose(mis, [[0.0] * 3, [1.0] * 3], atol=1e-6)
+    # In the loss: the weight scales each token's pg term, and its gradient (ratio 1 here: A * w / n).
+    adv = jnp.array([1.0, -1.0])
+    grad = jax.grad(lambda lp: clipped_policy_loss(lp, jax.lax.stop_gradient(lp), adv, mask, is_weight_BT=tis)[0])(
+        logp_old)
+    np.testing.assert_allclose(grad, [[-2.0 / 5, -0.5 / 5, -1.0 / 5], [2.0 / 5, 1.0 / 5, 0.0]], rtol=1e-6)
+    with pytest.raises(ValueError, match="importance correction"):
+        importance_weights("is", 2.0, logp_old, logp_sampler, mask)
+
+
+def test_dynamic_sampling_keeps_groups_with_reward_variance_and_fills_the_batch(monkeypatch):
+    import types
+
+    from hybridmoe.config import load_config
+    from hybridmoe.rl import loop
+
+    G = 2
+    # Per round, per group: (reward a, reward b); equal pairs carry no signal.
+    rounds = [[(1, 0), (1, 1), (0, 0), (0, 1)], [(1, 1), (0, 1), (0, 0), (0, 0)], [(1, 1)] * 4]
+    calls = []
+
+    def fake_sample(run, state, step, round_index, key):
+        calls.append(round_index)
+        r = np.asarray(rounds[round_index], np.float32).reshape(-1)
+        ids = np.arange(len(r)) + 100 * round_index  # which round and row each sample came from
+        return {"tokens": ids[:, None], "rewards": r, "skipped": np.zeros(len(r), bool),
+                "truncated": np.zeros(len(r), bool), "prompt_skipped": np.zeros(len(r) // G, bool),
+                "rewards_skipped": 0.0}
+
+    monkeypatch.setattr(loop, "_sample_groups", fake_sample)
+    for max_rounds, want_rounds, want_rows, frac in ((3, 3, [0, 1, 6, 7, 102, 103, 2, 3], 0.75),
+                                                     (1, 1, [0, 1, 6, 7, 2, 3, 4, 5], 0.5)):
+        calls.clear()
+        cfg = load_config("tiny", ["rl.prompts_per_step=4", f"rl.group_size={G}", "rl.dynamic_sampling=true",
+                                   f"rl.dynamic_sampling_rounds={max_rounds}"])
+        batch, first, ds = loop._fill_batch(types.SimpleNamespace(cfg=cfg), None, 0, jax.random.key(0))
+        # Round 0's informative groups 0 and 3, then round 1's group 1; round 2 has none; the rest
+        # is filled with round 0's zero-variance groups, in order.
+        assert calls == list(range(want_rounds))
+        np.testing.assert_array_equal(batch["tokens"][:, 0], want_rows)
+        assert ds == {"ds_rounds": want_rounds, "ds_rollouts": 8.0 * want_rounds, "ds_informative_frac": frac}
+        assert first["rewards"].tolist() == [1, 0, 1, 1, 0, 0, 0, 1]  # what the step logs as reward_mean

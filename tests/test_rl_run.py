@@ -153,3 +153,34 @@ def test_empty_prompt_set_stops_with_a_clear_error_keeping_checkpoints_and_metri
 def test_prompt_and_completion_longer_than_the_context_is_a_config_error():
     with pytest.raises(ConfigError, match="rl.max_new_tokens"):
         tiny_config("model.max_seq_len=16", "rl.max_prompt_len=12", "rl.max_new_tokens=8")
+
+
+def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_error(tmp_path):
+    # rl.max_prompt_len=2 is shorter than every arithmetic prompt: nothing can be scored, ever.
+    cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=1", "rl.steps=5", "rl.checkpoint_every=0", "rl.max_prompt_len=2",
+                      "rl.beta=0")
+    out = tmp_path / "run"
+    with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample.*raise rl.max_prompt_len"):
+        run_rl(cfg, out, progress=False)
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["scored_samples"] == 0 and r["prompts_skipped"] == 2 and r["update_applied"] == 0
+               for r in records[1:])
+    assert Checkpoints(out / "checkpoints").latest_step() == 3  # the last completed step, saved on the way out
+
+
+def test_grpo_levers_together_run_and_log_what_they_do(tmp_path):
+    """T = 0.8 with top-p, TIS, two updates per rollout, dynamic sampling and routing replay."""
+    cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=0", "rl.steps=2", "rl.checkpoint_every=0", "rl.beta=0",
+                      "rl.temperature=0.8", "rl.top_p=0.95", "rl.importance_correction=tis",
+                      "rl.updates_per_rollout=2", "rl.dynamic_sampling=true", "rl.dynamic_sampling_rounds=2",
+                      "moe.routing_replay=true", "rl.prompts_per_step=2", "rl.group_size=8")
+    task = ArithmeticTask(digits=1)
+    noisy = lambda prompt, completion: float(zlib.crc32(completion.encode()) % 3)  # noqa: E731 -- varied rewards
+    history = run_rl(cfg, tmp_path / "run", progress=False, task=task, reward_fns=[(noisy, 1.0)])
+    for r in history:
+        assert r["ds_rounds"] >= 1 and r["ds_rollouts"] == 16 * r["ds_rounds"], r
+        assert 0 <= r["ds_informative_frac"] <= 1
+        assert r["ratio_min"] <= 1 <= r["ratio_max"] and 0 < r["is_weight_mean"] <= 2.0
+        assert r["sampler_gap_mean"] > 0 and r["sampler_gap_max"] >= r["sampler_gap_mean"]
+        assert r["update_applied"] == 1.0

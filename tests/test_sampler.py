@@ -28,22 +28,27 @@ def _setup():
     return cfg, build(cfg), tiny_params(cfg)
 
 
-def test_sampler_logprobs_equal_trainer_logprobs():
+def test_sampler_logprobs_equal_trainer_logprobs_at_the_sampling_temperature():
     cfg, setup, params = _setup()
-    # eos_id=-1: no row stops early, so every completion slot is compared.
-    opts = SamplingOptions(max_new_tokens=NEW_TOKENS, temperature=1.0, eos_id=-1)
+    # eos_id=-1: no row stops early, so every completion slot is compared. T = 0.7 (no top-p): the
+    # distribution drawn from is softmax(logits / 0.7), which the trainer computes the same way.
+    opts = SamplingOptions(max_new_tokens=NEW_TOKENS, temperature=0.7, eos_id=-1)
     tokens, seg, pos = _prompts(cfg.model.vocab_size)
     with setup.context():
         out = make_generate(cfg, opts)(params, tokens, seg, pos, jax.random.key(1))
         h = jax.jit(lambda p, t, s, q: decoder_hidden(p, cfg, t, s, q))(
             params, out["tokens"], out["segment_ids"], out["positions"])
         trainer_logp, _ = chunked_token_logprobs(h[:, :-1], params["lm_head"], out["tokens"][:, 1:],
-                                                 chunk_tokens=16, chunk_vocab=64)
+                                                 chunk_tokens=16, chunk_vocab=64, temperature=0.7)
+        trainer_logp_t1, _ = chunked_token_logprobs(h[:, :-1], params["lm_head"], out["tokens"][:, 1:],
+                                                    chunk_tokens=16, chunk_vocab=64)
     trainer_logp = np.asarray(trainer_logp)[:, PROMPT_LEN - 1:]
     sampler_logp = np.asarray(out["logprobs"])
     assert np.all(np.asarray(out["lengths"]) == NEW_TOKENS) and np.all(np.asarray(out["truncated"]))
     assert np.all(sampler_logp < 0)
     np.testing.assert_allclose(sampler_logp, trainer_logp, rtol=0, atol=1e-5)
+    # ... and not the temperature-1 log-probs (what the sampler used to record).
+    assert np.abs(sampler_logp - np.asarray(trainer_logp_t1)[:, PROMPT_LEN - 1:]).mean() > 0.05
     # The rows the trainer sees: prompt then completion, positions counting on from the prompt.
     lengths = np.asarray(PROMPT_LENGTHS)
     np.testing.assert_array_equal(np.asarray(out["positions"])[:, -1], lengths + NEW_TOKENS - 1)
@@ -89,8 +94,17 @@ def test_cached_greedy_equals_full_forward_greedy_and_stops_at_eos():
 
 def test_top_p_keeps_the_nucleus_only():
     logits_BV = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 4000))
-    draws = np.asarray(choose_tokens(logits_BV, jax.random.key(0), 1.0, 0.7))
+    draws, logp = map(np.asarray, choose_tokens(logits_BV, jax.random.key(0), 1.0, 0.7))
     assert set(np.unique(draws)) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 are cut
     assert abs((draws == 0).mean() - 0.5 / 0.8) < 0.03
-    greedy = np.asarray(choose_tokens(logits_BV[:3], jax.random.key(0), 0.0, 1.0))
-    assert np.all(greedy == 0)
+    # The recorded log-prob is the nucleus's renormalised one, not the model's 0.5 / 0.3.
+    np.testing.assert_allclose(logp, np.log(np.where(draws == 0, 0.5 / 0.8, 0.3 / 0.8)), rtol=1e-6)
+    greedy, greedy_logp = choose_tokens(logits_BV[:3], jax.random.key(0), 0.0, 1.0)
+    assert np.all(np.asarray(greedy) == 0) and np.all(np.asarray(greedy_logp) == 0)
+    # top-k 1 at any temperature is greedy with log-prob 0; top-k 3 at T = 0.5 renormalises p^2.
+    top1, top1_logp = choose_tokens(logits_BV[:50], jax.random.key(1), 0.7, 1.0, top_k=1)
+    assert np.all(np.asarray(top1) == 0) and np.all(np.asarray(top1_logp) == 0)
+    draws, logp = map(np.asarray, choose_tokens(logits_BV, jax.random.key(2), 0.5, 1.0, top_k=3))
+    p2 = np.array([0.5, 0.3, 0.15]) ** 2
+    assert set(np.unique(draws)) == {0, 1, 2}
+    np.testing.assert_allclose(logp, np.log(p2 / p2.sum())[draws], rtol=1e-5)

@@ -133,6 +133,10 @@ class MoEConfig(Section):
     router_grad_from_wo_input: bool = Field(
         False, description="Routing weight scales the down projection's input (h * w) instead of its output."
     )
+    routing_replay: bool = Field(
+        False, description="Rollout routing replay (GRPO): the sampler records each token's experts per layer and "
+        "the trainer's forward routes by them (weights from its own router over those experts)."
+    )
 
 
 class GmmKernelConfig(Section):
@@ -260,13 +264,25 @@ class RLConfig(Section):
     # Sampling.
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
+    top_k: int = Field(0, ge=0, description="Sample from the k most likely tokens only (0 = off).")
     # Phases.
     warmup_steps: int = Field(20, ge=0, description="Supervised steps on the task's solved examples before GRPO (batch and lr from train.*).")
     steps: int = Field(30, ge=0, description="GRPO policy-update steps.")
     # The policy update.
     learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate of the GRPO phase (betas, clip, decay from train.*).")
     lr_warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps of the GRPO phase.")
-    micro_batches: int = Field(1, gt=0, description="Micro-batches the P*G sequences are split into; gradients accumulate.")
+    micro_batches: int = Field(1, gt=0, description="Micro-batches each update's sequences are split into; gradients accumulate.")
+    updates_per_rollout: int = Field(1, ge=1, description="Policy updates (optimizer steps) per rollout batch, PPO-style: "
+                                     "updates_per_rollout / epochs_per_rollout mini-batches per pass (1 = one update on the whole batch).")
+    epochs_per_rollout: int = Field(1, ge=1, description="Passes over the rollout batch (each in a fresh shuffle); divides updates_per_rollout.")
+    importance_correction: Literal["none", "tis", "mis"] = Field(
+        "none", description="Correction for the sampler's and trainer's probabilities differing: none, tis (token-level "
+        "weight min(pi_train / pi_sampler, importance_cap)) or mis (mask sequences whose ratio exceeds importance_cap).")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: sample further rounds of prompts until "
+                                   "prompts_per_step groups have reward variance (zero-variance groups dropped).")
+    dynamic_sampling_rounds: int = Field(3, ge=1, description="Sampling rounds per step at most with rl.dynamic_sampling; "
+                                         "a short batch is filled with zero-variance groups (no loss).")
+    importance_cap: float = Field(2.0, gt=1, description="C of rl.importance_correction: the TIS weight cap or the MIS sequence-ratio threshold.")
     estimator: Literal["grpo", "rloo", "drgrpo"] = Field("grpo", description="Group advantage estimator.")
     mask_truncated: bool = Field(False, description="Truncated completions (no EOS) carry no loss (off: their low reward teaches the policy to stop).")
     mask_zero_variance: bool = Field(True, description="Groups whose rewards are all equal carry no loss.")
@@ -287,6 +303,11 @@ class RLConfig(Section):
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    @property
+    def mini_batches(self) -> int:
+        """Mini-batches (one update each) per pass over the rollout batch."""
+        return max(1, self.updates_per_rollout // self.epochs_per_rollout)
 
     @property
     def sequence_len(self) -> int:

@@ -92,9 +92,16 @@ def _rl_shapes(cfg: Config) -> list[Problem]:
     if r.sequence_len > cfg.model.max_seq_len:
         out.append(("rl.max_new_tokens", f"rl.max_prompt_len + rl.max_new_tokens = {r.sequence_len} exceeds "
                     f"model.max_seq_len={cfg.model.max_seq_len}; shorten either or raise model.max_seq_len"))
-    if r.rollouts_per_step % r.micro_batches:
-        out.append(("rl.micro_batches", f"{r.micro_batches} does not divide the {r.rollouts_per_step} rollouts of a "
-                    "step (rl.prompts_per_step * rl.group_size)"))
+    if r.updates_per_rollout % r.epochs_per_rollout:
+        out.append(("rl.updates_per_rollout", f"{r.updates_per_rollout} updates are not a whole number of mini-batches "
+                    f"per pass over the batch (rl.epochs_per_rollout={r.epochs_per_rollout} must divide it)"))
+    elif r.rollouts_per_step % (r.mini_batches * r.micro_batches):
+        out.append(("rl.micro_batches", f"{r.mini_batches} mini-batches (rl.updates_per_rollout / "
+                    f"rl.epochs_per_rollout) x {r.micro_batches} micro-batches do not divide the "
+                    f"{r.rollouts_per_step} rollouts of a step (rl.prompts_per_step * rl.group_size)"))
+    if r.steps and r.temperature == 0:
+        out.append(("rl.temperature", "GRPO samples and trains at rl.temperature; 0 (greedy) gives no distribution "
+                    "to train: set it > 0"))
     if r.operators and len(set(r.operators)) != len(r.operators):
         out.append(("rl.operators", f"{r.operators!r} repeats an operator"))
     return out
@@ -110,10 +117,11 @@ def _rl_batch_fits_mesh(cfg: Config) -> list[Problem]:
     if problem:
         return []
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    rows = cfg.rl.rollouts_per_step // cfg.rl.micro_batches
+    r = cfg.rl
+    rows = r.rollouts_per_step // (r.mini_batches * r.micro_batches)
     if rows % shards:
         return [("rl.prompts_per_step", f"a micro-batch of {rows} rollouts (rl.prompts_per_step * rl.group_size / "
-                 f"rl.micro_batches) does not split over the {shards} batch shards of the mesh")]
+                 f"mini-batches / rl.micro_batches) does not split over the {shards} batch shards of the mesh")]
     return []
 
 
@@ -335,6 +343,23 @@ def _context_parallel_attention(cfg: Config) -> list[Problem]:
             unmet.append("needs remat.scan_layers=true (the hoist out of the layer loop is the scan's)")
         if unmet:
             out.append(("attention.cp_load_balance_hoist_ids", "; ".join(unmet)))
+
+
+def _routing_replay(cfg: Config) -> list[Problem]:
+    # Replay feeds the sampler's expert ids into the trainer's default MoE program; the levers and
+    # the ring of experts route inside their own kernels and shard_maps, which take no ids.
+    moe, out = cfg.moe, []
+    if not moe.routing_replay:
+        return out
+    for key in ("wi_fused_swiglu", "wo_fused_dswiglu", "router_grad_from_wo_input"):
+        if getattr(moe, key):
+            out.append((f"moe.{key}", "moe.routing_replay runs the default MoE program; turn this lever off"))
+    if moe.capacity_factor:
+        out.append(("moe.capacity_factor", "moe.routing_replay is dropless only; set it to 0"))
+    if cfg.kernels.gmm.backend != "xla":
+        out.append(("kernels.gmm.backend", "moe.routing_replay runs the xla grouped matmul; set it to xla"))
+    if cfg.mesh.expert != 1 and moe.impl == "sparse":
+        out.append(("mesh.expert", "moe.routing_replay does not run the ring of experts; set mesh.expert=1"))
     return out
 
 

@@ -27,7 +27,7 @@ from hybridmoe.config.schema import Config
 from hybridmoe.kernels.attention import attention
 from hybridmoe.model.attention import gated_output, project_qkv
 from hybridmoe.model.expert_fp8 import sampling_weights
-from hybridmoe.model.forward import decoder_layer, embed_tokens, lm_head_at_use
+from hybridmoe.model.forward import decoder_layer, embed_tokens, lm_head_at_use, routing_from_blocks
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.norms import rms_norm
 from hybridmoe.model.params import layer_axes
@@ -84,9 +84,10 @@ def _cached_mixer(kind: str, p, h_BTD, layer_cache, ctx, cfg: Config):
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
-def cached_hidden(params, cfg: Config, cache, tokens_BT, segment_ids_BT, positions_BT):
+def cached_hidden(params, cfg: Config, cache, tokens_BT, segment_ids_BT, positions_BT, *, with_routing: bool = False):
     """Run T new tokens (a prompt, or one decode token) through the decoder, writing them to cache
-    slots [slot, slot + T). Returns (final-normed hidden states [B, T, D], the new cache)."""
+    slots [slot, slot + T). Returns (final-normed hidden states [B, T, D], the new cache), with_routing
+    also the experts each token went to in each layer, int32 [B, T, layers, k] (routing replay)."""
     m = cfg.model
     slot = cache["slot"]
     kv_pos_BS = jax.lax.dynamic_update_slice_in_dim(cache["kv_pos"], positions_BT.astype(jnp.int32), slot, axis=1)
@@ -97,18 +98,23 @@ def cached_hidden(params, cfg: Config, cache, tokens_BT, segment_ids_BT, positio
 
     def block(x_BTD, xs):
         block_params, block_cache = xs
-        new_cache = []
+        new_cache, routing = [], []
         for kind, lp, lc, lp_axes in zip(m.layer_pattern, block_params, block_cache, layer_axes(m)):
             lp = sampling_weights(lp, lp_axes, cfg)
             mix = lambda p, h, kind=kind, lc=lc: _cached_mixer(kind, p, h, lc, ctx, cfg)
-            x_BTD, lc = decoder_layer(lp, x_BTD, mix, cfg)
+            out = decoder_layer(lp, x_BTD, mix, cfg, with_routing=with_routing)
+            x_BTD, lc = out[:2]
             new_cache.append(lc)
-        return x_BTD, new_cache
+            routing.extend(out[2:])
+        return x_BTD, ((new_cache, jnp.stack(routing)) if with_routing else new_cache)
 
-    x, layers = jax.lax.scan(block, x, (params["blocks"], cache["layers"]))
+    x, ys = jax.lax.scan(block, x, (params["blocks"], cache["layers"]))
+    layers, routing = ys if with_routing else (ys, None)
     hidden = rms_norm(x, params["final_norm"], m.rms_norm_eps)
     new_cache = {"layers": layers, "kv_pos": kv_pos_BS, "kv_seg": kv_seg_BS,
                  "slot": slot + jnp.int32(tokens_BT.shape[1])}
+    if with_routing:
+        return hidden, new_cache, routing_from_blocks(routing)
     return hidden, new_cache
 
 

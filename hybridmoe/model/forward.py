@@ -45,51 +45,85 @@ def lm_head_at_use(params):
     return constrain_at_use(params["lm_head"], ("embed", "vocab"))
 
 
-def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False):
+def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False, replay_BTk=None,
+                  with_routing: bool = False):
     """One layer around its token mixer: x + mix(norm x), then x + moe(norm x).
 
     `mix(mixer_params, h_BTD) -> (y_BTD, aux)` is the token mixer (the full-sequence one here, the
     cached one in decode.py); returns (x_BTD, aux), and with_moe_dropped also the MoE block's
-    dropped (token, expert) rows (int32; see moe.capacity_factor).
+    dropped (token, expert) rows (int32; see moe.capacity_factor), or with_routing the expert ids
+    it routed by (int32 [B, T, k]). replay_BTk: route by these experts (moe.routing_replay).
     """
     m = cfg.model
     h = rms_norm(x_BTD, lp["input_norm"], m.rms_norm_eps)
     y_BTD, aux = mix(lp["mixer"], h)
     x_BTD = x_BTD + y_BTD
     h = rms_norm(x_BTD, lp["post_norm"], m.rms_norm_eps)
-    y_BTD = moe_layer(lp["moe"], h, m, cfg.moe, cfg.kernels, return_dropped=with_moe_dropped)
-    if with_moe_dropped:
-        y_BTD, dropped = y_BTD
+    y_BTD = moe_layer(lp["moe"], h, m, cfg.moe, cfg.kernels, return_dropped=with_moe_dropped,
+                      replay_BTk=replay_BTk, return_routing=with_routing)
+    if with_moe_dropped or with_routing:
+        y_BTD, extra = y_BTD
     x_BTD = constrain(x_BTD + y_BTD, "batch", "seq", None)
-    return (x_BTD, aux, dropped) if with_moe_dropped else (x_BTD, aux)
+    return (x_BTD, aux, extra) if with_moe_dropped or with_routing else (x_BTD, aux)
 
 
-def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: bool = False, packed: bool = True):
+def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: bool = False, packed: bool = True,
+             replay: bool = False, with_routing: bool = False):
     """One repeating block (every position of the layer pattern) as a function (x, block xs) -> x
     (with_moe_dropped: -> (x, the block's dropped MoE rows)). The xs are the block's params, or
-    (params, hoisted fp8 absmax) under quant.fp8_fake_quant_hoist (expert_fp8.scan_xs)."""
+    (params, hoisted fp8 absmax) under quant.fp8_fake_quant_hoist (expert_fp8.scan_xs). Routing
+    replay: the xs are (those, expert ids [pattern, B, T, k]) and with_routing -> (x, the ids routed
+    by, alike)."""
     m = cfg.model
     axes = layer_axes(m)
     with_absmax = hoisted(cfg)
 
     def block(x_BTD, block_xs):
         dropped = jnp.int32(0)
+        block_xs, replay_PBTk = block_xs if replay else (block_xs, None)
+        routing = []
         block_params, block_absmax = block_xs if with_absmax else (block_xs, [None] * len(axes))
-        for kind, lp, lp_axes, amax in zip(m.layer_pattern, block_params, axes, block_absmax):
+        for i, (kind, lp, lp_axes, amax) in enumerate(zip(m.layer_pattern, block_params, axes, block_absmax)):
             lp = layer_weights_at_use(lp, lp_axes, cfg, amax)
             mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)
-            out = decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped)
+            out = decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped, with_routing=with_routing,
+                                replay_BTk=None if replay_PBTk is None else replay_PBTk[i])
             x_BTD = out[0]
             if with_moe_dropped:
                 dropped = dropped + out[2]
+            if with_routing:
+                routing.append(out[2])
+        if with_routing:
+            return x_BTD, jnp.stack(routing)
         return (x_BTD, dropped) if with_moe_dropped else x_BTD
 
     return block
 
 
+def routing_to_blocks(routing_BTLk, cfg: Config):
+    """Expert ids [B, T, layers, k] (layer = block * pattern length + position) as the layer scan's
+    [blocks, pattern, B, T, k]."""
+    B, T, _, k = routing_BTLk.shape
+    m = cfg.model
+    return routing_BTLk.reshape(B, T, m.num_blocks, len(m.layer_pattern), k).transpose(2, 3, 0, 1, 4)
+
+
+def routing_from_blocks(routing_LPBTk):
+    """The layer scan's [blocks, pattern, B, T, k] as [B, T, layers, k]."""
+    Lb, Pp, B, T, k = routing_LPBTk.shape
+    return routing_LPBTk.transpose(2, 3, 0, 1, 4).reshape(B, T, Lb * Pp, k)
+
+
 def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None, *,
-                   with_moe_dropped: bool = False):
-    """Final-normed hidden states [B, T, D] (with_moe_dropped: and the MoE rows dropped in all layers)."""
+                   with_moe_dropped: bool = False, routing_BTLk=None, with_routing: bool = False):
+    """Final-normed hidden states [B, T, D] (with_moe_dropped: and the MoE rows dropped in all layers).
+
+    Routing replay (moe.routing_replay): routing_BTLk int32 [B, T, layers, k] are the experts each
+    token goes to in each layer (the router only weights them); with_routing: also return the
+    experts every layer routed by, alike."""
+    if routing_BTLk is not None or with_routing:
+        return _decoder_hidden_routed(params, cfg, tokens_BT, segment_ids_BT, positions_BT, routing_BTLk,
+                                      with_routing)
     m = cfg.model
     packed = segment_ids_BT is not None
     if segment_ids_BT is None or positions_BT is None:
@@ -119,6 +153,34 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
         for i in range(m.num_blocks):
             x = block(x, jax.tree.map(lambda a: a[i], xs))
     return rms_norm(x, params["final_norm"], m.rms_norm_eps)
+
+
+def _decoder_hidden_routed(params, cfg: Config, tokens_BT, segment_ids_BT, positions_BT, routing_BTLk,
+                           with_routing: bool):
+    m = cfg.model
+    packed = segment_ids_BT is not None
+    if segment_ids_BT is None or positions_BT is None:
+        seg, pos = default_batch_fields(tokens_BT)
+        segment_ids_BT = seg if segment_ids_BT is None else segment_ids_BT
+        positions_BT = pos if positions_BT is None else positions_BT
+    x = embed_tokens(params, tokens_BT, jnp.dtype(m.compute_dtype))
+    replay = routing_BTLk is not None
+    block = block_fn(cfg, positions_BT, segment_ids_BT, packed=packed, replay=replay, with_routing=with_routing)
+    if cfg.remat.policy != "none":
+        block = jax.checkpoint(block, policy=remat_policy(cfg), prevent_cse=not cfg.remat.scan_layers)
+    xs = scan_xs(params, cfg, layer_axes(m))
+    xs = (xs, routing_to_blocks(routing_BTLk, cfg)) if replay else xs
+    step = (lambda x, bp: block(x, bp)) if with_routing else (lambda x, bp: (block(x, bp), None))  # noqa: E731
+    if cfg.remat.scan_layers:
+        x, ys = jax.lax.scan(step, x, xs)
+    else:
+        outs = []
+        for i in range(m.num_blocks):
+            x, y = step(x, jax.tree.map(lambda a: a[i], xs))
+            outs.append(y)
+        ys = jnp.stack(outs) if with_routing else None
+    hidden = rms_norm(x, params["final_norm"], m.rms_norm_eps)
+    return (hidden, routing_from_blocks(ys)) if with_routing else hidden
 
 
 def logits(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None, *,

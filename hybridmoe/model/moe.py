@@ -36,11 +36,17 @@ from hybridmoe.kernels import gmm as K
 from hybridmoe.parallel.rules import logical_to_spec
 
 
-def route(router_DE, x_TD, m: ModelConfig):
-    """Top-k experts and their weights (float32) per token."""
+def route(router_DE, x_TD, m: ModelConfig, replay_idx_Tk=None):
+    """Top-k experts and their weights (float32) per token. With replay_idx_Tk (routing replay: the
+    experts the sampler chose), those experts, weighted by the current router's probabilities of
+    them (so the router still learns); without a flip, the same numbers as top-k gives."""
     logits_TE = jnp.einsum("td,de->te", x_TD, router_DE.astype(x_TD.dtype), preferred_element_type=jnp.float32)
     probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-    w_Tk, idx_Tk = jax.lax.top_k(probs_TE, m.num_experts_per_tok)
+    if replay_idx_Tk is None:
+        w_Tk, idx_Tk = jax.lax.top_k(probs_TE, m.num_experts_per_tok)
+    else:
+        idx_Tk = replay_idx_Tk.astype(jnp.int32)
+        w_Tk = jnp.take_along_axis(probs_TE, idx_Tk, axis=-1)
     if m.norm_topk_prob:
         w_Tk = w_Tk / jnp.sum(w_Tk, axis=-1, keepdims=True)
     return w_Tk, idx_Tk, probs_TE
@@ -236,9 +242,10 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
 
 
 def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None = None, *,
-              return_dropped: bool = False):
-    """The block on the tokens a shard holds (every expert weight visible)."""
-    w_Tk, idx_Tk, _ = route(p["router"], x_TD, m)
+              return_dropped: bool = False, replay_Tk=None, return_routing: bool = False):
+    """The block on the tokens a shard holds (every expert weight visible). replay_Tk: route by these
+    experts (routing replay); return_routing: also the expert ids it routed by, int32 [T, k]."""
+    w_Tk, idx_Tk, _ = route(p["router"], x_TD, m, replay_Tk)
     plan = GroupedPlan.of(m, moe, kernels)
     dropped = jnp.int32(0)
     if moe.impl == "dense":
@@ -249,7 +256,8 @@ def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | 
         y, dropped = grouped_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan)
     if "shared_wi" in p:
         y = y + shared_expert(p, x_TD)
-    return (y, dropped) if return_dropped else y
+    out = (y,) + ((dropped,) if return_dropped else ()) + ((idx_Tk,) if return_routing else ())
+    return out if len(out) > 1 else y
 
 
 def _mesh_axes(spec_entry) -> tuple[str, ...]:
@@ -264,16 +272,20 @@ def expert_axes(mesh) -> tuple[str, ...]:
 
 
 def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None = None, *,
-              return_dropped: bool = False):
+              return_dropped: bool = False, replay_BTk=None, return_routing: bool = False):
     """The block on a [B, T, D] batch, under the mesh in force (if any).
 
     One expert rank: tokens stay on their shard and expert weights are gathered to every shard
     (FSDP style). Experts sharded (the rules' "exp" axes > 1) and the sparse path: ring of
     experts (module docstring). With return_dropped, also the number of (token, expert) rows
     the per-expert buffers dropped in the whole batch (int32, 0 when dropless).
+    replay_BTk / return_routing (moe.routing_replay): route by the given experts / also return the
+    expert ids routed by, int32 [B, T, k] (then no dropped count); the default program only.
     """
     B, T, D = x_BTD.shape
     mesh = jax.sharding.get_abstract_mesh()
+    if replay_BTk is not None or return_routing:
+        return _replayable_moe_layer(p, x_BTD, m, moe, kernels, replay_BTk, return_routing, mesh)
     if mesh.empty:
         y, dropped = moe_local(p, x_BTD.reshape(B * T, D), m, moe, kernels, return_dropped=True)
         y = y.reshape(B, T, D)
@@ -310,6 +322,32 @@ def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig |
     y, dropped = jax.shard_map(local, in_specs=(weight_specs, token_spec),
                                out_specs=(token_spec, PartitionSpec()), check_vma=check_vma)(p, x_BTD)
     return (y, dropped) if return_dropped else y
+
+
+def _replayable_moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels, replay_BTk, return_routing: bool,
+                          mesh):
+    """The default program's block with routing replay in and/or the routing ids out."""
+    B, T, D = x_BTD.shape
+    k = m.num_experts_per_tok
+    if not mesh.empty and (moe.impl == "sparse" and expert_axes(mesh)
+                           or not GroupedPlan.of(m, moe, kernels).is_default):
+        raise NotImplementedError("moe.routing_replay runs with the default MoE program only (no expert "
+                                  "parallelism, no grouped-matmul lever, dropless)")
+
+    def local(p, x_btd, *replay):
+        b, t, _ = x_btd.shape
+        replay_Tk = replay[0].reshape(b * t, k) if replay else None
+        y, idx_Tk = moe_local(p, x_btd.reshape(b * t, D), m, moe, kernels, replay_Tk=replay_Tk, return_routing=True)
+        return y.reshape(b, t, D), idx_Tk.reshape(b, t, k)
+
+    args = (p, x_BTD) + ((replay_BTk,) if replay_BTk is not None else ())
+    if mesh.empty:
+        y, idx_BTk = local(*args)
+    else:
+        token_spec = logical_to_spec(("batch", "seq", None))
+        in_specs = (jax.tree.map(lambda _: PartitionSpec(), p), token_spec) + (token_spec,) * (len(args) - 2)
+        y, idx_BTk = jax.shard_map(local, in_specs=in_specs, out_specs=(token_spec, token_spec))(*args)
+    return (y, idx_BTk) if return_routing else y
 
 
 def _count_once(dropped, all_axes, replicas: int, check_vma: bool):

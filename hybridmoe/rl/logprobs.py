@@ -5,7 +5,7 @@ do not fit next to the model, and autodiff through a chunked loop would keep eve
 as residuals anyway. So the chunking has its own VJP:
 
 forward, per token chunk (lax.scan), per vocab chunk (inner lax.scan), an online logsumexp:
-  z = h @ W[:, chunk]                           float32 accumulation whatever the input dtype
+  z = h @ W[:, chunk] / temperature             float32 accumulation whatever the input dtype
   m' = max(m, max z);  a = exp(m - m')
   s' = a s + sum exp(z - m')                    softmax denominator, relative to the running max
   u' = a (u + (m - m') s) + sum exp(z - m')(z - m')   sum of e (z - m), kept relative to m so the
@@ -15,7 +15,7 @@ backward recomputes each [token chunk, vocab chunk] block of logits from the sav
   p = exp(z - lse)
   dlogp/dz = onehot(target) - p
   dH/dz    = -p (z - lse + H)                   (= -p (log p + H))
-  dh = g_z @ W_chunk^T,  dW_chunk += h^T @ g_z
+  dh = g_z' @ W_chunk^T,  dW_chunk += h^T @ g_z'   with g_z' = g_z / temperature
 Peak extra memory is one [chunk_tokens, chunk_vocab] float32 block plus the float32 dW accumulator.
 
 Lengths that the chunk sizes do not divide are padded: padded tokens get zero cotangent, padded
@@ -31,21 +31,25 @@ import jax
 import jax.numpy as jnp
 
 
-def _logits_block(h_CD, lm_head_DV, v_start, chunk_vocab, vocab_size):
-    """One [chunk_tokens, chunk_vocab] block of float32 logits and which of its columns are real."""
+def _logits_block(h_CD, lm_head_DV, v_start, chunk_vocab, vocab_size, temperature):
+    """One [chunk_tokens, chunk_vocab] block of float32 logits / temperature and which of its columns
+    are real (the division is the sampler's own op, so both see the same numbers)."""
     w_DC = jax.lax.dynamic_slice_in_dim(lm_head_DV, v_start, chunk_vocab, axis=1)
     z_CV = jnp.dot(h_CD, w_DC, preferred_element_type=jnp.float32)
+    if temperature != 1.0:
+        z_CV = z_CV / temperature
     col_V = v_start + jnp.arange(chunk_vocab)
     return z_CV, col_V < vocab_size, col_V, w_DC
 
 
-def _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size):
+def _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size, temperature):
     num_tokens = h_CD.shape[0]
     num_vocab_chunks = lm_head_DV.shape[1] // chunk_vocab
 
     def over_vocab(carry, v_index):
         m_C, s_C, u_C, z_target_C = carry
-        z_CV, real_V, col_V, _ = _logits_block(h_CD, lm_head_DV, v_index * chunk_vocab, chunk_vocab, vocab_size)
+        z_CV, real_V, col_V, _ = _logits_block(h_CD, lm_head_DV, v_index * chunk_vocab, chunk_vocab, vocab_size,
+                                               temperature)
         z_CV = jnp.where(real_V, z_CV, -jnp.inf)
         m_new_C = jnp.maximum(m_C, z_CV.max(axis=1))  # finite after the first chunk (column 0 is real)
         shifted_CV = jnp.where(real_V, z_CV - m_new_C[:, None], 0.0)
@@ -66,10 +70,10 @@ def _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size):
     return z_target_C - lse_C, u_C, s_C, lse_C
 
 
-def _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size):
+def _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature):
     def over_tokens(_, xs):
         h_CD, targets_C = xs
-        logp_C, u_C, s_C, lse_C = _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size)
+        logp_C, u_C, s_C, lse_C = _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size, temperature)
         entropy_C = jnp.log(s_C) - u_C / s_C
         return None, (logp_C, entropy_C, lse_C)
 
@@ -77,18 +81,18 @@ def _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size):
     return logp_KC, entropy_KC, lse_KC
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size):
-    logp_KC, entropy_KC, _ = _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature):
+    logp_KC, entropy_KC, _ = _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature)
     return logp_KC, entropy_KC
 
 
-def _chunked_fwd(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size):
-    logp_KC, entropy_KC, lse_KC = _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size)
+def _chunked_fwd(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature):
+    logp_KC, entropy_KC, lse_KC = _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature)
     return (logp_KC, entropy_KC), (h_KCD, lm_head_DV, targets_KC, lse_KC, entropy_KC)
 
 
-def _chunked_bwd(chunk_vocab, vocab_size, residuals, cotangents):
+def _chunked_bwd(chunk_vocab, vocab_size, temperature, residuals, cotangents):
     h_KCD, lm_head_DV, targets_KC, lse_KC, entropy_KC = residuals
     g_logp_KC, g_entropy_KC = cotangents
     num_vocab_chunks = lm_head_DV.shape[1] // chunk_vocab
@@ -99,13 +103,16 @@ def _chunked_bwd(chunk_vocab, vocab_size, residuals, cotangents):
         def over_vocab(carry, v_index):
             d_h_CD, d_lm_head_DV = carry
             v_start = v_index * chunk_vocab
-            z_CV, real_V, col_V, w_DC = _logits_block(h_CD, lm_head_DV, v_start, chunk_vocab, vocab_size)
+            z_CV, real_V, col_V, w_DC = _logits_block(h_CD, lm_head_DV, v_start, chunk_vocab, vocab_size,
+                                                      temperature)
             log_p_CV = z_CV - lse_C[:, None]
             p_CV = jnp.where(real_V, jnp.exp(log_p_CV), 0.0)
             onehot_CV = (col_V[None, :] == targets_C[:, None]).astype(jnp.float32)
             g_z_CV = (g_logp_C[:, None] * (onehot_CV - p_CV)
                       - g_entropy_C[:, None] * p_CV * (log_p_CV + entropy_C[:, None]))
             g_z_CV = jnp.where(real_V, g_z_CV, 0.0)
+            if temperature != 1.0:  # z = raw / temperature
+                g_z_CV = g_z_CV / temperature
             d_h_CD = d_h_CD + jnp.dot(g_z_CV.astype(w_DC.dtype), w_DC.T, preferred_element_type=jnp.float32)
             d_w_DC = jnp.dot(h_CD.T, g_z_CV.astype(h_CD.dtype), preferred_element_type=jnp.float32)
             block_DC = jax.lax.dynamic_slice_in_dim(d_lm_head_DV, v_start, chunk_vocab, axis=1)
@@ -133,12 +140,14 @@ def chunked_token_logprobs(
     *,
     chunk_tokens: int,
     chunk_vocab: int,
+    temperature: float = 1.0,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """(log p(target) float32 [B, T], entropy of the next-token distribution float32 [B, T]).
 
     hidden_BTD: final-normed hidden states; lm_head_DV: the output projection; targets_BT: ids in
     [0, V). Differentiable in hidden and lm_head (custom VJP, same gradients as the unchunked
-    `token_logprobs_reference`); chunk sizes need not divide B*T or V.
+    `token_logprobs_reference`); chunk sizes need not divide B*T or V. temperature: the logits are
+    divided by it first (the distribution the sampler draws from at that temperature).
     """
     if chunk_tokens < 1 or chunk_vocab < 1:
         raise ValueError(f"chunk sizes must be >= 1, got chunk_tokens={chunk_tokens}, chunk_vocab={chunk_vocab}")
@@ -158,15 +167,16 @@ def chunked_token_logprobs(
 
     num_chunks = (num_tokens + pad_tokens) // chunk_tokens
     logp_KC, entropy_KC = _chunked(h_ND.reshape(num_chunks, chunk_tokens, d_model), lm_head_padded_DV,
-                                   targets_N.reshape(num_chunks, chunk_tokens), chunk_vocab, vocab_size)
+                                   targets_N.reshape(num_chunks, chunk_tokens), chunk_vocab, vocab_size,
+                                   float(temperature))
     logp_BT = logp_KC.reshape(-1)[:num_tokens].reshape(batch, seq_len)
     entropy_BT = entropy_KC.reshape(-1)[:num_tokens].reshape(batch, seq_len)
     return logp_BT, entropy_BT
 
 
-def token_logprobs_reference(hidden_BTD, lm_head_DV, targets_BT):
+def token_logprobs_reference(hidden_BTD, lm_head_DV, targets_BT, temperature: float = 1.0):
     """The unchunked definition (materialises [B, T, V]): the oracle for tests and tiny models."""
-    logits_BTV = jnp.einsum("btd,dv->btv", hidden_BTD, lm_head_DV, preferred_element_type=jnp.float32)
+    logits_BTV = jnp.einsum("btd,dv->btv", hidden_BTD, lm_head_DV, preferred_element_type=jnp.float32) / temperature
     log_p_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
     logp_BT = jnp.take_along_axis(log_p_BTV, targets_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
     entropy_BT = -(jnp.exp(log_p_BTV) * log_p_BTV).sum(axis=-1)

@@ -30,7 +30,7 @@ from hybridmoe.config.validate import ConfigError, check_requirements
 from hybridmoe.model.params import abstract_params
 from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
 from hybridmoe.rl.advantages import advantage_stats, group_advantages
-from hybridmoe.rl.grpo import build_update_batch, jit_grpo_step, rl_optimizer, update_batch_shardings
+from hybridmoe.rl.grpo import jit_grpo_step, jit_old_logprobs, policy_updates, rl_optimizer, update_batch_shardings, update_rows
 from hybridmoe.rl.reward_loading import load_rewards
 from hybridmoe.rl.rewards import RewardFn, apply_reward_error_policy, score_completions
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 WARMUP, GRPO = 0, 1
 PLOT_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "warmup_loss")
 PLOT_EVERY = 5
+MAX_EMPTY_STEPS = 3  # GRPO steps in a row without a scored sample before the run stops
 @dataclasses.dataclass
 class _Run:
     """What the step functions need, built once per run."""
@@ -61,6 +62,8 @@ class _Run:
     grpo_step: object
     generate: object
     rl_init: object
+    old_logprobs: object = None
+    empty_steps: int = 0  # GRPO steps in a row that scored no sample
 
     @property
     def total_steps(self) -> int:
@@ -69,27 +72,37 @@ class _Run:
 
 def _encode_prompts(run: _Run, prompts: list[str]) -> tuple[list[list[int]], np.ndarray]:
     """Token ids per prompt ([BOS] prompt) and which prompts are skipped (too long, or text the
-    tokenizer cannot encode); a skipped prompt is replaced by a one-token placeholder."""
+    tokenizer cannot encode); a skipped prompt is replaced by a one-token placeholder. One warning
+    per step sums the skips up."""
     tok, P = run.tokenizer, run.cfg.rl.max_prompt_len
     ids_list, skipped = [], np.zeros(len(prompts), bool)
+    too_long, unencodable = [], []
     for i, text in enumerate(prompts):
         try:
             ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
         except ValueError as e:
-            log.warning("prompt %d (%r) cannot be encoded: %s; skipped", i, text[:80], e)
+            unencodable.append(f"{text[:40]!r}: {e}")
             ids = []
+        if len(ids) > P:
+            too_long.append(len(ids))
         if not 0 < len(ids) <= P:
-            if ids:
-                log.warning("prompt %d has %d tokens > rl.max_prompt_len=%d; skipped", i, len(ids), P)
             ids, skipped[i] = [tok.pad_id], True
         ids_list.append(ids)
+    if too_long:
+        log.warning("%d of %d prompts skipped: longer than rl.max_prompt_len=%d (the longest has %d tokens)",
+                    len(too_long), len(prompts), P, max(too_long))
+    if unencodable:
+        log.warning("%d of %d prompts skipped: the tokenizer cannot encode them (first: %s)", len(unencodable),
+                    len(prompts), unencodable[0])
     return ids_list, skipped
 
 
-def _grpo_step(run: _Run, state, ref_params, step: int, key):
+def _sample_groups(run: _Run, state, step: int, round_index: int, key) -> dict:
+    """One sampling round: P prompts (a pure function of (seed, step, round)), G completions each,
+    scored. Host arrays over the P * G rows."""
     cfg, r = run.cfg, run.cfg.rl
-    t0 = time.perf_counter()
-    examples = run.task.sample(np.random.default_rng([cfg.train.seed, PROMPT_STREAM, step]), r.prompts_per_step)
+    stream = [cfg.train.seed, PROMPT_STREAM, step] + ([round_index] if round_index else [])
+    examples = run.task.sample(np.random.default_rng(stream), r.prompts_per_step)
     if len(examples) != r.prompts_per_step:
         raise RunError(f"step {step}: task {run.task.name!r} gave {len(examples)} prompts; a GRPO step needs "
                        f"rl.prompts_per_step={r.prompts_per_step}")
@@ -99,7 +112,6 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
     rows = left_pad_prompts([ids for ids in prompt_ids for _ in range(G)], r.max_prompt_len, run.tokenizer.pad_id)
     rows = put_global(rows, run.setup.batch_sharding(0))
     rollout = fetch_global(run.generate(state["params"], *rows, key))
-    t_rollout = time.perf_counter() - t0
 
     # Rows of a skipped prompt were sampled from a placeholder: they are not scored at all.
     scored_rows = np.flatnonzero(~np.repeat(prompt_skipped, G))
@@ -111,21 +123,90 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
     skipped = np.ones(len(prompts) * G, bool)
     rewards[scored_rows], skipped[scored_rows] = scored_rewards, reward_skipped
     skipped = apply_reward_error_policy(r.reward_error, skipped, np.repeat(prompt_skipped, G), G)
+    return {**{k: np.asarray(v) for k, v in rollout.items()}, "rewards": rewards, "skipped": skipped,
+            "prompt_skipped": prompt_skipped, "rewards_skipped": float(counts["skipped"]),
+            "reward_errors": float(sum(v for k, v in counts.items() if k.startswith("raised:") or k == "nonfinite"))}
+
+
+def _informative_groups(sample: dict, G: int) -> np.ndarray:
+    """bool [P]: groups with two valid samples whose rewards differ (a learning signal)."""
+    valid_PG = ~sample["skipped"].reshape(-1, G)
+    r_PG = sample["rewards"].reshape(-1, G)
+    hi = np.where(valid_PG, r_PG, -np.inf).max(axis=1)
+    lo = np.where(valid_PG, r_PG, np.inf).min(axis=1)
+    return (valid_PG.sum(axis=1) >= 2) & (hi > lo)
+
+
+def _pick_groups(sample: dict, groups: np.ndarray, G: int) -> dict:
+    """The arrays of a round restricted to some of its groups (rows [P * G, ...] and per-prompt [P])."""
+    rows = (groups[:, None] * G + np.arange(G)).reshape(-1)
+    num_rows = len(sample["rewards"])
+    return {k: v if np.ndim(v) == 0 else v[rows] if len(v) == num_rows else v[groups] for k, v in sample.items()}
+
+
+def _fill_batch(run: _Run, state, step: int, key) -> tuple[dict, dict, dict]:
+    """(the P groups to train on, round 0's groups as sampled, dynamic-sampling counts).
+
+    Without rl.dynamic_sampling: one round. With it (DAPO): further rounds of P prompts until P
+    groups with reward variance are held or rl.dynamic_sampling_rounds are spent; a short batch is
+    filled with the first round's zero-variance groups (which carry no loss)."""
+    r = run.cfg.rl
+    G = r.group_size
+    first = _sample_groups(run, state, step, 0, key)
+    if not r.dynamic_sampling:
+        return first, first, {}
+    pick = lambda sample, groups: _pick_groups(sample, groups, G)  # noqa: E731
+    informative, rounds, spent = [], 0, 0
+    sample = first
+    while True:
+        rounds += 1
+        spent += r.rollouts_per_step
+        informative.append(pick(sample, np.flatnonzero(_informative_groups(sample, G))))
+        held = sum(len(x["rewards"]) // G for x in informative)
+        if held >= r.prompts_per_step or rounds >= r.dynamic_sampling_rounds:
+            break
+        sample = _sample_groups(run, state, step, rounds, jax.random.fold_in(key, rounds))
+    filler = pick(first, np.flatnonzero(~_informative_groups(first, G)))
+    parts = [*informative, filler]
+    batch = {k: (parts[0][k] if np.ndim(parts[0][k]) == 0 else np.concatenate([x[k] for x in parts]))
+             for k in first if k not in ("prompt_skipped", "rewards_skipped", "reward_errors")}
+    batch = {k: v[:r.rollouts_per_step] for k, v in batch.items()}
+    return batch, first, {"ds_rounds": float(rounds), "ds_rollouts": float(spent),
+                          "ds_informative_frac": min(held, r.prompts_per_step) / r.prompts_per_step}
+
+
+def _grpo_step(run: _Run, state, ref_params, step: int, key):
+    cfg, r = run.cfg, run.cfg.rl
+    t0 = time.perf_counter()
+    rollout, first, ds = _fill_batch(run, state, step, key)
+    t_rollout = time.perf_counter() - t0
+    G = r.group_size
+    if first["skipped"].all():
+        run.empty_steps += 1
+        if run.empty_steps >= MAX_EMPTY_STEPS:
+            n = int(first["prompt_skipped"].sum())
+            raise RunError(f"{run.empty_steps} GRPO steps in a row scored no sample (last: step {step}; "
+                           f"{n} of {r.prompts_per_step} prompts skipped as too long for rl.max_prompt_len="
+                           f"{r.max_prompt_len} or not encodable, {first['rewards_skipped']:.0f} rewards raised or "
+                           "were not finite): raise rl.max_prompt_len or fix the reward function")
+    else:
+        run.empty_steps = 0
+
     adv_PG, keep_PG, kept_frac = group_advantages(
-        jnp.asarray(rewards.reshape(-1, G)), estimator=r.estimator, skipped_PG=jnp.asarray(skipped.reshape(-1, G)),
+        jnp.asarray(rollout["rewards"].reshape(-1, G)), estimator=r.estimator,
+        skipped_PG=jnp.asarray(rollout["skipped"].reshape(-1, G)),
         truncated_PG=jnp.asarray(rollout["truncated"].reshape(-1, G)), mask_truncated=r.mask_truncated,
         mask_zero_variance=r.mask_zero_variance)
     adv_PG, keep_PG = np.asarray(adv_PG), np.asarray(keep_PG)
-    batch = build_update_batch(cfg, rollout, adv_PG.reshape(-1), keep_PG.reshape(-1))
-    batch = put_global(batch, update_batch_shardings(run.setup))
+    rows = update_rows(cfg, rollout, adv_PG.reshape(-1), keep_PG.reshape(-1))
     t1 = time.perf_counter()
-    state, m = run.grpo_step(state, ref_params, batch)
-    m = {k: float(v) for k, v in fetch_global(m).items()}
+    put = lambda batch, with_old: put_global(batch, update_batch_shardings(run.setup, with_old))  # noqa: E731
+    state, m = policy_updates(cfg, rows, step, state, ref_params, run.grpo_step, run.old_logprobs, put, fetch_global)
     t_update = time.perf_counter() - t1
     dt = time.perf_counter() - t0
 
-    valid = ~skipped
-    scored = rewards[valid]
+    # Rewards as sampled (round 0): the policy's performance, not the dynamic sampler's selection.
+    scored = first["rewards"][~first["skipped"]]
     lengths = rollout["lengths"].astype(np.float64)
     tokens = float(np.asarray(rollout["segment_ids"]).sum())
     nan = float("nan")
@@ -135,14 +216,18 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
         "reward_max": float(scored.max()) if scored.size else nan,
         "reward_min": float(scored.min()) if scored.size else nan,
         "reward_std": float(scored.std()) if scored.size else nan,
+        "scored_samples": float(scored.size),
         **{k: m[k] for k in ("loss", "pg_loss", "kl", "entropy", "logp_mean", "grad_norm", "pg_clipfrac",
-                             "pg_clipfrac_high", "pg_clipfrac_low", "ratio_mean", "update_applied")},
+                             "pg_clipfrac_high", "pg_clipfrac_low", "ratio_mean", "ratio_min", "ratio_max",
+                             "sampler_gap_mean", "sampler_gap_max", "is_weight_mean", "is_masked_frac",
+                             "update_applied")},
         "kept_frac": float(kept_frac),
         **{k: float(v) for k, v in advantage_stats(jnp.asarray(adv_PG), jnp.asarray(keep_PG)).items()},
         "completion_len_mean": float(lengths.mean()), "completion_len_min": float(lengths.min()),
         "completion_len_max": float(lengths.max()), "truncated_frac": float(np.mean(rollout["truncated"])),
-        "rewards_skipped": float(counts["skipped"]),
-        "reward_errors": float(sum(v for k, v in counts.items() if k.startswith("raised:") or k == "nonfinite")), "prompts_skipped": float(prompt_skipped.sum()),
+        "rewards_skipped": first["rewards_skipped"], "reward_errors": first["reward_errors"],
+        "prompts_skipped": float(first["prompt_skipped"].sum()),
+        **ds,
         "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
         "rollout_time_s": t_rollout, "update_time_s": t_update,
     }
@@ -232,11 +317,13 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
     run = _Run(
         cfg, task, tokenizer, reward_fns, setup, jit_train_step(setup) if r.warmup_steps else None,
         jit_grpo_step(setup, rl_opt, with_reference) if r.steps else None,
-        make_generate(cfg, SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id),
+        make_generate(cfg, SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id,
+                                           r.top_k),
                       in_shardings=(setup.param_shardings, rows_sh, rows_sh, rows_sh, replicated)),
         # The GRPO phase starts from the warmed-up policy with a fresh optimizer state.
         jax.jit(lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
-                in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings))
+                in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings),
+        jit_old_logprobs(setup) if r.steps and r.updates_per_rollout > 1 else None)
     writer = (MetricsWriter(out, resume_from_step=start if resume else None)
               if out is not None and is_lead_host() else None)
     history, last_saved, done = [], start, start

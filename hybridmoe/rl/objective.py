@@ -13,6 +13,13 @@ Aggregation over the completion tokens (mask):
   seq_mean_token_mean:  each sequence's token mean, then the mean over sequences with any valid
                         token (every completion counts once, whatever its length)
 
+Importance correction (the sampler and the trainer disagree: top-p/top-k truncation, other
+kernels, other precision), with w = pi_old / pi_sampler per token (pi_old: the trainer's policy the
+rollout came from; pi_sampler: what the sampler actually drew from), as a weight on pg, no gradient:
+  none:  weight 1 (the mismatch is ignored; its size is still logged)
+  tis:   min(w, C)                                  token-level truncated importance sampling
+  mis:   1 if prod_t w <= C else 0 per sequence     sequence-level masked importance sampling
+
 Gradient accumulation: the mean of micro-batch means is not the batch mean when micro-batches hold
 different numbers of tokens. Pass `normalizer` = the batch-wide count (valid tokens for token_mean,
 sequences with a valid token for seq_mean_token_mean) and the micro-batch losses then sum exactly to
@@ -27,6 +34,8 @@ import jax
 import jax.numpy as jnp
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean"]
+Correction = Literal["none", "tis", "mis"]
+CORRECTIONS: tuple[Correction, ...] = ("none", "tis", "mis")
 AGGREGATIONS: tuple[Aggregation, ...] = ("token_mean", "seq_mean_token_mean")
 LOG_RATIO_CLIP = 20.0
 
@@ -39,6 +48,21 @@ def _aggregate(per_token_BT, mask_BT, aggregation: Aggregation, normalizer):
     seq_mean_B = (per_token_BT * mask_BT).sum(axis=1) / jnp.maximum(tokens_B, 1.0)
     denom = (tokens_B > 0).sum() if normalizer is None else normalizer
     return seq_mean_B.sum() / jnp.maximum(denom, 1.0)
+
+
+def importance_weights(correction: Correction, cap: float, logp_old_BT, logp_sampler_BT, completion_mask_BT):
+    """The per-token weight of pg [B, T] float32 (no gradient), or None for `none`."""
+    if correction not in CORRECTIONS:
+        raise ValueError(f"unknown importance correction {correction!r}; choose one of {CORRECTIONS}")
+    if correction == "none":
+        return None
+    mask_BT = completion_mask_BT.astype(jnp.float32)
+    log_w_BT = jax.lax.stop_gradient(jnp.clip(logp_old_BT.astype(jnp.float32) - logp_sampler_BT.astype(jnp.float32),
+                                              -LOG_RATIO_CLIP, LOG_RATIO_CLIP)) * mask_BT
+    if correction == "tis":
+        return jnp.minimum(jnp.exp(log_w_BT), cap)
+    keep_B = log_w_BT.sum(axis=1) <= jnp.log(cap)
+    return jnp.broadcast_to(keep_B.astype(jnp.float32)[:, None], log_w_BT.shape)
 
 
 def clipped_policy_loss(
@@ -54,6 +78,7 @@ def clipped_policy_loss(
     aggregation: Aggregation = "token_mean",
     keep_B: jnp.ndarray | None = None,
     normalizer: jnp.ndarray | float | None = None,
+    is_weight_BT: jnp.ndarray | None = None,
 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
     """Loss (float32 scalar, to minimise) and its metrics.
 
@@ -61,7 +86,8 @@ def clipped_policy_loss(
     sampling policy's (no gradient taken); advantages_B: one per sequence (or [B, T] per token);
     completion_mask_BT: 1 on completion tokens, 0 on prompt and padding; keep_B: the advantage
     step's keep mask (dropped sequences contribute nothing, not even to the token count);
-    eps_high defaults to eps (symmetric clipping); logp_ref_BT is required when beta > 0.
+    eps_high defaults to eps (symmetric clipping); logp_ref_BT is required when beta > 0;
+    is_weight_BT: the importance-correction weight of each token's pg term (`importance_weights`).
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {aggregation!r}; choose one of {AGGREGATIONS}")
@@ -84,6 +110,8 @@ def clipped_policy_loss(
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * jnp.clip(ratio_BT, 1.0 - eps, 1.0 + eps_high)
     pg_BT = jnp.maximum(unclipped_BT, clipped_BT)
+    if is_weight_BT is not None:
+        pg_BT = jax.lax.stop_gradient(is_weight_BT.astype(jnp.float32)) * pg_BT
     per_token_BT = pg_BT
 
     if logp_ref_BT is not None:

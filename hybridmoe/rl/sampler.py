@@ -4,9 +4,12 @@ Shape legend: B rows (prompts x group), P prompt slots (left-padded), N max new 
 
 Each row's prompt is left-padded to P with segment 0, so all rows decode in lock-step (the same
 cache slot per step) and padding never enters a state. Sampling is greedy (temperature 0) or from
-softmax(logits / temperature) restricted to the top-p nucleus; the returned log-prob of each
-sampled token is the model's own at temperature 1, log softmax(logits)[token]: the logp_old that
-GRPO's ratio needs (the trainer's forward gives the same number on the same tokens). A row stops
+softmax(logits / temperature) restricted to the top-k tokens and the top-p nucleus. The returned
+log-prob of each sampled token is that of the distribution it was actually drawn from: the
+temperature-scaled softmax renormalised over the kept tokens (0 for greedy, a point mass). It is
+the behaviour policy of importance correction (rl.importance_correction); where top-k and top-p
+keep every token, it equals the trainer's log-prob at the same temperature on the same tokens.
+A row stops
 at EOS (EOS included in its completion); later slots hold padding. A row that reaches N tokens
 without EOS is truncated.
 
@@ -37,6 +40,7 @@ class SamplingOptions:
     top_p: float = 1.0
     eos_id: int = 2
     pad_id: int = 0
+    top_k: int = 0  # 0 = off
 
 
 def left_pad_prompts(prompt_ids: Sequence[Sequence[int]], prompt_len: int, pad_id: int):
@@ -56,27 +60,42 @@ def left_pad_prompts(prompt_ids: Sequence[Sequence[int]], prompt_len: int, pad_i
     return tokens, seg, pos
 
 
-def choose_tokens(logits_BV, key, temperature: float, top_p: float):
-    """Greedy at temperature 0; otherwise a draw from softmax(logits / temperature) over the top-p
-    nucleus (the fewest most likely tokens whose mass reaches top_p; ties at its edge stay in)."""
-    if temperature == 0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+def sampling_logits(logits_BV, temperature: float, top_p: float, top_k: int = 0):
+    """float32 logits of the distribution a token is drawn from: logits / temperature with every
+    token outside the top-k (k > 0) and the top-p nucleus (the fewest most likely tokens whose
+    mass reaches top_p; ties at its edge stay in) set to -inf. The most likely token always stays."""
     scaled_BV = logits_BV / temperature
+    if top_k > 0 and top_k < scaled_BV.shape[-1]:
+        kth_B = jax.lax.top_k(scaled_BV, top_k)[0][:, -1]
+        scaled_BV = jnp.where(scaled_BV >= kth_B[:, None], scaled_BV, -jnp.inf)
     if top_p < 1.0:
         sorted_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
         probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
         mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-        # The most likely token always stays (its mass_before is 0).
         threshold_B = jnp.min(jnp.where(mass_before_BV < top_p, sorted_BV, jnp.inf), axis=-1)
         scaled_BV = jnp.where(scaled_BV >= threshold_B[:, None], scaled_BV, -jnp.inf)
-    return jax.random.categorical(key, scaled_BV, axis=-1).astype(jnp.int32)
+    return scaled_BV
+
+
+def choose_tokens(logits_BV, key, temperature: float, top_p: float, top_k: int = 0):
+    """(token [B] int32, its log-prob under the distribution drawn from [B] float32). Greedy at
+    temperature 0 (log-prob 0: a point mass); otherwise a draw from `sampling_logits`."""
+    if temperature == 0:
+        token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return token_B, jnp.zeros(token_B.shape, jnp.float32)
+    drawn_BV = sampling_logits(logits_BV, temperature, top_p, top_k)
+    token_B = jax.random.categorical(key, drawn_BV, axis=-1).astype(jnp.int32)
+    logp_B = jnp.take_along_axis(jax.nn.log_softmax(drawn_BV, axis=-1), token_B[:, None], axis=-1)[:, 0]
+    return token_B, logp_B
 
 
 def generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids_BP, positions_BP, key):
     """Sample completions. Returns a dict of arrays:
-    completion [B, N] int32 (padding after EOS), logprobs [B, N] float32 (0 past the end),
+    completion [B, N] int32 (padding after EOS), logprobs [B, N] float32 (the sampling distribution's,
+    0 past the end),
     lengths [B] int32 (tokens through EOS), truncated [B] bool, and the trainer's rows
-    tokens / segment_ids / positions [B, P + N].
+    tokens / segment_ids / positions [B, P + N]; with moe.routing_replay also routing int32
+    [B, P + N, layers, k], the experts each row's tokens went to (what the trainer then replays).
 
     Under context parallelism the sampler runs without it (parallel/context.sequence_unsharded):
     the rows stay split over the batch axes and the context ranks decode the same rows."""
@@ -87,33 +106,45 @@ def generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids_
 def _generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids_BP, positions_BP, key):
     B, P = tokens_BP.shape
     N = opts.max_new_tokens
+    replay = cfg.moe.routing_replay
     cache = init_cache(cfg, B, P + N)
-    hidden_BPD, cache = cached_hidden(params, cfg, cache, tokens_BP, segment_ids_BP, positions_BP)
+    out = cached_hidden(params, cfg, cache, tokens_BP, segment_ids_BP, positions_BP, with_routing=replay)
+    hidden_BPD, cache = out[:2]
     logits_BV = next_token_logits(params, hidden_BPD[:, -1])
     next_pos_B = positions_BP[:, -1] + 1
+    # Routing replay: the experts of every token in every layer, [B, P + N, layers, k]. Slots a
+    # finished batch never decodes hold experts 0..k-1 (distinct; nothing reads those rows).
+    k = cfg.model.num_experts_per_tok
+    routing_BSLk = None
+    if replay:
+        routing_BSLk = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (B, P + N, cfg.model.num_layers, k))
+        routing_BSLk = jax.lax.dynamic_update_slice_in_dim(routing_BSLk, out[2], 0, axis=1)
 
     def cond(carry):
-        t, _, _, _, _, done_B, _ = carry
+        t, _, _, _, _, done_B, _, _ = carry
         return (t < N) & ~jnp.all(done_B)
 
     def body(carry):
-        t, logits_BV, cache, completion_BN, logprobs_BN, done_B, pos_B = carry
-        token_B = choose_tokens(logits_BV, jax.random.fold_in(key, t), opts.temperature, opts.top_p)
-        logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, axis=-1), token_B[:, None], axis=-1)[:, 0]
+        t, logits_BV, cache, completion_BN, logprobs_BN, done_B, pos_B, routing_BSLk = carry
+        token_B, logp_B = choose_tokens(logits_BV, jax.random.fold_in(key, t), opts.temperature, opts.top_p,
+                                        opts.top_k)
         token_B = jnp.where(done_B, opts.pad_id, token_B)
         logp_B = jnp.where(done_B, 0.0, logp_B)
         completion_BN = jax.lax.dynamic_update_slice_in_dim(completion_BN, token_B[:, None], t, axis=1)
         logprobs_BN = jax.lax.dynamic_update_slice_in_dim(logprobs_BN, logp_B[:, None], t, axis=1)
         done_B = done_B | (token_B == opts.eos_id)
         # Finished rows keep decoding padding in their own segment; nothing reads their outputs.
-        hidden_B1D, cache = cached_hidden(params, cfg, cache, token_B[:, None], jnp.ones((B, 1), jnp.int32),
-                                          pos_B[:, None])
+        out = cached_hidden(params, cfg, cache, token_B[:, None], jnp.ones((B, 1), jnp.int32), pos_B[:, None],
+                            with_routing=replay)
+        hidden_B1D, cache = out[:2]
+        if replay:
+            routing_BSLk = jax.lax.dynamic_update_slice_in_dim(routing_BSLk, out[2], P + t, axis=1)
         return (t + 1, next_token_logits(params, hidden_B1D[:, 0]), cache, completion_BN, logprobs_BN, done_B,
-                pos_B + 1)
+                pos_B + 1, routing_BSLk)
 
     init = (jnp.int32(0), logits_BV, cache, jnp.full((B, N), opts.pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
-            jnp.zeros((B,), bool), next_pos_B)
-    _, _, _, completion_BN, logprobs_BN, _, _ = jax.lax.while_loop(cond, body, init)
+            jnp.zeros((B,), bool), next_pos_B, routing_BSLk)
+    _, _, _, completion_BN, logprobs_BN, _, _, routing_BSLk = jax.lax.while_loop(cond, body, init)
 
     is_eos_BN = completion_BN == opts.eos_id
     has_eos_B = jnp.any(is_eos_BN, axis=1)
@@ -123,9 +154,10 @@ def _generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids
     rows_seg = jnp.concatenate([segment_ids_BP, in_completion_BN.astype(jnp.int32)], axis=1)
     completion_pos_BN = next_pos_B[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
     rows_pos = jnp.concatenate([positions_BP, jnp.where(in_completion_BN, completion_pos_BN, 0)], axis=1)
-    return {"completion": completion_BN, "logprobs": jnp.where(in_completion_BN, logprobs_BN, 0.0),
-            "lengths": lengths_B, "truncated": ~has_eos_B,
-            "tokens": rows_tokens, "segment_ids": rows_seg, "positions": rows_pos}
+    out = {"completion": completion_BN, "logprobs": jnp.where(in_completion_BN, logprobs_BN, 0.0),
+           "lengths": lengths_B, "truncated": ~has_eos_B,
+           "tokens": rows_tokens, "segment_ids": rows_seg, "positions": rows_pos}
+    return {**out, "routing": routing_BSLk} if replay else out
 
 
 def make_generate(cfg: Config, opts: SamplingOptions, *, in_shardings=None, out_shardings=None):

@@ -41,23 +41,34 @@ def nll_sum(params, cfg: Config, batch, *, with_moe_dropped: bool = False):
     return (*out, dropped) if with_moe_dropped else out
 
 
-def accumulate_grads(loss_sum_fn, params, micro_batches):
+def accumulate_grads(loss_sum_fn, params, micro_batches, reducers=None):
     """Sum (loss, count, grads) over the leading micro-batch axis with a scan (float32 sums).
 
     `loss_sum_fn(params, micro_batch) -> (loss, count)`; `count` may be any tree of scalars (the
-    RL step sums its metric numerators there), each summed in its own dtype.
+    RL step sums its metric numerators there), each summed in its own dtype. `reducers` maps a key
+    of a dict `count` to (combine, initial value) for metrics that do not add up (a max is the max
+    of the micro-batches' maxima, not their sum).
     """
     grad_fn = jax.value_and_grad(loss_sum_fn, has_aux=True)
+    reducers = reducers or {}
+
+    def combine(acc_count, count):
+        if not reducers:
+            return jax.tree.map(jnp.add, acc_count, count)
+        return {k: reducers[k][0](acc_count[k], v) if k in reducers else jax.tree.map(jnp.add, acc_count[k], v)
+                for k, v in count.items()}
 
     def body(acc, mb):
         (loss, count), g = grad_fn(params, mb)
         acc_loss, acc_count, acc_g = acc
-        return (acc_loss + loss, jax.tree.map(jnp.add, acc_count, count),
+        return (acc_loss + loss, combine(acc_count, count),
                 jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)), None
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
     (_, count_shape), _ = jax.eval_shape(grad_fn, params, first)
     zero_count = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), count_shape)
+    for k, (_, init) in reducers.items():
+        zero_count[k] = jnp.full(count_shape[k].shape, init, count_shape[k].dtype)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     (loss, count, grads), _ = jax.lax.scan(body, (jnp.float32(0), zero_count, zeros), micro_batches)
     return loss, count, grads
