@@ -343,8 +343,10 @@ def _context_parallel_attention(cfg: Config) -> list[Problem]:
             unmet.append("needs remat.scan_layers=true (the hoist out of the layer loop is the scan's)")
         if unmet:
             out.append(("attention.cp_load_balance_hoist_ids", "; ".join(unmet)))
+    return out
 
 
+@rule
 def _routing_replay(cfg: Config) -> list[Problem]:
     # Replay feeds the sampler's expert ids into the trainer's default MoE program; the levers and
     # the ring of experts route inside their own kernels and shard_maps, which take no ids.
