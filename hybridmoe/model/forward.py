@@ -114,6 +114,16 @@ def routing_from_blocks(routing_LPBTk):
     return routing_LPBTk.transpose(2, 3, 0, 1, 4).reshape(B, T, Lb * Pp, k)
 
 
+def _batch_fields(tokens_BT, segment_ids_BT, positions_BT):
+    """(segment ids, positions, packed): the defaults filled in; packed = segment ids were given."""
+    packed = segment_ids_BT is not None
+    if segment_ids_BT is None or positions_BT is None:
+        seg, pos = default_batch_fields(tokens_BT)
+        segment_ids_BT = seg if segment_ids_BT is None else segment_ids_BT
+        positions_BT = pos if positions_BT is None else positions_BT
+    return segment_ids_BT, positions_BT, packed
+
+
 def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None, *,
                    with_moe_dropped: bool = False, routing_BTLk=None, with_routing: bool = False):
     """Final-normed hidden states [B, T, D] (with_moe_dropped: and the MoE rows dropped in all layers).
@@ -125,11 +135,7 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
         return _decoder_hidden_routed(params, cfg, tokens_BT, segment_ids_BT, positions_BT, routing_BTLk,
                                       with_routing)
     m = cfg.model
-    packed = segment_ids_BT is not None
-    if segment_ids_BT is None or positions_BT is None:
-        seg, pos = default_batch_fields(tokens_BT)
-        segment_ids_BT = seg if segment_ids_BT is None else segment_ids_BT
-        positions_BT = pos if positions_BT is None else positions_BT
+    segment_ids_BT, positions_BT, packed = _batch_fields(tokens_BT, segment_ids_BT, positions_BT)
     dt = jnp.dtype(m.compute_dtype)
     x = embed_tokens(params, tokens_BT, dt)
     block = block_fn(cfg, positions_BT, segment_ids_BT, with_moe_dropped=with_moe_dropped, packed=packed)
@@ -158,11 +164,7 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
 def _decoder_hidden_routed(params, cfg: Config, tokens_BT, segment_ids_BT, positions_BT, routing_BTLk,
                            with_routing: bool):
     m = cfg.model
-    packed = segment_ids_BT is not None
-    if segment_ids_BT is None or positions_BT is None:
-        seg, pos = default_batch_fields(tokens_BT)
-        segment_ids_BT = seg if segment_ids_BT is None else segment_ids_BT
-        positions_BT = pos if positions_BT is None else positions_BT
+    segment_ids_BT, positions_BT, packed = _batch_fields(tokens_BT, segment_ids_BT, positions_BT)
     x = embed_tokens(params, tokens_BT, jnp.dtype(m.compute_dtype))
     replay = routing_BTLk is not None
     block = block_fn(cfg, positions_BT, segment_ids_BT, packed=packed, replay=replay, with_routing=with_routing)
