@@ -4,11 +4,13 @@ Both arms sample B rows of a P-token prompt to exactly N new tokens (no EOS), te
 or top-k, float32, with a KV cache (attention) and a recurrent state (Gated DeltaNet):
   jax       hybridmoe.rl.sampler.make_generate on 1 CPU device: prefill, then one lax.while_loop
             over the new tokens (compiled once per prompt shape; no host round trip per token)
+  jax-rt8   the same with kernels.gmm.xla_impl=row_tiles, 8-row tiles (on CPU ragged_dot computes
+            every expert for every routed row; a decode step routes only rows x k of them)
   hf-torch  transformers' Qwen3_5MoeForCausalLM.generate (PyTorch, CPU, --threads threads; its GDN
             runs the pure-PyTorch fallbacks, flash-linear-attention being CUDA-only), in a worker
             process of the Python given by --hf-python (torch and transformers are never
             dependencies of this package)
-The arms alternate call by call in one invocation (jax, hf, jax, hf, ...) so that both see the same
+The arms alternate call by call in one invocation (jax, jax-rt8, hf, jax, ...) so that both see the same
 machine load; the first call of each is a warm-up (compile / lazy init) and is not averaged. The
 figure is B * N / mean seconds per call, and the ratio jax / hf of the two.
 
@@ -85,12 +87,16 @@ def main() -> None:
     from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
     from hybridmoe.train.setup import build
 
-    cfg = load_config("small", ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1"])
+    mesh = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1"]
+    jax_arms = {"jax": mesh, "jax-rt8": mesh + ["kernels.gmm.xla_impl=row_tiles", "kernels.gmm.xla_tile_rows=8"]}
+    cfgs = {name: load_config("small", o) for name, o in jax_arms.items()}
+    cfg = cfgs["jax"]
     setup = build(cfg)
     params = init_params(declare_params(cfg.model), jax.random.key(0))
     rng = np.random.default_rng(0)
     rows = left_pad_prompts(rng.integers(3, cfg.model.vocab_size, (BATCH, PROMPT_LEN)).tolist(), PROMPT_LEN, 0)
-    generate = make_generate(cfg, SamplingOptions(NEW_TOKENS, temperature=1.0, eos_id=-1))
+    generates = {name: make_generate(c, SamplingOptions(NEW_TOKENS, temperature=1.0, eos_id=-1))
+                 for name, c in cfgs.items()}
 
     hf = None
     if args.hf_python:
@@ -98,28 +104,30 @@ def main() -> None:
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
         hf_info = json.loads(hf.stdout.readline())
 
-    jax_s, hf_s = [], []
+    jax_s, hf_s = {name: [] for name in generates}, []
     with setup.context():
         for call in range(1 + args.calls):
-            t0 = time.perf_counter()
-            out = generate(params, *rows, jax.random.key(call))
-            jax.block_until_ready(out)
-            jax_s.append(time.perf_counter() - t0)
-            assert int(np.asarray(out["lengths"]).sum()) == BATCH * NEW_TOKENS
+            for name, generate in generates.items():
+                t0 = time.perf_counter()
+                out = generate(params, *rows, jax.random.key(call))
+                jax.block_until_ready(out)
+                jax_s[name].append(time.perf_counter() - t0)
+                assert int(np.asarray(out["lengths"]).sum()) == BATCH * NEW_TOKENS
             if hf is not None:
                 hf.stdin.write("go\n")
                 hf.stdin.flush()
                 reply = json.loads(hf.stdout.readline())
                 assert reply["new_tokens"] == BATCH * NEW_TOKENS, reply
                 hf_s.append(reply["seconds"])
-            print(f"call {call}: jax {jax_s[-1]:.3f} s" + (f", hf {hf_s[-1]:.3f} s" if hf_s else ""), file=sys.stderr)
+            print(f"call {call}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in jax_s.items())
+                  + (f", hf {hf_s[-1]:.3f} s" if hf_s else ""), file=sys.stderr)
     if hf is not None:
         hf.stdin.close()
         hf.wait()
 
     tokens = BATCH * NEW_TOKENS
-    arms = {"jax": {"call_seconds": jax_s, "tokens_per_s": tokens / float(np.mean(jax_s[1:])),
-                    "first_call_seconds": jax_s[0]}}
+    arms = {name: {"call_seconds": s, "tokens_per_s": tokens / float(np.mean(s[1:])), "first_call_seconds": s[0],
+                   "overrides": jax_arms[name]} for name, s in jax_s.items()}
     if hf_s:
         arms["hf-torch"] = {"call_seconds": hf_s, "tokens_per_s": tokens / float(np.mean(hf_s[1:])),
                             "first_call_seconds": hf_s[0], **hf_info}
@@ -130,7 +138,8 @@ def main() -> None:
                   "sampling": "temperature 1, no top-p / top-k, no EOS"},
         "config": json.loads(cfg.model_dump_json()),
         "arms": arms,
-        "ratio_jax_over_hf": arms["jax"]["tokens_per_s"] / arms["hf-torch"]["tokens_per_s"] if hf_s else None,
+        "ratio_over_hf": ({name: arms[name]["tokens_per_s"] / arms["hf-torch"]["tokens_per_s"] for name in jax_s}
+                          if hf_s else None),
         "routing_replay_ids_bytes": {
             "small_this_rollout": routing_bytes(cfg, BATCH, PROMPT_LEN + NEW_TOKENS),
             "qwen3.5-35b-a3b_per_1k_tokens": routing_bytes(big, 1, 1024),
@@ -141,7 +150,7 @@ def main() -> None:
     for name, arm in arms.items():
         print(f"{name:10s} {arm['tokens_per_s']:10.1f} {np.mean(arm['call_seconds'][1:]):8.3f}")
     if hf_s:
-        print(f"ratio jax / hf: {record['ratio_jax_over_hf']:.2f}")
+        print("tokens/s over hf-torch: " + ", ".join(f"{n} {r:.2f}" for n, r in record["ratio_over_hf"].items()))
     write_record(RECORD, record)
 
 
