@@ -6,6 +6,7 @@ per 10 steps, the warm-up loss first and last, wall time; a plot of both reward 
 10-step means) in docs/demo_curves.png; the record in benchmarks/demo_curves.json.
 
   .venv/bin/python benchmarks/demo_curves.py [--out-dir runs/demo_curves]
+  (or the runs in parallel: --only demo & --only demo-tis, then --combine)
 """
 
 from __future__ import annotations
@@ -63,26 +64,32 @@ def plot(results: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out-dir", default="runs/demo_curves")
+    ap.add_argument("--only", choices=RECIPES, help="run this recipe only (its summary.json), no record")
+    ap.add_argument("--combine", action="store_true", help="no run: the plot and record from the summaries")
     args = ap.parse_args()
     from hybridmoe.config import load_config
+    from hybridmoe.parallel.mesh import configure_cpu_devices
     from hybridmoe.rl.loop import run_rl
 
-    results, configs = {}, {}
-    for recipe in RECIPES:
+    configure_cpu_devices(load_config(RECIPES[0], []).mesh)  # before JAX starts; both recipes share the mesh
+    out_dir = Path(args.out_dir)
+    for recipe in ([] if args.combine else [args.only] if args.only else RECIPES):
         cfg = load_config(recipe, [])
-        out = Path(args.out_dir) / recipe
+        out = out_dir / recipe
         if out.exists():
             shutil.rmtree(out)
         t0 = time.perf_counter()
         history = run_rl(cfg, out, progress=False)
-        results[recipe] = {**summary(history), "wall_s": time.perf_counter() - t0}
-        configs[recipe] = json.loads(cfg.rl.model_dump_json())
-        r = results[recipe]
+        r = {**summary(history), "wall_s": time.perf_counter() - t0, "rl_config": json.loads(cfg.rl.model_dump_json())}
+        (out / "summary.json").write_text(json.dumps(r))
         print(f"{recipe:9s} reward {r['reward_first']:.3f} -> {r['reward_last']:.3f}; per {WINDOW} steps "
               + " ".join(f"{m:.3f}" for m in r[f"reward_mean_per_{WINDOW}_steps"]) + f"; {r['wall_s']:.0f} s")
+    if args.only:
+        return
+    results = {recipe: json.loads((out_dir / recipe / "summary.json").read_text()) for recipe in RECIPES}
     plot(results)
     write_record(RECORD, {"benchmark": "demo_curves", "script": "benchmarks/demo_curves.py", **machine_record(),
-                          "rl_configs": configs, "runs": results})
+                          "runs": results})
 
 
 if __name__ == "__main__":
