@@ -60,8 +60,11 @@ def test_bench_times_every_arm_interleaved_and_records_program_facts(tmp_path, c
     assert set(rec["arms"]) == {"control", "no_remat"}
     for arm in rec["arms"].values():
         assert len(arm["step_times_s"]) == 2 and arm["seconds_per_step"] > 0 and arm["program"]["temp"] > 0
+        # MFU: the step's XLA FLOPs per second over the matmul peak measured on the same devices.
+        assert arm["peak_flops_per_device"] > 0 and 0 < arm["mfu"] < 1
     assert rec["arms"]["no_remat"]["config"]["remat"]["policy"] == "none"
-    assert "control" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "control" in text and "MFU" in text
 
 
 def test_score_refuses_overrides(tmp_path, capsys):

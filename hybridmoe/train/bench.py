@@ -4,6 +4,9 @@ Every arm is built and compiled first; then the arms take turns, one training st
 (the order rotates every round), so drift in the machine's speed spreads over all arms. Seconds
 per step is the mean of rounds 1.. (round 0 runs the freshly compiled program and is left out).
 Program facts come from the compiled step: temporaries and collectives inside the layer loop.
+MFU: the compiled step's FLOPs (XLA's count, per device) per second, over a peak measured on the
+same devices just before the arms run (a dense matmul on every device at once, best of a few).
+An arm may name another recipe (`--arm tuned:recipe=tuned`).
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import json
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe.analysis.program import count, memory_figures, parse_hlo, parse_stablehlo, per_iteration
-from hybridmoe.config import load_config
+from hybridmoe.analysis.program import (cost_figures, count, memory_figures, parse_hlo, parse_stablehlo,
+                                        per_iteration)
+from hybridmoe.config import load_config, split_args
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, put_global
 from hybridmoe.data.synthetic import synthetic_batch
@@ -41,10 +46,33 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
     return name, [o for o in rest.split(",") if o]
 
 
+def measure_peak_flops(mesh, dtype, size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s per device of a [size, size] x [size, size] matmul run on every device of the mesh
+    at once (best of `repeats`): the peak the step's MFU is measured against."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    n = mesh.size
+    sh = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+    a = jax.device_put(jnp.ones((n, size, size), dtype), sh)
+    f = jax.jit(lambda a: jnp.einsum("nij,njk->nik", a, a), out_shardings=sh)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def _arm_config(recipe: str, words: list[str]) -> Config:
+    name, overrides = split_args([f"recipe={recipe}", *words])
+    return load_config(name, overrides)
+
+
 def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]], rounds: int) -> dict:
     if len({n for n, _ in arms}) != len(arms):
         raise ValueError("--arm names must be distinct")
-    built = [Arm(n, o, load_config(recipe, [*common, *o])) for n, o in arms]
+    built = [Arm(n, o, _arm_config(recipe, [*common, *o])) for n, o in arms]
     runs, states = [], []
     for arm in built:
         setup = build(arm.cfg)
@@ -61,7 +89,7 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
         per_loop = lambda cs: {loop: dict(c) for loop, c in per_iteration(cs).items()}  # noqa: E731
         # Per loop (micro-batch scan, forward and backward layer scans): collectives per iteration,
         # compiled (every one) and lowered (the explicit ones, before XLA moves any out of a loop).
-        arm.program = {**memory_figures(compiled),
+        arm.program = {**memory_figures(compiled), "flops_per_device": cost_figures(compiled).get("flops", 0.0),
                        "compiled_collectives_per_loop_iteration": per_loop(colls),
                        "lowered_collectives_per_loop_iteration": per_loop(lowered_colls),
                        "lowered_int32_permutes_per_loop_iteration": per_loop(
@@ -70,6 +98,7 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                        "collectives_outside_loop": count(colls, in_loop=False)}
         runs.append((arm, setup, compiled))
         states.append(init_state(setup, jax.random.key(t.seed)))
+    peak = measure_peak_flops(runs[0][1].mesh, jnp.dtype(built[0].cfg.model.compute_dtype))
     for r in range(rounds):
         for i in np.roll(np.arange(len(runs)), -r):
             arm, setup, compiled = runs[i]
@@ -89,6 +118,8 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
         out[arm.name] = {"overrides": arm.overrides, "seconds_per_step": sec, "step_times_s": arm.times,
                          "tokens_per_step": tokens, "tokens_per_s_per_device": tokens / sec / setup.mesh.size,
                          "compile_s": arm.compile_s, "program": arm.program,
+                         "peak_flops_per_device": peak,
+                         "mfu": arm.program["flops_per_device"] / sec / peak,
                          "config": json.loads(arm.cfg.model_dump_json())}
     return out
 
@@ -96,9 +127,13 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
 def format_table(results: dict) -> str:
     first = next(iter(results.values()))["seconds_per_step"]
     lines = [f"{'arm':<16} {'s/step':>8} {'ratio':>6} {'tok/s/dev':>10} {'compile s':>9} {'temp MiB':>9} "
-             f"{'loop colls':>10}"]
+             f"{'loop colls':>10} {'MFU':>6}"]
     for name, a in results.items():
         lines.append(f"{name:<16} {a['seconds_per_step']:>8.4f} {a['seconds_per_step'] / first:>6.3f} "
                      f"{a['tokens_per_s_per_device']:>10.1f} {a['compile_s']:>9.1f} "
-                     f"{a['program'].get('temp', 0) / 2**20:>9.2f} {a['program']['collectives_in_loop']:>10}")
+                     f"{a['program'].get('temp', 0) / 2**20:>9.2f} {a['program']['collectives_in_loop']:>10} "
+                     f"{a['mfu']:>6.1%}")
+    lines.append(f"MFU: XLA's FLOPs of the step per device per second over a measured peak of "
+                 f"{next(iter(results.values()))['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device (dense matmul on every "
+                 "device at once)")
     return "\n".join(lines)
