@@ -77,6 +77,14 @@ def test_cp_layer_equals_unsharded(P, packed, lb, layer_inputs, unsharded):
     assert_rel_l2(out, unsharded[packed], 1e-4)
 
 
+def test_cp_layer_under_cp_as_ep_rules(layer_inputs, unsharded):
+    """The cp_as_ep table (experts over context x expert, batch over data x fsdp) splits the
+    sequence the same way."""
+    p, x, batch = layer_inputs
+    cfg = tiny_config(*cp_overrides(2, "mesh.rules=cp_as_ep", "mesh.expert=2", "attention.cp_load_balance=true"))
+    assert_rel_l2(run_on_mesh(cfg, layer_value_and_grads(cfg, batch, True), p, x), unsharded[True], 1e-4)
+
+
 def test_cp_program_gathers_keys_and_values_only():
     """Sequence-sharded for real: the forward all-gathers keys, values, key positions and key
     segment ids over the context axis (the queries never), and the score block each rank

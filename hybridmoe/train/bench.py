@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,7 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                        "lowered_collectives_per_loop_iteration": per_loop(lowered_colls),
                        "lowered_int32_permutes_per_loop_iteration": per_loop(
                            [c for c in lowered_colls if c.kind == "collective-permute" and c.dtype == "s32"]),
+                       "compiled_collectives": dict(Counter(f"{c.kind} {c.dtype}" for c in colls)),
                        "collectives_in_loop": count(colls, in_loop=True),
                        "collectives_outside_loop": count(colls, in_loop=False)}
         runs.append((arm, setup, compiled))
