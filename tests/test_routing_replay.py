@@ -112,3 +112,98 @@ def test_routing_replay_refuses_the_levers_it_does_not_run():
     with pytest.raises(ConfigError) as e:
         load_config("tiny", ["moe.routing_replay=true", "moe.wi_fused_swiglu=true", "moe.capacity_factor=1.5"])
     assert "moe.wi_fused_swiglu" in str(e.value) and "moe.capacity_factor" in str(e.value)
+
+
+def test_program_routes_from_the_replayed_ids_not_from_top_k():
+    """Program proof: with replay the trainer's forward has no top_k at all (every MoE layer takes
+    its experts from the input); without, one top_k per MoE layer of the scanned block."""
+    from hybridmoe.analysis.program import primitive_counts
+    cfg = _config()
+    setup = build(cfg)
+    params = jax.eval_shape(lambda: tiny_params(cfg, perturb=False))
+    tokens = jax.ShapeDtypeStruct((ROWS, 12), jnp.int32)
+    routing = jax.ShapeDtypeStruct((ROWS, 12, cfg.model.num_layers, cfg.model.num_experts_per_tok), jnp.int32)
+    with setup.context():
+        on = primitive_counts(jax.make_jaxpr(lambda p, t, r: decoder_hidden(p, cfg, t, routing_BTLk=r))(
+            params, tokens, routing))
+        off = primitive_counts(jax.make_jaxpr(lambda p, t: decoder_hidden(p, cfg, t))(params, tokens))
+    assert on["top_k"] == 0 and off["top_k"] == len(cfg.model.layer_pattern)
+
+
+# --- broken variants: the MoE layer's replay, sabotaged, must fail the checks that the real one passes
+
+def _swiglu_expert(x_TD, wi_D2F, wo_FD):
+    gate, up = jnp.split(x_TD @ wi_D2F, 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ wo_FD
+
+
+def _replay_checks(cfg):
+    """The replayed experts route (returned ids), weigh (probabilities of the current router over
+    those experts, renormalised) and pass the router its gradient, against an independent sum."""
+    from hybridmoe.model import moe as moe_mod
+    m = cfg.model
+    p = jax.tree.map(lambda a: a[0], tiny_params(cfg)["blocks"][0]["moe"])
+    x_TD = jax.random.normal(jax.random.key(3), (24, m.d_model))
+    _, own_Tk, _ = moe_mod.route(p["router"], x_TD, m)
+    replay_Tk = (own_Tk + 1) % m.num_experts  # never what top-k picks for the first slot
+
+    def layer(p, x):
+        return moe_mod.moe_local(p, x, m, cfg.moe, cfg.kernels, replay_Tk=replay_Tk, return_routing=True)
+
+    def reference(p, x):
+        probs_TE = jax.nn.softmax(x @ p["router"], axis=-1)
+        w_Tk = jnp.take_along_axis(probs_TE, replay_Tk, axis=-1)
+        w_Tk = w_Tk / w_Tk.sum(-1, keepdims=True)
+        y_ETD = jnp.stack([_swiglu_expert(x, p["wi"][e], p["wo"][e]) for e in range(m.num_experts)])
+        y_TkD = y_ETD[replay_Tk, jnp.arange(x.shape[0])[:, None]]
+        return (w_Tk[..., None] * y_TkD).sum(1) + moe_mod.shared_expert(p, x)
+
+    y, idx = layer(p, x_TD)
+    np.testing.assert_array_equal(idx, replay_Tk)
+    np.testing.assert_allclose(y, reference(p, x_TD), rtol=1e-4, atol=1e-5)
+    g = jax.grad(lambda r: layer({**p, "router": r}, x_TD)[0].sum())(p["router"])
+    g_ref = jax.grad(lambda r: reference({**p, "router": r}, x_TD).sum())(p["router"])
+    assert float(jnp.abs(g_ref).max()) > 1e-3
+    np.testing.assert_allclose(g, g_ref, rtol=1e-3, atol=1e-5)
+
+
+def _ignores_replay(router_DE, x_TD, m, replay_idx_Tk=None):
+    return _clean_route(router_DE, x_TD, m)
+
+
+def _weights_of_top_k(router_DE, x_TD, m, replay_idx_Tk=None):
+    w, idx, probs = _clean_route(router_DE, x_TD, m)
+    return w, (idx if replay_idx_Tk is None else replay_idx_Tk), probs
+
+
+def _frozen_router(router_DE, x_TD, m, replay_idx_Tk=None):
+    w, idx, probs = _clean_route(router_DE, x_TD, m, replay_idx_Tk)
+    return jax.lax.stop_gradient(w), idx, probs
+
+
+def _not_renormalised(router_DE, x_TD, m, replay_idx_Tk=None):
+    w, idx, probs = _clean_route(router_DE, x_TD, m, replay_idx_Tk)
+    return (w if replay_idx_Tk is None else jnp.take_along_axis(probs, idx, axis=-1)), idx, probs
+
+
+from hybridmoe.model import moe as _moe  # noqa: E402
+
+_clean_route = _moe.route
+BROKEN = {"ignores_replay": _ignores_replay, "weights_of_top_k": _weights_of_top_k,
+          "frozen_router": _frozen_router, "not_renormalised": _not_renormalised}
+
+
+@pytest.fixture(params=[None, *BROKEN])
+def route_variant(request, monkeypatch):
+    if request.param is not None:
+        monkeypatch.setattr(_moe, "route", BROKEN[request.param])
+    return request.param
+
+
+def test_replay_broken_variants_are_caught(route_variant):
+    cfg = _config()
+    if route_variant is None:
+        _replay_checks(cfg)
+    else:
+        with pytest.raises(AssertionError):
+            _replay_checks(cfg)
