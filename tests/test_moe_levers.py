@@ -167,9 +167,11 @@ def test_all_to_all_is_refused_not_ignored():
 # Program: off is exactly the program without the levers
 
 
-def _baseline_moe_layer(p, x_BTD, m, moe, kernels=None, *, return_dropped=False):
-    """The MoE layer as it was before the levers and expert parallelism (verbatim logic)."""
-    assert not return_dropped
+def _baseline_moe_layer(p, x_BTD, m, moe, kernels=None, *, return_dropped=False, replay_BTk=None,
+                        return_routing=False):
+    """The MoE layer as it was before the levers and expert parallelism (verbatim logic); the
+    training loss calls it without drops, routing replay or routing outputs."""
+    assert not return_dropped and replay_BTk is None and not return_routing
 
     def swiglu(h_M2F):
         gate, up = jnp.split(h_M2F, 2, axis=-1)
