@@ -168,10 +168,10 @@ def test_all_to_all_is_refused_not_ignored():
 
 
 def _baseline_moe_layer(p, x_BTD, m, moe, kernels=None, *, return_dropped=False, replay_BTk=None,
-                        return_routing=False):
+                        return_routing=False, quant=None):
     """The MoE layer as it was before the levers and expert parallelism (verbatim logic); the
-    training loss calls it without drops, routing replay or routing outputs."""
-    assert not return_dropped and replay_BTk is None and not return_routing
+    training loss calls it without drops, routing replay, routing outputs or fp8 grouped matmuls."""
+    assert not return_dropped and replay_BTk is None and not return_routing and not (quant and quant.fp8_gmm)
 
     def swiglu(h_M2F):
         gate, up = jnp.split(h_M2F, 2, axis=-1)

@@ -426,3 +426,22 @@ def _fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
             unmet.append("gather8 needs FSDP-sharded expert weights (mesh.fsdp > 1): with mesh.fsdp=1 "
                          "nothing is gathered")
     return [("quant.fp8_fake_quant_hoist", "; ".join(unmet))] if unmet else []
+
+
+@rule
+def _fp8_gmm(cfg: Config) -> list[Problem]:
+    if not cfg.quant.fp8_gmm:
+        return []
+    moe, unmet = cfg.moe, []
+    if moe.impl != "sparse":
+        unmet.append("needs moe.impl=sparse (the grouped-matmul path)")
+    fused = [k for k in ("wi_fused_swiglu", "wo_fused_dswiglu") if getattr(moe, k)]
+    if fused:
+        unmet.append(f"the fused SwiGLU epilogues (moe.{', moe.'.join(fused)}) do not run on a dequantized "
+                     "float32 accumulator; turn them off")
+    if moe.routing_replay:
+        unmet.append("moe.routing_replay runs the default (unquantized) MoE program; turn one of them off")
+    if cfg.kernels.gmm.backend != "xla":
+        unmet.append(f"kernels.gmm.backend={cfg.kernels.gmm.backend} has no fp8 grouped matmul; use xla "
+                     "(ragged_dot over exact fp8 codes with float32 accumulation)")
+    return [("quant.fp8_gmm", "; ".join(unmet))] if unmet else []

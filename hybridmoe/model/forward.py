@@ -60,7 +60,7 @@ def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False
     x_BTD = x_BTD + y_BTD
     h = rms_norm(x_BTD, lp["post_norm"], m.rms_norm_eps)
     y_BTD = moe_layer(lp["moe"], h, m, cfg.moe, cfg.kernels, return_dropped=with_moe_dropped,
-                      replay_BTk=replay_BTk, return_routing=with_routing)
+                      replay_BTk=replay_BTk, return_routing=with_routing, quant=cfg.quant)
     if with_moe_dropped or with_routing:
         y_BTD, extra = y_BTD
     x_BTD = constrain(x_BTD + y_BTD, "batch", "seq", None)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from hybridmoe.config.schema import GmmKernelConfig, KernelsConfig, ModelConfig, MoEConfig
+from hybridmoe.config.schema import GmmKernelConfig, KernelsConfig, ModelConfig, MoEConfig, QuantConfig
 from hybridmoe.kernels import gmm as K
 from hybridmoe.parallel.rules import logical_to_spec
 
@@ -110,9 +110,11 @@ class GroupedPlan:
     epilogue: str = "float32"
     tile_n_per_half: int | None = None
     rhs_buffer_count: int = 0
+    fp8: bool = False
 
     @classmethod
-    def of(cls, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None) -> GroupedPlan:
+    def of(cls, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None,
+           quant: QuantConfig | None = None) -> GroupedPlan:
         kern = kernels or KernelsConfig()
         g: GmmKernelConfig = kern.gmm
         explicit = g.tiling == "explicit"
@@ -123,13 +125,13 @@ class GroupedPlan:
             tiling=K.Tiling(tm=g.tm, tk=g.tk, tn=g.tn, vmem_limit_mib=g.vmem_limit_mib) if explicit else None,
             interpret=kern.interpret, epilogue=g.epilogue,
             tile_n_per_half=(g.wi_fwd_tile_n_per_half or None) if explicit else None,
-            rhs_buffer_count=g.wi_fwd_rhs_buffer_count)
+            rhs_buffer_count=g.wi_fwd_rhs_buffer_count, fp8=bool(quant and quant.fp8_gmm))
 
     @property
     def is_default(self) -> bool:
         """No lever, no buffer, the xla backend: the default program (`sparse_experts`)."""
         return not (self.capacity_factor or self.wi_fused_swiglu or self.wo_fused_dswiglu
-                    or self.router_grad_from_wo_input or self.backend != "xla")
+                    or self.router_grad_from_wo_input or self.backend != "xla" or self.fp8)
 
 
 def default_grouped_dot(kernels: KernelsConfig | None):
@@ -219,6 +221,9 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
     kw = dict(backend=plan.backend, tiling=plan.tiling, interpret=plan.interpret,
               group_offset=group_offset)
     row_scale_M = w_M if plan.router_grad_from_wo_input else None
+    # quant.fp8_gmm: the unfused grouped matmuls in fp8 (the fused levers are refused with it).
+    mm = (functools.partial(K.gmm_fp8, group_offset=group_offset, backend=plan.backend) if plan.fp8
+          else functools.partial(K.gmm, **kw))
     if plan.wi_fused_swiglu:
         out = K.gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,
                            tile_n_per_half=plan.tile_n_per_half, epilogue=plan.epilogue,
@@ -226,7 +231,7 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
         h_MF, preact_M2F = out if plan.wo_fused_dswiglu else (out, None)
         preact_tile = plan.tile_n_per_half
     else:
-        preact_M2F = K.gmm(x_MD, wi_GD2F, group_sizes_E, **kw)
+        preact_M2F = mm(x_MD, wi_GD2F, group_sizes_E)
         h_MF = swiglu(preact_M2F)
         preact_tile = None  # the unfused matmul stores contiguous [gate | up]
     if plan.wo_fused_dswiglu:
@@ -235,18 +240,19 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
                              epilogue=plan.epilogue, **kw)
     else:
         lhs_MF = h_MF if row_scale_M is None else K.scale_rows(h_MF, row_scale_M)
-        y_MD = K.gmm(lhs_MF, wo_GFD, group_sizes_E, **kw)
+        y_MD = mm(lhs_MF, wo_GFD, group_sizes_E)
     if row_scale_M is None:
         y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(y_MD.dtype)
     return y_MD
 
 
 def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None = None, *,
-              return_dropped: bool = False, replay_Tk=None, return_routing: bool = False):
+              return_dropped: bool = False, replay_Tk=None, return_routing: bool = False,
+              quant: QuantConfig | None = None):
     """The block on the tokens a shard holds (every expert weight visible). replay_Tk: route by these
     experts (routing replay); return_routing: also the expert ids it routed by, int32 [T, k]."""
     w_Tk, idx_Tk, _ = route(p["router"], x_TD, m, replay_Tk)
-    plan = GroupedPlan.of(m, moe, kernels)
+    plan = GroupedPlan.of(m, moe, kernels, quant)
     dropped = jnp.int32(0)
     if moe.impl == "dense":
         y = dense_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
@@ -272,7 +278,8 @@ def expert_axes(mesh) -> tuple[str, ...]:
 
 
 def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None = None, *,
-              return_dropped: bool = False, replay_BTk=None, return_routing: bool = False):
+              return_dropped: bool = False, replay_BTk=None, return_routing: bool = False,
+              quant: QuantConfig | None = None):
     """The block on a [B, T, D] batch, under the mesh in force (if any).
 
     One expert rank: tokens stay on their shard and expert weights are gathered to every shard
@@ -285,15 +292,16 @@ def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig |
     B, T, D = x_BTD.shape
     mesh = jax.sharding.get_abstract_mesh()
     if replay_BTk is not None or return_routing:
-        return _replayable_moe_layer(p, x_BTD, m, moe, kernels, replay_BTk, return_routing, mesh)
+        return _replayable_moe_layer(p, x_BTD, m, moe, kernels, replay_BTk, return_routing, mesh, quant)
     if mesh.empty:
-        y, dropped = moe_local(p, x_BTD.reshape(B * T, D), m, moe, kernels, return_dropped=True)
+        y, dropped = moe_local(p, x_BTD.reshape(B * T, D), m, moe, kernels, return_dropped=True, quant=quant)
         y = y.reshape(B, T, D)
         return (y, dropped) if return_dropped else y
     token_spec = logical_to_spec(("batch", "seq", None))
     ep_axes = expert_axes(mesh) if moe.impl == "sparse" else ()
     replicated = jax.tree.map(lambda _: PartitionSpec(), p)
-    default = moe.impl == "dense" or GroupedPlan.of(m, moe, kernels).is_default
+    plan = GroupedPlan.of(m, moe, kernels, quant)
+    default = moe.impl == "dense" or plan.is_default
     if default and not ep_axes and not return_dropped:
         # The default program: the replicated block and nothing else in the shard_map.
         def plain(p, x_btd):
@@ -305,17 +313,18 @@ def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig |
     token_axes = {a for entry in token_spec for a in _mesh_axes(entry)}
     all_axes = tuple(mesh.axis_names)
     # Pallas kernels declare no varying-axes type on their outputs: trace them unchecked.
-    check_vma = GroupedPlan.of(m, moe, kernels).backend == "xla"
+    check_vma = plan.backend == "xla"
     # Each (token shard, expert shard) pair counts its drops once: divide out the replicas.
     replicas = math.prod(mesh.shape[a] for a in all_axes if a not in token_axes and a not in ep_axes)
     if ep_axes:
-        local = _ring_of_experts(m, moe, kernels, ep_axes, token_axes, all_axes, replicas, check_vma)
+        local = _ring_of_experts(plan, m, ep_axes, token_axes, all_axes, replicas, check_vma)
         ep_spec = PartitionSpec(_mesh_axes(logical_to_spec(("exp",))[0]))
         weight_specs = {k: ep_spec if k in ("wi", "wo") else PartitionSpec() for k in p}
     else:
         def local(p, x_btd):
             b, t, _ = x_btd.shape
-            y, dropped = moe_local(p, x_btd.reshape(b * t, D), m, moe, kernels, return_dropped=True)
+            y, dropped = moe_local(p, x_btd.reshape(b * t, D), m, moe, kernels, return_dropped=True,
+                                   quant=quant)
             return y.reshape(b, t, D), _count_once(dropped, all_axes, replicas, check_vma)
 
         weight_specs = replicated
@@ -325,12 +334,12 @@ def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig |
 
 
 def _replayable_moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels, replay_BTk, return_routing: bool,
-                          mesh):
+                          mesh, quant: QuantConfig | None = None):
     """The default program's block with routing replay in and/or the routing ids out."""
     B, T, D = x_BTD.shape
     k = m.num_experts_per_tok
     if not mesh.empty and (moe.impl == "sparse" and expert_axes(mesh)
-                           or not GroupedPlan.of(m, moe, kernels).is_default):
+                           or not GroupedPlan.of(m, moe, kernels, quant).is_default):
         raise NotImplementedError("moe.routing_replay runs with the default MoE program only (no expert "
                                   "parallelism, no grouped-matmul lever, dropless)")
 
@@ -363,10 +372,9 @@ def local_expert_offset(exp_axes, num_local: int):
     return jax.lax.axis_index(exp_axes) * num_local
 
 
-def _ring_of_experts(m: ModelConfig, moe: MoEConfig, kernels, ep_axes, token_axes, all_axes,
+def _ring_of_experts(plan: GroupedPlan, m: ModelConfig, ep_axes, token_axes, all_axes,
                      replicas: int, check_vma: bool):
     """The per-shard body of the ring: gather tokens over the expert axes, local experts, scatter."""
-    plan = GroupedPlan.of(m, moe, kernels)
     # Gather over the expert axes the tokens are split on; where the tokens are replicated
     # (cp_as_ep's context x expert with tokens on context only) every rank already holds them
     # and the partial outputs are summed instead.

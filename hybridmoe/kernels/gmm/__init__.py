@@ -5,6 +5,7 @@ tiling.py for the tile rules; epilogue.py for the epilogues and the pre-activati
 """
 
 from hybridmoe.kernels.gmm.epilogue import EPILOGUES, scale_rows, swiglu
+from hybridmoe.kernels.gmm.fp8 import gmm_fp8
 from hybridmoe.kernels.gmm.ops import (
     BACKENDS,
     contiguous_to_preact,
@@ -25,6 +26,7 @@ __all__ = [
     "contiguous_to_preact",
     "gmm",
     "gmm_dswiglu",
+    "gmm_fp8",
     "gmm_swiglu",
     "preact_to_contiguous",
     "row_tiled_dot",

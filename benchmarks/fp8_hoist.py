@@ -1,0 +1,102 @@
+"""The fp8 fake-quant hoist on the `small` recipe's training step: program facts and step time.
+
+Arms (8 simulated CPU devices, mesh data 2 x fsdp 4, bfloat16 weights and compute, full remat
+over the layer scan): no fake quantization, then quant.fp8_moe_fake_quant with the hoist off,
+absmax and gather8. Per arm, from the step's programs:
+- the routed-expert weight all-gathers inside each layer loop (forward, backward): dtype and
+  bytes per iteration, read from the LOWERED text (the CPU backend widens f8 collectives to
+  f32 when it compiles, so the compiled text shows what the CPU runs, not what a TPU/GPU moves);
+- the fake quant's absmax all-reduces inside the layer loops and outside them (compiled text,
+  the collectives named under the "fp8_absmax" scope);
+- the compiled memory figures;
+then the step time of every arm, measured interleaved in one run (hybridmoe.train.bench).
+The train step's outer loop is the micro-batch scan: the layer loops are at depth 2.
+
+  .venv/bin/python benchmarks/fp8_hoist.py [--rounds 6]
+
+Prints a table and writes benchmarks/fp8_hoist.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="fp8-hoist-bench-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+from hybridmoe.analysis.program import memory_figures, parse_hlo, parse_stablehlo  # noqa: E402
+from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
+from hybridmoe.config import load_config  # noqa: E402
+from hybridmoe.model.expert_fp8 import ABSMAX_SCOPE  # noqa: E402
+from hybridmoe.train.bench import run_bench  # noqa: E402
+from hybridmoe.train.setup import build, jit_train_step  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "small"
+COMMON = ["model.param_dtype=bfloat16", "model.compute_dtype=bfloat16"]
+ARMS = [("no_fake_quant", []),
+        *[(mode, ["quant.fp8_moe_fake_quant=true", f"quant.fp8_fake_quant_hoist={mode}"])
+          for mode in ("off", "absmax", "gather8")]]
+LAYER_LOOP_DEPTH = 2
+
+
+def program_facts(overrides: list[str]) -> dict:
+    cfg = load_config(RECIPE, [*COMMON, *overrides])
+    m, setup = cfg.model, build(cfg)
+    t = cfg.train
+    batch = {k: jax.ShapeDtypeStruct((t.micro_batches, t.batch_size, t.seq_len), jax.numpy.int32,
+                                     sharding=setup.batch_sharding(1))
+             for k in ("tokens", "segment_ids", "positions")}
+    with setup.context():
+        lowered = jit_train_step(setup).lower(setup.abstract_state(), batch)
+        compiled = lowered.compile()
+    e_local = m.num_experts // cfg.mesh.expert
+    expert_shapes = {(e_local, m.d_model, 2 * m.moe_intermediate_size), (e_local, m.moe_intermediate_size, m.d_model)}
+    per_loop: dict = defaultdict(lambda: {"ops": 0, "bytes": 0, "dtypes": set()})
+    for c in parse_stablehlo(lowered.as_text()):
+        if c.kind == "all-gather" and c.loop_depth == LAYER_LOOP_DEPTH and c.shape in expert_shapes:
+            row = per_loop[c.loop]
+            row["ops"] += 1
+            row["bytes"] += c.bytes
+            row["dtypes"].add(c.dtype)
+    absmax = [c for c in parse_hlo(compiled.as_text()) if c.kind == "all-reduce" and ABSMAX_SCOPE in c.op_name]
+    return {
+        "expert_weight_gathers_per_layer_iteration": [
+            {"loop": k, "ops": v["ops"], "bytes": v["bytes"], "dtypes": sorted(v["dtypes"])}
+            for k, v in sorted(per_loop.items())],
+        "absmax_all_reduces_in_layer_loops": sum(1 for c in absmax if c.loop_depth >= LAYER_LOOP_DEPTH),
+        "absmax_all_reduces_outside_layer_loops": sum(1 for c in absmax if c.loop_depth < LAYER_LOOP_DEPTH),
+        "memory": memory_figures(compiled),
+        "layers_per_scan_iteration": len(m.layer_pattern),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "fp8_hoist.json"))
+    args = ap.parse_args()
+    facts = {name: program_facts(o) for name, o in ARMS}
+    timed = run_bench(RECIPE, COMMON, ARMS, args.rounds)
+    base = timed["off"]["seconds_per_step"]
+    print(f"{'arm':<14} {'gather B/iter fwd,bwd':>22} {'dtype':>10} {'absmax AR in/out loop':>22} "
+          f"{'temp MiB':>9} {'s/step':>8} {'vs off':>7}")
+    for name, f in facts.items():
+        g = f["expert_weight_gathers_per_layer_iteration"]
+        print(f"{name:<14} {','.join(str(x['bytes']) for x in g):>22} {','.join(sorted({d for x in g for d in x['dtypes']})):>10} "
+              f"{f['absmax_all_reduces_in_layer_loops']:>11},{f['absmax_all_reduces_outside_layer_loops']:<10} "
+              f"{f['memory'].get('temp', 0) / 2**20:>9.2f} {timed[name]['seconds_per_step']:>8.3f} "
+              f"{timed[name]['seconds_per_step'] / base:>7.3f}")
+    write_record(Path(args.out), {"benchmark": "fp8_hoist", **machine_record(), "recipe": RECIPE, "common": COMMON,
+                                  "program": facts, "step_time": timed,
+                                  "gpu": "not measured: no GPU was lent to this session"})
+
+
+if __name__ == "__main__":
+    main()
