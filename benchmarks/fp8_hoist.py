@@ -1,6 +1,6 @@
 """The fp8 fake-quant hoist on the `small` recipe's training step: program facts and step time.
 
-Arms (8 simulated CPU devices, mesh data 2 x fsdp 4, bfloat16 weights and compute, full remat
+Arms (8 simulated CPU devices, mesh data 2 x fsdp 4, 8 x 512 tokens, bfloat16 weights and compute, full remat
 over the layer scan): no fake quantization, then quant.fp8_moe_fake_quant with the hoist off,
 absmax and gather8. Per arm, from the step's programs:
 - the routed-expert weight all-gathers inside each layer loop (forward, backward): dtype and
@@ -39,7 +39,7 @@ from hybridmoe.train.setup import build, jit_train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "small"
-COMMON = ["model.param_dtype=bfloat16", "model.compute_dtype=bfloat16"]
+COMMON = ["model.param_dtype=bfloat16", "model.compute_dtype=bfloat16", "train.batch_size=8"]
 ARMS = [("no_fake_quant", []),
         *[(mode, ["quant.fp8_moe_fake_quant=true", f"quant.fp8_fake_quant_hoist={mode}"])
           for mode in ("off", "absmax", "gather8")]]

@@ -132,6 +132,7 @@ def test_validator_names_every_unmet_requirement():
     tiny_config(*GMM, "quant.fp8_moe_fake_quant=true", "moe.capacity_factor=2.0")
 
 
+@pytest.mark.slow  # the 60-step comparison with bf16 is benchmarks/fp8_gmm_train.py (record + plot)
 def test_tiny_recipe_trains_with_fp8_gmm():
     from hybridmoe.train.loop import train
 
