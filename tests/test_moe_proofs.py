@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from broken_variants import BROKEN, BROKEN_MOE
-from test_moe_levers import broken_epilogue  # noqa: F401 - the shared epilogue-variant fixture
+# The lever override sets and the shared epilogue-variant fixture of the lever tests.
+from test_moe_levers import BF16, EP2, PALLAS, R, TILED, WI, WO, broken_epilogue  # noqa: F401
 from helpers import packed_batch, tiny_config, tiny_params
 from hybridmoe.analysis import program
 from hybridmoe.kernels.gmm import row_tiled_dot
@@ -30,15 +31,6 @@ from hybridmoe.model import moe as moe_mod
 from hybridmoe.model.forward import logits
 from hybridmoe.train.setup import build
 from hybridmoe.train.step import nll_sum
-
-WI = ("moe.wi_fused_swiglu=true",)
-WO = ("moe.wo_fused_dswiglu=true",)
-R = ("moe.router_grad_from_wo_input=true",)
-EP2 = ("mesh.expert=2",)
-TILED = ("kernels.gmm.tiling=explicit", "kernels.gmm.wi_fwd_tile_n_per_half=16")  # F = 32: 2 tiles
-PALLAS = ("kernels.gmm.backend=pallas_tpu", "kernels.interpret=true", "kernels.gmm.tiling=explicit",
-          "kernels.gmm.tm=8", "kernels.gmm.tk=64", "kernels.gmm.tn=32")
-BF16 = ("model.compute_dtype=bfloat16",)
 
 # float32 reassociation: the router key moves the worst gradient leaf by 5.8e-6 (measured); the
 # sabotages below move some leaf by far more than 1e-3 (printed on failure).
