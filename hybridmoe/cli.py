@@ -39,7 +39,7 @@ def _config(words: list[str], init_hf: str | None = None):
     configure_cpu_devices(cfg.mesh)
     if cfg.mesh.distributed:
         from hybridmoe.parallel.host import initialize_distributed
-        initialize_distributed()
+        initialize_distributed(cfg.mesh)
     return cfg
 
 
@@ -63,10 +63,23 @@ def cmd_describe(args, words):
     return 0
 
 
+def _check_run_paths(args) -> None:
+    """The run's paths, checked before the config is built or anything compiles."""
+    from hybridmoe.train.run_dir import check_paths
+
+    def path(flag: str) -> Path | None:
+        value = getattr(args, flag, None)
+        return Path(value) if value else None
+
+    check_paths(path("out"), resume=args.resume, overwrite=args.overwrite, export_hf=path("export_hf"),
+                init_hf=path("init_hf"))
+
+
 def cmd_train(args, words):
+    _check_run_paths(args)
     cfg = _config(words, args.init_hf)
     from hybridmoe.train.loop import train
-    hist = train(cfg, Path(args.out) if args.out else None, resume=args.resume,
+    hist = train(cfg, Path(args.out) if args.out else None, resume=args.resume, overwrite=args.overwrite,
                  init_hf=Path(args.init_hf) if args.init_hf else None,
                  export_hf=Path(args.export_hf) if args.export_hf else None)
     if hist:
@@ -78,12 +91,19 @@ def cmd_score(args, words):
     if words:
         raise ValueError(f"score takes no overrides (got {words}): the model comes from the checkpoint's config.json")
     import numpy as np
-    from hybridmoe.model.score import score_tokens
-    tokens = np.load(args.tokens)
-    out = score_tokens(Path(args.hf), tokens)
-    tmp = Path(args.out).with_suffix(".tmp.npy")
-    np.save(tmp, out)
-    tmp.replace(args.out)
+    from hybridmoe.model.score import load_token_file, score_tokens
+    out_path = Path(args.out)
+    if out_path.is_dir():
+        raise ValueError(f"--out {out_path} is a folder; it must name the .npy file to write")
+    if not out_path.parent.is_dir():
+        raise ValueError(f"--out {out_path}: the folder {out_path.parent} does not exist")
+    out = score_tokens(Path(args.hf), load_token_file(Path(args.tokens)))
+    tmp = out_path.with_name(f".{out_path.name}.tmp.npy")
+    try:
+        np.save(tmp, out)
+        tmp.replace(out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
     print(f"wrote {args.out}: log-probs {out.shape} float32, mean {out.mean():.4f}")
     return 0
 
@@ -98,9 +118,10 @@ def _rl_summary(history: list[dict]) -> str:
 
 
 def cmd_rl(args, words):
+    _check_run_paths(args)
     cfg = _config(words, args.init_hf)
     from hybridmoe.rl.loop import run_rl
-    hist = run_rl(cfg, Path(args.out) if args.out else None, resume=args.resume,
+    hist = run_rl(cfg, Path(args.out) if args.out else None, resume=args.resume, overwrite=args.overwrite,
                   init_hf=Path(args.init_hf) if args.init_hf else None,
                   export_hf=Path(args.export_hf) if args.export_hf else None)
     print(_rl_summary(hist))
@@ -278,6 +299,16 @@ def cmd_gates(args, words):
     return 0 if out["passed"] else 1
 
 
+def cmd_launch(args, words):
+    from hybridmoe.parallel.launch import launch
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv or argv[0] not in COMMANDS or argv[0] in ("launch", "describe", "demo"):
+        raise ValueError("launch runs a command in N processes: hybridmoe launch --processes 2 -- train|rl|bench|score ...")
+    if args.processes < 1:
+        raise ValueError(f"--processes {args.processes}: at least 1")
+    return launch(argv, args.processes, args.port)
+
+
 COMMANDS = {
     "describe": (cmd_describe, "the resolved config, the parameter tree and its totals"),
     "train": (cmd_train, "supervised next-token training"),
@@ -290,6 +321,7 @@ COMMANDS = {
                 "per-device memory, collectives, FLOPs, saved residuals"),
     "gates": (cmd_gates, "the six numerics gates: a candidate's GRPO steps against the reference run twice"),
     "demo": (cmd_demo, "the embedded default: GRPO on one-digit addition with the tiny model, into runs/demo"),
+    "launch": (cmd_launch, "N processes of one distributed run on this machine (as one per host on a cluster)"),
 }
 
 
@@ -303,17 +335,25 @@ def main(argv: list[str] | None = None) -> int:
                            usage=f"hybridmoe {name} [recipe=NAME | recipe=hf:DIR[@BASE]] [section.key=value ...] [--flags]")
         if name == "describe":
             p.add_argument("--json", action="store_true", help="print one JSON object")
+        if name in ("train", "rl"):
+            p.add_argument("--out", help="run directory: metrics.jsonl, metrics.png (rl), TensorBoard events, "
+                           "checkpoints")
+            run_flags = p.add_mutually_exclusive_group()
+            run_flags.add_argument("--resume", action="store_true",
+                                   help="continue the run in --out from its latest finished checkpoint (step 0 if none)")
+            run_flags.add_argument("--overwrite", action="store_true",
+                                   help="delete the run already in --out and start a fresh one")
         if name == "train":
-            p.add_argument("--out", help="run directory: metrics.jsonl, TensorBoard events, checkpoints")
-            p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
             p.add_argument("--init-hf", help="start from this Hugging Face checkpoint directory (its config.json gives "
                            "the model section, its tokenizer.json the tokenizer)")
             p.add_argument("--export-hf", help="write the final weights to this directory in the Hugging Face layout")
         if name == "rl":
-            p.add_argument("--out", help="run directory: metrics.jsonl, metrics.png, TensorBoard events, checkpoints")
-            p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
             p.add_argument("--init-hf", help="start from this Hugging Face checkpoint directory")
             p.add_argument("--export-hf", help="write the final policy to this directory in the Hugging Face layout")
+        if name == "launch":
+            p.add_argument("--processes", type=int, required=True, help="processes to start (one per host on a cluster)")
+            p.add_argument("--port", type=int, default=0, help="coordinator port on 127.0.0.1 (0 = a free one)")
+            p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- train recipe=tiny ...")
         if name == "bench":
             p.add_argument("--arm", action="append", help="NAME or NAME:section.key=value,... (repeatable)")
             p.add_argument("--out", help="write the JSON record here")

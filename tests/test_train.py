@@ -33,15 +33,13 @@ def test_resume_after_a_stop_continues_exactly(tmp_path):
     assert [r["step"] for r in records] == list(range(6))
 
 
-def test_existing_run_is_not_overwritten_and_resume_needs_a_checkpoint(tmp_path):
+def test_existing_run_is_not_overwritten(tmp_path):
     over = ("train.steps=1", "train.batch_size=8", "train.seq_len=16")
     train(tiny_config(*over), tmp_path / "a", progress=False)
     before = (tmp_path / "a" / "metrics.jsonl").read_text()
     with pytest.raises(RunError, match="--resume"):
         train(tiny_config(*over), tmp_path / "a", progress=False)
     assert (tmp_path / "a" / "metrics.jsonl").read_text() == before
-    with pytest.raises(RunError, match="no checkpoint"):
-        train(tiny_config(*over), tmp_path / "empty", resume=True, progress=False)
 
 
 def test_micro_batch_accumulation_equals_one_big_batch():

@@ -28,7 +28,7 @@ class ModelConfig(Section):
     d_model: int = Field(64, gt=0, description="Residual stream width D.")
     num_layers: int = Field(4, gt=0, description="Decoder layers; a multiple of len(layer_pattern).")
     layer_pattern: tuple[LayerKind, ...] = Field(
-        ("gdn", "gdn", "gdn", "attention"),
+        ("gdn", "gdn", "gdn", "attention"), min_length=1,
         description="The repeating block of token mixers, e.g. three GDN layers then one attention layer.",
     )
     # Gated attention.
@@ -82,7 +82,13 @@ class MeshConfig(Section):
     )
     distributed: bool = Field(
         False, description="Join JAX's multi-controller runtime at start-up: one process per host, the "
-        "coordinator found from the cluster (TPU pods, SLURM, ...); the mesh then spans every host.")
+        "coordinator found from the cluster (TPU pods, SLURM, ...) unless given below; the mesh then spans every "
+        "host. With cpu_devices, each process simulates that many devices and collectives run over gloo.")
+    coordinator_address: str = Field(
+        "", description="host:port of process 0's coordinator (empty = found from the cluster); "
+        "`hybridmoe launch` sets it, with num_processes and process_id, for processes on one machine.")
+    num_processes: int = Field(0, ge=0, description="Processes of a distributed run (0 = found from the cluster).")
+    process_id: int = Field(0, ge=0, description="This process's index in a distributed run (with num_processes).")
 
     @field_validator("data", "fsdp", "context", "expert", "tensor")
     @classmethod
@@ -90,6 +96,11 @@ class MeshConfig(Section):
         if v == 0 or v < -1:
             raise ValueError("an axis size is a positive integer, or -1 to absorb the remaining devices")
         return v
+
+    @property
+    def simulated_devices(self) -> int:
+        """Simulated CPU devices of the whole run (every process's), 0 when not simulating."""
+        return self.cpu_devices * max(self.num_processes, 1)
 
     @property
     def axis_sizes(self) -> dict[str, int]:
@@ -241,6 +252,12 @@ class TrainConfig(Section):
     )
     checkpoint_every: int = Field(50, ge=0, description="Steps between checkpoints (0 = only at the end).")
     log_every: int = Field(1, gt=0, description="Steps between metric records.")
+    on_nonfinite: Literal["skip", "stop"] = Field(
+        "skip", description="A step whose loss or gradient norm is NaN/inf leaves the weights and optimizer state "
+        "as they were (decided inside the jitted step) and is counted (metric update_skipped); stop: the run "
+        "then checkpoints and exits.")
+    max_nonfinite_skips: int = Field(
+        10, ge=0, description="Consecutive skipped steps after which the run checkpoints and exits (0 = never).")
 
 
 class RLConfig(Section):

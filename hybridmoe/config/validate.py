@@ -44,7 +44,7 @@ def check_requirements(cfg: Config) -> None:
 @rule
 def _model_shapes(cfg: Config) -> list[Problem]:
     m, out = cfg.model, []
-    if m.num_layers % len(m.layer_pattern):
+    if m.layer_pattern and m.num_layers % len(m.layer_pattern):
         out.append(("model.num_layers", f"{m.num_layers} is not a multiple of the layer pattern's length {len(m.layer_pattern)}"))
     if m.num_heads % m.num_kv_heads:
         out.append(("model.num_heads", f"{m.num_heads} query heads are not a multiple of model.num_kv_heads={m.num_kv_heads}"))
@@ -61,9 +61,35 @@ def _model_shapes(cfg: Config) -> list[Problem]:
 @rule
 def _mesh_fits(cfg: Config) -> list[Problem]:
     # The device count is known at load only when simulating CPU devices; make_mesh checks the rest.
-    n = cfg.mesh.cpu_devices or math.prod(abs(v) for v in cfg.mesh.axis_sizes.values())
+    n = cfg.mesh.simulated_devices or math.prod(abs(v) for v in cfg.mesh.axis_sizes.values())
     _, problem = cfg.mesh.resolve(n)
     return [problem] if problem else []
+
+
+@rule
+def _distributed(cfg: Config) -> list[Problem]:
+    m, out = cfg.mesh, []
+    explicit = [k for k in ("coordinator_address", "num_processes") if getattr(m, k)]
+    if explicit and not m.distributed:
+        out.append((f"mesh.{explicit[0]}", "applies to a distributed run: set mesh.distributed=true"))
+    if bool(m.coordinator_address) != bool(m.num_processes):
+        out.append(("mesh.coordinator_address", "give mesh.coordinator_address and mesh.num_processes together "
+                    "(or neither, to find both from the cluster)"))
+    if m.num_processes and m.process_id >= m.num_processes:
+        out.append(("mesh.process_id", f"{m.process_id} is not below mesh.num_processes={m.num_processes}"))
+    return out
+
+
+@rule
+def _weights_split_over_mesh(cfg: Config) -> list[Problem]:
+    """Every weight dimension the rules table shards must split evenly over its mesh axes (read from
+    the weight declarations and the rules table themselves; `build` repeats it with the real mesh)."""
+    if not cfg.model.layer_pattern or _mesh_fits(cfg):
+        return []
+    from hybridmoe.parallel.fit import known_mesh_sizes, sharding_problems
+    from hybridmoe.parallel.rules import RULES_TABLES
+
+    return sharding_problems(cfg.model, RULES_TABLES[cfg.mesh.rules], known_mesh_sizes(cfg.mesh))
 
 
 @rule
@@ -113,7 +139,7 @@ def _rl_batch_fits_mesh(cfg: Config) -> list[Problem]:
     # most); the device count is known at load only when simulating CPU devices.
     if not cfg.mesh.cpu_devices:
         return []
-    sizes, problem = cfg.mesh.resolve(cfg.mesh.cpu_devices)
+    sizes, problem = cfg.mesh.resolve(cfg.mesh.simulated_devices)
     if problem:
         return []
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]

@@ -12,14 +12,27 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 
-def initialize_distributed() -> None:
-    """Join the multi-controller runtime (coordinator found from the cluster: TPU pod, SLURM, ...)."""
-    jax.distributed.initialize()
+def initialize_distributed(mesh_cfg) -> None:
+    """Join the multi-controller runtime: the coordinator from mesh.coordinator_address, or found from
+    the cluster (TPU pod, SLURM, ...). Simulated CPU devices talk over gloo (JAX's CPU collectives)."""
+    if mesh_cfg.cpu_devices:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = {}
+    if mesh_cfg.coordinator_address:
+        where = {"coordinator_address": mesh_cfg.coordinator_address, "num_processes": mesh_cfg.num_processes,
+                 "process_id": mesh_cfg.process_id}
+    jax.distributed.initialize(**where)
 
 
 def is_lead_host() -> bool:
     """The host that writes metrics and exports (checkpoints are written by every host via orbax)."""
     return jax.process_index() == 0
+
+
+def sync_hosts(name: str) -> None:
+    """Every host waits here until all have arrived (a no-op on one host)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def put_global(tree, shardings):

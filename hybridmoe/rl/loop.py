@@ -38,10 +38,11 @@ from hybridmoe.data.arithmetic import PROMPT_STREAM, Task, solved_batch, task_fr
 from hybridmoe.data.prompts import PromptSetTask
 from hybridmoe.data.sources import config_tokenizer
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
-from hybridmoe.train.checkpoint import Checkpoints
-from hybridmoe.train.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf
+from hybridmoe.train.guard import NonFiniteGuard
+from hybridmoe.train.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf, read_hf_weights
 from hybridmoe.train.loop import RunError, config_record
-from hybridmoe.train.metrics import JSONL_NAME, MetricsWriter, plot_metrics
+from hybridmoe.train.metrics import MetricsWriter, plot_metrics
+from hybridmoe.train.run_dir import check_paths, open_checkpoints
 from hybridmoe.train.setup import build, init_state, jit_train_step
 
 log = logging.getLogger(__name__)
@@ -241,14 +242,15 @@ def _warmup_step(run: _Run, state, step: int):
     m = {k: float(v) for k, v in fetch_global(m).items()}
     dt = time.perf_counter() - t0
     return state, {"phase": WARMUP, "warmup_loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": m["tokens"],
-                   "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}
+                   "tokens_per_s": m["tokens"] / dt, "step_time_s": dt, "update_skipped": m["update_skipped"]}
 
 
 def _key_record(key) -> list[int]:
     return np.asarray(jax.random.key_data(key)).tolist()
 
 
-def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_hf: Path | None = None,
+def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwrite: bool = False,
+           init_hf: Path | None = None,
            export_hf: Path | None = None, progress: bool = True, task: Task | None = None,
            reward_fns: Sequence[tuple[RewardFn, float]] | None = None) -> list[dict]:
     """Warm-up then GRPO; returns the per-step records (those of this invocation).
@@ -257,6 +259,7 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
     for custom tasks and rewards; a resumed run must pass the same ones).
     """
     out = Path(out) if out is not None else None
+    check_paths(out, resume=resume, overwrite=overwrite, export_hf=export_hf, init_hf=init_hf)
     if cfg.moe.capacity_factor > 0:
         # The rollout and the policy update would drop different tokens, and the update does not
         # report its drops: refuse rather than train on a silently different model.
@@ -275,7 +278,8 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
     r = cfg.rl
 
     setup = build(cfg)
-    ckpt = Checkpoints(out / "checkpoints") if out is not None else None
+    hf_tree = read_hf_weights(init_hf, out, resume)  # a corrupt file fails here, before anything is written
+    ckpt = open_checkpoints(out, resume=resume, overwrite=overwrite)
     latest = ckpt.latest_step() if ckpt else None
     with_reference = r.beta > 0
     abstract = {"train": setup.abstract_state()}
@@ -283,9 +287,7 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
         abstract["ref_params"] = abstract_params(setup.specs, setup.param_shardings)
     meta = {"config": config_record(cfg), "init_hf": str(init_hf) if init_hf else None}
     try:
-        if resume:
-            if latest is None:
-                raise RunError(f"--resume: no checkpoint under {out}/checkpoints to resume from")
+        if latest is not None:  # a resume (a fresh start refuses a folder with a finished checkpoint)
             saved = ckpt.restore_meta(latest)
             if saved.get("config", {}).get("model") != meta["config"]["model"]:
                 raise RunError(f"--resume: the checkpoint in {out} holds a model of another shape or kind than the "
@@ -300,11 +302,9 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
             key = jax.random.wrap_key_data(jnp.asarray(saved["rng_key"], jnp.uint32))
             start = int(saved["step"])
         else:
-            if latest is not None or (out is not None and (out / JSONL_NAME).exists()):
-                raise RunError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
             state = init_state(setup, jax.random.key(cfg.train.seed))
             if init_hf is not None:
-                state = {**state, "params": params_from_hf(setup, init_hf)}
+                state = {**state, "params": params_from_hf(setup, init_hf, hf_tree)}
             ref_params, key, start = (state["params"] if with_reference else None), jax.random.key(cfg.train.seed + 1), 0
     except BaseException:
         if ckpt is not None:
@@ -324,9 +324,10 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
         jax.jit(lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
                 in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings),
         jit_old_logprobs(setup) if r.steps and r.updates_per_rollout > 1 else None)
-    writer = (MetricsWriter(out, resume_from_step=start if resume else None)
+    writer = (MetricsWriter(out, resume_from_step=start)
               if out is not None and is_lead_host() else None)
     history, last_saved, done = [], start, start
+    guard = NonFiniteGuard(cfg.train)
 
     def save(step_done: int):
         meta_now = {**meta, "step": step_done, "phase": WARMUP if step_done < r.warmup_steps else GRPO,
@@ -334,7 +335,8 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
         tree = {"train": state, **({"ref_params": ref_params} if with_reference else {})}
         ckpt.save(step_done, tree, meta_now)
 
-    bar = tqdm(range(start, run.total_steps), initial=start, total=run.total_steps, disable=not progress, desc="rl")
+    bar = tqdm(range(start, run.total_steps), initial=start, total=run.total_steps, disable=not progress or not is_lead_host(),
+               desc="rl")
     try:
         with setup.context():
             for step in bar:
@@ -350,11 +352,17 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, init_h
                     state, rec = _grpo_step(run, state, ref_params, step, sample_key)
                     bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", kept=f"{rec['kept_frac']:.2f}")
                 done = step + 1
+                if step >= r.warmup_steps:  # GRPO also skips updates with no kept token: only NaN/inf counts here
+                    rec["update_skipped"] = float(not (np.isfinite(rec["loss"]) and np.isfinite(rec["grad_norm"])))
+                nonfinite = bool(rec["update_skipped"])
                 history.append({"step": step, **rec})
+                stop = guard.observe(step, nonfinite)
                 if writer is not None:
                     writer.write(step, rec)
                     if done % PLOT_EVERY == 0:
                         plot_metrics(writer.jsonl_path, out / "metrics.png", PLOT_KEYS)
+                if stop is not None:
+                    raise stop  # the handler below checkpoints the last good state
                 if ckpt is not None and r.checkpoint_every and done % r.checkpoint_every == 0:
                     save(done)
                     last_saved = done

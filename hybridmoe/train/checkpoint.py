@@ -1,7 +1,8 @@
 """Native checkpoints with orbax: the sharded train state plus a small JSON of run metadata.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a run killed
-mid-save leaves the previous checkpoints intact and no half-written step behind.
+mid-save leaves the previous checkpoints intact and no half-written step behind; the temporary
+directory such a kill leaves is never chosen, and is removed when the manager opens.
 """
 
 from __future__ import annotations
@@ -11,12 +12,23 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+CHECKPOINT_DIR_NAME = "checkpoints"
+
+
+def finished_steps(directory: Path) -> list[int]:
+    """Steps with a finished checkpoint under `directory` (orbax names a finished step by its number
+    alone), read from the folder names without opening a manager (which would create the folder)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
 
 class Checkpoints:
     def __init__(self, directory: Path, keep: int = 3):
         self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True),
             item_names=("state", "meta"))
 
     def latest_step(self) -> int | None:

@@ -49,10 +49,22 @@ def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
     return new
 
 
-def params_from_hf(setup, hf_dir: Path):
+def read_hf_weights(hf_dir: Path | None, out: Path | None, resume: bool):
+    """The --init-hf weights as numpy (read before anything is created or compiled, so a corrupt file
+    fails leaving no trace), or None when there is no --init-hf or a resume will restore a checkpoint."""
+    from hybridmoe.model.hf import load_hf_checkpoint
+    from hybridmoe.train.checkpoint import CHECKPOINT_DIR_NAME, finished_steps
+    if hf_dir is None or (resume and out is not None and finished_steps(Path(out) / CHECKPOINT_DIR_NAME)):
+        return None
+    return load_hf_checkpoint(str(hf_dir))[1]
+
+
+def params_from_hf(setup, hf_dir: Path, tree=None):
+    """The weights of `hf_dir` (or its `tree` read by read_hf_weights), checked and sharded."""
     from hybridmoe.train.loop import RunError
     from hybridmoe.model.hf import load_hf_checkpoint
-    _, tree = load_hf_checkpoint(str(hf_dir))
+    if tree is None:
+        _, tree = load_hf_checkpoint(str(hf_dir))
     want = abstract_params(setup.specs)
     problems = []
     try:

@@ -11,60 +11,57 @@ from tqdm import tqdm
 
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global, put_process_local
-from hybridmoe.train.checkpoint import Checkpoints
 from hybridmoe.data.sources import position_record, start_position, training_source
+from hybridmoe.train.guard import NonFiniteGuard
 from hybridmoe.train.metrics import MetricsWriter
+from hybridmoe.train.run_dir import RunError, check_paths, open_checkpoints
 from hybridmoe.train.setup import build, init_state, jit_train_step
-
-
-class RunError(RuntimeError):
-    """A run that cannot start as asked; nothing on disk was changed."""
 
 
 def config_record(cfg: Config) -> dict:
     return json.loads(cfg.model_dump_json())
 
 
-def open_run(cfg: Config, out: Path | None, resume: bool):
-    """(setup, state, start_step, checkpoints): a fresh state, or the latest checkpoint of `out`."""
+def open_run(cfg: Config, out: Path | None, resume: bool, overwrite: bool = False):
+    """(setup, state, start_step, checkpoints): a fresh state, or the latest finished checkpoint of
+    `out` (step 0 when a resume finds none)."""
     setup = build(cfg)
-    ckpt = Checkpoints(out / "checkpoints") if out is not None else None
+    ckpt = open_checkpoints(out, resume=resume, overwrite=overwrite)
     latest = ckpt.latest_step() if ckpt else None
-    if resume:
-        if latest is None:
-            raise RunError(f"--resume: no checkpoint under {out}/checkpoints to resume from")
+    if latest is not None:  # a resume (a fresh start refuses a folder with a finished checkpoint)
         state, meta = ckpt.restore(latest, setup.abstract_state())
         saved_model = meta.get("config", {}).get("model")
         if saved_model != config_record(cfg)["model"]:
             raise RunError(f"--resume: the checkpoint in {out} was written with a different model config; "
                            "resume with the same recipe and model.* overrides")
         return setup, state, latest, ckpt
-    if latest is not None:
-        raise RunError(f"{out} already holds a run (checkpoint at step {latest}); pass --resume to continue it "
-                       "or choose another --out")
     return setup, init_state(setup, jax.random.key(cfg.train.seed)), 0, ckpt
 
 
-def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progress: bool = True,
-          init_hf: Path | None = None, export_hf: Path | None = None) -> list[dict]:
+def train(cfg: Config, out: Path | None = None, *, resume: bool = False, overwrite: bool = False,
+          progress: bool = True, init_hf: Path | None = None, export_hf: Path | None = None) -> list[dict]:
     """Run cfg.train.steps optimizer steps; returns the per-step metrics.
 
     init_hf: start from this Hugging Face checkpoint's weights; export_hf: write the final weights
     there in the Hugging Face layout (with the checkpoint's tokenizer and generation files)."""
-    from hybridmoe.train.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf
+    from hybridmoe.train.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf, read_hf_weights
+    check_paths(out, resume=resume, overwrite=overwrite, export_hf=export_hf, init_hf=init_hf)
     if init_hf is not None:
         cfg = config_with_hf_model(cfg, init_hf)
     source = training_source(cfg)  # reads and checks the data before anything is written
-    setup, state, start, ckpt = open_run(cfg, out, resume)
-    if init_hf is not None and not resume:
-        state = {**state, "params": params_from_hf(setup, init_hf)}
-    position = start_position(ckpt.restore_meta(start) if resume else None)
-    writer = (MetricsWriter(out, resume_from_step=start if resume else None)
+    hf_tree = read_hf_weights(init_hf, out, resume)  # a corrupt file fails here, before anything is written
+    setup, state, start, ckpt = open_run(cfg, out, resume, overwrite)
+    if hf_tree is not None and not start:
+        state = {**state, "params": params_from_hf(setup, init_hf, hf_tree)}
+    position = start_position(ckpt.restore_meta(start) if start else None)
+    writer = (MetricsWriter(out, resume_from_step=start)
               if out is not None and is_lead_host() else None)
     step_fn = jit_train_step(setup)
     t, history = cfg.train, []
+    guard = NonFiniteGuard(t)
     meta = {"config": config_record(cfg)}
-    bar = tqdm(range(start, t.steps), initial=start, total=t.steps, disable=not progress, desc="train")
+    bar = tqdm(range(start, t.steps), initial=start, total=t.steps, disable=not progress or not is_lead_host(),
+               desc="train")
     try:
         with setup.context():
             for step in bar:
@@ -79,11 +76,17 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, progres
                        "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}
                 if "moe_dropped" in m:  # expert buffers (moe.capacity_factor > 0) report their drops
                     rec["moe_dropped"] = int(m["moe_dropped"])
+                rec["update_skipped"] = int(m["update_skipped"])
                 history.append(rec)
-                if writer is not None and step % t.log_every == 0:
+                stop = guard.observe(step, bool(m["update_skipped"]))
+                if writer is not None and (step % t.log_every == 0 or stop):
                     writer.write(step, {k: v for k, v in rec.items() if k != "step"})
                 bar.set_postfix(loss=f"{m['loss']:.4f}")
                 done = step + 1
+                if stop is not None:
+                    if ckpt is not None:
+                        ckpt.save(done, state, {**meta, "data_position": position_record(position)})
+                    raise stop
                 if ckpt is not None and t.checkpoint_every and done % t.checkpoint_every == 0 and done < t.steps:
                     ckpt.save(done, state, {**meta, "data_position": position_record(position)})
             if ckpt is not None and t.steps > start:

@@ -5,7 +5,8 @@ fsynced as it is written, so a killed run loses at most the line in flight (a to
 dropped on resume). A resumed run restarts from its last checkpoint, which is usually behind the
 last logged step: `resume_from_step` first rewrites the file without the records at or past that
 step (temp file + os.replace, so a second kill during the rewrite leaves either the old file or the
-new one, never half of each), and TensorBoard is told to purge the same steps.
+new one, never half of each), and the TensorBoard events are rebuilt from the kept records. Events
+are flushed with every record, so TensorBoard and metrics.jsonl hold the same steps at any moment.
 
 Non-finite values are written as JSON null (strict JSON readers reject NaN) and skipped in
 TensorBoard; a NaN loss is then still visible as a gap in the record.
@@ -17,6 +18,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 
 JSONL_NAME = "metrics.jsonl"
 TB_DIR_NAME = "tb"
+PNG_NAME = "metrics.png"
 
 
 def read_metrics(jsonl_path: Path) -> list[dict]:
@@ -59,23 +62,29 @@ class MetricsWriter:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / JSONL_NAME
+        kept = []
         if resume_from_step is not None and self.jsonl_path.exists():
-            self._truncate(resume_from_step)
+            kept = self._truncate(resume_from_step)
         self._file = open(self.jsonl_path, "a", encoding="utf-8")
         if self._file.tell() > 0 and not self._ends_with_newline():
             self._file.write("\n")  # a torn last line from a kill: start ours on a fresh line
 
         from tensorboardX import SummaryWriter  # heavy import (protobuf): only when writing
 
-        # purge_step makes TensorBoard drop the old events at and past the resumed step.
-        self._tb = SummaryWriter(logdir=str(self.out_dir / TB_DIR_NAME), purge_step=resume_from_step)
+        tb_dir = self.out_dir / TB_DIR_NAME
+        if resume_from_step is not None and tb_dir.exists():
+            shutil.rmtree(tb_dir)  # rebuilt below from the records kept: the two never disagree
+        self._tb = SummaryWriter(logdir=str(tb_dir))
+        for record in kept:
+            self._add_scalars(record)
+        self._tb.flush()
 
     def _ends_with_newline(self) -> bool:
         with open(self.jsonl_path, "rb") as f:
             f.seek(-1, os.SEEK_END)
             return f.read(1) == b"\n"
 
-    def _truncate(self, resume_from_step: int) -> None:
+    def _truncate(self, resume_from_step: int) -> list[dict]:
         kept = [r for r in read_metrics(self.jsonl_path) if r["step"] < resume_from_step]
 
         def write(tmp_path: Path) -> None:
@@ -83,6 +92,12 @@ class MetricsWriter:
                 f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
 
         _replace_atomically(self.jsonl_path, write)
+        return kept
+
+    def _add_scalars(self, record: Mapping) -> None:
+        for key, value in record.items():
+            if key != "step" and value is not None:
+                self._tb.add_scalar(key, value, global_step=int(record["step"]))
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         record: dict[str, int | float | None] = {"step": int(step)}
@@ -94,12 +109,11 @@ class MetricsWriter:
             except (TypeError, ValueError):
                 raise TypeError(f"metric {key!r} must be a scalar number, got {type(value).__name__}") from None
             record[key] = value if math.isfinite(value) else None
-        for key, value in record.items():
-            if key != "step" and value is not None:
-                self._tb.add_scalar(key, value, global_step=int(step))
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
+        self._add_scalars(record)
+        self._tb.flush()
 
     def close(self) -> None:
         if not self._file.closed:

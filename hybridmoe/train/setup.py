@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hybridmoe.config.schema import Config
 from hybridmoe.config.validate import ConfigError
 from hybridmoe.model.params import abstract_params, declare_params, init_params, param_shardings
+from hybridmoe.parallel.fit import sharding_problems
 from hybridmoe.parallel.mesh import make_mesh
 from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, use_rules
 from hybridmoe.train.step import make_optimizer, train_step
@@ -67,6 +68,9 @@ def build(cfg: Config, devices=None) -> RunSetup:
     mesh = make_mesh(cfg.mesh, devices)
     rules = RULES_TABLES[cfg.mesh.rules]
     check_batch_fits(cfg, mesh, rules)
+    problems = sharding_problems(cfg.model, rules, dict(mesh.shape))
+    if problems:
+        raise ConfigError(problems)
     specs = declare_params(cfg.model)
     p_sh = param_shardings(specs, mesh, rules)
     optimizer = make_optimizer(cfg.train)

@@ -74,6 +74,11 @@ def accumulate_grads(loss_sum_fn, params, micro_batches, reducers=None):
     return loss, count, grads
 
 
+def keep_if_not(ok, new, old):
+    """`new` where the scalar `ok` holds, else `old` (leaf by leaf, on the device)."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
 def train_step(cfg: Config, optimizer: optax.GradientTransformation):
     # Expert buffers that can overflow report what they dropped, summed over layers, micro-batches
     # and the mesh, as the metric moe_dropped (rows = (token, expert) assignments).
@@ -92,9 +97,15 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation):
         denom = jnp.maximum(count, 1).astype(jnp.float32)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
+        loss = loss_sum / denom
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
+        # A NaN/inf loss or gradient would poison the weights and Adam's moments for good: such a
+        # step keeps the old ones, selected here on the device (no host round trip).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state = keep_if_not(finite, (params, opt_state), (state["params"], state["opt_state"]))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count,
+                   "update_skipped": (~finite).astype(jnp.int32)}
         if report_dropped:
             metrics["moe_dropped"] = counts["moe_dropped"]
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics

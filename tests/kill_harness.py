@@ -1,0 +1,125 @@
+"""kill -9 trials: run `python -m hybridmoe train|rl` as a subprocess, SIGKILL it at a chosen moment
+(a random time, while a checkpoint is being written, while the export is being written), resume it,
+and compare the finished run with one that was never interrupted.
+
+Checked per trial: (a) the resume succeeds, so the checkpoint it chose was readable, and no
+unfinished checkpoint is left; (b) metrics.jsonl (wall-clock keys aside) and the export equal the
+uninterrupted run's bit for bit; (c) TensorBoard holds exactly the records of metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hybridmoe.train.metrics import read_metrics
+from run_checks import assert_tensorboard_matches_jsonl, comparable
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["recipe=tiny", "train.batch_size=8", "train.seq_len=16", "gdn.chunk_size=8"]
+COMMANDS = {
+    "train": ["train", *TINY, "train.steps=6", "train.checkpoint_every=2"],
+    "rl": ["rl", *TINY, "rl.warmup_steps=2", "rl.steps=3", "rl.checkpoint_every=2", "rl.prompts_per_step=2",
+           "rl.group_size=4", "rl.max_prompt_len=6", "rl.max_new_tokens=3"],
+}
+# Kill moments per command, cycled through by the trials.
+MOMENTS = {"train": ("checkpoint", "random", "random"), "rl": ("checkpoint", "export", "random")}
+
+
+def _argv(command: str, run_dir: Path, *extra: str) -> list[str]:
+    argv = [sys.executable, "-m", "hybridmoe", *COMMANDS[command], "--out", str(run_dir / "run"), *extra]
+    if command == "rl":
+        argv += ["--export-hf", str(run_dir / "export")]
+    return argv
+
+
+def _env(cache_dir: Path) -> dict:
+    # JAX's own settings for the child: CPU only, and compiled programs shared between the runs.
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _run(argv, env, timeout=900) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _trigger(moment: str, run_dir: Path):
+    """A predicate that becomes true at the moment to kill."""
+    if moment == "checkpoint":
+        return lambda: any((run_dir / "run" / "checkpoints").glob("*orbax-checkpoint-tmp*"))
+    if moment == "export":
+        return lambda: any(run_dir.glob(".export.tmp-*")) or any(run_dir.glob("export/*.tmp*"))
+    raise ValueError(moment)
+
+
+def _kill_at(argv, env, moment: str, run_dir: Path, delay_s: float) -> dict:
+    """Start the run and SIGKILL it at the moment; what happened."""
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.perf_counter()
+    fired = moment == "random"
+    while proc.poll() is None:
+        if moment == "random":
+            if time.perf_counter() - t0 >= delay_s:
+                break
+            time.sleep(0.01)
+        elif _trigger(moment, run_dir)():
+            break
+        else:
+            time.sleep(0.001)
+    else:
+        fired = False
+    killed = proc.poll() is None
+    if killed:
+        os.kill(proc.pid, signal.SIGKILL)
+        fired = True
+    proc.wait()
+    return {"moment": moment, "killed": killed, "hit": fired and killed, "after_s": round(time.perf_counter() - t0, 3)}
+
+
+def uninterrupted(command: str, work: Path, cache_dir: Path) -> tuple[Path, float]:
+    run_dir = work / f"{command}-straight"
+    t0 = time.perf_counter()
+    done = _run(_argv(command, run_dir), _env(cache_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir, time.perf_counter() - t0
+
+
+def trial(command: str, index: int, work: Path, cache_dir: Path, straight: Path, straight_s: float,
+          rng: random.Random) -> dict:
+    """One kill and resume; raises AssertionError naming the check that failed."""
+    run_dir = work / f"{command}-trial{index}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    moment = MOMENTS[command][index % len(MOMENTS[command])]
+    env = _env(cache_dir)
+    event = _kill_at(_argv(command, run_dir), env, moment, run_dir, rng.uniform(0.2, 1.0) * straight_s)
+    resumed = _run(_argv(command, run_dir, "--resume"), env)
+    assert resumed.returncode == 0, f"(a) resume failed after {event}: {resumed.stderr[-3000:]}"
+    assert not list((run_dir / "run" / "checkpoints").glob("*tmp*")), "(a) an unfinished checkpoint was left"
+    got, want = read_metrics(run_dir / "run" / "metrics.jsonl"), read_metrics(straight / "run" / "metrics.jsonl")
+    assert comparable(got) == comparable(want), f"(b) metrics differ from the uninterrupted run after {event}"
+    if command == "rl":
+        for name in sorted(p.name for p in (straight / "export").iterdir()):
+            assert (run_dir / "export" / name).read_bytes() == (straight / "export" / name).read_bytes(), \
+                f"(b) export file {name} differs after {event}"
+    assert_tensorboard_matches_jsonl(run_dir / "run")  # (c)
+    shutil.rmtree(run_dir)
+    return event
+
+
+def run_trials(command: str, trials: int, work: Path, seed: int = 0) -> dict:
+    """`trials` kill-and-resume trials of one command; a summary (raises on the first failure)."""
+    cache_dir = work / "xla-cache"
+    # Random kills fall anywhere in the uninterrupted run's time, compile included (later runs read
+    # the compile cache this one fills, so they reach their steps sooner).
+    straight, straight_s = uninterrupted(command, work, cache_dir)
+    rng = random.Random(seed)
+    events = [trial(command, i, work, cache_dir, straight, straight_s, rng) for i in range(trials)]
+    return {"command": command, "trials": trials, "passed": len(events), "uninterrupted_s": round(straight_s, 2),
+            "killed": sum(e["killed"] for e in events), "hit_moment": sum(e["hit"] for e in events),
+            "events": events}

@@ -1,0 +1,132 @@
+"""Bad input as a new user types it: one clear error naming what is wrong, exit 2, no traceback,
+nothing written. And the sharding validator: every weight dimension the rules split is checked."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridmoe.cli import main
+from hybridmoe.config import ConfigError, load_config
+from hybridmoe.parallel import fit
+from hybridmoe.parallel.rules import DEFAULT_RULES
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf_tiny"
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _bad_inputs(tmp: Path) -> dict[str, Path]:
+    """The odd files and folders the cases below point at."""
+    made = {}
+    for name, content in (("truncated", (FIXTURE / "model.safetensors").read_bytes()[:1000]),
+                          ("random", np.random.default_rng(0).bytes(5000))):
+        d = tmp / f"hf_{name}"
+        shutil.copytree(FIXTURE, d)
+        (d / "model.safetensors").write_bytes(content)
+        made[name] = d
+    made["bad_config"] = tmp / "hf_bad_config"
+    shutil.copytree(FIXTURE, made["bad_config"])
+    (made["bad_config"] / "config.json").write_text("{not json")
+    made["empty_tokens"] = tmp / "empty.npy"
+    made["empty_tokens"].write_bytes(b"")
+    made["text_tokens"] = tmp / "tokens.txt"
+    made["text_tokens"].write_text("1 2 3\n")
+    made["a_file"] = tmp / "a_file"
+    made["a_file"].write_text("not a folder")
+    made["a_dir"] = tmp / "a_dir"
+    made["a_dir"].mkdir()
+    return made
+
+
+TOKENS = str(FIXTURE / "tokens.npy")
+RL_NOTHING = ["rl", "recipe=demo", "rl.warmup_steps=0", "rl.steps=0"]
+# (argv with {placeholders}, text the error must contain). train/rl cases that get past the path
+# checks would train: the checks must come first, so these stay fast.
+CASES = {
+    "empty_layer_pattern": (["describe", "model.layer_pattern=[]"], "model.layer_pattern"),
+    "heads_vs_tensor": (["train", "mesh.tensor=4", "model.num_heads=6"], "model.num_heads"),
+    "experts_vs_expert": (["train", "mesh.expert=4", "model.num_experts=6"], "model.num_experts"),
+    "score_truncated_safetensors": (["score", "--hf", "{truncated}", "--tokens", TOKENS, "--out", "{out}/lp.npy"],
+                                    "model.safetensors"),
+    "score_random_safetensors": (["score", "--hf", "{random}", "--tokens", TOKENS, "--out", "{out}/lp.npy"],
+                                 "model.safetensors"),
+    "init_hf_truncated_safetensors": ([*RL_NOTHING, "--init-hf", "{truncated}", "--out", "{out}/run"],
+                                      "model.safetensors"),
+    "init_hf_random_safetensors": ([*RL_NOTHING, "--init-hf", "{random}"], "model.safetensors"),
+    "score_out_is_a_folder": (["score", "--hf", str(FIXTURE), "--tokens", TOKENS, "--out", "{a_dir}"], "--out"),
+    "train_out_is_a_file": (["train", "--out", "{a_file}"], "--out"),
+    "rl_out_is_a_file": (["rl", "--out", "{a_file}"], "--out"),
+    "rl_export_is_a_file": (["rl", "--export-hf", "{a_file}"], "--export-hf"),
+    "empty_tokens_file": (["score", "--hf", str(FIXTURE), "--tokens", "{empty_tokens}", "--out", "{out}/lp.npy"],
+                          "empty.npy"),
+    "text_tokens_file": (["score", "--hf", str(FIXTURE), "--tokens", "{text_tokens}", "--out", "{out}/lp.npy"],
+                         "tokens.txt"),
+    "score_bad_config_json": (["score", "--hf", "{bad_config}", "--tokens", TOKENS, "--out", "{out}/lp.npy"],
+                              "config.json"),
+    "init_hf_bad_config_json": ([*RL_NOTHING, "--init-hf", "{bad_config}"], "config.json"),
+    "resume_without_out": (["train", "--resume"], "--out"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_clear_error_exit_2_and_nothing_written(case, tmp_path, capsys):
+    argv, expected = CASES[case]
+    made = _bad_inputs(tmp_path / "in")
+    out = tmp_path / "out"
+    out.mkdir()
+    before = _files(tmp_path)
+    argv = [a.format(out=out, **made) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
+    assert _files(tmp_path) == before, "the failed command wrote files"
+
+
+def test_score_takes_tokens_shorter_than_the_default_sequence(tmp_path):
+    short = tmp_path / "short.npy"
+    np.save(short, np.load(FIXTURE / "tokens.npy")[:, :10])
+    out = tmp_path / "lp.npy"
+    assert main(["score", "--hf", str(FIXTURE), "--tokens", str(short), "--out", str(out)]) == 0
+    np.testing.assert_allclose(np.load(out), np.load(FIXTURE / "logprobs.npy")[:, :9], atol=1e-4, rtol=0)
+    assert _files(tmp_path) == {"short.npy", "lp.npy"}  # no temporary file left
+
+
+@pytest.mark.parametrize("logical, overrides, key", [
+    ("heads", ["mesh.tensor=4", "model.num_heads=6"], "model.num_heads"),
+    ("kv_heads", ["mesh.tensor=4", "model.num_heads=4", "model.num_kv_heads=1", "model.gdn_num_key_heads=4",
+                  "model.gdn_num_value_heads=4"], "model.num_kv_heads"),
+    ("heads", ["mesh.tensor=4", "model.gdn_num_key_heads=1", "model.gdn_num_value_heads=4"], "model.gdn_num_key_heads"),
+    ("heads", ["mesh.tensor=2", "model.gdn_num_key_heads=1", "model.gdn_num_value_heads=3"],
+     "model.gdn_num_value_heads"),
+    ("exp", ["mesh.expert=4", "model.num_experts=6"], "model.num_experts"),
+    ("exp", ["mesh.rules=cp_as_ep", "mesh.context=2", "mesh.expert=2", "model.num_experts=6"], "model.num_experts"),
+    ("vocab", ["mesh.tensor=2", "model.vocab_size=255"], "model.vocab_size"),
+    ("embed", ["model.d_model=30"], "model.d_model"),  # fsdp absorbs 4 of the tiny recipe's 8 devices
+    ("mlp", ["mesh.tensor=2", "model.shared_expert_intermediate_size=3"], "model.shared_expert_intermediate_size"),
+])
+def test_every_split_dimension_is_checked_at_load(logical, overrides, key):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides)
+    named = [m for k, m in e.value.problems if k == key]
+    assert named and f"'{logical}'" in named[0], e.value.problems
+
+
+def test_the_check_follows_the_rules_table_not_a_list_of_known_axes(monkeypatch):
+    """A rule for a logical axis nobody listed is checked the moment it exists."""
+    cfg = load_config("tiny", ["mesh.tensor=2"])
+    assert fit.sharding_problems(cfg.model, DEFAULT_RULES, {"tensor": 2, "fsdp": 4, "data": 1}) == []
+    # A table that also splits the layer stack over tensor: the 1 stacked block of num_layers=4
+    # with a 4-long pattern does not split in 2.
+    problems = fit.sharding_problems(cfg.model, {**DEFAULT_RULES, "layers": "tensor"}, {"tensor": 2, "fsdp": 4})
+    assert [k for k, _ in problems] == ["model.num_layers"], problems
+
+
+def test_build_checks_the_real_mesh_when_the_device_count_is_known_only_at_run_time():
+    from hybridmoe.train.setup import build
+    cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.data=1", "model.d_model=30"])  # fsdp=-1: unknown at load
+    with pytest.raises(ConfigError, match="model.d_model"):
+        build(cfg)
