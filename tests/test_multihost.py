@@ -65,10 +65,15 @@ def test_two_processes_equal_one_step_for_step(command, tmp_path, cache):
 
 
 def _child_with(launcher_pid: int, text: str) -> int | None:
-    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
-    for pid in children:
-        if text in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
-            return int(pid)
+    """The launcher's child process whose command line holds `text` (read from /proc/*/stat's ppid)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher_pid and text in cmdline:
+            return int(stat.parent.name)
     return None
 
 
