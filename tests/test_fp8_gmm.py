@@ -129,6 +129,9 @@ def test_validator_names_every_unmet_requirement():
     with pytest.raises(ConfigError) as e:
         tiny_config(*GMM, "moe.impl=dense")
     assert "moe.impl=sparse" in dict(e.value.problems)["quant.fp8_gmm"]
+    with pytest.raises(ConfigError) as e:
+        tiny_config(*GMM, "moe.routing_replay=true")
+    assert "moe.routing_replay" in dict(e.value.problems)["quant.fp8_gmm"]
     tiny_config(*GMM, "quant.fp8_moe_fake_quant=true", "moe.capacity_factor=2.0")
 
 
