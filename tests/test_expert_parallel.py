@@ -47,7 +47,8 @@ def _rel_l2(a, b, tol, what=""):
 EP_MESHES = {
     "expert2": ("mesh.expert=2",),
     "expert4": ("mesh.expert=4", "mesh.fsdp=1"),
-    "cp_as_ep_2x2": ("mesh.rules=cp_as_ep", "mesh.context=2", "mesh.expert=2", "mesh.fsdp=1"),
+    "cp_as_ep_2x2": ("mesh.rules=cp_as_ep", "mesh.context=2", "mesh.expert=2", "mesh.fsdp=1",
+                     "gdn.chunk_size=32"),  # whole GDN chunks per context rank (64 tokens / 2)
 }
 
 
