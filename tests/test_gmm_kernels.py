@@ -29,6 +29,8 @@ HYP = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthC
 
 
 def _kw(backend):
+    if backend == "xla_row_tiles":  # the xla backend's CPU grouped matmul, 4-row tiles
+        return dict(backend="xla", xla_impl="row_tiles", xla_tile_rows=4)
     return dict(backend=backend, interpret=backend != "xla", tiling=TINY)
 
 
@@ -100,12 +102,14 @@ def test_gmm_xla(dtype, sizes, transpose):
     _check_gmm("xla", sizes, dtype, transpose=transpose)
 
 
+@pytest.mark.parametrize("backend", ["xla", "xla_row_tiles"])
 @HYP
 @given(sizes=st.lists(st.integers(0, 9), min_size=4, max_size=4), data=st.data())
-def test_gmm_xla_group_offset(sizes, data):
+def test_gmm_xla_group_offset(backend, sizes, data):
     num_local = data.draw(st.integers(1, 3))
     offset = data.draw(st.integers(0, 4 - num_local))
-    _check_gmm("xla", sizes, jnp.float32, offset=offset, num_local=num_local)
+    _check_gmm(backend, sizes, jnp.float32, offset=offset, num_local=num_local,
+               transpose=data.draw(st.booleans()))
 
 
 PALLAS_CASES = [
@@ -205,7 +209,7 @@ def test_pair_pallas(backend, dtype):
     _check_pair(backend, dtype, [5, 0, 11, 3])
 
 
-@pytest.mark.parametrize("backend", ["xla", *PALLAS])
+@pytest.mark.parametrize("backend", ["xla", "xla_row_tiles", *PALLAS])
 def test_pair_group_offset(backend):
     _check_pair(backend, jnp.float32, [3, 7, 0, 6], offset=1, num_local=2)
 
@@ -252,7 +256,7 @@ def test_activation_vjp_never_built():
     assert str(jax.make_jaxpr(jax.grad(leaky, (0, 1, 2, 3)))(x, wi, wo, s)).count("logistic") == 3
 
 
-@pytest.mark.parametrize("backend", ["xla", *PALLAS])
+@pytest.mark.parametrize("backend", ["xla", "xla_row_tiles", *PALLAS])
 def test_fused_equals_unfused(backend):
     """match_unfused: bit-identical to the unfused path in bf16 (output and every gradient).
     float32 epilogue: output and wo gradient bit-identical, the rest within bf16 rounding."""
@@ -289,10 +293,10 @@ def test_fused_equals_unfused(backend):
 # Broken variants: each must be caught by the reference comparison of the fused pair.
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+@pytest.mark.parametrize("backend", ["xla", "xla_row_tiles", "pallas_tpu"])
 @pytest.mark.parametrize("variant", list(BROKEN))
 def test_broken_variant_caught(backend, variant, monkeypatch):
-    if backend != "xla" and variant not in READER_VARIANTS:
+    if backend.startswith("pallas") and variant not in READER_VARIANTS:
         pytest.skip("the epilogue math is shared; the Pallas kernels differ in their readers")
     name, fn = BROKEN[variant]
     monkeypatch.setattr(epi, name, fn)

@@ -104,7 +104,7 @@ def test_sharded_on_8_devices_equals_one_device():
     ("remat.policy=custom", "remat.save=[gdn_core_out,moe_gate,moe_up,attn_out]"),
 ])
 def test_scan_and_remat_variants_equal_the_scanned_full_remat(overrides):
-    base = tiny_config("model.num_layers=8")  # two blocks, so the scan has something to loop over
+    base = tiny_config("model.num_layers=8", "remat.policy=full")  # two blocks: the scan loops
     cfg = tiny_config("model.num_layers=8", *overrides)
     params = tiny_params(base)
     batch = packed_batch(0, 2, 64, base.model.vocab_size)

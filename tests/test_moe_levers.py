@@ -222,9 +222,11 @@ def _baseline_moe_layer(p, x_BTD, m, moe, kernels=None, *, return_dropped=False,
 
 def test_off_is_the_program_without_levers(monkeypatch):
     """The whole training loss's jaxpr with every key off equals the one built on the MoE layer
-    as it was before the levers (remat scan, 8-device mesh)."""
+    as it was before the levers (remat scan, 8-device mesh). The grouped matmul is pinned to
+    ragged_dot, the GPU/TPU choice (on CPU the default program runs row tiles instead)."""
     cfg = tiny_config(*BF16, "moe.wi_fused_swiglu=false", "moe.wo_fused_dswiglu=false",
-                      "moe.router_grad_from_wo_input=false", "kernels.gmm.wi_fwd_rhs_buffer_count=0")
+                      "moe.router_grad_from_wo_input=false", "kernels.gmm.wi_fwd_rhs_buffer_count=0",
+                      "kernels.gmm.xla_impl=ragged_dot", "remat.policy=full")
     params = tiny_params(cfg)
     batch = packed_batch(0, 8, 64, cfg.model.vocab_size)
     setup = build(cfg)

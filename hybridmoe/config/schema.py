@@ -154,11 +154,11 @@ class GmmKernelConfig(Section):
     backend: Literal["xla", "pallas_tpu", "pallas_gpu"] = Field(
         "xla", description="Grouped-matmul backend; checked against the platform at load."
     )
-    xla_impl: Literal["ragged_dot", "row_tiles"] = Field(
-        "ragged_dot", description="The xla backend's default grouped matmul: jax.lax.ragged_dot, or row_tiles "
-        "(rows padded per group to tiles, one dense matmul per tile; on CPU, where ragged_dot computes every "
-        "group for every row, several times faster).")
-    xla_tile_rows: int = Field(128, gt=0, description="Rows per tile of xla_impl=row_tiles.")
+    xla_impl: Literal["auto", "ragged_dot", "row_tiles"] = Field(
+        "auto", description="The xla backend's grouped matmul on every MoE path: jax.lax.ragged_dot, or row_tiles "
+        "(rows padded once per group to tiles, one batched matmul; on CPU, where ragged_dot computes every group "
+        "for every row, several times faster); auto: row_tiles on CPU, ragged_dot on GPU/TPU.")
+    xla_tile_rows: int = Field(128, gt=0, description="Rows per tile of the row_tiles grouped matmul.")
     tiling: Literal["heuristic", "explicit"] = Field(
         "heuristic", description="heuristic: the kernels' default tiles; explicit: the tm/tk/tn and per-half tile below."
     )
@@ -227,8 +227,9 @@ class GdnConfig(Section):
 
 
 class RematConfig(Section):
-    policy: Literal["none", "full", "minimal", "custom"] = Field(
-        "full", description="What the layer scan saves for the backward: nothing extra, only inputs, matmul outputs, or the save list."
+    policy: Literal["auto", "none", "full", "minimal", "custom"] = Field(
+        "auto", description="What the layer scan saves for the backward: nothing extra, only inputs, matmul outputs, or the save list; "
+        "auto: none when the estimated residuals fit a quarter of a device's memory, else full (model/remat.py)."
     )
     save: tuple[str, ...] = Field((), description="Checkpoint names saved under the custom policy.")
     scan_layers: bool = Field(True, description="Run the layer stack as a lax.scan over repeating blocks.")

@@ -289,22 +289,15 @@ def _gmm_kernel(cfg: Config) -> list[Problem]:
 
 @rule
 def _gmm_row_tiles(cfg: Config) -> list[Problem]:
-    """row_tiles replaces ragged_dot on the default grouped path only; refuse it where it would not run."""
-    if cfg.kernels.gmm.xla_impl != "row_tiles":
+    """An explicit xla grouped matmul needs the grouped path on the xla backend (auto always fits)."""
+    g = cfg.kernels.gmm
+    if g.xla_impl == "auto":
         return []
-    moe, unmet = cfg.moe, []
-    if moe.impl != "sparse":
-        unmet.append("needs moe.impl=sparse")
-    if cfg.kernels.gmm.backend != "xla":
-        unmet.append(f"applies to the xla backend only (kernels.gmm.backend={cfg.kernels.gmm.backend})")
-    on = [k for k in ("wi_fused_swiglu", "wo_fused_dswiglu", "router_grad_from_wo_input") if getattr(moe, k)]
-    if on:
-        unmet.append(f"the lever path has its own grouped matmuls (moe.{', moe.'.join(on)} on)")
-    if moe.capacity_factor > 0:
-        unmet.append("the capacity buffer path has its own grouped matmuls (moe.capacity_factor > 0)")
-    expert_ranks = cfg.mesh.expert * (cfg.mesh.context if cfg.mesh.rules == "cp_as_ep" else 1)
-    if expert_ranks != 1:
-        unmet.append("expert parallelism runs the grouped path with expert offsets (expert ranks > 1)")
+    unmet = []
+    if cfg.moe.impl != "sparse":
+        unmet.append("needs moe.impl=sparse (the dense path runs no grouped matmul)")
+    if g.backend != "xla":
+        unmet.append(f"applies to the xla backend only (kernels.gmm.backend={g.backend})")
     return [("kernels.gmm.xla_impl", "; ".join(unmet))] if unmet else []
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from hybridmoe.config.schema import AttentionConfig, ModelConfig
-from hybridmoe.kernels.attention import attention
+from hybridmoe.kernels.attention import self_attention_core
 from hybridmoe.kernels.attention.context_parallel import context_parallel_attention
 from hybridmoe.model.norms import apply_partial_rope, rms_norm, rope_tables
 from hybridmoe.parallel import context
@@ -74,8 +74,8 @@ def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig, a: A
     axes = context.context_axes()
     if not axes:
         q, gate, k, v = project_qkv(p, x_BTD, positions_BT, m)
-        o_BTNA = attention(q, k, v, q_pos_BT=positions_BT, kv_pos_BS=positions_BT, q_seg_BT=segment_ids_BT,
-                           kv_seg_BS=segment_ids_BT, scale=m.head_dim ** -0.5)
+        o_BTNA = self_attention_core()(q, k, v, q_pos_BT=positions_BT, kv_pos_BS=positions_BT,
+                                       q_seg_BT=segment_ids_BT, kv_seg_BS=segment_ids_BT, scale=m.head_dim ** -0.5)
         return gated_output(p, o_BTNA, gate)
     seg_BT = segment_ids_BT if packed else None
     if a.cp_load_balance:

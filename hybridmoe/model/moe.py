@@ -11,7 +11,8 @@ every expert on every token and is the reference (always with every expert weigh
 
 Three ways the sparse path runs, chosen once per trace from the config and the mesh:
 - `sparse_experts`: the default program (no lever, no buffer, xla backend, one expert rank);
-  jax.lax.ragged_dot on every expert, weights gathered to every shard.
+  the xla grouped matmul chosen per platform (row tiles on CPU, jax.lax.ragged_dot elsewhere),
+  weights gathered to every shard.
 - `grouped_experts`: the kernel family (hybridmoe.kernels.gmm) with the MoE levers, an optional
   per-expert buffer (moe.capacity_factor) and expert-sharded groups (group_offset).
 - ring of experts (mesh's "exp" axes > 1): tokens, routing weights and expert ids are
@@ -111,6 +112,8 @@ class GroupedPlan:
     tile_n_per_half: int | None = None
     rhs_buffer_count: int = 0
     fp8: bool = False
+    xla_impl: str = "ragged_dot"
+    xla_tile_rows: int = 128
 
     @classmethod
     def of(cls, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None,
@@ -125,7 +128,8 @@ class GroupedPlan:
             tiling=K.Tiling(tm=g.tm, tk=g.tk, tn=g.tn, vmem_limit_mib=g.vmem_limit_mib) if explicit else None,
             interpret=kern.interpret, epilogue=g.epilogue,
             tile_n_per_half=(g.wi_fwd_tile_n_per_half or None) if explicit else None,
-            rhs_buffer_count=g.wi_fwd_rhs_buffer_count, fp8=bool(quant and quant.fp8_gmm))
+            rhs_buffer_count=g.wi_fwd_rhs_buffer_count, fp8=bool(quant and quant.fp8_gmm),
+            xla_impl=K.xla_impl_for(g.xla_impl), xla_tile_rows=g.xla_tile_rows)
 
     @property
     def is_default(self) -> bool:
@@ -135,11 +139,19 @@ class GroupedPlan:
 
 
 def default_grouped_dot(kernels: KernelsConfig | None):
-    """The grouped matmul of the default path: jax.lax.ragged_dot, or the row-tiled form."""
+    """The default path's grouped matmul `(lhs, rhs, sizes) -> out`: the platform's xla choice."""
     g = (kernels or KernelsConfig()).gmm
-    if g.xla_impl == "row_tiles":
-        return functools.partial(K.row_tiled_dot, tile_rows=g.xla_tile_rows)
-    return jax.lax.ragged_dot
+    impl = K.xla_impl_for(g.xla_impl)
+    if impl == "ragged_dot":
+        return jax.lax.ragged_dot
+
+    def row_tiled(lhs_MK, rhs_EKN, group_sizes_E):
+        # The weights are marked per-device here, so their gradient's reduction over the mesh
+        # runs once per layer, after the grouped matmul (the custom VJP's cotangent varies).
+        lhs_MK, rhs_EKN = _vary_alike(lhs_MK, rhs_EKN)
+        return K.gmm(lhs_MK, rhs_EKN, group_sizes_E, xla_impl=impl, xla_tile_rows=g.xla_tile_rows)
+
+    return row_tiled
 
 
 def capacity_rows(num_rows: int, num_experts: int, capacity_factor: float) -> int:
@@ -219,7 +231,7 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
         x_MD, w_M, wi_GD2F, wo_GFD, group_offset = _vary_alike(
             x_MD, w_M, wi_GD2F, wo_GFD, jnp.asarray(group_offset, jnp.int32))
     kw = dict(backend=plan.backend, tiling=plan.tiling, interpret=plan.interpret,
-              group_offset=group_offset)
+              group_offset=group_offset, xla_impl=plan.xla_impl, xla_tile_rows=plan.xla_tile_rows)
     row_scale_M = w_M if plan.router_grad_from_wo_input else None
     # quant.fp8_gmm: the unfused grouped matmuls in fp8 (the fused levers are refused with it).
     mm = (functools.partial(K.gmm_fp8, group_offset=group_offset, backend=plan.backend) if plan.fp8

@@ -8,6 +8,7 @@ from hybridmoe.kernels.gmm.epilogue import EPILOGUES, scale_rows, swiglu
 from hybridmoe.kernels.gmm.fp8 import gmm_fp8
 from hybridmoe.kernels.gmm.ops import (
     BACKENDS,
+    XLA_IMPLS,
     contiguous_to_preact,
     gmm,
     gmm_dswiglu,
@@ -15,12 +16,13 @@ from hybridmoe.kernels.gmm.ops import (
     preact_to_contiguous,
     split_preact,
     tgmm,
+    xla_impl_for,
 )
-from hybridmoe.kernels.gmm.row_tiles import row_tiled_dot
 from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
 
 __all__ = [
     "BACKENDS",
+    "XLA_IMPLS",
     "EPILOGUES",
     "Tiling",
     "contiguous_to_preact",
@@ -29,10 +31,10 @@ __all__ = [
     "gmm_fp8",
     "gmm_swiglu",
     "preact_to_contiguous",
-    "row_tiled_dot",
     "scale_rows",
     "split_preact",
     "swiglu",
     "tgmm",
     "tile_problems",
+    "xla_impl_for",
 ]

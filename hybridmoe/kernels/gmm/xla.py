@@ -1,4 +1,7 @@
-"""XLA backend: jax.lax.ragged_dot / ragged_dot_general plus jnp epilogues (the CPU default).
+"""XLA backend: jax.lax.ragged_dot / ragged_dot_general, or row tiles, plus jnp epilogues.
+
+impl (static, every function): "ragged_dot", or "row_tiles" (row_tiles.py: one batched matmul
+over group-aligned row tiles, tile_rows rows each; the CPU choice, see ops.xla_impl_for).
 
 Legend: M rows, K contraction, N output columns, E groups in group_sizes, G local groups,
 D model width, F hidden half width, T forward tile per half.
@@ -14,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe.kernels.gmm import epilogue
+from hybridmoe.kernels.gmm import row_tiles as rt
 from hybridmoe.kernels.gmm.metadata import local_bounds, row_mask
 
 
@@ -32,8 +36,17 @@ def _pad_group(rhs_GKN):
     return jnp.concatenate([jnp.zeros_like(rhs_GKN[:1]), rhs_GKN], axis=0)
 
 
-def gmm_f32(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded):
+def _tiles(group_sizes_E, m, group_offset, num_local, tile_rows):
+    return rt.row_tiles(group_sizes_E, m, group_offset=group_offset, num_local=num_local,
+                        rows_per_tile=tile_rows)
+
+
+def gmm_f32(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
+            impl="ragged_dot", tile_rows=128):
     """float32 result of the grouped matmul; zero outside the local rows."""
+    if impl == "row_tiles":
+        lay = _tiles(group_sizes_E, lhs_MK.shape[0], group_offset, rhs_GKN.shape[0], tile_rows)
+        return rt.gmm_f32(lhs_MK, rhs_GKN, lay, transpose_rhs=transpose_rhs)
     if transpose_rhs:
         rhs_GKN = jnp.swapaxes(rhs_GKN, 1, 2)
     num_local = rhs_GKN.shape[0]
@@ -48,17 +61,18 @@ def gmm_f32(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, shar
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded, out_dtype,
-        tiling=None, interpret=False):
-    del tiling, interpret
+        impl="ragged_dot", tile_rows=128):
     out = gmm_f32(lhs_MK, rhs_GKN, group_sizes_E, transpose_rhs=transpose_rhs,
-                  group_offset=group_offset, sharded=sharded)
+                  group_offset=group_offset, sharded=sharded, impl=impl, tile_rows=tile_rows)
     return out.astype(out_dtype)
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, out_dtype,
-         tiling=None, interpret=False):
+         impl="ragged_dot", tile_rows=128):
     """[G, K, N]: per local group, lhs[rows]^T @ grad[rows] (float32 accumulation)."""
-    del tiling, interpret
+    if impl == "row_tiles":
+        lay = _tiles(group_sizes_E, lhs_MK.shape[0], group_offset, num_local, tile_rows)
+        return rt.tgmm_f32(lhs_MK, grad_MN, lay, num_local=num_local).astype(out_dtype)
     sizes = _ragged_sizes(group_sizes_E, group_offset, num_local, sharded)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())),
@@ -74,11 +88,10 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
 
 
 def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
-               tiling=None, interpret=False, rhs_buffer_count=0):
+               impl="ragged_dot", tile_rows=128):
     """(h [M, F], preact [M, 2F] in the per-tile layout for tile_n_per_half)."""
-    del tiling, interpret, rhs_buffer_count
     acc = gmm_f32(x_MD, wi_GD2F, group_sizes_E, transpose_rhs=False,
-                  group_offset=group_offset, sharded=sharded)
+                  group_offset=group_offset, sharded=sharded, impl=impl, tile_rows=tile_rows)
     f = wi_GD2F.shape[-1] // 2
     gate, up = acc[:, :f], acc[:, f:]
     h = epilogue.swiglu_fwd(gate, up, x_MD.dtype, mode)
@@ -87,12 +100,11 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
 
 
 def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
-                 out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
-                 interpret=False):
+                 out_tile_n_per_half, group_offset, sharded, mode, h_MF=None,
+                 impl="ragged_dot", tile_rows=128):
     """(d[gate | up] in the layout for out_tile_n_per_half, row_dot [M] float32)."""
-    del tiling, interpret
     u = gmm_f32(g_MD, wo_GFD, group_sizes_E, transpose_rhs=True,
-                group_offset=group_offset, sharded=sharded)
+                group_offset=group_offset, sharded=sharded, impl=impl, tile_rows=tile_rows)
     gate, up = epilogue.read_halves(preact_M2F, preact_tile_n_per_half)
     s_M1 = None if row_scale_M is None else row_scale_M[:, None]
     d_gate, d_up, dot_M1 = epilogue.dswiglu(u, gate, up, s_M1, mode, preact_M2F.dtype, h_MF)
