@@ -6,7 +6,9 @@ AdamW) is timed too. The Hugging Face reference (PyTorch, transformers' Qwen3.5-
 runs in a worker process (scripts/hf_anatomy_worker.py) started with --hf-python, a Python that
 has torch and transformers (never dependencies of this package; see the README for that venv).
 The two sides take turns, one round of every component each, so drift in the machine's speed
-(it is shared) lands on both; the figure is the median over rounds 1.. (round 0 warms up).
+(it is shared) lands on both; the figure is the median over rounds 1.. (round 0 warms up). Both
+wall time and process CPU time (all threads) are recorded: on a machine that other jobs load,
+CPU time is the steadier measure of the work each side does; the load average is recorded.
 
 FLOPs are counted from the model shape with hybridmoe.analysis.flops for both sides (matmul work
 only), so useful GFLOP/s compare directly; MFU is against the best float32 matmul rate measured
@@ -14,6 +16,7 @@ in the same run (JAX's and torch's, the larger). Prints a table and writes
 benchmarks/step_anatomy.json.
 
   python benchmarks/step_anatomy.py [--hf-python PYTHON] [--rounds 8]
+  python benchmarks/step_anatomy.py --markdown benchmarks/step_anatomy.json   (the README's table)
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridmoe.analysis.flops import component_flops, matmul_peak_flops, step_flops  # noqa: E402
+from hybridmoe.analysis.flops import component_flops, step_flops  # noqa: E402
+from hybridmoe.train.bench import measure_peak_flops  # noqa: E402
 from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
 from hybridmoe.config import load_config  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
@@ -147,11 +151,6 @@ def jax_components(cfg_overrides: list[str]) -> tuple[dict, dict]:
     return runs, facts
 
 
-def jax_matmul_peak() -> float:
-    return matmul_peak_flops(lambda a, b: jax.block_until_ready(jnp.dot(a, b)),
-                             lambda n: jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32))
-
-
 class HFWorker:
     """The reference's side: a subprocess that times its components one round per request."""
 
@@ -186,7 +185,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the reference (JAX uses every core)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "step_anatomy.json"))
+    ap.add_argument("--markdown", metavar="RECORD", help="print the README's table of a record and exit")
     args = ap.parse_args()
+    if args.markdown:
+        print(format_markdown(json.loads(Path(args.markdown).read_text())))
+        return
 
     load_before = os.getloadavg()
     runs, facts = jax_components([])
@@ -196,15 +199,15 @@ def main() -> None:
     names = list(runs)
     for r in range(args.rounds):
         for n in np.roll(names, -r):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             runs[n]()
-            ours[n].append(time.perf_counter() - t0)
+            ours[n].append((time.perf_counter() - t0, time.process_time() - c0))
         if hf:
-            for n, sec in hf.round().items():
-                ref.setdefault(n, []).append(sec)
-        print(f"round {r}: step ours {ours['step'][-1]:.3f} s" + (f", reference {ref['step'][-1]:.3f} s" if hf else ""),
+            for n, both in hf.round().items():
+                ref.setdefault(n, []).append(tuple(both))
+        print(f"round {r}: step ours {ours['step'][-1][0]:.3f} s" + (f", reference {ref['step'][-1][0]:.3f} s" if hf else ""),
               file=sys.stderr)
-    peaks = {"jax": jax_matmul_peak()}
+    peaks = {"jax": measure_peak_flops(jax.sharding.Mesh(jax.devices()[:1], ("d",)), jnp.dtype(jnp.float32))}
     if hf:
         peaks["torch"] = hf.peak()
         hf.close()
@@ -217,13 +220,17 @@ def main() -> None:
 
     def summary(times: dict) -> dict:
         out = {}
-        for n, ts in times.items():
+        for n, both in times.items():
             base = n.split("[")[0]
             count, kind = COMPONENTS[base]
-            sec = float(np.median(ts[1:] if len(ts) > 1 else ts))
+            kept = both[1:] if len(both) > 1 else both
+            sec = float(np.median([w for w, _ in kept]))
+            cpu = float(np.median([c for _, c in kept]))
             fl = total if base == "step" else (flops[kind] if kind else 0.0)
-            out[n] = {"instances": count, "median_s": sec, "all_instances_s": sec * (1 if base == "step" else count),
-                      "times_s": ts, "flops": fl,
+            per_step = 1 if base == "step" else count
+            out[n] = {"instances": count, "median_s": sec, "all_instances_s": sec * per_step,
+                      "median_cpu_s": cpu, "all_instances_cpu_s": cpu * per_step,
+                      "times_s": [w for w, _ in both], "cpu_times_s": [c for _, c in both], "flops": fl,
                       "useful_gflops": fl / sec / 1e9 if fl else None, "mfu": fl / sec / peak if fl else None}
         return out
 
@@ -235,22 +242,53 @@ def main() -> None:
         rec["reference"] = summary(ref)
         rec["reference_info"] = hf.info
         rec["step_time_ratio"] = rec["ours"]["step"]["median_s"] / rec["reference"]["step"]["median_s"]
+        rec["step_cpu_time_ratio"] = rec["ours"]["step"]["median_cpu_s"] / rec["reference"]["step"]["median_cpu_s"]
     write_record(Path(args.out), rec)
     print(format_table(rec))
 
 
 def format_table(rec: dict) -> str:
     ours, ref = rec["ours"], rec.get("reference", {})
-    lines = [f"{'component':<22} {'ours ms':>9} {'ref ms':>9} {'ours/ref':>8} {'ours GF/s':>9} {'ref GF/s':>9}"]
+
+    def cell(x, key, scale=1.0, fmt="9.1f"):
+        return format(x[key] * scale, fmt) if x and x.get(key) else " " * 9
+
+    def ratio(a, b, key):
+        return format(a[key] / b[key], "8.2f") if b and b.get(key) else " " * 8
+
+    lines = [f"{'component':<22} {'ours ms':>9} {'ref ms':>9} {'ratio':>8} {'ours cpu':>9} {'ref cpu':>9} "
+             f"{'cpu rat':>8} {'ours GF/s':>9} {'ref GF/s':>9}"]
     for n, a in ours.items():
         b = ref.get(n)
-        ratio = f"{a['all_instances_s'] / b['all_instances_s']:8.2f}" if b else f"{'':8}"
-        gf = lambda x: f"{x['useful_gflops']:9.1f}" if x and x["useful_gflops"] else f"{'':9}"  # noqa: E731
-        lines.append(f"{n:<22} {1e3 * a['all_instances_s']:9.1f} "
-                     f"{(f'{1e3 * b['all_instances_s']:9.1f}' if b else f'{'':9}')} {ratio} {gf(a)} {gf(b)}")
+        lines.append(f"{n:<22} {cell(a, 'all_instances_s', 1e3)} {cell(b, 'all_instances_s', 1e3)} "
+                     f"{ratio(a, b, 'all_instances_s')} {cell(a, 'all_instances_cpu_s', 1e3)} "
+                     f"{cell(b, 'all_instances_cpu_s', 1e3)} {ratio(a, b, 'all_instances_cpu_s')} "
+                     f"{cell(a, 'useful_gflops')} {cell(b, 'useful_gflops')}")
     peaks = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rec["matmul_peak_flops"].items())
-    lines.append(f"(all instances of a component per step; matmul peak GFLOP/s: {peaks}; "
-                 f"load average {rec['load_average_before'][0]:.1f} -> {rec['load_average_after'][0]:.1f})")
+    lines.append(f"(ms: all instances of a component in one step, wall and process CPU; matmul peak GFLOP/s: "
+                 f"{peaks}; load average {rec['load_average_before'][0]:.1f} -> {rec['load_average_after'][0]:.1f})")
+    return "\n".join(lines)
+
+
+def format_markdown(rec: dict) -> str:
+    """The README's table: per component, all its instances in one step, ours vs the reference."""
+    ours, ref = rec["ours"], rec.get("reference", {})
+
+    def ms(x, key):
+        return f"{1e3 * x[key]:.1f}" if x else "-"
+
+    def ratio(a, b, key):
+        return f"{a[key] / b[key]:.2f}" if b else "-"
+
+    def gf(x):
+        return f"{x['useful_gflops']:.1f}" if x and x.get("useful_gflops") else "-"
+
+    lines = ["| component (instances per step) | hybridmoe ms | reference ms | ratio | CPU-time ratio | "
+             "hybridmoe GFLOP/s | reference GFLOP/s |", "|---|---|---|---|---|---|---|"]
+    for n, a in ours.items():
+        b = ref.get(n)
+        lines.append(f"| {n} ({a['instances']}) | {ms(a, 'all_instances_s')} | {ms(b, 'all_instances_s')} | "
+                     f"{ratio(a, b, 'all_instances_s')} | {ratio(a, b, 'all_instances_cpu_s')} | {gf(a)} | {gf(b)} |")
     return "\n".join(lines)
 
 

@@ -3,8 +3,9 @@
 Started by the benchmark with a Python that has torch and transformers; reads one request per
 line on stdin and answers one JSON line on stdout:
   info   the versions, threads and which GDN kernels transformers found
-  round  one timing of every component (seconds): gdn, attention, moe, rmsnorm, embed_head_loss,
-         optimizer (clip + AdamW), step (the whole training step, as scripts/bench_hf_reference.py)
+  round  one timing of every component, [wall s, CPU s]: gdn, attention, moe, rmsnorm,
+         embed_head_loss, optimizer (clip + AdamW), step (the whole training step, as
+         scripts/bench_hf_reference.py)
   peak   the best float32 square-matmul FLOP/s torch reaches here
   quit
 The model is the `small` shape of bench_hf_reference.py (the same module, imported from beside this file).
@@ -30,6 +31,13 @@ def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def timed_both(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds over all its threads)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main() -> None:
@@ -94,8 +102,8 @@ def main() -> None:
                    "fla_installed": importlib.util.find_spec("fla") is not None,
                    "causal_conv1d_installed": importlib.util.find_spec("causal_conv1d") is not None}
         elif what == "round":
-            out = {name: timed(fn) for name, fn in components.items()}
-            out["optimizer"] = timed(opt_step)
+            out = {name: timed_both(fn) for name, fn in components.items()}
+            out["optimizer"] = timed_both(opt_step)
         elif what == "peak":
             best = 0.0
             for n in (512, 1024, 2048):

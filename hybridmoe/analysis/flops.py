@@ -46,17 +46,3 @@ def step_flops(cfg: Config, batch: int | None = None, seq_len: int | None = None
     layers = sum(per[kind] for kind in m.layer_kinds) + m.num_layers * per["moe"]
     return layers + per["embed_head"]
 
-
-def matmul_peak_flops(matmul, make, sizes=(512, 1024, 2048), repeats: int = 5) -> float:
-    """The best FLOP/s of a square float32 matmul: `matmul(a, b)` runs one and blocks; `make(n)` an n x n operand."""
-    import time
-
-    best = 0.0
-    for n in sizes:
-        a, b = make(n), make(n)
-        matmul(a, b)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            matmul(a, b)
-            best = max(best, 2.0 * n ** 3 / (time.perf_counter() - t0))
-    return best

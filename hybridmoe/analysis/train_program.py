@@ -131,7 +131,7 @@ def block_residuals(cfg: Config, setup) -> list[program.Residual]:
     (global shapes; the layer scan stacks one set per block)."""
     from hybridmoe.model.forward import block_fn
     from hybridmoe.model.params import abstract_params
-    from hybridmoe.model.remat import remat_policy
+    from hybridmoe.model.remat import checkpointed
 
     t, m = cfg.train, cfg.model
     params = abstract_params(setup.specs, setup.param_shardings)
@@ -140,10 +140,7 @@ def block_residuals(cfg: Config, setup) -> list[program.Residual]:
     x = jax.ShapeDtypeStruct((t.batch_size, t.seq_len, m.d_model), jnp.dtype(m.compute_dtype))
 
     def block(x, bp, seg, pos):
-        f = block_fn(cfg, pos, seg)
-        if cfg.remat.policy != "none":
-            f = jax.checkpoint(f, policy=remat_policy(cfg.remat))
-        return f(x, bp)
+        return checkpointed(block_fn(cfg, pos, seg), cfg, t.batch_size * t.seq_len)(x, bp)
 
     return program.saved_residuals(block, x, block_params, ids, ids)
 

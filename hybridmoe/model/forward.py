@@ -17,7 +17,7 @@ from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.moe import moe_layer
 from hybridmoe.model.norms import rms_norm
 from hybridmoe.model.params import layer_axes
-from hybridmoe.model.remat import remat_policy, resolve_policy, tokens_per_device
+from hybridmoe.model.remat import checkpointed
 from hybridmoe.parallel.rules import constrain, constrain_at_use
 
 
@@ -139,9 +139,7 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
     dt = jnp.dtype(m.compute_dtype)
     x = embed_tokens(params, tokens_BT, dt)
     block = block_fn(cfg, positions_BT, segment_ids_BT, with_moe_dropped=with_moe_dropped, packed=packed)
-    policy = resolve_policy(cfg, tokens_per_device(tokens_BT.size))
-    if policy != "none":
-        block = jax.checkpoint(block, policy=remat_policy(cfg, policy), prevent_cse=not cfg.remat.scan_layers)
+    block = checkpointed(block, cfg, tokens_BT.size)
     xs = scan_xs(params, cfg, layer_axes(m))
     if with_moe_dropped:
         step = lambda carry, bp: ((lambda x, d: (x, carry[1] + d))(*block(carry[0], bp)), None)  # noqa: E731
@@ -168,8 +166,7 @@ def _decoder_hidden_routed(params, cfg: Config, tokens_BT, segment_ids_BT, posit
     x = embed_tokens(params, tokens_BT, jnp.dtype(m.compute_dtype))
     replay = routing_BTLk is not None
     block = block_fn(cfg, positions_BT, segment_ids_BT, packed=packed, replay=replay, with_routing=with_routing)
-    if cfg.remat.policy != "none":
-        block = jax.checkpoint(block, policy=remat_policy(cfg), prevent_cse=not cfg.remat.scan_layers)
+    block = checkpointed(block, cfg, tokens_BT.size)
     xs = scan_xs(params, cfg, layer_axes(m))
     xs = (xs, routing_to_blocks(routing_BTLk, cfg)) if replay else xs
     step = (lambda x, bp: block(x, bp)) if with_routing else (lambda x, bp: (block(x, bp), None))  # noqa: E731

@@ -91,3 +91,11 @@ def tokens_per_device(num_tokens: int) -> int:
         for axis in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
             shards *= mesh.shape[axis]
     return math.ceil(num_tokens / shards)
+
+
+def checkpointed(block, cfg: Config, num_tokens: int):
+    """The layer block under the resolved remat policy (itself when it resolves to none)."""
+    policy = resolve_policy(cfg, tokens_per_device(num_tokens))
+    if policy == "none":
+        return block
+    return jax.checkpoint(block, policy=remat_policy(cfg, policy), prevent_cse=not cfg.remat.scan_layers)

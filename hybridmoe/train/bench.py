@@ -6,6 +6,9 @@ per step is the mean of rounds 1.. (round 0 runs the freshly compiled program an
 Program facts come from the compiled step: temporaries and collectives inside the layer loop.
 MFU: the compiled step's FLOPs (XLA's count, per device) per second, over a peak measured on the
 same devices just before the arms run (a dense matmul on every device at once, best of a few).
+Useful MFU: the same with the step's useful FLOPs counted from the model shape
+(hybridmoe.analysis.flops, as benchmarks/step_anatomy.py counts both frameworks), which do not
+grow with work a kernel wastes (ragged_dot on CPU computes every expert for every row).
 An arm may name another recipe (`--arm tuned:recipe=tuned`).
 """
 
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridmoe.analysis.flops import step_flops
 from hybridmoe.analysis.program import (cost_figures, count, memory_figures, parse_hlo, parse_stablehlo,
                                         per_iteration)
 from hybridmoe.config import load_config, split_args
@@ -122,6 +126,8 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                          "compile_s": arm.compile_s, "program": arm.program,
                          "peak_flops_per_device": peak,
                          "mfu": arm.program["flops_per_device"] / sec / peak,
+                         "useful_flops_per_step": step_flops(arm.cfg),
+                         "useful_mfu": step_flops(arm.cfg) / setup.mesh.size / sec / peak,
                          "config": json.loads(arm.cfg.model_dump_json())}
     return out
 
@@ -129,13 +135,13 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
 def format_table(results: dict) -> str:
     first = next(iter(results.values()))["seconds_per_step"]
     lines = [f"{'arm':<16} {'s/step':>8} {'ratio':>6} {'tok/s/dev':>10} {'compile s':>9} {'temp MiB':>9} "
-             f"{'loop colls':>10} {'MFU':>6}"]
+             f"{'loop colls':>10} {'MFU':>6} {'useful':>6}"]
     for name, a in results.items():
         lines.append(f"{name:<16} {a['seconds_per_step']:>8.4f} {a['seconds_per_step'] / first:>6.3f} "
                      f"{a['tokens_per_s_per_device']:>10.1f} {a['compile_s']:>9.1f} "
                      f"{a['program'].get('temp', 0) / 2**20:>9.2f} {a['program']['collectives_in_loop']:>10} "
-                     f"{a['mfu']:>6.1%}")
+                     f"{a['mfu']:>6.1%} {a['useful_mfu']:>6.1%}")
     lines.append(f"MFU: XLA's FLOPs of the step per device per second over a measured peak of "
                  f"{next(iter(results.values()))['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device (dense matmul on every "
-                 "device at once)")
+                 "device at once); useful: the model's FLOPs counted from its shape")
     return "\n".join(lines)
