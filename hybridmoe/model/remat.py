@@ -11,8 +11,8 @@ listed in `residual_elements_per_token` (the mixer's projections and score rows,
 the token's k experts, norms and residuals). When that times the layers and the tokens one device
 holds is at most a quarter of the device's memory (the rest is left for weights, optimizer state
 and the step's temporaries), replaying the forward buys nothing, and `none` is chosen; otherwise
-`full`. Measured on the `small` recipe (CPU): none is 13% faster per step than full for +25 MiB of
-compiled temporaries; the large recipes pin `full` explicitly.
+`full`. The `small` recipe on CPU resolves to none (benchmarks/step_anatomy.json times its step
+against remat full); the 35B, 80B and 397B recipes pin `full` explicitly.
 """
 
 from __future__ import annotations
