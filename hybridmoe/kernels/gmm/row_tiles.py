@@ -105,3 +105,15 @@ def tgmm_f32(lhs_MK, grad_MN, lay: RowTiles, *, num_local: int):
     onehot_GT = (jnp.arange(num_local, dtype=jnp.int32)[:, None] == lay.group_T[None, :])
     return jnp.einsum("gt,tkn->gkn", onehot_GT.astype(jnp.float32), d_TKN,
                       preferred_element_type=jnp.float32)
+
+
+def row_tiled_dot(lhs_MK, rhs_GKN, group_sizes_G, *, tile_rows: int = 128, preferred_element_type=None):
+    """jax.lax.ragged_dot's contract (every group local, rows sorted by group), computed by row tiles.
+
+    Differentiable through the grouped matmul's custom VJP (ops.gmm), so its backward is the same
+    gathers and matmuls.
+    """
+    from hybridmoe.kernels.gmm import ops
+
+    return ops.gmm(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), xla_impl="row_tiles",
+                   xla_tile_rows=tile_rows, preferred_element_type=preferred_element_type)
