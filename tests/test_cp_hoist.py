@@ -164,7 +164,7 @@ def _segment_ids_not_named(positions_BT, segment_ids_BT, a):
             _reorder(segment_ids_BT, ("batch", "seq")))
 
 
-def _offloaded_policy(cfg):
+def _offloaded_policy(cfg, policy=None):
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=list(cfg.remat.save), names_which_can_be_offloaded=[attn.LB_IDS_NAME],
         offload_src="device", offload_dst="pinned_host")

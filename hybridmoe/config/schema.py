@@ -116,8 +116,9 @@ class MeshConfig(Section):
             return sizes, ("mesh", f"at most one axis may be -1; got {', '.join('mesh.' + k for k in free)}")
         if free:
             if num_devices % fixed:
+                others = " x ".join(f"mesh.{k}={v}" for k, v in sizes.items() if v not in (-1, 1))
                 return sizes, (f"mesh.{free[0]}", f"cannot absorb the rest: {num_devices} devices are not a "
-                               f"multiple of the other axes' product {fixed}")
+                               f"multiple of the other axes' product {fixed} ({others}); change those axes")
             sizes[free[0]] = num_devices // fixed
         elif fixed != num_devices:
             return sizes, ("mesh", f"axis sizes multiply to {fixed} but {num_devices} devices are present; "

@@ -54,7 +54,8 @@ def _model_shapes(cfg: Config) -> list[Problem]:
         out.append(("model.num_experts_per_tok", f"{m.num_experts_per_tok} exceeds model.num_experts={m.num_experts}"))
     rd = m.head_dim * m.partial_rotary_factor
     if rd != int(rd) or int(rd) % 2:
-        out.append(("model.partial_rotary_factor", f"head_dim * factor = {rd} must be an even integer"))
+        out.append(("model.partial_rotary_factor", f"model.head_dim * factor = {m.head_dim} * {m.partial_rotary_factor} = {rd} must be an even integer; "
+                    "change model.head_dim or the factor"))
     return out
 
 
