@@ -9,14 +9,16 @@ import functools
 
 import jax.numpy as jnp
 
-from hybridmoe.kernels.gdn import xla
+from hybridmoe.kernels.gdn import pallas, xla
 from hybridmoe.kernels.gdn.reference import prepare_query_key, recurrence_step
 
-# One entry per backend; Pallas backends join here. xla_autodiff is the same forward differentiated
-# by autodiff: the baseline the custom backward is measured and tested against (not a config choice).
+# One entry per backend. xla_autodiff is the same forward differentiated by autodiff: the baseline
+# the custom backward is measured and tested against (not a config choice).
 _BACKENDS = {
-    "xla": xla.gated_delta_rule_chunked,
-    "xla_autodiff": functools.partial(xla.gated_delta_rule_chunked, vjp="autodiff"),
+    "xla": lambda interpret: xla.gated_delta_rule_chunked,
+    "xla_autodiff": lambda interpret: functools.partial(xla.gated_delta_rule_chunked, vjp="autodiff"),
+    "pallas_tpu": lambda interpret: functools.partial(
+        xla.gated_delta_rule_chunked, core=functools.partial(pallas.chunked_core, interpret=interpret)),
 }
 BACKENDS = tuple(_BACKENDS)
 
@@ -52,6 +54,7 @@ def gated_delta_rule(
     chunk_size: int = 64,
     normalize_qk: bool = True,
     backend: str = "xla",
+    interpret: bool = False,
 ):
     """Gated delta rule over a sequence (GDN.md sections 1-2).
 
@@ -60,6 +63,7 @@ def gated_delta_rule(
     q is always scaled by dk^-1/2. segment_ids [B, T] (optional): a document starts wherever the
     id differs from the previous token's and no state crosses that boundary; initial_state
     [B, Hv, dk, dv] (optional, zeros) applies to each row's first document only.
+    backend: xla (any platform) or pallas_tpu (Mosaic TPU; on CPU with interpret=True, tests).
     Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] float32).
     """
     if backend not in _BACKENDS:
@@ -67,7 +71,7 @@ def gated_delta_rule(
     _check_shapes(q, k, v, g, beta, segment_ids, initial_state)
     if chunk_size < 1:
         raise ValueError(f"gdn: chunk_size must be positive; got {chunk_size}")
-    return _BACKENDS[backend](
+    return _BACKENDS[backend](interpret)(
         q,
         k,
         v,

@@ -104,17 +104,17 @@ def _inverse_fwd(strict_lower_CD):
     return inverse_CD, inverse_CD
 
 
-def _inverse_bwd(inverse_CD, d_inverse_CD):
+def unit_lower_inverse_adjoint(inverse_CD, d_inverse_CD):
     size = inverse_CD.shape[-1]
     strictly_lower = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
     d_lower = -_matmul("...ec,...ef,...df->...cd", inverse_CD, d_inverse_CD, inverse_CD)
     return (jnp.where(strictly_lower, d_lower, 0.0),)
 
 
-unit_lower_inverse_closed_form_vjp.defvjp(_inverse_fwd, _inverse_bwd)
+unit_lower_inverse_closed_form_vjp.defvjp(_inverse_fwd, unit_lower_inverse_adjoint)
 
 
-def _masked_exp(log_x, keep):
+def masked_exp(log_x, keep):
     """exp(log_x) where keep, else exactly 0, with the mask applied to the exponent BEFORE exp.
 
     Masked entries may hold large positive log values (the upper triangle of a segment sum,
@@ -182,10 +182,10 @@ def chunk_terms(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_fo
     log_to_end_BNHC = log_segment_BNHCD[..., -1, :]  # decay after token i to the chunk's end
     log_chunk_BNH = log_from_start_BNHC[..., -1]
 
-    gamma_BNHCD = _masked_exp(log_segment_BNHCD, (causal_CD & same_doc_BNCD)[:, :, None])
-    decay_from_start_BNHC = _masked_exp(log_from_start_BNHC, reads_state_BNC[:, :, None])
-    decay_to_end_BNHC = _masked_exp(log_to_end_BNHC, writes_state_BNC[:, :, None])
-    decay_chunk_BNH = _masked_exp(log_chunk_BNH, carries_state_BN[:, :, None])
+    gamma_BNHCD = masked_exp(log_segment_BNHCD, (causal_CD & same_doc_BNCD)[:, :, None])
+    decay_from_start_BNHC = masked_exp(log_from_start_BNHC, reads_state_BNC[:, :, None])
+    decay_to_end_BNHC = masked_exp(log_to_end_BNHC, writes_state_BNC[:, :, None])
+    decay_chunk_BNH = masked_exp(log_chunk_BNH, carries_state_BN[:, :, None])
 
     # WY form: T = (I + L)^-1, L = strict_lower(diag(beta) (K K^T) * Gamma).
     kk_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.k, x.k)
@@ -331,8 +331,12 @@ def gated_delta_rule_chunked(
     chunk_size: int = 64,
     normalize_qk: bool = True,
     vjp: str = "custom",
+    core=None,
 ):
-    """Chunked gated delta rule. Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] f32)."""
+    """Chunked gated delta rule. Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] f32).
+
+    core: (ChunkInputs, starts_BNC, initial_BHKV) -> (o_BNHCV, final_BHKV) in place of this file's
+    (the Pallas backends); by default the XLA core with the `vjp` backward."""
     batch, num_tokens, num_value_heads, value_dim = v_BTHV.shape
     key_dim = q_BTGK.shape[-1]
     if segment_ids is None:
@@ -344,6 +348,7 @@ def gated_delta_rule_chunked(
         initial_BHKV = jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
     else:
         initial_BHKV = initial_state.astype(jnp.float32)
-    core = {"custom": chunked_core, "autodiff": _chunked_core_autodiff}[vjp]
+    if core is None:
+        core = {"custom": chunked_core, "autodiff": _chunked_core_autodiff}[vjp]
     o_BNHCV, final_BHKV = core(x, starts_BNC, initial_BHKV)
     return from_chunks(o_BNHCV)[:, :num_tokens].astype(v_BTHV.dtype), final_BHKV
