@@ -140,3 +140,23 @@ def test_inspect_compiles_the_training_step_for_a_tpu_target(device):
     assert facts["devices"] == 8 and mem["hbm"] == 96 * 2**30 and mem["fits"] is True
     assert 0 < mem["argument"] < mem["total"] and facts["flops"] > 0
     assert any(r["kind"] == "all-gather" for r in facts["collectives"])
+
+
+@pytest.mark.parametrize("chunk_size, key_dim, value_dim", [(64, 128, 128), (16, 16, 8)])
+def test_gdn_pallas_core_compiles(device, chunk_size, key_dim, value_dim):
+    """The Pallas GDN core's forward and backward kernels lower through Mosaic (packed rows, bf16
+    inputs): Qwen3.5's head dims at chunk 64, and the small dims the CPU tests run."""
+    from hybridmoe.kernels.gdn import gated_delta_rule
+
+    tokens, heads = 4 * chunk_size, 2
+    args = (_spec((1, tokens, 1, key_dim), jnp.bfloat16, device), _spec((1, tokens, 1, key_dim), jnp.bfloat16, device),
+            _spec((1, tokens, heads, value_dim), jnp.bfloat16, device), _spec((1, tokens, heads), jnp.float32, device),
+            _spec((1, tokens, heads), jnp.float32, device), _spec((1, tokens), jnp.int32, device))
+
+    def loss(q, k, v, g, beta, segment_ids):
+        o, final = gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk_size,
+                                    backend="pallas_tpu")
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+    compiled = _compile(jax.grad(loss, (0, 1, 2, 3, 4)), *args)
+    assert compiled.as_text().count("tpu_custom_call") == 2  # the forward and the backward kernel

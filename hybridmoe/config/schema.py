@@ -180,7 +180,9 @@ class GmmKernelConfig(Section):
 
 
 class GdnKernelConfig(Section):
-    backend: Literal["xla"] = Field("xla", description="Gated DeltaNet core backend.")
+    backend: Literal["xla", "pallas_tpu"] = Field(
+        "xla", description="Gated DeltaNet core backend: xla (any platform) or pallas_tpu (Mosaic TPU kernels; "
+        "on CPU with kernels.interpret=true).")
 
 
 class KernelsConfig(Section):

@@ -417,6 +417,32 @@ def _gdn_context_parallel(cfg: Config) -> list[Problem]:
     return out
 
 
+# The sublane tile of a float32 TPU vreg: Mosaic refuses the kernel's degenerate [1, 1] dots at
+# chunk 1; chunks of 16 and 64 compile for a tpu7x target (tests/test_gmm_tpu_compile.py).
+GDN_PALLAS_TPU_CHUNK_MULTIPLE = 8
+
+
+@rule
+def _gdn_kernel(cfg: Config) -> list[Problem]:
+    """The Pallas GDN core: a platform that runs it, a chunk size Mosaic accepts, no sequence sharding."""
+    backend = cfg.kernels.gdn.backend
+    if backend == "xla":
+        return []
+    unmet = []
+    if not cfg.kernels.interpret:
+        platform = _run_platform(cfg)
+        if platform not in _PALLAS_PLATFORM[backend]:
+            unmet.append(f"{backend} cannot run on this platform ({platform}); use xla, or kernels.interpret=true "
+                         "to run the Pallas kernel interpreted")
+        if cfg.gdn.chunk_size % GDN_PALLAS_TPU_CHUNK_MULTIPLE:
+            unmet.append(f"needs gdn.chunk_size a multiple of {GDN_PALLAS_TPU_CHUNK_MULTIPLE} on TPU "
+                         f"(got {cfg.gdn.chunk_size})")
+    ranks = _context_size(cfg)
+    if "gdn" in cfg.model.layer_pattern and ranks and ranks > 1:
+        unmet.append(f"sequence-sharded GDN (mesh.context={ranks}) runs the XLA core; use xla or mesh.context=1")
+    return [("kernels.gdn.backend", "; ".join(unmet))] if unmet else []
+
+
 # fp8: fake quantization of the routed experts and its hoist (LEVERS.md, "fp8").
 
 

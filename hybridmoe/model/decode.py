@@ -76,10 +76,13 @@ def _cached_mixer(kind: str, p, h_BTD, layer_cache, ctx, cfg: Config):
                            scale=m.head_dim ** -0.5)
         return gated_output(p, o_BTNA, gate), {"k": k_BSGA, "v": v_BSGA}
     if kind == "gdn":
-        # One new token: chunk size 1 is the plain recurrence (no padding to a whole chunk).
-        chunk = cfg.gdn.chunk_size if h_BTD.shape[1] > 1 else 1
-        y, state = gdn_layer(p, h_BTD, segment_ids_BT, m, chunk_size=chunk, backend=cfg.kernels.gdn.backend,
-                             state=layer_cache)
+        # One new token: chunk size 1 is the plain recurrence (no padding to a whole chunk), in XLA
+        # (the Pallas kernel is a chunked sequence kernel; Mosaic refuses its chunk-1 dots).
+        one_token = h_BTD.shape[1] == 1
+        chunk = 1 if one_token else cfg.gdn.chunk_size
+        backend = "xla" if one_token else cfg.kernels.gdn.backend
+        y, state = gdn_layer(p, h_BTD, segment_ids_BT, m, chunk_size=chunk, backend=backend,
+                             interpret=cfg.kernels.interpret, state=layer_cache)
         return y, jax.tree.map(lambda new, old: new.astype(old.dtype), state, layer_cache)
     raise ValueError(f"unknown layer kind {kind!r}")
 

@@ -31,7 +31,7 @@ def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config, packed: bool = 
         return attention_layer(p, x, positions, segment_ids, cfg.model, cfg.attention, packed=packed)
     if kind == "gdn":
         return gdn_layer(p, x, segment_ids, cfg.model, chunk_size=cfg.gdn.chunk_size,
-                         backend=cfg.kernels.gdn.backend, cp_m_scan=cfg.gdn.cp_m_scan,
+                         backend=cfg.kernels.gdn.backend, interpret=cfg.kernels.interpret, cp_m_scan=cfg.gdn.cp_m_scan,
                          cp_dh_scan=cfg.gdn.cp_dh_scan)
     raise ValueError(f"unknown layer kind {kind!r}")
 

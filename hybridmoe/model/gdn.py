@@ -100,7 +100,7 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
 
 
 def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, backend: str = "xla",
-              state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False, cp_prefix: str = "all_gather"):
+              interpret: bool = False, state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False, cp_prefix: str = "all_gather"):
     """Returns the layer output, and the new recurrent state when `state` is given (decode/prefill).
 
     state: {"conv_q", "conv_k", "conv_v": [B, W-1, heads, dim] pre-conv tails, "ssm": [B, U, k, v]}.
@@ -126,7 +126,8 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
         k, tail_k = causal_conv(k, p["conv_k"], segment_ids_BT, st.get("conv_k"))
         v, tail_v = causal_conv(v, p["conv_v"], segment_ids_BT, st.get("conv_v"))
         o_BTUv, ssm = gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids_BT, initial_state=st.get("ssm"),
-                                       chunk_size=chunk_size, normalize_qk=True, backend=backend)
+                                       chunk_size=chunk_size, normalize_qk=True, backend=backend,
+                                       interpret=interpret)
     o_BTUv = checkpoint_name(constrain(o_BTUv, "batch", "seq", "heads", None), "gdn_core_out")
     y = gated_rms_norm(o_BTUv, z, p["norm"], m.rms_norm_eps)
     out = jnp.einsum("btuv,uvd->btd", y.astype(dt), p["wo"].astype(dt))

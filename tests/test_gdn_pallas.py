@@ -1,0 +1,174 @@
+"""The Pallas GDN core (kernels/gdn/pallas.py), run interpreted on CPU: forward and every gradient
+against the token-by-token oracle and against the XLA custom-VJP core, packed documents included;
+its broken variants each caught; the config validator. (Its Mosaic TPU compile check lives in
+tests/test_gmm_tpu_compile.py with every other libtpu user.)
+
+Dimension letters: B batch, T tokens, G key heads, H value heads, K key dim, V value dim.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from hybridmoe.config import ConfigError, load_config
+from hybridmoe.kernels.gdn import gated_delta_rule, pallas
+from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
+from tests.test_gdn_kernel import (
+    BF16_TOLERANCE,
+    GRAD_NAMES,
+    _relative_rms,
+    make_inputs,
+    segments_from_lengths,
+    value_and_grads,
+)
+
+NAMES = ("o", "final state") + GRAD_NAMES
+# Tiny shapes: interpret mode runs the kernel body once per grid step, so B * H * N stays small.
+SHAPE = dict(batch=2, tokens=40, key_heads=1, value_heads=2, key_dim=8, value_dim=8)
+CHUNK = 16
+pallas_rule = functools.partial(gated_delta_rule, backend="pallas_tpu", interpret=True, chunk_size=CHUNK)
+xla_rule = functools.partial(gated_delta_rule, backend="xla", chunk_size=CHUNK)
+
+
+def _relative_max_errors(actual, expected):
+    """Per output / gradient: max |actual - expected| / max |expected|."""
+    errors = {}
+    for name, a, e in zip(NAMES, actual, expected):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        errors[name] = float(np.abs(a - e).max() / np.abs(e).max())
+    return errors
+
+
+def _flat(outputs, grads):
+    return tuple(outputs) + tuple(grads)
+
+
+@pytest.fixture(scope="module")
+def packed_case():
+    """Packed rows (documents of 10 + 30 and 25 + 15 tokens: starts inside chunks and on none of
+    their edges), a non-zero initial state, and the oracle's outputs and gradients."""
+    inputs = make_inputs(seed=5, **SHAPE)
+    segment_ids = segments_from_lengths([10, 30], [25, 15])
+    expected = _flat(*value_and_grads(gated_delta_rule_reference, inputs, segment_ids))
+    return inputs, segment_ids, expected
+
+
+@pytest.fixture(scope="module")
+def clean_errors(packed_case):
+    inputs, segment_ids, expected = packed_case
+    return _relative_max_errors(_flat(*value_and_grads(pallas_rule, inputs, segment_ids)), expected)
+
+
+def test_forward_and_every_gradient_match_the_oracle_packed(clean_errors):
+    """float32 inputs: o, final state, dq, dk, dv, dg, dbeta, dh0 within 1e-5 relative to max."""
+    assert max(clean_errors.values()) < 1e-5, clean_errors
+
+
+def test_unpacked_ragged_length_matches_the_oracle():
+    """One document, 37 tokens: the last chunk padded (g = 0, beta = 0), chunk 16, 3 key heads' groups."""
+    inputs = make_inputs(seed=6, batch=1, tokens=37, key_heads=1, value_heads=3, key_dim=8, value_dim=16)
+    expected = _flat(*value_and_grads(gated_delta_rule_reference, inputs, None))
+    errors = _relative_max_errors(_flat(*value_and_grads(pallas_rule, inputs, None)), expected)
+    assert max(errors.values()) < 1e-5, errors
+
+
+def test_equals_the_xla_custom_vjp_core(packed_case):
+    """The two backends compute the same terms (different op order): within 1e-6 relative to max."""
+    inputs, segment_ids, _ = packed_case
+    errors = _relative_max_errors(_flat(*value_and_grads(pallas_rule, inputs, segment_ids)),
+                                  _flat(*value_and_grads(xla_rule, inputs, segment_ids)))
+    assert max(errors.values()) < 1e-6, errors
+
+
+def test_bf16_inputs_meet_the_field_tolerances(packed_case):
+    """bf16 q, k, v, g, beta, state against the float32 oracle on the same (rounded) values."""
+    inputs, segment_ids, _ = packed_case
+    inputs_bf16 = tuple(x.astype(jnp.bfloat16) for x in inputs)
+    (o, final), grads = value_and_grads(pallas_rule, inputs_bf16, segment_ids)
+    rounded = tuple(x.astype(jnp.float32) for x in inputs_bf16)
+    (o_ref, final_ref), grads_ref = value_and_grads(gated_delta_rule_reference, rounded, segment_ids)
+    assert o.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
+    errors = {name: _relative_rms(a, e) for name, a, e in zip(NAMES, (o, final) + grads, (o_ref, final_ref) + grads_ref)}
+    assert all(errors[k] <= BF16_TOLERANCE[k] for k in errors), errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken variants: each patched into the kernel's own code and caught against the oracle.
+
+_ORIGINAL_CHUNK_SPEC = pallas._chunk_spec
+_ORIGINAL_GATE_LAYOUTS = pallas._gate_layouts
+
+
+def _forward_order_everywhere(block_tail, reverse, num_chunks, per_head=True):
+    return _ORIGINAL_CHUNK_SPEC(block_tail, False, num_chunks, per_head)
+
+
+def _starts_dropped(x, starts_BNC):
+    return _ORIGINAL_GATE_LAYOUTS(x, jnp.zeros_like(starts_BNC))
+
+
+def _substitution_skips_last_row(strict_lower_CD):
+    size = strict_lower_CD.shape[-1]
+    row, col = pallas._positions(size)
+    eye_CD = (row == col).astype(jnp.float32)
+
+    def substitute_row(i, inverse_CD):
+        lower_row_D1 = jnp.sum(jnp.where(col == i, strict_lower_CD.T, 0.0), axis=1, keepdims=True)
+        new_row_1D = (col[:1] == i).astype(jnp.float32) - jnp.sum(lower_row_D1 * inverse_CD, axis=0, keepdims=True)
+        return jnp.where(row == i, new_row_1D, inverse_CD)
+
+    return lax.fori_loop(1, size - 1, substitute_row, eye_CD)
+
+
+def _chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state):
+    """The state carried into the next chunk without its decay exp(sum g) (the recurrence's S <- exp(g) S)."""
+    o, end = _ORIGINAL_CHUNK_STEP(q, k, v, g_c, g_r, beta, starts_c, starts_r, state)
+    decay = jnp.exp(jnp.sum(g_r)) * (jnp.sum(starts_r) == 0)
+    return o, end + (1.0 - decay) * state
+
+
+_ORIGINAL_CHUNK_STEP = pallas.chunk_step
+
+BROKEN = {
+    "backward_chunks_in_forward_order": ("_chunk_spec", _forward_order_everywhere),
+    "document_start_does_not_cut_the_chain": ("_gate_layouts", _starts_dropped),
+    "forward_substitution_skips_last_row": ("_forward_substitution", _substitution_skips_last_row),
+    "chunk_decay_dropped": ("chunk_step", _chunk_decay_dropped),
+}
+
+
+@pytest.fixture(params=sorted(BROKEN))
+def broken_variant(request, monkeypatch):
+    attribute, broken = BROKEN[request.param]
+    monkeypatch.setattr(pallas, attribute, broken)
+    return request.param
+
+
+def test_broken_variant_is_caught(broken_variant, packed_case, clean_errors):
+    inputs, segment_ids, expected = packed_case
+    broken_errors = _relative_max_errors(_flat(*value_and_grads(pallas_rule, inputs, segment_ids)), expected)
+    clean, broken = max(clean_errors.values()), max(broken_errors.values())
+    print(f"{broken_variant}: clean max error {clean:.2e}, broken {broken:.2e} ({broken_errors})")
+    assert broken >= 10 * clean and broken > 1e-3, (broken_variant, clean, broken_errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+def test_validator_names_the_key_and_every_unmet_requirement():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["kernels.gdn.backend=pallas_tpu", "gdn.chunk_size=12", "mesh.context=2"])
+    messages = [m for k, m in e.value.problems if k == "kernels.gdn.backend"]
+    assert len(messages) == 1, e.value.problems
+    for requirement in ("cannot run on this platform", "multiple of 8", "mesh.context=2"):
+        assert requirement in messages[0], messages[0]
+
+
+def test_interpreted_backend_is_accepted():
+    cfg = load_config("tiny", ["kernels.gdn.backend=pallas_tpu", "kernels.interpret=true"])
+    assert cfg.kernels.gdn.backend == "pallas_tpu"
