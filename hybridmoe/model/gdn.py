@@ -99,6 +99,28 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
         p["conv_q"], p["conv_k"], p["conv_v"], q, k, v, g, beta, segment_ids_BT)
 
 
+def _core(q, k, v, g, beta, segment_ids_BT, initial_state, *, chunk_size: int, backend: str, interpret: bool):
+    """The core on the whole sequence. A Pallas kernel is a custom call that GSPMD cannot split, so
+    under a mesh it runs per shard in a shard_map (rows and head groups are independent)."""
+    def core(q, k, v, g, beta, seg, state):
+        return gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=state, chunk_size=chunk_size,
+                                normalize_qk=True, backend=backend, interpret=interpret)
+
+    if backend == "xla" or jax.sharding.get_abstract_mesh().empty:
+        return core(q, k, v, g, beta, segment_ids_BT, initial_state)
+    token = logical_to_spec(("batch", "seq", "heads", None))
+    gate = logical_to_spec(("batch", "seq", "heads"))
+    state = logical_to_spec(("batch", "heads", None, None))
+    specs = (token, token, token, gate, gate, logical_to_spec(("batch", "seq")))
+    args = (q, k, v, g, beta, segment_ids_BT)
+    if initial_state is None:
+        run = lambda *local: core(*local, None)
+    else:
+        run, specs, args = core, specs + (state,), args + (initial_state,)
+    # check_vma off: a Pallas call's output shapes carry no varying-axes annotation.
+    return jax.shard_map(run, in_specs=specs, out_specs=(token, state), check_vma=False)(*args)
+
+
 def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, backend: str = "xla",
               interpret: bool = False, state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False, cp_prefix: str = "all_gather"):
     """Returns the layer output, and the new recurrent state when `state` is given (decode/prefill).
@@ -125,9 +147,8 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
         q, tail_q = causal_conv(q, p["conv_q"], segment_ids_BT, st.get("conv_q"))
         k, tail_k = causal_conv(k, p["conv_k"], segment_ids_BT, st.get("conv_k"))
         v, tail_v = causal_conv(v, p["conv_v"], segment_ids_BT, st.get("conv_v"))
-        o_BTUv, ssm = gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids_BT, initial_state=st.get("ssm"),
-                                       chunk_size=chunk_size, normalize_qk=True, backend=backend,
-                                       interpret=interpret)
+        o_BTUv, ssm = _core(q, k, v, g, beta, segment_ids_BT, st.get("ssm"), chunk_size=chunk_size,
+                            backend=backend, interpret=interpret)
     o_BTUv = checkpoint_name(constrain(o_BTUv, "batch", "seq", "heads", None), "gdn_core_out")
     y = gated_rms_norm(o_BTUv, z, p["norm"], m.rms_norm_eps)
     out = jnp.einsum("btuv,uvd->btd", y.astype(dt), p["wo"].astype(dt))
