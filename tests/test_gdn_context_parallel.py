@@ -53,12 +53,12 @@ def _segment_ids(rows: int, tokens: int):
     return jnp.asarray(np.stack([one, packed] * (rows // 2)), jnp.int32)
 
 
-def _layer_loss(cfg, chunk_size, cp_m_scan=False, cp_dh_scan=False, cp_prefix="all_gather"):
+def _layer_loss(cfg, chunk_size, cp_m_scan=False, cp_dh_scan=False, cp_prefix="all_gather", **core_options):
     rng = np.random.default_rng(7)
 
     def loss(p, x, seg):
         y = gdn_layer(p, x, seg, cfg.model, chunk_size=chunk_size, cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan,
-                      cp_prefix=cp_prefix)
+                      cp_prefix=cp_prefix, **core_options)
         weight = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
         return jnp.sum(y * weight)
 

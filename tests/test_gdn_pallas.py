@@ -17,6 +17,7 @@ from jax import lax
 from hybridmoe.config import ConfigError, load_config
 from hybridmoe.kernels.gdn import gated_delta_rule, pallas
 from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
+from tests.test_gdn_context_parallel import _layer_loss, _on_context_mesh, _rel_max, layer_case, single_device  # noqa: F401
 from tests.test_gdn_kernel import (
     BF16_TOLERANCE,
     GRAD_NAMES,
@@ -162,15 +163,16 @@ def test_broken_variant_is_caught(broken_variant, packed_case, clean_errors):
 
 def test_validator_names_the_key_and_every_unmet_requirement():
     with pytest.raises(ConfigError) as e:
-        load_config("tiny", ["kernels.gdn.backend=pallas_tpu", "gdn.chunk_size=12", "mesh.context=2"])
+        load_config("tiny", ["kernels.gdn.backend=pallas_tpu", "gdn.chunk_size=12"])
     messages = [m for k, m in e.value.problems if k == "kernels.gdn.backend"]
     assert len(messages) == 1, e.value.problems
-    for requirement in ("cannot run on this platform", "multiple of 8", "mesh.context=2"):
+    for requirement in ("cannot run on this platform (cpu)", "multiple of 8 on TPU (got 12)"):
         assert requirement in messages[0], messages[0]
 
 
-def test_interpreted_backend_is_accepted():
-    cfg = load_config("tiny", ["kernels.gdn.backend=pallas_tpu", "kernels.interpret=true"])
+def test_interpreted_backend_is_accepted_with_any_chunk_and_context_parallelism():
+    cfg = load_config("tiny", ["kernels.gdn.backend=pallas_tpu", "kernels.interpret=true", "gdn.chunk_size=12",
+                               "mesh.context=2", "mesh.fsdp=1", "mesh.data=-1", "train.seq_len=48"])
     assert cfg.kernels.gdn.backend == "pallas_tpu"
 
 
@@ -208,3 +210,17 @@ def test_model_with_pallas_core_equals_xla_core_on_the_mesh():
         g, g_xla = np.asarray(g, np.float64), np.asarray(g_xla, np.float64)
         errors[jax.tree_util.keystr(path)] = float(np.abs(g - g_xla).max() / max(np.abs(g_xla).max(), 1e-30))
     assert max(errors.values()) < 1e-5, {k: f"{v:.1e}" for k, v in errors.items() if v >= 1e-5}
+
+
+def test_sequence_sharded_layer_with_pallas_core_equals_one_device(layer_case, single_device):
+    """The GDN layer with the sequence over 4 context ranks, the Pallas kernels running pass 2 and the
+    backward's final pass per rank, against the single-device XLA layer: packed rows with documents
+    starting inside a shard, on a shard edge and on a chunk edge; loss and every gradient."""
+    cfg, params, x, seg = layer_case
+    loss = _layer_loss(cfg, 16, backend="pallas_tpu", interpret=True)
+    value, grads = _on_context_mesh(4, jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, seg)
+    value_1, grads_1 = single_device[16]
+    errors = {"loss": _rel_max(value, value_1)}
+    for (path, g), g_1 in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads_1)):
+        errors[jax.tree_util.keystr(path)] = _rel_max(g, g_1)
+    assert max(errors.values()) < 1e-4, errors

@@ -424,7 +424,7 @@ GDN_PALLAS_TPU_CHUNK_MULTIPLE = 8
 
 @rule
 def _gdn_kernel(cfg: Config) -> list[Problem]:
-    """The Pallas GDN core: a platform that runs it, a chunk size Mosaic accepts, no sequence sharding."""
+    """The Pallas GDN core: a platform that runs it and a chunk size Mosaic accepts."""
     backend = cfg.kernels.gdn.backend
     if backend == "xla":
         return []
@@ -437,9 +437,6 @@ def _gdn_kernel(cfg: Config) -> list[Problem]:
         if cfg.gdn.chunk_size % GDN_PALLAS_TPU_CHUNK_MULTIPLE:
             unmet.append(f"needs gdn.chunk_size a multiple of {GDN_PALLAS_TPU_CHUNK_MULTIPLE} on TPU "
                          f"(got {cfg.gdn.chunk_size})")
-    ranks = _context_size(cfg)
-    if "gdn" in cfg.model.layer_pattern and ranks and ranks > 1:
-        unmet.append(f"sequence-sharded GDN (mesh.context={ranks}) runs the XLA core; use xla or mesh.context=1")
     return [("kernels.gdn.backend", "; ".join(unmet))] if unmet else []
 
 

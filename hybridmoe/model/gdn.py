@@ -70,7 +70,7 @@ def _halo_from_previous_rank(x_BS, axis_name: str):
 
 
 def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chunk_size: int,
-                                     m_scan: bool, dh_scan: bool, prefix: str):
+                                     m_scan: bool, dh_scan: bool, prefix: str, backend: str, interpret: bool):
     """Causal convs and the core with the sequence split over the mesh's context axis (GDN.md 3).
 
     Each rank holds a [B, T / P] slice: the convs read the previous rank's last W-1 pre-conv tokens
@@ -91,7 +91,7 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
             convolved.append(causal_conv(x, taps_WHC, seg, tail, tail_seg)[0])
         return gated_delta_rule_context_parallel(
             *convolved, g, beta, segment_ids=seg, axis_name=axis, chunk_size=chunk_size, normalize_qk=True,
-            m_scan=m_scan, dh_scan=dh_scan, prefix=prefix)
+            m_scan=m_scan, dh_scan=dh_scan, prefix=prefix, backend=backend, interpret=interpret)
 
     # check_vma off: the core's custom backward places its own collectives.
     return jax.shard_map(local, in_specs=(taps, taps, taps, token, token, token, gate, gate, ids),
@@ -141,7 +141,8 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     g, beta = gdn_gates(p, x_BTD)
     if state is None and context_ranks() > 1:
         o_BTUv = _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, chunk_size=chunk_size,
-                                                 m_scan=cp_m_scan, dh_scan=cp_dh_scan, prefix=cp_prefix)
+                                                 m_scan=cp_m_scan, dh_scan=cp_dh_scan, prefix=cp_prefix,
+                                                 backend=backend, interpret=interpret)
     else:
         st = state or {}
         q, tail_q = causal_conv(q, p["conv_q"], segment_ids_BT, st.get("conv_q"))

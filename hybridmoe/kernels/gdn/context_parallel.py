@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from hybridmoe.kernels.gdn import pallas
 from hybridmoe.kernels.gdn.reference import document_starts
 from hybridmoe.kernels.gdn.xla import (
     ChunkInputs,
@@ -206,31 +207,45 @@ def cross_rank_starts(starts_BT, segment_ids_BT, axis_name):
 # The core on one rank's shard, with its custom backward.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def context_parallel_core(x: ChunkInputs, starts_BNC, axis_name, m_scan, dh_scan, prefix):
-    """o [B, N, H, C, V] of this rank's chunks, the state entering the shard from the ranks before."""
-    return _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def context_parallel_core(x: ChunkInputs, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend="xla",
+                          interpret=False):
+    """o [B, N, H, C, V] of this rank's chunks, the state entering the shard from the ranks before.
+
+    backend pallas_tpu runs pass 2 and the backward's final pass as the Pallas kernels; pass 1, M_r
+    and the local state cotangent stay in XLA (they need the chunk terms, not the kernels' outputs).
+    """
+    return _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend, interpret)[0]
 
 
-def _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix):
+def _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend, interpret):
     t = chunk_terms(x, starts_BNC)
     _, s_ext_BHKV = chunk_start_states(t, _zero_state(t))  # pass 1
     m_BHKK = transition_product_scan(t) if m_scan else transition_product_tree(t)
     m_BHKK = checkpoint_name(m_BHKK, TRANSITION_NAME)
     s_in_BHKV = checkpoint_name(exclusive_prefix(m_BHKK, s_ext_BHKV, axis_name, prefix=prefix), STATE_IN_NAME)
-    states_BNHKV, _ = chunk_start_states(t, s_in_BHKV)  # pass 2
-    o_BNHCV, _ = chunk_outputs(t, states_BNHKV)
+    if backend == "xla":  # pass 2
+        states_BNHKV, _ = chunk_start_states(t, s_in_BHKV)
+        o_BNHCV, _ = chunk_outputs(t, states_BNHKV)
+    else:
+        (o_BNHCV, _), (_, _, states_BNHKV) = pallas.core_forward(x, starts_BNC, s_in_BHKV, interpret=interpret)
     return o_BNHCV, (x, starts_BNC, states_BNHKV, m_BHKK)
 
 
-def _cp_bwd(axis_name, m_scan, dh_scan, prefix, residuals, do_BNHCV):
+def _cp_bwd(axis_name, m_scan, dh_scan, prefix, backend, interpret, residuals, do_BNHCV):
     x, starts_BNC, states_BNHKV, m_BHKK = residuals
-    local_vjp, t = replay_chunks((x, starts_BNC, states_BNHKV))
+    if backend == "xla":
+        local_vjp, t = replay_chunks((x, starts_BNC, states_BNHKV))
+    else:
+        t = chunk_terms(x, starts_BNC)
     d_local_BHKV = (local_state_cotangent_scan if dh_scan else local_state_cotangent_tree)(t, do_BNHCV)
     # dS_in_r = M_r^T dS_out_r + dS_loc_r, folded from the last rank down: the cotangent at this
     # shard's end is what the ranks after it send back.
     d_end_BHKV = exclusive_prefix(m_BHKK, d_local_BHKV, axis_name, prefix=prefix, reverse=True)
-    dx, _ = finish_backward(local_vjp, t, do_BNHCV, d_end_BHKV)
+    if backend == "xla":
+        dx, _ = finish_backward(local_vjp, t, do_BNHCV, d_end_BHKV)
+    else:
+        dx, _ = pallas.core_backward((x, starts_BNC, states_BNHKV), do_BNHCV, d_end_BHKV, interpret=interpret)
     return dx, None
 
 
@@ -240,6 +255,7 @@ context_parallel_core.defvjp(_cp_fwd, _cp_bwd)
 def gated_delta_rule_context_parallel(
     q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids, axis_name, chunk_size: int = 64,
     normalize_qk: bool = True, m_scan: bool = False, dh_scan: bool = False, prefix: str = "all_gather",
+    backend: str = "xla", interpret: bool = False,
 ):
     """gated_delta_rule on this rank's shard of the sequence (inside shard_map over `axis_name`).
 
@@ -253,5 +269,5 @@ def gated_delta_rule_context_parallel(
                          f"chunks of {chunk_size}")
     starts_BT = cross_rank_starts(document_starts(segment_ids), segment_ids, axis_name)
     x, starts_BNC = prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size, normalize_qk)
-    o_BNHCV = context_parallel_core(x, starts_BNC, axis_name, m_scan, dh_scan, prefix)
+    o_BNHCV = context_parallel_core(x, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend, interpret)
     return from_chunks(o_BNHCV).astype(v_BTHV.dtype)
