@@ -7,6 +7,8 @@ resets its state at each document start.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -46,15 +48,52 @@ def causal_conv(x_BTHC, taps_WHC, segment_ids_BT, tail_BSHC=None, tail_segment_i
     return jax.nn.silu(acc).astype(x_BTHC.dtype), xp[:, -(W - 1):] if W > 1 else xp[:, :0]
 
 
-def gdn_gates(p, x_BTD):
+def gates_from_projections(p, b_BTU, a_BTU):
     """beta = sigmoid(b) and the log gate g = -exp(A_log) softplus(a + dt_bias), float32."""
-    b_BTU = jnp.einsum("btd,du->btu", x_BTD, p["wb"].astype(x_BTD.dtype))
-    a_BTU = jnp.einsum("btd,du->btu", x_BTD, p["wa"].astype(x_BTD.dtype))
     beta = jax.nn.sigmoid(b_BTU.astype(jnp.float32))
     # float32: softplus of large a and exp(A_log) give gates near -1e3 that bf16 cannot resolve.
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a_BTU.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
     return g, beta
+
+
+IN_PROJECTIONS = ("wq", "wk", "wv", "wz", "wb", "wa")
+CONV_TAPS = ("conv_q", "conv_k", "conv_v")
+
+
+def in_projections(p, x_BTD):
+    """q, k, v, z [B, T, heads, dim] and b, a [B, T, U] from ONE matmul over the weights side by side.
+
+    The parameters stay split (the Hugging Face layout maps onto them name by name); joining the
+    [D, n] weights costs a copy of the weights, far less than five more passes over the activations
+    in the forward and ten in the backward (each with its own transposed copy of x or of its
+    cotangent on CPU).
+    """
+    dt = x_BTD.dtype
+    weights = [p[name].astype(dt) for name in IN_PROJECTIONS]
+    widths = [w[0].size for w in weights]
+    joined_DN = jnp.concatenate([w.reshape(w.shape[0], -1) for w in weights], axis=1)
+    joined_BTN = jnp.einsum("btd,dn->btn", x_BTD, joined_DN)
+    pieces = jnp.split(joined_BTN, list(itertools.accumulate(widths[:-1])), axis=-1)
+    return [y.reshape(*x_BTD.shape[:2], *w.shape[1:]) for y, w in zip(pieces, weights)]
+
+
+def conv_all_channels(p, q, k, v, segment_ids_BT, tails=None):
+    """The three causal convs as one over the [q | k | v] channels (one pass instead of three).
+
+    Returns (q, k, v) after conv + SiLU and their new tails [B, W-1, heads, dim].
+    """
+    parts = (q, k, v)
+    flat = lambda a, lead: a.reshape(*a.shape[:lead], 1, -1)
+    x_BT1N = jnp.concatenate([flat(a, 2) for a in parts], axis=-1)
+    taps_W1N = jnp.concatenate([flat(p[name], 1) for name in CONV_TAPS], axis=-1)
+    tail = None if tails is None else jnp.concatenate([flat(t, 2) for t in tails], axis=-1)
+    y_BT1N, tail_BS1N = causal_conv(x_BT1N, taps_W1N, segment_ids_BT, tail)
+    bounds = list(itertools.accumulate(a[0, 0].size for a in parts[:-1]))
+    ys = jnp.split(y_BT1N, bounds, axis=-1)
+    new_tails = jnp.split(tail_BS1N, bounds, axis=-1)
+    unflat = lambda a, like: a.reshape(*a.shape[:2], *like.shape[2:])
+    return [unflat(y, a) for y, a in zip(ys, parts)], [unflat(t, a) for t, a in zip(new_tails, parts)]
 
 
 def context_ranks() -> int:
@@ -133,23 +172,18 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     """
     dt = x_BTD.dtype
     x_BTD = x_BTD * (segment_ids_BT > 0)[..., None].astype(dt)
-    q = jnp.einsum("btd,dhc->bthc", x_BTD, p["wq"].astype(dt))
-    k = jnp.einsum("btd,dhc->bthc", x_BTD, p["wk"].astype(dt))
-    v = jnp.einsum("btd,dhc->bthc", x_BTD, p["wv"].astype(dt))
-    z = jnp.einsum("btd,dhc->bthc", x_BTD, p["wz"].astype(dt))
+    q, k, v, z, b, a = in_projections(p, x_BTD)
     q, k, v = (checkpoint_name(t, n) for t, n in ((q, "gdn_q"), (k, "gdn_k"), (v, "gdn_v")))
-    g, beta = gdn_gates(p, x_BTD)
+    g, beta = gates_from_projections(p, b, a)
     if state is None and context_ranks() > 1:
         o_BTUv = _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, chunk_size=chunk_size,
                                                  m_scan=cp_m_scan, dh_scan=cp_dh_scan, prefix=cp_prefix,
                                                  backend=backend, interpret=interpret)
     else:
-        st = state or {}
-        q, tail_q = causal_conv(q, p["conv_q"], segment_ids_BT, st.get("conv_q"))
-        k, tail_k = causal_conv(k, p["conv_k"], segment_ids_BT, st.get("conv_k"))
-        v, tail_v = causal_conv(v, p["conv_v"], segment_ids_BT, st.get("conv_v"))
-        o_BTUv, ssm = _core(q, k, v, g, beta, segment_ids_BT, st.get("ssm"), chunk_size=chunk_size,
-                            backend=backend, interpret=interpret)
+        tails = None if state is None else [state[name] for name in CONV_TAPS]
+        (q, k, v), (tail_q, tail_k, tail_v) = conv_all_channels(p, q, k, v, segment_ids_BT, tails)
+        o_BTUv, ssm = _core(q, k, v, g, beta, segment_ids_BT, None if state is None else state["ssm"],
+                            chunk_size=chunk_size, backend=backend, interpret=interpret)
     o_BTUv = checkpoint_name(constrain(o_BTUv, "batch", "seq", "heads", None), "gdn_core_out")
     y = gated_rms_norm(o_BTUv, z, p["norm"], m.rms_norm_eps)
     out = jnp.einsum("btuv,uvd->btd", y.astype(dt), p["wo"].astype(dt))

@@ -160,8 +160,30 @@ class ChunkTerms(NamedTuple):
     decay: jax.Array  # [B, N, H]
 
 
-def chunk_terms(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_form_vjp) -> ChunkTerms:
-    """Every chunk's WY terms at once; a document start (starts_BNC) is a decay of exactly 0."""
+class ChunkFactors(NamedTuple):
+    """The intra-chunk factors behind ChunkTerms, kept for the hand-written backward.
+
+    gamma [B, N, H, C, D]: exp(segment sum of g over (j, i]) on the causal same-document part, else 0;
+    decay_from_start, decay_to_end [B, N, H, C] and decay (chunk) [B, N, H]: the masked decays;
+    kk [B, N, H, C, D] = K K^T; wy [B, N, H, C, D] = T = (I + L)^-1; k_scaled = diag(beta * decay_from_start) K;
+    v_scaled = diag(beta) V.
+    """
+
+    gamma: jax.Array
+    decay_from_start: jax.Array
+    decay_to_end: jax.Array
+    decay: jax.Array
+    kk: jax.Array
+    wy: jax.Array
+    k_scaled: jax.Array
+    v_scaled: jax.Array
+
+
+def chunk_factors(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_form_vjp, wy_BNHCD=None) -> ChunkFactors:
+    """Every chunk's decays and WY factors at once; a document start (starts_BNC) is a decay of exactly 0.
+
+    wy_BNHCD: T as the forward computed it (the backward passes the saved one instead of inverting again).
+    """
     chunk_size = x.g.shape[-1]
     # Document index of each position within its chunk: 0 for the document the chunk starts in.
     doc_BNC = jnp.cumsum(starts_BNC.astype(jnp.int32), axis=-1)
@@ -177,7 +199,10 @@ def chunk_terms(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_fo
     # accumulated directly (Mamba-2's segsum) rather than as b_i - b_j of chunk cumsums: after one
     # g ~ -1e4 token the cumsum sits near -6e5 where a float32 ulp is 0.06, and b_i - b_j would
     # carry that error into every later decay of the chunk. Summing g_t over (j, i] has no cancellation.
-    log_segment_BNHCD = jnp.cumsum(jnp.where(strictly_causal_CD, x.g[..., :, None], 0.0), axis=-2)
+    # The sums over (j, i] for all i at once are one matmul with the [t <= i] mask (a cumsum over
+    # the [C, C] array lowers to a reduce-window on CPU that re-adds up to C terms per entry).
+    log_segment_BNHCD = _matmul("it,bnhtj->bnhij", causal_CD.astype(jnp.float32),
+                                jnp.where(strictly_causal_CD, x.g[..., :, None], 0.0))
     log_from_start_BNHC = jnp.cumsum(x.g, axis=-1)  # decay from chunk start through token i
     log_to_end_BNHC = log_segment_BNHCD[..., -1, :]  # decay after token i to the chunk's end
     log_chunk_BNH = log_from_start_BNHC[..., -1]
@@ -189,13 +214,24 @@ def chunk_terms(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_fo
 
     # WY form: T = (I + L)^-1, L = strict_lower(diag(beta) (K K^T) * Gamma).
     kk_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.k, x.k)
-    lower_BNHCD = jnp.where(strictly_causal_CD, x.beta[..., None] * kk_BNHCD * gamma_BNHCD, 0.0)
-    wy_BNHCD = inverse(lower_BNHCD)
-    w_BNHCK = _matmul("bnhcd,bnhdk->bnhck", wy_BNHCD, (x.beta * decay_from_start_BNHC)[..., None] * x.k)
-    u_BNHCV = _matmul("bnhcd,bnhdv->bnhcv", wy_BNHCD, x.beta[..., None] * x.v)
-    attn_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.q, x.k) * gamma_BNHCD
-    return ChunkTerms(w_BNHCK, u_BNHCV, attn_BNHCD, x.q * decay_from_start_BNHC[..., None],
-                      x.k * decay_to_end_BNHC[..., None], decay_chunk_BNH)
+    if wy_BNHCD is None:
+        wy_BNHCD = inverse(jnp.where(strictly_causal_CD, x.beta[..., None] * kk_BNHCD * gamma_BNHCD, 0.0))
+    return ChunkFactors(gamma_BNHCD, decay_from_start_BNHC, decay_to_end_BNHC, decay_chunk_BNH, kk_BNHCD,
+                        wy_BNHCD, (x.beta * decay_from_start_BNHC)[..., None] * x.k,
+                        x.beta[..., None] * x.v)
+
+
+def terms_from_factors(x: ChunkInputs, f: ChunkFactors) -> ChunkTerms:
+    w_BNHCK = _matmul("bnhcd,bnhdk->bnhck", f.wy, f.k_scaled)
+    u_BNHCV = _matmul("bnhcd,bnhdv->bnhcv", f.wy, f.v_scaled)
+    attn_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.q, x.k) * f.gamma
+    return ChunkTerms(w_BNHCK, u_BNHCV, attn_BNHCD, x.q * f.decay_from_start[..., None],
+                      x.k * f.decay_to_end[..., None], f.decay)
+
+
+def chunk_terms(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_form_vjp) -> ChunkTerms:
+    """Every chunk's WY terms at once; a document start (starts_BNC) is a decay of exactly 0."""
+    return terms_from_factors(x, chunk_factors(x, starts_BNC, inverse))
 
 
 def chunk_state_step(state_BHKV, w_BHCK, u_BHCV, k_to_end_BHCK, decay_BH):
@@ -243,24 +279,101 @@ def chunk_end_cotangents(t: ChunkTerms, do_BNHCV, d_final_BHKV):
     return jnp.moveaxis(d_ends_NBHKV, 0, 1), d_initial_BHKV
 
 
-def _local_chunks(x: ChunkInputs, starts_BNC, states_BNHKV):
-    """Each chunk on its own with its start state given: (outputs, end states), and the terms."""
-    t = chunk_terms(x, starts_BNC)
-    return chunk_outputs(t, states_BNHKV), t
+def _sum_last(a):
+    return jnp.sum(a, axis=-1)
+
+
+def local_chunks_backward(x: ChunkInputs, f: ChunkFactors, t: ChunkTerms, states_BNHKV, do_BNHCV, d_ends_BNHKV):
+    """Cotangents of the prepared inputs of every chunk at once, the state at each chunk's start and
+    the cotangent of the state at its end given (the reverse scan supplies them).
+
+    The forward of one chunk, with S its start state and a, e, c the decays from the chunk's start,
+    to its end and across it (GDN.md section 2):
+        L = strict(diag(beta) K K^T * Gamma),  T = (I + L)^-1,  W = T diag(beta a) K,  U = T diag(beta) V,
+        V_new = U - W S,  O = diag(a) Q S + (Q K^T * Gamma) V_new,  S_end = c S + diag(e) K)^T V_new.
+    Its adjoint by hand, each line the transpose of one forward line, so that every intra-chunk
+    product is a batched matmul over all chunks (autodiff of the same forward doubles the passes
+    over the [C, C] arrays: it keeps the where-masks' and the exp's own tangents).
+    The gate g enters through log decays: a = exp(cumsum g), e = exp(sum over (i, C]), c = exp(sum g),
+    Gamma = exp(segment sums); each log-decay cotangent is (cotangent of the decay) * decay, and
+    d g_t collects the log cotangents of every sum that contains g_t.
+    """
+    chunk_size = x.g.shape[-1]
+    position = jnp.arange(chunk_size)
+    strictly_causal_CD = position[:, None] > position[None, :]
+    v_new_BNHCV = t.u - _matmul("bnhck,bnhkv->bnhcv", t.w, states_BNHKV)
+
+    # Outputs and end state: O = Q_dec S + A_qk V_new, S_end = c S + K_bwd^T V_new.
+    d_v_new_BNHCV = (_matmul("bnhcd,bnhcv->bnhdv", t.attn, do_BNHCV)
+                     + _matmul("bnhck,bnhkv->bnhcv", t.k_to_end, d_ends_BNHKV))
+    d_attn_BNHCD = _matmul("bnhcv,bnhdv->bnhcd", do_BNHCV, v_new_BNHCV)
+    d_q_decayed_BNHCK = _matmul("bnhcv,bnhkv->bnhck", do_BNHCV, states_BNHKV)
+    d_k_to_end_BNHCK = _matmul("bnhcv,bnhkv->bnhck", v_new_BNHCV, d_ends_BNHKV)
+    d_log_chunk_BNH = jnp.sum(states_BNHKV * d_ends_BNHKV, axis=(-2, -1)) * f.decay
+
+    # V_new = U - W S; W = T K_s, U = T V_s.
+    d_w_BNHCK = -_matmul("bnhcv,bnhkv->bnhck", d_v_new_BNHCV, states_BNHKV)
+    d_k_scaled_BNHCK = _matmul("bnhcd,bnhck->bnhdk", f.wy, d_w_BNHCK)
+    d_v_scaled_BNHCV = _matmul("bnhcd,bnhcv->bnhdv", f.wy, d_v_new_BNHCV)
+    d_wy_BNHCD = (_matmul("bnhck,bnhdk->bnhcd", d_w_BNHCK, f.k_scaled)
+                  + _matmul("bnhcv,bnhdv->bnhcd", d_v_new_BNHCV, f.v_scaled))
+    # T = (I + L)^-1: dL = strict(-T^T dT T^T).
+    t_d_wy = _matmul("bnhec,bnhed->bnhcd", f.wy, d_wy_BNHCD)
+    d_lower_BNHCD = jnp.where(strictly_causal_CD, -_matmul("bnhce,bnhde->bnhcd", t_d_wy, f.wy), 0.0)
+
+    # L = strict(diag(beta) KK^T * Gamma) and A_qk = QK^T * Gamma.
+    d_lower_gamma = d_lower_BNHCD * f.gamma
+    d_kk_BNHCD = x.beta[..., None] * d_lower_gamma
+    qk_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.q, x.k)
+    d_qk_BNHCD = d_attn_BNHCD * f.gamma
+    # Cotangent of the log segment sums: (dGamma) * Gamma, zero wherever Gamma is masked.
+    d_log_segment_BNHCD = (d_lower_gamma * x.beta[..., None] * f.kk + d_qk_BNHCD * qk_BNHCD)
+
+    dq = _matmul("bnhcd,bnhdk->bnhck", d_qk_BNHCD, x.k) + f.decay_from_start[..., None] * d_q_decayed_BNHCK
+    dk = (_matmul("bnhcd,bnhck->bnhdk", d_qk_BNHCD, x.q)
+          + _matmul("bnhcd,bnhdk->bnhck", d_kk_BNHCD + jnp.swapaxes(d_kk_BNHCD, -1, -2), x.k)
+          + (x.beta * f.decay_from_start)[..., None] * d_k_scaled_BNHCK
+          + f.decay_to_end[..., None] * d_k_to_end_BNHCK)
+    dv = x.beta[..., None] * d_v_scaled_BNHCV
+    k_dot_d_k_scaled = _sum_last(x.k * d_k_scaled_BNHCK)
+    d_beta = (_sum_last(d_lower_gamma * f.kk) + f.decay_from_start * k_dot_d_k_scaled
+              + _sum_last(x.v * d_v_scaled_BNHCV))
+    d_log_from_start = (x.beta * k_dot_d_k_scaled + _sum_last(x.q * d_q_decayed_BNHCK)) * f.decay_from_start
+    d_log_to_end = _sum_last(x.k * d_k_to_end_BNHCK) * f.decay_to_end
+
+    # g_t is in log_from_start_i for i >= t, in log_to_end_i for i < t, in the chunk's sum, and in
+    # the segment sum (j, i] for j < t <= i: the last as one matmul with the [j < t] mask, then a
+    # masked column sum over i >= t.
+    later_or_same_CT = position[:, None] >= position[None, :]
+    prefix_BNHCT = _matmul("bnhcd,dt->bnhct", d_log_segment_BNHCD, strictly_causal_CD.T.astype(jnp.float32))
+    dg = (jnp.sum(jnp.where(later_or_same_CT, prefix_BNHCT, 0.0), axis=-2)
+          + jnp.flip(jnp.cumsum(jnp.flip(d_log_from_start, -1), axis=-1), -1)
+          + jnp.cumsum(d_log_to_end, axis=-1) - d_log_to_end
+          + d_log_chunk_BNH[..., None])
+    return ChunkInputs(dq, dk, dv, dg, d_beta)
 
 
 def core_forward(x: ChunkInputs, starts_BNC, initial_BHKV):
     """(o [B, N, H, C, V], final state) and the residuals of `core_backward`."""
-    t = chunk_terms(x, starts_BNC)
+    f = chunk_factors(x, starts_BNC)
+    t = terms_from_factors(x, f)
     states_BNHKV, final_BHKV = chunk_start_states(t, initial_BHKV)
     o_BNHCV, _ = chunk_outputs(t, states_BNHKV)
-    return (o_BNHCV, final_BHKV), (x, starts_BNC, states_BNHKV)
+    return (o_BNHCV, final_BHKV), (x, starts_BNC, states_BNHKV, f.wy)
 
 
 def replay_chunks(residuals):
-    """The backward's recomputation: every chunk's terms, and the vjp of the chunks taken one by one."""
-    x, starts_BNC, states_BNHKV = residuals
-    _, local_vjp, t = jax.vjp(lambda x, s: _local_chunks(x, starts_BNC, s), x, states_BNHKV, has_aux=True)
+    """The backward's recomputation: every chunk's terms, and the backward of the chunks taken one by one
+    (a function of the output and end-state cotangents, like a vjp; the start states' cotangent,
+    which the reverse scan carries instead, is None)."""
+    x, starts_BNC, states_BNHKV, *saved_wy = residuals
+    f = chunk_factors(x, starts_BNC, wy_BNHCD=saved_wy[0] if saved_wy else None)
+    t = terms_from_factors(x, f)
+
+    def local_vjp(cotangents):
+        do_BNHCV, d_ends_BNHKV = cotangents
+        return local_chunks_backward(x, f, t, states_BNHKV, do_BNHCV, d_ends_BNHKV), None
+
     return local_vjp, t
 
 
