@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 
 from hybridmoe.config import ConfigError, load_config
-from hybridmoe.kernels.gdn import gated_delta_rule, pallas
+from hybridmoe.kernels.gdn import gated_delta_rule, pallas, pallas_chunk, pallas_gpu, pallas_tpu
 from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
 from tests.test_gdn_context_parallel import _layer_loss, _on_context_mesh, _rel_max, layer_case, single_device  # noqa: F401
 from tests.test_gdn_kernel import (
@@ -32,6 +32,7 @@ NAMES = ("o", "final state") + GRAD_NAMES
 SHAPE = dict(batch=2, tokens=40, key_heads=1, value_heads=2, key_dim=8, value_dim=8)
 CHUNK = 16
 pallas_rule = functools.partial(gated_delta_rule, backend="pallas_tpu", interpret=True, chunk_size=CHUNK)
+gpu_rule = functools.partial(gated_delta_rule, backend="pallas_gpu", interpret=True, chunk_size=CHUNK)
 xla_rule = functools.partial(gated_delta_rule, backend="xla", chunk_size=CHUNK)
 
 
@@ -58,15 +59,20 @@ def packed_case():
     return inputs, segment_ids, expected
 
 
+RULES = {"pallas_tpu": pallas_rule, "pallas_gpu": gpu_rule}
+
+
 @pytest.fixture(scope="module")
 def clean_errors(packed_case):
     inputs, segment_ids, expected = packed_case
-    return _relative_max_errors(_flat(*value_and_grads(pallas_rule, inputs, segment_ids)), expected)
+    return {name: _relative_max_errors(_flat(*value_and_grads(rule, inputs, segment_ids)), expected)
+            for name, rule in RULES.items()}
 
 
-def test_forward_and_every_gradient_match_the_oracle_packed(clean_errors):
+@pytest.mark.parametrize("backend", sorted(RULES))
+def test_forward_and_every_gradient_match_the_oracle_packed(backend, clean_errors):
     """float32 inputs: o, final state, dq, dk, dv, dg, dbeta, dh0 within 1e-5 relative to max."""
-    assert max(clean_errors.values()) < 1e-5, clean_errors
+    assert max(clean_errors[backend].values()) < 1e-5, clean_errors[backend]
 
 
 def test_unpacked_ragged_length_matches_the_oracle():
@@ -100,8 +106,9 @@ def test_bf16_inputs_meet_the_field_tolerances(packed_case):
 # ---------------------------------------------------------------------------------------------
 # Broken variants: each patched into the kernel's own code and caught against the oracle.
 
-_ORIGINAL_CHUNK_SPEC = pallas._chunk_spec
-_ORIGINAL_GATE_LAYOUTS = pallas._gate_layouts
+_ORIGINAL_CHUNK_SPEC = pallas_tpu._chunk_spec
+_ORIGINAL_KERNEL_INPUTS = pallas._kernel_inputs
+_ORIGINAL_CHUNK_STEP = pallas_chunk.chunk_step
 
 
 def _forward_order_everywhere(block_tail, reverse, num_chunks, per_head=True):
@@ -109,17 +116,17 @@ def _forward_order_everywhere(block_tail, reverse, num_chunks, per_head=True):
 
 
 def _starts_dropped(x, starts_BNC):
-    return _ORIGINAL_GATE_LAYOUTS(x, jnp.zeros_like(starts_BNC))
+    return _ORIGINAL_KERNEL_INPUTS(x, jnp.zeros_like(starts_BNC))
 
 
 def _substitution_skips_last_row(strict_lower_CD):
     size = strict_lower_CD.shape[-1]
-    row, col = pallas._positions(size)
+    row, col = pallas_chunk._positions(size)
     eye_CD = (row == col).astype(jnp.float32)
 
     def substitute_row(i, inverse_CD):
         lower_row_D1 = jnp.sum(jnp.where(col == i, strict_lower_CD.T, 0.0), axis=1, keepdims=True)
-        new_row_1D = (col[:1] == i).astype(jnp.float32) - jnp.sum(lower_row_D1 * inverse_CD, axis=0, keepdims=True)
+        new_row_1D = (col[0] == i).astype(jnp.float32) - jnp.sum(lower_row_D1 * inverse_CD, axis=0, keepdims=True)
         return jnp.where(row == i, new_row_1D, inverse_CD)
 
     return lax.fori_loop(1, size - 1, substitute_row, eye_CD)
@@ -132,48 +139,78 @@ def _chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state):
     return o, end + (1.0 - decay) * state
 
 
-_ORIGINAL_CHUNK_STEP = pallas.chunk_step
-
-BROKEN = {
-    "backward_chunks_in_forward_order": ("_chunk_spec", _forward_order_everywhere),
-    "document_start_does_not_cut_the_chain": ("_gate_layouts", _starts_dropped),
-    "forward_substitution_skips_last_row": ("_forward_substitution", _substitution_skips_last_row),
-    "chunk_decay_dropped": ("chunk_step", _chunk_decay_dropped),
+BROKEN = {  # name: (backend run, module, attribute, the broken function)
+    "tpu_backward_chunks_in_forward_order": ("pallas_tpu", pallas_tpu, "_chunk_spec", _forward_order_everywhere),
+    "gpu_backward_chunks_in_forward_order": ("pallas_gpu", pallas_gpu, "_chunk_order", lambda n, num, reverse: n),
+    "document_start_does_not_cut_the_chain": ("pallas_tpu", pallas, "_kernel_inputs", _starts_dropped),
+    "forward_substitution_skips_last_row": ("pallas_tpu", pallas_chunk, "_forward_substitution",
+                                            _substitution_skips_last_row),
+    "chunk_decay_dropped": ("pallas_tpu", pallas_chunk, "chunk_step", _chunk_decay_dropped),
 }
 
 
 @pytest.fixture(params=sorted(BROKEN))
 def broken_variant(request, monkeypatch):
-    attribute, broken = BROKEN[request.param]
-    monkeypatch.setattr(pallas, attribute, broken)
-    return request.param
+    backend, module, attribute, broken = BROKEN[request.param]
+    monkeypatch.setattr(module, attribute, broken)
+    return request.param, backend
 
 
 def test_broken_variant_is_caught(broken_variant, packed_case, clean_errors):
+    broken_variant, backend = broken_variant
     inputs, segment_ids, expected = packed_case
-    broken_errors = _relative_max_errors(_flat(*value_and_grads(pallas_rule, inputs, segment_ids)), expected)
-    clean, broken = max(clean_errors.values()), max(broken_errors.values())
+    broken_errors = _relative_max_errors(_flat(*value_and_grads(RULES[backend], inputs, segment_ids)), expected)
+    clean, broken = max(clean_errors[backend].values()), max(broken_errors.values())
     print(f"{broken_variant}: clean max error {clean:.2e}, broken {broken:.2e} ({broken_errors})")
     assert broken >= 10 * clean and broken > 1e-3, (broken_variant, clean, broken_errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: the GPU kernels lower from this CPU host (no GPU: Triton IR, not PTX).
+
+
+def test_gpu_kernels_lower_to_triton():
+    """Forward and backward of pallas_gpu lower through Pallas' Triton lowering for a cuda target at
+    Qwen3.5's head dims (chunk 64, dk = dv = 128; packed rows, bf16 inputs). This proves the lowering
+    accepts every primitive of the kernels; compiling the Triton IR to PTX needs a GPU."""
+    tokens, heads, dims = 256, 2, 128
+    spec = jax.ShapeDtypeStruct
+    args = (spec((1, tokens, 1, dims), jnp.bfloat16), spec((1, tokens, 1, dims), jnp.bfloat16),
+            spec((1, tokens, heads, dims), jnp.bfloat16), spec((1, tokens, heads), jnp.float32),
+            spec((1, tokens, heads), jnp.float32), spec((1, tokens), jnp.int32))
+
+    def loss(q, k, v, g, beta, segment_ids):
+        o, final = gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=64, backend="pallas_gpu")
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
+
+    lowered = jax.jit(jax.grad(loss, (0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2  # the forward and the backward kernel
 
 
 # ---------------------------------------------------------------------------------------------
 # Config
 
 
-def test_validator_names_the_key_and_every_unmet_requirement():
+@pytest.mark.parametrize("backend, requirements", [
+    ("pallas_tpu", ("pallas_tpu cannot run on this platform (cpu)", "multiple of 8 on TPU (got 12)")),
+    ("pallas_gpu", ("pallas_gpu cannot run on this platform (cpu)", "gdn.chunk_size a power of two >= 16 on GPU (got 12)",
+                    "model.gdn_value_dim a power of two >= 16 on GPU (got 24)")),
+])
+def test_validator_names_the_key_and_every_unmet_requirement(backend, requirements):
     with pytest.raises(ConfigError) as e:
-        load_config("tiny", ["kernels.gdn.backend=pallas_tpu", "gdn.chunk_size=12"])
+        load_config("tiny", [f"kernels.gdn.backend={backend}", "gdn.chunk_size=12", "model.gdn_value_dim=24"])
     messages = [m for k, m in e.value.problems if k == "kernels.gdn.backend"]
     assert len(messages) == 1, e.value.problems
-    for requirement in ("cannot run on this platform (cpu)", "multiple of 8 on TPU (got 12)"):
+    for requirement in requirements:
         assert requirement in messages[0], messages[0]
+    assert "model.gdn_key_dim" not in messages[0]  # 16 meets the rule
 
 
-def test_interpreted_backend_is_accepted_with_any_chunk_and_context_parallelism():
-    cfg = load_config("tiny", ["kernels.gdn.backend=pallas_tpu", "kernels.interpret=true", "gdn.chunk_size=12",
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_interpreted_backend_is_accepted_with_any_chunk_and_context_parallelism(backend):
+    cfg = load_config("tiny", [f"kernels.gdn.backend={backend}", "kernels.interpret=true", "gdn.chunk_size=12",
                                "mesh.context=2", "mesh.fsdp=1", "mesh.data=-1", "train.seq_len=48"])
-    assert cfg.kernels.gdn.backend == "pallas_tpu"
+    assert cfg.kernels.gdn.backend == backend
 
 
 # ---------------------------------------------------------------------------------------------

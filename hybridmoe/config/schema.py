@@ -180,9 +180,9 @@ class GmmKernelConfig(Section):
 
 
 class GdnKernelConfig(Section):
-    backend: Literal["xla", "pallas_tpu"] = Field(
-        "xla", description="Gated DeltaNet core backend: xla (any platform) or pallas_tpu (Mosaic TPU kernels; "
-        "on CPU with kernels.interpret=true).")
+    backend: Literal["xla", "pallas_tpu", "pallas_gpu"] = Field(
+        "xla", description="Gated DeltaNet core backend: xla (any platform), pallas_tpu (Mosaic TPU kernels) or "
+        "pallas_gpu (Triton kernels); the Pallas ones run on CPU with kernels.interpret=true.")
 
 
 class KernelsConfig(Section):

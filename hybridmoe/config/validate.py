@@ -420,23 +420,33 @@ def _gdn_context_parallel(cfg: Config) -> list[Problem]:
 # The sublane tile of a float32 TPU vreg: Mosaic refuses the kernel's degenerate [1, 1] dots at
 # chunk 1; chunks of 16 and 64 compile for a tpu7x target (tests/test_gmm_tpu_compile.py).
 GDN_PALLAS_TPU_CHUNK_MULTIPLE = 8
+# Triton: power-of-two value shapes, and tl.dot wants every matmul dim >= 16.
+GDN_PALLAS_GPU_MIN_DIM = 16
+
+
+def _gdn_pallas_gpu_dims(cfg: Config) -> list[str]:
+    dims = {"gdn.chunk_size": cfg.gdn.chunk_size, "model.gdn_key_dim": cfg.model.gdn_key_dim,
+            "model.gdn_value_dim": cfg.model.gdn_value_dim}
+    return [f"needs {key} a power of two >= {GDN_PALLAS_GPU_MIN_DIM} on GPU (got {n})" for key, n in dims.items()
+            if n < GDN_PALLAS_GPU_MIN_DIM or n & (n - 1)]
 
 
 @rule
 def _gdn_kernel(cfg: Config) -> list[Problem]:
-    """The Pallas GDN core: a platform that runs it and a chunk size Mosaic accepts."""
+    """The Pallas GDN core: a platform that runs it, and the sizes its compiler accepts there."""
     backend = cfg.kernels.gdn.backend
-    if backend == "xla":
+    if backend == "xla" or cfg.kernels.interpret:
         return []
     unmet = []
-    if not cfg.kernels.interpret:
-        platform = _run_platform(cfg)
-        if platform not in _PALLAS_PLATFORM[backend]:
-            unmet.append(f"{backend} cannot run on this platform ({platform}); use xla, or kernels.interpret=true "
-                         "to run the Pallas kernel interpreted")
-        if cfg.gdn.chunk_size % GDN_PALLAS_TPU_CHUNK_MULTIPLE:
-            unmet.append(f"needs gdn.chunk_size a multiple of {GDN_PALLAS_TPU_CHUNK_MULTIPLE} on TPU "
-                         f"(got {cfg.gdn.chunk_size})")
+    platform = _run_platform(cfg)
+    if platform not in _PALLAS_PLATFORM[backend]:
+        unmet.append(f"{backend} cannot run on this platform ({platform}); use xla, or kernels.interpret=true "
+                     "to run the Pallas kernel interpreted")
+    if backend == "pallas_tpu" and cfg.gdn.chunk_size % GDN_PALLAS_TPU_CHUNK_MULTIPLE:
+        unmet.append(f"needs gdn.chunk_size a multiple of {GDN_PALLAS_TPU_CHUNK_MULTIPLE} on TPU "
+                     f"(got {cfg.gdn.chunk_size})")
+    if backend == "pallas_gpu":
+        unmet += _gdn_pallas_gpu_dims(cfg)
     return [("kernels.gdn.backend", "; ".join(unmet))] if unmet else []
 
 

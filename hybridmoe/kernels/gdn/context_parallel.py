@@ -212,7 +212,7 @@ def context_parallel_core(x: ChunkInputs, starts_BNC, axis_name, m_scan, dh_scan
                           interpret=False):
     """o [B, N, H, C, V] of this rank's chunks, the state entering the shard from the ranks before.
 
-    backend pallas_tpu runs pass 2 and the backward's final pass as the Pallas kernels; pass 1, M_r
+    A Pallas backend runs pass 2 and the backward's final pass as its kernels; pass 1, M_r
     and the local state cotangent stay in XLA (they need the chunk terms, not the kernels' outputs).
     """
     return _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend, interpret)[0]
@@ -228,7 +228,8 @@ def _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend, interpre
         states_BNHKV, _ = chunk_start_states(t, s_in_BHKV)
         o_BNHCV, _ = chunk_outputs(t, states_BNHKV)
     else:
-        (o_BNHCV, _), (_, _, states_BNHKV) = pallas.core_forward(x, starts_BNC, s_in_BHKV, interpret=interpret)
+        (o_BNHCV, _), (_, _, states_BNHKV) = pallas.core_forward(x, starts_BNC, s_in_BHKV, backend=backend,
+                                                                           interpret=interpret)
     return o_BNHCV, (x, starts_BNC, states_BNHKV, m_BHKK)
 
 
@@ -245,7 +246,8 @@ def _cp_bwd(axis_name, m_scan, dh_scan, prefix, backend, interpret, residuals, d
     if backend == "xla":
         dx, _ = finish_backward(local_vjp, t, do_BNHCV, d_end_BHKV)
     else:
-        dx, _ = pallas.core_backward((x, starts_BNC, states_BNHKV), do_BNHCV, d_end_BHKV, interpret=interpret)
+        dx, _ = pallas.core_backward((x, starts_BNC, states_BNHKV), do_BNHCV, d_end_BHKV, backend=backend,
+                                     interpret=interpret)
     return dx, None
 
 

@@ -17,8 +17,9 @@ from hybridmoe.kernels.gdn.reference import prepare_query_key, recurrence_step
 _BACKENDS = {
     "xla": lambda interpret: xla.gated_delta_rule_chunked,
     "xla_autodiff": lambda interpret: functools.partial(xla.gated_delta_rule_chunked, vjp="autodiff"),
-    "pallas_tpu": lambda interpret: functools.partial(
-        xla.gated_delta_rule_chunked, core=functools.partial(pallas.chunked_core, interpret=interpret)),
+    **{name: lambda interpret, name=name: functools.partial(
+        xla.gated_delta_rule_chunked,
+        core=functools.partial(pallas.chunked_core, backend=name, interpret=interpret)) for name in pallas.BACKENDS},
 }
 BACKENDS = tuple(_BACKENDS)
 
@@ -63,7 +64,8 @@ def gated_delta_rule(
     q is always scaled by dk^-1/2. segment_ids [B, T] (optional): a document starts wherever the
     id differs from the previous token's and no state crosses that boundary; initial_state
     [B, Hv, dk, dv] (optional, zeros) applies to each row's first document only.
-    backend: xla (any platform) or pallas_tpu (Mosaic TPU; on CPU with interpret=True, tests).
+    backend: xla (any platform), pallas_tpu (Mosaic TPU) or pallas_gpu (Triton); the Pallas backends
+    run on CPU with interpret=True (tests).
     Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] float32).
     """
     if backend not in _BACKENDS:
