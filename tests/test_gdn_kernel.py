@@ -234,8 +234,8 @@ def test_unit_lower_inverse(size):
 
 def test_rejects_unknown_backend_and_bad_shapes():
     q, k, v, g, beta, _ = make_inputs(seed=8, tokens=4, key_heads=3, value_heads=4)
-    assert BACKENDS == ("xla", "xla_autodiff", "pallas_tpu")
-    with pytest.raises(ValueError, match="choices: xla, xla_autodiff, pallas_tpu"):
+    assert BACKENDS == ("xla", "xla_autodiff", "pallas_tpu", "pallas_gpu")
+    with pytest.raises(ValueError, match="choices: xla, xla_autodiff, pallas_tpu, pallas_gpu"):
         gated_delta_rule(q[:, :, :2], k[:, :, :2], v, g, beta, backend="pallas")
     with pytest.raises(ValueError, match="multiple of key heads"):
         gated_delta_rule(q, k, v, g, beta)

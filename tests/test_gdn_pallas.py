@@ -132,9 +132,9 @@ def _substitution_skips_last_row(strict_lower_CD):
     return lax.fori_loop(1, size - 1, substitute_row, eye_CD)
 
 
-def _chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state):
+def _chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse=None):
     """The state carried into the next chunk without its decay exp(sum g) (the recurrence's S <- exp(g) S)."""
-    o, end = _ORIGINAL_CHUNK_STEP(q, k, v, g_c, g_r, beta, starts_c, starts_r, state)
+    o, end = _ORIGINAL_CHUNK_STEP(q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse)
     decay = jnp.exp(jnp.sum(g_r)) * (jnp.sum(starts_r) == 0)
     return o, end + (1.0 - decay) * state
 

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from hybridmoe.kernels.gdn.xla import masked_exp, unit_lower_inverse_adjoint
+from hybridmoe.kernels.gdn.xla import masked_exp, with_inverse_adjoint
 
 _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -68,17 +68,8 @@ def _forward_substitution(strict_lower_CD):
     return lax.fori_loop(1, size, substitute_row, eye_CD)
 
 
-@jax.custom_vjp
-def _unit_lower_inverse(strict_lower_CD):
-    return _forward_substitution(strict_lower_CD)
-
-
-def _inverse_fwd(strict_lower_CD):
-    inverse_CD = _forward_substitution(strict_lower_CD)
-    return inverse_CD, inverse_CD
-
-
-_unit_lower_inverse.defvjp(_inverse_fwd, unit_lower_inverse_adjoint)
+# Looked up at each call, so that a patched substitution reaches the backward's inverse too.
+_unit_lower_inverse = with_inverse_adjoint(lambda strict_lower_CD: _forward_substitution(strict_lower_CD))
 
 
 def chunk_step(q_CK, k_CK, v_CV, g_C1, g_1C, beta_C1, starts_C1, starts_1C, state_KV, inverse=None):

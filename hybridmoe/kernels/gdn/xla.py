@@ -93,25 +93,28 @@ def unit_lower_inverse(strict_lower_CD, block_size: int = INVERSE_BLOCK_SIZE):
     return _matmul("...ce,...ed->...cd", series_CD, diag_inverse_CD)
 
 
-@jax.custom_vjp
-def unit_lower_inverse_closed_form_vjp(strict_lower_CD):
-    """unit_lower_inverse with the adjoint of a matrix inverse: dL = strict_lower(-T^T dT T^T)."""
-    return unit_lower_inverse(strict_lower_CD)
-
-
-def _inverse_fwd(strict_lower_CD):
-    inverse_CD = unit_lower_inverse(strict_lower_CD)
-    return inverse_CD, inverse_CD
-
-
 def unit_lower_inverse_adjoint(inverse_CD, d_inverse_CD):
+    """The adjoint of a matrix inverse restricted to L's strictly lower part: dL = strict_lower(-T^T dT T^T)."""
     size = inverse_CD.shape[-1]
     strictly_lower = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
     d_lower = -_matmul("...ec,...ef,...df->...cd", inverse_CD, d_inverse_CD, inverse_CD)
     return (jnp.where(strictly_lower, d_lower, 0.0),)
 
 
-unit_lower_inverse_closed_form_vjp.defvjp(_inverse_fwd, unit_lower_inverse_adjoint)
+def with_inverse_adjoint(inverse):
+    """`inverse` (strictly lower L -> (I + L)^-1) with the closed-form adjoint instead of autodiff
+    through its substitution; the Pallas kernels wrap their own substitution the same way."""
+    wrapped = jax.custom_vjp(lambda strict_lower_CD: inverse(strict_lower_CD))
+
+    def forward(strict_lower_CD):
+        inverse_CD = inverse(strict_lower_CD)
+        return inverse_CD, inverse_CD
+
+    wrapped.defvjp(forward, unit_lower_inverse_adjoint)
+    return wrapped
+
+
+unit_lower_inverse_closed_form_vjp = with_inverse_adjoint(unit_lower_inverse)
 
 
 def masked_exp(log_x, keep):
