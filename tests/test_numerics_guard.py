@@ -1,20 +1,28 @@
 """Numerics guards: a step with a NaN/inf loss or gradient keeps the old weights (inside the jitted
 step), is counted, and after train.max_nonfinite_skips in a row (or at once under
-train.on_nonfinite=stop) the run checkpoints its last good state and exits with a clear message."""
+train.on_nonfinite=stop) the run checkpoints its last good state and exits with a clear message.
+While values are finite the guard changes no bit: `skip` equals the unguarded step (`off`) exactly,
+for the supervised and the GRPO step, and sabotaged guards are caught."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hybridmoe.rl.grpo as grpo_module
 import hybridmoe.train.loop as loop
 import hybridmoe.train.step as step_module
-from helpers import tiny_config
+from helpers import tiny_config, tiny_params
+from hybridmoe.analysis.program import primitive_counts
 from hybridmoe.cli import main
 from hybridmoe.config.schema import TrainConfig
+from hybridmoe.parallel.host import put_global
+from hybridmoe.rl.grpo import build_update_batch, jit_grpo_step, rl_optimizer
+from hybridmoe.train.setup import build, init_state, jit_train_step
 from hybridmoe.train.checkpoint import finished_steps
 from hybridmoe.train.guard import NonFiniteGuard, NonFiniteStop
 from hybridmoe.train.metrics import read_metrics
+from test_grpo import _advantages, _config as grpo_config, _rollout
 
 OVER = ("train.batch_size=8", "train.seq_len=16", "train.checkpoint_every=0", "train.warmup_steps=0")
 MARK = 0  # a first token of 0 (padding) never starts a real batch: it marks a poisoned step
@@ -47,8 +55,6 @@ def poisoned_steps(monkeypatch):
 
 
 def test_the_jitted_step_keeps_the_old_state_on_a_nan(poisoned_steps):
-    from hybridmoe.parallel.host import put_global
-    from hybridmoe.train.setup import build, init_state, jit_train_step
     cfg = tiny_config(*OVER)
     setup = build(cfg)
     step_fn = jit_train_step(setup)
@@ -95,3 +101,104 @@ def test_guard_counts_only_consecutive_skips():
     assert [s is not None for s in stops] == [False] * 5 + [True]
     never = NonFiniteGuard(TrainConfig(max_nonfinite_skips=0))
     assert all(never.observe(i, True) is None for i in range(50))
+
+
+# ---------------------------------------------------------------------------------------------
+# The guard against the guard removed (`off`, whose step has no such select), for the supervised
+# and the GRPO step, a few finite steps each. The metrics are bit-identical. The state is not: on
+# the CPU backend the select changes how XLA fuses the optimizer update, which then rounds the
+# last bit differently (measured: at most ~2e-6 of a leaf's largest value; an optimization
+# barrier before the select, or a lax.cond instead of it, did not make it bit-exact either). So the
+# state is held to STATE_TOL, and every sabotage of the guard lands far above it.
+
+GUARD_STEPS = 2
+STATE_TOL = 2e-5  # per leaf: max |guarded - unguarded| / max |unguarded|
+
+
+def _select_inverted(loss, grad_norm, new, old):
+    return step_module.keep_if_not(~(jnp.isfinite(loss) & jnp.isfinite(grad_norm)), new, old), jnp.int32(0)
+
+
+def _opt_state_kept(loss, grad_norm, new, old):
+    (params, _), skipped = _REAL_GUARD(loss, grad_norm, new, old)
+    return (params, old[1]), skipped
+
+
+_REAL_GUARD = step_module.skip_if_nonfinite
+# Sabotages of the guard alone (the `off` arm never calls it), each patched into both steps.
+BROKEN_GUARDS = {
+    "select_inverted": _select_inverted,  # a finite step keeps the old state
+    "opt_state_kept": _opt_state_kept,  # ... or the old optimizer state only (Adam frozen)
+}
+
+
+def _train_steps(policy: str):
+    """((state, metrics per step) after GUARD_STEPS finite steps, the step's primitive counts)."""
+    cfg = tiny_config(*OVER, f"train.on_nonfinite={policy}")
+    setup = build(cfg)
+    step_fn, source, position = jit_train_step(setup), loop.training_source(cfg), 0
+    with setup.context():
+        state, history = init_state(setup, jax.random.key(0)), []
+        batch = None
+        for i in range(GUARD_STEPS):
+            rows, position = source.batch(i, position)
+            batch = put_global(rows, setup.batch_sharding(1))
+            state, m = step_fn(state, batch)
+            history.append(m)
+        prims = primitive_counts(jax.make_jaxpr(step_module.train_step(cfg, setup.optimizer))(state, batch))
+        return jax.device_get((state, history)), prims
+
+
+def _grpo_steps(policy: str):
+    cfg = grpo_config(f"train.on_nonfinite={policy}")
+    setup, opt = build(cfg), rl_optimizer(cfg)
+    step_fn = jit_grpo_step(setup, opt, with_reference=False)
+    init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
+                   out_shardings=setup.state_shardings)
+    with setup.context():
+        state, history = init(tiny_params(cfg)), []
+        for i in range(GUARD_STEPS):
+            state, m = step_fn(state, None, build_update_batch(cfg, _rollout(cfg, seed=i), *_advantages(seed=i)))
+            history.append(m)
+        return jax.device_get((state, history))
+
+
+def _state_error(got, want) -> float:
+    """The largest per-leaf max |got - want| / max |want| over params and optimizer state."""
+    errs = [0.0]
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        errs.append(float(np.max(np.abs(x - y), initial=0.0) / max(np.max(np.abs(y), initial=0.0), 1e-30)))
+    return max(errs)
+
+
+def _metric_bits(history) -> list[dict]:
+    return [{k: np.asarray(v).tobytes() for k, v in m.items()} for m in history]
+
+
+@pytest.fixture(scope="module")
+def unguarded():
+    return {"train": _train_steps("off"), "grpo": _grpo_steps("off")}
+
+
+def test_the_guard_changes_nothing_in_finite_steps(unguarded):
+    (off_out, off_prims), (skip_out, skip_prims) = unguarded["train"], _train_steps("skip")
+    grpo_skip, grpo_off = _grpo_steps("skip"), unguarded["grpo"]
+    assert _metric_bits(skip_out[1]) == _metric_bits(off_out[1])
+    assert _metric_bits(grpo_skip[1]) == _metric_bits(grpo_off[1])
+    errors = {"train": _state_error(skip_out[0], off_out[0]), "grpo": _state_error(grpo_skip[0], grpo_off[0])}
+    assert max(errors.values()) < STATE_TOL, errors
+    assert all(int(m["update_skipped"]) == 0 for m in skip_out[1])
+    assert all(float(m["update_applied"]) == 1.0 for m in grpo_skip[1])
+    # And `off` is the program without the guard: one select per params and optimizer-state leaf fewer.
+    leaves = len(jax.tree.leaves((skip_out[0]["params"], skip_out[0]["opt_state"])))
+    assert skip_prims["select_n"] - off_prims["select_n"] == leaves, (skip_prims["select_n"], off_prims["select_n"])
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN_GUARDS))
+def test_a_broken_guard_is_caught(variant, unguarded, monkeypatch):
+    for module in (step_module, grpo_module):
+        monkeypatch.setattr(module, "skip_if_nonfinite", BROKEN_GUARDS[variant])
+    errors = {"train": _state_error(_train_steps("skip")[0][0], unguarded["train"][0][0]),
+              "grpo": _state_error(_grpo_steps("skip")[0], unguarded["grpo"][0])}
+    assert min(errors.values()) > 10 * STATE_TOL, (variant, errors)

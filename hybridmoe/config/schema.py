@@ -19,6 +19,11 @@ CHECKPOINT_NAMES = ("attn_q", "attn_out", "gdn_q", "gdn_k", "gdn_v", "gdn_core_o
 DType = Literal["float32", "bfloat16"]
 
 
+def bare_off(v):
+    """An enum value `off`: YAML 1.1 reads a bare `off` as False."""
+    return "off" if v is False else v
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
 
@@ -205,8 +210,7 @@ class QuantConfig(Section):
     @field_validator("fp8_fake_quant_hoist", mode="before")
     @classmethod
     def _bare_off(cls, v):
-        # YAML 1.1 reads a bare `off` as False.
-        return "off" if v is False else v
+        return bare_off(v)
 
 
 class AttentionConfig(Section):
@@ -256,12 +260,18 @@ class TrainConfig(Section):
     )
     checkpoint_every: int = Field(50, ge=0, description="Steps between checkpoints (0 = only at the end).")
     log_every: int = Field(1, gt=0, description="Steps between metric records.")
-    on_nonfinite: Literal["skip", "stop"] = Field(
+    on_nonfinite: Literal["skip", "stop", "off"] = Field(
         "skip", description="A step whose loss or gradient norm is NaN/inf leaves the weights and optimizer state "
         "as they were (decided inside the jitted step) and is counted (metric update_skipped); stop: the run "
-        "then checkpoints and exits.")
+        "then checkpoints and exits; off: no guard (the step has no such select and applies every update, "
+        "NaN included; max_nonfinite_skips is then unused).")
     max_nonfinite_skips: int = Field(
         10, ge=0, description="Consecutive skipped steps after which the run checkpoints and exits (0 = never).")
+
+    @field_validator("on_nonfinite", mode="before")
+    @classmethod
+    def _bare_off(cls, v):
+        return bare_off(v)
 
 
 class RLConfig(Section):

@@ -21,8 +21,9 @@ micro-batches (the ratio's max and min reduce by max and min); then clipping and
 supervised training. `combine_update_metrics` reduces the metrics of a rollout's updates the same way.
 
 A step whose batch keeps no token (every group zero-variance or masked) or whose gradient is not
-finite leaves params and optimizer state unchanged: AdamW's momentum would otherwise move the
-weights on a zero gradient, and a NaN would poison them for good. `update_applied` records which.
+finite (unless train.on_nonfinite=off) leaves params and optimizer state unchanged: AdamW's momentum
+would otherwise move the weights on a zero gradient, and a NaN would poison them for good.
+`update_applied` records which.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from hybridmoe.config.schema import Config
 from hybridmoe.model.forward import decoder_hidden, lm_head_at_use
 from hybridmoe.rl.logprobs import chunked_token_logprobs
 from hybridmoe.rl.objective import clipped_policy_loss, importance_weights
-from hybridmoe.train.step import accumulate_grads, make_optimizer
+from hybridmoe.train.step import accumulate_grads, guarded, keep_if_not, make_optimizer, skip_if_nonfinite
 
 # Per-micro-batch sums; each metric is a ratio of two of them over the whole step.
 _SUM_KEYS = ("kept_tokens", "completion_tokens", "entropy_sum", "logp_sum", "kl_sum", "clipped_sum",
@@ -118,16 +119,17 @@ def grpo_step(cfg: Config, optimizer: optax.GradientTransformation):
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        apply = (sums["kept_tokens"] > 0) & jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-        keep_old = lambda new, old: jnp.where(apply, new, old)
         any_kept = sums["kept_tokens"] > 0
+        old = (params, state["opt_state"])
+        new_params, opt_state = keep_if_not(any_kept, (optax.apply_updates(params, updates), opt_state), old)
+        apply = any_kept
+        if guarded(cfg.train):
+            (new_params, opt_state), skipped = skip_if_nonfinite(loss, grad_norm, (new_params, opt_state), old)
+            apply = apply & (skipped == 0)
         metrics = {"loss": loss, "grad_norm": grad_norm, "update_applied": apply.astype(jnp.float32),
                    **{k: sums[k] for k in (*_SUM_KEYS, *_EXTREMES)}}
         metrics.update(step_metrics(metrics, any_kept, jnp.where, jnp.maximum))
-        new_state = {"params": jax.tree.map(keep_old, new_params, params),
-                     "opt_state": jax.tree.map(keep_old, opt_state, state["opt_state"]),
-                     "step": state["step"] + 1}
+        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, metrics
 
     return step

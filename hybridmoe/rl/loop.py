@@ -44,6 +44,7 @@ from hybridmoe.train.loop import RunError, config_record
 from hybridmoe.train.metrics import MetricsWriter, plot_metrics
 from hybridmoe.train.run_dir import check_paths, open_checkpoints
 from hybridmoe.train.setup import build, init_state, jit_train_step
+from hybridmoe.train.step import guarded
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +354,8 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
                     bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", kept=f"{rec['kept_frac']:.2f}")
                 done = step + 1
                 if step >= r.warmup_steps:  # GRPO also skips updates with no kept token: only NaN/inf counts here
-                    rec["update_skipped"] = float(not (np.isfinite(rec["loss"]) and np.isfinite(rec["grad_norm"])))
+                    rec["update_skipped"] = float(guarded(cfg.train) and not (np.isfinite(rec["loss"])
+                                                                                and np.isfinite(rec["grad_norm"])))
                 nonfinite = bool(rec["update_skipped"])
                 history.append({"step": step, **rec})
                 stop = guard.observe(step, nonfinite)

@@ -3,6 +3,7 @@
 The jitted step has already kept the old weights for such a step (train/step.py; the GRPO step
 does the same); the run counts them here and, by train.on_nonfinite and train.max_nonfinite_skips,
 stops: the caller checkpoints the last good state and metrics, then raises the error returned.
+Under train.on_nonfinite=off the step has no guard: nothing is skipped, and nothing stops here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class NonFiniteGuard:
     def observe(self, step: int, nonfinite: bool) -> NonFiniteStop | None:
         """The error to stop with after this step, or None to go on."""
         self.in_a_row = self.in_a_row + 1 if nonfinite else 0
-        if not nonfinite:
+        if not nonfinite or self.policy == "off":
             return None
         if self.policy == "stop":
             return NonFiniteStop(f"step {step}: the loss or gradient norm is not finite (train.on_nonfinite=stop); "

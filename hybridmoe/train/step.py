@@ -74,9 +74,21 @@ def accumulate_grads(loss_sum_fn, params, micro_batches, reducers=None):
     return loss, count, grads
 
 
+def guarded(t: TrainConfig) -> bool:
+    """Whether the step keeps the old state on a NaN/inf loss or gradient (train.on_nonfinite != off)."""
+    return t.on_nonfinite != "off"
+
+
 def keep_if_not(ok, new, old):
     """`new` where the scalar `ok` holds, else `old` (leaf by leaf, on the device)."""
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def skip_if_nonfinite(loss, grad_norm, new, old):
+    """(`new`, or `old` when the loss or gradient norm is NaN/inf; update_skipped as int32): the
+    guard of train.on_nonfinite, called only when it is on (the supervised and the GRPO step)."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    return keep_if_not(finite, new, old), (~finite).astype(jnp.int32)
 
 
 def train_step(cfg: Config, optimizer: optax.GradientTransformation):
@@ -99,13 +111,14 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation):
         grad_norm = optax.tree.norm(grads)
         loss = loss_sum / denom
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
+        new_state = (optax.apply_updates(params, updates), opt_state)
         # A NaN/inf loss or gradient would poison the weights and Adam's moments for good: such a
         # step keeps the old ones, selected here on the device (no host round trip).
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        params, opt_state = keep_if_not(finite, (params, opt_state), (state["params"], state["opt_state"]))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count,
-                   "update_skipped": (~finite).astype(jnp.int32)}
+        if guarded(cfg.train):
+            (params, opt_state), skipped = skip_if_nonfinite(loss, grad_norm, new_state, (params, state["opt_state"]))
+        else:
+            (params, opt_state), skipped = new_state, jnp.int32(0)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "update_skipped": skipped}
         if report_dropped:
             metrics["moe_dropped"] = counts["moe_dropped"]
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
