@@ -1,6 +1,8 @@
-"""The Pallas GDN core (kernels/gdn/pallas.py), run interpreted on CPU: forward and every gradient
-against the token-by-token oracle and against the XLA custom-VJP core, packed documents included;
-its broken variants each caught; the config validator. (Its Mosaic TPU compile check lives in
+"""The Pallas GDN cores (kernels/gdn/pallas*.py: pallas_tpu and pallas_gpu), run interpreted on CPU:
+forward and every gradient against the token-by-token oracle and against the XLA custom-VJP core,
+packed documents included; the whole tiny model on the 8-device mesh, the sequence-sharded layer
+and decode's prefill against the XLA path; the broken variants each caught; the GPU kernels'
+Triton lowering; the config validator. (The Mosaic TPU compile check lives in
 tests/test_gmm_tpu_compile.py with every other libtpu user.)
 
 Dimension letters: B batch, T tokens, G key heads, H value heads, K key dim, V value dim.
@@ -262,3 +264,26 @@ def test_sequence_sharded_layer_with_pallas_core_equals_one_device(layer_case, s
     for (path, g), g_1 in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads_1)):
         errors[jax.tree_util.keystr(path)] = _rel_max(g, g_1)
     assert max(errors.values()) < 1e-4, errors
+
+
+def test_prefill_from_a_state_equals_the_xla_core(layer_case):
+    """Decode's prefill: the layer from a carried state (conv tails and a non-zero [Hv, dk, dv] state)
+    through the Pallas core equals the XLA core, output and every new state."""
+    from hybridmoe.model import gdn as gdn_model
+
+    cfg, params, x, seg = layer_case
+    m = cfg.model
+    rng = np.random.default_rng(3)
+    rows, tokens, width = 2, 40, m.gdn_conv_kernel - 1
+    tail = lambda heads, dim: jnp.asarray(rng.normal(size=(rows, width, heads, dim)), jnp.float32)
+    state = {"conv_q": tail(m.gdn_num_key_heads, m.gdn_key_dim), "conv_k": tail(m.gdn_num_key_heads, m.gdn_key_dim),
+             "conv_v": tail(m.gdn_num_value_heads, m.gdn_value_dim),
+             "ssm": jnp.asarray(rng.normal(size=(rows, m.gdn_num_value_heads, m.gdn_key_dim, m.gdn_value_dim)),
+                                jnp.float32)}
+    outputs = {backend: jax.jit(functools.partial(gdn_model.gdn_layer, m=m, chunk_size=16, backend=backend,
+                                                  interpret=True))(params, x[:rows, :tokens], seg[:rows, :tokens],
+                                                                   state=state)
+               for backend in ("xla", "pallas_gpu")}
+    for a, e in zip(jax.tree.leaves(outputs["pallas_gpu"]), jax.tree.leaves(outputs["xla"])):
+        assert _rel_max(a, e) < 1e-5
+    assert _rel_max(outputs["pallas_gpu"][1]["ssm"], state["ssm"]) > 0.1  # the state really moved
