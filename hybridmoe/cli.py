@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from hybridmoe.analysis import record as _record  # noqa: F401  (first: records name the commit this process started from)
 from hybridmoe.config import ConfigError, load_config, split_args
 
 

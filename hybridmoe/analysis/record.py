@@ -10,13 +10,26 @@ import subprocess
 from pathlib import Path
 
 
+def _source_commit() -> str:
+    """The checkout's commit, "+modified" when the package's files differ from it; "" outside git."""
+    here = Path(__file__).parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "."], capture_output=True, text=True,
+                                 cwd=here).stdout.strip()
+    except OSError:
+        return ""
+    return head + ("+modified" if head and changed else "")
+
+
+# Read when the module is first imported (the CLI and the benchmark scripts import it at start):
+# a long run records the code it started from, not a commit landed while it ran.
+SOURCE_COMMIT = _source_commit()
+
+
 def machine_record() -> dict:
     import jax
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = SOURCE_COMMIT
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
