@@ -39,13 +39,52 @@ def causal_conv(x_BTHC, taps_WHC, segment_ids_BT, tail_BSHC=None, tail_segment_i
         tail_seg = jnp.broadcast_to(segment_ids_BT[:, :1], (B, W - 1))
     xp = jnp.concatenate([tail_BSHC.astype(x_BTHC.dtype), x_BTHC], axis=1)
     segp = jnp.concatenate([tail_seg, segment_ids_BT], axis=1)
-    acc = jnp.zeros(x_BTHC.shape, jnp.float32)
-    for j in range(W):
-        shift = W - 1 - j  # tap j reads token t - shift
-        xs = jax.lax.dynamic_slice_in_dim(xp, W - 1 - shift, T, axis=1)
-        same = jax.lax.dynamic_slice_in_dim(segp, W - 1 - shift, T, axis=1) == segment_ids_BT
-        acc = acc + jnp.where(same[..., None, None], xs.astype(jnp.float32), 0.0) * taps_WHC[j].astype(jnp.float32)
-    return jax.nn.silu(acc).astype(x_BTHC.dtype), xp[:, -(W - 1):] if W > 1 else xp[:, :0]
+    # keep[j]: tap j (reading token t - (W-1-j)) lies in t's document.
+    keep_WBT = jnp.stack([segp[:, j:j + T] == segment_ids_BT for j in range(W)]).astype(jnp.float32)
+    y = _depthwise_conv_silu(xp, taps_WHC, keep_WBT)
+    return y, xp[:, -(W - 1):] if W > 1 else xp[:, :0]
+
+
+def _conv_sum(xp_BPHC, taps_WHC, keep_WBT):
+    """float32 sum over taps of keep * x(t - (W-1-j)) * tap_j: [B, T, ...]."""
+    T = keep_WBT.shape[-1]
+    expand = lambda m_BT: m_BT.reshape(m_BT.shape + (1,) * (xp_BPHC.ndim - 2))
+    return sum(expand(keep_WBT[j]) * xp_BPHC[:, j:j + T].astype(jnp.float32) * taps_WHC[j].astype(jnp.float32)
+               for j in range(taps_WHC.shape[0]))
+
+
+@jax.custom_vjp
+def _depthwise_conv_silu(xp_BPHC, taps_WHC, keep_WBT):
+    """silu(causal depthwise conv) of the left-padded input xp [B, W-1+T, ...], in xp's dtype.
+
+    Its own backward: the input cotangent is one pass summing the W shifted, masked, tap-scaled
+    copies of the pre-SiLU cotangent, and the taps' cotangents W reductions of the same pass;
+    autodiff of the masked tap loop gives each tap's select, pad and add as separate passes over
+    the activations.
+    """
+    return jax.nn.silu(_conv_sum(xp_BPHC, taps_WHC, keep_WBT)).astype(xp_BPHC.dtype)
+
+
+def _depthwise_conv_silu_fwd(xp_BPHC, taps_WHC, keep_WBT):
+    return _depthwise_conv_silu(xp_BPHC, taps_WHC, keep_WBT), (xp_BPHC, taps_WHC, keep_WBT)
+
+
+def _depthwise_conv_silu_bwd(residuals, dy_BTHC):
+    xp_BPHC, taps_WHC, keep_WBT = residuals
+    W, T = taps_WHC.shape[0], keep_WBT.shape[-1]
+    acc = _conv_sum(xp_BPHC, taps_WHC, keep_WBT)
+    sig = jax.nn.sigmoid(acc)
+    d_acc = dy_BTHC.astype(jnp.float32) * sig * (1.0 + acc * (1.0 - sig))
+    expand = lambda m_BT: m_BT.reshape(m_BT.shape + (1,) * (xp_BPHC.ndim - 2))
+    no_pad = [(0, 0)] * (xp_BPHC.ndim - 2)
+    d_xp = sum(jnp.pad(expand(keep_WBT[j]) * d_acc * taps_WHC[j].astype(jnp.float32), [(0, 0), (j, W - 1 - j)] + no_pad)
+               for j in range(W))
+    d_taps = jnp.stack([jnp.sum(expand(keep_WBT[j]) * xp_BPHC[:, j:j + T].astype(jnp.float32) * d_acc, axis=(0, 1))
+                        for j in range(W)])
+    return d_xp.astype(xp_BPHC.dtype), d_taps.astype(taps_WHC.dtype), None
+
+
+_depthwise_conv_silu.defvjp(_depthwise_conv_silu_fwd, _depthwise_conv_silu_bwd)
 
 
 def gates_from_projections(p, b_BTU, a_BTU):
@@ -62,38 +101,43 @@ CONV_TAPS = ("conv_q", "conv_k", "conv_v")
 
 
 def in_projections(p, x_BTD):
-    """q, k, v, z [B, T, heads, dim] and b, a [B, T, U] from ONE matmul over the weights side by side.
+    """q, k, v, z [B, T, heads * dim] (flat) and b, a [B, T, U] from ONE matmul over the weights side by side.
 
     The parameters stay split (the Hugging Face layout maps onto them name by name); joining the
     [D, n] weights costs a copy of the weights, far less than five more passes over the activations
     in the forward and ten in the backward (each with its own transposed copy of x or of its
-    cotangent on CPU).
+    cotangent on CPU). The pieces stay flat so that q, k, v rejoin for the conv without a copy.
     """
     dt = x_BTD.dtype
     weights = [p[name].astype(dt) for name in IN_PROJECTIONS]
     widths = [w[0].size for w in weights]
     joined_DN = jnp.concatenate([w.reshape(w.shape[0], -1) for w in weights], axis=1)
     joined_BTN = jnp.einsum("btd,dn->btn", x_BTD, joined_DN)
-    pieces = jnp.split(joined_BTN, list(itertools.accumulate(widths[:-1])), axis=-1)
-    return [y.reshape(*x_BTD.shape[:2], *w.shape[1:]) for y, w in zip(pieces, weights)]
+    return jnp.split(joined_BTN, list(itertools.accumulate(widths[:-1])), axis=-1)
 
 
-def conv_all_channels(p, q, k, v, segment_ids_BT, tails=None):
+def _heads(a_BTN, param):
+    """[B, T, heads * dim] -> [B, T, heads, dim] as the conv taps or projection `param` lays them out."""
+    return a_BTN.reshape(*a_BTN.shape[:2], *param.shape[1:])
+
+
+def conv_all_channels(p, q_BTN, k_BTN, v_BTN, segment_ids_BT, tails=None):
     """The three causal convs as one over the [q | k | v] channels (one pass instead of three).
 
-    Returns (q, k, v) after conv + SiLU and their new tails [B, W-1, heads, dim].
+    q, k, v flat [B, T, heads * dim] (the projection's adjacent columns, so joining them again is
+    free); tails [B, W-1, heads, dim] or None. Returns (q, k, v) [B, T, heads, dim] after conv + SiLU
+    and their new tails.
     """
-    parts = (q, k, v)
-    flat = lambda a, lead: a.reshape(*a.shape[:lead], 1, -1)
-    x_BT1N = jnp.concatenate([flat(a, 2) for a in parts], axis=-1)
-    taps_W1N = jnp.concatenate([flat(p[name], 1) for name in CONV_TAPS], axis=-1)
-    tail = None if tails is None else jnp.concatenate([flat(t, 2) for t in tails], axis=-1)
+    parts = (q_BTN, k_BTN, v_BTN)
+    x_BT1N = jnp.concatenate(parts, axis=-1)[:, :, None, :]
+    taps_W1N = jnp.concatenate([p[name].reshape(p[name].shape[0], 1, -1) for name in CONV_TAPS], axis=-1)
+    tail = None if tails is None else jnp.concatenate([t.reshape(*t.shape[:2], 1, -1) for t in tails], axis=-1)
     y_BT1N, tail_BS1N = causal_conv(x_BT1N, taps_W1N, segment_ids_BT, tail)
-    bounds = list(itertools.accumulate(a[0, 0].size for a in parts[:-1]))
-    ys = jnp.split(y_BT1N, bounds, axis=-1)
-    new_tails = jnp.split(tail_BS1N, bounds, axis=-1)
-    unflat = lambda a, like: a.reshape(*a.shape[:2], *like.shape[2:])
-    return [unflat(y, a) for y, a in zip(ys, parts)], [unflat(t, a) for t, a in zip(new_tails, parts)]
+    bounds = list(itertools.accumulate(a.shape[-1] for a in parts[:-1]))
+    ys = jnp.split(y_BT1N[:, :, 0], bounds, axis=-1)
+    new_tails = jnp.split(tail_BS1N[:, :, 0], bounds, axis=-1)
+    return ([_heads(y, p[name]) for y, name in zip(ys, CONV_TAPS)],
+            [_heads(t, p[name]) for t, name in zip(new_tails, CONV_TAPS)])
 
 
 def context_ranks() -> int:
@@ -174,8 +218,10 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     x_BTD = x_BTD * (segment_ids_BT > 0)[..., None].astype(dt)
     q, k, v, z, b, a = in_projections(p, x_BTD)
     q, k, v = (checkpoint_name(t, n) for t, n in ((q, "gdn_q"), (k, "gdn_k"), (v, "gdn_v")))
+    z = _heads(z, p["wz"])
     g, beta = gates_from_projections(p, b, a)
     if state is None and context_ranks() > 1:
+        q, k, v = (_heads(t, p[name]) for t, name in zip((q, k, v), CONV_TAPS))
         o_BTUv = _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, chunk_size=chunk_size,
                                                  m_scan=cp_m_scan, dh_scan=cp_dh_scan, prefix=cp_prefix,
                                                  backend=backend, interpret=interpret)
