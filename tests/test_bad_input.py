@@ -9,6 +9,7 @@ import pytest
 
 from hybridmoe.cli import main
 from hybridmoe.config import ConfigError, load_config
+from hybridmoe.config.validate import rl_sequence_problems
 from hybridmoe.parallel import fit
 from hybridmoe.parallel.rules import DEFAULT_RULES
 
@@ -44,6 +45,8 @@ def _bad_inputs(tmp: Path) -> dict[str, Path]:
 
 TOKENS = str(FIXTURE / "tokens.npy")
 RL_NOTHING = ["rl", "recipe=demo", "rl.warmup_steps=0", "rl.steps=0"]
+RL_CONTEXT = ["recipe=tiny", "train.batch_size=8", "train.seq_len=16", "gdn.chunk_size=4", "mesh.context=2",
+              "rl.warmup_steps=0", "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=4", "rl.max_prompt_len=8"]
 # (argv with {placeholders}, text the error must contain). train/rl cases that get past the path
 # checks would train: the checks must come first, so these stay fast.
 CASES = {
@@ -69,6 +72,8 @@ CASES = {
                               "config.json"),
     "init_hf_bad_config_json": ([*RL_NOTHING, "--init-hf", "{bad_config}"], "config.json"),
     "resume_without_out": (["train", "--resume"], "--out"),
+    # 8 + 3 = 11 tokens per GRPO row: not whole gdn.chunk_size=4 chunks on each of 2 context ranks.
+    "rl_lengths_vs_context": (["rl", *RL_CONTEXT, "rl.max_new_tokens=3", "--out", "{out}/run"], "rl.max_new_tokens"),
 }
 
 
@@ -130,3 +135,19 @@ def test_build_checks_the_real_mesh_when_the_device_count_is_known_only_at_run_t
     cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.data=1", "model.d_model=30"])  # fsdp=-1: unknown at load
     with pytest.raises(ConfigError, match="model.d_model"):
         build(cfg)
+
+
+def test_rl_sequences_are_checked_against_the_context_ranks_and_gdn_chunks():
+    problems = dict(rl_sequence_problems(load_config("tiny", [*RL_CONTEXT[1:], "rl.max_prompt_len=7",
+                                                               "rl.max_new_tokens=3"])))
+    assert "multiple of 2" in problems["rl.max_prompt_len"], problems
+    assert "multiple of 8" in problems["rl.max_new_tokens"] and "gdn.chunk_size=4" in problems["rl.max_new_tokens"]
+    assert rl_sequence_problems(load_config("tiny", [*RL_CONTEXT[1:], "rl.max_new_tokens=8"])) == []
+    # Only the rl command checks them (the config loads): the rl keys need not fit a train run's mesh.
+    assert rl_sequence_problems(load_config("tiny", [*RL_CONTEXT[1:], "rl.max_new_tokens=3"]))
+
+
+@pytest.mark.slow
+def test_a_grpo_step_runs_with_the_sequence_over_context_ranks(tmp_path):
+    """The fix the rule suggests runs: per-target arrays [.., T - 1] no longer split like tokens [.., T]."""
+    assert main(["rl", *RL_CONTEXT, "rl.max_new_tokens=8", "--out", str(tmp_path / "run")]) == 0

@@ -386,6 +386,45 @@ def _routing_replay(cfg: Config) -> list[Problem]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The rl command's sequences under context parallelism. Checked by run_rl (not at every config
+# load: a `train` run never builds these sequences, and the rl defaults need not fit its mesh).
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def rl_sequence_problems(cfg: Config) -> list[Problem]:
+    """The GRPO update's rows (rl.max_prompt_len + rl.max_new_tokens tokens) split over
+    mesh.context like training rows, in whole GDN chunks per rank, and the sampler's prompt rows
+    [B, rl.max_prompt_len] split over it as they are handed in."""
+    ranks, r, out = _context_size(cfg), cfg.rl, []
+    if not ranks or ranks <= 1:
+        return out
+    if r.max_prompt_len % ranks:
+        out.append(("rl.max_prompt_len", f"{r.max_prompt_len} prompt tokens do not split over mesh.context={ranks}; "
+                    f"make it a multiple of {ranks} (e.g. rl.max_prompt_len={_round_up(r.max_prompt_len, ranks)})"))
+    need, why = ranks, [f"mesh.context={ranks}"]
+    if "attention" in cfg.model.layer_pattern and cfg.attention.cp_load_balance:
+        need, why = 2 * ranks, [f"the 2 x mesh.context={ranks} half-chunks of attention.cp_load_balance"]
+    if "gdn" in cfg.model.layer_pattern:
+        need = math.lcm(need, ranks * cfg.gdn.chunk_size)
+        why.append(f"whole gdn.chunk_size={cfg.gdn.chunk_size} chunks on each context rank")
+    if r.sequence_len % need:
+        out.append(("rl.max_new_tokens", f"rl.max_prompt_len + rl.max_new_tokens = {r.sequence_len} tokens per GRPO "
+                    f"row must be a multiple of {need} ({'; '.join(why)}); e.g. rl.max_new_tokens="
+                    f"{_round_up(r.sequence_len, need) - r.max_prompt_len}"))
+    return out
+
+
+def check_rl_requirements(cfg: Config) -> None:
+    """What only the rl command needs of a config that passed check_requirements; one ConfigError."""
+    problems = rl_sequence_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+# ---------------------------------------------------------------------------------------------
 # Gated DeltaNet: sequence-sharded context parallelism (mesh.context > 1) and its scan keys.
 
 # The chunk size the scan keys are built and proven for (LEVERS.md).

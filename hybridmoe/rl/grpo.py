@@ -227,15 +227,17 @@ def mini_batch_rows(cfg: Config, num_rows: int, step: int) -> list[np.ndarray]:
 
 
 def update_batch_shardings(setup, with_old_logprobs: bool = False) -> dict:
-    """Rows over the batch axes, micro-batch and token axes unsharded; the normaliser replicated."""
+    """Token rows [M, b, T] as training batches (batch axes, and the sequence over mesh.context);
+    per-row [M, b] and per-target [M, b, T - 1] arrays over the batch axes only (T - 1 cannot split
+    over the context ranks that split T); the normaliser replicated."""
     rows = setup.batch_sharding(1)  # [M, b, T]
-    per_row = NamedSharding(setup.mesh, PartitionSpec(*rows.spec[:2]))  # [M, b]
+    per_row = NamedSharding(setup.mesh, PartitionSpec(*rows.spec[:2]))  # [M, b] and [M, b, T - 1]
     replicated = NamedSharding(setup.mesh, PartitionSpec())
-    out = {"tokens": rows, "segment_ids": rows, "positions": rows, "logp_sampler": rows, "mask": rows,
+    out = {"tokens": rows, "segment_ids": rows, "positions": rows, "logp_sampler": per_row, "mask": per_row,
            "advantages": per_row, "keep": per_row, "normalizer": replicated}
     if setup.cfg.moe.routing_replay:
         out["routing"] = NamedSharding(setup.mesh, PartitionSpec(*rows.spec, None, None))
-    return {**out, "logp_old": rows} if with_old_logprobs else out
+    return {**out, "logp_old": per_row} if with_old_logprobs else out
 
 
 def jit_grpo_step(setup, optimizer: optax.GradientTransformation, with_reference: bool):
@@ -258,8 +260,8 @@ def jit_old_logprobs(setup):
         return jax.lax.map(lambda mb: sequence_logprobs(params, cfg, mb["tokens"], mb["segment_ids"],
                                                         mb["positions"], mb.get("routing"))[0], batch)
 
-    rows = setup.batch_sharding(1)
-    return jax.jit(old, in_shardings=(setup.param_shardings, update_batch_shardings(setup)), out_shardings=rows)
+    per_target = update_batch_shardings(setup)["mask"]  # [M, b, T - 1]
+    return jax.jit(old, in_shardings=(setup.param_shardings, update_batch_shardings(setup)), out_shardings=per_target)
 
 
 def policy_updates(cfg: Config, rows: dict, step: int, state, ref_params, step_fn, old_logprobs_fn, put, fetch):

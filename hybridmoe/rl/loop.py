@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from hybridmoe.config.schema import Config
-from hybridmoe.config.validate import ConfigError, check_requirements
+from hybridmoe.config.validate import ConfigError, check_requirements, check_rl_requirements
 from hybridmoe.model.params import abstract_params
 from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
 from hybridmoe.rl.advantages import advantage_stats, group_advantages
@@ -267,6 +267,7 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
         raise ConfigError([("moe.capacity_factor", "the RL trainer runs dropless MoE only; set it to 0")])
     if init_hf is not None:
         cfg = config_with_hf_model(cfg, init_hf)
+    check_rl_requirements(cfg)  # after the model section is final, before anything is built
     tokenizer = (config_tokenizer(cfg) if cfg.data.tokenizer else
                  load_tokenizer(init_hf if init_hf is not None and (Path(init_hf) / "tokenizer.json").is_file() else None))
     if tokenizer.vocab_size > cfg.model.vocab_size:
