@@ -160,3 +160,26 @@ def test_gdn_pallas_core_compiles(device, chunk_size, key_dim, value_dim):
 
     compiled = _compile(jax.grad(loss, (0, 1, 2, 3, 4)), *args)
     assert compiled.as_text().count("tpu_custom_call") == 2  # the forward and the backward kernel
+
+
+def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
+    """The training step (one GDN layer, rows over data x fsdp, heads over tensor) compiled for the
+    topology's 8 devices: with kernels.gdn.backend=pallas_tpu it holds the forward and backward GDN
+    kernels and exactly the collectives of the xla backend (place, kind, dtype, count, bytes), so
+    no operand of the kernels is gathered: they run per shard."""
+    from hybridmoe.analysis import train_program as tp
+    from hybridmoe.config import load_config
+    from hybridmoe.config.validate import compile_target
+    from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES
+
+    steps = {}
+    for backend in ("xla", "pallas_tpu"):
+        with compile_target("tpu"):
+            cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "model.layer_pattern=[gdn]",
+                                       "model.num_layers=1", f"kernels.gdn.backend={backend}"])
+        steps[backend] = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False)
+    text = steps["pallas_tpu"].program.compiled_text
+    assert all(name in text for name in KERNEL_NAMES.values())
+    assert not any(name in steps["xla"].program.compiled_text for name in KERNEL_NAMES.values())
+    collectives = {b: tp.collective_rows(s.program.compiled_collectives) for b, s in steps.items()}
+    assert collectives["pallas_tpu"] == collectives["xla"], collectives

@@ -24,6 +24,8 @@ from jax import lax
 from hybridmoe.kernels.gdn.xla import masked_exp, with_inverse_adjoint
 
 _HIGHEST = lax.Precision.HIGHEST
+# The kernels' names in the compiled program (what program facts look for).
+KERNEL_NAMES = {"_forward_kernel": "gdn_chunk_forward", "_backward_kernel": "gdn_chunk_backward"}
 _F32 = jnp.float32
 
 

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from hybridmoe.kernels.gdn.pallas_chunk import backward_chunk, forward_chunk
+from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES, backward_chunk, forward_chunk
 
 _F32 = jnp.float32
 
@@ -80,7 +80,7 @@ def forward(chunk_inputs, initial_BHKV, *, interpret: bool):
     in_specs, spec = _specs((num_chunks, chunk_size, key_dim, value_dim))
     shape = lambda *dims: jax.ShapeDtypeStruct(dims, _F32)
     return pl.pallas_call(
-        _forward_kernel, grid=(batch, heads),
+        _forward_kernel, name=KERNEL_NAMES["_forward_kernel"], grid=(batch, heads),
         in_specs=in_specs + [_state_spec(key_dim, value_dim)],
         out_specs=[spec((chunk_size, value_dim)), spec((key_dim, value_dim)), _state_spec(key_dim, value_dim)],
         out_shape=[shape(batch, num_chunks, heads, chunk_size, value_dim),
@@ -96,7 +96,7 @@ def backward(chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV, *, interpret: b
     in_specs, spec = _specs((num_chunks, chunk_size, key_dim, value_dim))
     like = lambda a: jax.ShapeDtypeStruct(a.shape, _F32)
     return pl.pallas_call(
-        _backward_kernel, grid=(batch, heads),
+        _backward_kernel, name=KERNEL_NAMES["_backward_kernel"], grid=(batch, heads),
         in_specs=in_specs + [spec((key_dim, value_dim)), spec((chunk_size, value_dim)),
                              _state_spec(key_dim, value_dim)],
         out_specs=in_specs[:6] + [_state_spec(key_dim, value_dim)],
