@@ -194,13 +194,13 @@ def test_gpu_kernels_lower_to_triton():
 
 
 @pytest.mark.parametrize("backend, requirements", [
-    ("pallas_tpu", ("pallas_tpu cannot run on this platform (cpu)", "multiple of 8 on TPU (got 12)")),
-    ("pallas_gpu", ("pallas_gpu cannot run on this platform (cpu)", "gdn.chunk_size a power of two >= 16 on GPU (got 12)",
+    ("pallas_tpu", ("pallas_tpu cannot run on this platform (cpu)", "gdn.chunk_size >= 2 on TPU (got 1")),
+    ("pallas_gpu", ("pallas_gpu cannot run on this platform (cpu)", "gdn.chunk_size a power of two >= 16 on GPU (got 1)",
                     "model.gdn_value_dim a power of two >= 16 on GPU (got 24)")),
 ])
 def test_validator_names_the_key_and_every_unmet_requirement(backend, requirements):
     with pytest.raises(ConfigError) as e:
-        load_config("tiny", [f"kernels.gdn.backend={backend}", "gdn.chunk_size=12", "model.gdn_value_dim=24"])
+        load_config("tiny", [f"kernels.gdn.backend={backend}", "gdn.chunk_size=1", "model.gdn_value_dim=24"])
     messages = [m for k, m in e.value.problems if k == "kernels.gdn.backend"]
     assert len(messages) == 1, e.value.problems
     for requirement in requirements:

@@ -142,10 +142,7 @@ def test_inspect_compiles_the_training_step_for_a_tpu_target(device):
     assert any(r["kind"] == "all-gather" for r in facts["collectives"])
 
 
-@pytest.mark.parametrize("chunk_size, key_dim, value_dim", [(64, 128, 128), (16, 16, 8)])
-def test_gdn_pallas_core_compiles(device, chunk_size, key_dim, value_dim):
-    """The Pallas GDN core's forward and backward kernels lower through Mosaic (packed rows, bf16
-    inputs): Qwen3.5's head dims at chunk 64, and the small dims the CPU tests run."""
+def _gdn_pallas_grad(device, chunk_size, key_dim, value_dim):
     from hybridmoe.kernels.gdn import gated_delta_rule
 
     tokens, heads = 4 * chunk_size, 2
@@ -158,8 +155,22 @@ def test_gdn_pallas_core_compiles(device, chunk_size, key_dim, value_dim):
                                     backend="pallas_tpu")
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
 
-    compiled = _compile(jax.grad(loss, (0, 1, 2, 3, 4)), *args)
+    return _compile(jax.grad(loss, (0, 1, 2, 3, 4)), *args)
+
+
+@pytest.mark.parametrize("chunk_size, key_dim, value_dim", [(64, 128, 128), (16, 16, 8), (2, 16, 8)])
+def test_gdn_pallas_core_compiles(device, chunk_size, key_dim, value_dim):
+    """The Pallas GDN core's forward and backward kernels lower through Mosaic (packed rows, bf16
+    inputs): Qwen3.5's head dims at chunk 64, the small dims the CPU tests run, and the smallest
+    chunk the validator lets through on TPU."""
+    compiled = _gdn_pallas_grad(device, chunk_size, key_dim, value_dim)
     assert compiled.as_text().count("tpu_custom_call") == 2  # the forward and the backward kernel
+
+
+def test_gdn_pallas_core_chunk_one_is_refused_by_mosaic(device):
+    """Why the validator asks for gdn.chunk_size >= 2 with pallas_tpu."""
+    with pytest.raises(Exception, match="dot_dimension_numbers"):
+        _gdn_pallas_grad(device, 1, 16, 8)
 
 
 def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
