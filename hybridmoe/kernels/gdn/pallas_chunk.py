@@ -16,11 +16,10 @@ V value dim.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
+
 from hybridmoe.kernels.gdn.xla import masked_exp, with_inverse_adjoint
 
 _HIGHEST = lax.Precision.HIGHEST

@@ -52,7 +52,8 @@ def _specs(dims, reverse: bool):
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, key_dim, value_dim, interpret):
     return pl.pallas_call(
-        kernel, name=KERNEL_NAMES[kernel.__name__], grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        kernel, name=KERNEL_NAMES[kernel.__name__], grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((key_dim, value_dim), _F32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret)
