@@ -4,13 +4,13 @@ Within a chunk everything is batched matmuls (the WY form); only the [K, V] stat
 carried by a `lax.scan`. All of it runs in float32 with HIGHEST matmul precision: the state is
 a long product of chunk transitions and a bf16 pass anywhere in it compounds over the sequence.
 
-The backward (`vjp="custom"`, the default) saves only the prepared inputs and the state at every
-chunk start ([B, N, H, K, V], one state per chunk: less than autodiff's per-chunk residuals of the
-scan and of the inverse's substitution loop). It replays the vectorised intra-chunk terms, runs
-one reverse scan for the state cotangent (GDN.md section 2's adjoint recurrence) and then
-differentiates every chunk at once with the state at its start and end fixed. The inverse
-T = (I + L)^-1 has the closed-form adjoint dL = -T^T dT T^T instead of autodiff through the
-forward substitution. `vjp="autodiff"` keeps the earlier path (the benchmark's baseline).
+The backward (`vjp="custom"`, the default) saves the prepared inputs, the state at every chunk
+start ([B, N, H, K, V]) and each chunk's inverse T ([B, N, H, C, D]): less than autodiff's
+per-chunk residuals of the scan and of the inverse's substitution loop. It recomputes the other
+intra-chunk terms, runs one reverse scan for the state cotangent (GDN.md section 2's adjoint
+recurrence) and then takes every chunk's adjoint at once, by hand (`local_chunks_backward`), with
+the state at its start and end fixed; T's adjoint is the closed form dL = -T^T dT T^T.
+`vjp="autodiff"` differentiates the same forward by autodiff (the benchmark's comparison).
 
 Dimension letters:
   B batch, T tokens, N chunks, C position in a chunk (D: a second position axis, the key / source
@@ -293,7 +293,7 @@ def local_chunks_backward(x: ChunkInputs, f: ChunkFactors, t: ChunkTerms, states
     The forward of one chunk, with S its start state and a, e, c the decays from the chunk's start,
     to its end and across it (GDN.md section 2):
         L = strict(diag(beta) K K^T * Gamma),  T = (I + L)^-1,  W = T diag(beta a) K,  U = T diag(beta) V,
-        V_new = U - W S,  O = diag(a) Q S + (Q K^T * Gamma) V_new,  S_end = c S + diag(e) K)^T V_new.
+        V_new = U - W S,  O = diag(a) Q S + (Q K^T * Gamma) V_new,  S_end = c S + (diag(e) K)^T V_new.
     Its adjoint by hand, each line the transpose of one forward line, so that every intra-chunk
     product is a batched matmul over all chunks (autodiff of the same forward doubles the passes
     over the [C, C] arrays: it keeps the where-masks' and the exp's own tangents).
