@@ -49,6 +49,49 @@ def test_inspect_cpu_side_by_side(tmp_path, capsys):
     assert other["flops"] < base["flops"]
 
 
+REFUSAL = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+           "(132.47G) exceeds available HBM (94.75G).")
+
+
+def test_inspect_reports_a_step_the_compiler_refuses_for_memory(tmp_path, capsys, monkeypatch):
+    """A TPU compile refused for HBM (libtpu's error, as the 397B default step gets it) is a result:
+    the compiler's temporaries, the arguments from their shardings (equal to what the compiled
+    program of the same step reports), fits NO; no traceback, the record written."""
+    import jax
+
+    real_compile, calls = jax.stages.Lowered.compile, []
+
+    def compile_then_refuse(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            return real_compile(self, *a, **k)
+        raise jax.errors.JaxRuntimeError(REFUSAL)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_then_refuse)
+    out = tmp_path / "inspect.json"
+    rc = main(["inspect", "recipe=tiny", "train.batch_size=8", "--target", "cpu:8",
+               "--compare", "train.seed=1", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "compare: the compiler refused the step for memory" in text and "132.47G" in text
+    progs = json.loads(out.read_text())["programs"]
+    compiled, refused = progs["base"]["memory"], progs["compare"]["memory"]
+    assert refused["temp"] == round(132.47 * 2**30) and refused["fits"] is False
+    assert refused["argument"] == compiled["argument"] > 0
+    assert refused["total"] == refused["argument"] + refused["temp"]
+
+
+def test_other_compile_errors_are_not_taken_for_a_memory_refusal(monkeypatch):
+    import jax
+
+    def fail(self, *a, **k):
+        raise jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed to compile the kernel")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", fail)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Mosaic"):
+        tp.compile_step(load_config("tiny", ["train.batch_size=8"]), tp.host_target(), with_residuals=False)
+
+
 GATE_SHAPES = ["rl.prompts_per_step=2", "rl.group_size=4", "rl.max_prompt_len=8", "rl.max_new_tokens=4"]
 
 

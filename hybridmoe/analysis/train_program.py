@@ -104,21 +104,58 @@ def abstract_batch(cfg: Config, setup):
 class CompiledStep:
     cfg: Config
     target: Target
-    program: program.Program
+    program: program.Program | None     # None when the compiler refused the step for memory
     compile_s: float
     residuals: list
+    out_of_memory: dict | None = None   # what the refusal said (see `_out_of_hbm`)
+
+
+# The TPU compiler refuses a program whose buffers exceed the device's HBM (after buffer
+# assignment, so the figure is the program's own) with, in the pinned libtpu:
+#   RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries
+#   (132.47G) exceeds available HBM (94.75G).
+# "G" is GiB there (a 96 GiB tpu7x device reports 94.75G available: the runtime's reserve).
+_HBM_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory on HBM.*?temporaries \(([\d.]+)G\)"
+                          r".*?available HBM \(([\d.]+)G\)", re.S)
+
+
+def _out_of_hbm(error: Exception) -> dict | None:
+    m = _HBM_REFUSAL.search(str(error))
+    if not m:
+        return None
+    return {"temp": round(float(m.group(1)) * GIB), "available": round(float(m.group(2)) * GIB),
+            "message": str(error).strip().splitlines()[0][:400]}
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of abstract arrays with shardings (the largest shard of each)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
 
 
 def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True) -> CompiledStep:
-    """Lower and compile the training step for the target's devices (nothing is run)."""
+    """Lower and compile the training step for the target's devices (nothing is run). A TPU
+    compile refused for HBM comes back as a step without a program whose `out_of_memory` holds
+    the compiler's figure and the arguments' per-device bytes."""
     from hybridmoe.train.setup import build, jit_train_step
 
     setup = build(cfg, list(target.devices))
     step = jit_train_step(setup)
     with setup.context():
         t0 = time.perf_counter()
-        lowered = step.lower(setup.abstract_state(), abstract_batch(cfg, setup))
-        compiled = lowered.compile()
+        inputs = (setup.abstract_state(), abstract_batch(cfg, setup))
+        lowered = step.lower(*inputs)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            refusal = _out_of_hbm(e)
+            if refusal is None:
+                raise
+            refusal["argument"] = shard_bytes(inputs)
+            return CompiledStep(cfg, target, None, time.perf_counter() - t0, [], refusal)
         compile_s = time.perf_counter() - t0
         residuals = block_residuals(cfg, setup) if with_residuals else []
     prog = program.Program(lowered.as_text(), compiled.as_text(), program.memory_figures(compiled),
@@ -192,8 +229,21 @@ def residual_bytes(residuals: list[program.Residual]) -> int:
     return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in residuals)
 
 
+def refused_memory_facts(refusal: dict, hbm_bytes: int | None) -> dict:
+    """Memory facts of a step the compiler refused: its temporaries (the compiler's figure), the
+    arguments (shard sizes), outputs aliased onto the donated state; `fits` False."""
+    return {"argument": refusal["argument"], "output": None, "alias": None, "temp": refusal["temp"],
+            "generated_code": None, "total": refusal["argument"] + refusal["temp"], "hbm": hbm_bytes,
+            "fits": False, "refused": refusal["message"]}
+
+
 def step_facts(step: CompiledStep) -> dict:
     prog = step.program
+    if prog is None:
+        return {"target": step.target.name, "devices": step.target.num_devices,
+                "compile_s": round(step.compile_s, 1),
+                "memory": refused_memory_facts(step.out_of_memory, step.target.hbm_bytes_per_device),
+                "flops": None, "collectives": [], "saved_residuals": [], "saved_residual_bytes_per_block": None}
     return {"target": step.target.name, "devices": step.target.num_devices,
             "compile_s": round(step.compile_s, 1),
             "memory": memory_facts(prog, step.target.hbm_bytes_per_device),
@@ -228,7 +278,8 @@ def format_facts(columns: dict[str, dict]) -> str:
     lines.append(f"{'fits HBM':<34}" + "".join(
         f"{'-' if fits[n] is None else ('yes' if fits[n] else 'NO'):>{width + 2}}" for n in names))
     lines.append(f"{'TFLOPs per device (XLA)':<34}" + "".join(
-        f"{(columns[n]['flops'] or 0) / 1e12:>{width + 2}.4f}" for n in names))
+        f"{'-' if columns[n]['flops'] is None else format(columns[n]['flops'] / 1e12, '.4f'):>{width + 2}}"
+        for n in names))
     lines.append(f"{'compile s':<34}" + "".join(f"{columns[n]['compile_s']:>{width + 2}.1f}" for n in names))
     lines.append("")
     lines.append("collectives (compiled; ops and MiB per execution of the place, per device)")
@@ -250,5 +301,9 @@ def format_facts(columns: dict[str, dict]) -> str:
                  for n in names]
         lines.append(f"  {rn:<32}" + "".join(f"{c:>{width + 2}}" for c in cells))
     lines.append(f"  {'all residuals (named or not)':<32}" + "".join(
-        f"{columns[n]['saved_residual_bytes_per_block'] / 2**20:>{width + 2}.2f}" for n in names))
+        f"{_in(2**20)(columns[n]['saved_residual_bytes_per_block']):>{width + 2}}" for n in names))
+    for n in names:
+        if mem[n].get("refused"):
+            lines.append(f"{n}: the compiler refused the step for memory (temporaries as it reports them, "
+                         f"arguments from their shardings): {mem[n]['refused']}")
     return "\n".join(lines)
