@@ -320,7 +320,7 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
         cfg, task, tokenizer, reward_fns, setup, jit_train_step(setup) if r.warmup_steps else None,
         jit_grpo_step(setup, rl_opt, with_reference) if r.steps else None,
         make_generate(cfg, SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id,
-                                           r.top_k),
+                                           r.top_k, stop_ids=tokenizer.stop_ids),
                       in_shardings=(setup.param_shardings, rows_sh, rows_sh, rows_sh, replicated)),
         # The GRPO phase starts from the warmed-up policy with a fresh optimizer state.
         jax.jit(lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},

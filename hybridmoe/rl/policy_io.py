@@ -102,7 +102,7 @@ def generate_texts(policy: Policy, prompts: list[str], *, max_new_tokens: int, t
     axes = rows_sh.spec[0]
     shards = math.prod(setup.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())))
     rows = -(-batch_size // shards) * shards  # the batch splits over the mesh's batch shards
-    opts = SamplingOptions(max_new_tokens, temperature, top_p, tok.eos_id, tok.pad_id)
+    opts = SamplingOptions(max_new_tokens, temperature, top_p, tok.eos_id, tok.pad_id, stop_ids=tok.stop_ids)
     generate = make_generate(cfg, opts, in_shardings=(setup.param_shardings, rows_sh, rows_sh, rows_sh,
                                                       NamedSharding(setup.mesh, PartitionSpec())))
     key = jax.random.key(seed)

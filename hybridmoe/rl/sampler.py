@@ -41,6 +41,13 @@ class SamplingOptions:
     eos_id: int = 2
     pad_id: int = 0
     top_k: int = 0  # 0 = off
+    stop_ids: tuple[int, ...] = ()  # more ids that end a row (generation_config.json's eos_token_id list)
+
+
+def ends_row(tokens, opts: SamplingOptions):
+    """Whether each token ends its row: the EOS or one of the stop ids."""
+    ids = jnp.asarray((opts.eos_id, *opts.stop_ids), jnp.int32)
+    return jnp.any(tokens[..., None] == ids, axis=-1)
 
 
 def left_pad_prompts(prompt_ids: Sequence[Sequence[int]], prompt_len: int, pad_id: int):
@@ -132,7 +139,7 @@ def _generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids
         logp_B = jnp.where(done_B, 0.0, logp_B)
         completion_BN = jax.lax.dynamic_update_slice_in_dim(completion_BN, token_B[:, None], t, axis=1)
         logprobs_BN = jax.lax.dynamic_update_slice_in_dim(logprobs_BN, logp_B[:, None], t, axis=1)
-        done_B = done_B | (token_B == opts.eos_id)
+        done_B = done_B | ends_row(token_B, opts)
         # Finished rows keep decoding padding in their own segment; nothing reads their outputs.
         out = cached_hidden(params, cfg, cache, token_B[:, None], jnp.ones((B, 1), jnp.int32), pos_B[:, None],
                             with_routing=replay)
@@ -146,7 +153,7 @@ def _generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids
             jnp.zeros((B,), bool), next_pos_B, routing_BSLk)
     _, _, _, completion_BN, logprobs_BN, _, _, routing_BSLk = jax.lax.while_loop(cond, body, init)
 
-    is_eos_BN = completion_BN == opts.eos_id
+    is_eos_BN = ends_row(completion_BN, opts)
     has_eos_B = jnp.any(is_eos_BN, axis=1)
     lengths_B = jnp.where(has_eos_B, jnp.argmax(is_eos_BN, axis=1) + 1, N).astype(jnp.int32)
     in_completion_BN = jnp.arange(N)[None, :] < lengths_B[:, None]
