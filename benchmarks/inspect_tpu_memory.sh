@@ -16,7 +16,7 @@ python -m hybridmoe inspect recipe=qwen3.5-35b-a3b --target tpu7x:2x2x1 \
 # (experts gathered over fsdp 128) vs the MoE levers with the experts on an 8-way expert axis;
 # then the MoE levers alone, to show what expert parallelism adds.
 P397="recipe=qwen3.5-397b-a17b train.batch_size=128 --target tpu7x:4x4x4"
-TILES_397="kernels.gmm.tk=4096 kernels.gmm.tn=1024 kernels.gmm.wi_fwd_tile_n_per_half=1024"
+TILES_397="kernels.gmm.tk=2048 kernels.gmm.tn=512 kernels.gmm.wi_fwd_tile_n_per_half=512"
 python -m hybridmoe inspect $P397 --compare $MOE_LEVERS $TILES_397 mesh.expert=8 \
   --out benchmarks/inspect_qwen3.5-397b-a17b_tpu7x-4x4x4.json
 python -m hybridmoe inspect $P397 $MOE_LEVERS $TILES_397 \

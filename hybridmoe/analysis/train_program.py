@@ -127,6 +127,21 @@ def _out_of_hbm(error: Exception) -> dict | None:
             "message": str(error).strip().splitlines()[0][:400]}
 
 
+_VMEM_REFUSAL = re.compile(r"CompileTimeScopedVmemOom.*?%([A-Za-z_][\w]*?)(?:\.\d+)? = ", re.S)
+
+
+def _vmem_refusal(error: Exception, cfg: Config) -> ValueError | None:
+    """A Pallas kernel whose blocks do not fit the core's VMEM: a config problem (tile sizes), so
+    a clear error naming the kernel and the keys, not the compiler's trace."""
+    m = _VMEM_REFUSAL.search(str(error))
+    if not m:
+        return None
+    g = cfg.kernels.gmm
+    return ValueError(f"the Pallas kernel {m.group(1)} does not fit the TPU core's VMEM at kernels.gmm.tm={g.tm} "
+                      f"tk={g.tk} tn={g.tn} wi_fwd_tile_n_per_half={g.wi_fwd_tile_n_per_half}: lower the tiles "
+                      "(or, for gmm_swiglu_fwd, kernels.gmm.wi_fwd_rhs_buffer_count=1)")
+
+
 def shard_bytes(tree) -> int:
     """Bytes one device holds of abstract arrays with shardings (the largest shard of each)."""
     total = 0
@@ -153,6 +168,9 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True) ->
         except jax.errors.JaxRuntimeError as e:
             refusal = _out_of_hbm(e)
             if refusal is None:
+                vmem = _vmem_refusal(e, cfg)
+                if vmem is not None:
+                    raise vmem from None
                 raise
             refusal["argument"] = shard_bytes(inputs)
             return CompiledStep(cfg, target, None, time.perf_counter() - t0, [], refusal)
