@@ -5,12 +5,15 @@ tests/test_multihost.py, counting outcomes instead of stopping at the first fail
 benchmarks/robustness.json (machine, date, commit, versions, and what was run).
 
     python benchmarks/robustness.py [--fuzz-draws 3000] [--kill-trials 20] [--multihost]
+
+A count of 0 skips that section; a skipped section is carried over from the existing record.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import subprocess
 import sys
 import tempfile
@@ -93,7 +96,17 @@ def main() -> None:
         if args.multihost:
             record["multihost"] = multihost(work)
             print("multihost:", record["multihost"])
-    write_record(Path(args.out), record)
+    # A section not run this time is kept from the record it replaces, marked with that record's
+    # date and commit (its figures are that code's, not this one's).
+    out = Path(args.out)
+    if out.exists():
+        earlier = json.loads(out.read_text())
+        for section in ("fuzz", "kill", "multihost"):
+            if section not in record and section in earlier:
+                kept = earlier[section]
+                record[section] = {**kept, "from_record": kept.get("from_record") or {
+                    "date": earlier.get("date"), "commit": earlier.get("commit")}}
+    write_record(out, record)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,10 @@ def override_sets(draw) -> list[str]:
 
 def _names_an_override(error: ConfigError, overrides: list[str]) -> bool:
     keys = [o.split("=", 1)[0] for o in overrides]
-    return any(k == pk or k.startswith(pk + ".") or k in msg for pk, msg in error.problems for k in keys)
+    # A problem key may be the override's (rl.reward_weights), above it, or one of its elements
+    # (rl.reward_weights.3, pydantic's name for a bad list item).
+    return any(k == pk or k.startswith(pk + ".") or pk.startswith(k + ".") or k in msg
+               for pk, msg in error.problems for k in keys)
 
 
 # Keys that do not reach the training step's program: draws differing only in these share a trace.

@@ -62,8 +62,12 @@ def _model_shapes(cfg: Config) -> list[Problem]:
 @rule
 def _mesh_fits(cfg: Config) -> list[Problem]:
     # The device count is known at load only when simulating CPU devices; make_mesh checks the rest.
-    n = cfg.mesh.simulated_devices or math.prod(abs(v) for v in cfg.mesh.axis_sizes.values())
-    _, problem = cfg.mesh.resolve(n)
+    m = cfg.mesh
+    n = m.simulated_devices or math.prod(abs(v) for v in m.axis_sizes.values())
+    _, problem = m.resolve(n)
+    if problem and m.simulated_devices:  # name where the device count comes from
+        processes = f" x mesh.num_processes={m.num_processes}" if m.num_processes > 1 else ""
+        problem = (problem[0], f"{problem[1]} (the devices are mesh.cpu_devices={m.cpu_devices}{processes})")
     return [problem] if problem else []
 
 
