@@ -1,6 +1,8 @@
-"""`python tests/kill_point.py N hybridmoe-args...`: run the hybridmoe command, and SIGKILL it at the
-exact moment its N-th checkpoint is written but not yet committed (orbax's rename of
-N.orbax-checkpoint-tmp to N), the kill a random moment only sometimes hits. Used by kill_harness."""
+"""`python tests/kill_point.py WHERE hybridmoe-args...`: run the hybridmoe command and SIGKILL it at an
+exact moment a random kill only sometimes hits. WHERE is `checkpoint:N` (its N-th checkpoint written
+but not yet committed: orbax's rename of N.orbax-checkpoint-tmp to N) or `export` (the Hugging Face
+export in the middle: its weight files written into the temporary folder, the index and config not
+yet). Used by kill_harness."""
 
 import os
 import signal
@@ -12,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from orbax.checkpoint._src.path import async_path  # noqa: E402 -- the rename orbax commits a step with
 
 from hybridmoe.cli import main  # noqa: E402
+from hybridmoe.train import hf_export  # noqa: E402
 
 _rename = async_path.rename
 _commits = 0
@@ -21,11 +24,23 @@ async def _rename_or_die(src, dst):
     global _commits
     if "orbax-checkpoint-tmp" in str(src) and dst.name.isdigit():
         _commits += 1
-        if _commits == int(sys.argv[1]):
+        if _commits == int(sys.argv[1].split(":")[1]):
             os.kill(os.getpid(), signal.SIGKILL)
     return await _rename(src, dst)
 
 
+def _die_before_writing(path, text):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 if __name__ == "__main__":
-    async_path.rename = _rename_or_die
+    where = sys.argv[1]
+    if where.isdigit():  # the older spelling, N
+        where = sys.argv[1] = f"checkpoint:{where}"
+    if where.startswith("checkpoint:"):
+        async_path.rename = _rename_or_die
+    elif where == "export":
+        hf_export._write = _die_before_writing  # the index, written after every weight file
+    else:
+        sys.exit(f"kill_point: WHERE is checkpoint:N or export, not {where!r}")
     sys.exit(main(sys.argv[2:]))
