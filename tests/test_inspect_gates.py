@@ -49,6 +49,21 @@ def test_inspect_cpu_side_by_side(tmp_path, capsys):
     assert other["flops"] < base["flops"]
 
 
+def test_saved_residuals_with_the_fp8_hoist_on_an_expert_mesh():
+    """The residual listing takes the layer scan's xs as the step does: with the hoisted fp8 absmax
+    they are (params, absmax), which a params-only listing failed to unpack (the 397B levers arm)."""
+    import jax
+
+    from hybridmoe.train.setup import build
+
+    cfg = load_config("tiny", ["train.batch_size=8", "mesh.expert=2", "quant.fp8_moe_fake_quant=true",
+                               "quant.fp8_fake_quant_hoist=gather8"])
+    setup = build(cfg, jax.devices())
+    with setup.context():  # as compile_step calls it
+        residuals = tp.block_residuals(cfg, setup)
+    assert tp.residual_bytes(residuals) > 0 and any(r.name == "gdn_core_out" for r in residuals)
+
+
 REFUSAL = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
            "(132.47G) exceeds available HBM (94.75G).")
 
