@@ -35,8 +35,6 @@ def _die_before_writing(path, text):
 
 if __name__ == "__main__":
     where = sys.argv[1]
-    if where.isdigit():  # the older spelling, N
-        where = sys.argv[1] = f"checkpoint:{where}"
     if where.startswith("checkpoint:"):
         async_path.rename = _rename_or_die
     elif where == "export":
