@@ -73,3 +73,24 @@ BROKEN_MOE = {
     "buffer_depth_off_by_one": [(_pallas_tpu, "weight_pipeline",
                                  lambda depth, tiles_k: _ORIGINAL_PIPELINE(depth + 1 if depth else 0, tiles_k))],
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# One-line bugs in production functions (issue 21): the function recompiled from its own source
+# with one fragment replaced, to patch in with monkeypatch. The fragment must occur exactly once,
+# so a variant whose target line has changed fails loudly instead of testing nothing.
+
+import inspect  # noqa: E402
+import textwrap  # noqa: E402
+
+
+def mutated(module, name: str, old: str, new: str):
+    """`module.name` with the one occurrence of `old` in its source replaced by `new`."""
+    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    count = source.count(old)
+    if count != 1:
+        raise AssertionError(f"{module.__name__}.{name}: the fragment {old!r} occurs {count} times (want 1); "
+                             "update the broken variant to the current code")
+    namespace = dict(vars(module))
+    exec(compile(source.replace(old, new), f"<{module.__name__}.{name}, broken>", "exec"), namespace)  # noqa: S102
+    return namespace[name]

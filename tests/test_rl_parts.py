@@ -254,6 +254,137 @@ def test_clipped_loss_keep_mask_and_micro_batch_normalizer():
         np.testing.assert_allclose(sum(parts), want, rtol=1e-6)
 
 
+# The objective against an independent re-derivation (tests/grpo_reference.py: numpy, float64,
+# derivatives written out), on a case where every term acts: both clip sides, a masked token whose
+# log-ratio is 100, a dropped sequence whose tokens would clip, an empty sequence, k3 and TIS.
+
+OBJECTIVE_TOL = 1e-4  # float32 against float64: ~1e-6 measured
+
+
+def _objective_case(seed=0):
+    rng = np.random.default_rng(seed)
+    B, T = 6, 9
+    logp = -rng.exponential(2.0, (B, T))
+    logp_old = logp - rng.normal(0.0, 0.35, (B, T))  # ratios e^(+-0.35): both clip sides engage
+    mask = np.zeros((B, T))
+    for b, n in enumerate((7, 5, 7, 3, 0, 6)):  # two prompt slots, then n completion tokens
+        mask[b, 2:2 + n] = 1.0
+    logp_old[1, 0] = logp[1, 0] - 100.0  # a prompt slot far off: clipped to 20 before exp, masked
+    return {"logp": logp.astype(np.float32), "logp_old": logp_old.astype(np.float32),
+            "adv": np.asarray([1.3, -0.7, 0.0, 2.0, -1.5, 0.4], np.float32), "mask": mask.astype(np.float32),
+            "keep": np.asarray([True, True, True, False, True, True]),
+            "logp_ref": (logp + rng.normal(0.0, 0.5, (B, T))).astype(np.float32),
+            "logp_sampler": (logp_old + rng.normal(0.0, 0.5, (B, T))).astype(np.float32)}
+
+
+# (aggregation, normaliser, beta, importance correction)
+OBJECTIVE_CONFIGS = (("token_mean", None, 0.0, "none"), ("token_mean", 40.0, 0.05, "tis"),
+                     ("seq_mean_token_mean", None, 0.05, "none"), ("seq_mean_token_mean", 7.0, 0.0, "tis"))
+
+
+def objective_errors() -> dict[str, float]:
+    """The largest error of rl.objective against the numpy re-derivation over OBJECTIVE_CONFIGS:
+    loss, d loss / d logp, and every metric, each relative to the reference's largest value."""
+    from grpo_reference import grpo_reference, tis_reference
+    from hybridmoe.rl import objective
+
+    c = _objective_case()
+    errors: dict[str, float] = {}
+    for aggregation, normalizer, beta, correction in OBJECTIVE_CONFIGS:
+        kw = dict(eps=0.2, eps_high=0.28, beta=beta, aggregation=aggregation, normalizer=normalizer)
+        weight = objective.importance_weights(correction, 1.5, c["logp_old"], c["logp_sampler"], c["mask"])
+
+        def loss_fn(logp):
+            return objective.clipped_policy_loss(logp, c["logp_old"], c["adv"], c["mask"], logp_ref_BT=c["logp_ref"],
+                                                 keep_B=c["keep"], is_weight_BT=weight, **kw)
+
+        (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(c["logp"]))
+        want = grpo_reference(c["logp"], c["logp_old"], c["adv"], c["mask"], logp_ref=c["logp_ref"], keep=c["keep"],
+                              is_weight=(None if correction == "none" else
+                                         tis_reference(c["logp_old"], c["logp_sampler"], c["mask"], 1.5)), **kw)
+        got = {"loss": float(loss), "grad": np.asarray(grad), **{k: float(v) for k, v in metrics.items()}}
+        for key, value in want.items():
+            err = float(np.max(np.abs(np.asarray(got[key], np.float64) - value)) / max(np.max(np.abs(value)), 1e-3))
+            errors[key] = max(errors.get(key, 0.0), err)
+    return errors
+
+
+def test_objective_equals_the_independent_re_derivation():
+    errors = objective_errors()
+    assert max(errors.values()) < OBJECTIVE_TOL, errors
+    ref = __import__("grpo_reference").grpo_reference
+    c = _objective_case()
+    both = ref(c["logp"], c["logp_old"], c["adv"], c["mask"], eps=0.2, eps_high=0.28, keep=c["keep"])
+    # The case exercises what it claims: both clip sides, and the dropped row would clip.
+    assert both["pg_clipfrac_high"] > 0 and both["pg_clipfrac_low"] > 0
+    assert ref(c["logp"], c["logp_old"], c["adv"], c["mask"], eps=0.2, eps_high=0.28)["pg_clipfrac"] != \
+        both["pg_clipfrac"]
+
+
+def test_clip_fraction_counts_only_kept_completion_tokens():
+    """Hand case, eps = eps_high = 0.2, logp_old = 0 (ratio = exp(logp)):
+    row 0, A = +1: ratios 1.5 (clipped high), 1.0, and a masked 2.0 that would clip high;
+    row 1, A = -1: ratios 0.5 (clipped low), 0.9, and a masked 0.1 that would clip low;
+    row 2, A = +1, dropped by the keep mask: 3.0 three times, every one would clip high.
+    Kept tokens 4, clipped 2: pg_clipfrac 0.5 (high 0.25, low 0.25); ratio max 1.5, min 0.5;
+    loss (-1.2 - 1.0 + 0.8 + 0.9) / 4 = -0.125; d/dlogp -A r / 4 on the two unclipped tokens only."""
+    from hybridmoe.rl import objective
+    logp = jnp.log(jnp.array([[1.5, 1.0, 2.0], [0.5, 0.9, 0.1], [3.0, 3.0, 3.0]]))
+    mask = jnp.array([[1, 1, 0], [1, 1, 0], [1, 1, 1]])
+    args = (jnp.zeros((3, 3)), jnp.array([1.0, -1.0, 1.0]), mask)
+    keep = jnp.array([True, True, False])
+    loss_fn = lambda lp: objective.clipped_policy_loss(lp, *args, eps=0.2, keep_B=keep)  # noqa: E731
+    (loss, m), grad = jax.value_and_grad(loss_fn, has_aux=True)(logp)
+    got = {k: float(m[k]) for k in ("pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "ratio_max", "ratio_min")}
+    want = {"pg_clipfrac": 0.5, "pg_clipfrac_high": 0.25, "pg_clipfrac_low": 0.25, "ratio_max": 1.5, "ratio_min": 0.5}
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+    np.testing.assert_allclose(float(loss), -0.125, rtol=1e-6)
+    np.testing.assert_allclose(grad, [[0.0, -0.25, 0.0], [0.0, 0.225, 0.0], [0.0, 0.0, 0.0]], rtol=1e-6, atol=1e-8)
+
+
+# One-line bugs in rl/objective.py, each patched in: the re-derivation or the hand case must catch it.
+OBJECTIVE_BROKEN = {
+    "min_instead_of_max": ("clipped_policy_loss", "jnp.maximum(unclipped_BT, clipped_BT)",
+                           "jnp.minimum(unclipped_BT, clipped_BT)"),
+    "upper_clip_at_eps": ("clipped_policy_loss", "jnp.clip(ratio_BT, 1.0 - eps, 1.0 + eps_high)",
+                          "jnp.clip(ratio_BT, 1.0 - eps, 1.0 + eps)"),
+    "inverted_ratio": ("clipped_policy_loss", "jnp.clip(logp_BT - logp_old_BT,", "jnp.clip(logp_old_BT - logp_BT,"),
+    "keep_mask_dropped": ("clipped_policy_loss", "mask_BT = mask_BT * keep_B.astype(jnp.float32)[:, None]",
+                          "mask_BT = mask_BT * 1.0"),
+    "k3_of_the_reverse_kl": ("clipped_policy_loss", "kl_BT = jnp.exp(ref_gap_BT) - ref_gap_BT - 1.0",
+                             "kl_BT = jnp.exp(-ref_gap_BT) + ref_gap_BT - 1.0"),
+    "importance_weight_dropped": ("clipped_policy_loss",
+                                  "pg_BT = jax.lax.stop_gradient(is_weight_BT.astype(jnp.float32)) * pg_BT",
+                                  "pg_BT = pg_BT"),
+    "normaliser_ignored": ("_aggregate", "denom = mask_BT.sum() if normalizer is None else normalizer",
+                           "denom = mask_BT.sum()"),
+    "sequence_mean_over_empty_sequences": ("_aggregate", "denom = (tokens_B > 0).sum() if",
+                                           "denom = tokens_B.shape[0] if"),
+    "clipfrac_counts_masked_tokens": ("clipped_policy_loss", "((clipped_high_BT | clipped_low_BT) * mask_BT).sum()",
+                                      "(clipped_high_BT | clipped_low_BT).sum()"),
+    "ratio_extremes_over_dropped_rows": ("clipped_policy_loss", "valid_BT = mask_BT > 0",
+                                         "valid_BT = completion_mask_BT > 0"),
+}
+
+
+@pytest.mark.parametrize("variant", list(OBJECTIVE_BROKEN))
+def test_broken_objective_is_caught(variant, monkeypatch):
+    from broken_variants import mutated
+    from hybridmoe.rl import objective
+    clean = max(objective_errors().values())
+    name, old, new = OBJECTIVE_BROKEN[variant]
+    monkeypatch.setattr(objective, name, mutated(objective, name, old, new))
+    broken = max(objective_errors().values())
+    try:
+        test_clip_fraction_counts_only_kept_completion_tokens()
+        hand = "passed"
+    except AssertionError:
+        hand = "failed"
+    assert broken > OBJECTIVE_TOL and broken >= 10 * clean or hand == "failed", (
+        f"{variant}: clean {clean:.2e}, broken {broken:.2e}, hand case {hand}")
+
+
 # --- chunked log-probs -----------------------------------------------------------------------------
 
 def _logprob_case(batch=3, seq_len=7, d_model=8, vocab=37, seed=0):
