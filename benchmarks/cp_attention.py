@@ -6,14 +6,14 @@ context 2 and context 4 (fsdp absorbs the rest of the 8 devices):
   cpP            context parallelism, natural order
   cpP-lb         + attention.cp_load_balance
   cpP-lb-hoist   + attention.cp_load_balance_hoist_ids
-Every arm is compiled first, then the arms take turns step by step (hybridmoe.train.bench), so the
+Every arm is compiled first, then the arms take turns step by step (hybridmoe.tools.bench), so the
 step-time ratios are measured interleaved in one run. Program facts come from each arm's lowered
 and compiled training step. The balance figures count, per context rank, the (query, key) score
 entries the causal and segment mask leaves, for the recipe's packed synthetic batch and for one
 document per row, in natural and in load-balanced order.
 
   .venv/bin/python -m benchmarks.cp_attention [--rounds 4]
-Prints tables and writes benchmarks/cp_attention.json.
+Prints tables and writes benchmarks/records/cp_attention.json.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ jax.config.update("jax_platforms", "cpu")
 
 import numpy as np  # noqa: E402
 
-from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
-from hybridmoe.config import load_config  # noqa: E402
+from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
+from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
 from hybridmoe.parallel.context import load_balanced_token_index, unmasked_scores_per_rank  # noqa: E402
-from hybridmoe.train.bench import format_table, run_bench  # noqa: E402
+from hybridmoe.tools.bench import format_table, run_bench  # noqa: E402
 
 RECIPE = "small"
 COMMON = ["mesh.cpu_devices=8", "mesh.data=1", "mesh.fsdp=-1", "remat.policy=custom"]
@@ -77,7 +77,7 @@ def backward_loop(program: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--out", default=str(Path(__file__).with_name("cp_attention.json")))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "records" / "cp_attention.json"))
     args = ap.parse_args()
     bal = balance()
     print(f"{'unmasked score entries per rank':<44} {'natural':<36} load-balanced")

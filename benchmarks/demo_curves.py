@@ -3,7 +3,7 @@ updates per rollout), each run from scratch on 8 simulated CPU devices, one afte
 
 Per run: the GRPO phase's mean reward of the sampled completions, first and last step and averaged
 per 10 steps, the warm-up loss first and last, wall time; a plot of both reward curves (per step and
-10-step means) in docs/demo_curves.png; the record in benchmarks/demo_curves.json.
+10-step means) in docs/demo_curves.png; the record in benchmarks/records/demo_curves.json.
 
   .venv/bin/python benchmarks/demo_curves.py [--out-dir runs/demo_curves]
   (or the runs in parallel: --only demo & --only demo-tis, then --combine)
@@ -20,10 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
+from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
 
 RECIPES = ("demo", "demo-tis")
-RECORD = ROOT / "benchmarks" / "demo_curves.json"
+RECORD = ROOT / "benchmarks" / "records" / "demo_curves.json"
 PLOT = ROOT / "docs" / "demo_curves.png"
 WINDOW = 10
 
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--only", choices=RECIPES, help="run this recipe only (its summary.json), no record")
     ap.add_argument("--combine", action="store_true", help="no run: the plot and record from the summaries")
     args = ap.parse_args()
-    from hybridmoe.config import load_config
+    from hybridmoe.recipe import load_config
     from hybridmoe.parallel.mesh import configure_cpu_devices
     from hybridmoe.rl.loop import run_rl
 

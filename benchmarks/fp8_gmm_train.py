@@ -7,7 +7,7 @@ The fp8 vs bf16 grouped-matmul TFLOP/s needs fp8 hardware: not measured (no GPU 
 
   .venv/bin/python benchmarks/fp8_gmm_train.py [--steps 60]
 
-Prints the final losses and writes benchmarks/fp8_gmm_train.json.
+Prints the final losses and writes benchmarks/records/fp8_gmm_train.json.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
-from hybridmoe.config import load_config  # noqa: E402
+from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
+from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.train.loop import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ MARGIN = 0.05  # the fp8 arm's final loss may exceed bf16's by at most this (nat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "fp8_gmm_train.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "fp8_gmm_train.json"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "fp8_gmm_loss.png"))
     args = ap.parse_args()
     arms = {}

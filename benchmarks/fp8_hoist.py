@@ -9,12 +9,12 @@ absmax and gather8. Per arm, from the step's programs:
 - the fake quant's absmax all-reduces inside the layer loops and outside them (compiled text,
   the collectives named under the "fp8_absmax" scope);
 - the compiled memory figures;
-then the step time of every arm, measured interleaved in one run (hybridmoe.train.bench).
+then the step time of every arm, measured interleaved in one run (hybridmoe.tools.bench).
 The train step's outer loop is the micro-batch scan: the layer loops are at depth 2.
 
   .venv/bin/python benchmarks/fp8_hoist.py [--rounds 6]
 
-Prints a table and writes benchmarks/fp8_hoist.json.
+Prints a table and writes benchmarks/records/fp8_hoist.json.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ _cache = sys.argv[sys.argv.index("--cache-dir") + 1] if "--cache-dir" in sys.arg
 jax.config.update("jax_compilation_cache_dir", _cache or tempfile.mkdtemp(prefix="fp8-hoist-bench-"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
-from hybridmoe.analysis.program import memory_figures, parse_hlo, parse_stablehlo  # noqa: E402
-from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
-from hybridmoe.config import load_config  # noqa: E402
-from hybridmoe.model.expert_fp8 import ABSMAX_SCOPE  # noqa: E402
-from hybridmoe.train.bench import run_bench  # noqa: E402
-from hybridmoe.train.setup import build, jit_train_step  # noqa: E402
+from hybridmoe.tools.program import memory_figures, parse_hlo, parse_stablehlo  # noqa: E402
+from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
+from hybridmoe.recipe import load_config  # noqa: E402
+from hybridmoe.quant.expert_fp8 import ABSMAX_SCOPE  # noqa: E402
+from hybridmoe.tools.bench import run_bench  # noqa: E402
+from hybridmoe.run.setup import build, jit_train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "small"
@@ -93,7 +93,7 @@ def program_facts(overrides: list[str], recipe: str = RECIPE, common=COMMON) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "fp8_hoist.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "fp8_hoist.json"))
     ap.add_argument("--cache-dir", help="a compilation cache directory to reuse")
     ap.add_argument("--facts-only", action="store_true", help="program facts only, no timed steps")
     ap.add_argument("--program-only", action="store_true",

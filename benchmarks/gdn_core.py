@@ -12,11 +12,11 @@ figures are the mean wall time and the mean process CPU time (all threads) over 
 ratios to the `before autodiff C64` arm of the same kind (on a shared machine the CPU time is the
 steadier measure of the work). For each arm: XLA's flop count, the compiled program's temporaries,
 and the residuals the core's forward saves for its backward (bytes, read from the linearised core
-by hybridmoe.analysis.program.saved_residuals).
+by hybridmoe.tools.program.saved_residuals).
 The Pallas cores (kernels.gdn.backend=pallas_tpu, pallas_gpu) are timed only on their platform
 (TPU, GPU): elsewhere they run interpreted, which is no speed measurement, so their arms record
 the residual bytes alone.
-Writes benchmarks/gdn_core.json. GPU/TPU figures (the Pallas core) are not measured here.
+Writes benchmarks/records/gdn_core.json. GPU/TPU figures (the Pallas core) are not measured here.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe.analysis import program
-from hybridmoe.analysis.record import machine_record, write_record
-from hybridmoe.config import load_config, split_args
+from hybridmoe.tools import program
+from hybridmoe.tools.record import machine_record, write_record
+from hybridmoe.recipe import load_config, split_args
 from hybridmoe.kernels.gdn import gated_delta_rule
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.params import declare_params, init_params
@@ -127,7 +127,7 @@ def core_residual_bytes(core_args, rule, backend, chunk_size, seg):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=0, help="timed rounds (0 = bench.steps)")
-    parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "records" / (Path(__file__).stem + ".json")))
     args, words = parser.parse_known_args(argv)
     recipe, overrides = split_args(words or ["recipe=small"])
     overrides = ["mesh.cpu_devices=0", "mesh.data=1", "mesh.fsdp=1", *overrides]
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
                   f"packed rows (two documents); 'before' arms run the layer and core of commit {BEFORE_COMMIT} "
                   "(read from git history), 'now' arms this checkout; ratios to the before-autodiff chunk-64 "
                   "arm of the same kind; XLA's flop count and compiled temporaries "
-                  "(hybridmoe.analysis.program); the core's saved residuals from jax's saved_residuals",
+                  "(hybridmoe.tools.program); the core's saved residuals from jax's saved_residuals",
         "baselines": BASELINE,
         "before_commit": BEFORE_COMMIT,
         "rows": rows,

@@ -11,7 +11,7 @@ Part 2, the GDN layer forward + backward at the `small` shape (batch 4 x 512 tok
 and with the sequence split over 2, 4 and 8 simulated CPU devices, with each cross-rank prefix
 (all-gather + serial merge, the default; log2(P) collective-permutes): time (interleaved),
 compiled temporaries and collective bytes. The simulated devices share this machine's cores, so
-the CP times measure overhead, not speed-up. Writes benchmarks/gdn_cp.json.
+the CP times measure overhead, not speed-up. Writes benchmarks/records/gdn_cp.json.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hybridmoe.analysis import program  # noqa: E402
-from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
-from hybridmoe.config import load_config  # noqa: E402
+from hybridmoe.tools import program  # noqa: E402
+from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
+from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.kernels.gdn import context_parallel as cp  # noqa: E402
 from hybridmoe.kernels.gdn.reference import document_starts  # noqa: E402
 from hybridmoe.kernels.gdn.xla import chunk_terms, prepare_chunks  # noqa: E402
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "records" / (Path(__file__).stem + ".json")))
     args = parser.parse_args(argv)
 
     scan_rows = scans_vs_trees(args.tokens, args.heads, args.dim, args.rounds)
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         "config": {"scan_geometry": {"tokens": args.tokens, "value_heads": args.heads, "dk": args.dim,
                                      "dv": args.dim, "chunk": 64}, "layer": "recipe=small", "rounds": args.rounds},
         "method": "every arm compiled first, then timed in interleaved rounds (order rotated per round), mean wall "
-                  "time; compiled temporaries and collective bytes from hybridmoe.analysis.program. Simulated CPU "
+                  "time; compiled temporaries and collective bytes from hybridmoe.tools.program. Simulated CPU "
                   "devices share the host's cores: CP rows measure overhead on one host, not multi-device speed.",
         "scans": scan_rows,
         "layer": layer_rows,

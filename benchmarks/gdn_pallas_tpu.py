@@ -9,7 +9,7 @@ heads, dk = dv = 128, chunk 64, bf16 q / k / v, with segment ids (the packed pat
 backend's compile time on this host and the compiled program's memory (arguments, temporaries);
 XLA's flop count is recorded but does not see inside a Pallas kernel. No TPU runs anything here:
 there is no time of the kernels, only what the compiler reserves. Writes
-benchmarks/gdn_pallas_tpu.json.
+benchmarks/records/gdn_pallas_tpu.json.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from hybridmoe.analysis.record import machine_record, write_record
-from hybridmoe.analysis.train_program import tpu_target
+from hybridmoe.tools.record import machine_record, write_record
+from hybridmoe.tools.train_program import tpu_target
 from hybridmoe.kernels.gdn import gated_delta_rule
 
 MIB = 2**20
@@ -53,7 +53,7 @@ def compiled_core(backend: str, device):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", default="tpu7x:2x2x1")
-    parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "records" / (Path(__file__).stem + ".json")))
     args = parser.parse_args(argv)
     device = tpu_target(args.topology).devices[0]
     rows = []

@@ -5,8 +5,8 @@
 One process, one device, every arm compiled first, then the arms timed interleaved (arm order
 rotates each round, so drift in the machine's speed spreads over all arms); the figure is the
 mean over the timed rounds, reported as a ratio to the levers-off arm. For each arm the compiled
-forward + backward program's bytes accessed and temporaries come from hybridmoe.analysis.program.
-Writes benchmarks/gmm.json (machine, date, versions, commit, resolved config) and prints a table.
+forward + backward program's bytes accessed and temporaries come from hybridmoe.tools.program.
+Writes benchmarks/records/gmm.json (machine, date, versions, commit, resolved config) and prints a table.
 
 The Pallas kernels (and kernels.gmm.wi_fwd_rhs_buffer_count, a Pallas-only lever) are not timed
 here: on CPU they run in interpret mode, whose speed says nothing about the hardware. GPU
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe.analysis import program
-from hybridmoe.analysis.record import machine_record, write_record
-from hybridmoe.config import load_config, split_args
+from hybridmoe.tools import program
+from hybridmoe.tools.record import machine_record, write_record
+from hybridmoe.recipe import load_config, split_args
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.model.params import declare_params, init_params
 
@@ -53,7 +53,7 @@ def _layer_step(cfg):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=0, help="timed rounds (0 = bench.steps)")
-    parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "records" / (Path(__file__).stem + ".json")))
     args, words = parser.parse_known_args(argv)
     recipe, overrides = split_args(words or ["recipe=small"])
     # One device: the layer's own arithmetic, no collectives in the timing.
@@ -102,13 +102,13 @@ def main(argv=None) -> int:
         "config": {"recipe": recipe, "overrides": overrides, "resolved": json.loads(base.model_dump_json())},
         "method": f"one device; every arm compiled first, then {steps} rounds with the arms interleaved "
                   "(order rotated per round); mean wall time of one jitted forward+backward; bytes accessed "
-                  "and temporaries of the compiled program (hybridmoe.analysis.program)",
+                  "and temporaries of the compiled program (hybridmoe.tools.program)",
         "rows": rows,
         "gpu": "not measured: no GPU was lent to this task (grouped-matmul TFLOP/s of the Pallas kernels "
                "against jax.lax.ragged_dot, fused vs unfused backward and the fraction of bf16 peak remain "
                "to be measured on an H100/H200)",
         "pallas_rhs_buffer_count": "not timed on CPU (interpret mode); its VMEM effect is measured in "
-                                   "benchmarks/gmm_vmem.json",
+                                   "benchmarks/records/gmm_vmem.json",
     }
     write_record(Path(args.out), record)
     return 0

@@ -8,7 +8,7 @@ the test extra, `jax[tpu]`), bfloat16, one K tile (the only case the depth appli
   57.60 MiB limit and depth 1 does.
 The need is read from the Mosaic compiler's scoped-VMEM error at a 1 MiB limit; the fit is a
 compile at the given limit (upstream 57.60 MiB = 90% of the core's 64 MiB). Prints a table and
-writes benchmarks/gmm_vmem.json.
+writes benchmarks/records/gmm_vmem.json.
 
     python benchmarks/gmm_vmem.py [--topology tpu7x:2x2x1]
 """
@@ -59,7 +59,7 @@ def _compile(tile, depth: int, topology: str, limit_mib: float):
     D, F = TK, TN
     from jax.sharding import SingleDeviceSharding
 
-    from hybridmoe.analysis.train_program import tpu_target
+    from hybridmoe.tools.train_program import tpu_target
 
     sh = SingleDeviceSharding(tpu_target(topology).devices[0])
     x = jax.ShapeDtypeStruct((M, D), jnp.bfloat16, sharding=sh)
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--topology", default="tpu7x:2x2x1")
     ap.add_argument("--limit-mib", type=float, default=57.60,
                     help="scoped VMEM limit to test the fit against (upstream: 57.60 MiB)")
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).with_name("gmm_vmem.json")))
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "records" / "gmm_vmem.json"))
     args = ap.parse_args()
     rows = []
     # 0 = the kernel default (no pipeline_mode).

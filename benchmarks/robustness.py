@@ -2,7 +2,7 @@
 
 Runs the same checks as tests/test_config_fuzz.py, tests/test_kill_resume.py and
 tests/test_multihost.py, counting outcomes instead of stopping at the first failure, and writes
-benchmarks/robustness.json (machine, date, commit, versions, and what was run).
+benchmarks/records/robustness.json (machine, date, commit, versions, and what was run).
 
     python benchmarks/robustness.py [--fuzz-draws 3000] [--kill-trials 20] [--multihost]
 
@@ -75,13 +75,13 @@ def multihost(work: Path) -> dict:
 
 
 def main() -> None:
-    from hybridmoe.analysis.record import machine_record, write_record
+    from hybridmoe.tools.record import machine_record, write_record
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fuzz-draws", type=int, default=3000)
     ap.add_argument("--kill-trials", type=int, default=20)
     ap.add_argument("--multihost", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "robustness.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "robustness.json"))
     args = ap.parse_args()
     record = {"benchmark": "robustness", **machine_record()}
     with tempfile.TemporaryDirectory(prefix="hybridmoe-robustness-") as tmp:

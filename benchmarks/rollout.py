@@ -31,10 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
+from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 8, 64, 64
-RECORD = ROOT / "benchmarks" / "rollout_small.json"
+RECORD = ROOT / "benchmarks" / "records" / "rollout_small.json"
 
 
 def hf_worker(threads: int) -> None:
@@ -43,7 +43,7 @@ def hf_worker(threads: int) -> None:
     import transformers
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "reference"))
     from bench_hf_reference import SMALL_SHAPE
 
     torch.set_num_threads(threads)
@@ -82,10 +82,10 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", 1)
     import numpy as np
 
-    from hybridmoe.config import load_config
+    from hybridmoe.recipe import load_config
     from hybridmoe.model.params import declare_params, init_params
     from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
-    from hybridmoe.train.setup import build
+    from hybridmoe.run.setup import build
 
     mesh = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1"]
     jax_arms = {"jax": mesh, "jax-rt8": mesh + ["kernels.gmm.xla_impl=row_tiles", "kernels.gmm.xla_tile_rows=8"]}

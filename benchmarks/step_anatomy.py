@@ -3,20 +3,20 @@
 Each component runs forward + backward (gradients of its inputs and weights) on the `small`
 shape (4 x 512 tokens, float32) on one CPU device; the whole step (forward, backward, clip,
 AdamW) is timed too. The Hugging Face reference (PyTorch, transformers' Qwen3.5-MoE modules)
-runs in a worker process (scripts/hf_anatomy_worker.py) started with --hf-python, a Python that
+runs in a worker process (benchmarks/reference/hf_anatomy_worker.py) started with --hf-python, a Python that
 has torch and transformers (never dependencies of this package; see the README for that venv).
 The two sides take turns, one round of every component each, so drift in the machine's speed
 (it is shared) lands on both; the figure is the median over rounds 1.. (round 0 warms up). Both
 wall time and process CPU time (all threads) are recorded: on a machine that other jobs load,
 CPU time is the steadier measure of the work each side does; the load average is recorded.
 
-FLOPs are counted from the model shape with hybridmoe.analysis.flops for both sides (matmul work
+FLOPs are counted from the model shape with hybridmoe.tools.flops for both sides (matmul work
 only), so useful GFLOP/s compare directly; MFU is against the best float32 matmul rate measured
 in the same run (JAX's and torch's, the larger). Prints a table and writes
-benchmarks/step_anatomy.json.
+benchmarks/records/step_anatomy.json.
 
   python benchmarks/step_anatomy.py [--hf-python PYTHON] [--rounds 8]
-  python benchmarks/step_anatomy.py --markdown benchmarks/step_anatomy.json   (the README's table)
+  python benchmarks/step_anatomy.py --markdown benchmarks/records/step_anatomy.json   (the README's table)
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridmoe.analysis.flops import component_flops, step_flops  # noqa: E402
-from hybridmoe.train.bench import measure_peak_flops  # noqa: E402
-from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
-from hybridmoe.config import load_config  # noqa: E402
+from hybridmoe.tools.flops import component_flops, step_flops  # noqa: E402
+from hybridmoe.tools.bench import measure_peak_flops  # noqa: E402
+from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
+from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
 from hybridmoe.kernels import attention as attn_kernels  # noqa: E402
 from hybridmoe.model import attention as attn_model  # noqa: E402
@@ -52,11 +52,11 @@ from hybridmoe.model.forward import embed_tokens  # noqa: E402
 from hybridmoe.model.gdn import gdn_layer  # noqa: E402
 from hybridmoe.model.moe import moe_layer  # noqa: E402
 from hybridmoe.model.norms import rms_norm  # noqa: E402
-from hybridmoe.train.setup import build, init_state, jit_train_step  # noqa: E402
+from hybridmoe.run.setup import build, init_state, jit_train_step  # noqa: E402
 
 RECIPE, OVERRIDES = "small", ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=-1"]
 
-# Component -> (instances per step in `small`, its FLOP kind in hybridmoe.analysis.flops or None).
+# Component -> (instances per step in `small`, its FLOP kind in hybridmoe.tools.flops or None).
 COMPONENTS = {
     "gdn": (3, "gdn"), "attention": (1, "attention"), "moe": (4, "moe"), "rmsnorm": (9, None),
     "embed_head_loss": (1, "embed_head"), "optimizer": (1, None), "step": (1, None),
@@ -155,7 +155,7 @@ class HFWorker:
     """The reference's side: a subprocess that times its components one round per request."""
 
     def __init__(self, python: str, threads: int):
-        self.proc = subprocess.Popen([python, str(ROOT / "scripts" / "hf_anatomy_worker.py"), "--threads", str(threads)],
+        self.proc = subprocess.Popen([python, str(ROOT / "benchmarks" / "reference" / "hf_anatomy_worker.py"), "--threads", str(threads)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self._ask("info")
 
@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--hf-python", help="a Python with torch and transformers for the reference side")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the reference (JAX uses every core)")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "step_anatomy.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "step_anatomy.json"))
     ap.add_argument("--markdown", metavar="RECORD", help="print the README's table of a record and exit")
     args = ap.parse_args()
     if args.markdown:

@@ -4,10 +4,10 @@ Arms, each in its own process (JAX fixes its CPU device count at start-up), run 
 other in one invocation:
   jax-8dev   the step on 8 simulated CPU devices (the mesh the tests and demo use)
   jax-1dev   the step on 1 CPU device
-  hf-torch   the Hugging Face reference (PyTorch, CPU, 2 threads) via scripts/bench_hf_reference.py,
+  hf-torch   the Hugging Face reference (PyTorch, CPU, 2 threads) via benchmarks/reference/bench_hf_reference.py,
              when a Python with torch + transformers is given (--hf-python)
 Seconds per step is the mean of steps 1..N (step 0 compiles); compile time is step 0's extra.
-Prints a table and writes benchmarks/train_step_small.json.
+Prints a table and writes benchmarks/records/train_step_small.json.
 
   .venv/bin/python benchmarks/train_step.py [--hf-python /path/to/python] [--steps 5]
 """
@@ -23,15 +23,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from hybridmoe.analysis.record import machine_record, write_record  # noqa: E402
+from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
 
 
 def jax_arm(devices: int, steps: int) -> dict:
     import jax
     jax.config.update("jax_num_cpu_devices", devices)
-    from hybridmoe.config import load_config
+    from hybridmoe.recipe import load_config
     from hybridmoe.data.synthetic import synthetic_batch
-    from hybridmoe.train.setup import build, init_state, jit_train_step
+    from hybridmoe.run.setup import build, init_state, jit_train_step
 
     mesh = ["mesh.cpu_devices=%d" % devices, "mesh.data=1", "mesh.fsdp=-1"]
     batch = 4 if devices <= 4 else 8
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--hf-python", help="a Python with torch and transformers for the reference arm")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "train_step_small.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "train_step_small.json"))
     args = ap.parse_args()
     if args.arm:
         print(json.dumps(jax_arm(int(args.arm), args.steps)))
@@ -72,7 +72,7 @@ def main() -> None:
         arms[f"jax-{devices}dev"] = json.loads(out.strip().splitlines()[-1])
     if args.hf_python:
         with tempfile.TemporaryDirectory() as d:
-            subprocess.run([args.hf_python, str(ROOT / "scripts" / "bench_hf_reference.py"), "--out",
+            subprocess.run([args.hf_python, str(ROOT / "benchmarks" / "reference" / "bench_hf_reference.py"), "--out",
                             f"{d}/hf.json", "--steps", str(args.steps - 1)], check=True, capture_output=True)
             arms["hf-torch"] = json.loads(Path(f"{d}/hf.json").read_text())
     print(f"{'arm':<10} {'tokens/step':>11} {'s/step':>8} {'tokens/s':>10} {'compile s':>10}")

@@ -7,8 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from hybridmoe.analysis import record as _record  # noqa: F401  (first: records name the commit this process started from)
-from hybridmoe.config import ConfigError, load_config, split_args
+from hybridmoe.tools import record as _record  # noqa: F401  (first: records name the commit this process started from)
+from hybridmoe.config import ConfigError
+from hybridmoe.recipe import load_config, split_args
 
 
 CONFIG_HELP = """\
@@ -66,7 +67,7 @@ def cmd_describe(args, words):
 
 def _check_run_paths(args) -> None:
     """The run's paths, checked before the config is built or anything compiles."""
-    from hybridmoe.train.run_dir import check_paths
+    from hybridmoe.run.run_dir import check_paths
 
     def path(flag: str) -> Path | None:
         value = getattr(args, flag, None)
@@ -92,7 +93,7 @@ def cmd_score(args, words):
     if words:
         raise ValueError(f"score takes no overrides (got {words}): the model comes from the checkpoint's config.json")
     import numpy as np
-    from hybridmoe.model.score import load_token_file, score_tokens
+    from hybridmoe.tools.score import load_token_file, score_tokens
     out_path = Path(args.out)
     if out_path.is_dir():
         raise ValueError(f"--out {out_path} is a folder; it must name the .npy file to write")
@@ -154,12 +155,12 @@ def cmd_demo(args, words):
 def cmd_bench(args, words):
     recipe, overrides = split_args(words)
     cfg = _config(words)
-    from hybridmoe.train.bench import format_table, parse_arm, run_bench
+    from hybridmoe.tools.bench import format_table, parse_arm, run_bench
     arms = [parse_arm(a) for a in (args.arm or ["control"])]
     results = run_bench(recipe, overrides, arms, max(cfg.bench.steps, 2))
     print(format_table(results))
     if args.out:
-        from hybridmoe.analysis.record import machine_record, write_record
+        from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {"benchmark": "step_time", "recipe": recipe, "overrides": overrides,
                                       **machine_record(), "arms": results})
     return 0
@@ -173,7 +174,7 @@ def _policy(args, words):
     if args.hf:
         cfg = _config(words, args.hf)
     else:
-        from hybridmoe.config.load import config_with_overrides
+        from hybridmoe.recipe.load import config_with_overrides
         from hybridmoe.parallel.mesh import configure_cpu_devices
         from hybridmoe.rl.policy_io import run_config
         saved, _, _ = run_config(Path(args.run))
@@ -217,7 +218,7 @@ def cmd_eval(args, words):
     if not policy.cfg.rl.reward:
         raise ValueError("eval scores with reward functions: pass rl.reward=[path/to/file.py:function, ...]")
     from hybridmoe.data.prompts import read_prompt_set
-    from hybridmoe.rl.evaluate import evaluate
+    from hybridmoe.tools.evaluate import evaluate
     from hybridmoe.rl.reward_loading import load_rewards
     reward_fns = load_rewards(policy.cfg.rl.reward, policy.cfg.rl.reward_weights)
     examples = read_prompt_set(args.prompts, policy.tokenizer, policy.cfg.data.on_bad_line, what="--prompts")
@@ -227,7 +228,7 @@ def cmd_eval(args, words):
         print(f"{name}: {t['prompts']} prompts x {args.samples}: mean reward {t['mean_reward']:.3f}, "
               + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if k.startswith("pass@")))
     if args.out:
-        from hybridmoe.analysis.record import machine_record, write_record
+        from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {"benchmark": "eval", "source": {"hf": args.hf, "run": args.run},
                                       "prompts": args.prompts, "rewards": list(policy.cfg.rl.reward),
                                       "reward_weights": list(policy.cfg.rl.reward_weights), **machine_record(),
@@ -238,7 +239,7 @@ def cmd_eval(args, words):
 def _inspect_config(words: list[str], target_kind: str | None, cpu_count: int | None):
     from contextlib import nullcontext
 
-    from hybridmoe.config.validate import compile_target
+    from hybridmoe.recipe.validate import compile_target
     recipe, overrides = split_args(words)
     if target_kind == "cpu":
         overrides = [*overrides, f"mesh.cpu_devices={cpu_count}"]
@@ -249,7 +250,7 @@ def _inspect_config(words: list[str], target_kind: str | None, cpu_count: int | 
 
 
 def cmd_inspect(args, words):
-    from hybridmoe.analysis import train_program as tp
+    from hybridmoe.tools import train_program as tp
     from hybridmoe.parallel.mesh import configure_cpu_devices
     kind, count = tp.parse_target(args.target) if args.target else (None, None)
     arms = {"base": words}
@@ -269,7 +270,7 @@ def cmd_inspect(args, words):
         facts[name] = tp.step_facts(tp.compile_step(cfg, target))
     print(tp.format_facts(facts))
     if args.out:
-        from hybridmoe.analysis.record import machine_record, write_record
+        from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {
             "benchmark": "inspect", **machine_record(), "target": target.name,
             "programs": {name: {"recipe": configs[name][0], "overrides": configs[name][1], **facts[name],
@@ -287,14 +288,14 @@ def cmd_gates(args, words):
     reference = _config(words)
     cand_recipe, cand_overrides = split_args([*words, *args.candidate])
     candidate = load_config(cand_recipe, cand_overrides)
-    from hybridmoe.rl.gates import format_gates, run_gates
+    from hybridmoe.tools.gates import format_gates, run_gates
     print(f"reference: recipe={split_args(words)[0]} {' '.join(split_args(words)[1])} (run twice)")
     print(f"candidate: recipe={cand_recipe} {' '.join(cand_overrides)}")
     out = run_gates(reference, candidate, args.steps)
     print(format_gates(out["gates"], out["reference"], out["candidate"]))
     print("all gates PASS" if out["passed"] else "a gate FAILED")
     if args.out:
-        from hybridmoe.analysis.record import machine_record, write_record
+        from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {"benchmark": "gates", **machine_record(), "reference_words": words,
                                       "candidate_words": [*words, *args.candidate], **out})
     return 0 if out["passed"] else 1

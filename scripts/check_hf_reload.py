@@ -11,7 +11,7 @@ venv (README, "The CPU training step against the PyTorch reference", says how to
 
     hybridmoe score --hf DIR --tokens T.npy --out ours.npy
     REFVENV/bin/python scripts/check_hf_reload.py --hf DIR --tokens T.npy --ours ours.npy \
-        --out benchmarks/hf_reload.json
+        --out benchmarks/records/hf_reload.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from hybridmoe.config import ConfigError, load_config
+from hybridmoe.config import ConfigError
+from hybridmoe.recipe import load_config
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.mesh import MESH_AXES
 
@@ -106,7 +107,7 @@ def abstract_step(cfg) -> dict:
 
 
 def _trace_step(cfg) -> dict:
-    from hybridmoe.train.setup import build, jit_train_step
+    from hybridmoe.run.setup import build, jit_train_step
 
     setup = build(cfg)
     t = cfg.train

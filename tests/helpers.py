@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe.config import load_config
+from hybridmoe.recipe import load_config
 from hybridmoe.model.params import declare_params, init_params
 from hybridmoe.data.packing import pack_documents
 

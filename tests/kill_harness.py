@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridmoe.train.metrics import read_metrics
+from hybridmoe.run.metrics import read_metrics
 from run_checks import assert_tensorboard_matches_jsonl, comparable
 
 ROOT = Path(__file__).resolve().parent.parent

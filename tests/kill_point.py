@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from orbax.checkpoint._src.path import async_path  # noqa: E402 -- the rename orbax commits a step with
 
 from hybridmoe.cli import main  # noqa: E402
-from hybridmoe.train import hf_export  # noqa: E402
+from hybridmoe.run import hf_export  # noqa: E402
 
 _rename = async_path.rename
 _commits = 0

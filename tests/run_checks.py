@@ -6,7 +6,7 @@ import math
 import struct
 from pathlib import Path
 
-from hybridmoe.train.metrics import read_metrics
+from hybridmoe.run.metrics import read_metrics
 
 TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s"}
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from hybridmoe.cli import main
-from hybridmoe.config import ConfigError, load_config
-from hybridmoe.config.validate import rl_sequence_problems
-from hybridmoe.parallel import fit
+from hybridmoe.config import ConfigError
+from hybridmoe.recipe import load_config
+from hybridmoe.recipe.validate import rl_sequence_problems
+from hybridmoe.model import fit
 from hybridmoe.parallel.rules import DEFAULT_RULES
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_tiny"
@@ -131,7 +132,7 @@ def test_the_check_follows_the_rules_table_not_a_list_of_known_axes(monkeypatch)
 
 
 def test_build_checks_the_real_mesh_when_the_device_count_is_known_only_at_run_time():
-    from hybridmoe.train.setup import build
+    from hybridmoe.run.setup import build
     cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.data=1", "model.d_model=30"])  # fsdp=-1: unknown at load
     with pytest.raises(ConfigError, match="model.d_model"):
         build(cfg)

@@ -49,7 +49,7 @@ def test_bench_times_every_arm_interleaved_and_records_program_facts(tmp_path, c
 
     import pytest
 
-    from hybridmoe.train.bench import parse_arm
+    from hybridmoe.tools.bench import parse_arm
     with pytest.raises(ValueError, match="--arm"):
         parse_arm(":remat.policy=none")
     assert parse_arm("lever:moe.impl=dense,remat.policy=none") == ("lever", ["moe.impl=dense", "remat.policy=none"])

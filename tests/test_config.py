@@ -5,7 +5,8 @@ import json
 import pytest
 
 from hybridmoe.cli import main
-from hybridmoe.config import ConfigError, load_config, recipe_names
+from hybridmoe.config import ConfigError
+from hybridmoe.recipe import load_config, recipe_names
 from hybridmoe.model.params import count_active_params, count_params, declare_params
 
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from helpers import assert_rel_l2, packed_batch, tiny_config, tiny_params
-from hybridmoe.analysis import program
+from hybridmoe.tools import program
 from hybridmoe.model.attention import attention_layer
 from hybridmoe.parallel import context
-from hybridmoe.train.setup import build
-from hybridmoe.train.step import nll_sum
+from hybridmoe.run.setup import build
+from hybridmoe.run.step import nll_sum
 
 B, T = 8, 64
 
@@ -167,7 +167,7 @@ def test_load_balancing_evens_the_causal_work(P, packed):
 
 
 def _problems(*overrides):
-    from hybridmoe.config.validate import ConfigError
+    from hybridmoe.config.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         tiny_config(*overrides)

@@ -22,12 +22,12 @@ from collections import Counter
 from jax.ad_checkpoint import checkpoint_name
 
 from helpers import packed_batch, tiny_config, tiny_params
-from hybridmoe.analysis import program
+from hybridmoe.tools import program
 from hybridmoe.model import attention as attn
 from hybridmoe.model import remat
 from hybridmoe.model.forward import logits
 from hybridmoe.parallel import context
-from hybridmoe.train.setup import build
+from hybridmoe.run.setup import build
 
 B, T = 8, 64
 # Attention layers only: the hoist acts there, and each compile stays short.

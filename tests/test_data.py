@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridmoe.config import load_config
+from hybridmoe.recipe import load_config
 from hybridmoe.data.records import DataError, prompt_or_messages, read_records, text_or_messages
 from hybridmoe.data.text import TextSource
 from hybridmoe.data.tokenizer import load_tokenizer
@@ -131,7 +131,7 @@ def test_train_on_jsonl_from_a_checkpoint_resumes_at_the_exact_document(tmp_path
     """`train --init-hf` on a JSONL file; killed after step 2 (a run of 2 steps) and resumed to
     step 4, it gives the uninterrupted run's losses bit for bit (same documents, same state)."""
     from hybridmoe.cli import main
-    from hybridmoe.train.metrics import JSONL_NAME
+    from hybridmoe.run.metrics import JSONL_NAME
     words = ["train", "train.data=files", f"data.path={SFT}", "train.batch_size=8", "train.seq_len=32",
              "train.checkpoint_every=2", "--init-hf", str(HF_TINY)]
 
@@ -155,7 +155,7 @@ def test_fine_tune_a_checkpoint_on_jsonl_and_export_it(tmp_path):
     """The user's path end to end: `train --init-hf DIR` on a JSONL file, `--export-hf` a folder
     that our loader reads back with the trained weights (not the initial ones)."""
     from hybridmoe.cli import main
-    from hybridmoe.model import hf
+    from hybridmoe.hf import checkpoint as hf
     out = tmp_path / "hf_out"
     assert main(["train", "train.data=files", f"data.path={SFT}", "train.steps=2", "train.warmup_steps=0",
                  "train.seq_len=32", "--init-hf", str(HF_TINY), "--export-hf", str(out)]) == 0

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from helpers import packed_batch, tiny_config, tiny_params
-from hybridmoe.analysis import program
+from hybridmoe.tools import program
 from hybridmoe.model import moe as moe_mod
-from hybridmoe.train.setup import build
-from hybridmoe.train.step import nll_sum
+from hybridmoe.run.setup import build
+from hybridmoe.run.step import nll_sum
 
 
 def _moe_params(cfg, seed=0):
@@ -154,7 +154,7 @@ def test_generous_buffer_drops_nothing_and_equals_dropless():
 
 def test_train_step_reports_dropped_rows():
     from hybridmoe.train.loop import train
-    from hybridmoe.train.step import make_optimizer, train_step
+    from hybridmoe.run.step import make_optimizer, train_step
 
     hist = train(tiny_config("moe.capacity_factor=0.5", "train.steps=1", "train.seq_len=32"),
                  None, progress=False)

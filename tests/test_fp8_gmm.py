@@ -24,7 +24,7 @@ from hybridmoe.config import ConfigError
 from hybridmoe.kernels.gmm import fp8 as kfp8
 from hybridmoe.kernels.gmm import reference as ref
 from hybridmoe.model import moe as moe_mod
-from hybridmoe.train.setup import build
+from hybridmoe.run.setup import build
 
 TOL = {"forward": 0.08, "input_grad": 0.12, "weight_grad": 0.12}
 FP8_FLOOR = 1e-2

@@ -19,13 +19,13 @@ import pytest
 
 from fp8_reference import bits, ref_fake_quant
 from helpers import packed_batch, tiny_config, tiny_params
-from hybridmoe.analysis import program
+from hybridmoe.tools import program
 from hybridmoe.config import ConfigError
-from hybridmoe.model import expert_fp8
+from hybridmoe.quant import expert_fp8
 from hybridmoe.model.params import layer_axes
-from hybridmoe.quant import fp8
-from hybridmoe.train.setup import build
-from hybridmoe.train.step import nll_sum
+from hybridmoe.kernels import fp8
+from hybridmoe.run.setup import build
+from hybridmoe.run.step import nll_sum
 
 MODEL = ("model.compute_dtype=bfloat16", "model.param_dtype=bfloat16", "model.num_layers=2",
          "model.layer_pattern=[attention]", "mesh.expert=2")

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config, tiny_params
-from hybridmoe.analysis import program
-from hybridmoe.config.validate import ConfigError
+from hybridmoe.tools import program
+from hybridmoe.config.errors import ConfigError
 from hybridmoe.kernels.gdn import context_parallel as cp
 from hybridmoe.kernels.gdn.reference import document_starts
 from hybridmoe.kernels.gdn.xla import ChunkInputs, chunk_terms, prepare_chunks
 from hybridmoe.model.gdn import gdn_layer
-from hybridmoe.train.setup import build
+from hybridmoe.run.setup import build
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
@@ -296,7 +296,7 @@ def model_case():
 
 
 def _model_loss_and_grads(cfg, params, batch):
-    from hybridmoe.train.step import nll_sum
+    from hybridmoe.run.step import nll_sum
 
     return jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0]))(params)
 

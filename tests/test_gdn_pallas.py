@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from hybridmoe.config import ConfigError, load_config
+from hybridmoe.config import ConfigError
+from hybridmoe.recipe import load_config
 from hybridmoe.kernels.gdn import gated_delta_rule, pallas, pallas_chunk, pallas_gpu, pallas_tpu
 from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
 from tests.test_gdn_context_parallel import _layer_loss, _on_context_mesh, _rel_max, layer_case, single_device  # noqa: F401
@@ -222,7 +223,7 @@ MODEL_OVERRIDES = ("gdn.chunk_size=16", "train.seq_len=64")
 
 
 def _model_loss_and_grads(cfg, params, batch):
-    from hybridmoe.train.step import nll_sum
+    from hybridmoe.run.step import nll_sum
 
     fast_compile = {"xla_backend_optimization_level": 0}
     return jax.jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0]), compiler_options=fast_compile)(params)
@@ -233,7 +234,7 @@ def test_model_with_pallas_core_equals_xla_core_on_the_mesh():
     kernels.gdn.backend=pallas_tpu (interpreted, per shard in a shard_map: rows over data x fsdp,
     head groups over tensor) against xla."""
     from helpers import packed_batch, tiny_config, tiny_params
-    from hybridmoe.train.setup import build
+    from hybridmoe.run.setup import build
 
     results = {}
     for backend in ("xla", "pallas_tpu"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hybridmoe.cli import main
-from hybridmoe.rl.evaluate import pass_at_k
+from hybridmoe.tools.evaluate import pass_at_k
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_TINY, DATA = FIXTURES / "hf_tiny", FIXTURES / "data"

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from helpers import assert_rel_l2, packed_batch, tiny_config, tiny_params
-from hybridmoe.analysis.program import analyze, count, primitive_counts
+from hybridmoe.tools.program import analyze, count, primitive_counts
 from hybridmoe.config import ConfigError
 from hybridmoe.kernels import gmm as K
 from hybridmoe.kernels.gmm import reference as R
 from hybridmoe.kernels.gmm import row_tiles as rt
 from hybridmoe.model.moe import moe_layer
-from hybridmoe.train.step import nll_sum
+from hybridmoe.run.step import nll_sum
 
 # (sizes, offset, local groups, transpose, rows per tile): empty groups, padding rows, one group
 # holding every row, expert-sharded groups, groups straddling tiles, one-row tiles.
@@ -121,7 +121,7 @@ PATHS = {
 @pytest.mark.parametrize("path", [p if p in ("default", "expert2") else pytest.param(p, marks=pytest.mark.slow)
                                   for p in PATHS])
 def test_model_loss_and_gradients_equal_ragged_dot_on_the_mesh(path):
-    from hybridmoe.train.setup import build
+    from hybridmoe.run.setup import build
     tiled = tiny_config(*PATHS[path])  # auto: row tiles on CPU
     ragged = tiny_config("kernels.gmm.xla_impl=ragged_dot", *PATHS[path])
     params = tiny_params(tiled)
@@ -144,7 +144,7 @@ def test_model_loss_and_gradients_equal_ragged_dot_on_the_mesh(path):
 
 @pytest.mark.parametrize("mesh", ["one_device", "expert2"])
 def test_no_loop_and_no_collective_inside_a_loop(mesh):
-    from hybridmoe.train.setup import build
+    from hybridmoe.run.setup import build
     cfg = tiny_config(*(("mesh.expert=2",) if mesh == "expert2" else ("mesh.data=1",)))
     setup = build(cfg, jax.devices()[:1] if mesh == "one_device" else None)
     lp = jax.tree.map(lambda a: a[0], tiny_params(cfg)["blocks"][0]["moe"])

@@ -29,7 +29,7 @@ TILING = Tiling(tm=128, tk=128, tn=128)
 def device():
     if importlib.util.find_spec("libtpu") is None:
         pytest.fail(f"libtpu is not installed: pip install -e '.[test]' (jax[tpu]=={jax.__version__})")
-    from hybridmoe.analysis.train_program import tpu_target
+    from hybridmoe.tools.train_program import tpu_target
 
     return tpu_target(TOPOLOGY).devices[0]
 
@@ -83,7 +83,7 @@ def test_fused_pair_compiles(device, depth):
 
 def test_vmem_overflow_is_caught(device):
     """The upstream tile at the compiler's default scoped limit (32 MiB) overflows VMEM: the
-    compile-only target does catch on-chip memory errors (figures: benchmarks/gmm_vmem.json)."""
+    compile-only target does catch on-chip memory errors (figures: benchmarks/records/gmm_vmem.json)."""
     x = _spec((1024, 4096), jnp.bfloat16, device)
     wi = _spec((2, 4096, 4096), jnp.bfloat16, device)
     gs = _spec((2,), jnp.int32, device)
@@ -100,7 +100,7 @@ def test_vmem_overflow_is_caught(device):
                                             backend="pallas_tpu", tiling=roomy), x, wi, gs)
 
 
-# The weight depth decides the fit (benchmarks/gmm_vmem.json): at this tile Mosaic's default
+# The weight depth decides the fit (benchmarks/records/gmm_vmem.json): at this tile Mosaic's default
 # (2 buffers in JAX 0.10.2) needs more than the 57.6 MiB scoped limit, one buffer fits.
 DECIDING = dict(tm=256, tk=4096, tn=2048)
 
@@ -127,9 +127,9 @@ def test_inspect_compiles_the_training_step_for_a_tpu_target(device):
     """`hybridmoe inspect --target tpu7x:2x2x1`'s path: the validator accepts the Pallas TPU
     kernels for a TPU target, the whole training step (fused levers on Mosaic kernels) compiles
     for the topology's 8 devices, and the memory facts come against the v7x's 96 GiB per device."""
-    from hybridmoe.analysis import train_program as tp
-    from hybridmoe.config import load_config
-    from hybridmoe.config.validate import compile_target
+    from hybridmoe.tools import train_program as tp
+    from hybridmoe.recipe import load_config
+    from hybridmoe.recipe.validate import compile_target
 
     with compile_target("tpu"):
         cfg = load_config("tiny", ["mesh.cpu_devices=0", "model.d_model=128", "model.moe_intermediate_size=128",
@@ -178,9 +178,9 @@ def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
     topology's 8 devices: with kernels.gdn.backend=pallas_tpu it holds the forward and backward GDN
     kernels and exactly the collectives of the xla backend (place, kind, dtype, count, bytes), so
     no operand of the kernels is gathered: they run per shard."""
-    from hybridmoe.analysis import train_program as tp
-    from hybridmoe.config import load_config
-    from hybridmoe.config.validate import compile_target
+    from hybridmoe.tools import train_program as tp
+    from hybridmoe.recipe import load_config
+    from hybridmoe.recipe.validate import compile_target
     from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES
 
     steps = {}

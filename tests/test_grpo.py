@@ -13,7 +13,7 @@ from hybridmoe.rl.grpo import (build_update_batch, combine_update_metrics, jit_g
 from hybridmoe.rl.logprobs import token_logprobs_reference
 from hybridmoe.rl.objective import clipped_policy_loss
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
-from hybridmoe.train.setup import build
+from hybridmoe.run.setup import build
 
 PROMPT_LEN, NEW_TOKENS, ROWS = 6, 5, 16
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from hybridmoe.config import load_config
-from hybridmoe.model import hf
-from hybridmoe.train import hf_export
-from hybridmoe.train.hf_io import params_from_hf
-from hybridmoe.train.setup import build
+from hybridmoe.recipe import load_config
+from hybridmoe.hf import checkpoint as hf
+from hybridmoe.run import hf_export
+from hybridmoe.run.hf_io import params_from_hf
+from hybridmoe.run.setup import build
 
 HF_TINY = Path(__file__).parent / "fixtures" / "hf_tiny"
 SMALL_FILES = 300_000  # bytes: the 1.3 MB fixture becomes several files

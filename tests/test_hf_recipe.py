@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from hybridmoe.cli import main
-from hybridmoe.config import ConfigError, load_config
-from hybridmoe.model import hf
+from hybridmoe.config import ConfigError
+from hybridmoe.recipe import load_config
+from hybridmoe.hf import checkpoint as hf
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_TINY = FIXTURES / "hf_tiny"
@@ -44,7 +45,7 @@ def test_fixture_model_section_and_base_recipe():
 
 
 def test_fixture_score_uses_the_same_section(tmp_path):
-    from hybridmoe.config.load import hf_model_section
+    from hybridmoe.recipe.load import hf_model_section
     fields = hf.model_fields_from_hf_config(json.loads((HF_TINY / "config.json").read_text()))
     section = hf_model_section(HF_TINY)
     assert {k: section[k] for k in fields} == {**fields, "layer_pattern": list(fields["layer_pattern"])}

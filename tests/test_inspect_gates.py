@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from hybridmoe.analysis import train_program as tp
+from hybridmoe.tools import train_program as tp
 from hybridmoe.cli import main
-from hybridmoe.config import ConfigError, load_config
-from hybridmoe.config.validate import compile_target
+from hybridmoe.config import ConfigError
+from hybridmoe.recipe import load_config
+from hybridmoe.recipe.validate import compile_target
 
 PALLAS_TPU = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "moe.wi_fused_swiglu=true",
               "model.d_model=128", "model.moe_intermediate_size=128", "kernels.gmm.tk=128"]
@@ -54,7 +55,7 @@ def test_saved_residuals_with_the_fp8_hoist_on_an_expert_mesh():
     they are (params, absmax), which a params-only listing failed to unpack (the 397B levers arm)."""
     import jax
 
-    from hybridmoe.train.setup import build
+    from hybridmoe.run.setup import build
 
     cfg = load_config("tiny", ["train.batch_size=8", "mesh.expert=2", "quant.fp8_moe_fake_quant=true",
                                "quant.fp8_fake_quant_hoist=gather8"])

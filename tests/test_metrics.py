@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from hybridmoe.train.metrics import MetricsWriter, plot_metrics, read_metrics
+from hybridmoe.run.metrics import MetricsWriter, plot_metrics, read_metrics
 
 
 def _steps(path):

@@ -10,8 +10,8 @@ from hybridmoe.kernels.attention import attention
 from hybridmoe.kernels.attention.reference import attention_reference
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.model.forward import decoder_hidden, logits
-from hybridmoe.train.setup import build
-from hybridmoe.train.step import nll_sum
+from hybridmoe.run.setup import build
+from hybridmoe.run.step import nll_sum
 
 
 def _close(a, b, rtol=1e-5, atol=1e-5):

@@ -27,14 +27,14 @@ from jax.sharding import PartitionSpec
 
 from broken_variants import BROKEN
 from helpers import packed_batch, tiny_config, tiny_params
-from hybridmoe.analysis import program
+from hybridmoe.tools import program
 from hybridmoe.config import ConfigError
 from hybridmoe.kernels.gmm import epilogue as epi
 from hybridmoe.model import forward
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.parallel.rules import logical_to_spec
-from hybridmoe.train.setup import build
-from hybridmoe.train.step import nll_sum
+from hybridmoe.run.setup import build
+from hybridmoe.run.step import nll_sum
 
 BF16 = ("model.compute_dtype=bfloat16",)
 EP2 = ("mesh.expert=2",)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridmoe.train.checkpoint import finished_steps
-from hybridmoe.train.metrics import read_metrics
+from hybridmoe.run.checkpoint import finished_steps
+from hybridmoe.run.metrics import read_metrics
 from kill_harness import COMMANDS, ROOT, _env
 from run_checks import assert_tensorboard_matches_jsonl, comparable
 

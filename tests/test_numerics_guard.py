@@ -11,17 +11,17 @@ import pytest
 
 import hybridmoe.rl.grpo as grpo_module
 import hybridmoe.train.loop as loop
-import hybridmoe.train.step as step_module
+import hybridmoe.run.step as step_module
 from helpers import tiny_config, tiny_params
-from hybridmoe.analysis.program import primitive_counts
+from hybridmoe.tools.program import primitive_counts
 from hybridmoe.cli import main
 from hybridmoe.config.schema import TrainConfig
 from hybridmoe.parallel.host import put_global
 from hybridmoe.rl.grpo import build_update_batch, jit_grpo_step, rl_optimizer
-from hybridmoe.train.setup import build, init_state, jit_train_step
-from hybridmoe.train.checkpoint import finished_steps
-from hybridmoe.train.guard import NonFiniteGuard, NonFiniteStop
-from hybridmoe.train.metrics import read_metrics
+from hybridmoe.run.setup import build, init_state, jit_train_step
+from hybridmoe.run.checkpoint import finished_steps
+from hybridmoe.run.guard import NonFiniteGuard, NonFiniteStop
+from hybridmoe.run.metrics import read_metrics
 from test_grpo import _advantages, _config as grpo_config, _rollout
 
 OVER = ("train.batch_size=8", "train.seq_len=16", "train.checkpoint_every=0", "train.warmup_steps=0")

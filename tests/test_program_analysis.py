@@ -1,11 +1,11 @@
-"""hybridmoe.analysis.program on small programs whose collectives, loops and residuals are known."""
+"""hybridmoe.tools.program on small programs whose collectives, loops and residuals are known."""
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from hybridmoe.analysis import program
+from hybridmoe.tools import program
 
 MESH = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
 RING = [(i, (i + 1) % 8) for i in range(8)]

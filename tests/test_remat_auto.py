@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from helpers import tiny_config
-from hybridmoe.config import load_config
+from hybridmoe.recipe import load_config
 from hybridmoe.model.forward import logits
 from hybridmoe.model.params import abstract_params, declare_params
 from hybridmoe.model.remat import resolve_policy

@@ -5,9 +5,9 @@ overwrites it when asked), and metrics.jsonl and TensorBoard keep one record per
 import pytest
 
 from helpers import tiny_config
-from hybridmoe.train.checkpoint import finished_steps
+from hybridmoe.run.checkpoint import finished_steps
 from hybridmoe.train.loop import RunError, train
-from hybridmoe.train.metrics import read_metrics
+from hybridmoe.run.metrics import read_metrics
 from run_checks import assert_tensorboard_matches_jsonl, comparable
 
 OVER = ("train.steps=4", "train.checkpoint_every=2", "train.batch_size=8", "train.seq_len=16")

@@ -489,7 +489,7 @@ def test_importance_weights_tis_caps_and_mis_masks_whole_sequences():
 def test_dynamic_sampling_keeps_groups_with_reward_variance_and_fills_the_batch(monkeypatch):
     import types
 
-    from hybridmoe.config import load_config
+    from hybridmoe.recipe import load_config
     from hybridmoe.rl import loop
 
     G = 2

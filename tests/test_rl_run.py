@@ -13,10 +13,10 @@ from hybridmoe.config import ConfigError
 from hybridmoe.model.params import abstract_params
 from hybridmoe.rl.loop import run_rl
 from hybridmoe.data.arithmetic import ArithmeticTask, Example
-from hybridmoe.train.checkpoint import Checkpoints
+from hybridmoe.run.checkpoint import Checkpoints
 from hybridmoe.train.loop import RunError
-from hybridmoe.train.metrics import read_metrics
-from hybridmoe.train.setup import build
+from hybridmoe.run.metrics import read_metrics
+from hybridmoe.run.setup import build
 
 TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s"}
 # 2 warm-up steps then 4 GRPO steps; checkpoints after steps 2 and 5 (done = 3, 6).
@@ -127,7 +127,7 @@ def test_wrong_shape_checkpoints_are_clear_errors(cfg, finished_run, tmp_path):
         run_rl(tiny_config(*OVERRIDES, "model.d_model=32"), out, resume=True, progress=False)
     with pytest.raises(RunError, match="already holds a run"):
         run_rl(cfg, out, progress=False)
-    from hybridmoe.model.hf import hf_config_from_model_fields
+    from hybridmoe.hf.checkpoint import hf_config_from_model_fields
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     fields = {**cfg.model.model_dump(), "d_model": 32, "num_experts": 4}

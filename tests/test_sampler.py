@@ -9,7 +9,7 @@ from helpers import tiny_config, tiny_params
 from hybridmoe.model.forward import decoder_hidden, logits
 from hybridmoe.rl.logprobs import chunked_token_logprobs
 from hybridmoe.rl.sampler import SamplingOptions, choose_tokens, left_pad_prompts, make_generate
-from hybridmoe.train.setup import build
+from hybridmoe.run.setup import build
 
 PROMPT_LEN, NEW_TOKENS = 7, 6
 # Different lengths in one batch (1 token up to the full prompt width); 8 rows split over 8 devices.

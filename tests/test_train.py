@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_rel_l2, tiny_config, tiny_params
 from hybridmoe.data.synthetic import synthetic_batch
 from hybridmoe.train.loop import RunError, train
-from hybridmoe.train.step import accumulate_grads, nll_sum
+from hybridmoe.run.step import accumulate_grads, nll_sum
 
 
 def test_loss_falls_on_8_devices():
@@ -57,6 +57,6 @@ def test_micro_batch_accumulation_equals_one_big_batch():
 
 def test_batch_that_does_not_split_over_the_mesh_names_the_key():
     from hybridmoe.config import ConfigError
-    from hybridmoe.train.setup import build
+    from hybridmoe.run.setup import build
     with pytest.raises(ConfigError, match="train.batch_size"):
         build(tiny_config("train.batch_size=4"))

@@ -1,7 +1,10 @@
-"""Config: the typed tree, recipes, overrides and the one validation pass."""
+"""Config: the typed tree (schema.py), its recipes (recipes/*.yml) and ConfigError.
 
-from hybridmoe.config.load import load_config, recipe_names, split_args
+Nothing here imports the rest of the package. Loading a recipe with overrides and the validation
+pass over the whole config live above what they check, in hybridmoe/recipe/.
+"""
+
+from hybridmoe.config.errors import ConfigError
 from hybridmoe.config.schema import Config
-from hybridmoe.config.validate import ConfigError
 
-__all__ = ["Config", "ConfigError", "load_config", "recipe_names", "split_args"]
+__all__ = ["Config", "ConfigError"]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from hybridmoe.config.schema import Config
 from hybridmoe.kernels.attention import attention
 from hybridmoe.model.attention import gated_output, project_qkv
-from hybridmoe.model.expert_fp8 import sampling_weights
+from hybridmoe.quant.expert_fp8 import sampling_weights
 from hybridmoe.model.forward import decoder_layer, embed_tokens, lm_head_at_use, routing_from_blocks
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.norms import rms_norm

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from hybridmoe.config.schema import Config, ModelConfig
 from hybridmoe.model.attention import attention_layer
-from hybridmoe.model.expert_fp8 import hoisted, layer_weights_at_use, scan_xs
+from hybridmoe.quant.expert_fp8 import hoisted, layer_weights_at_use, scan_xs
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.moe import moe_layer
 from hybridmoe.model.norms import rms_norm

@@ -11,7 +11,7 @@ listed in `residual_elements_per_token` (the mixer's projections and score rows,
 the token's k experts, norms and residuals). When that times the layers and the tokens one device
 holds is at most a quarter of the device's memory (the rest is left for weights, optimizer state
 and the step's temporaries), replaying the forward buys nothing, and `none` is chosen; otherwise
-`full`. The `small` recipe on CPU resolves to none (benchmarks/step_anatomy.json times its step
+`full`. The `small` recipe on CPU resolves to none (benchmarks/records/step_anatomy.json times its step
 against remat full); the 35B, 80B and 397B recipes pin `full` explicitly.
 """
 

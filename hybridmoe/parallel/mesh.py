@@ -7,7 +7,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from hybridmoe.config.schema import MeshConfig
-from hybridmoe.config.validate import ConfigError
+from hybridmoe.config.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 

@@ -38,7 +38,7 @@ from hybridmoe.config.schema import Config
 from hybridmoe.model.forward import decoder_hidden, lm_head_at_use
 from hybridmoe.rl.logprobs import chunked_token_logprobs
 from hybridmoe.rl.objective import clipped_policy_loss, importance_weights
-from hybridmoe.train.step import accumulate_grads, guarded, keep_if_not, make_optimizer, skip_if_nonfinite
+from hybridmoe.run.step import accumulate_grads, guarded, keep_if_not, make_optimizer, skip_if_nonfinite
 
 # Per-micro-batch sums; each metric is a ratio of two of them over the whole step.
 _SUM_KEYS = ("kept_tokens", "completion_tokens", "entropy_sum", "logp_sum", "kl_sum", "clipped_sum",

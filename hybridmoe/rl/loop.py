@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from hybridmoe.config.schema import Config
-from hybridmoe.config.validate import ConfigError, check_requirements, check_rl_requirements
+from hybridmoe.config.errors import ConfigError
+from hybridmoe.recipe.validate import check_rl_requirements
 from hybridmoe.model.params import abstract_params
 from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
 from hybridmoe.rl.advantages import advantage_stats, group_advantages
@@ -38,13 +39,12 @@ from hybridmoe.data.arithmetic import PROMPT_STREAM, Task, solved_batch, task_fr
 from hybridmoe.data.prompts import PromptSetTask
 from hybridmoe.data.sources import config_tokenizer
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
-from hybridmoe.train.guard import NonFiniteGuard
-from hybridmoe.train.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf, read_hf_weights
-from hybridmoe.train.loop import RunError, config_record
-from hybridmoe.train.metrics import MetricsWriter, plot_metrics
-from hybridmoe.train.run_dir import check_paths, open_checkpoints
-from hybridmoe.train.setup import build, init_state, jit_train_step
-from hybridmoe.train.step import guarded
+from hybridmoe.run.guard import NonFiniteGuard
+from hybridmoe.run.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf, read_hf_weights
+from hybridmoe.run.metrics import MetricsWriter, plot_metrics
+from hybridmoe.run.run_dir import RunError, check_paths, config_record, open_checkpoints
+from hybridmoe.run.setup import build, init_state, jit_train_step
+from hybridmoe.run.step import guarded
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridmoe.config.schema import Config
-from hybridmoe.config.validate import check_requirements
+from hybridmoe.recipe.validate import check_requirements
 from hybridmoe.data.sources import config_tokenizer
 from hybridmoe.data.tokenizer import Tokenizer
 from hybridmoe.parallel.host import fetch_global, put_global
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
-from hybridmoe.train.setup import RunSetup, build
+from hybridmoe.run.setup import RunSetup, build
 
 
 class PolicyError(ValueError):
@@ -55,11 +55,11 @@ def run_config(run_dir: Path) -> tuple[Config, int, dict]:
 def load_policy(cfg: Config, *, hf_dir: Path | None = None, run_dir: Path | None = None) -> Policy:
     setup = build(cfg)
     if hf_dir is not None:
-        from hybridmoe.train.hf_io import params_from_hf
+        from hybridmoe.run.hf_io import params_from_hf
         params = params_from_hf(setup, Path(hf_dir))
     else:
         from hybridmoe.model.params import abstract_params
-        from hybridmoe.train.checkpoint import Checkpoints
+        from hybridmoe.run.checkpoint import Checkpoints
         _, step, meta = run_config(run_dir)
         abstract = setup.abstract_state()
         if "phase" in meta:  # an rl run: {"train": state, "ref_params"?}

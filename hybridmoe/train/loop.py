@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -12,14 +11,10 @@ from tqdm import tqdm
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global, put_process_local
 from hybridmoe.data.sources import position_record, start_position, training_source
-from hybridmoe.train.guard import NonFiniteGuard
-from hybridmoe.train.metrics import MetricsWriter
-from hybridmoe.train.run_dir import RunError, check_paths, open_checkpoints
-from hybridmoe.train.setup import build, init_state, jit_train_step
-
-
-def config_record(cfg: Config) -> dict:
-    return json.loads(cfg.model_dump_json())
+from hybridmoe.run.guard import NonFiniteGuard
+from hybridmoe.run.metrics import MetricsWriter
+from hybridmoe.run.run_dir import RunError, check_paths, config_record, open_checkpoints
+from hybridmoe.run.setup import build, init_state, jit_train_step
 
 
 def open_run(cfg: Config, out: Path | None, resume: bool, overwrite: bool = False):
@@ -44,7 +39,7 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, overwri
 
     init_hf: start from this Hugging Face checkpoint's weights; export_hf: write the final weights
     there in the Hugging Face layout (with the checkpoint's tokenizer and generation files)."""
-    from hybridmoe.train.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf, read_hf_weights
+    from hybridmoe.run.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf, read_hf_weights
     check_paths(out, resume=resume, overwrite=overwrite, export_hf=export_hf, init_hf=init_hf)
     if init_hf is not None:
         cfg = config_with_hf_model(cfg, init_hf)

@@ -147,7 +147,7 @@ def exclusive_prefix_all_gather(a_BHKK, b_BHKV, axis_name, *, reverse=False):
     The default prefix. One collective of P * (K*K + K*V) floats per head, then P matrix-state
     products ([K, K] x [K, V]) on every rank; it never multiplies two [K, K] maps, where the
     permute scan below composes log2(P) - 1 of them and waits on log2(P) + 1 dependent permutes.
-    Measured against the permute scan (benchmarks/gdn_cp.json, the `small` GDN layer on 2, 4, 8
+    Measured against the permute scan (benchmarks/records/gdn_cp.json, the `small` GDN layer on 2, 4, 8
     simulated CPU devices): the scan moves fewer collective bytes (4.1 vs 7.2 MB at 8 ranks) and
     has slightly smaller temporaries (11.4 vs 13.6 MB at 8), and the times split (the scan faster
     at 2 and 8 ranks, slower at 4) inside that run's noise. Simulated devices model neither

@@ -19,7 +19,6 @@ Dimension letters:
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax

@@ -16,7 +16,7 @@ ragged_dot does; here the weight gradient's scale is per expert and column, not 
 Products of fp8 codes are exact in float32 and the accumulation is float32 (codes are fed to
 the backend's grouped matmul as bfloat16, which holds every e4m3 and e5m2 value exactly; on fp8
 hardware a native kernel would take the codes as they are).
-Scales are powers of two (hybridmoe.quant.fp8).
+Scales are powers of two (hybridmoe.kernels.fp8).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe.kernels.gmm.metadata import row_mask
-from hybridmoe.quant import fp8
+from hybridmoe.kernels import fp8
 
 CODES_COMPUTE = jnp.bfloat16  # exact for every fp8 code
 

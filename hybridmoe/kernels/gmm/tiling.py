@@ -32,7 +32,7 @@ class Tiling:
     rhs_buffer_count: the weight operand's pipeline depth in the fused up-projection forward
     kernel (TPU: BlockSpec buffer count; GPU: the pipeline's stage count). 0 = kernel default.
     The TPU grid pipeline of JAX 0.10.2 accepts only 1 or 2 buffers (depth 3 is refused at
-    lowering; benchmarks/gmm_vmem.json).
+    lowering; benchmarks/records/gmm_vmem.json).
     vmem_limit_mib: the Mosaic kernels' scoped VMEM limit; 0 = the compiler default (32 MiB on
     tpu7x, which the upstream tile does not fit).
     """

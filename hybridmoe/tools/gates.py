@@ -24,13 +24,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, put_global
 from hybridmoe.rl.grpo import build_update_batch, jit_grpo_step, rl_optimizer, sequence_logprobs, update_batch_shardings
-from hybridmoe.train.setup import build, init_state
+from hybridmoe.run.setup import build, init_state
 
 
 @dataclasses.dataclass(frozen=True)

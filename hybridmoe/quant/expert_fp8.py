@@ -1,7 +1,7 @@
 """fp8 fake quantization of the routed-expert weights where they are used, and its hoist.
 
 quant.fp8_moe_fake_quant rounds wi [E, D, 2F] and wo [E, F, D] to their per-output-channel
-float8_e4m3fn grid (hybridmoe.quant.fp8; one scale per expert and output column, from the
+float8_e4m3fn grid (hybridmoe.kernels.fp8; one scale per expert and output column, from the
 absmax over the contracting axis 1) with the straight-through gradient, in every layer, in the
 forward and again in the remat replay. It is a transform of the weights before the MoE block, so
 every MoE path (default grouped matmul, the kernel family with its levers, expert parallelism,
@@ -28,13 +28,12 @@ Collectives of the absmax run under the name scope "fp8_absmax" (the program pro
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from hybridmoe.config.schema import Config, QuantConfig
-from hybridmoe.config.validate import ConfigError
+from hybridmoe.config.errors import ConfigError
 from hybridmoe.parallel.rules import at_use_spec, constrain_at_use, logical_to_spec
-from hybridmoe.quant import fp8
+from hybridmoe.kernels import fp8
 
 ROUTED = ("wi", "wo")
 CONTRACT = 1          # wi [E, D, 2F] contracts D, wo [E, F, D] contracts F

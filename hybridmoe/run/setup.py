@@ -13,12 +13,12 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridmoe.config.schema import Config
-from hybridmoe.config.validate import ConfigError
+from hybridmoe.config.errors import ConfigError
 from hybridmoe.model.params import abstract_params, declare_params, init_params, param_shardings
-from hybridmoe.parallel.fit import sharding_problems
+from hybridmoe.model.fit import sharding_problems
 from hybridmoe.parallel.mesh import make_mesh
 from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, use_rules
-from hybridmoe.train.step import make_optimizer, train_step
+from hybridmoe.run.step import make_optimizer, train_step
 
 
 @dataclasses.dataclass

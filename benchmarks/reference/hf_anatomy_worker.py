@@ -5,7 +5,7 @@ line on stdin and answers one JSON line on stdout:
   info   the versions, threads and which GDN kernels transformers found
   round  one timing of every component, [wall s, CPU s]: gdn, attention, moe, rmsnorm,
          embed_head_loss, optimizer (clip + AdamW), step (the whole training step, as
-         scripts/bench_hf_reference.py)
+         benchmarks/reference/bench_hf_reference.py)
   peak   the best float32 square-matmul FLOP/s torch reaches here
   quit
 The model is the `small` shape of bench_hf_reference.py (the same module, imported from beside this file).

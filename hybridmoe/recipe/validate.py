@@ -12,20 +12,11 @@ import math
 from collections.abc import Callable
 from contextvars import ContextVar
 
+from hybridmoe.config.errors import ConfigError, Problem
 from hybridmoe.config.schema import CHECKPOINT_NAMES, Config
 
-Problem = tuple[str, str]
 Rule = Callable[[Config], list[Problem]]
 RULES: list[Rule] = []
-
-
-class ConfigError(ValueError):
-    """One error naming every unmet requirement, each with its dotted key."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  {k}: {m}" for k, m in self.problems)
-        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
 
 
 def rule(fn: Rule) -> Rule:
@@ -91,7 +82,7 @@ def _weights_split_over_mesh(cfg: Config) -> list[Problem]:
     the weight declarations and the rules table themselves; `build` repeats it with the real mesh)."""
     if not cfg.model.layer_pattern or _mesh_fits(cfg):
         return []
-    from hybridmoe.parallel.fit import known_mesh_sizes, sharding_problems
+    from hybridmoe.model.fit import known_mesh_sizes, sharding_problems
     from hybridmoe.parallel.rules import RULES_TABLES
 
     return sharding_problems(cfg.model, RULES_TABLES[cfg.mesh.rules], known_mesh_sizes(cfg.mesh))
@@ -165,7 +156,7 @@ def _rl_batch_fits_mesh(cfg: Config) -> list[Problem]:
 MOE_GATE_UP_NAMES = ("moe_gate", "moe_up")
 _PALLAS_PLATFORM = {"pallas_tpu": ("tpu",), "pallas_gpu": ("gpu", "cuda", "rocm")}
 # JAX 0.10.2's Mosaic TPU grid pipeline takes 1 or 2 weight buffers (2 is its default) and
-# refuses more at lowering (benchmarks/gmm_vmem.json).
+# refuses more at lowering (benchmarks/records/gmm_vmem.json).
 TPU_MAX_RHS_BUFFERS = 2
 
 
@@ -286,7 +277,7 @@ def _gmm_kernel(cfg: Config) -> list[Problem]:
                          "has no weight pipeline")
         if g.backend == "pallas_tpu" and not cfg.kernels.interpret and depth > TPU_MAX_RHS_BUFFERS:
             unmet.append(f"Mosaic TPU (JAX 0.10.2) accepts 1 or {TPU_MAX_RHS_BUFFERS} buffers (its default is 2; "
-                         "1 is the depth that frees VMEM, benchmarks/gmm_vmem.json)")
+                         "1 is the depth that frees VMEM, benchmarks/records/gmm_vmem.json)")
         if unmet:
             out.append(("kernels.gmm.wi_fwd_rhs_buffer_count", "; ".join(unmet)))
     return out

@@ -10,7 +10,7 @@ On CPU the reference runs its pure-PyTorch fallbacks for the Gated DeltaNet: the
 causal_conv1d kernels are CUDA-only; the record says which were found.
 
 Needs torch and transformers (never dependencies of the package). Run with the separate venv:
-  /work/hfvenv/bin/python scripts/bench_hf_reference.py [--out FILE.json]
+  /work/hfvenv/bin/python benchmarks/reference/bench_hf_reference.py [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def main() -> None:
     mean_s = sum(timed) / len(timed)
     record = {
         "benchmark": "hf_reference_train_step",
-        "script": "scripts/bench_hf_reference.py",
+        "script": "benchmarks/reference/bench_hf_reference.py",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "platform": platform.platform()},

@@ -10,13 +10,14 @@ events or a finished checkpoint) is refused unless asked to overwrite it.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
 
 from hybridmoe.parallel.host import is_lead_host, sync_hosts
-from hybridmoe.train.checkpoint import CHECKPOINT_DIR_NAME, Checkpoints, finished_steps
-from hybridmoe.train.metrics import JSONL_NAME, PNG_NAME, TB_DIR_NAME
+from hybridmoe.run.checkpoint import CHECKPOINT_DIR_NAME, Checkpoints, finished_steps
+from hybridmoe.run.metrics import JSONL_NAME, PNG_NAME, TB_DIR_NAME
 
 
 class RunError(RuntimeError):
@@ -72,3 +73,8 @@ def open_checkpoints(out: Path | None, *, resume: bool, overwrite: bool = False)
     if resume and ckpt.latest_step() is None and is_lead_host():
         print(f"--resume: no finished checkpoint in {out}; starting at step 0 in the same folder", file=sys.stderr)
     return ckpt
+
+
+def config_record(cfg) -> dict:
+    """The resolved config as plain JSON values (checkpoint metadata, records)."""
+    return json.loads(cfg.model_dump_json())

@@ -14,7 +14,7 @@ import optax
 
 from hybridmoe.config.schema import Config, TrainConfig
 from hybridmoe.model.forward import logits
-from hybridmoe.train.data import loss_mask
+from hybridmoe.run.data import loss_mask
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:

@@ -25,7 +25,7 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 
-from hybridmoe.analysis import program
+from hybridmoe.tools import program
 from hybridmoe.config.schema import Config
 
 GIB = 2**30
@@ -155,7 +155,7 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True) ->
     """Lower and compile the training step for the target's devices (nothing is run). A TPU
     compile refused for HBM comes back as a step without a program whose `out_of_memory` holds
     the compiler's figure and the arguments' per-device bytes."""
-    from hybridmoe.train.setup import build, jit_train_step
+    from hybridmoe.run.setup import build, jit_train_step
 
     setup = build(cfg, list(target.devices))
     step = jit_train_step(setup)
@@ -184,7 +184,7 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True) ->
 def block_residuals(cfg: Config, setup) -> list[program.Residual]:
     """What one layer block's forward keeps for its backward under the config's remat policy
     (global shapes; the layer scan stacks one set per block)."""
-    from hybridmoe.model.expert_fp8 import scan_xs
+    from hybridmoe.quant.expert_fp8 import scan_xs
     from hybridmoe.model.forward import block_fn
     from hybridmoe.model.params import abstract_params, layer_axes
     from hybridmoe.model.remat import checkpointed

@@ -1,6 +1,6 @@
 """What a run does after steps whose loss or gradient norm was not finite.
 
-The jitted step has already kept the old weights for such a step (train/step.py; the GRPO step
+The jitted step has already kept the old weights for such a step (run/step.py; the GRPO step
 does the same); the run counts them here and, by train.on_nonfinite and train.max_nonfinite_skips,
 stops: the caller checkpoints the last good state and metrics, then raises the error returned.
 Under train.on_nonfinite=off the step has no guard: nothing is skipped, and nothing stops here.
@@ -9,7 +9,7 @@ Under train.on_nonfinite=off the step has no guard: nothing is skipped, and noth
 from __future__ import annotations
 
 from hybridmoe.config.schema import TrainConfig
-from hybridmoe.train.run_dir import RunError
+from hybridmoe.run.run_dir import RunError
 
 
 class NonFiniteStop(RunError):

@@ -9,7 +9,9 @@ import jax
 import numpy as np
 
 from hybridmoe.config.schema import Config
-from hybridmoe.config.validate import ConfigError, check_requirements
+from hybridmoe.config.errors import ConfigError
+from hybridmoe.run.run_dir import RunError
+from hybridmoe.recipe.validate import check_requirements
 from hybridmoe.model.params import abstract_params
 from hybridmoe.parallel.host import put_global
 
@@ -23,10 +25,9 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "layer_pattern", "num_hea
 def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
     """The recipe's config with the model fields of an HF checkpoint's config.json; a RunError naming
     every shape field where the recipe disagrees (and the overrides that would match)."""
-    from hybridmoe.train.loop import RunError
     import json
 
-    from hybridmoe.model.hf import model_fields_from_hf_config
+    from hybridmoe.hf.checkpoint import model_fields_from_hf_config
     config_path = Path(hf_dir) / "config.json"
     if not config_path.is_file():
         raise RunError(f"--init-hf: no config.json in {hf_dir}")
@@ -52,8 +53,8 @@ def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
 def read_hf_weights(hf_dir: Path | None, out: Path | None, resume: bool):
     """The --init-hf weights as numpy (read before anything is created or compiled, so a corrupt file
     fails leaving no trace), or None when there is no --init-hf or a resume will restore a checkpoint."""
-    from hybridmoe.model.hf import load_hf_checkpoint
-    from hybridmoe.train.checkpoint import CHECKPOINT_DIR_NAME, finished_steps
+    from hybridmoe.hf.checkpoint import load_hf_checkpoint
+    from hybridmoe.run.checkpoint import CHECKPOINT_DIR_NAME, finished_steps
     if hf_dir is None or (resume and out is not None and finished_steps(Path(out) / CHECKPOINT_DIR_NAME)):
         return None
     return load_hf_checkpoint(str(hf_dir))[1]
@@ -61,8 +62,7 @@ def read_hf_weights(hf_dir: Path | None, out: Path | None, resume: bool):
 
 def params_from_hf(setup, hf_dir: Path, tree=None):
     """The weights of `hf_dir` (or its `tree` read by read_hf_weights), checked and sharded."""
-    from hybridmoe.train.loop import RunError
-    from hybridmoe.model.hf import load_hf_checkpoint
+    from hybridmoe.hf.checkpoint import load_hf_checkpoint
     if tree is None:
         _, tree = load_hf_checkpoint(str(hf_dir))
     want = abstract_params(setup.specs)
@@ -80,6 +80,6 @@ def params_from_hf(setup, hf_dir: Path, tree=None):
 def export_hf_checkpoint(out: Path, cfg: Config, params, tokenizer_from: Path | None = None):
     """The policy as a sharded Hugging Face checkpoint in `out` (written by every host, see
     hf_export.py), with the side files of `tokenizer_from` (the --init-hf folder, else data.tokenizer's)."""
-    from hybridmoe.train.hf_export import export_hf_sharded
+    from hybridmoe.run.hf_export import export_hf_sharded
     source = Path(tokenizer_from) if tokenizer_from else (Path(cfg.data.tokenizer) if cfg.data.tokenizer else None)
     return export_hf_sharded(out, cfg, params, side_files_from=source)

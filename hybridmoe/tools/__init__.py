@@ -1,0 +1,1 @@
+"""Tools over what is below: bench, inspect (compiled-program analysis), gates, score, eval and the records they write."""
