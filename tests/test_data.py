@@ -155,7 +155,7 @@ def test_fine_tune_a_checkpoint_on_jsonl_and_export_it(tmp_path):
     """The user's path end to end: `train --init-hf DIR` on a JSONL file, `--export-hf` a folder
     that our loader reads back with the trained weights (not the initial ones)."""
     from hybridmoe.cli import main
-    from hybridmoe.hf import checkpoint as hf
+    from hybridmoe import hf
     out = tmp_path / "hf_out"
     assert main(["train", "train.data=files", f"data.path={SFT}", "train.steps=2", "train.warmup_steps=0",
                  "train.seq_len=32", "--init-hf", str(HF_TINY), "--export-hf", str(out)]) == 0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from hybridmoe.hf import checkpoint as hf
+from hybridmoe import hf
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 LOGPROB_ATOL = 2e-4  # float32 end to end; observed differences are ~1e-5

@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from hybridmoe.recipe import load_config
-from hybridmoe.hf import checkpoint as hf
+from hybridmoe import hf
 from hybridmoe.run import hf_export
 from hybridmoe.run.hf_io import params_from_hf
 from hybridmoe.run.setup import build

@@ -11,7 +11,7 @@ import pytest
 from hybridmoe.cli import main
 from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config
-from hybridmoe.hf import checkpoint as hf
+from hybridmoe import hf
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_TINY = FIXTURES / "hf_tiny"

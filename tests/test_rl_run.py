@@ -127,7 +127,7 @@ def test_wrong_shape_checkpoints_are_clear_errors(cfg, finished_run, tmp_path):
         run_rl(tiny_config(*OVERRIDES, "model.d_model=32"), out, resume=True, progress=False)
     with pytest.raises(RunError, match="already holds a run"):
         run_rl(cfg, out, progress=False)
-    from hybridmoe.hf.checkpoint import hf_config_from_model_fields
+    from hybridmoe.hf import hf_config_from_model_fields
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     fields = {**cfg.model.model_dump(), "d_model": 32, "num_experts": 4}

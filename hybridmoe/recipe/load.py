@@ -40,7 +40,7 @@ def split_hf_recipe(name: str) -> tuple[Path, str]:
 def hf_model_section(hf_dir: str | Path) -> dict[str, Any]:
     """The `model.*` values of a Hugging Face checkpoint folder, from its config.json: the shape
     fields, max_seq_len from max_position_embeddings and both dtypes from the stored dtype."""
-    from hybridmoe.hf.checkpoint import CheckpointError, model_fields_from_hf_config, read_hf_config
+    from hybridmoe.hf import CheckpointError, model_fields_from_hf_config, read_hf_config
     try:
         config_json = read_hf_config(str(hf_dir))
         fields = dict(model_fields_from_hf_config(config_json))

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from hybridmoe.config.schema import Config
-from hybridmoe.hf import checkpoint as hf
+from hybridmoe import hf
 from hybridmoe.parallel.host import fetch_global, is_lead_host
 
 # Files of a checkpoint folder that are not weights or config.json and travel with an export.

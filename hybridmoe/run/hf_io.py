@@ -27,7 +27,7 @@ def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
     every shape field where the recipe disagrees (and the overrides that would match)."""
     import json
 
-    from hybridmoe.hf.checkpoint import model_fields_from_hf_config
+    from hybridmoe.hf import model_fields_from_hf_config
     config_path = Path(hf_dir) / "config.json"
     if not config_path.is_file():
         raise RunError(f"--init-hf: no config.json in {hf_dir}")
@@ -53,7 +53,7 @@ def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
 def read_hf_weights(hf_dir: Path | None, out: Path | None, resume: bool):
     """The --init-hf weights as numpy (read before anything is created or compiled, so a corrupt file
     fails leaving no trace), or None when there is no --init-hf or a resume will restore a checkpoint."""
-    from hybridmoe.hf.checkpoint import load_hf_checkpoint
+    from hybridmoe.hf import load_hf_checkpoint
     from hybridmoe.run.checkpoint import CHECKPOINT_DIR_NAME, finished_steps
     if hf_dir is None or (resume and out is not None and finished_steps(Path(out) / CHECKPOINT_DIR_NAME)):
         return None
@@ -62,7 +62,7 @@ def read_hf_weights(hf_dir: Path | None, out: Path | None, resume: bool):
 
 def params_from_hf(setup, hf_dir: Path, tree=None):
     """The weights of `hf_dir` (or its `tree` read by read_hf_weights), checked and sharded."""
-    from hybridmoe.hf.checkpoint import load_hf_checkpoint
+    from hybridmoe.hf import load_hf_checkpoint
     if tree is None:
         _, tree = load_hf_checkpoint(str(hf_dir))
     want = abstract_params(setup.specs)

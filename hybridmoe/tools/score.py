@@ -16,7 +16,7 @@ from hybridmoe.recipe.load import hf_model_section
 from hybridmoe.config.schema import Config, ModelConfig, RLConfig, TrainConfig
 from hybridmoe.recipe.validate import check_requirements
 from hybridmoe.model.forward import token_logprobs
-from hybridmoe.hf.checkpoint import load_hf_checkpoint
+from hybridmoe.hf import load_hf_checkpoint
 
 
 def check_tokens(tokens: np.ndarray, vocab_size: int, where: str) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3.5-MoE / Qwen3-Next checkpoints <-> the native weight tree.
+"""Hugging Face Qwen3.5-MoE / Qwen3-Next tensors <-> the native weight tree.
 
 The native tree (what `params.declare_params` describes) stacks the layers of one pattern position:
 `blocks[p]` holds layers p, p + P, p + 2P, ... (P = len(layer_pattern)) on a leading axis of size
@@ -29,198 +29,18 @@ U GDN value heads, k GDN key dim, v GDN value dim, W conv width, L layers, nb st
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
-import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so bf16 safetensors shards load
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
-FIELD_NAMES = (
-    "vocab_size", "d_model", "num_layers", "layer_pattern", "num_heads", "num_kv_heads", "head_dim",
-    "rope_theta", "partial_rotary_factor", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim",
-    "gdn_value_dim", "gdn_conv_kernel", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "shared_expert_intermediate_size", "norm_topk_prob", "rms_norm_eps",
-)
-SUPPORTED_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
-HF_LAYER_KIND = {"linear_attention": "gdn", "full_attention": "attention"}
-NATIVE_LAYER_KIND = {v: k for k, v in HF_LAYER_KIND.items()}
+from hybridmoe.hf.config_fields import field_dict
+
 IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 MULTIMODAL_PREFIX = "model.language_model."
-CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 
 ExpertLayout = Literal["per_expert", "fused"]
 GDNProjections = Literal["split", "interleaved"]
-
-
-# ----------------------------------------------------------------------------------------- config
-
-
-def _fields(fields) -> dict[str, Any]:
-    """Accept a plain dict of model fields or the project's ModelConfig section."""
-    if hasattr(fields, "model_dump"):
-        fields = fields.model_dump()
-    missing = [k for k in FIELD_NAMES if k not in fields]
-    if missing:
-        raise ValueError(f"model fields: missing {', '.join(missing)}")
-    return {k: fields[k] for k in FIELD_NAMES}
-
-
-def _smallest_period(kinds: list[str]) -> tuple[str, ...]:
-    n = len(kinds)
-    for p in range(1, n + 1):
-        if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
-            return tuple(kinds[:p])
-    raise AssertionError("unreachable: the whole list is always a period")
-
-
-def model_fields_from_hf_config(config_json: dict) -> dict:
-    """The project's `model.*` values for a Qwen3.5-MoE (text or multimodal) or Qwen3-Next config.json.
-
-    Raises ValueError naming the config field for anything the native model does not express.
-    """
-    model_type = config_json.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"config.json: model_type={model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-    text = config_json["text_config"] if "text_config" in config_json else config_json
-
-    def need(key):
-        if key not in text:
-            raise ValueError(f"config.json: missing field {key!r}")
-        return text[key]
-
-    def reject(key, value, why):
-        raise ValueError(f"config.json: {key}={value!r} is not supported: {why}")
-
-    # A multimodal config keeps tie_word_embeddings on the outer object; either place counts.
-    for where in (config_json, text):
-        if where.get("tie_word_embeddings", False):
-            reject("tie_word_embeddings", True, "the native model has an untied lm_head")
-    if text.get("attention_bias", False):
-        reject("attention_bias", True, "attention projections have no biases")
-    if text.get("hidden_act", "silu") != "silu":
-        reject("hidden_act", text["hidden_act"], "only silu (SwiGLU experts, SiLU conv) is implemented")
-    if text.get("mlp_only_layers"):
-        reject("mlp_only_layers", text["mlp_only_layers"], "every layer must hold the MoE block")
-    if text.get("decoder_sparse_step", 1) != 1:
-        reject("decoder_sparse_step", text["decoder_sparse_step"], "every layer must hold the MoE block")
-    if not text.get("attn_output_gate", True):
-        reject("attn_output_gate", False, "the attention always has its sigmoid output gate")
-
-    # Rotary: transformers 5 nests it in rope_parameters; older config.json files keep it flat.
-    rope = dict(text.get("rope_parameters") or {})
-    for key in ("rope_theta", "partial_rotary_factor"):
-        if key not in rope and key in text:
-            rope[key] = text[key]
-    if text.get("rope_scaling"):
-        reject("rope_scaling", text["rope_scaling"], "only the default rotary embedding is implemented")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        reject("rope_parameters.rope_type", rope_type, "only the default rotary embedding is implemented")
-    if "rope_theta" not in rope:
-        raise ValueError("config.json: missing field 'rope_parameters.rope_theta'")
-    # mrope_section / mrope_interleaved only matter for image/video positions: for text the three
-    # position rows are identical, so multimodal rope reduces to the plain rotary embedding.
-
-    num_layers = need("num_hidden_layers")
-    layer_types = text.get("layer_types")
-    if layer_types is None:
-        interval = text.get("full_attention_interval", 4)
-        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    if len(layer_types) != num_layers:
-        reject("layer_types", layer_types, f"has {len(layer_types)} entries for num_hidden_layers={num_layers}")
-    unknown = sorted(set(layer_types) - set(HF_LAYER_KIND))
-    if unknown:
-        reject("layer_types", unknown, f"layer kinds must be among {sorted(HF_LAYER_KIND)}")
-    pattern = _smallest_period([HF_LAYER_KIND[t] for t in layer_types])
-
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
-    head_dim = text.get("head_dim") or hidden // heads
-    key_heads, value_heads = need("linear_num_key_heads"), need("linear_num_value_heads")
-    if value_heads % key_heads:
-        reject("linear_num_value_heads", value_heads, f"must be a multiple of linear_num_key_heads={key_heads}")
-    num_experts = need("num_experts")
-    if num_experts <= 0:
-        reject("num_experts", num_experts, "the native model always has routed experts")
-    shared = need("shared_expert_intermediate_size")
-    if shared <= 0:
-        reject("shared_expert_intermediate_size", shared, "Qwen3.5-MoE always has a shared expert")
-    return {
-        "vocab_size": need("vocab_size"),
-        "d_model": hidden,
-        "num_layers": num_layers,
-        "layer_pattern": pattern,
-        "num_heads": heads,
-        "num_kv_heads": need("num_key_value_heads"),
-        "head_dim": head_dim,
-        "rope_theta": float(rope["rope_theta"]),
-        "partial_rotary_factor": float(rope.get("partial_rotary_factor", 1.0)),
-        "gdn_num_key_heads": key_heads,
-        "gdn_num_value_heads": value_heads,
-        "gdn_key_dim": need("linear_key_head_dim"),
-        "gdn_value_dim": need("linear_value_head_dim"),
-        "gdn_conv_kernel": need("linear_conv_kernel_dim"),
-        "num_experts": num_experts,
-        "num_experts_per_tok": need("num_experts_per_tok"),
-        "moe_intermediate_size": need("moe_intermediate_size"),
-        "shared_expert_intermediate_size": shared,
-        # Qwen3.5-MoE always renormalises the top-k weights and has no field for it; Qwen3-Next does.
-        "norm_topk_prob": bool(text.get("norm_topk_prob", True)),
-        "rms_norm_eps": float(need("rms_norm_eps")),
-    }
-
-
-def hf_config_from_model_fields(fields, dtype: str = "float32") -> dict:
-    """A Qwen3_5MoeForCausalLM (text-only) config.json for the given model fields."""
-    f = _fields(fields)
-    if not f["norm_topk_prob"]:
-        raise ValueError(
-            "model.norm_topk_prob=False has no Qwen3.5-MoE form (it always renormalises the top-k weights)")
-    if f["num_layers"] % len(f["layer_pattern"]):
-        raise ValueError(f"model.num_layers={f['num_layers']} is not a multiple of "
-                         f"len(model.layer_pattern)={len(f['layer_pattern'])}")
-    pattern = f["layer_pattern"]
-    return {
-        "architectures": ["Qwen3_5MoeForCausalLM"],
-        "model_type": "qwen3_5_moe_text",
-        "dtype": dtype,
-        "vocab_size": f["vocab_size"],
-        "hidden_size": f["d_model"],
-        "num_hidden_layers": f["num_layers"],
-        "layer_types": [NATIVE_LAYER_KIND[pattern[i % len(pattern)]] for i in range(f["num_layers"])],
-        "num_attention_heads": f["num_heads"],
-        "num_key_value_heads": f["num_kv_heads"],
-        "head_dim": f["head_dim"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": f["rope_theta"],
-            "partial_rotary_factor": f["partial_rotary_factor"],
-        },
-        "linear_num_key_heads": f["gdn_num_key_heads"],
-        "linear_num_value_heads": f["gdn_num_value_heads"],
-        "linear_key_head_dim": f["gdn_key_dim"],
-        "linear_value_head_dim": f["gdn_value_dim"],
-        "linear_conv_kernel_dim": f["gdn_conv_kernel"],
-        "num_experts": f["num_experts"],
-        "num_experts_per_tok": f["num_experts_per_tok"],
-        "moe_intermediate_size": f["moe_intermediate_size"],
-        "shared_expert_intermediate_size": f["shared_expert_intermediate_size"],
-        "hidden_act": "silu",
-        "rms_norm_eps": f["rms_norm_eps"],
-        "tie_word_embeddings": False,
-    }
-
-
-# ------------------------------------------------------------------------------ tensor bookkeeping
 
 
 class _Source:
@@ -380,7 +200,7 @@ def hf_to_native(state: Mapping[str, np.ndarray], fields, *, files: Mapping[str,
     `files` maps a tensor name to the file it came from and `where` names the checkpoint, both only
     for error messages. Every tensor must be used: leftovers mean a config/layout mismatch.
     """
-    f = _fields(fields)
+    f = field_dict(fields)
     d = _dims(f)
     src = _Source(state, files, where)
     pattern, L = tuple(f["layer_pattern"]), f["num_layers"]
@@ -432,7 +252,7 @@ def native_to_hf(tree, fields, *, expert_layout: ExpertLayout = "per_expert",
     expert_layout: "per_expert" (what save_pretrained writes) or "fused" (experts.gate_up_proj).
     gdn_projections: "split" (Qwen3.5 in_proj_qkv/z/b/a) or "interleaved" (Qwen3-Next in_proj_qkvz/ba).
     """
-    f = _fields(fields)
+    f = field_dict(fields)
     d = _dims(f)
     D, V = d["D"], d["V"]
     pattern, L = tuple(f["layer_pattern"]), f["num_layers"]
@@ -464,7 +284,7 @@ def _map_arrays(fn, tree):
 
 def outer_to_hf(tree, fields) -> dict[str, np.ndarray]:
     """The tensors outside the layers: embedding, final norm, LM head."""
-    d = _dims(_fields(fields))
+    d = _dims(field_dict(fields))
     D, V = d["D"], d["V"]
     return {"model.embed_tokens.weight": np.ascontiguousarray(_expect("embed", tree["embed"], (V, D))),
             "model.norm.weight": np.ascontiguousarray(_expect("final_norm", tree["final_norm"], (D,))),
@@ -500,7 +320,7 @@ def layer_to_hf(kind: str, index: int, layer: dict, fields, *, expert_layout: Ex
     layer's moe/wi and moe/wo hold only experts e0 .. e1 - 1 (per_expert layout), so a sharded
     export can write a layer's experts in pieces.
     """
-    f = _fields(fields)
+    f = field_dict(fields)
     d = _dims(f)
     D, E, F, S = d["D"], d["E"], d["F"], d["S"]
     N, G, A, K, U, k, v, W = d["N"], d["G"], d["A"], d["K"], d["U"], d["k"], d["v"], d["W"]
@@ -576,119 +396,3 @@ def layer_to_hf(kind: str, index: int, layer: dict, fields, *, expert_layout: Ex
         else:
             raise ValueError(f"expert_layout={expert_layout!r}: expected 'per_expert' or 'fused'")
     return out
-
-
-# ------------------------------------------------------------------------------------------- files
-
-
-class CheckpointError(ValueError):
-    """A Hugging Face checkpoint folder that cannot be read; the message names the file and the fix."""
-
-
-def checkpoint_shards(path: str) -> list[str]:
-    """The *.safetensors files of a checkpoint: those model.safetensors.index.json names when it is
-    present (every one must exist), else every *.safetensors file in the folder."""
-    index_path = os.path.join(path, INDEX_FILE)
-    if os.path.exists(index_path):
-        try:
-            with open(index_path) as fh:
-                weight_map = json.load(fh)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: not a safetensors index (no valid weight_map: {e}); "
-                                  "re-download it or delete it to read every *.safetensors file") from None
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
-        if missing:
-            raise CheckpointError(f"{index_path}: names shard(s) missing from the folder: {', '.join(missing[:4])}; "
-                                  "download every shard the index lists")
-        return [os.path.join(path, n) for n in names]
-    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not shards:
-        raise CheckpointError(f"{path}: no *.safetensors files; a checkpoint folder holds config.json and its weights")
-    return shards
-
-
-def read_hf_config(path: str) -> dict:
-    """config.json of a checkpoint folder as a dict; CheckpointError naming the file otherwise."""
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint folder")
-    if not os.path.exists(config_path):
-        raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json "
-                              "beside its *.safetensors files")
-    try:
-        with open(config_path) as fh:
-            config = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_path}: expected a JSON object")
-    return config
-
-
-def load_hf_checkpoint(path: str) -> tuple[dict, dict]:
-    """config.json + the checkpoint's *.safetensors shards in `path` -> (model fields, native tree of numpy arrays).
-
-    Raises CheckpointError (a ValueError) naming the file for a missing/invalid config.json, an
-    unsupported architecture, a missing shard and a truncated or corrupt safetensors file.
-    """
-    try:
-        fields = model_fields_from_hf_config(read_hf_config(path))
-    except CheckpointError:
-        raise
-    except ValueError as e:
-        raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: {str(e).removeprefix('config.json: ')}") from None
-    state: dict[str, np.ndarray] = {}
-    files: dict[str, str] = {}
-    for shard in checkpoint_shards(path):
-        try:
-            with safe_open(shard, framework="numpy") as fh:
-                for name in fh.keys():
-                    if name.startswith(IGNORED_PREFIXES):
-                        continue
-                    if name in state:
-                        raise CheckpointError(f"{shard}: tensor {name} is also in {files[name]}")
-                    state[name] = fh.get_tensor(name)
-                    files[name] = shard
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001 -- safetensors raises its own SafetensorError (and OSError)
-            raise CheckpointError(f"{shard}: truncated or corrupt safetensors file ({e}); "
-                                  "download it again (its size must match the published one)") from None
-    return fields, hf_to_native(state, fields, files=files, where=path)
-
-
-def save_hf_checkpoint(path: str, fields, tree, *, expert_layout: ExpertLayout = "per_expert") -> None:
-    """Write config.json + model.safetensors into `path` atomically.
-
-    Both files are written into a temporary folder beside `path` first and then moved into place,
-    so an interrupted save never leaves a half-written file under `path`.
-    """
-    state = native_to_hf(tree, fields, expert_layout=expert_layout)
-    dtype = str(state["model.embed_tokens.weight"].dtype)
-    config = hf_config_from_model_fields(fields, dtype=dtype)
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    try:
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as fh:
-            json.dump(config, fh, indent=2)
-            fh.write("\n")
-        save_file(state, os.path.join(tmp, WEIGHTS_FILE), metadata={"format": "pt"})
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a checkpoint folder is an ordinary folder
-        if not os.path.exists(path):
-            os.replace(tmp, path)
-            return
-        # Existing folder: replace our two files one by one (each rename is atomic) and drop stale
-        # shards from an earlier sharded save, which load_hf_checkpoint would otherwise also read.
-        stale = set(glob.glob(os.path.join(path, "*.safetensors")))
-        stale |= set(glob.glob(os.path.join(path, "model.safetensors.index.json")))
-        for name in (WEIGHTS_FILE, CONFIG_FILE):
-            os.replace(os.path.join(tmp, name), os.path.join(path, name))
-            stale.discard(os.path.join(path, name))
-        for old in stale:
-            os.remove(old)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
