@@ -194,3 +194,28 @@ def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
     assert not any(name in steps["xla"].program.compiled_text for name in KERNEL_NAMES.values())
     collectives = {b: tp.collective_rows(s.program.compiled_collectives) for b, s in steps.items()}
     assert collectives["pallas_tpu"] == collectives["xla"], collectives
+
+
+@pytest.mark.parametrize("T, S, N, G, head_dim, block_q, block_k", [
+    (256, 256, 4, 2, 128, 128, 128),  # self-attention, two query heads per kv head
+    (256, 512, 32, 2, 256, 128, 256),  # Qwen3.5-397B's heads (16 per kv head, dim 256), a query block against more keys
+])
+def test_flash_attention_pallas_kernels_compile(device, T, S, N, G, head_dim, block_q, block_k):
+    """The flash attention forward, dq and dk/dv kernels (kernels/attention/pallas_tpu.py) lower through
+    Mosaic for tpu7x: packed ids, bf16 inputs, the block schedule by scalar prefetch."""
+    from hybridmoe.kernels.attention import ops
+    from hybridmoe.kernels.attention.pallas_tpu import KERNEL_NAMES
+
+    args = (_spec((1, T, N, head_dim), jnp.bfloat16, device), _spec((1, S, G, head_dim), jnp.bfloat16, device),
+            _spec((1, S, G, head_dim), jnp.bfloat16, device), _spec((1, T), jnp.int32, device),
+            _spec((1, S), jnp.int32, device), _spec((1, T), jnp.int32, device), _spec((1, S), jnp.int32, device))
+
+    def loss(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+        o = ops.flash_attention(q, k, v, q_pos_BT=q_pos, kv_pos_BS=kv_pos, q_seg_BT=q_seg, kv_seg_BS=kv_seg,
+                                scale=head_dim ** -0.5, backend="pallas_tpu", block_q=block_q, block_k=block_k)
+        return jnp.sum(o.astype(jnp.float32))
+
+    text = _compile(jax.grad(loss, (0, 1, 2)), *args).as_text()
+    assert text.count("tpu_custom_call") == 3
+    for name in KERNEL_NAMES:
+        assert name in text, name

@@ -1,8 +1,10 @@
-"""Attention kernels: reference (tests' oracle), the XLA path, and blocked causal self-attention."""
+"""Attention kernels: reference (tests' oracle), the XLA path, blocked causal self-attention, and flash
+attention (ops.py: xla, pallas_tpu and pallas_gpu backends)."""
 
 import jax
 
 from hybridmoe.kernels.attention.blocked import causal_attention_blocked
+from hybridmoe.kernels.attention.ops import attention_bwd, attention_fwd, flash_attention, platform_default
 from hybridmoe.kernels.attention.xla import attention
 
 
@@ -16,4 +18,5 @@ def self_attention_core(platform: str | None = None):
     return causal_attention_blocked if (platform or jax.default_backend()) == "cpu" else attention
 
 
-__all__ = ["attention", "causal_attention_blocked", "self_attention_core"]
+__all__ = ["attention", "attention_bwd", "attention_fwd", "causal_attention_blocked", "flash_attention",
+           "platform_default", "self_attention_core"]
