@@ -152,3 +152,16 @@ def test_rl_sequences_are_checked_against_the_context_ranks_and_gdn_chunks():
 def test_a_grpo_step_runs_with_the_sequence_over_context_ranks(tmp_path):
     """The fix the rule suggests runs: per-target arrays [.., T - 1] no longer split like tokens [.., T]."""
     assert main(["rl", *RL_CONTEXT, "rl.max_new_tokens=8", "--out", str(tmp_path / "run")]) == 0
+
+
+def test_a_rule_the_load_cannot_decide_is_decided_on_the_real_mesh():
+    """mesh.fsdp=-1 leaves the fsdp size open at load; set-up resolves it and runs the validation
+    pass again, so gather8 on an fsdp axis of 1 is one ConfigError naming the key, not a failure
+    from inside the traced model."""
+    from hybridmoe.run.setup import build
+    cfg = load_config("tiny", ["quant.fp8_moe_fake_quant=true", "quant.fp8_fake_quant_hoist=gather8",
+                               "mesh.cpu_devices=0", "mesh.data=1", "mesh.fsdp=-1", "mesh.expert=8"])
+    with pytest.raises(ConfigError) as e:
+        build(cfg)
+    assert [k for k, _ in e.value.problems] == ["quant.fp8_fake_quant_hoist"]
+    assert "mesh.fsdp=1" in str(e.value)

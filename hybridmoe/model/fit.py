@@ -13,12 +13,9 @@ import math
 from collections.abc import Mapping
 
 from hybridmoe.config.schema import ModelConfig
+from hybridmoe.parallel.rules import mesh_axes_of
 
 Problem = tuple[str, str]
-
-
-def _mesh_axes(entry) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def _flat_shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
@@ -56,7 +53,7 @@ def sharding_problems(m: ModelConfig, rules: Mapping, mesh_sizes: Mapping[str, i
         for dim, (size, logical) in enumerate(zip(shape, axes)):
             if logical is None or logical not in rules:
                 continue
-            mesh_axes = tuple(a for a in _mesh_axes(rules[logical]) if a in mesh_sizes)
+            mesh_axes = tuple(a for a in mesh_axes_of(rules[logical]) if a in mesh_sizes)
             shards = math.prod(mesh_sizes[a] for a in mesh_axes)
             if shards <= 1 or size % shards == 0:
                 continue

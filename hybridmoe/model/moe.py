@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 
 from hybridmoe.config.schema import GmmKernelConfig, KernelsConfig, ModelConfig, MoEConfig, QuantConfig
 from hybridmoe.kernels import gmm as K
-from hybridmoe.parallel.rules import logical_to_spec
+from hybridmoe.parallel.rules import logical_to_spec, mesh_axes_of
 
 
 def route(router_DE, x_TD, m: ModelConfig, replay_idx_Tk=None):
@@ -278,15 +278,9 @@ def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | 
     return out if len(out) > 1 else y
 
 
-def _mesh_axes(spec_entry) -> tuple[str, ...]:
-    if spec_entry is None:
-        return ()
-    return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
-
-
 def expert_axes(mesh) -> tuple[str, ...]:
     """The mesh axes the rules shard experts over, those of size 1 left out."""
-    return tuple(a for a in _mesh_axes(logical_to_spec(("exp",))[0]) if mesh.shape[a] > 1)
+    return tuple(a for a in mesh_axes_of(logical_to_spec(("exp",))[0]) if mesh.shape[a] > 1)
 
 
 def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None = None, *,
@@ -322,7 +316,7 @@ def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig |
 
         return jax.shard_map(plain, in_specs=(replicated, token_spec), out_specs=token_spec)(p, x_BTD)
 
-    token_axes = {a for entry in token_spec for a in _mesh_axes(entry)}
+    token_axes = {a for entry in token_spec for a in mesh_axes_of(entry)}
     all_axes = tuple(mesh.axis_names)
     # Pallas kernels declare no varying-axes type on their outputs: trace them unchecked.
     check_vma = plan.backend == "xla"
@@ -330,7 +324,7 @@ def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig |
     replicas = math.prod(mesh.shape[a] for a in all_axes if a not in token_axes and a not in ep_axes)
     if ep_axes:
         local = _ring_of_experts(plan, m, ep_axes, token_axes, all_axes, replicas, check_vma)
-        ep_spec = PartitionSpec(_mesh_axes(logical_to_spec(("exp",))[0]))
+        ep_spec = PartitionSpec(mesh_axes_of(logical_to_spec(("exp",))[0]))
         weight_specs = {k: ep_spec if k in ("wi", "wo") else PartitionSpec() for k in p}
     else:
         def local(p, x_btd):
@@ -390,7 +384,7 @@ def _ring_of_experts(plan: GroupedPlan, m: ModelConfig, ep_axes, token_axes, all
     # Gather over the expert axes the tokens are split on; where the tokens are replicated
     # (cp_as_ep's context x expert with tokens on context only) every rank already holds them
     # and the partial outputs are summed instead.
-    exp_spec_axes = _mesh_axes(logical_to_spec(("exp",))[0])
+    exp_spec_axes = mesh_axes_of(logical_to_spec(("exp",))[0])
     gather_axes = tuple(a for a in exp_spec_axes if a in ep_axes and a in token_axes)
     sum_axes = tuple(a for a in exp_spec_axes if a in ep_axes and a not in token_axes)
 

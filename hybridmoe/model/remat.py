@@ -24,7 +24,7 @@ import jax
 
 from hybridmoe.config.schema import Config, ModelConfig
 from hybridmoe.model.attention import LB_IDS_NAME
-from hybridmoe.parallel.rules import logical_to_spec
+from hybridmoe.parallel.rules import logical_to_spec, mesh_axes_of
 
 RESIDUAL_FRACTION = 0.25  # of one device's memory, for the residuals `none` keeps
 
@@ -88,7 +88,7 @@ def tokens_per_device(num_tokens: int) -> int:
         return num_tokens
     shards = 1
     for entry in logical_to_spec(("batch", "seq")):
-        for axis in (() if entry is None else (entry,) if isinstance(entry, str) else entry):
+        for axis in mesh_axes_of(entry):
             shards *= mesh.shape[axis]
     return math.ceil(num_tokens / shards)
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe.parallel.rules import logical_to_spec
+from hybridmoe.parallel.rules import logical_to_spec, mesh_axes_of
 
 
 def context_axes() -> tuple[str, ...]:
@@ -30,7 +30,7 @@ def context_axes() -> tuple[str, ...]:
     if mesh.empty:
         return ()
     entry = logical_to_spec(("seq",))[0]
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    names = mesh_axes_of(entry)
     return tuple(a for a in names if mesh.shape[a] > 1)
 
 

@@ -45,6 +45,13 @@ class AxisRuleError(ValueError):
     pass
 
 
+def mesh_axes_of(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry or rules-table value (None, a name, or a tuple)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, MeshAxes] | None = None) -> PartitionSpec:
     """Map logical axes to a PartitionSpec; a mesh axis used twice raises (a rules collision)."""
     rules = _active_rules.get() if rules is None else rules
@@ -57,7 +64,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, MeshAxes] | 
         if name not in rules:
             raise AxisRuleError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
         mesh_axes = rules[name]
-        for m in (mesh_axes,) if isinstance(mesh_axes, str) else (mesh_axes or ()):
+        for m in mesh_axes_of(mesh_axes):
             if m in used:
                 raise AxisRuleError(f"mesh axis {m!r} is used by both logical axes {used[m]!r} and {name!r} "
                                     f"in {tuple(axes)}")

@@ -31,8 +31,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from hybridmoe.config.schema import Config, QuantConfig
-from hybridmoe.config.errors import ConfigError
-from hybridmoe.parallel.rules import at_use_spec, constrain_at_use, logical_to_spec
+from hybridmoe.parallel.rules import at_use_spec, constrain_at_use, logical_to_spec, mesh_axes_of
 from hybridmoe.kernels import fp8
 
 ROUTED = ("wi", "wo")
@@ -43,12 +42,6 @@ ABSMAX_SCOPE = "fp8_absmax"
 
 def hoisted(cfg: Config) -> bool:
     return cfg.quant.fp8_moe_fake_quant and cfg.quant.fp8_fake_quant_hoist != "off"
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _amax_spec(spec: PartitionSpec, leading=()) -> PartitionSpec:
@@ -68,8 +61,8 @@ def _gather(x_blk, stored: PartitionSpec, gather_axes):
     if not gather_axes:
         return x_blk
     for dim, entry in enumerate(stored):
-        if FSDP in _axes_of(entry):
-            if _axes_of(entry)[-1] != FSDP:
+        if FSDP in mesh_axes_of(entry):
+            if mesh_axes_of(entry)[-1] != FSDP:
                 raise ValueError(f"FSDP must be the minor mesh axis of a gathered weight dim; got {entry}")
             x_blk = jax.lax.all_gather(x_blk, gather_axes, axis=dim, tiled=True, to="invarying")
     return x_blk
@@ -118,17 +111,18 @@ def weight_at_use(w, axes, mode: str, amax=None):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         if mode == "gather8":
-            raise ConfigError([("quant.fp8_fake_quant_hoist", "gather8 needs a device mesh with an "
-                                "FSDP-sharded expert weight; there is no mesh here")])
+            raise ValueError("quant.fp8_fake_quant_hoist=gather8 needs a device mesh with an FSDP-sharded "
+                             "expert weight; there is no mesh here")
         return fp8.fake_quant(w, CONTRACT, amax)
     stored, used = logical_to_spec(axes), at_use_spec(axes)
     # Collectives over size-1 axes too: shard_map types every manual axis, and XLA drops them.
-    contract_axes = _axes_of(tuple(stored)[CONTRACT])
+    contract_axes = mesh_axes_of(tuple(stored)[CONTRACT])
     gather_axes = (FSDP,)
     if mode == "gather8":
-        if mesh.shape[FSDP] == 1 or not any(FSDP in _axes_of(e) for e in stored):
-            raise ConfigError([("quant.fp8_fake_quant_hoist", f"gather8 needs an FSDP-sharded expert weight; "
-                                f"the mesh's fsdp axis is {mesh.shape[FSDP]} and the weight is {stored}")])
+        if mesh.shape[FSDP] == 1 or not any(FSDP in mesh_axes_of(e) for e in stored):
+            # The validation pass refuses this at load or, with mesh.fsdp=-1, at set-up on the real mesh.
+            raise ValueError(f"quant.fp8_fake_quant_hoist=gather8 needs an FSDP-sharded expert weight; "
+                             f"the mesh's fsdp axis is {mesh.shape[FSDP]} and the weight is {stored}")
         return _gather8(w, amax, amax, mesh, stored, used, gather_axes)
     if amax is None:
         def body(w_blk):
@@ -150,7 +144,7 @@ def stacked_absmax(w_LEKN, axes, mode: str):
     if mesh.empty:
         return fp8.absmax(w_LEKN, CONTRACT + 1)
     stored, used = logical_to_spec(axes), at_use_spec(axes)
-    contract_axes = _axes_of(tuple(stored)[CONTRACT])
+    contract_axes = mesh_axes_of(tuple(stored)[CONTRACT])
     gather_axes = (FSDP,) if mode == "gather8" else ()
     stack = PartitionSpec(None, *stored)
 

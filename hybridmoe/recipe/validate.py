@@ -14,6 +14,9 @@ from contextvars import ContextVar
 
 from hybridmoe.config.errors import ConfigError, Problem
 from hybridmoe.config.schema import CHECKPOINT_NAMES, Config
+from hybridmoe.kernels.gdn import limits as gdn_limits
+from hybridmoe.kernels.gmm import tiling
+from hybridmoe.kernels.platform import PALLAS_PLATFORMS
 
 Rule = Callable[[Config], list[Problem]]
 RULES: list[Rule] = []
@@ -154,10 +157,6 @@ def _rl_batch_fits_mesh(cfg: Config) -> list[Problem]:
 # MLP bias. Everything the config can get wrong is.
 
 MOE_GATE_UP_NAMES = ("moe_gate", "moe_up")
-_PALLAS_PLATFORM = {"pallas_tpu": ("tpu",), "pallas_gpu": ("gpu", "cuda", "rocm")}
-# JAX 0.10.2's Mosaic TPU grid pipeline takes 1 or 2 weight buffers (2 is its default) and
-# refuses more at lowering (benchmarks/records/gmm_vmem.json).
-TPU_MAX_RHS_BUFFERS = 2
 
 
 # Set while validating a config for a program compiled for another platform than this host's
@@ -246,7 +245,7 @@ def _gmm_kernel(cfg: Config) -> list[Problem]:
     fused = moe.wi_fused_swiglu or moe.wo_fused_dswiglu
     if g.backend != "xla" and not cfg.kernels.interpret:
         platform = _run_platform(cfg)
-        if platform not in _PALLAS_PLATFORM[g.backend]:
+        if platform not in PALLAS_PLATFORMS[g.backend]:
             out.append(("kernels.gmm.backend", f"{g.backend} cannot run on this platform ({platform}); use xla, "
                         "or kernels.interpret=true to run the Pallas kernel interpreted"))
     tiles = _gmm_tile_problems(cfg)
@@ -275,8 +274,8 @@ def _gmm_kernel(cfg: Config) -> list[Problem]:
         if g.backend == "xla":
             unmet.append("needs a Pallas backend (kernels.gmm.backend=pallas_tpu or pallas_gpu): the xla backend "
                          "has no weight pipeline")
-        if g.backend == "pallas_tpu" and not cfg.kernels.interpret and depth > TPU_MAX_RHS_BUFFERS:
-            unmet.append(f"Mosaic TPU (JAX 0.10.2) accepts 1 or {TPU_MAX_RHS_BUFFERS} buffers (its default is 2; "
+        if g.backend == "pallas_tpu" and not cfg.kernels.interpret and depth > tiling.TPU_MAX_RHS_BUFFERS:
+            unmet.append(f"Mosaic TPU (JAX 0.10.2) accepts 1 or {tiling.TPU_MAX_RHS_BUFFERS} buffers (its default is 2; "
                          "1 is the depth that frees VMEM, benchmarks/records/gmm_vmem.json)")
         if unmet:
             out.append(("kernels.gmm.wi_fwd_rhs_buffer_count", "; ".join(unmet)))
@@ -422,9 +421,6 @@ def check_rl_requirements(cfg: Config) -> None:
 # ---------------------------------------------------------------------------------------------
 # Gated DeltaNet: sequence-sharded context parallelism (mesh.context > 1) and its scan keys.
 
-# The chunk size the scan keys are built and proven for (LEVERS.md).
-GDN_SCAN_CHUNK_SIZE = 64
-
 
 @rule
 def _gdn_context_parallel(cfg: Config) -> list[Problem]:
@@ -444,25 +440,19 @@ def _gdn_context_parallel(cfg: Config) -> list[Problem]:
             unmet.append("needs GDN layers (model.layer_pattern has none)")
         if ranks is not None and ranks <= 1:
             unmet.append("needs sequence-sharded GDN context parallelism (mesh.context > 1)")
-        if chunk != GDN_SCAN_CHUNK_SIZE:
-            unmet.append(f"needs gdn.chunk_size={GDN_SCAN_CHUNK_SIZE} (got {chunk})")
+        if chunk != gdn_limits.CP_SCAN_CHUNK_SIZE:
+            unmet.append(f"needs gdn.chunk_size={gdn_limits.CP_SCAN_CHUNK_SIZE} (got {chunk})")
         if unmet:
             out.append((f"gdn.{key}", "; ".join(unmet)))
     return out
 
 
-# Mosaic refuses the kernel's degenerate [1, 1] dots at chunk 1; chunks 2, 3, 4, 12, 16, 64 compile
-# for a tpu7x target (tests/test_gmm_tpu_compile.py).
-GDN_PALLAS_TPU_MIN_CHUNK = 2
-# Triton: power-of-two value shapes, and tl.dot wants every matmul dim >= 16.
-GDN_PALLAS_GPU_MIN_DIM = 16
-
 
 def _gdn_pallas_gpu_dims(cfg: Config) -> list[str]:
     dims = {"gdn.chunk_size": cfg.gdn.chunk_size, "model.gdn_key_dim": cfg.model.gdn_key_dim,
             "model.gdn_value_dim": cfg.model.gdn_value_dim}
-    return [f"needs {key} a power of two >= {GDN_PALLAS_GPU_MIN_DIM} on GPU (got {n})" for key, n in dims.items()
-            if n < GDN_PALLAS_GPU_MIN_DIM or n & (n - 1)]
+    return [f"needs {key} a power of two >= {gdn_limits.PALLAS_GPU_MIN_DIM} on GPU (got {n})" for key, n in dims.items()
+            if n < gdn_limits.PALLAS_GPU_MIN_DIM or n & (n - 1)]
 
 
 @rule
@@ -473,11 +463,11 @@ def _gdn_kernel(cfg: Config) -> list[Problem]:
         return []
     unmet = []
     platform = _run_platform(cfg)
-    if platform not in _PALLAS_PLATFORM[backend]:
+    if platform not in PALLAS_PLATFORMS[backend]:
         unmet.append(f"{backend} cannot run on this platform ({platform}); use xla, or kernels.interpret=true "
                      "to run the Pallas kernel interpreted")
-    if backend == "pallas_tpu" and cfg.gdn.chunk_size < GDN_PALLAS_TPU_MIN_CHUNK:
-        unmet.append(f"needs gdn.chunk_size >= {GDN_PALLAS_TPU_MIN_CHUNK} on TPU (got {cfg.gdn.chunk_size}; "
+    if backend == "pallas_tpu" and cfg.gdn.chunk_size < gdn_limits.PALLAS_TPU_MIN_CHUNK:
+        unmet.append(f"needs gdn.chunk_size >= {gdn_limits.PALLAS_TPU_MIN_CHUNK} on TPU (got {cfg.gdn.chunk_size}; "
                      "Mosaic refuses the chunk-1 kernel)")
     if backend == "pallas_gpu":
         unmet += _gdn_pallas_gpu_dims(cfg)

@@ -18,6 +18,7 @@ from hybridmoe.recipe.validate import check_requirements
 from hybridmoe.data.sources import config_tokenizer
 from hybridmoe.data.tokenizer import Tokenizer
 from hybridmoe.parallel.host import fetch_global, put_global
+from hybridmoe.parallel.rules import mesh_axes_of
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
 from hybridmoe.run.setup import RunSetup, build
 
@@ -100,7 +101,7 @@ def generate_texts(policy: Policy, prompts: list[str], *, max_new_tokens: int, t
     setup = policy.setup
     rows_sh = setup.batch_sharding(0)
     axes = rows_sh.spec[0]
-    shards = math.prod(setup.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())))
+    shards = math.prod(setup.mesh.shape[a] for a in mesh_axes_of(axes))
     rows = -(-batch_size // shards) * shards  # the batch splits over the mesh's batch shards
     opts = SamplingOptions(max_new_tokens, temperature, top_p, tok.eos_id, tok.pad_id, stop_ids=tok.stop_ids)
     generate = make_generate(cfg, opts, in_shardings=(setup.param_shardings, rows_sh, rows_sh, rows_sh,

@@ -35,6 +35,7 @@ from safetensors.numpy import save_file
 from hybridmoe.config.schema import Config
 from hybridmoe import hf
 from hybridmoe.parallel.host import fetch_global, is_lead_host
+from hybridmoe.parallel.rules import mesh_axes_of
 
 # Files of a checkpoint folder that are not weights or config.json and travel with an export.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -70,7 +71,7 @@ def _spec_without(sharding: NamedSharding, drop: int, keep_axis: int | None = No
     spec = list(sharding.spec) + [None] * 8
     spec = spec[drop:drop + 8]
     if keep_axis is not None and spec[keep_axis] is not None:
-        names = (spec[keep_axis],) if isinstance(spec[keep_axis], str) else tuple(spec[keep_axis])
+        names = mesh_axes_of(spec[keep_axis])
         if size % math.prod(sharding.mesh.shape[n] for n in names):
             spec[keep_axis] = None
     return spec
@@ -120,7 +121,7 @@ def plan_units(cfg: Config, params, max_file_bytes: int) -> list[Unit]:
     wi_sharding = params["blocks"][0]["moe"]["wi"].sharding
     expert_names = wi_sharding.spec[1] if len(wi_sharding.spec) > 1 else None
     expert_shards = math.prod(wi_sharding.mesh.shape[n] for n in (
-        (expert_names,) if isinstance(expert_names, str) else tuple(expert_names or ())))
+        mesh_axes_of(expert_names)))
     chunk = max(c for c in range(1, E + 1) if E % c == 0 and c <= max(1, E // expert_shards)
                 and (c == 1 or c * per_expert_bytes <= max_file_bytes))
     for b in range(m.num_blocks):

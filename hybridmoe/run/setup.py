@@ -17,7 +17,8 @@ from hybridmoe.config.errors import ConfigError
 from hybridmoe.model.params import abstract_params, declare_params, init_params, param_shardings
 from hybridmoe.model.fit import sharding_problems
 from hybridmoe.parallel.mesh import make_mesh
-from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, use_rules
+from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, mesh_axes_of, use_rules
+from hybridmoe.recipe.validate import check_requirements
 from hybridmoe.run.step import make_optimizer, train_step
 
 
@@ -56,7 +57,7 @@ def check_batch_fits(cfg: Config, mesh, rules) -> None:
     for key, size, axis in (("train.batch_size", cfg.train.batch_size, "batch"),
                             ("train.seq_len", cfg.train.seq_len, "seq")):
         mesh_axes = rules[axis]
-        names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        names = mesh_axes_of(mesh_axes)
         shards = math.prod(mesh.shape[a] for a in names)
         if size % shards:
             problems.append((key, f"{size} does not split over the {shards} shards of mesh axes {names}"))
@@ -64,8 +65,16 @@ def check_batch_fits(cfg: Config, mesh, rules) -> None:
         raise ConfigError(problems)
 
 
+def check_on_mesh(cfg: Config, mesh) -> None:
+    """The validation pass again with the mesh's real axis sizes (the -1 axis resolved): a rule that
+    could not decide at load, before the device count was known, decides now."""
+    sizes = {a: mesh.shape[a] for a in cfg.mesh.axis_sizes}
+    check_requirements(cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update=sizes)}))
+
+
 def build(cfg: Config, devices=None) -> RunSetup:
     mesh = make_mesh(cfg.mesh, devices)
+    check_on_mesh(cfg, mesh)
     rules = RULES_TABLES[cfg.mesh.rules]
     check_batch_fits(cfg, mesh, rules)
     problems = sharding_problems(cfg.model, rules, dict(mesh.shape))
