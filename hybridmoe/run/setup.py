@@ -18,7 +18,7 @@ from hybridmoe.model.params import abstract_params, declare_params, init_params,
 from hybridmoe.model.fit import sharding_problems
 from hybridmoe.parallel.mesh import make_mesh
 from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, mesh_axes_of, use_rules
-from hybridmoe.recipe.validate import check_requirements
+from hybridmoe.recipe.validate import check_requirements, compile_target
 from hybridmoe.run.step import make_optimizer, train_step
 
 
@@ -66,10 +66,14 @@ def check_batch_fits(cfg: Config, mesh, rules) -> None:
 
 
 def check_on_mesh(cfg: Config, mesh) -> None:
-    """The validation pass again with the mesh's real axis sizes (the -1 axis resolved): a rule that
-    could not decide at load, before the device count was known, decides now."""
+    """The validation pass again on the mesh the run builds: its real axis sizes (the -1 axis
+    resolved), its device count (not the simulated one: a run may build on a subset of the devices)
+    and its devices' platform (a compile-only TPU target is validated as TPU). A rule that could
+    not decide at load, before the devices were known, decides now."""
     sizes = {a: mesh.shape[a] for a in cfg.mesh.axis_sizes}
-    check_requirements(cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update=sizes)}))
+    on_mesh = cfg.mesh.model_copy(update={**sizes, "cpu_devices": 0})
+    with compile_target(mesh.devices.flat[0].platform):
+        check_requirements(cfg.model_copy(update={"mesh": on_mesh}))
 
 
 def build(cfg: Config, devices=None) -> RunSetup:
