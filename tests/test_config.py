@@ -71,3 +71,28 @@ def test_describe_json(capsys):
 def test_cli_bad_override_exits_cleanly(capsys):
     assert main(["describe", "model.d_model=abc"]) == 2
     assert "model.d_model" in capsys.readouterr().err
+
+
+def test_every_validator_rule_names_the_keys_it_checks():
+    """A search for a key finds its rule: each rule declares the config keys it states requirements
+    of (real fields or sections of the schema), and a rule of one key is named after it."""
+    from hybridmoe.config.schema import Config
+    from hybridmoe.recipe.validate import RULES
+
+    def exists(key):
+        node = Config
+        for part in key.split("."):
+            fields = getattr(node, "model_fields", {})
+            if part not in fields:
+                return False
+            node = fields[part].annotation
+        return True
+
+    assert len(RULES) >= 18
+    for fn in RULES:
+        assert fn.keys, f"{fn.__name__} declares no keys"
+        missing = [k for k in fn.keys if not exists(k)]
+        assert not missing, f"{fn.__name__} declares keys not in the schema: {missing}"
+        assert fn.__name__.startswith("_" + fn.keys[0].split(".")[0] + "_"), fn.__name__
+        if len(fn.keys) == 1 and "." in fn.keys[0]:
+            assert fn.__name__ == "_" + fn.keys[0].replace(".", "_"), (fn.__name__, fn.keys)

@@ -22,9 +22,16 @@ Rule = Callable[[Config], list[Problem]]
 RULES: list[Rule] = []
 
 
-def rule(fn: Rule) -> Rule:
-    RULES.append(fn)
-    return fn
+def rule(*keys: str) -> Callable[[Rule], Rule]:
+    """Register a rule that states the requirements of `keys` (dotted config keys, or a section).
+
+    A rule is named after the key it checks (`_quant_fp8_gmm` checks `quant.fp8_gmm`); one that
+    checks several lists them here, so a search for a key finds its rule. `rule.keys` holds them."""
+    def register(fn: Rule) -> Rule:
+        fn.keys = keys
+        RULES.append(fn)
+        return fn
+    return register
 
 
 def check_requirements(cfg: Config) -> None:
@@ -35,7 +42,7 @@ def check_requirements(cfg: Config) -> None:
         raise ConfigError(problems)
 
 
-@rule
+@rule("model.num_layers", "model.num_heads", "model.gdn_num_value_heads", "model.num_experts_per_tok", "model.partial_rotary_factor")
 def _model_shapes(cfg: Config) -> list[Problem]:
     m, out = cfg.model, []
     if m.layer_pattern and m.num_layers % len(m.layer_pattern):
@@ -53,8 +60,8 @@ def _model_shapes(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule
-def _mesh_fits(cfg: Config) -> list[Problem]:
+@rule("mesh", "mesh.data", "mesh.fsdp", "mesh.context", "mesh.expert", "mesh.tensor", "mesh.cpu_devices")
+def _mesh_axis_sizes(cfg: Config) -> list[Problem]:
     # The device count is known at load only when simulating CPU devices; make_mesh checks the rest.
     m = cfg.mesh
     n = m.simulated_devices or math.prod(abs(v) for v in m.axis_sizes.values())
@@ -65,8 +72,8 @@ def _mesh_fits(cfg: Config) -> list[Problem]:
     return [problem] if problem else []
 
 
-@rule
-def _distributed(cfg: Config) -> list[Problem]:
+@rule("mesh.distributed", "mesh.coordinator_address", "mesh.num_processes", "mesh.process_id")
+def _mesh_distributed(cfg: Config) -> list[Problem]:
     m, out = cfg.mesh, []
     explicit = [k for k in ("coordinator_address", "num_processes") if getattr(m, k)]
     if explicit and not m.distributed:
@@ -79,11 +86,11 @@ def _distributed(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule
-def _weights_split_over_mesh(cfg: Config) -> list[Problem]:
+@rule("model")
+def _model_weights_split_over_mesh(cfg: Config) -> list[Problem]:
     """Every weight dimension the rules table shards must split evenly over its mesh axes (read from
     the weight declarations and the rules table themselves; `build` repeats it with the real mesh)."""
-    if not cfg.model.layer_pattern or _mesh_fits(cfg):
+    if not cfg.model.layer_pattern or _mesh_axis_sizes(cfg):
         return []
     from hybridmoe.model.fit import known_mesh_sizes, sharding_problems
     from hybridmoe.parallel.rules import RULES_TABLES
@@ -91,16 +98,16 @@ def _weights_split_over_mesh(cfg: Config) -> list[Problem]:
     return sharding_problems(cfg.model, RULES_TABLES[cfg.mesh.rules], known_mesh_sizes(cfg.mesh))
 
 
-@rule
-def _train_shapes(cfg: Config) -> list[Problem]:
+@rule("train.seq_len")
+def _train_seq_len(cfg: Config) -> list[Problem]:
     t, m, out = cfg.train, cfg.model, []
     if t.seq_len > m.max_seq_len:
         out.append(("train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}"))
     return out
 
 
-@rule
-def _remat(cfg: Config) -> list[Problem]:
+@rule("remat.save")
+def _remat_save(cfg: Config) -> list[Problem]:
     r = cfg.remat
     out = []
     if r.save and r.policy != "custom":
@@ -111,7 +118,7 @@ def _remat(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule
+@rule("rl.max_new_tokens", "rl.updates_per_rollout", "rl.micro_batches", "rl.temperature", "rl.operators")
 def _rl_shapes(cfg: Config) -> list[Problem]:
     r, out = cfg.rl, []
     if r.sequence_len > cfg.model.max_seq_len:
@@ -132,8 +139,8 @@ def _rl_shapes(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule
-def _rl_batch_fits_mesh(cfg: Config) -> list[Problem]:
+@rule("rl.prompts_per_step")
+def _rl_prompts_per_step(cfg: Config) -> list[Problem]:
     # Rollout rows are sharded over the batch axes (data x fsdp x expert under either rules table at
     # most); the device count is known at load only when simulating CPU devices.
     if not cfg.mesh.cpu_devices:
@@ -210,7 +217,7 @@ def _quantized_gmm(cfg: Config) -> list[str]:
     return ["quant.fp8_gmm"] if cfg.quant.fp8_gmm else []
 
 
-@rule
+@rule("moe.wi_fused_swiglu", "moe.wo_fused_dswiglu", "moe.router_grad_from_wo_input", "moe.capacity_factor", "moe.expert_parallel")
 def _moe_fused_levers(cfg: Config) -> list[Problem]:
     moe, out = cfg.moe, []
     saved_halves = [n for n in cfg.remat.save if n in MOE_GATE_UP_NAMES] if cfg.remat.policy == "custom" else []
@@ -239,8 +246,8 @@ def _moe_fused_levers(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule
-def _gmm_kernel(cfg: Config) -> list[Problem]:
+@rule("kernels.gmm.backend", "kernels.gmm.tiling", "kernels.gmm.wi_fwd_tile_n_per_half", "kernels.gmm.wi_fwd_rhs_buffer_count")
+def _kernels_gmm(cfg: Config) -> list[Problem]:
     g, moe, out = cfg.kernels.gmm, cfg.moe, []
     fused = moe.wi_fused_swiglu or moe.wo_fused_dswiglu
     if g.backend != "xla" and not cfg.kernels.interpret:
@@ -282,8 +289,8 @@ def _gmm_kernel(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule
-def _gmm_row_tiles(cfg: Config) -> list[Problem]:
+@rule("kernels.gmm.xla_impl")
+def _kernels_gmm_xla_impl(cfg: Config) -> list[Problem]:
     """An explicit xla grouped matmul needs the grouped path on the xla backend (auto always fits)."""
     g = cfg.kernels.gmm
     if g.xla_impl == "auto":
@@ -296,7 +303,7 @@ def _gmm_row_tiles(cfg: Config) -> list[Problem]:
     return [("kernels.gmm.xla_impl", "; ".join(unmet))] if unmet else []
 
 
-@rule
+@rule("data.path", "data.prompts", "rl.reward", "rl.warmup_steps", "rl.reward_weights")
 def _data_sources(cfg: Config) -> list[Problem]:
     out = []
     if cfg.train.data == "files" and not cfg.data.path:
@@ -330,8 +337,8 @@ def _context_size(cfg: Config) -> int | None:
     return None if problem else sizes["context"]
 
 
-@rule
-def _context_parallel_attention(cfg: Config) -> list[Problem]:
+@rule("attention.cp_load_balance", "attention.cp_load_balance_hoist_ids", "train.seq_len")
+def _attention_context_parallel(cfg: Config) -> list[Problem]:
     a, r, out = cfg.attention, cfg.remat, []
     P = _context_size(cfg)
     if P and P > 1:
@@ -360,8 +367,8 @@ def _context_parallel_attention(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule
-def _routing_replay(cfg: Config) -> list[Problem]:
+@rule("moe.routing_replay", "moe.wi_fused_swiglu", "moe.wo_fused_dswiglu", "moe.router_grad_from_wo_input", "moe.capacity_factor", "kernels.gmm.backend", "mesh.expert")
+def _moe_routing_replay(cfg: Config) -> list[Problem]:
     # Replay feeds the sampler's expert ids into the trainer's default MoE program; the levers and
     # the ring of experts route inside their own kernels and shard_maps, which take no ids.
     moe, out = cfg.moe, []
@@ -422,7 +429,7 @@ def check_rl_requirements(cfg: Config) -> None:
 # Gated DeltaNet: sequence-sharded context parallelism (mesh.context > 1) and its scan keys.
 
 
-@rule
+@rule("gdn.chunk_size", "gdn.cp_m_scan", "gdn.cp_dh_scan")
 def _gdn_context_parallel(cfg: Config) -> list[Problem]:
     has_gdn = "gdn" in cfg.model.layer_pattern
     ranks = _context_size(cfg)
@@ -455,8 +462,8 @@ def _gdn_pallas_gpu_dims(cfg: Config) -> list[str]:
             if n < gdn_limits.PALLAS_GPU_MIN_DIM or n & (n - 1)]
 
 
-@rule
-def _gdn_kernel(cfg: Config) -> list[Problem]:
+@rule("kernels.gdn.backend")
+def _kernels_gdn_backend(cfg: Config) -> list[Problem]:
     """The Pallas GDN core: a platform that runs it, and the sizes its compiler accepts there."""
     backend = cfg.kernels.gdn.backend
     if backend == "xla" or cfg.kernels.interpret:
@@ -487,8 +494,8 @@ def _fsdp_size(cfg: Config) -> int | None:
     return None
 
 
-@rule
-def _fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
+@rule("quant.fp8_fake_quant_hoist")
+def _quant_fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
     q, unmet = cfg.quant, []
     mode = q.fp8_fake_quant_hoist
     if mode == "off":
@@ -505,8 +512,8 @@ def _fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
     return [("quant.fp8_fake_quant_hoist", "; ".join(unmet))] if unmet else []
 
 
-@rule
-def _fp8_gmm(cfg: Config) -> list[Problem]:
+@rule("quant.fp8_gmm")
+def _quant_fp8_gmm(cfg: Config) -> list[Problem]:
     if not cfg.quant.fp8_gmm:
         return []
     moe, unmet = cfg.moe, []
