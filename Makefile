@@ -3,8 +3,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+REFVENV ?= /work/refvenv
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-slow bench clean reference-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +21,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+# The PyTorch reference venv of benchmarks/ (Python 3.12, pinned; see benchmarks/reference/README.md).
+reference-env:
+	benchmarks/reference/setup.sh $(REFVENV)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
