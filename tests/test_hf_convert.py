@@ -26,7 +26,7 @@ FIXTURE_FIELDS = {
     "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
     "gdn_num_key_heads": 2, "gdn_num_value_heads": 4, "gdn_key_dim": 16, "gdn_value_dim": 16,
     "gdn_conv_kernel": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+    "shared_expert_intermediate_size": 32, "norm_topk_prob": True, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
 }
 
 
@@ -179,7 +179,6 @@ def test_layer_pattern_is_the_smallest_period():
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_type"),
@@ -318,6 +317,55 @@ def test_bfloat16_round_trip(tmp_path):
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["dtype"] == "bfloat16"
     _, loaded = hf.load_hf_checkpoint(str(tmp_path / "ckpt"))
     assert_states_equal(hf.native_to_hf(loaded, FIXTURE_FIELDS), bf16)
+
+
+# ------------------------------------------------------------------------------------ tied embeddings
+
+
+def tied_state() -> dict[str, np.ndarray]:
+    """The fixture as a tied checkpoint: no lm_head.weight (transformers ties it to the embedding)."""
+    return {k: v for k, v in fixture_state().items() if k != "lm_head.weight"}
+
+
+TIED_FIELDS = FIXTURE_FIELDS | {"tie_word_embeddings": True}
+
+
+def test_tied_config_is_read_in_either_place_and_written():
+    assert hf.model_fields_from_hf_config(fixture_config() | {"tie_word_embeddings": True}) == TIED_FIELDS
+    outer = {"model_type": "qwen3_5_moe", "tie_word_embeddings": True, "text_config": fixture_config()
+             | {"tie_word_embeddings": True}}
+    assert hf.model_fields_from_hf_config(outer) == TIED_FIELDS
+    del outer["text_config"]["tie_word_embeddings"]
+    assert hf.model_fields_from_hf_config(outer) == TIED_FIELDS
+    with pytest.raises(ValueError, match="text_config.tie_word_embeddings=False disagrees"):
+        hf.model_fields_from_hf_config(outer | {"text_config": fixture_config()})
+    assert hf.hf_config_from_model_fields(TIED_FIELDS)["tie_word_embeddings"] is True
+
+
+def test_tied_weights_read_as_one_tensor_and_write_without_a_head():
+    state = tied_state()
+    tree = hf.hf_to_native(state, TIED_FIELDS)
+    assert "lm_head" not in tree
+    np.testing.assert_array_equal(tree["embed"], state["model.embed_tokens.weight"])
+    assert_states_equal(hf.native_to_hf(tree, TIED_FIELDS), state)
+    # A tied checkpoint that also stores the head: accepted when it is the embedding, named when not.
+    same = state | {"lm_head.weight": state["model.embed_tokens.weight"].copy()}
+    assert_trees_equal(hf.hf_to_native(same, TIED_FIELDS), tree)
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        hf.hf_to_native(fixture_state(), TIED_FIELDS)
+    # An untied config needs its head.
+    with pytest.raises(ValueError, match="missing tensor lm_head.weight"):
+        hf.hf_to_native(state, FIXTURE_FIELDS)
+
+
+def test_tied_checkpoint_saves_and_loads(tmp_path):
+    tree = hf.hf_to_native(tied_state(), TIED_FIELDS)
+    hf.save_hf_checkpoint(str(tmp_path / "tied"), TIED_FIELDS, tree)
+    assert json.loads((tmp_path / "tied" / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
+    fields, back = hf.load_hf_checkpoint(str(tmp_path / "tied"))
+    assert fields == TIED_FIELDS
+    assert_trees_equal(back, tree)
 
 
 # ------------------------------------------------------------------------------------------ errors

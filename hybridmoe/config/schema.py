@@ -55,6 +55,8 @@ class ModelConfig(Section):
     shared_expert_intermediate_size: int = Field(32, ge=0, description="Shared expert hidden width (0 = none).")
     norm_topk_prob: bool = Field(True, description="Renormalise the top-k routing weights to sum to one.")
     rms_norm_eps: float = Field(1e-6, gt=0, description="Epsilon of every RMSNorm.")
+    tie_word_embeddings: bool = Field(False, description="The LM head is the embedding table (one tensor, trained by "
+                                      "both uses); false: a separate lm_head weight.")
     max_seq_len: int = Field(256, gt=0, description="Longest sequence the model is used with.")
     param_dtype: DType = Field("float32", description="Storage dtype of the weights.")
     compute_dtype: DType = Field("float32", description="Dtype of matmul inputs and activations.")

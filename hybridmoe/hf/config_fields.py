@@ -11,7 +11,7 @@ FIELD_NAMES = (
     "vocab_size", "d_model", "num_layers", "layer_pattern", "num_heads", "num_kv_heads", "head_dim",
     "rope_theta", "partial_rotary_factor", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim",
     "gdn_value_dim", "gdn_conv_kernel", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "shared_expert_intermediate_size", "norm_topk_prob", "rms_norm_eps",
+    "shared_expert_intermediate_size", "norm_topk_prob", "rms_norm_eps", "tie_word_embeddings",
 )
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 HF_LAYER_KIND = {"linear_attention": "gdn", "full_attention": "attention"}
@@ -55,10 +55,12 @@ def model_fields_from_hf_config(config_json: dict) -> dict:
     def reject(key, value, why):
         raise ValueError(f"config.json: {key}={value!r} is not supported: {why}")
 
-    # A multimodal config keeps tie_word_embeddings on the outer object; either place counts.
-    for where in (config_json, text):
-        if where.get("tie_word_embeddings", False):
-            reject("tie_word_embeddings", True, "the native model has an untied lm_head")
+    # A multimodal config keeps tie_word_embeddings on the outer object (the head belongs to the
+    # outer model); its text_config may repeat it, and then the two must agree.
+    places = [where["tie_word_embeddings"] for where in (config_json, text) if "tie_word_embeddings" in where]
+    if len(set(map(bool, places))) > 1:
+        reject("tie_word_embeddings", places[0], f"text_config.tie_word_embeddings={places[1]!r} disagrees")
+    tied = bool(places[0]) if places else False
     if text.get("attention_bias", False):
         reject("attention_bias", True, "attention projections have no biases")
     if text.get("hidden_act", "silu") != "silu":
@@ -130,6 +132,7 @@ def model_fields_from_hf_config(config_json: dict) -> dict:
         # Qwen3.5-MoE always renormalises the top-k weights and has no field for it; Qwen3-Next does.
         "norm_topk_prob": bool(text.get("norm_topk_prob", True)),
         "rms_norm_eps": float(need("rms_norm_eps")),
+        "tie_word_embeddings": tied,
     }
 
 
@@ -172,5 +175,5 @@ def hf_config_from_model_fields(fields, dtype: str = "float32") -> dict:
         "shared_expert_intermediate_size": f["shared_expert_intermediate_size"],
         "hidden_act": "silu",
         "rms_norm_eps": f["rms_norm_eps"],
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": bool(f["tie_word_embeddings"]),
     }

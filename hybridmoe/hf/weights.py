@@ -6,7 +6,8 @@ nb = num_layers / P. Hugging Face stores one tensor per layer, `nn.Linear` weigh
 
 Hugging Face names (prefix `model.`; multimodal checkpoints use `model.language_model.` and also
 hold `model.visual.*`, and some hold multi-token-prediction `mtp.*` weights, both ignored here):
-  embed_tokens.weight [V, D]         norm.weight [D]          lm_head.weight [V, D] (no prefix)
+  embed_tokens.weight [V, D]         norm.weight [D]          lm_head.weight [V, D] (no prefix;
+                                     absent or equal to embed_tokens with tie_word_embeddings)
   layers.i.input_layernorm.weight [D]  layers.i.post_attention_layernorm.weight [D]
   attention   layers.i.self_attn.{q_proj [N*2A, D] (per head [q | gate]), k_proj, v_proj [G*A, D],
               o_proj [D, N*A]}.weight, {q_norm, k_norm}.weight [A]
@@ -223,8 +224,14 @@ def hf_to_native(state: Mapping[str, np.ndarray], fields, *, files: Mapping[str,
         "embed": src.take("model.embed_tokens.weight", (d["V"], d["D"])),
         "blocks": blocks,
         "final_norm": src.take("model.norm.weight", (d["D"],)),
-        "lm_head": np.ascontiguousarray(src.take("lm_head.weight", (d["V"], d["D"])).T),
     }
+    if not f["tie_word_embeddings"]:
+        tree["lm_head"] = np.ascontiguousarray(src.take("lm_head.weight", (d["V"], d["D"])).T)
+    elif "lm_head.weight" in src:
+        # Some tied checkpoints also store the head; it must then be the embedding itself.
+        if not np.array_equal(src.take("lm_head.weight", (d["V"], d["D"])), tree["embed"]):
+            raise ValueError(f"{src.files.get('lm_head.weight', where)}: lm_head.weight differs from "
+                             "model.embed_tokens.weight but config.json says tie_word_embeddings=true")
     src.check_all_used()
     return tree
 
@@ -283,12 +290,18 @@ def _map_arrays(fn, tree):
 
 
 def outer_to_hf(tree, fields) -> dict[str, np.ndarray]:
-    """The tensors outside the layers: embedding, final norm, LM head."""
-    d = _dims(field_dict(fields))
+    """The tensors outside the layers: embedding, final norm, LM head (none when tied: transformers
+    ties lm_head.weight to the embedding on load)."""
+    f = field_dict(fields)
+    d = _dims(f)
     D, V = d["D"], d["V"]
-    return {"model.embed_tokens.weight": np.ascontiguousarray(_expect("embed", tree["embed"], (V, D))),
-            "model.norm.weight": np.ascontiguousarray(_expect("final_norm", tree["final_norm"], (D,))),
-            "lm_head.weight": np.ascontiguousarray(_expect("lm_head", tree["lm_head"], (D, V)).T)}
+    out = {"model.embed_tokens.weight": np.ascontiguousarray(_expect("embed", tree["embed"], (V, D))),
+           "model.norm.weight": np.ascontiguousarray(_expect("final_norm", tree["final_norm"], (D,)))}
+    if not f["tie_word_embeddings"]:
+        out["lm_head.weight"] = np.ascontiguousarray(_expect("lm_head", tree["lm_head"], (D, V)).T)
+    elif "lm_head" in tree:
+        raise ValueError("native tree: an lm_head leaf with model.tie_word_embeddings=true (the head is the embedding)")
+    return out
 
 
 def layer_shapes(kind: str, d: dict, num_experts: int | None = None) -> dict[str, tuple[int, ...]]:

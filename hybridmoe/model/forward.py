@@ -42,6 +42,11 @@ def embed_tokens(params, tokens_BT, dtype):
 
 
 def lm_head_at_use(params):
+    """The output projection [D, V] where it is used. A tree declared with model.tie_word_embeddings
+    has no lm_head leaf: the head is then the embedding table's transpose, so that one tensor's
+    gradient is the sum of its two uses."""
+    if "lm_head" not in params:
+        return constrain_at_use(params["embed"], ("vocab", "embed")).T
     return constrain_at_use(params["lm_head"], ("embed", "vocab"))
 
 

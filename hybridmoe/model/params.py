@@ -131,12 +131,14 @@ def declare_params(m: ModelConfig) -> dict:
             "moe": moe_params(m, dtype, std),
         }
         blocks.append(jax.tree.map(lambda s: _stack(s, m.num_blocks), layer, is_leaf=is_spec))
-    return {
+    tree = {
         "embed": ParamSpec((m.vocab_size, m.d_model), ("vocab", "embed"), normal(std), dtype),
         "blocks": blocks,
         "final_norm": ParamSpec((m.d_model,), ("embed",), constant(0.0), jnp.float32),
-        "lm_head": ParamSpec((m.d_model, m.vocab_size), ("embed", "vocab"), normal(std), dtype),
     }
+    if not m.tie_word_embeddings:  # tied: the head is the embedding's transpose (forward.lm_head_at_use)
+        tree["lm_head"] = ParamSpec((m.d_model, m.vocab_size), ("embed", "vocab"), normal(std), dtype)
+    return tree
 
 
 def layer_axes(m: ModelConfig) -> list:

@@ -112,9 +112,12 @@ def plan_units(cfg: Config, params, max_file_bytes: int) -> list[Unit]:
                           sum(v.size for v in leaves.values()) * itemsize))
 
     whole("embed", ["embed"], lambda t: {"model.embed_tokens.weight": np.ascontiguousarray(t["embed"])})
-    whole("final_norm+lm_head", ["final_norm", "lm_head"],
-          lambda t: {"model.norm.weight": np.ascontiguousarray(t["final_norm"]),
-                     "lm_head.weight": np.ascontiguousarray(np.asarray(t["lm_head"]).T)})
+    if m.tie_word_embeddings:  # one tensor, written once: the embedding (config.json says tied)
+        whole("final_norm", ["final_norm"], lambda t: {"model.norm.weight": np.ascontiguousarray(t["final_norm"])})
+    else:
+        whole("final_norm+lm_head", ["final_norm", "lm_head"],
+              lambda t: {"model.norm.weight": np.ascontiguousarray(t["final_norm"]),
+                         "lm_head.weight": np.ascontiguousarray(np.asarray(t["lm_head"]).T)})
     P, E = len(m.layer_pattern), m.num_experts
     per_expert_bytes = 3 * m.d_model * m.moe_intermediate_size * itemsize
     # A chunk of experts: a divisor of E, at most one expert shard's worth, within the file budget.

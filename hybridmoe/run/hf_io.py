@@ -19,7 +19,8 @@ from hybridmoe.parallel.host import put_global
 # Model fields that decide a weight's shape: an HF checkpoint must agree with the recipe on these.
 SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "layer_pattern", "num_heads", "num_kv_heads", "head_dim",
                 "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim", "gdn_value_dim", "gdn_conv_kernel",
-                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "tie_word_embeddings")
 
 
 def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
