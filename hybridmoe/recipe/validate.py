@@ -86,7 +86,7 @@ def _mesh_distributed(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule("model")
+@rule("model", "mesh")
 def _model_weights_split_over_mesh(cfg: Config) -> list[Problem]:
     """Every weight dimension the rules table shards must split evenly over its mesh axes (read from
     the weight declarations and the rules table themselves; `build` repeats it with the real mesh)."""
@@ -106,7 +106,7 @@ def _train_seq_len(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule("remat.save")
+@rule("remat.save", "remat.policy")
 def _remat_save(cfg: Config) -> list[Problem]:
     r = cfg.remat
     out = []
@@ -337,7 +337,7 @@ def _context_size(cfg: Config) -> int | None:
     return None if problem else sizes["context"]
 
 
-@rule("attention.cp_load_balance", "attention.cp_load_balance_hoist_ids", "train.seq_len")
+@rule("attention.cp_load_balance", "attention.cp_load_balance_hoist_ids", "mesh.context", "train.seq_len")
 def _attention_context_parallel(cfg: Config) -> list[Problem]:
     a, r, out = cfg.attention, cfg.remat, []
     P = _context_size(cfg)
@@ -429,7 +429,7 @@ def check_rl_requirements(cfg: Config) -> None:
 # Gated DeltaNet: sequence-sharded context parallelism (mesh.context > 1) and its scan keys.
 
 
-@rule("gdn.chunk_size", "gdn.cp_m_scan", "gdn.cp_dh_scan")
+@rule("gdn.chunk_size", "gdn.cp_m_scan", "gdn.cp_dh_scan", "mesh.context")
 def _gdn_context_parallel(cfg: Config) -> list[Problem]:
     has_gdn = "gdn" in cfg.model.layer_pattern
     ranks = _context_size(cfg)
@@ -462,7 +462,7 @@ def _gdn_pallas_gpu_dims(cfg: Config) -> list[str]:
             if n < gdn_limits.PALLAS_GPU_MIN_DIM or n & (n - 1)]
 
 
-@rule("kernels.gdn.backend")
+@rule("kernels.gdn.backend", "gdn.chunk_size", "model.gdn_key_dim", "model.gdn_value_dim")
 def _kernels_gdn_backend(cfg: Config) -> list[Problem]:
     """The Pallas GDN core: a platform that runs it, and the sizes its compiler accepts there."""
     backend = cfg.kernels.gdn.backend

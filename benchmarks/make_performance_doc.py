@@ -1,0 +1,461 @@
+"""Write docs/performance.md from the records under benchmarks/records/ (so its figures cannot go stale).
+
+    python benchmarks/make_performance_doc.py            # rewrite docs/performance.md
+    python benchmarks/make_performance_doc.py --check    # exit 1 if it differs from the records
+
+Every figure in the page is read from a record here; the prose says what was measured, never a
+number of its own. A new benchmark adds a section function to SECTIONS (and its record);
+`tests/test_docs.py` checks that the committed page equals this script's output. Records that are
+known to be wrong or about to be remeasured are listed in PENDING and shown without figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDS = ROOT / "benchmarks" / "records"
+DOC = ROOT / "docs" / "performance.md"
+MiB, GiB = 2**20, 2**30
+
+# record file -> why its figures are not shown until it is regenerated.
+PENDING = {
+    "step_anatomy.json": "the CPU step against the PyTorch reference is being re-measured (the earlier ratio "
+                         "was wrong); `benchmarks/step_anatomy.py --hf-python /work/refvenv/bin/python`, the reference venv "
+                         "from `make reference-env` (`benchmarks/reference/README.md`)",
+    "step_anatomy_ours.json": "our side of the same step anatomy, to be regenerated with it",
+    "train_step_small.json": "the earlier CPU step against the PyTorch reference, superseded by the step anatomy "
+                             "re-measurement; `benchmarks/train_step.py`",
+    "rollout_small.json": "the sampler against Hugging Face `generate` is being rerun; `benchmarks/rollout.py`",
+    "inspect_qwen3.5-397b-a17b_tpu7x-4x4x4.json": "the 397B memory tables are being redone for the real "
+                                                   "256-device cell tpu7x:4x4x8; `benchmarks/inspect_tpu_memory.sh`",
+    "inspect_qwen3.5-397b-a17b_tpu7x-4x4x4_moe_levers_only.json": "as above (397B, tpu7x:4x4x8)",
+    "inspect_qwen3.5-397b-a17b_tpu7x-4x4x4_all_levers.json": "as above (397B, tpu7x:4x4x8)",
+}
+
+
+def load(name: str) -> dict:
+    return json.loads((RECORDS / name).read_text())
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"  # noqa: E731
+    return "\n".join([line(headers), line(["---"] * len(headers)), *map(line, rows)])
+
+
+def source(rec: dict, name: str, command: str) -> str:
+    """Where a figure comes from: the record, the command that regenerates it, and the record's own
+    date, commit, machine and versions."""
+    machine = rec.get("machine", {})
+    if isinstance(machine, dict):
+        cpu = machine.get("cpu") or machine.get("host") or ""
+        cores = machine.get("cores") or machine.get("cpu_count") or machine.get("logical_cpus")
+        machine = f"{cpu}, {cores} cores" if cores else cpu
+    versions = rec.get("versions", {})
+    vs = ", ".join(f"{k} {v}" for k, v in versions.items()) if isinstance(versions, dict) else ""
+    commit = (rec.get("commit") or "")[:7] or "-"
+    return (f"Record `benchmarks/records/{name}` (`{command}`); {rec.get('date', '-')[:10]}, commit {commit}, "
+            f"{machine or '-'}; {vs}.")
+
+
+def f(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def mib(b):
+    return f"{b / MiB:.1f}"
+
+
+def gib(b):
+    return f"{b / GiB:.2f}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections
+
+
+def demo_curves() -> str:
+    name = "demo_curves.json"
+    rec = load(name)
+    rows = []
+    for run, r in rec["runs"].items():
+        rows.append([f"`{run}`", f"{f(r['reward_first'])} -> {f(r['reward_last'])}",
+                     ", ".join(f(x) for x in r["reward_mean_per_10_steps"]), f(r["pg_clipfrac_mean"]),
+                     f"{f(r['ratio_min_mean'])} / {f(r['ratio_max_mean'])}", f"{r['sampler_gap_mean_mean']:.1e}",
+                     f(r["is_weight_mean_mean"], 4), f"{r['wall_s']:.0f} s"])
+    first = next(iter(rec["runs"].values()))
+    return f"""## The demo's GRPO curves
+
+`make demo` (`demo` recipe) and its off-policy variant `demo-tis` (sampling at T = 0.8, two updates
+per rollout, TIS). The supervised warm-up's loss falls {first['warmup_loss_first']:.2f} ->
+{first['warmup_loss_last']:.2f}; then the mean reward of the sampled completions over the GRPO
+steps (first -> last step, and averaged per 10 steps), the clip fraction, the ratio's min / max
+(mean over steps), the mean |log pi_train - log pi_sampler| and the mean TIS weight:
+
+{table(["run", "reward first -> last", "per 10 steps", "clipfrac", "ratio min / max", "sampler gap", "TIS weight", "wall"], rows)}
+
+{source(rec, name, "python benchmarks/demo_curves.py")} Plots: `docs/demo_curves.png`,
+`docs/demo_metrics.png`.
+"""
+
+
+def gmm_levers() -> str:
+    name = "gmm.json"
+    rec = load(name)
+    rows = [[f"`{r['arm']}`", ", ".join(f"`{o}`" for o in r["overrides"]) or "-", f(r["mean_ms"], 1),
+             f(r["time_ratio_to_off"]), f"{r['bytes_accessed'] / 1e6:.1f}", mib(r["temp_bytes"])] for r in rec["rows"]]
+    return f"""## MoE grouped-matmul levers (CPU)
+
+The MoE layer of the `small` recipe, forward + backward; {rec['method']}. On CPU the fused
+epilogues are jnp either way, so these levers are at parity by construction: their speed is a
+GPU/TPU matter, not measured yet (grouped-matmul TFLOP/s of the Pallas kernels, fused against
+unfused backward, fraction of bf16 peak).
+
+{table(["arm", "overrides", "ms", "time ratio to off", "bytes accessed (MB)", "temporaries (MiB)"], rows)}
+
+{source(rec, name, "python -m benchmarks.gmm")}
+"""
+
+
+def row_tiles() -> str:
+    name = "step_small_row_tiles.json"
+    rec = load(name)
+    rows = [[f"`{arm}`", ", ".join(f"`{o}`" for o in a["overrides"]) or "-", f(a["seconds_per_step"]),
+             f"{a['tokens_per_s_per_device']:.0f}", mib(a["program"]["temp"])] for arm, a in rec["arms"].items()]
+    return f"""## Row-tiled grouped matmul on CPU (`kernels.gmm.xla_impl`)
+
+The `small` training step on one CPU device, the arms timed interleaved in one `hybridmoe bench`
+run (overrides common to all: {", ".join(f"`{o}`" for o in rec["overrides"])}). On CPU
+`jax.lax.ragged_dot` computes every expert for every row; row tiles run each expert only on its
+own rows (`kernels.gmm.xla_impl=auto` picks them on CPU).
+
+{table(["arm", "overrides", "s/step", "tokens/s/device", "compiled temporaries (MiB)"], rows)}
+
+{source(rec, name, "hybridmoe bench recipe=small ... --arm ragged_dot --arm row_tiles:kernels.gmm.xla_impl=row_tiles")}
+"""
+
+
+def gmm_vmem() -> str:
+    name = "gmm_vmem.json"
+    rec = load(name)
+    cfg = rec["config"]
+    rows = [[r["tile"], r["tm"], r["tk"], r["tn_per_half"], r["depth"] or "default", f(r["need_mib"], 2),
+             "yes" if r["fits"] else "NO", (r["error"] or "")[:60]] for r in rec["rows"]]
+    return f"""## VMEM of the fused up-projection kernel on TPU (`kernels.gmm.wi_fwd_rhs_buffer_count`)
+
+The fused up-projection forward kernel compiled with Mosaic for one device of a compile-only
+`{cfg['topology']}` topology ({cfg['dtype']}, M {cfg['M']}, {cfg['E']} experts, one K tile), at the
+upstream tile and at the tile that decides the lever, with the weight operand's pipeline depth at
+the kernel default and at each depth; VMEM needed against the {rec['upstream']['limit_mib']} MiB
+scoped limit.
+
+{table(["tile", "tm", "tk", "tn per half", "depth", "needs (MiB)", "fits", "compiler error"], rows)}
+
+{source(rec, name, "python -m benchmarks.gmm_vmem")}
+"""
+
+
+def tuned() -> str:
+    g_name, b_name = "gates_tuned_small.json", "bench_tuned_small.json"
+    gates, bench = load(g_name), load(b_name)
+    g_rows = [[g["gate"], g["what"], f"{g['value']:.3g}", f"{g['reference_pair']:.3g}", f"{g['tolerance']:.3g}",
+               "PASS" if g["passed"] else "FAIL"] for g in gates["gates"]]
+    b_rows = []
+    base = None
+    for arm, a in bench["arms"].items():
+        base = base or a["seconds_per_step"]
+        b_rows.append([f"`{arm}`", ", ".join(f"`{o}`" for o in a["overrides"]) or "-", f(a["seconds_per_step"]),
+                       f(a["seconds_per_step"] / base), f"{a['tokens_per_s_per_device']:.1f}", f"{a['mfu']:.1%}"])
+    peak = next(iter(bench["arms"].values()))["peak_flops_per_device"]
+    return f"""## The `tuned` recipe against `small`
+
+Numerics gates: the reference run twice and the candidate (`recipe=tuned`) once, GRPO steps with
+random advantages and fixed seeds; each gate's value, the reference pair's own spread and the
+tolerance.
+
+{table(["gate", "what", "value", "reference pair", "tolerance", "result"], g_rows)}
+
+{source(gates, g_name, "hybridmoe gates recipe=small train.batch_size=8 rl.prompts_per_step=4 rl.group_size=4 --candidate recipe=tuned")}
+
+The training step of both on one CPU device, timed interleaved in one run; MFU against a float32
+matmul peak measured in the same run ({peak / 1e9:.1f} GFLOP/s).
+
+{table(["arm", "overrides", "s/step", "ratio", "tokens/s", "MFU"], b_rows)}
+
+{source(bench, b_name, "hybridmoe bench recipe=small mesh.cpu_devices=1 mesh.data=1 bench.steps=4 --arm default --arm tuned:recipe=tuned")}
+"""
+
+
+def fp8() -> str:
+    h_name, g_name = "fp8_hoist.json", "fp8_gmm_train.json"
+    hoist, gmm = load(h_name), load(g_name)
+    p_rows = []
+    for mode, p in hoist["program"].items():
+        two = hoist["program_two_blocks"].get(mode, {})
+        gathers = p.get("expert_weight_gathers_per_layer_iteration", [])
+        gbytes = ", ".join(f"{g['ops']} ops {g['bytes']:,} B {'/'.join(g['dtypes'])}" for g in gathers[:1]) or "-"
+        loops = two.get("absmax_all_reduce_ops_by_loop", {})
+        p_rows.append([f"`{mode}`", ", ".join(f"{n} at {w}" for w, n in loops.items()) or "-",
+                       two.get("absmax_all_reduces_executed_per_step", "-"), gbytes, mib(p["memory"]["temp"])])
+    base = hoist["step_time"]["off"]["seconds_per_step"]
+    t_rows = [[f"`{arm}`", f(a["seconds_per_step"], 2), f(a["seconds_per_step"] / base)]
+              for arm, a in hoist["step_time"].items()]
+    g_rows = [[f"`{arm}`", ", ".join(f"`{o}`" for o in a["overrides"]),
+               f(sum(a["losses"][-10:]) / len(a["losses"][-10:]), 4)] for arm, a in gmm["arms"].items()]
+    return f"""## fp8 experts
+
+**Fake quantization and its hoist** (`quant.fp8_moe_fake_quant`, `quant.fp8_fake_quant_hoist`): the
+`small` recipe with bf16 weights and compute ({", ".join(f"`{o}`" for o in hoist["common"])}). The
+absmax all-reduces are counted on the two-block model of the tests
+({", ".join(f"`{o}`" for o in hoist["two_blocks"])}), where the layer scan has two iterations (the
+`small` recipe's one block makes XLA drop its one-trip loop); the expert-weight all-gathers of one
+layer-loop iteration and the compiled temporaries are the `small` step's.
+
+{table(["mode", "absmax all-reduces (two blocks), by loop", "executed per step", "expert-weight gathers per layer iteration", "temporaries (MiB)"], p_rows)}
+
+Step time of each mode, interleaved in one run (on CPU the collectives are memory copies: the hoist
+is no speed lever there; its effect is in the collectives and bytes above):
+
+{table(["mode", "s/step", "ratio to off"], t_rows)}
+
+{source(hoist, h_name, "python benchmarks/fp8_hoist.py")}
+
+**fp8 grouped matmuls** (`quant.fp8_gmm`): the `{gmm['recipe']}` recipe trained {gmm['steps']} steps
+in bf16 and with fp8 grouped matmuls; mean loss of the last 10 steps, gap
+{gmm['final_gap']:+.4f} against the stated margin {gmm['margin']} ({'within' if gmm['within_margin'] else 'OUTSIDE'};
+curves in `docs/fp8_gmm_loss.png`).
+
+{table(["arm", "overrides", "final loss (mean of last 10)"], g_rows)}
+
+{source(gmm, g_name, "python benchmarks/fp8_gmm_train.py")}
+"""
+
+
+def cp_attention() -> str:
+    name = "cp_attention.json"
+    rec = load(name)
+    b_rows = [[what, " / ".join(map(str, b["natural"])), " / ".join(map(str, b["load_balanced"])),
+               f"{b['spread_natural']:.2f} -> {b['spread_load_balanced']:.2f}"] for what, b in rec["balance"].items()]
+    a_rows = []
+    for arm, a in rec["arms"].items():
+        c = a["program"]["compiled_collectives"]
+        low = a["program"]["lowered_collectives_per_loop_iteration"]
+        bwd = max(low.values(), key=lambda d: sum(d.values())) if low else {}
+        ints = a["program"]["lowered_int32_permutes_per_loop_iteration"]
+        bwd_key = max(low, key=lambda k: sum(low[k].values())) if low else None
+        a_rows.append([f"`{arm}`", mib(a["program"]["temp"]),
+                       f"{c.get('collective-permute f32', 0)} / {c.get('collective-permute s32', 0)}",
+                       f"{sum(bwd.values())} ({ints.get(bwd_key, {}).get('collective-permute', 0)})"])
+    return f"""## Context-parallel attention (`attention.cp_load_balance`, `..._hoist_ids`)
+
+Per context rank, the (query, key) score entries the causal and segment mask leaves, `small`
+recipe, natural order -> load-balanced order, and their spread (max - min) / mean:
+
+{table(["batch, context", "natural", "load-balanced", "spread"], b_rows)}
+
+The compiled step of each arm, `small` recipe on 8 simulated CPU devices
+({", ".join(f"`{o}`" for o in rec["common_overrides"])}): compiled temporaries, the compiled
+collective-permutes of the whole step (f32 / s32), and from the lowered program, which keeps the
+layer loops, the collectives per iteration of the backward layer loop (its int32 permutes). The
+step times are not shown: the arms do the same arithmetic, and the simulated devices share one
+host's cores, so they say nothing about the keys; load balancing pays where context ranks are real
+devices whose attention time is the critical path.
+
+{table(["arm", "temporaries (MiB)", "collective-permutes f32 / s32", "backward layer loop: collectives / iteration (int32 permutes)"], a_rows)}
+
+{source(rec, name, "python -m benchmarks.cp_attention")}
+"""
+
+
+def gdn_core() -> str:
+    name = "gdn_core.json"
+    rec = load(name)
+    rows = [[f"`{r['arm']}`", r["what"], r["code"], r["backend"], r["chunk_size"], f(r.get("time_ratio_to_baseline")),
+             f(r.get("cpu_time_ratio_to_baseline")), f(r.get("gflops"), 2),
+             mib(r["core_residual_bytes"]) if r.get("core_residual_bytes") else "-"] for r in rec["rows"]]
+    return f"""## Gated DeltaNet core and layer (CPU)
+
+The `small` shape; {rec['method']}. The baselines are `{rec['baselines']['layer']}` and
+`{rec['baselines']['core']}` (commit {rec['before_commit']}). The Pallas cores ran interpreted on CPU,
+which is no speed measurement: their time on GPU/TPU is not measured yet.
+
+{table(["arm", "what", "code", "backend", "chunk", "wall ratio", "CPU-time ratio", "GFLOP", "core saved residuals (MiB)"], rows)}
+
+{source(rec, name, "python -m benchmarks.gdn_core --steps 20")}
+"""
+
+
+def gdn_cp() -> str:
+    name = "gdn_cp.json"
+    rec = load(name)
+    geo = rec["config"]["scan_geometry"]
+    s_rows = [[f"`{s['arm']}`", f(s["mean_ms"], 1), mib(s["temp_bytes"]), f"{s['rel_max_error_vs_tree']:.1e}"]
+              for s in rec["scans"]]
+    l_rows = [[r["ranks"], r["prefix"], f(r["time_ratio_to_1_device"], 2), mib(r["temp_bytes"]),
+               mib(r["collective_bytes"])] for r in rec["layer"]]
+    return f"""## Sequence-sharded GDN (`mesh.context`, `gdn.cp_m_scan`, `gdn.cp_dh_scan`)
+
+The scan keys on one rank ({geo['tokens']} tokens, {geo['value_heads']} heads, dims {geo['dk']}, chunk
+{geo['chunk']}): time, compiled temporaries and the relative max error against the float32
+HIGHEST tree.
+
+{table(["arm", "ms", "temporaries (MiB)", "error vs tree"], s_rows)}
+
+The sequence-sharded layer (`{rec['config']['layer']}`) per context rank count and prefix; {rec['method']}
+
+{table(["context ranks", "prefix", "time ratio to 1 device", "temporaries (MiB)", "collective bytes (MiB)"], l_rows)}
+
+{source(rec, name, "python -m benchmarks.gdn_cp")}
+"""
+
+
+def gdn_pallas_tpu() -> str:
+    name = "gdn_pallas_tpu.json"
+    rec = load(name)
+    c = rec["config"]
+    rows = [[f"`{r['backend']}`", mib(r["temp_bytes"]), mib(r["argument_bytes"]), r["pallas_kernels"]] for r in rec["rows"]]
+    return f"""## Pallas GDN core on TPU: compiled memory
+
+The core's forward + backward compiled for one device of a compile-only `{c['topology']}` topology at
+Qwen3.5-35B-A3B per-device shapes (batch {c['batch']}, {c['tokens']} tokens, {c['key_heads']} key /
+{c['value_heads']} value heads, dims {c['key_dim']}, chunk {c['chunk_size']}; {c['inputs']}): compiled-memory
+facts; the time on a TPU is not measured yet.
+
+{table(["backend", "temporaries (MiB)", "arguments (MiB)", "Pallas kernels"], rows)}
+
+{source(rec, name, "python -m benchmarks.gdn_pallas_tpu")}
+"""
+
+
+def inspect_35b() -> str:
+    name = "inspect_qwen3.5-35b-a3b_tpu7x-2x2x1.json"
+    rec = load(name)
+    rows = []
+    for which, p in rec["programs"].items():
+        m = p["memory"]
+        rows.append([which, ", ".join(f"`{o}`" for o in p["overrides"] if o != "mesh.cpu_devices=0") or "recipe defaults",
+                     gib(m["argument"]), gib(m["temp"]), gib(m["total"]), f"{m['total'] / m['hbm']:.0%}",
+                     "yes" if m["fits"] else "NO"])
+    hbm = next(iter(rec["programs"].values()))["memory"]["hbm"]
+    return f"""## Qwen3.5-35B-A3B on TPU: per-device memory from a CPU host
+
+`hybridmoe inspect --target {rec['target']}` compiles the training step for compile-only TPU
+devices (libtpu) and reads the per-device memory from the compiled program (GiB; total =
+arguments + outputs - donated + temporaries; of the target's {gib(hbm)} GiB per device; batch 8 x
+4096 tokens, `remat.policy=full` as the recipe pins it).
+
+{table(["program", "overrides", "arguments", "temporaries", "total", "of HBM", "fits"], rows)}
+
+{source(rec, name, "benchmarks/inspect_tpu_memory.sh")}
+"""
+
+
+def hf_reload() -> str:
+    name = "hf_reload.json"
+    rec = load(name)
+    v = rec["versions"]
+    return f"""## Hugging Face round trip
+
+A checkpoint exported by `hybridmoe train --export-hf` after fine-tuning, reloaded by transformers {v['transformers']}
+(torch {v['torch']}, float32) and scored on the fixture's token ids {rec['tokens_shape']}: max |diff|
+{rec['max_abs_diff']:.2e}, mean {rec['mean_abs_diff']:.2e} (tolerance {rec['tolerance']}:
+{'passed' if rec['passed'] else 'FAILED'}); mean log-prob {rec['mean_logprob']['transformers']:.6f}
+(transformers) and {rec['mean_logprob']['hybridmoe']:.6f} (hybridmoe).
+
+{source(rec, name, "python scripts/check_hf_reload.py")}
+"""
+
+
+def post_train_eval() -> str:
+    name = "post_train_eval.json"
+    rec = load(name)
+    rows = [[task, t["prompts"], t["samples"], f(t["mean_reward"]), f(t["pass@1"]),
+             f(t[f"pass@{rec['samples_per_prompt']}"])] for task, t in rec["tasks"].items()]
+    g = rec["generation"]
+    return f"""## The README's post-training walk-through: evaluation
+
+`hybridmoe eval` of the README's GRPO export on `{rec['prompts']}` ({rec['samples_per_prompt']} samples
+per prompt; the tiny model shows the pipeline, not a result). Generation: {g['batches']} batches of
+{g['rows_per_batch']} rows, {g['tokens_per_s']:.0f} new tokens/s ({g['tokens_per_s_note']}).
+
+{table(["task", "prompts", "samples", "mean reward", "pass@1", f"pass@{rec['samples_per_prompt']}"], rows)}
+
+{source(rec, name, "hybridmoe eval --hf runs/grpo_hf ... --out benchmarks/records/post_train_eval.json")}
+"""
+
+
+def robustness() -> str:
+    name = "robustness.json"
+    rec = load(name)
+    k_rows = []
+    for cmd, k in rec["kill"].items():
+        moments = {}
+        for e in k["events"]:
+            kind = "random" if e["moment"] == "random" else e["moment"].rsplit(" ", 1)[0]
+            moments[kind] = moments.get(kind, 0) + 1
+        k_rows.append([f"`{cmd}`", k["trials"], k["killed"], k["passed"],
+                       ", ".join(f"{n} {m}" for m, n in moments.items())])
+    fz = rec["fuzz"]
+    return f"""## Kill -9 and config fuzz
+
+Kill trials: each run is killed once (at random times, and exactly as a checkpoint or the export is
+being written), resumed with `--resume`, and its metrics, TensorBoard and export compared with the
+uninterrupted run's, bit for bit.
+
+{table(["command", "trials", "killed", "passed", "kill moments"], k_rows)}
+
+Config fuzz: {fz['draws']} random override sets gave {fz['valid']} valid configs whose step traced and
+{fz['config_error']} ConfigErrors naming an overridden key; {len(fz['failures'])} other exceptions.
+
+{source(rec, name, "python benchmarks/robustness.py --kill-trials 20 / --fuzz-draws 3000")}
+"""
+
+
+def pending() -> str:
+    rows = [[f"`benchmarks/records/{n}`", why] for n, why in PENDING.items()]
+    return f"""## To be regenerated
+
+These records are kept but their figures are not shown until they are remeasured:
+
+{table(["record", "why, and the command"], rows)}
+"""
+
+
+SECTIONS = [demo_curves, gmm_levers, row_tiles, gmm_vmem, tuned, fp8, cp_attention, gdn_core, gdn_cp,
+            gdn_pallas_tpu, inspect_35b, hf_reload, post_train_eval, robustness, pending]
+
+HEADER = """# Performance and measurements
+
+Generated by `python benchmarks/make_performance_doc.py` from the records under
+`benchmarks/records/`; do not edit by hand (`tests/test_docs.py` checks that this page equals the
+script's output). Each section names its record, the command that regenerates it, and the
+record's date, commit, machine and versions. Times are ratios of arms measured interleaved in one
+run; program facts (collectives, bytes, memory) are read from the compiled program. Which key each
+figure belongs to: `docs/levers.md`.
+"""
+
+
+def render() -> str:
+    return "\n".join([HEADER, *(s() for s in SECTIONS)]).rstrip() + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/performance.md differs from the records")
+    args = ap.parse_args()
+    text = render()
+    if args.check:
+        if DOC.read_text() != text:
+            print(f"{DOC.relative_to(ROOT)} is stale: run python benchmarks/make_performance_doc.py", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
