@@ -23,7 +23,7 @@ from hybridmoe.kernels.attention import self_attention_core
 from hybridmoe.kernels.attention.context_parallel import context_parallel_attention
 from hybridmoe.model.norms import apply_partial_rope, rms_norm, rope_tables
 from hybridmoe.parallel import context
-from hybridmoe.parallel.rules import constrain
+from hybridmoe.parallel.rules import constrain, logical_to_spec
 
 # The checkpoint name of the load-balanced positions and segment ids (attention.cp_load_balance_hoist_ids).
 LB_IDS_NAME = "attn_lb_ids"
@@ -82,7 +82,10 @@ def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig, a: A
         x_BTD = context.reorder(x_BTD, ("batch", "seq", None))
         positions_BT, seg_BT = load_balanced_ids(positions_BT, seg_BT, a)
     q, gate, k, v = project_qkv(p, x_BTD, positions_BT, m)
-    o_BTNA = context_parallel_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5)
+    o_BTNA = context_parallel_attention(
+        q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5,
+        q_spec=logical_to_spec(("batch", "seq", "heads", None)), kv_spec=logical_to_spec(("batch", "seq", "kv_heads", None)),
+        ids_spec=logical_to_spec(("batch", "seq")))
     y_BTD = gated_output(p, o_BTNA, gate)
     if a.cp_load_balance:
         y_BTD = context.reorder(y_BTD, ("batch", "seq", None), inverse=True)

@@ -19,15 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe.kernels.attention.xla import attention
-from hybridmoe.parallel.rules import logical_to_spec
 
 
 def context_parallel_attention(q_BTNA, k_BTGA, v_BTGA, positions_BT, segment_ids_BT, *, axes: tuple[str, ...],
-                               scale: float):
-    """Global, sequence-sharded arrays in and out; `axes` are the context mesh axes."""
-    q_spec = logical_to_spec(("batch", "seq", "heads", None))
-    kv_spec = logical_to_spec(("batch", "seq", "kv_heads", None))
-    ids_spec = logical_to_spec(("batch", "seq"))
+                               scale: float, q_spec, kv_spec, ids_spec):
+    """Global, sequence-sharded arrays in and out; `axes` are the context mesh axes, the specs the
+    partition specs of the queries [B, T, N, A], the keys and values [B, T, G, A] and the ids [B, T]
+    (the caller maps its logical axes to them)."""
     packed = segment_ids_BT is not None
 
     def local(q_BtNA, k_BtGA, v_BtGA, pos_Bt, *seg):
