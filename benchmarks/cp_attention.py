@@ -18,17 +18,15 @@ Prints tables and writes benchmarks/records/cp_attention.json.
 
 from __future__ import annotations
 
-import argparse
+import sys
 from pathlib import Path
 
-import jax
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
-
+harness.configure(cpu_devices=8, cpu_only=True)
 import numpy as np  # noqa: E402
 
-from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
 from hybridmoe.parallel.context import load_balanced_token_index, unmasked_scores_per_rank  # noqa: E402
@@ -75,9 +73,8 @@ def backward_loop(program: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "records" / "cp_attention.json"))
     args = ap.parse_args()
     bal = balance()
     print(f"{'unmasked score entries per rank':<44} {'natural':<36} load-balanced")
@@ -92,9 +89,8 @@ def main() -> None:
         prog = a["program"]
         ints = prog["lowered_int32_permutes_per_loop_iteration"].get(backward_loop(prog), {})
         print(f"{name:<14} {str(prog['compiled_collectives']):<80} {ints}")
-    write_record(Path(args.out), {**machine_record(), "benchmark": "cp_attention", "recipe": RECIPE,
-                                  "common_overrides": COMMON, "rounds": args.rounds, "balance": bal,
-                                  "arms": results})
+    harness.write(args.out, "cp_attention", recipe=RECIPE, common_overrides=COMMON, rounds=args.rounds, balance=bal,
+                  arms=results)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ per 10 steps, the warm-up loss first and last, wall time; a plot of both reward 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -19,11 +18,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
+sys.path.insert(0, str(ROOT))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
+
+harness.configure()
 
 RECIPES = ("demo", "demo-tis")
-RECORD = ROOT / "benchmarks" / "records" / "demo_curves.json"
 PLOT = ROOT / "docs" / "demo_curves.png"
 WINDOW = 10
 
@@ -62,7 +62,7 @@ def plot(results: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--out-dir", default="runs/demo_curves")
     ap.add_argument("--only", choices=RECIPES, help="run this recipe only (its summary.json), no record")
     ap.add_argument("--combine", action="store_true", help="no run: the plot and record from the summaries")
@@ -88,8 +88,7 @@ def main() -> None:
         return
     results = {recipe: json.loads((out_dir / recipe / "summary.json").read_text()) for recipe in RECIPES}
     plot(results)
-    write_record(RECORD, {"benchmark": "demo_curves", "script": "benchmarks/demo_curves.py", **machine_record(),
-                          "runs": results})
+    harness.write(args.out, "demo_curves", script="benchmarks/demo_curves.py", runs=results)
 
 
 if __name__ == "__main__":

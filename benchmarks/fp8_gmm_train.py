@@ -12,19 +12,17 @@ Prints the final losses and writes benchmarks/records/fp8_gmm_train.json.
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 from pathlib import Path
 
-import jax
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
+harness.configure(cpu_devices=8)
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.train.loop import train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["model.compute_dtype=bfloat16"]
 ARMS = {"bf16": [], "fp8_gmm": ["quant.fp8_gmm=true"]}
 FINAL_WINDOW = 10
@@ -32,10 +30,9 @@ MARGIN = 0.05  # the fp8 arm's final loss may exceed bf16's by at most this (nat
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "fp8_gmm_train.json"))
-    ap.add_argument("--plot", default=str(ROOT / "docs" / "fp8_gmm_loss.png"))
+    ap.add_argument("--plot", default=str(harness.ROOT / "docs" / "fp8_gmm_loss.png"))
     args = ap.parse_args()
     arms = {}
     for name, over in ARMS.items():
@@ -63,10 +60,8 @@ def main() -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
-    write_record(Path(args.out), {"benchmark": "fp8_gmm_train", **machine_record(), "recipe": "tiny",
-                                  "steps": args.steps, "arms": arms, "final_gap": gap, "margin": MARGIN,
-                                  "within_margin": gap <= MARGIN,
-                                  "gpu_tflops": "not measured: no GPU was lent to this session"})
+    harness.write(args.out, "fp8_gmm_train", recipe="tiny", steps=args.steps, arms=arms, final_gap=gap, margin=MARGIN,
+                  within_margin=gap <= MARGIN, gpu_tflops="not measured here (needs fp8 hardware)")
 
 
 if __name__ == "__main__":

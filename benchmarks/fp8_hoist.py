@@ -19,20 +19,20 @@ Prints a table and writes benchmarks/records/fp8_hoist.json.
 
 from __future__ import annotations
 
-import argparse
+import json
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-import jax
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
 # A compilation cache shared by the facts and the timed arms (the same programs); --cache-dir
 # reuses one from an earlier run.
-_cache = sys.argv[sys.argv.index("--cache-dir") + 1] if "--cache-dir" in sys.argv else None
-jax.config.update("jax_compilation_cache_dir", _cache or tempfile.mkdtemp(prefix="fp8-hoist-bench-"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+harness.configure(cpu_devices=8, cache=True,
+                  cache_dir=sys.argv[sys.argv.index("--cache-dir") + 1] if "--cache-dir" in sys.argv else None)
+
+import jax  # noqa: E402
 
 from hybridmoe.tools.program import memory_figures, parse_hlo, parse_stablehlo  # noqa: E402
 from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
@@ -41,7 +41,6 @@ from hybridmoe.quant.expert_fp8 import ABSMAX_SCOPE  # noqa: E402
 from hybridmoe.tools.bench import run_bench  # noqa: E402
 from hybridmoe.run.setup import build, jit_train_step  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "small"
 COMMON = ["model.param_dtype=bfloat16", "model.compute_dtype=bfloat16", "train.batch_size=8"]
 ARMS = [("no_fake_quant", []),
@@ -91,9 +90,8 @@ def program_facts(overrides: list[str], recipe: str = RECIPE, common=COMMON) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "fp8_hoist.json"))
     ap.add_argument("--cache-dir", help="a compilation cache directory to reuse")
     ap.add_argument("--facts-only", action="store_true", help="program facts only, no timed steps")
     ap.add_argument("--program-only", action="store_true",
@@ -104,7 +102,6 @@ def main() -> None:
     # data 2 x fsdp 2 x expert 2): where the in-loop absmax all-reduces are visible.
     two_blocks = {name: program_facts(o, "tiny", TWO_BLOCKS) for name, o in ARMS if name != "no_fake_quant"}
     if args.program_only:
-        import json
         record = json.loads(Path(args.out).read_text())
         record.update({"program": facts, "program_two_blocks": two_blocks, "two_blocks": TWO_BLOCKS,
                        "program_regenerated": machine_record()})
@@ -125,10 +122,8 @@ def main() -> None:
               f"{timed[name]['seconds_per_step'] / base:>7.3f}")
     for name, f in two_blocks.items():
         print(f"two blocks {name:<8} absmax all-reduce ops by loop {f['absmax_all_reduce_ops_by_loop']}")
-    write_record(Path(args.out), {"benchmark": "fp8_hoist", **machine_record(), "recipe": RECIPE, "common": COMMON,
-                                  "program": facts, "program_two_blocks": two_blocks, "two_blocks": TWO_BLOCKS,
-                                  "step_time": None if args.facts_only else timed,
-                                  "gpu": "not measured: no GPU was lent to this session"})
+    harness.write(args.out, "fp8_hoist", recipe=RECIPE, common=COMMON, program=facts, program_two_blocks=two_blocks,
+                  two_blocks=TWO_BLOCKS, step_time=None if args.facts_only else timed)
 
 
 if __name__ == "__main__":

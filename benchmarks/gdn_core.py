@@ -21,24 +21,23 @@ Writes benchmarks/records/gdn_core.json. GPU/TPU figures (the Pallas core) are n
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-from hybridmoe.tools import program
-from hybridmoe.tools.record import machine_record, write_record
-from hybridmoe.recipe import load_config, split_args
-from hybridmoe.kernels.gdn import gated_delta_rule
-from hybridmoe.model.gdn import gdn_layer
-from hybridmoe.model.params import declare_params, init_params
+harness.configure()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hybridmoe.kernels.gdn import gated_delta_rule  # noqa: E402
+from hybridmoe.model.gdn import gdn_layer  # noqa: E402
+from hybridmoe.tools import program  # noqa: E402
 
 # The last commit before the GDN speed work (issue 10's "today's autodiff path").
 BEFORE_COMMIT = "0f414be"
@@ -125,21 +124,9 @@ def core_residual_bytes(core_args, rule, backend, chunk_size, seg):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=0, help="timed rounds (0 = bench.steps)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "records" / (Path(__file__).stem + ".json")))
-    args, words = parser.parse_known_args(argv)
-    recipe, overrides = split_args(words or ["recipe=small"])
-    overrides = ["mesh.cpu_devices=0", "mesh.data=1", "mesh.fsdp=1", *overrides]
-    cfg = load_config(recipe, overrides)
-    steps = args.steps or cfg.bench.steps
+    args, recipe, overrides, cfg, steps = harness.one_device_config(__doc__, __file__, argv)
     m, t = cfg.model, cfg.train
-    gdn_index = m.layer_pattern.index("gdn")
-    blocks = init_params(declare_params(m), jax.random.key(0))["blocks"]
-    params = jax.tree.map(lambda a: a[0], blocks[gdn_index]["mixer"])
-    x = jax.random.normal(jax.random.key(1), (t.batch_size, t.seq_len, m.d_model)).astype(m.compute_dtype)
-    # Two documents per row: the packed path, as training runs it.
-    seg = jnp.where(jnp.arange(t.seq_len) < t.seq_len // 3, 1, 2)[None].repeat(t.batch_size, 0).astype(jnp.int32)
+    params, x, seg = harness.layer_case(cfg, "gdn", "mixer")
 
     core_args = core_inputs(m, t.batch_size, t.seq_len)
     code = {"before": before_code(), "now": (gated_delta_rule, gdn_layer)}
@@ -158,15 +145,12 @@ def main(argv=None) -> int:
         prog = program.analyze(fn, *fn_args)
         jax.block_until_ready(fn(*fn_args))
         arms[name] = {"fn": fn, "args": fn_args, "what": what, "code": version, "backend": backend,
-                      "chunk_size": chunk_size, "times": [], "cpu_times": [], "temp_bytes": prog.temp_bytes,
+                      "chunk_size": chunk_size, "temp_bytes": prog.temp_bytes,
                       "gflops": prog.cost.get("flops", 0.0) / 1e9, "core_residual_bytes": residual_bytes}
-    names = [name for name, a in arms.items() if a["times"] is not None]
-    for r in range(steps):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            t0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(arms[name]["fn"](*arms[name]["args"]))
-            arms[name]["times"].append(time.perf_counter() - t0)
-            arms[name]["cpu_times"].append(time.process_time() - c0)
+    timed = {name: a for name, a in arms.items() if "fn" in a}
+    times = harness.interleaved({name: (lambda a=a: a["fn"](*a["args"])) for name, a in timed.items()}, steps)
+    for name, a in timed.items():
+        a["times"], a["cpu_times"] = times[name]["wall_s"], times[name]["cpu_s"]
 
     base_ms = {what: 1e3 * float(np.mean(arms[name]["times"])) for what, name in BASELINE.items()}
     base_cpu_ms = {what: 1e3 * float(np.mean(arms[name]["cpu_times"])) for what, name in BASELINE.items()}
@@ -196,28 +180,24 @@ def main(argv=None) -> int:
         print(f"{row['arm']:<26}{row['mean_ms']:>9.2f}{row['time_ratio_to_baseline']:>8.3f}{row['mean_cpu_ms']:>9.2f}"
               f"{row['cpu_time_ratio_to_baseline']:>8.3f}{row['gflops']:>8.2f}{row['temp_bytes'] / 2**20:>10.2f}"
               f"{row['core_residual_bytes'] / 2**20:>14.2f}")
-    record = {
-        "benchmark": "gdn_core",
-        **machine_record(),
-        "config": {"recipe": recipe, "overrides": overrides, "resolved": json.loads(cfg.model_dump_json())},
-        "method": f"one device; every arm compiled first, then {steps} rounds with the arms interleaved "
-                  "(order rotated per round); mean wall time and mean process CPU time (all threads) of one "
-                  "jitted forward+backward of the GDN layer, or of the core alone at the layer's shapes, on "
-                  f"packed rows (two documents); 'before' arms run the layer and core of commit {BEFORE_COMMIT} "
-                  "(read from git history), 'now' arms this checkout; ratios to the before-autodiff chunk-64 "
-                  "arm of the same kind; XLA's flop count and compiled temporaries "
-                  "(hybridmoe.tools.program); the core's saved residuals from jax's saved_residuals",
-        "baselines": BASELINE,
-        "before_commit": BEFORE_COMMIT,
-        "rows": rows,
-        "gpu": "not measured: no GPU or TPU was lent to this session; the Pallas cores ran interpreted on "
-               "CPU, which is no speed measurement, so pallas_gpu's forward + backward time at Qwen3.5-35B-A3B "
-               "per-device shapes (B 1, T 8192, 32 value heads, dims 128) next to the XLA path remains to be "
-               "measured (this benchmark times it when run on a GPU: recipe=small model.gdn_num_key_heads=16 "
-               "model.gdn_num_value_heads=32 model.gdn_key_dim=128 model.gdn_value_dim=128 train.seq_len=8192 "
-               "train.batch_size=1)",
-    }
-    write_record(Path(args.out), record)
+    harness.write(
+        args.out, "gdn_core",
+        config={"recipe": recipe, "overrides": overrides, "resolved": json.loads(cfg.model_dump_json())},
+        method=f"one device; every arm compiled first, then {steps} rounds with the arms interleaved "
+               "(order rotated per round); mean wall time and mean process CPU time (all threads) of one "
+               "jitted forward+backward of the GDN layer, or of the core alone at the layer's shapes, on "
+               f"packed rows (two documents); 'before' arms run the layer and core of commit {BEFORE_COMMIT} "
+               "(read from git history), 'now' arms this checkout; ratios to the before-autodiff chunk-64 "
+               "arm of the same kind; XLA's flop count and compiled temporaries "
+               "(hybridmoe.tools.program); the core's saved residuals from jax's saved_residuals",
+        baselines=BASELINE,
+        before_commit=BEFORE_COMMIT,
+        rows=rows,
+        gpu="not measured here: the Pallas cores run interpreted off their platform, which is no speed "
+            "measurement; this benchmark times them when run on a GPU (pallas_gpu) or TPU (pallas_tpu), e.g. at "
+            "Qwen3.5-35B-A3B per-device shapes: recipe=small model.gdn_num_key_heads=16 model.gdn_num_value_heads=32 "
+            "model.gdn_key_dim=128 model.gdn_value_dim=128 train.seq_len=8192 train.batch_size=1",
+    )
     return 0
 
 

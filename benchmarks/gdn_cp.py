@@ -16,41 +16,30 @@ the CP times measure overhead, not speed-up. Writes benchmarks/records/gdn_cp.js
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
-import jax
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
-
+harness.configure(cpu_devices=8)
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hybridmoe.tools import program  # noqa: E402
-from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.kernels.gdn import context_parallel as cp  # noqa: E402
 from hybridmoe.kernels.gdn.reference import document_starts  # noqa: E402
 from hybridmoe.kernels.gdn.xla import chunk_terms, prepare_chunks  # noqa: E402
 from hybridmoe.model.gdn import gdn_layer  # noqa: E402
-from hybridmoe.model.params import declare_params, init_params  # noqa: E402
 from hybridmoe.parallel.mesh import make_mesh  # noqa: E402
 from hybridmoe.parallel.rules import DEFAULT_RULES, use_rules  # noqa: E402
 
 
-def _interleaved(fns: dict, rounds: int) -> dict:
-    times = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            jax.block_until_ready(fns[name]())
-            times[name].append(time.perf_counter() - t0)
-    return {name: 1e3 * float(np.mean(ts)) for name, ts in times.items()}
+def _mean_ms(fns: dict, rounds: int) -> dict:
+    return {name: 1e3 * float(np.mean(t["wall_s"])) for name, t in harness.interleaved(fns, rounds).items()}
 
 
 def scans_vs_trees(tokens: int, heads: int, dim: int, rounds: int) -> list[dict]:
@@ -75,7 +64,7 @@ def scans_vs_trees(tokens: int, heads: int, dim: int, rounds: int) -> list[dict]
         jitted = jax.jit(fn)
         compiled[name] = (program.analyze(jitted, *args).temp_bytes, jitted, args)
         results[name] = jitted(*args)
-    ms = _interleaved({n: (lambda j=j, a=a: j(*a)) for n, (_, j, a) in compiled.items()}, rounds)
+    ms = _mean_ms({n: (lambda j=j, a=a: j(*a)) for n, (_, j, a) in compiled.items()}, rounds)
     rows = []
     for name in arms:
         tree = results[name.split()[0] + " tree"]
@@ -87,11 +76,8 @@ def scans_vs_trees(tokens: int, heads: int, dim: int, rounds: int) -> list[dict]
 
 def layer_on_context_ranks(rounds: int) -> list[dict]:
     cfg = load_config("small", [])
-    m, t = cfg.model, cfg.train
-    gdn_index = m.layer_pattern.index("gdn")
-    params = jax.tree.map(lambda a: a[0], init_params(declare_params(m), jax.random.key(0))["blocks"][gdn_index]["mixer"])
-    x = jax.random.normal(jax.random.key(1), (t.batch_size, t.seq_len, m.d_model), jnp.float32)
-    seg = jnp.where(jnp.arange(t.seq_len) < t.seq_len // 3, 1, 2)[None].repeat(t.batch_size, 0).astype(jnp.int32)
+    m = cfg.model
+    params, x, seg = harness.layer_case(cfg, "gdn", "mixer")
 
     def step_for(prefix):
         def loss(p, x, seg):
@@ -119,7 +105,7 @@ def layer_on_context_ranks(rounds: int) -> list[dict]:
         with jax.set_mesh(a["mesh"]), use_rules(DEFAULT_RULES):
             return a["fn"](params, x, seg)
 
-    ms = _interleaved({name: (lambda a=a: run(a)) for name, a in arms.items()}, rounds)
+    ms = _mean_ms({name: (lambda a=a: run(a)) for name, a in arms.items()}, rounds)
     base = ms["P=1 none"]
     return [{"arm": name, "ranks": a["ranks"], "prefix": a["prefix"], "mean_ms": ms[name],
              "time_ratio_to_1_device": ms[name] / base, "temp_bytes": a["temp_bytes"],
@@ -128,12 +114,11 @@ def layer_on_context_ranks(rounds: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, __file__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "records" / (Path(__file__).stem + ".json")))
     args = parser.parse_args(argv)
 
     scan_rows = scans_vs_trees(args.tokens, args.heads, args.dim, args.rounds)
@@ -150,19 +135,16 @@ def main(argv=None) -> int:
         print(f"{r['arm']:<18}{r['mean_ms']:>10.1f}{r['time_ratio_to_1_device']:>8.2f}"
               f"{r['temp_bytes'] / 2**20:>10.1f}{r['collective_bytes'] / 2**10:>15.1f}")
 
-    record = {
-        "benchmark": "gdn_cp",
-        **machine_record(),
-        "config": {"scan_geometry": {"tokens": args.tokens, "value_heads": args.heads, "dk": args.dim,
-                                     "dv": args.dim, "chunk": 64}, "layer": "recipe=small", "rounds": args.rounds},
-        "method": "every arm compiled first, then timed in interleaved rounds (order rotated per round), mean wall "
-                  "time; compiled temporaries and collective bytes from hybridmoe.tools.program. Simulated CPU "
-                  "devices share the host's cores: CP rows measure overhead on one host, not multi-device speed.",
-        "scans": scan_rows,
-        "layer": layer_rows,
-        "gpu": "not measured: no GPU or TPU was lent to this session",
-    }
-    write_record(Path(args.out), record)
+    harness.write(
+        args.out, "gdn_cp",
+        config={"scan_geometry": {"tokens": args.tokens, "value_heads": args.heads, "dk": args.dim,
+                                  "dv": args.dim, "chunk": 64}, "layer": "recipe=small", "rounds": args.rounds},
+        method="every arm compiled first, then timed in interleaved rounds (order rotated per round), mean wall "
+               "time; compiled temporaries and collective bytes from hybridmoe.tools.program. Simulated CPU "
+               "devices share the host's cores: CP rows measure overhead on one host, not multi-device speed.",
+        scans=scan_rows,
+        layer=layer_rows,
+    )
     return 0
 
 

@@ -14,18 +14,20 @@ benchmarks/records/gdn_pallas_tpu.json.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-from hybridmoe.tools.record import machine_record, write_record
-from hybridmoe.tools.train_program import tpu_target
-from hybridmoe.kernels.gdn import gated_delta_rule
+harness.configure()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+from hybridmoe.kernels.gdn import gated_delta_rule  # noqa: E402
+from hybridmoe.tools.train_program import tpu_target  # noqa: E402
 
 MIB = 2**20
 # Qwen3.5-35B-A3B's GDN layer, one device's share at B 1, T 8192.
@@ -51,9 +53,8 @@ def compiled_core(backend: str, device):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, __file__)
     parser.add_argument("--topology", default="tpu7x:2x2x1")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "records" / (Path(__file__).stem + ".json")))
     args = parser.parse_args(argv)
     device = tpu_target(args.topology).devices[0]
     rows = []
@@ -74,17 +75,16 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['backend']:<12}{r['compile_s']:>10.1f}{r['argument_bytes'] / MIB:>10.1f}"
               f"{r['temp_bytes'] / MIB:>10.1f}{r['pallas_kernels']:>9}")
-    write_record(Path(args.out), {
-        "benchmark": "gdn_pallas_tpu",
-        **machine_record(),
-        "config": {"topology": args.topology, **SHAPE,
-                   "inputs": "q, k, v bfloat16; g, beta float32; segment ids given (the packed path)"},
-        "method": "jax.grad of sum(o) w.r.t. q, k, v, g, beta lowered and compiled for one device of a "
-                  "compile-only TPU topology on this CPU host; memory from the compiled program's "
-                  "memory_analysis; XLA's flop count does not see inside Pallas kernels",
-        "rows": rows,
-        "not_measured": "time: no TPU was lent to this session; these are compiled-memory facts only",
-    })
+    harness.write(
+        args.out, "gdn_pallas_tpu",
+        config={"topology": args.topology, **SHAPE,
+                "inputs": "q, k, v bfloat16; g, beta float32; segment ids given (the packed path)"},
+        method="jax.grad of sum(o) w.r.t. q, k, v, g, beta lowered and compiled for one device of a "
+               "compile-only TPU topology on this CPU host; memory from the compiled program's "
+               "memory_analysis; XLA's flop count does not see inside Pallas kernels",
+        rows=rows,
+        not_measured="time: compiled-memory facts only; the time needs a TPU run",
+    )
     return 0
 
 

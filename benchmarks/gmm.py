@@ -15,21 +15,21 @@ figures need a GPU run (the record says whether one was made).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-from hybridmoe.tools import program
-from hybridmoe.tools.record import machine_record, write_record
-from hybridmoe.recipe import load_config, split_args
-from hybridmoe.model import moe as moe_mod
-from hybridmoe.model.params import declare_params, init_params
+harness.configure()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hybridmoe.recipe import load_config  # noqa: E402
+from hybridmoe.tools import program  # noqa: E402
+from hybridmoe.model import moe as moe_mod  # noqa: E402
 
 ARMS = {
     "off": (),
@@ -51,19 +51,9 @@ def _layer_step(cfg):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=0, help="timed rounds (0 = bench.steps)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "records" / (Path(__file__).stem + ".json")))
-    args, words = parser.parse_known_args(argv)
-    recipe, overrides = split_args(words or ["recipe=small"])
-    # One device: the layer's own arithmetic, no collectives in the timing.
-    overrides = ["mesh.cpu_devices=0", "mesh.data=1", "mesh.fsdp=1", *overrides]
-    base = load_config(recipe, overrides)
-    steps = args.steps or base.bench.steps
+    args, recipe, overrides, base, steps = harness.one_device_config(__doc__, __file__, argv)
     m, t = base.model, base.train
-    specs = declare_params(m)
-    params = jax.tree.map(lambda a: a[0], init_params(specs, jax.random.key(0))["blocks"][0]["moe"])
-    x = jax.random.normal(jax.random.key(1), (t.batch_size, t.seq_len, m.d_model)).astype(m.compute_dtype)
+    params, x, _ = harness.layer_case(base, m.layer_pattern[0], "moe")
 
     arms = {}
     for name, extra in ARMS.items():
@@ -71,15 +61,12 @@ def main(argv=None) -> int:
         fn = _layer_step(cfg)
         prog = program.analyze(fn, params, x)
         jax.block_until_ready(fn(params, x))  # compile and warm
-        arms[name] = {"fn": fn, "overrides": list(extra), "times": [],
+        arms[name] = {"fn": fn, "overrides": list(extra),
                       "bytes_accessed": prog.bytes_accessed, "temp_bytes": prog.temp_bytes,
                       "flops": prog.cost.get("flops", 0.0)}
-    names = list(arms)
-    for r in range(steps):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            jax.block_until_ready(arms[name]["fn"](params, x))
-            arms[name]["times"].append(time.perf_counter() - t0)
+    times = harness.interleaved({name: (lambda fn=a["fn"]: fn(params, x)) for name, a in arms.items()}, steps)
+    for name, a in arms.items():
+        a["times"] = times[name]["wall_s"]
 
     off_ms = 1e3 * float(np.mean(arms["off"]["times"]))
     rows = []
@@ -96,21 +83,18 @@ def main(argv=None) -> int:
     for row in rows:
         print(f"{row['arm']:<28}{row['mean_ms']:>10.1f}{row['time_ratio_to_off']:>8.3f}"
               f"{row['bytes_accessed'] / 2**20:>14.1f}{row['temp_bytes'] / 2**20:>10.1f}")
-    record = {
-        "benchmark": "gmm",
-        **machine_record(),
-        "config": {"recipe": recipe, "overrides": overrides, "resolved": json.loads(base.model_dump_json())},
-        "method": f"one device; every arm compiled first, then {steps} rounds with the arms interleaved "
-                  "(order rotated per round); mean wall time of one jitted forward+backward; bytes accessed "
-                  "and temporaries of the compiled program (hybridmoe.tools.program)",
-        "rows": rows,
-        "gpu": "not measured: no GPU was lent to this task (grouped-matmul TFLOP/s of the Pallas kernels "
-               "against jax.lax.ragged_dot, fused vs unfused backward and the fraction of bf16 peak remain "
-               "to be measured on an H100/H200)",
-        "pallas_rhs_buffer_count": "not timed on CPU (interpret mode); its VMEM effect is measured in "
-                                   "benchmarks/records/gmm_vmem.json",
-    }
-    write_record(Path(args.out), record)
+    harness.write(
+        args.out, "gmm",
+        config={"recipe": recipe, "overrides": overrides, "resolved": json.loads(base.model_dump_json())},
+        method=f"one device; every arm compiled first, then {steps} rounds with the arms interleaved "
+               "(order rotated per round); mean wall time of one jitted forward+backward; bytes accessed "
+               "and temporaries of the compiled program (hybridmoe.tools.program)",
+        rows=rows,
+        gpu="not measured here: grouped-matmul TFLOP/s of the Pallas kernels against jax.lax.ragged_dot, fused "
+            "vs unfused backward and the fraction of bf16 peak need a GPU run",
+        pallas_rhs_buffer_count="not timed on CPU (interpret mode); its VMEM effect is measured in "
+                                "benchmarks/records/gmm_vmem.json",
+    )
     return 0
 
 

@@ -15,42 +15,24 @@ writes benchmarks/records/gmm_vmem.json.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import pathlib
-import platform
 import re
-import subprocess
+import sys
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-from hybridmoe.kernels.gmm import gmm_swiglu
-from hybridmoe.kernels.gmm.tiling import Tiling
+harness.configure()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from hybridmoe.kernels.gmm import gmm_swiglu  # noqa: E402
+from hybridmoe.kernels.gmm.tiling import Tiling  # noqa: E402
 
 MIB = 2**20
 # Tiles (tm, tk, tn per half); the problem runs one K tile (D = tk) and one N tile per half.
 TILES = {"upstream": (512, 4096, 1024), "deciding": (256, 4096, 2048)}
 M, E = 4096, 8
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(pkg)
-    except Exception:  # noqa: BLE001 - a missing package is simply unrecorded
-        return None
-
-
-def _commit() -> str | None:
-    try:
-        here = pathlib.Path(__file__).resolve().parent
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def _compile(tile, depth: int, topology: str, limit_mib: float):
@@ -113,11 +95,10 @@ def vmem_estimate(tile, depth: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--topology", default="tpu7x:2x2x1")
     ap.add_argument("--limit-mib", type=float, default=57.60,
                     help="scoped VMEM limit to test the fit against (upstream: 57.60 MiB)")
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "records" / "gmm_vmem.json"))
     args = ap.parse_args()
     rows = []
     # 0 = the kernel default (no pipeline_mode).
@@ -132,22 +113,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['tile']:<9} {r['tm']:>4} {r['tk']:>5} {r['tn_per_half']:>7} {r['depth']:>5} "
               f"{str(r['need_mib']):>9} {str(r['fits']):>5} {r['hand_estimate_mib']:>9}  {r['error'] or ''}")
-    record = {
-        "benchmark": "gmm_vmem",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"host": platform.node(), "platform": platform.platform(),
-                    "processor": platform.processor(),
-                    "note": "compile-only TPU topology on a CPU host"},
-        "commit": _commit(),
-        "versions": {"jax": jax.__version__, "jaxlib": _version("jaxlib"),
-                     "libtpu": _version("libtpu")},
-        "config": {"topology": args.topology, "tiles": TILES, "M": M, "E": E, "D": "tk",
-                   "F": "tn_per_half", "dtype": "bfloat16"},
-        "upstream": {"depth2_mib": 50.95, "depth3_mib": 66.95, "limit_mib": 57.60},
-        "rows": rows,
-    }
-    pathlib.Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    harness.write(
+        args.out, "gmm_vmem", versions=harness.package_versions("jaxlib", "libtpu"),
+        target="compile-only TPU topology on a CPU host",
+        config={"topology": args.topology, "tiles": TILES, "M": M, "E": E, "D": "tk", "F": "tn_per_half",
+                "dtype": "bfloat16"},
+        upstream={"depth2_mib": 50.95, "depth3_mib": 66.95, "limit_mib": 57.60},
+        rows=rows,
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ A count of 0 skips that section; a skipped section is carried over from the exis
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import subprocess
@@ -24,10 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's package and test helpers
 
-import jax  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+harness.configure(cpu_devices=8, cpu_only=True)
 
 
 def fuzz(draws: int) -> dict:
@@ -77,11 +75,10 @@ def multihost(work: Path) -> dict:
 def main() -> None:
     from hybridmoe.tools.record import machine_record, write_record
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, __file__)
     ap.add_argument("--fuzz-draws", type=int, default=3000)
     ap.add_argument("--kill-trials", type=int, default=20)
     ap.add_argument("--multihost", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "robustness.json"))
     args = ap.parse_args()
     record = {"benchmark": "robustness", **machine_record()}
     with tempfile.TemporaryDirectory(prefix="hybridmoe-robustness-") as tmp:

@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from hybridmoe.tools import record as _record  # noqa: F401  (first: records name the commit this process started from)
 from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config, split_args
 
@@ -325,6 +324,8 @@ COMMANDS = {
     "demo": (cmd_demo, "the embedded default: GRPO on one-digit addition with the tiny model, into runs/demo"),
     "launch": (cmd_launch, "N processes of one distributed run on this machine (as one per host on a cluster)"),
 }
+# The commands whose --out is a JSON record (machine, date, commit, versions).
+RECORD_COMMANDS = ("bench", "eval", "inspect", "gates")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [w for w in words if "=" not in w]
     if bad:
         parser.error(f"unrecognised arguments {bad}; overrides are section.key=value")
+    if args.command in RECORD_COMMANDS and args.out:
+        from hybridmoe.tools.record import source_commit
+        source_commit()  # the record names the commit this process started from
     try:
         return COMMANDS[args.command][0](args, words)
     except ConfigError as e:

@@ -72,3 +72,27 @@ def test_score_refuses_overrides(tmp_path, capsys):
     assert main(["score", "model.d_model=8", "--hf", str(FIXTURE), "--tokens", str(FIXTURE / "tokens.npy"),
                  "--out", str(out)]) == 2
     assert "config.json" in capsys.readouterr().err and not out.exists()
+
+
+def test_only_commands_that_write_a_record_run_git(monkeypatch, tmp_path, capsys):
+    """Starting the CLI runs no git; a command writing a record (--out) reads the commit before it
+    builds anything, so the record names the code the process started from."""
+    import subprocess
+
+    from hybridmoe.tools import record
+
+    real, calls = subprocess.run, []
+
+    def run(cmd, *a, **kw):
+        calls.append(cmd[0])
+        return real(cmd, *a, **kw)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    record.source_commit.cache_clear()
+    assert main(["describe", "recipe=tiny"]) == 0
+    assert main(["train", "recipe=tiny", "train.sted=1"]) == 2
+    assert "git" not in calls
+    # bench --out: the commit is read at start, before the config error stops it.
+    assert main(["bench", "recipe=tiny", "train.sted=1", "--out", str(tmp_path / "r.json")]) == 2
+    assert calls.count("git") == 2 and record.source_commit.cache_info().currsize == 1
+    record.source_commit.cache_clear()

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from broken_variants import BROKEN
@@ -169,44 +168,17 @@ def test_all_to_all_is_refused_not_ignored():
 
 def _baseline_moe_layer(p, x_BTD, m, moe, kernels=None, *, return_dropped=False, replay_BTk=None,
                         return_routing=False, quant=None):
-    """The MoE layer as it was before the levers and expert parallelism (verbatim logic); the
-    training loss calls it without drops, routing replay, routing outputs or fp8 grouped matmuls."""
+    """The MoE layer as it was before the levers and expert parallelism: route, the dropless
+    sort-and-group experts over ragged_dot and the shared expert under one shard_map; the training
+    loss calls it without drops, routing replay, routing outputs or fp8 grouped matmuls."""
     assert not return_dropped and replay_BTk is None and not return_routing and not (quant and quant.fp8_gmm)
 
-    def swiglu(h_M2F):
-        gate, up = jnp.split(h_M2F, 2, axis=-1)
-        gate = checkpoint_name(gate, "moe_gate")
-        up = checkpoint_name(up, "moe_up")
-        return jax.nn.silu(gate) * up
-
-    def sparse_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD):
-        T, k = idx_Tk.shape
-        E = wi_ED2F.shape[0]
-        flat_e = idx_Tk.reshape(-1)
-        order_M = jnp.argsort(flat_e, stable=True)
-        group_sizes_E = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-        x_MD = x_TD[order_M // k]
-        dt = x_TD.dtype
-        h_M2F = jax.lax.ragged_dot(x_MD, wi_ED2F.astype(dt), group_sizes_E)
-        a_MF = swiglu(h_M2F)
-        y_MD = jax.lax.ragged_dot(a_MF, wo_EFD.astype(dt), group_sizes_E)
-        w_M = w_Tk.reshape(-1)[order_M]
-        y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(dt)
-        inverse_M = jnp.argsort(order_M)
-        return jnp.sum(y_MD[inverse_M].reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
-
-    def shared_expert(p, x_TD):
-        dt = x_TD.dtype
-        a = swiglu(x_TD @ p["shared_wi"].astype(dt))
-        y = a @ p["shared_wo"].astype(dt)
-        gate_T = jax.nn.sigmoid((x_TD @ p["shared_gate"].astype(dt)).astype(jnp.float32))
-        return (y.astype(jnp.float32) * gate_T[:, None]).astype(dt)
-
+    # The lever-free pieces (route, sparse_experts, shared_expert take no lever), dispatched as before.
     def moe_local(p, x_TD):
         w_Tk, idx_Tk, _ = moe_mod.route(p["router"], x_TD, m)
-        y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
+        y = moe_mod.sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], jax.lax.ragged_dot)
         if "shared_wi" in p:
-            y = y + shared_expert(p, x_TD)
+            y = y + moe_mod.shared_expert(p, x_TD)
         return y
 
     B, T, D = x_BTD.shape

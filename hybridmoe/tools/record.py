@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -10,8 +11,14 @@ import subprocess
 from pathlib import Path
 
 
-def _source_commit() -> str:
-    """The checkout's commit, "+modified" when the package's files differ from it; "" outside git."""
+@functools.cache
+def source_commit() -> str:
+    """The checkout's commit, "+modified" when the package's files differ from it; "" outside git.
+
+    Read once, on the first call, and kept: a command or benchmark that writes a record calls it
+    when it starts (`hybridmoe bench/eval/inspect/gates --out`, `benchmarks/harness.py`), so a long
+    run records the code it started from, not a commit landed while it ran; nothing else runs git.
+    """
     here = Path(__file__).parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
@@ -22,14 +29,9 @@ def _source_commit() -> str:
     return head + ("+modified" if head and changed else "")
 
 
-# Read when the module is first imported (the CLI and the benchmark scripts import it at start):
-# a long run records the code it started from, not a commit landed while it ran.
-SOURCE_COMMIT = _source_commit()
-
-
 def machine_record() -> dict:
     import jax
-    commit = SOURCE_COMMIT
+    commit = source_commit()
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

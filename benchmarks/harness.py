@@ -1,0 +1,120 @@
+"""What every benchmark script shares: JAX's set-up, the command line, interleaved timing, the record.
+
+A script calls `configure(...)` before it imports anything that starts JAX's backends (simulated
+CPU devices, a compilation cache), builds its command line from `parser(...)` (which gives `--out`
+its default, benchmarks/records/<script>.json), times its arms with `interleaved(...)` (every arm
+compiled and warmed first by the caller, then rounds in a rotating order, so drift in the
+machine's speed spreads over all arms) and ends with `write(...)`, which adds the machine, date,
+commit and versions (tools/record.py) and writes the record atomically. Whole training steps are
+timed by `hybridmoe.tools.bench.run_bench`, which interleaves the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RECORDS = Path(__file__).resolve().parent / "records"
+ROOT = RECORDS.parent.parent
+
+
+def configure(cpu_devices: int | None = None, *, cpu_only: bool = False, cache_dir: str | None = None,
+              cache: bool = False) -> None:
+    """JAX options that must be set before its backends start, and the commit the record will name
+    (read now: a long run records the code it started from)."""
+    import jax
+
+    from hybridmoe.tools.record import source_commit
+
+    if cpu_devices:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    if cpu_only:
+        jax.config.update("jax_platforms", "cpu")
+    if cache or cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir or tempfile.mkdtemp(prefix="hybridmoe-bench-"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    source_commit()
+
+
+def parser(doc: str, script: str, *, raw: bool = False) -> argparse.ArgumentParser:
+    """The script's command line with `--out` (default benchmarks/records/<script's name>.json).
+    `raw`: the whole docstring as the help text, as written."""
+    p = argparse.ArgumentParser(description=doc if raw else doc.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter)
+    p.add_argument("--out", default=str(RECORDS / f"{Path(script).stem}.json"), help="write the JSON record here")
+    return p
+
+
+def one_device_config(doc: str, script: str, argv=None, default_recipe: str = "small"):
+    """(args, recipe, overrides, config, rounds) of a benchmark of one layer on one device: `--steps`
+    (timed rounds, default bench.steps) and the recipe and section.key=value words of the command
+    line, the mesh pinned to one device (the layer's own arithmetic, no collectives in the timing)."""
+    from hybridmoe.recipe import load_config, split_args
+
+    p = parser(doc, script)
+    p.add_argument("--steps", type=int, default=0, help="timed rounds (0 = bench.steps)")
+    args, words = p.parse_known_args(argv)
+    recipe, overrides = split_args(words or [f"recipe={default_recipe}"])
+    overrides = ["mesh.cpu_devices=0", "mesh.data=1", "mesh.fsdp=1", *overrides]
+    cfg = load_config(recipe, overrides)
+    return args, recipe, overrides, cfg, args.steps or cfg.bench.steps
+
+
+def layer_case(cfg, kind: str, part: str):
+    """One layer's weights, a random input [batch, seq_len, d_model] and two-document segment ids at
+    the config's training shape: the first layer of `kind` ("gdn", "attention"), its `part`
+    ("mixer", "moe"), unstacked from the scanned blocks."""
+    import jax
+    import jax.numpy as jnp
+
+    from hybridmoe.model.params import declare_params, init_params
+
+    m, t = cfg.model, cfg.train
+    block = init_params(declare_params(m), jax.random.key(0))["blocks"][m.layer_pattern.index(kind)]
+    params = jax.tree.map(lambda a: a[0], block[part])
+    x = jax.random.normal(jax.random.key(1), (t.batch_size, t.seq_len, m.d_model)).astype(m.compute_dtype)
+    # Two documents per row: the packed path, as training runs it.
+    seg = jnp.where(jnp.arange(t.seq_len) < t.seq_len // 3, 1, 2)[None].repeat(t.batch_size, 0).astype(jnp.int32)
+    return params, x, seg
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Call every function once per round, the order rotated each round, blocking on the result:
+    {name: {"wall_s": [...], "cpu_s": [...]}} (cpu_s: this process's CPU time, all threads)."""
+    import jax
+
+    times = {name: {"wall_s": [], "cpu_s": []} for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fns[name]())
+            times[name]["wall_s"].append(time.perf_counter() - t0)
+            times[name]["cpu_s"].append(time.process_time() - c0)
+    return times
+
+
+def package_versions(*packages: str) -> dict[str, str | None]:
+    """Installed versions of further packages a record depends on (None where not installed)."""
+    out = {}
+    for pkg in packages:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def write(out: str | Path, benchmark: str, *, versions: dict | None = None, **fields) -> dict:
+    """Write the record {benchmark, machine, date, commit, versions, backend, **fields} to `out`."""
+    from hybridmoe.tools.record import machine_record, write_record
+
+    record = {"benchmark": benchmark, **machine_record(), **fields}
+    if versions:
+        record["versions"] = {**record["versions"], **versions}
+    write_record(Path(out), record)
+    return record
