@@ -177,3 +177,12 @@ def hf_config_from_model_fields(fields, dtype: str = "float32") -> dict:
         "rms_norm_eps": f["rms_norm_eps"],
         "tie_word_embeddings": bool(f["tie_word_embeddings"]),
     }
+
+
+def config_changes(config_json: dict, fields) -> list[str]:
+    """The model fields on which `fields` differ from what `config_json` describes ("model.key: a -> b")."""
+    before, after = model_fields_from_hf_config(config_json), field_dict(fields)
+
+    def plain(v):
+        return tuple(v) if isinstance(v, (list, tuple)) else v
+    return [f"model.{k}: {before[k]!r} -> {after[k]!r}" for k in FIELD_NAMES if plain(before[k]) != plain(after[k])]

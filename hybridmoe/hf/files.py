@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hybridmoe.hf.config_fields import hf_config_from_model_fields, model_fields_from_hf_config
-from hybridmoe.hf.weights import IGNORED_PREFIXES, ExpertLayout, hf_to_native, native_to_hf
+from hybridmoe.hf.weights import ExpertLayout, hf_to_native, is_text_tensor, native_to_hf, text_prefix
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 
@@ -67,6 +67,15 @@ def read_hf_config(path: str) -> dict:
     return config
 
 
+def _shard_names(shard: str) -> list[str]:
+    try:
+        with safe_open(shard, framework="numpy") as fh:
+            return list(fh.keys())
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own SafetensorError (and OSError)
+        raise CheckpointError(f"{shard}: truncated or corrupt safetensors file ({e}); "
+                              "download it again (its size must match the published one)") from None
+
+
 def load_hf_checkpoint(path: str) -> tuple[dict, dict]:
     """config.json + the checkpoint's *.safetensors shards in `path` -> (model fields, native tree of numpy arrays).
 
@@ -81,11 +90,13 @@ def load_hf_checkpoint(path: str) -> tuple[dict, dict]:
         raise CheckpointError(f"{os.path.join(path, CONFIG_FILE)}: {str(e).removeprefix('config.json: ')}") from None
     state: dict[str, np.ndarray] = {}
     files: dict[str, str] = {}
-    for shard in checkpoint_shards(path):
+    shards = checkpoint_shards(path)
+    prefix = text_prefix(name for shard in shards for name in _shard_names(shard))
+    for shard in shards:
         try:
             with safe_open(shard, framework="numpy") as fh:
                 for name in fh.keys():
-                    if name.startswith(IGNORED_PREFIXES):
+                    if not is_text_tensor(name, prefix):  # a vision tower, MTP layers, ...: never read
                         continue
                     if name in state:
                         raise CheckpointError(f"{shard}: tensor {name} is also in {files[name]}")

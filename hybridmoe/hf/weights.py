@@ -39,6 +39,20 @@ from hybridmoe.hf.config_fields import field_dict
 
 IGNORED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 MULTIMODAL_PREFIX = "model.language_model."
+TEXT_PREFIX = "model."
+HEAD = "lm_head.weight"
+
+
+def text_prefix(names) -> str:
+    """Where a checkpoint's text model lives: under model.language_model. (multimodal) or model."""
+    return MULTIMODAL_PREFIX if any(n.startswith(MULTIMODAL_PREFIX) for n in names) else TEXT_PREFIX
+
+
+def is_text_tensor(name: str, prefix: str) -> bool:
+    """Whether the trainer owns this tensor: the text model's and the LM head. The rest (a vision
+    tower, multi-token-prediction layers, anything outside the text model) is not read, and an
+    export that keeps the source's form copies it unchanged."""
+    return (name == HEAD or name.startswith(prefix)) and not name.startswith(IGNORED_PREFIXES)
 
 ExpertLayout = Literal["per_expert", "fused"]
 GDNProjections = Literal["split", "interleaved"]
@@ -49,8 +63,9 @@ class _Source:
 
     def __init__(self, state: Mapping[str, np.ndarray], files: Mapping[str, str] | None, where: str):
         self.state = {}
+        prefix = text_prefix(state)
         for name, value in state.items():
-            if name.startswith(IGNORED_PREFIXES):
+            if not is_text_tensor(name, prefix):
                 continue
             # Multimodal checkpoints nest the text model one level deeper.
             if name.startswith(MULTIMODAL_PREFIX):

@@ -390,5 +390,5 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
             writer.close()
             plot_metrics(writer.jsonl_path, out / "metrics.png", PLOT_KEYS)
     if export_hf is not None:
-        export_hf_checkpoint(export_hf, cfg, state["params"], tokenizer_from=init_hf)
+        export_hf_checkpoint(export_hf, cfg, state["params"], source_dir=init_hf)
     return history

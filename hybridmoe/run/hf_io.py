@@ -78,9 +78,23 @@ def params_from_hf(setup, hf_dir: Path, tree=None):
     return put_global(jax.tree.map(lambda a, w: np.asarray(a).astype(w.dtype), tree, want), setup.param_shardings)
 
 
-def export_hf_checkpoint(out: Path, cfg: Config, params, tokenizer_from: Path | None = None):
+def export_hf_checkpoint(out: Path, cfg: Config, params, source_dir: Path | None = None):
     """The policy as a sharded Hugging Face checkpoint in `out` (written by every host, see
-    hf_export.py), with the side files of `tokenizer_from` (the --init-hf folder, else data.tokenizer's)."""
+    hf_export.py). A run that started from a checkpoint folder (`source_dir`, its --init-hf) exports
+    in that folder's form (its names, layouts, dtypes, its other tensors and files); a run that
+    started from a recipe writes a text-only checkpoint with data.tokenizer's side files. What was
+    kept and what was written goes to the run's log (stderr of the lead host)."""
+    import sys
+
+    from hybridmoe.hf import checkpoint_shards, read_source_form
+    from hybridmoe.parallel.host import is_lead_host
     from hybridmoe.run.hf_export import export_hf_sharded
-    source = Path(tokenizer_from) if tokenizer_from else (Path(cfg.data.tokenizer) if cfg.data.tokenizer else None)
-    return export_hf_sharded(out, cfg, params, side_files_from=source)
+    if source_dir is not None:
+        source = read_source_form(str(source_dir), checkpoint_shards(str(source_dir)))
+        report = export_hf_sharded(out, cfg, params, source=source)
+    else:
+        side = Path(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        report = export_hf_sharded(out, cfg, params, side_files_from=side)
+    if is_lead_host():
+        print(report.summary(out), file=sys.stderr)
+    return report

@@ -92,5 +92,5 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, overwri
         if writer is not None:
             writer.close()
     if export_hf is not None:
-        export_hf_checkpoint(export_hf, cfg, state["params"], tokenizer_from=init_hf)
+        export_hf_checkpoint(export_hf, cfg, state["params"], source_dir=init_hf)
     return history
