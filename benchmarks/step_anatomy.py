@@ -4,18 +4,20 @@ Each component runs forward + backward (gradients of its inputs and weights) on 
 shape (4 x 512 tokens, float32) on one CPU device; the whole step (forward, backward, clip,
 AdamW) is timed too. The Hugging Face reference (PyTorch, transformers' Qwen3.5-MoE modules)
 runs in a worker process (benchmarks/reference/hf_anatomy_worker.py) started with --hf-python, a Python that
-has torch and transformers (never dependencies of this package; see the README for that venv).
-The two sides take turns, one round of every component each, so drift in the machine's speed
-(it is shared) lands on both; the figure is the median over rounds 1.. (round 0 warms up). Both
-wall time and process CPU time (all threads) are recorded: on a machine that other jobs load,
-CPU time is the steadier measure of the work each side does; the load average is recorded.
+has torch and transformers (never dependencies of this package; benchmarks/reference/setup.sh).
+The method is hybridmoe/tools/pinned.py's: both sides pinned to the same cores (`--cores`), XLA's
+intra-op pool and torch's threads one per pinned core; the sides take turns, one round of every
+component each (the order of the sides alternating, our components' order rotating), so drift in
+the machine's speed (it is shared) lands on both; the figure is the median over rounds 1..
+(round 0 warms up), with its spread (quartiles, min, max) in the record. Both wall time and
+process CPU time (all threads) are recorded, and the load average at every round.
 
 FLOPs are counted from the model shape with hybridmoe.tools.flops for both sides (matmul work
 only), so useful GFLOP/s compare directly; MFU is against the best float32 matmul rate measured
 in the same run (JAX's and torch's, the larger). Prints a table and writes
 benchmarks/records/step_anatomy.json.
 
-  python benchmarks/step_anatomy.py [--hf-python PYTHON] [--rounds 8]
+  python benchmarks/step_anatomy.py [--hf-python /work/refvenv/bin/python] [--cores 0] [--rounds 8]
   python benchmarks/step_anatomy.py --markdown benchmarks/records/step_anatomy.json   (the README's table)
 """
 
@@ -42,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from hybridmoe.tools.flops import component_flops, step_flops  # noqa: E402
 from hybridmoe.tools.bench import measure_peak_flops  # noqa: E402
-from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
+from hybridmoe.tools.pinned import parse_cores, pin, spread, thread_census  # noqa: E402
+from hybridmoe.tools.record import machine_record, source_commit, write_record  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
 from hybridmoe.kernels import attention as attn_kernels  # noqa: E402
@@ -182,7 +185,7 @@ class HFWorker:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf-python", help="a Python with torch and transformers for the reference side")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of the reference (JAX uses every core)")
+    ap.add_argument("--cores", default="0", help="cores both sides are pinned to, e.g. 0 or 0,1 (default 0)")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "step_anatomy.json"))
     ap.add_argument("--markdown", metavar="RECORD", help="print the README's table of a record and exit")
@@ -191,20 +194,34 @@ def main() -> None:
         print(format_markdown(json.loads(Path(args.markdown).read_text())))
         return
 
+    source_commit()  # read now: the record names the code the run started from
+    cores = parse_cores(args.cores)
+    pin(cores)  # before JAX starts its CPU client; the reference worker inherits it
     load_before = os.getloadavg()
     runs, facts = jax_components([])
-    hf = HFWorker(args.hf_python, args.threads) if args.hf_python else None
+    hf = HFWorker(args.hf_python, len(cores)) if args.hf_python else None
     ours = {n: [] for n in runs}
     ref = {}
+    loads = []
     names = list(runs)
-    for r in range(args.rounds):
+
+    def our_round(r):
         for n in np.roll(names, -r):
             c0, t0 = time.process_time(), time.perf_counter()
             runs[n]()
             ours[n].append((time.perf_counter() - t0, time.process_time() - c0))
-        if hf:
-            for n, both in hf.round().items():
-                ref.setdefault(n, []).append(tuple(both))
+
+    def ref_round():
+        for n, both in hf.round().items():
+            ref.setdefault(n, []).append(tuple(both))
+
+    for r in range(args.rounds):
+        for side in ((our_round, ref_round) if r % 2 == 0 else (ref_round, our_round)):
+            if side is our_round:
+                our_round(r)
+            elif hf:
+                ref_round()
+        loads.append(os.getloadavg())
         print(f"round {r}: step ours {ours['step'][-1][0]:.3f} s" + (f", reference {ref['step'][-1][0]:.3f} s" if hf else ""),
               file=sys.stderr)
     peaks = {"jax": measure_peak_flops(jax.sharding.Mesh(jax.devices()[:1], ("d",)), jnp.dtype(jnp.float32))}
@@ -230,12 +247,18 @@ def main() -> None:
             per_step = 1 if base == "step" else count
             out[n] = {"instances": count, "median_s": sec, "all_instances_s": sec * per_step,
                       "median_cpu_s": cpu, "all_instances_cpu_s": cpu * per_step,
+                      "spread_s": spread([w for w, _ in kept]), "spread_cpu_s": spread([c for _, c in kept]),
                       "times_s": [w for w, _ in both], "cpu_times_s": [c for _, c in both], "flops": fl,
                       "useful_gflops": fl / sec / 1e9 if fl else None, "mfu": fl / sec / peak if fl else None}
         return out
 
     rec = {"benchmark": "step_anatomy", **machine_record(), "recipe": RECIPE, "overrides": OVERRIDES,
            "rounds": args.rounds, "load_average_before": load_before, "load_average_after": load_after,
+           "load_average_per_round": loads,
+           "method": {"cores": cores, "threads_per_side": len(cores),
+                      "xla_intra_op_threads": thread_census().get("tf_XLAEigen", 0),
+                      "order": "sides alternate round by round; our components' order rotates",
+                      "figure": "median over rounds 1.. (round 0 warms up)"},
            "matmul_peak_flops": peaks, "peak_used": peak, "step_flops": total, **facts,
            "ours": summary(ours)}
     if hf:
@@ -243,6 +266,7 @@ def main() -> None:
         rec["reference_info"] = hf.info
         rec["step_time_ratio"] = rec["ours"]["step"]["median_s"] / rec["reference"]["step"]["median_s"]
         rec["step_cpu_time_ratio"] = rec["ours"]["step"]["median_cpu_s"] / rec["reference"]["step"]["median_cpu_s"]
+        rec["step_time_ratio_per_round"] = spread([a / b for (a, _), (b, _) in zip(ours["step"][1:], ref["step"][1:])])
     write_record(Path(args.out), rec)
     print(format_table(rec))
 

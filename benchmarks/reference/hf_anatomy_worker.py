@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import sys
 import time
 
@@ -41,7 +42,8 @@ def timed_both(fn) -> tuple[float, float]:
 
 
 def main() -> None:
-    threads = int(sys.argv[sys.argv.index("--threads") + 1]) if "--threads" in sys.argv else 2
+    threads = (int(sys.argv[sys.argv.index("--threads") + 1]) if "--threads" in sys.argv
+               else len(os.sched_getaffinity(0)))
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = Qwen3_5MoeTextConfig(**SMALL_SHAPE)
@@ -96,7 +98,9 @@ def main() -> None:
         if what == "quit":
             break
         if what == "info":
-            out = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            out = {"python": platform.python_version(), "torch": torch.__version__,
+                   "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+                   "interop_threads": torch.get_num_interop_threads(), "affinity": sorted(os.sched_getaffinity(0)),
                    "attn_implementation": model.config._attn_implementation,
                    "experts_implementation": getattr(model.config, "_experts_implementation", None),
                    "fla_installed": importlib.util.find_spec("fla") is not None,
