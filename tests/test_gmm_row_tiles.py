@@ -169,3 +169,88 @@ def test_explicit_choice_refused_where_it_would_not_run(overrides):
     with pytest.raises(ConfigError) as e:
         tiny_config("kernels.gmm.xla_impl=row_tiles", *overrides)
     assert any(k == "kernels.gmm.xla_impl" for k, _ in e.value.problems), e.value.problems
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole routed MLP in the tile layout (the default MoE program on CPU, row_tiles.routed_swiglu_mlp).
+
+# 37 tokens x 2 slots = 74 rows over 5 experts, 4-row tiles: groups straddle tiles, expert 4 is
+# never routed to (an empty group), the rows do not fill the last tile; inputs span many binades.
+_RT, _RD, _RE, _RF, _RK, _RTILE = 37, 8, 5, 4, 2, 4
+
+
+def _routed_case():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(_RT, _RD)) * np.exp(2 * rng.normal(size=(_RT, 1))), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.permutation(_RE - 1)[:_RK] for _ in range(_RT)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.05, 1.0, size=(_RT, _RK)), jnp.float32)
+    wi = jnp.asarray(rng.normal(size=(_RE, _RD, 2 * _RF)) * 0.3, jnp.float32)
+    wo = jnp.asarray(rng.normal(size=(_RE, _RF, _RD)) * 0.3, jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(_RT, _RD)), jnp.float32)
+    return x, w, idx, wi, wo, cot
+
+
+def _routed_numpy(x, w, idx, wi, wo):
+    """The routed MLP token by token, slot by slot, in float64."""
+    x, w, idx, wi, wo = (np.asarray(a, np.float64) if a.dtype != jnp.int32 else np.asarray(a)
+                         for a in (x, w, idx, wi, wo))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            h = x[t] @ wi[idx[t, j]]
+            gate, up = h[:_RF], h[_RF:]
+            out[t] += w[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ wo[idx[t, j]])
+    return out
+
+
+def _routed_errors():
+    """Relative L2 of the tile-layout MLP against the sorted gmm path (same sums) and against
+    independent references: numpy float64 (forward) and the dense every-expert path (gradients)."""
+    from hybridmoe.model.moe import dense_experts, sparse_experts
+    x, w, idx, wi, wo, cot = _routed_case()
+    ours = lambda x, w, wi, wo: rt.routed_swiglu_mlp(x, w, idx, wi, wo, rows_per_tile=_RTILE)  # noqa: E731
+    sorted_path = lambda x, w, wi, wo: sparse_experts(  # noqa: E731
+        x, w, idx, wi, wo, lambda a, b, s: rt.row_tiled_dot(a, b, s, tile_rows=_RTILE))
+    dense = lambda x, w, wi, wo: dense_experts(x, w, idx, wi, wo)  # noqa: E731
+    grads = {n: jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), (0, 1, 2, 3)))(x, w, wi, wo)
+             for n, f in (("ours", ours), ("sorted", sorted_path), ("dense", dense))}
+    y = jax.jit(ours)(x, w, wi, wo)
+    rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))  # noqa: E731
+    errs = {"fwd_vs_numpy": rel(y, _routed_numpy(x, w, idx, wi, wo)),
+            "fwd_vs_sorted": rel(y, np.asarray(jax.jit(sorted_path)(x, w, wi, wo), np.float64))}
+    for name, a, b, c in zip(("dx", "dw", "dwi", "dwo"), grads["ours"], grads["sorted"], grads["dense"]):
+        errs[f"{name}_vs_sorted"] = rel(a, np.asarray(b, np.float64))
+        errs[f"{name}_vs_dense"] = rel(a, np.asarray(c, np.float64))
+    return errs, grads["ours"]
+
+
+def test_routed_mlp_equals_the_sorted_path_and_the_references():
+    errs, (dx, dw, dwi, dwo) = _routed_errors()
+    assert max(errs.values()) < 1e-5, errs
+    assert not np.any(np.asarray(dwi)[_RE - 1]) and not np.any(np.asarray(dwo)[_RE - 1]), \
+        "the empty expert got a weight gradient"
+
+
+# Sabotages of the layout's position map and of the hand-written backward; each must be caught.
+_ORIGINAL_ROUTED_TILES = rt.routed_tiles
+_ORIGINAL_ROW_COTANGENTS = rt.row_cotangents
+
+BROKEN_ROUTED = {
+    # The combine reads each (token, slot) row's neighbour in the padded layout.
+    "position_off_by_one": ("routed_tiles", lambda idx, e, r: (lambda t: t._replace(
+        pos_Tk=jnp.minimum(t.pos_Tk + 1, t.token_P.shape[0] - 1)))(_ORIGINAL_ROUTED_TILES(idx, e, r))),
+    # The backward forgets the routing weight on the rows' output cotangents.
+    "row_cotangent_unweighted": ("row_cotangents", lambda d, w, r, dt: _ORIGINAL_ROW_COTANGENTS(
+        d, jnp.ones_like(w), r, dt)),
+    # SiLU's derivative without its second term.
+    "silu_grad_first_term_only": ("silu_grad", lambda x: jax.nn.sigmoid(x)),
+}
+
+
+@pytest.mark.parametrize("variant", list(BROKEN_ROUTED))
+def test_routed_mlp_broken_variants_caught(variant, monkeypatch):
+    name, fn = BROKEN_ROUTED[variant]
+    monkeypatch.setattr(rt, name, fn)
+    errs, _ = _routed_errors()
+    worst = max(v for k, v in errs.items() if "sorted" not in k)
+    assert worst > 1e-4, f"{variant} not caught (10x the clean bound 1e-5): {errs}"

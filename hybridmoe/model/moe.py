@@ -11,8 +11,9 @@ every expert on every token and is the reference (always with every expert weigh
 
 Three ways the sparse path runs, chosen once per trace from the config and the mesh:
 - `sparse_experts`: the default program (no lever, no buffer, xla backend, one expert rank);
-  the xla grouped matmul chosen per platform (row tiles on CPU, jax.lax.ragged_dot elsewhere),
-  weights gathered to every shard.
+  the xla grouped matmul chosen per platform (jax.lax.ragged_dot on GPU/TPU; on CPU row tiles,
+  where `tiled_experts` runs the same sums end to end in the tile layout), weights gathered to
+  every shard.
 - `grouped_experts`: the kernel family (hybridmoe.kernels.gmm) with the MoE levers, an optional
   per-expert buffer (moe.capacity_factor) and expert-sharded groups (group_offset).
 - ring of experts (mesh's "exp" axes > 1): tokens, routing weights and expert ids are
@@ -76,6 +77,16 @@ def sparse_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, grouped_dot=jax.lax.ragg
     y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(dt)
     inverse_M = jnp.argsort(order_M)
     return jnp.sum(y_MD[inverse_M].reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
+
+
+def tiled_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, tile_rows: int):
+    """The default program where the grouped matmul is row tiles (CPU): `sparse_experts`' result,
+    with the rows kept in the padded tile layout from the first matmul to the last and a backward
+    of gathers and matmuls (kernels/gmm/row_tiles.routed_swiglu_mlp)."""
+    dt = x_TD.dtype
+    # Marked per-device like the grouped matmul's operands (see default_grouped_dot).
+    x_TD, w_Tk, wi_ED2F, wo_EFD = _vary_alike(x_TD, w_Tk, wi_ED2F.astype(dt), wo_EFD.astype(dt))
+    return K.routed_swiglu_mlp(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, rows_per_tile=tile_rows)
 
 
 def dense_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD):
@@ -268,6 +279,8 @@ def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | 
     dropped = jnp.int32(0)
     if moe.impl == "dense":
         y = dense_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
+    elif plan.is_default and plan.xla_impl == "row_tiles":
+        y = tiled_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan.xla_tile_rows)
     elif plan.is_default:
         y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], default_grouped_dot(kernels))
     else:

@@ -18,7 +18,7 @@ from hybridmoe.kernels.gmm.ops import (
     tgmm,
     xla_impl_for,
 )
-from hybridmoe.kernels.gmm.row_tiles import row_tiled_dot
+from hybridmoe.kernels.gmm.row_tiles import routed_swiglu_mlp, row_tiled_dot
 from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "gmm_fp8",
     "gmm_swiglu",
     "preact_to_contiguous",
+    "routed_swiglu_mlp",
     "row_tiled_dot",
     "scale_rows",
     "split_preact",
