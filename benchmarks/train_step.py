@@ -4,7 +4,9 @@ Sides, each a worker process, started pinned to the same cores (`--cores`, the m
 hybridmoe/tools/pinned.py: XLA's intra-op pool and torch's threads both one per pinned core):
   ours       the default step (forward, next-token loss, backward, clip, AdamW) of `recipe=small`
              on one CPU device (mesh.cpu_devices=1), 4 x 512 tokens, float32; further arms of ours
-             with `--arm NAME:key=value,...` (overrides on top of that one-device base)
+             with `--arm NAME:key=value,...` (overrides on top of that one-device base), or
+             `--arm NAME@COMMIT` (the step as that commit's code runs it: a before / after pair in
+             one interleaved run)
   reference  transformers' Qwen3.5-MoE at the same shape (benchmarks/reference/bench_hf_reference.py
              --worker, run by `--hf-python`), trained on the same tokens (our synthetic batch of
              each round, sent to it), AdamW with the same settings and global-norm clip
@@ -23,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,11 +85,24 @@ def our_worker(overrides: list[str]) -> None:
     serve({"info": info, "step": step, "tokens": lambda req: {"tokens": batch(req["index"])["tokens"].tolist()}})
 
 
-def parse_arm(text: str) -> tuple[str, list[str]]:
-    name, _, rest = text.partition(":")
+def parse_arm(text: str) -> tuple[str, list[str], str | None]:
+    """NAME[@COMMIT]:overrides -> (name, overrides on the one-device base, commit or None)."""
+    head, _, rest = text.partition(":")
+    name, _, commit = head.partition("@")
     if not name or name == "reference":
-        raise SystemExit(f"--arm {text!r}: an arm is NAME:section.key=value,... (NAME not 'reference')")
-    return name, ONE_DEVICE + [o for o in rest.split(",") if o]
+        raise SystemExit(f"--arm {text!r}: an arm is NAME[@COMMIT]:section.key=value,... (NAME not 'reference')")
+    return name, ONE_DEVICE + [o for o in rest.split(",") if o], commit or None
+
+
+def source_tree(commit: str, into: Path) -> Path:
+    """The repository's files at `commit`, unpacked under `into` (an arm runs that code)."""
+    out = into / commit
+    out.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    if not (out / "benchmarks" / "train_step.py").exists():
+        raise SystemExit(f"--arm ...@{commit}: that commit has no benchmarks/train_step.py worker")
+    return out
 
 
 def main() -> None:
@@ -111,10 +128,14 @@ def main() -> None:
 
     cores = parse_cores(args.cores)
     pin(cores)  # every worker below inherits this affinity
-    arms = [("ours", ONE_DEVICE)] + [parse_arm(a) for a in args.arm]
-    if len({n for n, _ in arms}) != len(arms):
+    arms = [("ours", ONE_DEVICE, None)] + [parse_arm(a) for a in args.arm]
+    if len({n for n, _, _ in arms}) != len(arms):
         raise SystemExit("--arm names must be distinct (and not 'ours')")
-    workers = {name: Worker([sys.executable, __file__, "--worker", json.dumps(ov)], name) for name, ov in arms}
+    trees = tempfile.TemporaryDirectory()
+    scripts = {name: (source_tree(c, Path(trees.name)) / "benchmarks" / "train_step.py" if c else Path(__file__))
+               for name, _, c in arms}
+    workers = {name: Worker([sys.executable, str(scripts[name]), "--worker", json.dumps(ov)], name)
+               for name, ov, _ in arms}
     if args.hf_python:
         workers["reference"] = Worker([args.hf_python, str(ROOT / "benchmarks" / "reference" / "bench_hf_reference.py"),
                                        "--worker", "--threads", str(len(cores))], "reference")
@@ -162,7 +183,7 @@ def main() -> None:
     ratios = {}
     if "reference" in workers:
         ref_wall, ref_cpu = per_round("reference", "wall_s"), per_round("reference", "cpu_s")
-        for n, _ in arms:
+        for n, _, _ in arms:
             ratios[n] = {"time_ratio": spread([a / b for a, b in zip(per_round(n, "wall_s"), ref_wall)]),
                          "cpu_time_ratio": spread([a / b for a, b in zip(per_round(n, "cpu_s"), ref_cpu)])}
 
@@ -189,7 +210,8 @@ def main() -> None:
                    "thread_control": "XLA: intra-op Eigen pool = schedulable CPUs (the affinity mask), "
                    "counted as tf_XLAEigen threads; torch: torch.set_num_threads(len(cores))"},
         "load_average": {"start": load_start, "per_round": loads, "end": load_end},
-        "same_tokens": same_tokens, "tokens_per_step": tokens, "arms": {n: ov for n, ov in arms},
+        "same_tokens": same_tokens, "tokens_per_step": tokens,
+        "arms": {n: {"overrides": ov, "commit": c or source_commit()} for n, ov, c in arms},
         "sides": sides, "ratios": ratios})
 
 
