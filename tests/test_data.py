@@ -47,6 +47,13 @@ def _consumed(src, cursor, steps):
                for m in range(rows["tokens"].shape[0]) for r in range(rows["tokens"].shape[1])
                for s in range(1, rows["segment_ids"][m, r].max() + 1)]
         assert sorted(map(tuple, got)) == sorted(tuple(d.tolist()) for d in want)
+        # Each document's loss mask travels with it (data.loss_on=assistant: the chat documents' prompts are 0).
+        got_masks = [(tuple(rows["tokens"][m, r][rows["segment_ids"][m, r] == s]),
+                      tuple(rows["loss_mask"][m, r][rows["segment_ids"][m, r] == s]))
+                     for m in range(rows["tokens"].shape[0]) for r in range(rows["tokens"].shape[1])
+                     for s in range(1, rows["segment_ids"][m, r].max() + 1)]
+        want_masks = [(tuple(src.document(k)), tuple(src.document_mask(k))) for k in range(cursor, nxt)]
+        assert sorted(got_masks) == sorted(want_masks)
         out.append((rows, cursor, nxt))
         cursor = nxt
     return out
@@ -54,6 +61,7 @@ def _consumed(src, cursor, steps):
 
 def test_packing_consumes_each_document_once_per_epoch_and_resumes_exactly(tok):
     src = TextSource(cfg_for(SFT, "train.micro_batches=2"), tok)
+    assert any(0 < m.sum() < len(m) for m in src.masks)  # conversations train only their assistant turns
     run = _consumed(src, 0, 6)
     assert run[-1][2] > len(src.docs)  # crossed into the second epoch
     first_epoch = [src.document(k).tolist() for k in range(len(src.docs))]
@@ -158,7 +166,11 @@ def test_fine_tune_a_checkpoint_on_jsonl_and_export_it(tmp_path):
     from hybridmoe import hf
     out = tmp_path / "hf_out"
     assert main(["train", "train.data=files", f"data.path={SFT}", "train.steps=2", "train.warmup_steps=0",
-                 "train.seq_len=32", "--init-hf", str(HF_TINY), "--export-hf", str(out)]) == 0
+                 "train.seq_len=32", "--init-hf", str(HF_TINY), "--export-hf", str(out),
+                 "--out", str(tmp_path / "run")]) == 0
+    # The metrics count the loss tokens per step: fewer than the targets (the chats' prompts are not trained).
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["loss_tokens"] < r["tokens"] for r in records), records
     assert (out / "tokenizer.json").read_bytes() == (HF_TINY / "tokenizer.json").read_bytes()
     _, trained = hf.load_hf_checkpoint(str(out))
     _, initial = hf.load_hf_checkpoint(str(HF_TINY))

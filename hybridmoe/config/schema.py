@@ -360,6 +360,9 @@ class DataConfig(Section):
         "stop", description="A line that is not JSON or lacks the fields: stop (one error naming the first such line and "
         "the count) or skip (counted, logged).")
     shuffle: bool = Field(True, description="Shuffle the documents each epoch (a pure function of train.seed and the epoch).")
+    loss_on: Literal["assistant", "all"] = Field(
+        "assistant", description="`messages` records: train the assistant's turns only (through each turn's end "
+        "token) or every token; `text` records always train every token.")
 
 
 class BenchConfig(Section):

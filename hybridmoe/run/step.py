@@ -14,7 +14,7 @@ import optax
 
 from hybridmoe.config.schema import Config, TrainConfig
 from hybridmoe.model.forward import logits
-from hybridmoe.run.data import loss_mask
+from hybridmoe.run.data import batch_loss_mask, loss_mask
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
@@ -36,7 +36,7 @@ def nll_sum(params, cfg: Config, batch, *, with_moe_dropped: bool = False):
     lg = lg[:, :-1]
     lp = jax.nn.log_softmax(lg, axis=-1)
     tgt = jnp.take_along_axis(lp, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
-    mask = loss_mask(batch["segment_ids"])
+    mask = batch_loss_mask(batch)
     out = (-jnp.sum(jnp.where(mask, tgt, 0.0)), jnp.sum(mask))
     return (*out, dropped) if with_moe_dropped else out
 
@@ -118,7 +118,12 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation):
             (params, opt_state), skipped = skip_if_nonfinite(loss, grad_norm, new_state, (params, state["opt_state"]))
         else:
             (params, opt_state), skipped = new_state, jnp.int32(0)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "update_skipped": skipped}
+        # tokens: the next-token targets the step computed; loss_tokens: those the loss trains
+        # (fewer under data.loss_on=assistant), its denominator.
+        seg = batch["segment_ids"]
+        targets = jnp.sum(loss_mask(seg.reshape(-1, seg.shape[-1])))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": targets, "loss_tokens": count,
+                   "update_skipped": skipped}
         if report_dropped:
             metrics["moe_dropped"] = counts["moe_dropped"]
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
