@@ -197,6 +197,11 @@ def cmd_generate(args, words):
         from hybridmoe.data.prompts import read_prompt_set
         prompts = [e.prompt for e in read_prompt_set(args.prompts, policy.tokenizer, what="--prompts")]
     else:
+        if args.chat and not getattr(policy.tokenizer, "chat_template", None):
+            where = args.hf or policy.cfg.data.tokenizer or "the built-in character tokenizer"
+            raise ValueError(f"--chat wraps each --prompt as a user message in the chat template, and {where} has "
+                             "none (no chat_template.jinja, no chat_template in tokenizer_config.json): drop --chat "
+                             "to give the prompts as they are, or add the model's chat_template.jinja to the folder")
         prompts = [policy.tokenizer.render_chat([{"role": "user", "content": p}]) if args.chat else p
                    for p in args.prompt]
     from hybridmoe.rl.policy_io import generate_texts
@@ -204,7 +209,8 @@ def cmd_generate(args, words):
     for r in records:
         print(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}, ensure_ascii=False))
     print(f"{timing['new_tokens']} new tokens in {timing['batches']} batch(es) of {timing['rows_per_batch']} rows: "
-          f"{timing['tokens_per_s']:.1f} tokens/s ({timing['tokens_per_s_note']})", file=sys.stderr)
+          f"{timing['tokens_per_s']:.1f} tokens/s, compile not included (compiled in {timing['compile_s']:.1f} s)",
+          file=sys.stderr)
     if args.out:
         tmp = Path(args.out).with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -225,7 +231,15 @@ def cmd_eval(args, words):
                       generate_kwargs=_sampling(args, policy))
     for name, t in result["tasks"].items():
         print(f"{name}: {t['prompts']} prompts x {args.samples}: mean reward {t['mean_reward']:.3f}, "
-              + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if k.startswith("pass@")))
+              + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if k.startswith("pass@"))
+              + f", reward errors {t['reward_errors']} of {t['samples']}")
+    total = sum(t["samples"] for t in result["tasks"].values())
+    if result["reward_errors"] == total and not args.accept_reward_errors:
+        print(f"hybridmoe eval: error: the reward raised or was not finite on every one of the {total} samples "
+              f"({result['reward_error_kinds']}): the mean reward above is no score. Fix the reward function (the "
+              "warning above names its first failure), or pass --accept-reward-errors to accept such a result",
+              file=sys.stderr)
+        return 1
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {"benchmark": "eval", "source": {"hf": args.hf, "run": args.run},
@@ -388,10 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         if name == "generate":
             p.add_argument("--prompt", action="append", help="a prompt on the command line (repeatable)")
             p.add_argument("--chat", action="store_true", help="wrap each --prompt as a user message in the chat template")
-            p.add_argument("--out", help="write one JSON line per prompt: prompt, completion, tokens, truncated")
+            p.add_argument("--out", help="write one JSON line per prompt: prompt, completion, tokens, truncated, "
+                           "prompt_ids, completion_ids")
         if name == "eval":
             p.add_argument("--samples", type=int, default=4, help="completions per prompt (pass@1 and pass@samples)")
             p.add_argument("--pass-threshold", type=float, default=1.0, help="a sample passes at this reward or more")
+            p.add_argument("--accept-reward-errors", action="store_true",
+                           help="exit 0 (and write --out) even when the reward raised on every sample")
             p.add_argument("--out", help="write the JSON record here")
     args, words = parser.parse_known_args(argv)
     bad = [w for w in words if "=" not in w]

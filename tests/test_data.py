@@ -178,6 +178,17 @@ def test_fine_tune_a_checkpoint_on_jsonl_and_export_it(tmp_path):
     assert not np.array_equal(trained["embed"], initial["embed"])  # two optimizer steps moved the weights
 
 
+def test_a_line_that_is_not_json_names_where_in_the_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "x"\n{"prompt": x}\n')
+    with pytest.raises(DataError) as e:
+        read_records(f, "data.prompts", prompt_or_messages, "stop")
+    assert "p.jsonl:1: not valid JSON (Expecting ',' delimiter at the end of the line)" in str(e.value)
+    f.write_text('{"prompt": x}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:1: not valid JSON \(Expecting value at column 12\)"):
+        read_records(f, "data.prompts", prompt_or_messages, "stop")
+
+
 @pytest.mark.parametrize("lines, needle", [
     (['{"text": "1+1=2"}', "{oops"], ":2: not valid JSON"),
     (['{"txt": "1+1=2"}'], "no 'text' string and no 'messages' list (fields: txt)"),
