@@ -107,7 +107,8 @@ def jax_components(cfg_overrides: list[str]) -> tuple[dict, dict]:
     fns = {
         "gdn": (_grad_fn(lambda p, x: gdn_layer(p, x, seg, m, chunk_size=cfg.gdn.chunk_size,
                                                 backend=cfg.kernels.gdn.backend), gdn_p, x), (gdn_p, x)),
-        "attention": (_grad_fn(lambda p, x: attention_layer(p, x, pos, seg, m), attn_p, x), (attn_p, x)),
+        "attention": (_grad_fn(lambda p, x: attention_layer(p, x, pos, seg, m, kernels=cfg.kernels), attn_p, x),
+                      (attn_p, x)),
         "moe": (_grad_fn(lambda p, x: moe_layer(p, x, m, cfg.moe, cfg.kernels), moe_p, x), (moe_p, x)),
         "rmsnorm": (_grad_fn(lambda w, x: rms_norm(x, w, m.rms_norm_eps), norm_w, x), (norm_w, x)),
         "embed_head_loss": (jax.jit(jax.grad(head_loss, (0, 1, 2))), (params["embed"], params["lm_head"], x)),
@@ -117,14 +118,14 @@ def jax_components(cfg_overrides: list[str]) -> tuple[dict, dict]:
     fns["optimizer"] = (opt, (grads, state["opt_state"], params))
 
     # The controls: the full masked attention core; ragged_dot in the MoE; remat full in the step.
-    core = attn_model.self_attention_core
+    core = attn_model.attention_core
 
     def attention_full_core(p, x):
-        attn_model.self_attention_core = lambda: attn_kernels.attention
+        attn_model.attention_core = lambda *_, **__: attn_kernels.attention
         try:
-            return attention_layer(p, x, pos, seg, m)
+            return attention_layer(p, x, pos, seg, m, kernels=cfg.kernels)
         finally:
-            attn_model.self_attention_core = core
+            attn_model.attention_core = core
 
     fns["attention[full core]"] = (_grad_fn(attention_full_core, attn_p, x), (attn_p, x))
     ragged = load_config(RECIPE, OVERRIDES + cfg_overrides + ["kernels.gmm.xla_impl=ragged_dot"])

@@ -198,7 +198,9 @@ def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
 
 @pytest.mark.parametrize("T, S, N, G, head_dim, block_q, block_k", [
     (256, 256, 4, 2, 128, 128, 128),  # self-attention, two query heads per kv head
-    (256, 512, 32, 2, 256, 128, 256),  # Qwen3.5-397B's heads (16 per kv head, dim 256), a query block against more keys
+    # Qwen3.5-397B's heads (16 per kv head, dim 256) at pallas_tpu's default blocks (kernels/attention/limits.py),
+    # a query block against more keys.
+    (256, 1024, 32, 2, 256, 128, 512),
 ])
 def test_flash_attention_pallas_kernels_compile(device, T, S, N, G, head_dim, block_q, block_k):
     """The flash attention forward, dq and dk/dv kernels (kernels/attention/pallas_tpu.py) lower through

@@ -28,7 +28,7 @@ def default_batch_fields(tokens_BT):
 
 def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config, packed: bool = True):
     if kind == "attention":
-        return attention_layer(p, x, positions, segment_ids, cfg.model, cfg.attention, packed=packed)
+        return attention_layer(p, x, positions, segment_ids, cfg.model, cfg.attention, packed=packed, kernels=cfg.kernels)
     if kind == "gdn":
         return gdn_layer(p, x, segment_ids, cfg.model, chunk_size=cfg.gdn.chunk_size,
                          backend=cfg.kernels.gdn.backend, interpret=cfg.kernels.interpret, cp_m_scan=cfg.gdn.cp_m_scan,
