@@ -76,13 +76,18 @@ def _check_run_paths(args) -> None:
                 init_hf=path("init_hf"))
 
 
-def cmd_train(args, words):
+def _run_loop(args, words, loop):
+    """A train or rl run: its paths checked before anything is built, then the loop; its history."""
     _check_run_paths(args)
     cfg = _config(words, args.init_hf)
+    path = lambda value: Path(value) if value else None  # noqa: E731
+    return loop(cfg, path(args.out), resume=args.resume, overwrite=args.overwrite, init_hf=path(args.init_hf),
+                export_hf=path(args.export_hf))
+
+
+def cmd_train(args, words):
     from hybridmoe.train.loop import train
-    hist = train(cfg, Path(args.out) if args.out else None, resume=args.resume, overwrite=args.overwrite,
-                 init_hf=Path(args.init_hf) if args.init_hf else None,
-                 export_hf=Path(args.export_hf) if args.export_hf else None)
+    hist = _run_loop(args, words, train)
     if hist:
         print(f"steps {hist[0]['step']}..{hist[-1]['step']}: loss {hist[0]['loss']:.4f} -> {hist[-1]['loss']:.4f}")
     return 0
@@ -119,13 +124,8 @@ def _rl_summary(history: list[dict]) -> str:
 
 
 def cmd_rl(args, words):
-    _check_run_paths(args)
-    cfg = _config(words, args.init_hf)
     from hybridmoe.rl.loop import run_rl
-    hist = run_rl(cfg, Path(args.out) if args.out else None, resume=args.resume, overwrite=args.overwrite,
-                  init_hf=Path(args.init_hf) if args.init_hf else None,
-                  export_hf=Path(args.export_hf) if args.export_hf else None)
-    print(_rl_summary(hist))
+    print(_rl_summary(_run_loop(args, words, run_rl)))
     return 0
 
 

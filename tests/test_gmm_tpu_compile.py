@@ -68,17 +68,17 @@ def test_fused_pair_compiles(device, depth):
     tiling = Tiling(tm=128, tk=D, tn=128, rhs_buffer_count=depth)
 
     def loss(x, wi, wo, s, gs):
-        h, pre = K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=TN,
+        h, pre = K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=TN,
                               backend="pallas_tpu", tiling=tiling,
                               rhs_buffer_count=depth)
-        y = K.gmm_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=TN, row_scale=s,
+        y = K.wo_fused_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=TN, row_scale=s,
                           backend="pallas_tpu", tiling=tiling)
         return jnp.sum(y.astype(jnp.float32))
 
     compiled = _compile(jax.grad(loss, (0, 1, 2, 3)), x, wi, wo, s, gs)
     text = compiled.as_text()
-    assert "gmm_swiglu_fwd" in text and "gmm_dswiglu_dlhs" in text
-    assert ("gmm_swiglu_fwd_rhsbuf2" in text) == (depth == 2)
+    assert "wi_fused_swiglu_fwd" in text and "wo_fused_dswiglu_dlhs" in text
+    assert ("wi_fused_swiglu_fwd_rhsbuf2" in text) == (depth == 2)
 
 
 def test_vmem_overflow_is_caught(device):
@@ -90,13 +90,13 @@ def test_vmem_overflow_is_caught(device):
     tiling = Tiling(tm=512, tk=4096, tn=1024)
 
     def fwd(x, wi, gs):
-        return K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=1024,
+        return K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=1024,
                             backend="pallas_tpu", tiling=tiling)
 
     with pytest.raises(Exception, match="(?i)vmem"):
         _compile(fwd, x, wi, gs)
     roomy = Tiling(tm=512, tk=4096, tn=1024, vmem_limit_mib=57.6)
-    _compile(lambda x, wi, gs: K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=1024,
+    _compile(lambda x, wi, gs: K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=1024,
                                             backend="pallas_tpu", tiling=roomy), x, wi, gs)
 
 
@@ -110,17 +110,17 @@ def _fused_forward(device, depth, tm, tk, tn, limit_mib=57.6):
     wi = _spec((2, tk, 2 * tn), jnp.bfloat16, device)  # one N tile per half
     gs = _spec((2,), jnp.int32, device)
     tiling = Tiling(tm=tm, tk=tk, tn=tn, vmem_limit_mib=limit_mib)
-    return _compile(lambda x, wi, gs: K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=tn,
+    return _compile(lambda x, wi, gs: K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=tn,
                                                    backend="pallas_tpu", tiling=tiling,
                                                    rhs_buffer_count=depth), x, wi, gs)
 
 
-def test_buffer_depth_decides_the_fit(device):
+def test_wi_fwd_rhs_buffer_count_decides_the_fit(device):
     with pytest.raises(Exception, match="(?i)vmem"):
         _fused_forward(device, 0, **DECIDING)
     with pytest.raises(Exception, match="(?i)vmem"):
         _fused_forward(device, 2, **DECIDING)
-    assert "gmm_swiglu_fwd_rhsbuf1" in _fused_forward(device, 1, **DECIDING).as_text()
+    assert "wi_fused_swiglu_fwd_rhsbuf1" in _fused_forward(device, 1, **DECIDING).as_text()
 
 
 def test_inspect_compiles_the_training_step_for_a_tpu_target(device):

@@ -139,7 +139,7 @@ def _vmem_refusal(error: Exception, cfg: Config) -> ValueError | None:
     g = cfg.kernels.gmm
     return ValueError(f"the Pallas kernel {m.group(1)} does not fit the TPU core's VMEM at kernels.gmm.tm={g.tm} "
                       f"tk={g.tk} tn={g.tn} wi_fwd_tile_n_per_half={g.wi_fwd_tile_n_per_half}: lower the tiles "
-                      "(or, for gmm_swiglu_fwd, kernels.gmm.wi_fwd_rhs_buffer_count=1)")
+                      "(or, for wi_fused_swiglu_fwd, kernels.gmm.wi_fwd_rhs_buffer_count=1)")
 
 
 def shard_bytes(tree) -> int:

@@ -31,12 +31,7 @@ def group_metadata(group_sizes_E, *, m: int, tm: int, group_offset, num_local: i
     if m % tm:
         raise ValueError(f"rows {m} must be padded to a multiple of tm={tm}")
     tiles_m = m // tm
-    sizes_E = group_sizes_E.astype(jnp.int32)
-    ends_E = jnp.cumsum(sizes_E)
-    off = jnp.asarray(group_offset, jnp.int32)
-    sizes_G = jax.lax.dynamic_slice_in_dim(sizes_E, off, num_local)
-    hi_G = jax.lax.dynamic_slice_in_dim(ends_E, off, num_local)
-    lo_G = hi_G - sizes_G
+    sizes_G, lo_G, hi_G = local_groups(group_sizes_E, group_offset, num_local)
 
     first_G = lo_G // tm
     span_G = (hi_G + tm - 1) // tm - first_G
@@ -51,6 +46,16 @@ def group_metadata(group_sizes_E, *, m: int, tm: int, group_offset, num_local: i
     before_S = (cum_G - steps_G)[group_S]
     tile_S = jnp.clip(first_G[group_S] + step_S - before_S, 0, tiles_m - 1).astype(jnp.int32)
     return lo_G, hi_G, group_S, tile_S, num_steps.astype(jnp.int32)
+
+
+def local_groups(group_sizes_E, group_offset, num_local: int):
+    """(sizes, first rows, one-past-last rows) [G] int32 of the local groups [offset, offset + G) of
+    rows sorted by group."""
+    sizes_E = group_sizes_E.astype(jnp.int32)
+    off = jnp.asarray(group_offset, jnp.int32)
+    sizes_G = jax.lax.dynamic_slice_in_dim(sizes_E, off, num_local)
+    ends_G = jax.lax.dynamic_slice_in_dim(jnp.cumsum(sizes_E), off, num_local)
+    return sizes_G, ends_G - sizes_G, ends_G
 
 
 def local_bounds(group_sizes_E, group_offset, num_local: int):
