@@ -17,14 +17,15 @@ Prints a table and writes benchmarks/records/attention_cpu_backend.json.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import time
+import sys
 from pathlib import Path
 
-import jax
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-jax.config.update("jax_platforms", "cpu")
+harness.configure(cpu_only=True)
+import jax  # noqa: E402
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -32,7 +33,6 @@ import numpy as np  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
 from hybridmoe.kernels.attention import blocked, ops, xla  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
-from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
 
 RECIPE = "small"
 FLASH_BLOCKS = (32, 64, 128, 256)
@@ -65,10 +65,9 @@ def fwd_bwd(core):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "records" / "attention_cpu_backend.json"))
     args = ap.parse_args()
     cfg = load_config(RECIPE, ["mesh.cpu_devices=0"])
     cores, inputs, shape = arms(cfg)
@@ -78,22 +77,15 @@ def main() -> None:
     ref = outs["masked"]
     agreement = {name: max(float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r))) for a, r in zip(out, ref))
                  for name, out in outs.items()}
-    times = {name: [] for name in fns}
-    for _ in range(args.rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(args.reps):
-                jax.block_until_ready(fn(*inputs))
-            times[name].append((time.perf_counter() - start) / args.reps)
+    times = {name: t["wall_s"] for name, t in harness.interleaved(
+        {name: functools.partial(fn, *inputs) for name, fn in fns.items()}, args.rounds, args.reps).items()}
     median = {name: float(np.median(t)) for name, t in times.items()}
     print(f"{'arm':<10} {'median ms':>10} {'/ blocked':>10} {'max rel err vs masked':>22}")
     for name in fns:
         print(f"{name:<10} {median[name] * 1e3:>10.1f} {median[name] / median['blocked']:>10.3f} {agreement[name]:>22.1e}")
-    write_record(Path(args.out), {**machine_record(), "benchmark": "attention_cpu_backend", "recipe": RECIPE,
-                                  "shape": shape, "rounds": args.rounds, "reps": args.reps,
-                                  "median_seconds": median, "ratio_to_blocked": {n: median[n] / median["blocked"]
-                                                                                 for n in median},
-                                  "seconds_per_round": times, "max_rel_error_vs_masked": agreement})
+    harness.write(args.out, "attention_cpu_backend", recipe=RECIPE, shape=shape, rounds=args.rounds, reps=args.reps,
+                  median_seconds=median, ratio_to_blocked={n: median[n] / median["blocked"] for n in median},
+                  seconds_per_round=times, max_rel_error_vs_masked=agreement)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ benchmarks/records/step_anatomy.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,21 +30,18 @@ import sys
 import time
 from pathlib import Path
 
-import jax
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 1)
-jax.config.update("jax_platforms", "cpu")
-
+harness.configure(cpu_devices=1, cpu_only=True)  # also reads the commit: the record names the code the run started from
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from hybridmoe.tools.flops import component_flops, step_flops  # noqa: E402
 from hybridmoe.tools.bench import measure_peak_flops  # noqa: E402
 from hybridmoe.tools.pinned import parse_cores, pin, spread, thread_census  # noqa: E402
-from hybridmoe.tools.record import machine_record, source_commit, write_record  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
 from hybridmoe.kernels import attention as attn_kernels  # noqa: E402
@@ -184,18 +180,16 @@ class HFWorker:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--hf-python", help="a Python with torch and transformers for the reference side")
     ap.add_argument("--cores", default="0", help="cores both sides are pinned to, e.g. 0 or 0,1 (default 0)")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "step_anatomy.json"))
     ap.add_argument("--markdown", metavar="RECORD", help="print the README's table of a record and exit")
     args = ap.parse_args()
     if args.markdown:
         print(format_markdown(json.loads(Path(args.markdown).read_text())))
         return
 
-    source_commit()  # read now: the record names the code the run started from
     cores = parse_cores(args.cores)
     pin(cores)  # before JAX starts its CPU client; the reference worker inherits it
     load_before = os.getloadavg()
@@ -253,7 +247,7 @@ def main() -> None:
                       "useful_gflops": fl / sec / 1e9 if fl else None, "mfu": fl / sec / peak if fl else None}
         return out
 
-    rec = {"benchmark": "step_anatomy", **machine_record(), "recipe": RECIPE, "overrides": OVERRIDES,
+    rec = {"recipe": RECIPE, "overrides": OVERRIDES,
            "rounds": args.rounds, "load_average_before": load_before, "load_average_after": load_after,
            "load_average_per_round": loads,
            "method": {"cores": cores, "threads_per_side": len(cores),
@@ -268,7 +262,7 @@ def main() -> None:
         rec["step_time_ratio"] = rec["ours"]["step"]["median_s"] / rec["reference"]["step"]["median_s"]
         rec["step_cpu_time_ratio"] = rec["ours"]["step"]["median_cpu_s"] / rec["reference"]["step"]["median_cpu_s"]
         rec["step_time_ratio_per_round"] = spread([a / b for (a, _), (b, _) in zip(ours["step"][1:], ref["step"][1:])])
-    write_record(Path(args.out), rec)
+    rec = harness.write(args.out, "step_anatomy", **rec)
     print(format_table(rec))
 
 
