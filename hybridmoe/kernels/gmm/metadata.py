@@ -79,6 +79,18 @@ def keep_local_rows(out, m: int, group_sizes_E, group_offset, num_local: int):
     return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))[:m]
 
 
+def dlhs_row_operands(row_scale_M, h_MF, m_pad: int) -> list:
+    """The fused down-projection DLHS kernel's optional row operands, padded to m_pad rows: the
+    routing weight as float32 [M, 1] (router_grad_from_wo_input) and the stored h [M, F] (read only
+    by the match_unfused stand-in), each present when given."""
+    out = []
+    if row_scale_M is not None:
+        out.append(pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
+    if h_MF is not None:
+        out.append(pad_rows(h_MF, m_pad))
+    return out
+
+
 def row_tiling(tiling: Tiling | None, m: int):
     """(tiling, row tile tm, rows padded to whole tiles) of the Pallas kernels."""
     t = tiling or DEFAULT

@@ -209,17 +209,13 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         scale = s_ref[rows, :] if has_scale else None
         h = h_ref[rows, :] if has_h else None
         d_gate, d_up, dot = epilogue.dswiglu(u, gate, up, scale, mode, pre_dtype, h)
-        for j in range(f // t_out):
-            cols = slice(j * t_out, (j + 1) * t_out)
-            _store_rows(d_ref.at[rows, pl.ds(2 * t_out * j, t_out)], d_gate[:, cols], mask)
-            _store_rows(d_ref.at[rows, pl.ds(2 * t_out * j + t_out, t_out)], d_up[:, cols], mask)
+        for cols, gate_at, up_at in epilogue.tile_columns(f, t_out):
+            _store_rows(d_ref.at[rows, pl.ds(gate_at, t_out)], d_gate[:, cols], mask)
+            _store_rows(d_ref.at[rows, pl.ds(up_at, t_out)], d_up[:, cols], mask)
         _store_rows(dot_ref.at[rows, :], dot, mask)
 
-    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad)]
-    if has_scale:
-        args.append(metadata.pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
-    if has_h:
-        args.append(metadata.pad_rows(h_MF, m_pad))
+    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad),
+            *metadata.dlhs_row_operands(row_scale_M, h_MF, m_pad)]
     d_out, dot = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),

@@ -282,11 +282,9 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
             scale = s_ref[...] if has_scale else None
             h = h_ref[...] if has_h else None
             d_gate, d_up, dot = epilogue.dswiglu(acc_ref[...], gate, up, scale, mode, pre_dtype, h)
-            for j in range(f // t_out):
-                cols = slice(j * t_out, (j + 1) * t_out)
-                _merge(d_ref, mask, d_gate[:, cols], slice(2 * t_out * j, 2 * t_out * j + t_out))
-                _merge(d_ref, mask, d_up[:, cols],
-                       slice(2 * t_out * j + t_out, 2 * t_out * (j + 1)))
+            for cols, gate_at, up_at in epilogue.tile_columns(f, t_out):
+                _merge(d_ref, mask, d_gate[:, cols], slice(gate_at, gate_at + t_out))
+                _merge(d_ref, mask, d_up[:, cols], slice(up_at, up_at + t_out))
             _merge(dot_ref, mask, dot)
 
     row_map = lambda s, ki, lo, hi, grp, tile: (tile[s], 0)  # noqa: E731
@@ -295,13 +293,12 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         pl.BlockSpec((None, f, tk), lambda s, ki, lo, hi, grp, tile: (grp[s], 0, ki)),
         pl.BlockSpec((tm, 2 * f), row_map),
     ]
-    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad)]
+    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad),
+            *metadata.dlhs_row_operands(row_scale_M, h_MF, m_pad)]
     if has_scale:
         in_specs.append(pl.BlockSpec((tm, 1), row_map))
-        args.append(metadata.pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
     if has_h:
         in_specs.append(pl.BlockSpec((tm, f), row_map))
-        args.append(metadata.pad_rows(h_MF, m_pad))
     d_out, dot = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),
