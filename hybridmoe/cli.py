@@ -278,14 +278,14 @@ def cmd_inspect(args, words):
     target = tp.tpu_target(args.target) if kind == "tpu" else tp.host_target()
     facts = {}
     for name, (recipe, overrides, cfg) in configs.items():
-        print(f"{name}: recipe={recipe} {' '.join(overrides)}  (compiling for {target.name}, "
-              f"{target.num_devices} devices)", flush=True)
-        facts[name] = tp.step_facts(tp.compile_step(cfg, target))
+        print(f"{name}: recipe={recipe} {' '.join(overrides)}  (compiling the {args.program} program for "
+              f"{target.name}, {target.num_devices} devices)", flush=True)
+        facts[name] = tp.step_facts(tp.compile_step(cfg, target, program_name=args.program))
     print(tp.format_facts(facts))
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {
-            "benchmark": "inspect", **machine_record(), "target": target.name,
+            "benchmark": "inspect", **machine_record(), "target": target.name, "program": args.program,
             "programs": {name: {"recipe": configs[name][0], "overrides": configs[name][1], **facts[name],
                                 "config": json.loads(configs[name][2].model_dump_json())}
                          for name in facts}})
@@ -332,8 +332,8 @@ COMMANDS = {
     "rl": (cmd_rl, "GRPO post-training: supervised warm-up on the task, then rollouts, rewards and policy updates"),
     "generate": (cmd_generate, "sample completions of prompts from a checkpoint (--hf DIR or --run DIR), with tokens/s"),
     "eval": (cmd_eval, "mean reward and pass@k per task of a prompt set under rl.reward functions; a JSON record"),
-    "inspect": (cmd_inspect, "compile the training step without running it (this host or a TPU topology): "
-                "per-device memory, collectives, FLOPs, saved residuals"),
+    "inspect": (cmd_inspect, "compile the training step, a GRPO update or the sampler without running it (this "
+                "host or a TPU topology): per-device memory, what fills it at the peak, collectives, FLOPs, saved residuals"),
     "gates": (cmd_gates, "the six numerics gates: a candidate's GRPO steps against the reference run twice"),
     "demo": (cmd_demo, "the embedded default: GRPO on one-digit addition with the tiny model, into runs/demo"),
     "launch": (cmd_launch, "N processes of one distributed run on this machine (as one per host on a cluster)"),
@@ -379,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                            "v5p:4x4x4 (compile-only devices; needs libtpu)")
             p.add_argument("--compare", nargs="*", metavar="OVERRIDE",
                            help="a second program: the same words plus these overrides, shown side by side")
+            p.add_argument("--program", choices=("train", "grpo", "sample"), default="train",
+                           help="train: the supervised step; grpo: one GRPO update (rl.* rows and micro-batches, "
+                           "pi_old, the reference policy); sample: the rollout sampler (prefill + decode loop)")
             p.add_argument("--out", help="write the JSON record here")
         if name == "gates":
             p.add_argument("--candidate", nargs="*", metavar="OVERRIDE",

@@ -221,3 +221,54 @@ def test_flash_attention_pallas_kernels_compile(device, T, S, N, G, head_dim, bl
     assert text.count("tpu_custom_call") == 3
     for name in KERNEL_NAMES:
         assert name in text, name
+
+
+# ---------------------------------------------------------------------------------------------
+# The seed's cell geometry: 256 devices of tpu7x:4x4x8 as fsdp 32 x context 4 x expert 2, one
+# 65,536-token sequence per context group (16,384 local queries), at tiny widths (the program's
+# structure, not its size: the recipe qwen3.5-397b-a17b-v7x-128 has the same mesh and lengths).
+
+CELL_TOPOLOGY = "tpu7x:4x4x8"
+CELL = ["mesh.cpu_devices=0", "mesh.data=1", "mesh.fsdp=32", "mesh.context=4", "mesh.expert=2",
+        "train.batch_size=64", "train.seq_len=65536", "model.max_seq_len=65536", "model.d_model=256",
+        "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=64", "remat.policy=full"]
+
+
+@pytest.fixture(scope="module")
+def cell_step(device):
+    from hybridmoe.recipe import load_config
+    from hybridmoe.recipe.validate import compile_target
+    from hybridmoe.tools import train_program as tp
+
+    with compile_target("tpu"):
+        cfg = load_config("tiny", CELL)
+    return cfg, tp.compile_step(cfg, tp.tpu_target(CELL_TOPOLOGY), with_residuals=False)
+
+
+def test_cell_step_holds_no_score_matrix(cell_step):
+    """At 16,384 local queries against 65,536 keys no buffer of the compiled TPU step has two
+    sequence-long dimensions: the attention core never materialises [heads, T, S] (nor T x T)."""
+    from hybridmoe.tools.program import _hlo_graph, _hlo_result
+
+    cfg, step = cell_step
+    local = cfg.train.seq_len // 4
+    comps, _, _ = _hlo_graph(step.program.compiled_text)
+    long_dims = {(name, shape) for ops in comps.values() for _, type_text, name, _ in ops
+                 for shape in [_hlo_result(type_text)[1]] if sum(d >= local for d in shape) >= 2}
+    assert not long_dims, sorted(long_dims)[:5]
+
+
+def test_cell_query_kernel_is_gathered_once_per_layer_iteration(cell_step):
+    """The seed's query_proj_kernel_gather_once exists because its backward gathered the query
+    kernel [D, heads, 2 x head_dim] twice (the replay of q = x wq and dx = dq wq^T). Here the weight
+    is gathered where it is used, inside the rematerialised block, so the replay's gather serves dx:
+    each layer loop (forward, backward) all-gathers that kernel once per iteration."""
+    cfg, step = cell_step
+    m = cfg.model
+    wq = (m.d_model, m.num_heads, 2 * m.head_dim)
+    per_loop: dict = {}
+    for c in step.program.compiled_collectives:
+        if c.kind == "all-gather" and c.shape == wq:
+            per_loop[c.loop] = per_loop.get(c.loop, 0) + 1
+    assert None not in per_loop, "the query kernel is gathered outside the layer loops"
+    assert len(per_loop) == 2 and set(per_loop.values()) == {1}, per_loop

@@ -204,10 +204,17 @@ class AttentionKernelConfig(Section):
                          "(xla 256, pallas_tpu 512) fitted to the key length.")
 
 
+class LogprobsKernelConfig(Section):
+    chunk_tokens: int = Field(256, gt=0, description="Tokens per chunk of the LM head's log-probs (the supervised "
+                              "loss and GRPO's; the full [tokens, vocab] logits are never built).")
+    chunk_vocab: int = Field(4096, gt=0, description="Vocabulary columns per chunk of the LM head's log-probs.")
+
+
 class KernelsConfig(Section):
     gmm: GmmKernelConfig = GmmKernelConfig()
     gdn: GdnKernelConfig = GdnKernelConfig()
     attention: AttentionKernelConfig = AttentionKernelConfig()
+    logprobs: LogprobsKernelConfig = LogprobsKernelConfig()
     interpret: bool = Field(False, description="Run Pallas kernels in interpret mode (CPU testing).")
 
 
@@ -336,8 +343,6 @@ class RLConfig(Section):
     eps_high: float | None = Field(None, gt=0, description="Upper clip of the ratio: 1 + eps_high (None = eps).")
     beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference policy (0 = no reference held).")
     aggregation: Literal["token_mean", "seq_mean_token_mean"] = Field("token_mean", description="How per-token losses reduce to the step loss.")
-    logprob_chunk_tokens: int = Field(256, gt=0, description="Tokens per chunk of the chunked log-probs (never the full [tokens, vocab] logits).")
-    logprob_chunk_vocab: int = Field(4096, gt=0, description="Vocabulary columns per chunk of the chunked log-probs.")
     checkpoint_every: int = Field(10, ge=0, description="Steps (warm-up and GRPO alike) between checkpoints (0 = only at the end).")
 
     @field_validator("reward", "reward_weights", mode="before")

@@ -542,14 +542,20 @@ def _kernels_gdn_backend(cfg: Config) -> list[Problem]:
 # fp8: fake quantization of the routed experts and its hoist (LEVERS.md, "fp8").
 
 
-def _fsdp_size(cfg: Config) -> int | None:
-    """The fsdp axis size when the config fixes it (explicitly, or through simulated devices)."""
-    if cfg.mesh.fsdp != -1:
-        return cfg.mesh.fsdp
-    if cfg.mesh.cpu_devices:
-        sizes, problem = cfg.mesh.resolve(cfg.mesh.cpu_devices)
-        return None if problem else sizes["fsdp"]
-    return None
+def _expert_fsdp_shards(cfg: Config) -> tuple[int | None, str]:
+    """(shards of the routed expert weights' FSDP dimension, or None where a -1 axis it uses is not
+    known at load; the mesh axes as text). Read from the weight declaration and the rules table."""
+    from hybridmoe.model.fit import known_mesh_sizes
+    from hybridmoe.model.params import layer_axes
+    from hybridmoe.parallel.rules import FSDP_AXIS, RULES_TABLES, logical_to_spec, mesh_axes_of
+
+    wi_axes = layer_axes(cfg.model)[0]["moe"]["wi"]
+    entry = logical_to_spec(wi_axes, RULES_TABLES[cfg.mesh.rules])[wi_axes.index(FSDP_AXIS)]
+    axes, sizes = mesh_axes_of(entry), known_mesh_sizes(cfg.mesh)
+    text = " x ".join(f"mesh.{a}" for a in axes) or "no mesh axis"
+    if any(a not in sizes for a in axes):
+        return None, text
+    return math.prod(sizes[a] for a in axes), text
 
 
 @rule("quant.fp8_fake_quant_hoist")
@@ -563,10 +569,10 @@ def _quant_fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
     if mode == "gather8":
         if cfg.moe.impl != "sparse":
             unmet.append("gather8 needs moe.impl=sparse (the grouped-matmul path)")
-        fsdp = _fsdp_size(cfg)
-        if fsdp == 1:
-            unmet.append("gather8 needs FSDP-sharded expert weights (mesh.fsdp > 1): with mesh.fsdp=1 "
-                         "nothing is gathered")
+        shards, axes = _expert_fsdp_shards(cfg)
+        if shards == 1:
+            unmet.append(f"gather8 needs FSDP-sharded expert weights: their FSDP dimension is split over {axes}, "
+                         "1 shard, so nothing is gathered (give mesh.fsdp or mesh.context a size > 1)")
     return [("quant.fp8_fake_quant_hoist", "; ".join(unmet))] if unmet else []
 
 

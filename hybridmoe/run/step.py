@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from hybridmoe.config.schema import Config, TrainConfig
-from hybridmoe.model.forward import logits
+from hybridmoe.model.forward import next_token_logprobs
 from hybridmoe.run.data import batch_loss_mask, loss_mask
 
 
@@ -28,14 +28,11 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
 
 def nll_sum(params, cfg: Config, batch, *, with_moe_dropped: bool = False):
     """(summed NLL over valid targets, number of valid targets) of one micro-batch
-    (with_moe_dropped: and the MoE rows its expert buffers dropped, int32)."""
-    lg = logits(params, cfg, batch["tokens"], batch["segment_ids"], batch["positions"],
-                with_moe_dropped=with_moe_dropped)
-    if with_moe_dropped:
-        lg, dropped = lg
-    lg = lg[:, :-1]
-    lp = jax.nn.log_softmax(lg, axis=-1)
-    tgt = jnp.take_along_axis(lp, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
+    (with_moe_dropped: and the MoE rows its expert buffers dropped, int32). The log-probs come
+    from the chunked LM head: the [tokens, vocab] logits are never built."""
+    out = next_token_logprobs(params, cfg, batch["tokens"], batch["segment_ids"], batch["positions"],
+                              with_moe_dropped=with_moe_dropped)
+    tgt, dropped = out[0], (out[2] if with_moe_dropped else None)
     mask = batch_loss_mask(batch)
     out = (-jnp.sum(jnp.where(mask, tgt, 0.0)), jnp.sum(mask))
     return (*out, dropped) if with_moe_dropped else out
