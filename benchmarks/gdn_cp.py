@@ -54,10 +54,10 @@ def scans_vs_trees(tokens: int, heads: int, dim: int, rounds: int) -> list[dict]
     terms = jax.jit(chunk_terms)(x, starts_BNC)
     do = jnp.asarray(rng.normal(size=x.v.shape), jnp.float32)
     arms = {
-        "m tree": (cp.transition_product_tree, (terms,)),
-        "m scan": (cp.transition_product_scan, (terms,)),
-        "dh tree": (cp.local_state_cotangent_tree, (terms, do)),
-        "dh scan": (cp.local_state_cotangent_scan, (terms, do)),
+        "cp_m_tree": (cp.cp_m_tree_product, (terms,)),
+        "cp_m_scan": (cp.cp_m_scan_product, (terms,)),
+        "cp_dh_tree": (cp.cp_dh_tree_cotangent, (terms, do)),
+        "cp_dh_scan": (cp.cp_dh_scan_cotangent, (terms, do)),
     }
     compiled, results = {}, {}
     for name, (fn, args) in arms.items():
@@ -67,7 +67,7 @@ def scans_vs_trees(tokens: int, heads: int, dim: int, rounds: int) -> list[dict]
     ms = _mean_ms({n: (lambda j=j, a=a: j(*a)) for n, (_, j, a) in compiled.items()}, rounds)
     rows = []
     for name in arms:
-        tree = results[name.split()[0] + " tree"]
+        tree = results[name.replace("scan", "tree")]
         err = float(jnp.abs(results[name] - tree).max() / jnp.abs(tree).max())
         rows.append({"arm": name, "mean_ms": ms[name], "temp_bytes": compiled[name][0],
                      "rel_max_error_vs_tree": err})

@@ -1,4 +1,4 @@
-"""VMEM need of the fused up-projection forward kernel (gmm_swiglu) at weight depths 0 (Mosaic's
+"""VMEM need of the fused up-projection forward kernel (wi_fused_swiglu) at weight depths 0 (Mosaic's
 default), 1, 2 and 3, at two tiles.
 
 Compiles the Mosaic TPU kernel for a compile-only TPU topology from a CPU host (libtpu comes with
@@ -26,7 +26,7 @@ harness.configure()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from hybridmoe.kernels.gmm import gmm_swiglu  # noqa: E402
+from hybridmoe.kernels.gmm import wi_fused_swiglu  # noqa: E402
 from hybridmoe.kernels.gmm.tiling import Tiling  # noqa: E402
 
 MIB = 2**20
@@ -50,7 +50,7 @@ def _compile(tile, depth: int, topology: str, limit_mib: float):
     tiling = Tiling(tm=TM, tk=TK, tn=TN, vmem_limit_mib=limit_mib)
 
     def fwd(x, wi, gs):
-        return gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=TN,
+        return wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=TN,
                           backend="pallas_tpu", tiling=tiling, rhs_buffer_count=depth)
 
     try:
@@ -107,7 +107,7 @@ def main() -> None:
             r = {"tile": name, **measure(tile, depth, args.topology, args.limit_mib)}
             r["hand_estimate_mib"] = round(vmem_estimate(tile, depth or 2), 2)
             rows.append(r)
-    print(f"fused gmm_swiglu forward, bf16, one K tile, {args.topology}, limit {args.limit_mib} MiB")
+    print(f"fused wi_fused_swiglu forward, bf16, one K tile, {args.topology}, limit {args.limit_mib} MiB")
     print(f"{'tile':<9} {'tm':>4} {'tk':>5} {'tn/half':>7} {'depth':>5} {'need MiB':>9} {'fits':>5} "
           f"{'hand MiB':>9}  error")
     for r in rows:

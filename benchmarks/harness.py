@@ -40,12 +40,13 @@ def configure(cpu_devices: int | None = None, *, cpu_only: bool = False, cache_d
     source_commit()
 
 
-def parser(doc: str, script: str, *, raw: bool = False) -> argparse.ArgumentParser:
-    """The script's command line with `--out` (default benchmarks/records/<script's name>.json).
-    `raw`: the whole docstring as the help text, as written."""
+def parser(doc: str, script: str, *, raw: bool = False, record: str | None = None) -> argparse.ArgumentParser:
+    """The script's command line with `--out` (default benchmarks/records/<record or the script's
+    name>.json). `raw`: the whole docstring as the help text, as written."""
     p = argparse.ArgumentParser(description=doc if raw else doc.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter)
-    p.add_argument("--out", default=str(RECORDS / f"{Path(script).stem}.json"), help="write the JSON record here")
+    p.add_argument("--out", default=str(RECORDS / f"{record or Path(script).stem}.json"),
+                   help="write the JSON record here")
     return p
 
 
@@ -82,9 +83,10 @@ def layer_case(cfg, kind: str, part: str):
     return params, x, seg
 
 
-def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, dict[str, list[float]]]:
-    """Call every function once per round, the order rotated each round, blocking on the result:
-    {name: {"wall_s": [...], "cpu_s": [...]}} (cpu_s: this process's CPU time, all threads)."""
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int, reps: int = 1) -> dict[str, dict[str, list[float]]]:
+    """Call every function `reps` times per round, the order rotated each round, blocking on each
+    result: {name: {"wall_s": [...], "cpu_s": [...]}}, one mean per round (cpu_s: this process's CPU
+    time, all threads)."""
     import jax
 
     times = {name: {"wall_s": [], "cpu_s": []} for name in fns}
@@ -92,9 +94,10 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             t0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fns[name]())
-            times[name]["wall_s"].append(time.perf_counter() - t0)
-            times[name]["cpu_s"].append(time.process_time() - c0)
+            for _ in range(reps):
+                jax.block_until_ready(fns[name]())
+            times[name]["wall_s"].append((time.perf_counter() - t0) / reps)
+            times[name]["cpu_s"].append((time.process_time() - c0) / reps)
     return times
 
 

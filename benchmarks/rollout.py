@@ -30,11 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
+sys.path.insert(0, str(ROOT))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402 (stdlib only until configure: the reference worker runs without JAX)
 
 BATCH, PROMPT_LEN, NEW_TOKENS = 8, 64, 64
-RECORD = ROOT / "benchmarks" / "records" / "rollout_small.json"
 
 
 def hf_worker(threads: int) -> None:
@@ -69,7 +68,7 @@ def routing_bytes(cfg, rows: int, tokens: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True, record="rollout_small")
     ap.add_argument("--hf-python", help="a Python with torch and transformers (the reference arm)")
     ap.add_argument("--calls", type=int, default=5, help="timed calls per arm after the warm-up call")
     ap.add_argument("--threads", type=int, default=2, help="PyTorch threads of the reference")
@@ -78,8 +77,8 @@ def main() -> None:
     if args.hf_worker:
         return hf_worker(args.threads)
 
+    harness.configure(cpu_devices=1)
     import jax
-    jax.config.update("jax_num_cpu_devices", 1)
     import numpy as np
 
     from hybridmoe.recipe import load_config
@@ -133,7 +132,7 @@ def main() -> None:
                             "first_call_seconds": hf_s[0], **hf_info}
     big = load_config("qwen3.5-35b-a3b")
     record = {
-        "benchmark": "rollout_small", "script": "benchmarks/rollout.py", **machine_record(),
+        "script": "benchmarks/rollout.py",
         "shape": {"rows": BATCH, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "dtype": "float32",
                   "sampling": "temperature 1, no top-p / top-k, no EOS"},
         "config": json.loads(cfg.model_dump_json()),
@@ -151,7 +150,7 @@ def main() -> None:
         print(f"{name:10s} {arm['tokens_per_s']:10.1f} {np.mean(arm['call_seconds'][1:]):8.3f}")
     if hf_s:
         print("tokens/s over hf-torch: " + ", ".join(f"{n} {r:.2f}" for n, r in record["ratio_over_hf"].items()))
-    write_record(RECORD, record)
+    harness.write(args.out, "rollout_small", **record)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ benchmarks/records/step_anatomy.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,21 +30,18 @@ import sys
 import time
 from pathlib import Path
 
-import jax
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 1)
-jax.config.update("jax_platforms", "cpu")
-
+harness.configure(cpu_devices=1, cpu_only=True)  # also reads the commit: the record names the code the run started from
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from hybridmoe.tools.flops import component_flops, step_flops  # noqa: E402
 from hybridmoe.tools.bench import measure_peak_flops  # noqa: E402
 from hybridmoe.tools.pinned import parse_cores, pin, spread, thread_census  # noqa: E402
-from hybridmoe.tools.record import machine_record, source_commit, write_record  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
 from hybridmoe.kernels import attention as attn_kernels  # noqa: E402
@@ -107,7 +103,8 @@ def jax_components(cfg_overrides: list[str]) -> tuple[dict, dict]:
     fns = {
         "gdn": (_grad_fn(lambda p, x: gdn_layer(p, x, seg, m, chunk_size=cfg.gdn.chunk_size,
                                                 backend=cfg.kernels.gdn.backend), gdn_p, x), (gdn_p, x)),
-        "attention": (_grad_fn(lambda p, x: attention_layer(p, x, pos, seg, m), attn_p, x), (attn_p, x)),
+        "attention": (_grad_fn(lambda p, x: attention_layer(p, x, pos, seg, m, kernels=cfg.kernels), attn_p, x),
+                      (attn_p, x)),
         "moe": (_grad_fn(lambda p, x: moe_layer(p, x, m, cfg.moe, cfg.kernels), moe_p, x), (moe_p, x)),
         "rmsnorm": (_grad_fn(lambda w, x: rms_norm(x, w, m.rms_norm_eps), norm_w, x), (norm_w, x)),
         "embed_head_loss": (jax.jit(jax.grad(head_loss, (0, 1, 2))), (params["embed"], params["lm_head"], x)),
@@ -117,14 +114,14 @@ def jax_components(cfg_overrides: list[str]) -> tuple[dict, dict]:
     fns["optimizer"] = (opt, (grads, state["opt_state"], params))
 
     # The controls: the full masked attention core; ragged_dot in the MoE; remat full in the step.
-    core = attn_model.self_attention_core
+    core = attn_model.attention_core
 
     def attention_full_core(p, x):
-        attn_model.self_attention_core = lambda: attn_kernels.attention
+        attn_model.attention_core = lambda *_, **__: attn_kernels.attention
         try:
-            return attention_layer(p, x, pos, seg, m)
+            return attention_layer(p, x, pos, seg, m, kernels=cfg.kernels)
         finally:
-            attn_model.self_attention_core = core
+            attn_model.attention_core = core
 
     fns["attention[full core]"] = (_grad_fn(attention_full_core, attn_p, x), (attn_p, x))
     ragged = load_config(RECIPE, OVERRIDES + cfg_overrides + ["kernels.gmm.xla_impl=ragged_dot"])
@@ -183,18 +180,16 @@ class HFWorker:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--hf-python", help="a Python with torch and transformers for the reference side")
     ap.add_argument("--cores", default="0", help="cores both sides are pinned to, e.g. 0 or 0,1 (default 0)")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "step_anatomy.json"))
     ap.add_argument("--markdown", metavar="RECORD", help="print the README's table of a record and exit")
     args = ap.parse_args()
     if args.markdown:
         print(format_markdown(json.loads(Path(args.markdown).read_text())))
         return
 
-    source_commit()  # read now: the record names the code the run started from
     cores = parse_cores(args.cores)
     pin(cores)  # before JAX starts its CPU client; the reference worker inherits it
     load_before = os.getloadavg()
@@ -252,7 +247,7 @@ def main() -> None:
                       "useful_gflops": fl / sec / 1e9 if fl else None, "mfu": fl / sec / peak if fl else None}
         return out
 
-    rec = {"benchmark": "step_anatomy", **machine_record(), "recipe": RECIPE, "overrides": OVERRIDES,
+    rec = {"recipe": RECIPE, "overrides": OVERRIDES,
            "rounds": args.rounds, "load_average_before": load_before, "load_average_after": load_after,
            "load_average_per_round": loads,
            "method": {"cores": cores, "threads_per_side": len(cores),
@@ -267,7 +262,7 @@ def main() -> None:
         rec["step_time_ratio"] = rec["ours"]["step"]["median_s"] / rec["reference"]["step"]["median_s"]
         rec["step_cpu_time_ratio"] = rec["ours"]["step"]["median_cpu_s"] / rec["reference"]["step"]["median_cpu_s"]
         rec["step_time_ratio_per_round"] = spread([a / b for (a, _), (b, _) in zip(ours["step"][1:], ref["step"][1:])])
-    write_record(Path(args.out), rec)
+    rec = harness.write(args.out, "step_anatomy", **rec)
     print(format_table(rec))
 
 

@@ -76,13 +76,18 @@ def _check_run_paths(args) -> None:
                 init_hf=path("init_hf"))
 
 
-def cmd_train(args, words):
+def _run_loop(args, words, loop):
+    """A train or rl run: its paths checked before anything is built, then the loop; its history."""
     _check_run_paths(args)
     cfg = _config(words, args.init_hf)
+    path = lambda value: Path(value) if value else None  # noqa: E731
+    return loop(cfg, path(args.out), resume=args.resume, overwrite=args.overwrite, init_hf=path(args.init_hf),
+                export_hf=path(args.export_hf))
+
+
+def cmd_train(args, words):
     from hybridmoe.train.loop import train
-    hist = train(cfg, Path(args.out) if args.out else None, resume=args.resume, overwrite=args.overwrite,
-                 init_hf=Path(args.init_hf) if args.init_hf else None,
-                 export_hf=Path(args.export_hf) if args.export_hf else None)
+    hist = _run_loop(args, words, train)
     if hist:
         print(f"steps {hist[0]['step']}..{hist[-1]['step']}: loss {hist[0]['loss']:.4f} -> {hist[-1]['loss']:.4f}")
     return 0
@@ -119,13 +124,8 @@ def _rl_summary(history: list[dict]) -> str:
 
 
 def cmd_rl(args, words):
-    _check_run_paths(args)
-    cfg = _config(words, args.init_hf)
     from hybridmoe.rl.loop import run_rl
-    hist = run_rl(cfg, Path(args.out) if args.out else None, resume=args.resume, overwrite=args.overwrite,
-                  init_hf=Path(args.init_hf) if args.init_hf else None,
-                  export_hf=Path(args.export_hf) if args.export_hf else None)
-    print(_rl_summary(hist))
+    print(_rl_summary(_run_loop(args, words, run_rl)))
     return 0
 
 
@@ -197,6 +197,11 @@ def cmd_generate(args, words):
         from hybridmoe.data.prompts import read_prompt_set
         prompts = [e.prompt for e in read_prompt_set(args.prompts, policy.tokenizer, what="--prompts")]
     else:
+        if args.chat and not getattr(policy.tokenizer, "chat_template", None):
+            where = args.hf or policy.cfg.data.tokenizer or "the built-in character tokenizer"
+            raise ValueError(f"--chat wraps each --prompt as a user message in the chat template, and {where} has "
+                             "none (no chat_template.jinja, no chat_template in tokenizer_config.json): drop --chat "
+                             "to give the prompts as they are, or add the model's chat_template.jinja to the folder")
         prompts = [policy.tokenizer.render_chat([{"role": "user", "content": p}]) if args.chat else p
                    for p in args.prompt]
     from hybridmoe.rl.policy_io import generate_texts
@@ -204,7 +209,8 @@ def cmd_generate(args, words):
     for r in records:
         print(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}, ensure_ascii=False))
     print(f"{timing['new_tokens']} new tokens in {timing['batches']} batch(es) of {timing['rows_per_batch']} rows: "
-          f"{timing['tokens_per_s']:.1f} tokens/s ({timing['tokens_per_s_note']})", file=sys.stderr)
+          f"{timing['tokens_per_s']:.1f} tokens/s, compile not included (compiled in {timing['compile_s']:.1f} s)",
+          file=sys.stderr)
     if args.out:
         tmp = Path(args.out).with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -225,7 +231,15 @@ def cmd_eval(args, words):
                       generate_kwargs=_sampling(args, policy))
     for name, t in result["tasks"].items():
         print(f"{name}: {t['prompts']} prompts x {args.samples}: mean reward {t['mean_reward']:.3f}, "
-              + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if k.startswith("pass@")))
+              + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if k.startswith("pass@"))
+              + f", reward errors {t['reward_errors']} of {t['samples']}")
+    total = sum(t["samples"] for t in result["tasks"].values())
+    if result["reward_errors"] == total and not args.accept_reward_errors:
+        print(f"hybridmoe eval: error: the reward raised or was not finite on every one of the {total} samples "
+              f"({result['reward_error_kinds']}): the mean reward above is no score. Fix the reward function (the "
+              "warning above names its first failure), or pass --accept-reward-errors to accept such a result",
+              file=sys.stderr)
+        return 1
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {"benchmark": "eval", "source": {"hf": args.hf, "run": args.run},
@@ -264,14 +278,14 @@ def cmd_inspect(args, words):
     target = tp.tpu_target(args.target) if kind == "tpu" else tp.host_target()
     facts = {}
     for name, (recipe, overrides, cfg) in configs.items():
-        print(f"{name}: recipe={recipe} {' '.join(overrides)}  (compiling for {target.name}, "
-              f"{target.num_devices} devices)", flush=True)
-        facts[name] = tp.step_facts(tp.compile_step(cfg, target))
+        print(f"{name}: recipe={recipe} {' '.join(overrides)}  (compiling the {args.program} program for "
+              f"{target.name}, {target.num_devices} devices)", flush=True)
+        facts[name] = tp.step_facts(tp.compile_step(cfg, target, program_name=args.program))
     print(tp.format_facts(facts))
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {
-            "benchmark": "inspect", **machine_record(), "target": target.name,
+            "benchmark": "inspect", **machine_record(), "target": target.name, "program": args.program,
             "programs": {name: {"recipe": configs[name][0], "overrides": configs[name][1], **facts[name],
                                 "config": json.loads(configs[name][2].model_dump_json())}
                          for name in facts}})
@@ -318,8 +332,8 @@ COMMANDS = {
     "rl": (cmd_rl, "GRPO post-training: supervised warm-up on the task, then rollouts, rewards and policy updates"),
     "generate": (cmd_generate, "sample completions of prompts from a checkpoint (--hf DIR or --run DIR), with tokens/s"),
     "eval": (cmd_eval, "mean reward and pass@k per task of a prompt set under rl.reward functions; a JSON record"),
-    "inspect": (cmd_inspect, "compile the training step without running it (this host or a TPU topology): "
-                "per-device memory, collectives, FLOPs, saved residuals"),
+    "inspect": (cmd_inspect, "compile the training step, a GRPO update or the sampler without running it (this "
+                "host or a TPU topology): per-device memory, what fills it at the peak, collectives, FLOPs, saved residuals"),
     "gates": (cmd_gates, "the six numerics gates: a candidate's GRPO steps against the reference run twice"),
     "demo": (cmd_demo, "the embedded default: GRPO on one-digit addition with the tiny model, into runs/demo"),
     "launch": (cmd_launch, "N processes of one distributed run on this machine (as one per host on a cluster)"),
@@ -365,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                            "v5p:4x4x4 (compile-only devices; needs libtpu)")
             p.add_argument("--compare", nargs="*", metavar="OVERRIDE",
                            help="a second program: the same words plus these overrides, shown side by side")
+            p.add_argument("--program", choices=("train", "grpo", "sample"), default="train",
+                           help="train: the supervised step; grpo: one GRPO update (rl.* rows and micro-batches, "
+                           "pi_old, the reference policy); sample: the rollout sampler (prefill + decode loop)")
             p.add_argument("--out", help="write the JSON record here")
         if name == "gates":
             p.add_argument("--candidate", nargs="*", metavar="OVERRIDE",
@@ -388,10 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         if name == "generate":
             p.add_argument("--prompt", action="append", help="a prompt on the command line (repeatable)")
             p.add_argument("--chat", action="store_true", help="wrap each --prompt as a user message in the chat template")
-            p.add_argument("--out", help="write one JSON line per prompt: prompt, completion, tokens, truncated")
+            p.add_argument("--out", help="write one JSON line per prompt: prompt, completion, tokens, truncated, "
+                           "prompt_ids, completion_ids")
         if name == "eval":
             p.add_argument("--samples", type=int, default=4, help="completions per prompt (pass@1 and pass@samples)")
             p.add_argument("--pass-threshold", type=float, default=1.0, help="a sample passes at this reward or more")
+            p.add_argument("--accept-reward-errors", action="store_true",
+                           help="exit 0 (and write --out) even when the reward raised on every sample")
             p.add_argument("--out", help="write the JSON record here")
     args, words = parser.parse_known_args(argv)
     bad = [w for w in words if "=" not in w]

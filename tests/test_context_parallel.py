@@ -88,8 +88,9 @@ def test_cp_layer_under_cp_as_ep_rules(layer_inputs, unsharded):
 def test_cp_program_gathers_keys_and_values_only():
     """Sequence-sharded for real: the forward all-gathers keys, values, key positions and key
     segment ids over the context axis (the queries never), and the score block each rank
-    computes is [t local queries, T keys]."""
-    cfg = tiny_config(*cp_overrides(4))
+    computes is [t local queries, T keys] (flash attention's blocks set to t and T here: the
+    block pair's scores, [G, R * t, T], R query heads per kv head folded into rows)."""
+    cfg = tiny_config(*cp_overrides(4), "kernels.attention.block_q=16", "kernels.attention.block_k=64")
     p, x = _attention_params(cfg), jnp.ones((B, T, cfg.model.d_model))
     batch = packed_batch(0, B, T, cfg.model.vocab_size)
     fwd = jax.jit(lambda p, x, pos, seg: attention_layer(p, x, pos, seg, cfg.model, cfg.attention))
@@ -99,7 +100,7 @@ def test_cp_program_gathers_keys_and_values_only():
     b = B // (8 // 4)  # the batch is split over the other 2 devices (fsdp)
     assert sorted(c.shape for c in gathers) == sorted([(b, T, G, A)] * 2 + [(b, T)] * 2)
     N, t = cfg.model.num_heads, T // 4
-    assert f"tensor<{b}x{G}x{N // G}x{t}x{T}xf32>" in prog.lowered_text
+    assert f"tensor<{G}x{N // G * t}x{T}xf32>" in prog.lowered_text
 
 
 @pytest.mark.slow

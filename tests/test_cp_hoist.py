@@ -120,7 +120,7 @@ def policy_saves_the_ids(cfg):
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
-def test_hoist_exact_and_program(arms, packed):
+def test_cp_load_balance_hoist_ids_exact_and_program(arms, packed):
     check_hoist(arms[(packed, True)], arms[(packed, False)], packed)
 
 
@@ -131,7 +131,7 @@ def test_compiled_collectives_unchanged(arms):
     assert Counter((c.kind, c.dtype, c.in_loop) for c in on) == Counter((c.kind, c.dtype, c.in_loop) for c in off)
 
 
-def test_off_never_names_the_ids(arms):
+def test_cp_load_balance_hoist_ids_off_never_names_the_ids(arms):
     assert attn.LB_IDS_NAME not in arms[(True, False)].lowered_text
     cfg = tiny_config(*MODEL, *CP)
     assert attn.LB_IDS_NAME not in remat.save_names(cfg)

@@ -47,6 +47,13 @@ def _consumed(src, cursor, steps):
                for m in range(rows["tokens"].shape[0]) for r in range(rows["tokens"].shape[1])
                for s in range(1, rows["segment_ids"][m, r].max() + 1)]
         assert sorted(map(tuple, got)) == sorted(tuple(d.tolist()) for d in want)
+        # Each document's loss mask travels with it (data.loss_on=assistant: the chat documents' prompts are 0).
+        got_masks = [(tuple(rows["tokens"][m, r][rows["segment_ids"][m, r] == s]),
+                      tuple(rows["loss_mask"][m, r][rows["segment_ids"][m, r] == s]))
+                     for m in range(rows["tokens"].shape[0]) for r in range(rows["tokens"].shape[1])
+                     for s in range(1, rows["segment_ids"][m, r].max() + 1)]
+        want_masks = [(tuple(src.document(k)), tuple(src.document_mask(k))) for k in range(cursor, nxt)]
+        assert sorted(got_masks) == sorted(want_masks)
         out.append((rows, cursor, nxt))
         cursor = nxt
     return out
@@ -54,6 +61,7 @@ def _consumed(src, cursor, steps):
 
 def test_packing_consumes_each_document_once_per_epoch_and_resumes_exactly(tok):
     src = TextSource(cfg_for(SFT, "train.micro_batches=2"), tok)
+    assert any(0 < m.sum() < len(m) for m in src.masks)  # conversations train only their assistant turns
     run = _consumed(src, 0, 6)
     assert run[-1][2] > len(src.docs)  # crossed into the second epoch
     first_epoch = [src.document(k).tolist() for k in range(len(src.docs))]
@@ -145,6 +153,59 @@ def test_train_on_jsonl_from_a_checkpoint_resumes_at_the_exact_document(tmp_path
     assert sorted(a) == [0, 1, 2, 3] and a == b
 
 
+RESUME_OVER = ("train.data=files", "train.batch_size=8", "train.seq_len=16", "train.checkpoint_every=2",
+               "train.warmup_steps=0")
+
+
+@pytest.fixture(scope="module")
+def file_runs(tmp_path_factory):
+    """A JSONL of 60 documents of 3..14 characters (the character tokenizer: 5..16 tokens), so a step
+    packs a dozen or so and ends where the next document fits no row; three steps straight, and two
+    steps then `--resume` to three (the smallest run that resumes from a cursor), in one process."""
+    from hybridmoe.train.loop import train
+    root = tmp_path_factory.mktemp("file_runs")
+    rng = np.random.default_rng(5)
+    docs = ["".join(map(str, rng.integers(0, 10, size=n))) for n in rng.integers(3, 15, size=60)]
+    data = root / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    cfg = lambda steps: load_config("tiny", [*RESUME_OVER, f"data.path={data}", f"train.steps={steps}"])  # noqa: E731
+    straight = train(cfg(3), root / "straight", progress=False)
+    train(cfg(2), root / "killed", progress=False)
+    return cfg, root, straight
+
+
+def _resumed(file_runs, tmp_path):
+    from hybridmoe.train.loop import train
+    import shutil
+    cfg, root, _ = file_runs
+    shutil.copytree(root / "killed", tmp_path / "run")
+    return train(cfg(3), tmp_path / "run", resume=True, progress=False)
+
+
+def test_resume_continues_at_the_exact_next_document(file_runs, tmp_path):
+    """`--resume` after the step-2 checkpoint of a run on a JSONL file: step 2 packs the documents the
+    uninterrupted run's step 2 packed (its loss bit for bit), starting at the document that did
+    not fit step 1."""
+    from hybridmoe.run.checkpoint import Checkpoints
+    cfg, root, straight = file_runs
+    meta = Checkpoints(root / "killed" / "checkpoints").restore_meta(2)
+    src = TextSource(cfg(3), load_tokenizer())
+    assert meta["data_position"] == [src.batch(src.batch(0)[1])[1]] and 0 < meta["data_position"][0] < 60
+    resumed = _resumed(file_runs, tmp_path)
+    assert [h["step"] for h in resumed] == [2] and resumed[0]["loss"] == straight[2]["loss"], (resumed, straight)
+
+
+@pytest.mark.parametrize("variant", ["one_document_late", "from_the_first_document"])
+def test_a_resume_at_another_document_is_caught(variant, file_runs, tmp_path, monkeypatch):
+    """Broken variants of the cursor a resume starts from: each changes step 2's loss."""
+    import hybridmoe.train.loop as train_loop
+    real = train_loop.start_position
+    shift = {"one_document_late": 1, "from_the_first_document": None}[variant]
+    monkeypatch.setattr(train_loop, "start_position", lambda meta: 0 if shift is None else real(meta) + shift)
+    _, _, straight = file_runs
+    assert _resumed(file_runs, tmp_path)[0]["loss"] != straight[2]["loss"], variant
+
+
 def test_cursor_round_trips_through_checkpoint_metadata():
     from hybridmoe.data.sources import position_record, start_position
     assert start_position({"data_position": position_record(17)}) == 17
@@ -158,12 +219,27 @@ def test_fine_tune_a_checkpoint_on_jsonl_and_export_it(tmp_path):
     from hybridmoe import hf
     out = tmp_path / "hf_out"
     assert main(["train", "train.data=files", f"data.path={SFT}", "train.steps=2", "train.warmup_steps=0",
-                 "train.seq_len=32", "--init-hf", str(HF_TINY), "--export-hf", str(out)]) == 0
+                 "train.seq_len=32", "--init-hf", str(HF_TINY), "--export-hf", str(out),
+                 "--out", str(tmp_path / "run")]) == 0
+    # The metrics count the loss tokens per step: fewer than the targets (the chats' prompts are not trained).
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["loss_tokens"] < r["tokens"] for r in records), records
     assert (out / "tokenizer.json").read_bytes() == (HF_TINY / "tokenizer.json").read_bytes()
     _, trained = hf.load_hf_checkpoint(str(out))
     _, initial = hf.load_hf_checkpoint(str(HF_TINY))
     assert trained["embed"].shape == initial["embed"].shape
     assert not np.array_equal(trained["embed"], initial["embed"])  # two optimizer steps moved the weights
+
+
+def test_a_line_that_is_not_json_names_where_in_the_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "x"\n{"prompt": x}\n')
+    with pytest.raises(DataError) as e:
+        read_records(f, "data.prompts", prompt_or_messages, "stop")
+    assert "p.jsonl:1: not valid JSON (Expecting ',' delimiter at the end of the line)" in str(e.value)
+    f.write_text('{"prompt": x}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:1: not valid JSON \(Expecting value at column 12\)"):
+        read_records(f, "data.prompts", prompt_or_messages, "stop")
 
 
 @pytest.mark.parametrize("lines, needle", [

@@ -256,10 +256,6 @@ def test_block_that_does_not_divide_the_sequence_is_refused(block_q, block_k, na
         assert name in str(e.value), str(e.value)
 
 
-def test_platform_default():
-    assert [ops.platform_default(p) for p in ("cpu", "tpu", "gpu")] == ["xla", "pallas_tpu", "pallas_gpu"]
-
-
 def _largest_buffers(jaxpr, found):
     for eqn in jaxpr.eqns:
         for var in eqn.outvars:

@@ -56,7 +56,7 @@ def test_accepted_where_it_can_work():
 def test_hoist_names_every_unmet_requirement():
     msg = _problems("quant.fp8_fake_quant_hoist=gather8", "moe.impl=dense", "mesh.fsdp=1",
                     "mesh.data=8")["quant.fp8_fake_quant_hoist"]
-    for need in ("fp8_moe_fake_quant=true", "moe.impl=sparse", "mesh.fsdp > 1"):
+    for need in ("fp8_moe_fake_quant=true", "moe.impl=sparse", "split over mesh.fsdp x mesh.context, 1 shard"):
         assert need in msg, (need, msg)
     assert "fp8_moe_fake_quant" in _problems("quant.fp8_fake_quant_hoist=absmax")["quant.fp8_fake_quant_hoist"]
 
@@ -332,7 +332,7 @@ def test_broken_variant_is_caught(broken):
 
 def test_sampler_uses_the_fake_quantized_experts():
     from hybridmoe.model.forward import decoder_hidden
-    from hybridmoe.rl.logprobs import chunked_token_logprobs
+    from hybridmoe.kernels.logprobs import chunked_token_logprobs
     from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
 
     cfg = tiny_config("model.num_layers=2", "model.layer_pattern=[attention]", *FQ)

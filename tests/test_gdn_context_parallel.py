@@ -102,9 +102,9 @@ SLOW_LAYER_CASES = ("2 ranks", "8 ranks")  # 4 and 8 cross more shard edges; 2 a
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_LAYER_CASES else c
                                   for c in LAYER_CASES])
 def test_sequence_sharded_layer_equals_one_device(case, layer_case, single_device):
-    ranks, chunk, m_scan, dh_scan, prefix = LAYER_CASES[case]
+    ranks, chunk, cp_m_scan, cp_dh_scan, prefix = LAYER_CASES[case]
     cfg, params, x, seg = layer_case
-    loss = _layer_loss(cfg, chunk, m_scan, dh_scan, prefix)
+    loss = _layer_loss(cfg, chunk, cp_m_scan, cp_dh_scan, prefix)
     value, grads = _on_context_mesh(ranks, jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, seg)
     value_1, grads_1 = single_device[chunk]
     errors = {"loss": _rel_max(value, value_1)}
@@ -148,13 +148,13 @@ def scan_terms():
 def _forward_scan_wrong_order(t):
     """Broken: the chunk transitions composed earliest-on-the-left (M_0 M_1 ... instead of ... M_1 M_0)."""
     flipped = t._replace(w=t.w[:, ::-1], k_to_end=t.k_to_end[:, ::-1], decay=t.decay[:, ::-1])
-    return cp.transition_product_scan(flipped)
+    return cp.cp_m_scan_product(flipped)
 
 
 def _backward_scan_wrong_order(t, do):
     """Broken: the reverse recurrence run front to back."""
     flip = lambda a: a[:, ::-1]  # noqa: E731
-    return cp.local_state_cotangent_scan(jax.tree.map(flip, t), flip(do))
+    return cp.cp_dh_scan_cotangent(jax.tree.map(flip, t), flip(do))
 
 
 def _ignoring_starts(t):
@@ -164,17 +164,17 @@ def _ignoring_starts(t):
 
 BROKEN_SCANS = {
     "m: chunks in the wrong order": ("m", lambda t, do: _forward_scan_wrong_order(t)),
-    "m: a document start not cutting the chain": ("m", lambda t, do: cp.transition_product_scan(_ignoring_starts(t))),
+    "m: a document start not cutting the chain": ("m", lambda t, do: cp.cp_m_scan_product(_ignoring_starts(t))),
     "dh: chunks in the wrong order": ("dh", _backward_scan_wrong_order),
-    "dh: a document start not cutting the chain": ("dh", lambda t, do: cp.local_state_cotangent_scan(
+    "dh: a document start not cutting the chain": ("dh", lambda t, do: cp.cp_dh_scan_cotangent(
         _ignoring_starts(t), do)),
 }
 
 
 def _tree_and_scan(terms, do, which):
     if which == "m":
-        return jit(cp.transition_product_tree)(terms), jit(cp.transition_product_scan)(terms)
-    return jit(cp.local_state_cotangent_tree)(terms, do), jit(cp.local_state_cotangent_scan)(terms, do)
+        return jit(cp.cp_m_tree_product)(terms), jit(cp.cp_m_scan_product)(terms)
+    return jit(cp.cp_dh_tree_cotangent)(terms, do), jit(cp.cp_dh_scan_cotangent)(terms, do)
 
 
 @pytest.fixture(scope="module")
@@ -184,14 +184,14 @@ def trees_and_scans(scan_terms):
 
 
 @pytest.mark.parametrize("which", ["m", "dh"])
-def test_scan_equals_highest_tree(which, trees_and_scans):
+def test_cp_m_scan_and_cp_dh_scan_equal_the_highest_tree(which, trees_and_scans):
     tree, scan = trees_and_scans[which]
     assert np.abs(np.asarray(tree)).max() > 1e-2  # long-memory gates: the product is not ~0
     assert _rel_max(scan, tree) < 1e-5, _rel_max(scan, tree)
 
 
 @pytest.mark.parametrize("variant", list(BROKEN_SCANS))
-def test_broken_scan_is_caught(variant, scan_terms, trees_and_scans):
+def test_cp_m_scan_and_cp_dh_scan_broken_variants_are_caught(variant, scan_terms, trees_and_scans):
     terms, do = scan_terms
     which, broken_fn = BROKEN_SCANS[variant]
     tree, scan = trees_and_scans[which]
@@ -200,7 +200,7 @@ def test_broken_scan_is_caught(variant, scan_terms, trees_and_scans):
     assert broken > 10 * max(clean, 1e-5), f"clean {clean:.2e}, broken {broken:.2e}"
 
 
-def test_scan_drops_the_transition_stack_from_compiled_temporaries():
+def test_cp_m_scan_drops_the_transition_stack_from_compiled_temporaries():
     """Program fact: the tree materialises [N, B, H, K, K] float32; the scan keeps one [B, H, K, K].
 
     Compiled only (abstract inputs), at dk 128 where the stack outweighs the chunk inputs.
@@ -210,8 +210,8 @@ def test_scan_drops_the_transition_stack_from_compiled_temporaries():
         (batch, chunks, heads, chunk, key_dim)] * 2 + [(batch, chunks, heads)]
     terms = cp.ChunkTerms(*(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
     stack_bytes = chunks * batch * heads * key_dim * key_dim * 4
-    tree_temp = program.analyze(jax.jit(cp.transition_product_tree), terms).temp_bytes
-    scan_temp = program.analyze(jax.jit(cp.transition_product_scan), terms).temp_bytes
+    tree_temp = program.analyze(jax.jit(cp.cp_m_tree_product), terms).temp_bytes
+    scan_temp = program.analyze(jax.jit(cp.cp_m_scan_product), terms).temp_bytes
     assert tree_temp >= stack_bytes, (tree_temp, stack_bytes)
     assert scan_temp < stack_bytes // 4, (scan_temp, stack_bytes)
 
@@ -225,7 +225,7 @@ def _cp_layer_jaxpr(cfg, params, x, seg, **keys):
     return _on_context_mesh(4, lambda: str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x)))
 
 
-def test_keys_off_trace_the_program_without_them(layer_case):
+def test_cp_m_scan_and_cp_dh_scan_off_trace_the_program_without_them(layer_case):
     cfg, params, x, seg = layer_case
     without = _on_context_mesh(4, lambda: str(jax.make_jaxpr(jax.grad(
         lambda p, x: jnp.sum(gdn_layer(p, x, seg, cfg.model, chunk_size=16)), argnums=(0, 1)))(params, x)))

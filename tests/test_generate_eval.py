@@ -71,3 +71,44 @@ def test_help_names_recipes_hf_dirs_and_overrides(capsys):
             main([*words, "--help"])
         text = capsys.readouterr().out
         assert "recipe=hf:DIR" in text and "section.key=value" in text and "recipe=NAME" in text, words
+
+
+def test_eval_whose_reward_raises_on_every_sample_exits_non_zero_unless_accepted(tmp_path, capsys):
+    rewards = tmp_path / "broken_rewards.py"
+    rewards.write_text("def broken(prompt, completion, example):\n    raise KeyError('answer')\n")
+    out = tmp_path / "eval.json"
+    words = ["eval", "--hf", str(HF_TINY), "--prompts", str(DATA / "prompts.jsonl"), "--samples", "2",
+             "--max-new-tokens", "6", "--batch-size", "16", f"rl.reward=[{rewards}:broken]", "--out", str(out)]
+    assert main(words) == 1
+    captured = capsys.readouterr()
+    assert "reward errors 24 of 24" in captured.out and "reward errors 8 of 8" in captured.out
+    assert "every one of the" in captured.err and "--accept-reward-errors" in captured.err
+    assert "raised:KeyError" in captured.err and not out.exists()  # no record that looks like a score
+    assert main([*words, "--accept-reward-errors"]) == 0
+    rec = json.loads(out.read_text())
+    total = sum(t["samples"] for t in rec["tasks"].values())
+    assert rec["reward_errors"] == total == sum(t["reward_errors"] for t in rec["tasks"].values())
+
+
+def test_generate_out_holds_the_token_ids_and_tokens_per_s_leaves_the_compile_out(tmp_path, capsys):
+    from hybridmoe.data.tokenizer import load_tokenizer
+    out = tmp_path / "gen.jsonl"
+    assert main(["generate", "--hf", str(HF_TINY), "--prompt", "What is 2 plus 3?", "--prompt", "1+1=",
+                 "--max-new-tokens", "6", "--batch-size", "16", "--temperature", "0", "--out", str(out)]) == 0
+    tok = load_tokenizer(HF_TINY)
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    for rec in recs:
+        assert rec["prompt_ids"] == tok.encode(rec["prompt"])
+        assert len(rec["completion_ids"]) == rec["tokens"] and tok.decode(rec["completion_ids"]) == rec["completion"]
+    err = capsys.readouterr().err
+    assert "tokens/s, compile not included (compiled in" in err
+
+
+def test_chat_without_a_chat_template_says_to_drop_chat(tmp_path, capsys):
+    import shutil
+    d = tmp_path / "no_template"
+    shutil.copytree(HF_TINY, d)
+    (d / "chat_template.jinja").unlink()
+    assert main(["generate", "--hf", str(d), "--prompt", "hi", "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert "drop --chat" in err and str(d) in err and "messages" not in err and "Traceback" not in err

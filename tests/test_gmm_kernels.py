@@ -160,9 +160,9 @@ def _pair_data(dtype, seed=0, e=E):
 
 
 def fused_loss(x, wi, wo, s, gs, cot, *, tile=T, offset=0, epilogue="float32", **kw):
-    h, pre = K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=tile,
+    h, pre = K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=tile,
                           group_offset=offset, epilogue=epilogue, **kw)
-    y = K.gmm_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=tile, row_scale=s,
+    y = K.wo_fused_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=tile, row_scale=s,
                       group_offset=offset, epilogue=epilogue, **kw)
     return jnp.sum(y.astype(jnp.float32) * cot), y
 
@@ -232,14 +232,14 @@ def test_preact_layout_round_trip():
 def test_kernel_stores_per_tile_layout(backend):
     x, wi, _, _, _ = _pair_data(jnp.float32)
     gs = jnp.asarray([6, 6, 6, 6], jnp.int32)
-    h, pre = K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=T, **_kw(backend))
+    h, pre = K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=T, **_kw(backend))
     gate_up = R.gmm(x, wi, gs)
     _close(pre, K.contiguous_to_preact(gate_up, T), jnp.float32, "preact layout")
     _close(h, R.swiglu(gate_up), jnp.float32, "h")
 
 
 def test_activation_vjp_never_built():
-    """Behind gmm_dswiglu, h's cotangent is a symbolic zero: one logistic in the forward, one
+    """Behind wo_fused_dswiglu, h's cotangent is a symbolic zero: one logistic in the forward, one
     in the fused DLHS epilogue, none for the activation's own VJP."""
     x, wi, wo, s, cot = _pair_data(jnp.float32)
     gs = jnp.asarray([6, 6, 6, 6], jnp.int32)
@@ -247,10 +247,10 @@ def test_activation_vjp_never_built():
         x, wi, wo, s)
     assert str(jaxpr).count("logistic") == 2
 
-    # Control: when h is also consumed directly, gmm_swiglu's backward does build the VJP.
+    # Control: when h is also consumed directly, wi_fused_swiglu's backward does build the VJP.
     def leaky(x, wi, wo, s):
-        h, pre = K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=T)
-        y = K.gmm_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=T, row_scale=s)
+        h, pre = K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=T)
+        y = K.wo_fused_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=T, row_scale=s)
         return jnp.sum(y * cot) + jnp.sum(h)
 
     assert str(jax.make_jaxpr(jax.grad(leaky, (0, 1, 2, 3)))(x, wi, wo, s)).count("logistic") == 3
@@ -274,7 +274,7 @@ def test_fused_equals_unfused(backend):
     h = K.swiglu(pre)
 
     def down(h, wo, pre, s, epilogue):
-        y = K.gmm_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=F, row_scale=s,
+        y = K.wo_fused_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=F, row_scale=s,
                           epilogue=epilogue, **kw)
         return jnp.sum(y.astype(jnp.float32) * cot), y
 
@@ -329,11 +329,11 @@ def test_bad_arguments():
     x, wi, wo, s, _ = _pair_data(jnp.float32)
     gs = jnp.asarray([6, 6, 6, 6], jnp.int32)
     with pytest.raises(ValueError, match="tile_n_per_half"):
-        K.gmm_swiglu(x, wi, gs, tile_n_per_half=5)
+        K.wi_fused_swiglu(x, wi, gs, tile_n_per_half=5)
     with pytest.raises(ValueError, match="int32"):
         K.gmm(x, wi, gs.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.float32))
     with pytest.raises(ValueError, match="with_row_dot"):
-        K.gmm_dswiglu(x[:, :F], wo, gs, preact=jnp.zeros((M, 2 * F)), preact_tile_n_per_half=F,
+        K.wo_fused_dswiglu(x[:, :F], wo, gs, preact=jnp.zeros((M, 2 * F)), preact_tile_n_per_half=F,
                       with_row_dot=True)
     with pytest.raises(ValueError, match="backend"):
         K.gmm(x, wi, gs, backend="cuda")

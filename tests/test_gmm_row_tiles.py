@@ -85,8 +85,8 @@ def test_backward_is_gathers_and_matmuls():
     kw = dict(xla_impl="row_tiles", xla_tile_rows=4)
 
     def pair(x, wi, wo):
-        h, pre = K.gmm_swiglu(x, wi, gs, return_preact=True, **kw)
-        return jnp.sum(K.gmm_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=None, **kw))
+        h, pre = K.wi_fused_swiglu(x, wi, gs, return_preact=True, **kw)
+        return jnp.sum(K.wo_fused_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=None, **kw))
 
     def plain(x, wi, wo):
         return jnp.sum(K.gmm(K.swiglu(K.gmm(x, wi, gs, **kw)), wo, gs, **kw))

@@ -68,17 +68,17 @@ def test_fused_pair_compiles(device, depth):
     tiling = Tiling(tm=128, tk=D, tn=128, rhs_buffer_count=depth)
 
     def loss(x, wi, wo, s, gs):
-        h, pre = K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=TN,
+        h, pre = K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=TN,
                               backend="pallas_tpu", tiling=tiling,
                               rhs_buffer_count=depth)
-        y = K.gmm_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=TN, row_scale=s,
+        y = K.wo_fused_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=TN, row_scale=s,
                           backend="pallas_tpu", tiling=tiling)
         return jnp.sum(y.astype(jnp.float32))
 
     compiled = _compile(jax.grad(loss, (0, 1, 2, 3)), x, wi, wo, s, gs)
     text = compiled.as_text()
-    assert "gmm_swiglu_fwd" in text and "gmm_dswiglu_dlhs" in text
-    assert ("gmm_swiglu_fwd_rhsbuf2" in text) == (depth == 2)
+    assert "wi_fused_swiglu_fwd" in text and "wo_fused_dswiglu_dlhs" in text
+    assert ("wi_fused_swiglu_fwd_rhsbuf2" in text) == (depth == 2)
 
 
 def test_vmem_overflow_is_caught(device):
@@ -90,13 +90,13 @@ def test_vmem_overflow_is_caught(device):
     tiling = Tiling(tm=512, tk=4096, tn=1024)
 
     def fwd(x, wi, gs):
-        return K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=1024,
+        return K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=1024,
                             backend="pallas_tpu", tiling=tiling)
 
     with pytest.raises(Exception, match="(?i)vmem"):
         _compile(fwd, x, wi, gs)
     roomy = Tiling(tm=512, tk=4096, tn=1024, vmem_limit_mib=57.6)
-    _compile(lambda x, wi, gs: K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=1024,
+    _compile(lambda x, wi, gs: K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=1024,
                                             backend="pallas_tpu", tiling=roomy), x, wi, gs)
 
 
@@ -110,17 +110,17 @@ def _fused_forward(device, depth, tm, tk, tn, limit_mib=57.6):
     wi = _spec((2, tk, 2 * tn), jnp.bfloat16, device)  # one N tile per half
     gs = _spec((2,), jnp.int32, device)
     tiling = Tiling(tm=tm, tk=tk, tn=tn, vmem_limit_mib=limit_mib)
-    return _compile(lambda x, wi, gs: K.gmm_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=tn,
+    return _compile(lambda x, wi, gs: K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=tn,
                                                    backend="pallas_tpu", tiling=tiling,
                                                    rhs_buffer_count=depth), x, wi, gs)
 
 
-def test_buffer_depth_decides_the_fit(device):
+def test_wi_fwd_rhs_buffer_count_decides_the_fit(device):
     with pytest.raises(Exception, match="(?i)vmem"):
         _fused_forward(device, 0, **DECIDING)
     with pytest.raises(Exception, match="(?i)vmem"):
         _fused_forward(device, 2, **DECIDING)
-    assert "gmm_swiglu_fwd_rhsbuf1" in _fused_forward(device, 1, **DECIDING).as_text()
+    assert "wi_fused_swiglu_fwd_rhsbuf1" in _fused_forward(device, 1, **DECIDING).as_text()
 
 
 def test_inspect_compiles_the_training_step_for_a_tpu_target(device):
@@ -198,7 +198,9 @@ def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
 
 @pytest.mark.parametrize("T, S, N, G, head_dim, block_q, block_k", [
     (256, 256, 4, 2, 128, 128, 128),  # self-attention, two query heads per kv head
-    (256, 512, 32, 2, 256, 128, 256),  # Qwen3.5-397B's heads (16 per kv head, dim 256), a query block against more keys
+    # Qwen3.5-397B's heads (16 per kv head, dim 256) at pallas_tpu's default blocks (kernels/attention/limits.py),
+    # a query block against more keys.
+    (256, 1024, 32, 2, 256, 128, 512),
 ])
 def test_flash_attention_pallas_kernels_compile(device, T, S, N, G, head_dim, block_q, block_k):
     """The flash attention forward, dq and dk/dv kernels (kernels/attention/pallas_tpu.py) lower through
@@ -219,3 +221,54 @@ def test_flash_attention_pallas_kernels_compile(device, T, S, N, G, head_dim, bl
     assert text.count("tpu_custom_call") == 3
     for name in KERNEL_NAMES:
         assert name in text, name
+
+
+# ---------------------------------------------------------------------------------------------
+# The seed's cell geometry: 256 devices of tpu7x:4x4x8 as fsdp 32 x context 4 x expert 2, one
+# 65,536-token sequence per context group (16,384 local queries), at tiny widths (the program's
+# structure, not its size: the recipe qwen3.5-397b-a17b-v7x-128 has the same mesh and lengths).
+
+CELL_TOPOLOGY = "tpu7x:4x4x8"
+CELL = ["mesh.cpu_devices=0", "mesh.data=1", "mesh.fsdp=32", "mesh.context=4", "mesh.expert=2",
+        "train.batch_size=64", "train.seq_len=65536", "model.max_seq_len=65536", "model.d_model=256",
+        "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=64", "remat.policy=full"]
+
+
+@pytest.fixture(scope="module")
+def cell_step(device):
+    from hybridmoe.recipe import load_config
+    from hybridmoe.recipe.validate import compile_target
+    from hybridmoe.tools import train_program as tp
+
+    with compile_target("tpu"):
+        cfg = load_config("tiny", CELL)
+    return cfg, tp.compile_step(cfg, tp.tpu_target(CELL_TOPOLOGY), with_residuals=False)
+
+
+def test_cell_step_holds_no_score_matrix(cell_step):
+    """At 16,384 local queries against 65,536 keys no buffer of the compiled TPU step has two
+    sequence-long dimensions: the attention core never materialises [heads, T, S] (nor T x T)."""
+    from hybridmoe.tools.program import _hlo_graph, _hlo_result
+
+    cfg, step = cell_step
+    local = cfg.train.seq_len // 4
+    comps, _, _ = _hlo_graph(step.program.compiled_text)
+    long_dims = {(name, shape) for ops in comps.values() for _, type_text, name, _ in ops
+                 for shape in [_hlo_result(type_text)[1]] if sum(d >= local for d in shape) >= 2}
+    assert not long_dims, sorted(long_dims)[:5]
+
+
+def test_cell_query_kernel_is_gathered_once_per_layer_iteration(cell_step):
+    """The seed's query_proj_kernel_gather_once exists because its backward gathered the query
+    kernel [D, heads, 2 x head_dim] twice (the replay of q = x wq and dx = dq wq^T). Here the weight
+    is gathered where it is used, inside the rematerialised block, so the replay's gather serves dx:
+    each layer loop (forward, backward) all-gathers that kernel once per iteration."""
+    cfg, step = cell_step
+    m = cfg.model
+    wq = (m.d_model, m.num_heads, 2 * m.head_dim)
+    per_loop: dict = {}
+    for c in step.program.compiled_collectives:
+        if c.kind == "all-gather" and c.shape == wq:
+            per_loop[c.loop] = per_loop.get(c.loop, 0) + 1
+    assert None not in per_loop, "the query kernel is gathered outside the layer loops"
+    assert len(per_loop) == 2 and set(per_loop.values()) == {1}, per_loop

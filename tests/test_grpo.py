@@ -10,7 +10,7 @@ from helpers import tiny_config, tiny_params
 from hybridmoe.model.forward import decoder_hidden
 from hybridmoe.rl.grpo import (build_update_batch, combine_update_metrics, jit_grpo_step, jit_old_logprobs,
                                mini_batch_rows, policy_updates, rl_optimizer, update_batch_shardings, update_rows)
-from hybridmoe.rl.logprobs import token_logprobs_reference
+from hybridmoe.kernels.logprobs import token_logprobs_reference
 from hybridmoe.rl.objective import clipped_policy_loss
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
 from hybridmoe.run.setup import build
@@ -20,7 +20,7 @@ PROMPT_LEN, NEW_TOKENS, ROWS = 6, 5, 16
 
 def _config(*overrides):
     return tiny_config(f"rl.max_prompt_len={PROMPT_LEN}", f"rl.max_new_tokens={NEW_TOKENS}", "rl.prompts_per_step=4",
-                       "rl.group_size=4", "rl.logprob_chunk_tokens=24", "rl.logprob_chunk_vocab=100",
+                       "rl.group_size=4", "kernels.logprobs.chunk_tokens=24", "kernels.logprobs.chunk_vocab=100",
                        "gdn.chunk_size=4", *overrides)
 
 

@@ -1,4 +1,5 @@
-"""The package's folders are layers that import downwards only, read from every import statement.
+"""The package's folders are layers that import downwards only, read from every import statement;
+and no function or class is defined twice.
 
 LAYERS is the one place the order is written (docs/architecture.md describes it). A module may
 import its own folder and folders of a lower layer; folders on one layer do not import each other;
@@ -168,3 +169,43 @@ def test_the_checks_see_an_upward_arrow_a_sideways_one_and_a_circle():
             "hybridmoe.run.step": graph["hybridmoe.run.step"] | {"hybridmoe.run.checkpoint"}}
     assert any("hybridmoe.run.checkpoint -> hybridmoe.run.step -> hybridmoe.run.checkpoint" in c
                or "hybridmoe.run.step -> hybridmoe.run.checkpoint -> hybridmoe.run.step" in c for c in circles(loop))
+
+
+def _definitions():
+    """(where, name, normalised body) of every module-level function and class, and every method,
+    of the package; the body without its docstring, names and values kept, positions dropped."""
+    for mod, path in sorted(_modules().items()):
+        tree = ast.parse(path.read_text())
+        scopes = [(node, "") for node in tree.body]
+        scopes += [(item, f"{node.name}.") for node in tree.body if isinstance(node, ast.ClassDef)
+                   for item in node.body]
+        for node, owner in scopes:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]
+            if body:
+                yield f"{mod}:{node.lineno} {owner}{node.name}", ast.dump(ast.Module(body=body, type_ignores=[]))
+
+
+def duplicate_definitions(defs) -> list[str]:
+    """Groups of definitions with the same body (a body of one short statement does not count:
+    `return x` in two places is no second copy of a helper)."""
+    by_body: dict[str, list[str]] = {}
+    for where, body in defs:
+        if len(body) >= 300:
+            by_body.setdefault(body, []).append(where)
+    return [" = ".join(places) for places in by_body.values() if len(places) > 1]
+
+
+def test_no_function_or_class_is_defined_twice():
+    dups = duplicate_definitions(_definitions())
+    assert not dups, "the same definition in two places (keep one, import it):\n" + "\n".join(dups)
+
+
+def test_the_duplicate_check_sees_a_copied_helper():
+    defs = list(_definitions())
+    where, body = next((w, b) for w, b in defs if w.endswith(" matmul_highest"))
+    assert duplicate_definitions([*defs, ("hybridmoe.kernels.gdn.copy:1 _matmul", body)]) == [
+        f"{where} = hybridmoe.kernels.gdn.copy:1 _matmul"]

@@ -114,10 +114,10 @@ def test_a_kernel_over_vmem_is_a_clear_error_naming_the_tiles(monkeypatch):
     def fail(self, *a, **k):
         raise jax.errors.JaxRuntimeError(
             "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory space vmem while "
-            "allocating on stack for %gmm_swiglu_fwd.8 = (bf16[327680,1024]{1,0}) custom-call(%bitcast.1)")
+            "allocating on stack for %wi_fused_swiglu_fwd.8 = (bf16[327680,1024]{1,0}) custom-call(%bitcast.1)")
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", fail)
-    with pytest.raises(ValueError, match=r"gmm_swiglu_fwd does not fit .*VMEM at kernels.gmm.tm=.*lower the tiles"):
+    with pytest.raises(ValueError, match=r"wi_fused_swiglu_fwd does not fit .*VMEM at kernels.gmm.tm=.*lower the tiles"):
         tp.compile_step(load_config("tiny", ["train.batch_size=8"]), tp.host_target(), with_residuals=False)
 
 

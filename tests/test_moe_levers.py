@@ -143,7 +143,7 @@ def test_tile_rules(overrides, needle):
     assert any(needle in m for m in _problems(*overrides).values())
 
 
-def test_rhs_buffer_count_names_every_unmet_requirement():
+def test_wi_fwd_rhs_buffer_count_names_every_unmet_requirement():
     msg = _problems("kernels.gmm.wi_fwd_rhs_buffer_count=-1")["kernels.gmm.wi_fwd_rhs_buffer_count"]
     for need in ("must be 0", "moe.wi_fused_swiglu", "tiling=explicit", "Pallas backend"):
         assert need in msg, need
@@ -270,7 +270,7 @@ def test_model_path_bit_identical_on_the_mesh():
 def test_activation_vjp_never_built():
     """With both fused levers, the backward adds exactly one logistic (the fused DLHS epilogue
     recomputing silu from the stored [gate | up]); the activation's own VJP (a second one, in
-    gmm_swiglu's backward) is never built."""
+    wi_fused_swiglu's backward) is never built."""
     cfg = tiny_config(*BF16, *WI, *WO)
     p, x = _moe_params(cfg), _tokens(cfg)
 
@@ -292,7 +292,7 @@ def _pallas_kernels(depth: int, *levers):
         return cfg, p, x, setup, program.pallas_kernels(jax.make_jaxpr(_layer(cfg))(p, x))
 
 
-def test_rhs_buffer_count_reaches_only_the_fused_forward_kernel():
+def test_wi_fwd_rhs_buffer_count_reaches_only_the_fused_forward_kernel():
     _, _, _, _, default = _pallas_kernels(0, *WI, *WO)
     _, _, _, _, deep = _pallas_kernels(2, *WI, *WO)
     assert all(all(m is None for m in modes) for _, modes in default)
@@ -300,12 +300,12 @@ def test_rhs_buffer_count_reaches_only_the_fused_forward_kernel():
     changed = [(a, b) for a, b in zip(default, deep) if a != b]
     assert len(changed) == 1 and len(default) == len(deep) == 6
     (name0, _), (name2, modes2) = changed[0]
-    assert name0 == "gmm_swiglu_fwd" and name2 == "gmm_swiglu_fwd_rhsbuf2"
+    assert name0 == "wi_fused_swiglu_fwd" and name2 == "wi_fused_swiglu_fwd_rhsbuf2"
     # The two weight halves (gate, up) get the depth; tokens and outputs keep the default.
     assert [getattr(m, "buffer_count", None) for m in modes2] == [None, 2, 2, None, None]
 
 
-def test_rhs_buffer_count_keeps_the_bits():
+def test_wi_fwd_rhs_buffer_count_keeps_the_bits():
     """Off (the kernel default), one buffer and two: the same bits (interpreted kernels)."""
     outs = []
     for depth in (0, 1, 2):

@@ -94,7 +94,7 @@ def check_router_on_vs_off():
     return err
 
 
-def test_router_key_on_vs_off_through_the_model():
+def test_router_grad_from_wo_input_on_vs_off_through_the_model():
     check_router_on_vs_off()
 
 
@@ -163,7 +163,7 @@ def check_drops(ep: bool):
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["one-expert-rank", "ring-ep2"])
-def test_dropped_tokens_match_the_reference(ep):
+def test_capacity_factor_dropped_tokens_match_the_reference(ep):
     check_drops(ep)
 
 
@@ -247,7 +247,7 @@ def test_program_wi_fused_swiglu():
     """The up projection's grouped matmul is the fused kernel, and the forward's SwiGLU runs in
     it: no logistic over the [M, F] rows outside the kernels."""
     off, on = layer_program(), layer_program(*WI)
-    assert off["fwd_kernels"] == ["gmm", "gmm"] and on["fwd_kernels"] == ["gmm", "gmm_swiglu_fwd"]
+    assert off["fwd_kernels"] == ["gmm", "gmm"] and on["fwd_kernels"] == ["gmm", "wi_fused_swiglu_fwd"]
     logistic = ("logistic", (M_ROWS, F), "bfloat16")
     assert off["fwd_ops"][logistic] == 1 and on["fwd_ops"][logistic] == 0
 
@@ -257,7 +257,7 @@ def test_program_wo_fused_dswiglu_alone_and_with_wi():
     without the fused up projection (wi alone keeps the plain one): the check tells wi + wo
     from wi alone."""
     plain = ["gmm_t", "gmm_t", "tgmm", "tgmm"]
-    fused = ["gmm_dswiglu_dlhs", "gmm_t", "tgmm", "tgmm"]
+    fused = ["wo_fused_dswiglu_dlhs", "gmm_t", "tgmm", "tgmm"]
     assert layer_program()["bwd_kernels"] == plain
     assert layer_program(*WI)["bwd_kernels"] == plain
     assert layer_program(*WO)["bwd_kernels"] == fused
@@ -273,7 +273,7 @@ def _activation_vjp_muls(prog) -> int:
 def test_program_activation_vjp_absent():
     """With wo_fused_dswiglu the SwiGLU's VJP (the [M, F] multiplies of d gate and d up) is
     not built outside the kernels; without it, it is: 6 multiplies unfused (bf16 autodiff), 8
-    with the fused up projection alone (its float32 VJP in gmm_swiglu's backward). wo alone
+    with the fused up projection alone (its float32 VJP in wi_fused_swiglu's backward). wo alone
     leaves 1: autodiff's linearisation of the jnp SwiGLU forward computes a factor of silu's
     derivative that nothing reads; with both levers there is no SwiGLU outside a kernel."""
     assert _activation_vjp_muls(layer_program()) == 6
@@ -303,7 +303,7 @@ def _routing_multiplies(prog) -> dict[int, int]:
             for w in (shape[1],)}
 
 
-def test_program_router_weight_multiplies_the_down_projection_input():
+def test_program_router_grad_from_wo_input_multiplies_the_down_projection_input():
     """Off: the routing weight scales the down projection's output rows [M, D]; on: its input
     rows [M, F]."""
     off, on = _routing_multiplies(layer_program()), _routing_multiplies(layer_program(*R))
@@ -342,7 +342,7 @@ def check_buffer_depth():
     """The depth reaches exactly the fused forward kernel's two weight operands, as asked."""
     from test_moe_levers import _pallas_kernels
     _, _, _, _, kernels = _pallas_kernels(2, *WI, *WO)
-    fwd = [modes for name, modes in kernels if name.startswith("gmm_swiglu_fwd")]
+    fwd = [modes for name, modes in kernels if name.startswith("wi_fused_swiglu_fwd")]
     assert len(fwd) == 1, kernels
     assert [getattr(m, "buffer_count", None) for m in fwd[0]] == [None, 2, 2, None, None], fwd
 
@@ -351,7 +351,7 @@ def test_row_tiles_match_ragged_dot():
     check_row_tiles()
 
 
-def test_buffer_depth_reaches_the_fused_weights():
+def test_wi_fwd_rhs_buffer_count_reaches_the_fused_weights():
     check_buffer_depth()
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hybridmoe.rl.advantages import advantage_stats, group_advantages
-from hybridmoe.rl.logprobs import chunked_token_logprobs, token_logprobs_reference
+from hybridmoe.kernels.logprobs import chunked_token_logprobs, token_logprobs_reference
 from hybridmoe.rl.objective import clipped_policy_loss
 from hybridmoe.rl.rewards import score_completions
 from hybridmoe.data.arithmetic import ArithmeticTask, Example, FormatTask, get_task, solved_token_ids

@@ -155,13 +155,15 @@ def test_prompt_and_completion_longer_than_the_context_is_a_config_error():
         tiny_config("model.max_seq_len=16", "rl.max_prompt_len=12", "rl.max_new_tokens=8")
 
 
-def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_error(tmp_path):
+def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_error(tmp_path, caplog):
     # rl.max_prompt_len=2 is shorter than every arithmetic prompt: nothing can be scored, ever.
     cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=1", "rl.steps=5", "rl.checkpoint_every=0", "rl.max_prompt_len=2",
                       "rl.beta=0")
     out = tmp_path / "run"
-    with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample.*raise rl.max_prompt_len"):
+    with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample \(last: step 3;.*raise rl.max_prompt_len"):
         run_rl(cfg, out, progress=False)
+    # The warning names the same step as the error, and the checkpoint it saved.
+    assert "stopped by an error in step 3; checkpointed the state after step 2 (checkpoint 3)" in caplog.text
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["scored_samples"] == 0 and r["prompts_skipped"] == 2 and r["update_applied"] == 0

@@ -7,7 +7,7 @@ import numpy as np
 
 from helpers import tiny_config, tiny_params
 from hybridmoe.model.forward import decoder_hidden, logits
-from hybridmoe.rl.logprobs import chunked_token_logprobs
+from hybridmoe.kernels.logprobs import chunked_token_logprobs
 from hybridmoe.rl.sampler import SamplingOptions, choose_tokens, left_pad_prompts, make_generate
 from hybridmoe.run.setup import build
 

@@ -192,9 +192,29 @@ class GdnKernelConfig(Section):
         "pallas_gpu (Triton kernels); the Pallas ones run on CPU with kernels.interpret=true.")
 
 
+class AttentionKernelConfig(Section):
+    backend: Literal["auto", "xla", "blocked", "pallas_tpu", "pallas_gpu"] = Field(
+        "auto", description="The attention core (self-attention, and the local core of context parallelism): "
+        "xla (flash attention in XLA ops), blocked (the masked XLA core over query blocks), pallas_tpu / pallas_gpu "
+        "(flash kernels; on CPU with kernels.interpret=true); auto: pallas_tpu on TPU, xla elsewhere (on CPU "
+        "0.47 of blocked's time at the small shape: benchmarks/records/attention_cpu_backend.json).")
+    block_q: int = Field(0, ge=0, description="Query tokens per block (flash backends; blocked: its query block "
+                         "length); 0 = the backend's default (xla 256, pallas_tpu 128) fitted to the local length.")
+    block_k: int = Field(0, ge=0, description="Key tokens per block (flash backends); 0 = the backend's default "
+                         "(xla 256, pallas_tpu 512) fitted to the key length.")
+
+
+class LogprobsKernelConfig(Section):
+    chunk_tokens: int = Field(256, gt=0, description="Tokens per chunk of the LM head's log-probs (the supervised "
+                              "loss and GRPO's; the full [tokens, vocab] logits are never built).")
+    chunk_vocab: int = Field(4096, gt=0, description="Vocabulary columns per chunk of the LM head's log-probs.")
+
+
 class KernelsConfig(Section):
     gmm: GmmKernelConfig = GmmKernelConfig()
     gdn: GdnKernelConfig = GdnKernelConfig()
+    attention: AttentionKernelConfig = AttentionKernelConfig()
+    logprobs: LogprobsKernelConfig = LogprobsKernelConfig()
     interpret: bool = Field(False, description="Run Pallas kernels in interpret mode (CPU testing).")
 
 
@@ -323,8 +343,6 @@ class RLConfig(Section):
     eps_high: float | None = Field(None, gt=0, description="Upper clip of the ratio: 1 + eps_high (None = eps).")
     beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the frozen reference policy (0 = no reference held).")
     aggregation: Literal["token_mean", "seq_mean_token_mean"] = Field("token_mean", description="How per-token losses reduce to the step loss.")
-    logprob_chunk_tokens: int = Field(256, gt=0, description="Tokens per chunk of the chunked log-probs (never the full [tokens, vocab] logits).")
-    logprob_chunk_vocab: int = Field(4096, gt=0, description="Vocabulary columns per chunk of the chunked log-probs.")
     checkpoint_every: int = Field(10, ge=0, description="Steps (warm-up and GRPO alike) between checkpoints (0 = only at the end).")
 
     @field_validator("reward", "reward_weights", mode="before")
@@ -360,6 +378,9 @@ class DataConfig(Section):
         "stop", description="A line that is not JSON or lacks the fields: stop (one error naming the first such line and "
         "the count) or skip (counted, logged).")
     shuffle: bool = Field(True, description="Shuffle the documents each epoch (a pure function of train.seed and the epoch).")
+    loss_on: Literal["assistant", "all"] = Field(
+        "assistant", description="`messages` records: train the assistant's turns only (through each turn's end "
+        "token) or every token; `text` records always train every token.")
 
 
 class BenchConfig(Section):

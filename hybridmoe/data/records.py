@@ -66,12 +66,14 @@ def _jsonl_rows(file: Path):
     with open(file, encoding="utf-8", errors="strict") as fh:
         try:
             for number, line in enumerate(fh, 1):
+                line = line.rstrip("\r\n")  # else an error at the end of the line is "line 2 column 1"
                 if not line.strip():
                     continue
                 try:
                     yield number, json.loads(line), None
                 except json.JSONDecodeError as e:
-                    yield number, None, f"not valid JSON ({e.msg} at column {e.colno})"
+                    where = "the end of the line" if e.pos >= len(line) else f"column {e.pos + 1}"
+                    yield number, None, f"not valid JSON ({e.msg} at {where})"
         except UnicodeDecodeError as e:
             raise DataError(f"{file}: not UTF-8 text ({e}); JSON lines files are UTF-8") from None
 

@@ -99,6 +99,8 @@ class CharTokenizer:
         raise ValueError("the built-in character tokenizer has no chat template: `messages` need a checkpoint's "
                          "tokenizer (recipe=hf:DIR or --init-hf DIR with tokenizer.json and a chat template)")
 
+    render_chat_marked = render_chat
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` behind the `Tokenizer` interface."""
@@ -136,8 +138,19 @@ class HFTokenizer:
             kept.append(i)
         return self._tok.decode(kept, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The checkpoint's chat template applied to `messages` ([{"role", "content"}, ...])."""
+        return self._render(messages, add_generation_prompt, mark_generation=False)
+
+    def render_chat_marked(self, messages: list[dict]) -> str:
+        """The conversation rendered with each `{% generation %}` block of the template wrapped in
+        data/chat.py's markers (none when the template has no such blocks)."""
+        return self._render(messages, False, mark_generation=True)
+
+    def _render(self, messages, add_generation_prompt: bool, mark_generation: bool) -> str:
         if not self.chat_template:
             raise ValueError(f"{self.where}: the checkpoint has no chat template (no chat_template in "
                              "tokenizer_config.json, no chat_template.jinja): give `prompt`/`text` fields instead "
@@ -147,15 +160,41 @@ class HFTokenizer:
             if self._compiled is None:
                 self._compiled = compile_chat_template(self.chat_template)
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._special)
+                                         **{MARK_GENERATION: mark_generation}, **self._special)
         except jinja2.exceptions.TemplateError as e:  # a syntax error, or the template's raise_exception
             raise ValueError(f"the chat template of {Path(self.where).parent}: {type(e).__name__}: {e}") from None
+
+
+MARK_GENERATION = "_hybridmoe_mark_generation"  # the render variable that turns the generation markers on
+
+
+def _generation_extension():
+    """`{% generation %} ... {% endgeneration %}`: the part of an assistant turn that the model
+    writes. Rendered as its body; with MARK_GENERATION set, wrapped in data/chat.py's markers."""
+    import jinja2.ext
+    from jinja2 import nodes
+
+    from hybridmoe.data.chat import GENERATION_CLOSE, GENERATION_OPEN
+
+    class GenerationBlocks(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            mark = nodes.Name(MARK_GENERATION, "load")
+            return nodes.CallBlock(self.call_method("_block", [mark]), [], [], body).set_lineno(lineno)
+
+        def _block(self, mark, caller):
+            return GENERATION_OPEN + caller() + GENERATION_CLOSE if mark is True else caller()
+
+    return GenerationBlocks
 
 
 def compile_chat_template(source: str):
     """A Jinja2 template in the sandbox (a template is data from a download: it may not reach Python
     internals), with what chat templates expect: trim_blocks/lstrip_blocks, a `tojson` filter that
-    keeps non-ASCII text, and `raise_exception(message)`."""
+    keeps non-ASCII text, `raise_exception(message)` and `{% generation %}` blocks."""
     import json as _json
 
     import jinja2
@@ -164,7 +203,8 @@ def compile_chat_template(source: str):
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _generation_extension()])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: _json.dumps(x, indent=indent,
                                                                                    ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = raise_exception

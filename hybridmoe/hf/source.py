@@ -25,7 +25,11 @@ from hybridmoe.hf.weights import (HEAD, MULTIMODAL_PREFIX, TEXT_PREFIX, ExpertLa
 
 # safetensors dtype names of the tensors a trained value can be written back in.
 NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
-NON_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".msgpack", ".h5")
+# The files of a checkpoint folder that travel with its export: configs (config.json,
+# generation_config.json, processor configs), tokenizer files, chat templates, remote code, and the
+# model card and licence. Never weights (another export writes those) or anything else.
+SIDE_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py", ".md")
+SIDE_PREFIXES = ("LICENSE", "NOTICE", "README")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +58,10 @@ class SourceForm:
         return NUMPY_DTYPES[self.trained[source_name]]
 
     def side_files(self) -> list[str]:
-        """The folder's other files (config.json included): everything but weights and their index."""
+        """The folder's files that travel with an export (config.json included; see SIDE_SUFFIXES)."""
         return sorted(n for n in os.listdir(self.path)
                       if os.path.isfile(os.path.join(self.path, n)) and not n.startswith(".")
-                      and not n.endswith(NON_WEIGHT_SUFFIXES) and not n.endswith(".index.json"))
+                      and (n.endswith(SIDE_SUFFIXES) or n.startswith(SIDE_PREFIXES)) and not n.endswith(".index.json"))
 
 
 def shard_header(path: str) -> tuple[dict, int]:

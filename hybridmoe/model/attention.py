@@ -5,8 +5,11 @@ The query projection carries a per-head output gate ([q_h | gate_h] per head); q
 per-head RMSNorm, then partial rotary embedding; the attention output is scaled by
 sigmoid(gate) before the output projection.
 
-Context parallelism (the sequence split over the mesh axes of logical "seq"): queries stay
-sequence-sharded and keys/values are all-gathered (kernels/attention/context_parallel.py). With
+The attention core is kernels.attention.backend (attention_core: flash attention in XLA ops or
+Pallas kernels, or the masked XLA core in query blocks; `auto` resolved for the platform the program
+is traced for). Context parallelism (the sequence split over the mesh axes of logical "seq"):
+queries stay sequence-sharded and keys/values are all-gathered
+(kernels/attention/context_parallel.py), that core running on each rank's queries. With
 attention.cp_load_balance the layer first moves its input, positions and segment ids into the
 load-balanced order of parallel/context.py and moves its output back, so the layers around it
 see natural order.
@@ -18,9 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from hybridmoe.config.schema import AttentionConfig, ModelConfig
-from hybridmoe.kernels.attention import self_attention_core
+from hybridmoe.config.schema import AttentionConfig, KernelsConfig, ModelConfig
+from hybridmoe.kernels.attention import attention, causal_attention_blocked, flash_attention, limits
 from hybridmoe.kernels.attention.context_parallel import context_parallel_attention
+from hybridmoe.kernels.platform import trace_platform
 from hybridmoe.model.norms import apply_partial_rope, rms_norm, rope_tables
 from hybridmoe.parallel import context
 from hybridmoe.parallel.rules import constrain, logical_to_spec
@@ -67,25 +71,50 @@ def load_balanced_ids(positions_BT, segment_ids_BT, a: AttentionConfig):
     return ids[0], (ids[1] if len(ids) > 1 else None)
 
 
+def attention_core(kc: KernelsConfig, *, self_attention: bool):
+    """The core kernels.attention names, as a function with xla.attention's signature (q [B, T, N,
+    A], k and v [B, S, G, A], positions and segment ids, scale). `self_attention`: S = T over the
+    same tokens (the blocked core needs it; under context parallelism it runs the masked core)."""
+    backend = limits.resolve(kc.attention.backend, trace_platform())
+    block_q, block_k = kc.attention.block_q, kc.attention.block_k
+    if backend == "blocked":
+        if not self_attention:
+            return attention
+        return lambda q, *args, **kw: causal_attention_blocked(  # noqa: E731
+            q, *args, **kw, num_blocks=q.shape[1] // block_q if block_q else None)
+    hardware = backend != "xla" and not kc.interpret
+
+    def core(q_BTNA, k_BSGA, v_BSGA, *, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, scale):
+        bq, bk = limits.blocks(backend, block_q, block_k, q_BTNA.shape[1], k_BSGA.shape[1], hardware)
+        return flash_attention(q_BTNA, k_BSGA, v_BSGA, q_pos_BT=q_pos_BT, kv_pos_BS=kv_pos_BS, q_seg_BT=q_seg_BT,
+                               kv_seg_BS=kv_seg_BS, scale=scale, backend=backend, block_q=bq, block_k=bk,
+                               interpret=kc.interpret)
+
+    return core
+
+
 def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig, a: AttentionConfig = AttentionConfig(),
-                    *, packed: bool = True):
+                    *, packed: bool = True, kernels: KernelsConfig = KernelsConfig()):
     """`packed`: whether segment_ids_BT came with the batch (else it is all ones and context
-    parallelism neither moves nor compares it)."""
+    parallelism neither moves nor compares it). `kernels`: its attention core (kernels.attention)."""
     axes = context.context_axes()
     if not axes:
         q, gate, k, v = project_qkv(p, x_BTD, positions_BT, m)
-        o_BTNA = self_attention_core()(q, k, v, q_pos_BT=positions_BT, kv_pos_BS=positions_BT,
-                                       q_seg_BT=segment_ids_BT, kv_seg_BS=segment_ids_BT, scale=m.head_dim ** -0.5)
+        o_BTNA = attention_core(kernels, self_attention=True)(
+            q, k, v, q_pos_BT=positions_BT, kv_pos_BS=positions_BT, q_seg_BT=segment_ids_BT,
+            kv_seg_BS=segment_ids_BT, scale=m.head_dim ** -0.5)
         return gated_output(p, o_BTNA, gate)
     seg_BT = segment_ids_BT if packed else None
     if a.cp_load_balance:
         x_BTD = context.reorder(x_BTD, ("batch", "seq", None))
         positions_BT, seg_BT = load_balanced_ids(positions_BT, seg_BT, a)
     q, gate, k, v = project_qkv(p, x_BTD, positions_BT, m)
+    backend = limits.resolve(kernels.attention.backend, trace_platform())
     o_BTNA = context_parallel_attention(
         q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5,
         q_spec=logical_to_spec(("batch", "seq", "heads", None)), kv_spec=logical_to_spec(("batch", "seq", "kv_heads", None)),
-        ids_spec=logical_to_spec(("batch", "seq")))
+        ids_spec=logical_to_spec(("batch", "seq")), core=attention_core(kernels, self_attention=False),
+        check_vma=not backend.startswith("pallas"))
     y_BTD = gated_output(p, o_BTNA, gate)
     if a.cp_load_balance:
         y_BTD = context.reorder(y_BTD, ("batch", "seq", None), inverse=True)

@@ -2,7 +2,8 @@
 
 Read from the two sources the run itself uses: the abstract weight declarations
 (`model.params.declare_params`) and the logical-axis rules table. Every dimension a weight names a
-logical axis for is checked against the product of the mesh axes the rules map that axis to, so a
+logical axis for is checked against the product of the mesh axes the rules give that dimension of
+that weight (`logical_to_spec`: the FSDP dimension takes the data-parallel axes the others leave), so a
 new weight or a new rule is checked the moment it exists. The offending config key is found the
 same way: the model fields whose change alters that dimension of that weight.
 """
@@ -13,7 +14,7 @@ import math
 from collections.abc import Mapping
 
 from hybridmoe.config.schema import ModelConfig
-from hybridmoe.parallel.rules import mesh_axes_of
+from hybridmoe.parallel.rules import logical_to_spec, mesh_axes_of
 
 Problem = tuple[str, str]
 
@@ -50,10 +51,11 @@ def sharding_problems(m: ModelConfig, rules: Mapping, mesh_sizes: Mapping[str, i
     found: dict[tuple[str, tuple[str, ...]], dict] = {}
     perturbed = None
     for name, (shape, axes) in _flat_shapes(m).items():
-        for dim, (size, logical) in enumerate(zip(shape, axes)):
-            if logical is None or logical not in rules:
+        spec = logical_to_spec(axes, rules)
+        for dim, (size, logical, entry) in enumerate(zip(shape, axes, spec)):
+            if logical is None:
                 continue
-            mesh_axes = tuple(a for a in mesh_axes_of(rules[logical]) if a in mesh_sizes)
+            mesh_axes = tuple(a for a in mesh_axes_of(entry) if a in mesh_sizes)
             shards = math.prod(mesh_sizes[a] for a in mesh_axes)
             if shards <= 1 or size % shards == 0:
                 continue

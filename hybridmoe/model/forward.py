@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe.config.schema import Config, ModelConfig
+from hybridmoe.kernels.logprobs import chunked_token_logprobs
 from hybridmoe.model.attention import attention_layer
 from hybridmoe.quant.expert_fp8 import hoisted, layer_weights_at_use, scan_xs
 from hybridmoe.model.gdn import gdn_layer
@@ -28,7 +29,7 @@ def default_batch_fields(tokens_BT):
 
 def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config, packed: bool = True):
     if kind == "attention":
-        return attention_layer(p, x, positions, segment_ids, cfg.model, cfg.attention, packed=packed)
+        return attention_layer(p, x, positions, segment_ids, cfg.model, cfg.attention, packed=packed, kernels=cfg.kernels)
     if kind == "gdn":
         return gdn_layer(p, x, segment_ids, cfg.model, chunk_size=cfg.gdn.chunk_size,
                          backend=cfg.kernels.gdn.backend, interpret=cfg.kernels.interpret, cp_m_scan=cfg.gdn.cp_m_scan,
@@ -196,10 +197,25 @@ def logits(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=Non
     return (out, dropped) if with_moe_dropped else out
 
 
+def next_token_logprobs(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=None, *,
+                        temperature: float = 1.0, routing_BTLk=None, with_moe_dropped: bool = False):
+    """(log p(token t+1 | tokens <= t), entropy of that next-token distribution), float32 [B, T-1],
+    of softmax(logits / temperature), by the chunked LM head (kernels/logprobs.py: the [tokens,
+    vocab] logits are never built; chunks from kernels.logprobs). with_moe_dropped: and the MoE rows
+    dropped in all layers; routing_BTLk: route by these experts (moe.routing_replay)."""
+    h = decoder_hidden(params, cfg, tokens_BT, segment_ids_BT, positions_BT, with_moe_dropped=with_moe_dropped,
+                       routing_BTLk=routing_BTLk)
+    if with_moe_dropped:
+        h, dropped = h
+    chunks = cfg.kernels.logprobs
+    out = chunked_token_logprobs(h[:, :-1], lm_head_at_use(params).astype(h.dtype), tokens_BT[:, 1:],
+                                 chunk_tokens=chunks.chunk_tokens, chunk_vocab=chunks.chunk_vocab,
+                                 temperature=temperature)
+    return (*out, dropped) if with_moe_dropped else out
+
+
 def token_logprobs(params, cfg, tokens_BT, segment_ids_BT=None, positions_BT=None):
     """log p(token t+1 | tokens <= t): [B, T-1] float32. `cfg` is a Config or a ModelConfig."""
     if isinstance(cfg, ModelConfig):
         cfg = Config(model=cfg)
-    lg = logits(params, cfg, tokens_BT, segment_ids_BT, positions_BT)[:, :-1]
-    lp = jax.nn.log_softmax(lg, axis=-1)
-    return jnp.take_along_axis(lp, tokens_BT[:, 1:, None], axis=-1)[..., 0]
+    return next_token_logprobs(params, cfg, tokens_BT, segment_ids_BT, positions_BT)[0]

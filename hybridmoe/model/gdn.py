@@ -153,7 +153,7 @@ def _halo_from_previous_rank(x_BS, axis_name: str):
 
 
 def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chunk_size: int,
-                                     m_scan: bool, dh_scan: bool, prefix: str, backend: str, interpret: bool):
+                                     cp_m_scan: bool, cp_dh_scan: bool, prefix: str, backend: str, interpret: bool):
     """Causal convs and the core with the sequence split over the mesh's context axis (GDN.md 3).
 
     Each rank holds a [B, T / P] slice: the convs read the previous rank's last W-1 pre-conv tokens
@@ -174,7 +174,7 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
             convolved.append(causal_conv(x, taps_WHC, seg, tail, tail_seg)[0])
         return gated_delta_rule_context_parallel(
             *convolved, g, beta, segment_ids=seg, axis_name=axis, chunk_size=chunk_size, normalize_qk=True,
-            m_scan=m_scan, dh_scan=dh_scan, prefix=prefix, backend=backend, interpret=interpret)
+            cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan, prefix=prefix, backend=backend, interpret=interpret)
 
     # check_vma off: the core's custom backward places its own collectives.
     return jax.shard_map(local, in_specs=(taps, taps, taps, token, token, token, gate, gate, ids),
@@ -223,7 +223,7 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     if state is None and context_ranks() > 1:
         q, k, v = (_heads(t, p[name]) for t, name in zip((q, k, v), CONV_TAPS))
         o_BTUv = _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, chunk_size=chunk_size,
-                                                 m_scan=cp_m_scan, dh_scan=cp_dh_scan, prefix=cp_prefix,
+                                                 cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan, prefix=cp_prefix,
                                                  backend=backend, interpret=interpret)
     else:
         tails = None if state is None else [state[name] for name in CONV_TAPS]

@@ -248,7 +248,7 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
     mm = (functools.partial(K.gmm_fp8, group_offset=group_offset, backend=plan.backend) if plan.fp8
           else functools.partial(K.gmm, **kw))
     if plan.wi_fused_swiglu:
-        out = K.gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,
+        out = K.wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,
                            tile_n_per_half=plan.tile_n_per_half, epilogue=plan.epilogue,
                            rhs_buffer_count=plan.rhs_buffer_count, **kw)
         h_MF, preact_M2F = out if plan.wo_fused_dswiglu else (out, None)
@@ -258,7 +258,7 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
         h_MF = swiglu(preact_M2F)
         preact_tile = None  # the unfused matmul stores contiguous [gate | up]
     if plan.wo_fused_dswiglu:
-        y_MD = K.gmm_dswiglu(h_MF, wo_GFD, group_sizes_E, preact=preact_M2F,
+        y_MD = K.wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, preact=preact_M2F,
                              preact_tile_n_per_half=preact_tile, row_scale=row_scale_M,
                              epilogue=plan.epilogue, **kw)
     else:

@@ -19,10 +19,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 
+# The logical axis of a weight's FSDP dimension. Its rule lists every mesh axis that is
+# data-parallel for weights; each weight is split there over those of them that its other
+# dimensions leave free, and gathers them where it is used (`at_use_spec`). So a dense weight is
+# split over fsdp x context x expert (the ranks that split a sequence or hold other experts are
+# data-parallel for it) and a routed expert weight over fsdp x context beside its experts' axis.
+# mesh.data is the replica axis: weights are whole on each of its ranks.
+FSDP_AXIS = "embed"
+
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp", "expert"),
     "seq": "context",
-    "embed": "fsdp",
+    FSDP_AXIS: ("fsdp", "context", "expert"),
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -52,24 +60,34 @@ def mesh_axes_of(entry: MeshAxes) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _entry(mesh_axes: tuple[str, ...]) -> MeshAxes:
+    return None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+
+
 def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, MeshAxes] | None = None) -> PartitionSpec:
-    """Map logical axes to a PartitionSpec; a mesh axis used twice raises (a rules collision)."""
+    """Map logical axes to a PartitionSpec; a mesh axis used twice raises (a rules collision).
+
+    The FSDP dimension (FSDP_AXIS) takes the mesh axes of its rule that no other dimension of the
+    same array uses, so it never collides."""
     rules = _active_rules.get() if rules is None else rules
     used: dict[str, str] = {}
-    out = []
-    for name in axes:
-        if name is None:
-            out.append(None)
+    out: list[MeshAxes] = [None] * len(axes)
+    for i, name in enumerate(axes):
+        if name is None or name == FSDP_AXIS:
             continue
         if name not in rules:
             raise AxisRuleError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
-        mesh_axes = rules[name]
-        for m in mesh_axes_of(mesh_axes):
+        for m in mesh_axes_of(rules[name]):
             if m in used:
                 raise AxisRuleError(f"mesh axis {m!r} is used by both logical axes {used[m]!r} and {name!r} "
                                     f"in {tuple(axes)}")
             used[m] = name
-        out.append(mesh_axes)
+        out[i] = rules[name]
+    fsdp_dims = [i for i, name in enumerate(axes) if name == FSDP_AXIS]
+    if len(fsdp_dims) > 1:
+        raise AxisRuleError(f"logical axis {FSDP_AXIS!r} names two dimensions of {tuple(axes)}")
+    if fsdp_dims:
+        out[fsdp_dims[0]] = _entry(tuple(m for m in mesh_axes_of(rules.get(FSDP_AXIS)) if m not in used))
     return PartitionSpec(*out)
 
 
@@ -99,22 +117,19 @@ def constrain(x: jax.Array, *axes: str | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
 
 
-def _without(entry: MeshAxes, axis: str) -> MeshAxes:
-    if entry is None or entry == axis:
-        return None
-    if isinstance(entry, str):
-        return entry
-    kept = tuple(a for a in entry if a != axis)
-    return kept if len(kept) > 1 else (kept[0] if kept else None)
-
-
 def at_use_spec(axes) -> PartitionSpec:
-    """A weight's stored sharding with the FSDP axis gathered (its layout where it is used)."""
-    return PartitionSpec(*(_without(e, "fsdp") for e in logical_to_spec(axes)))
+    """A weight's stored sharding with its FSDP dimension gathered (its layout where it is used)."""
+    return logical_to_spec(tuple(None if a == FSDP_AXIS else a for a in axes))
+
+
+def gathered_at_use(axes) -> tuple[tuple[str, ...], ...]:
+    """Per dimension, the mesh axes a weight gathers where it is used (stored minus at-use)."""
+    return tuple(tuple(m for m in mesh_axes_of(s) if m not in mesh_axes_of(u))
+                 for s, u in zip(logical_to_spec(axes), at_use_spec(axes)))
 
 
 def constrain_at_use(w: jax.Array, axes) -> jax.Array:
-    """A weight where it is used: its stored sharding with the FSDP axis gathered.
+    """A weight where it is used: its stored sharding with the FSDP dimension gathered.
 
     Naming the gather makes FSDP explicit (left to itself the partitioner may instead shard the
     contraction and reshuffle activations); the transpose of this constraint reduce-scatters the

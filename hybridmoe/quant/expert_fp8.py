@@ -8,7 +8,8 @@ every MoE path (default grouped matmul, the kernel family with its levers, exper
 the dense reference) sees the quantized weights.
 
 The weight is quantized on its FSDP shard and then all-gathered, both written explicitly in one
-shard_map (the FSDP gather at use, made by `constrain_at_use` for every other weight): the
+shard_map (the FSDP gather at use, made by `constrain_at_use` for every other weight; the FSDP
+dimension is split over every data-parallel mesh axis the rules give it, parallel/rules.py): the
 absmax reduces over the contracting axis, which is FSDP-sharded for wi, so each layer pays a max
 all-reduce per pass (forward and replay). quant.fp8_fake_quant_hoist:
 - off: as above.
@@ -27,16 +28,17 @@ Collectives of the absmax run under the name scope "fp8_absmax" (the program pro
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import PartitionSpec
 
 from hybridmoe.config.schema import Config, QuantConfig
-from hybridmoe.parallel.rules import at_use_spec, constrain_at_use, logical_to_spec, mesh_axes_of
+from hybridmoe.parallel.rules import at_use_spec, constrain_at_use, gathered_at_use, logical_to_spec, mesh_axes_of
 from hybridmoe.kernels import fp8
 
 ROUTED = ("wi", "wo")
 CONTRACT = 1          # wi [E, D, 2F] contracts D, wo [E, F, D] contracts F
-FSDP = "fsdp"
 ABSMAX_SCOPE = "fp8_absmax"
 
 
@@ -56,15 +58,16 @@ def _local_absmax(w_blk, contract_axes, axis: int):
         return jax.lax.pmax(amax, contract_axes) if contract_axes else amax
 
 
-def _gather(x_blk, stored: PartitionSpec, gather_axes):
-    """All-gather the FSDP-sharded dims of a weight block (the result is invariant over them)."""
-    if not gather_axes:
-        return x_blk
-    for dim, entry in enumerate(stored):
-        if FSDP in mesh_axes_of(entry):
-            if mesh_axes_of(entry)[-1] != FSDP:
-                raise ValueError(f"FSDP must be the minor mesh axis of a gathered weight dim; got {entry}")
-            x_blk = jax.lax.all_gather(x_blk, gather_axes, axis=dim, tiled=True, to="invarying")
+def _gather(x_blk, stored: PartitionSpec, gathered):
+    """All-gather the FSDP-sharded dims of a weight block (the result is invariant over them).
+
+    gathered: per dim, the mesh axes gathered there (rules.gathered_at_use), or () for none."""
+    for dim, (entry, axes) in enumerate(zip(stored, gathered)):
+        if not axes:
+            continue
+        if mesh_axes_of(entry)[-len(axes):] != axes:
+            raise ValueError(f"the gathered mesh axes {axes} must be the minor ones of the weight dim {entry}")
+        x_blk = jax.lax.all_gather(x_blk, axes, axis=dim, tiled=True, to="invarying")
     return x_blk
 
 
@@ -79,11 +82,11 @@ def cotangent_to_shard(ct, stored: PartitionSpec):
     return jax.lax.with_sharding_constraint(ct, stored)
 
 
-def _gather8(w, amax_local, amax_full, mesh, stored, used, gather_axes):
+def _gather8(w, amax_local, amax_full, mesh, stored, used, gathered):
     def body(w_blk, amax_blk, amax_full_blk):
         scale = fp8.scale_from_absmax(amax_blk)
         codes = fp8.positive_zero(fp8.quantize(w_blk, scale))
-        codes = _gather(codes, stored, gather_axes)
+        codes = _gather(codes, stored, gathered)
         return dequantize_gathered(codes, fp8.scale_from_absmax(amax_full_blk), w_blk.dtype)
 
     run = jax.shard_map(body, mesh=mesh, in_specs=(stored, _amax_spec(stored), _amax_spec(used)),
@@ -114,25 +117,24 @@ def weight_at_use(w, axes, mode: str, amax=None):
             raise ValueError("quant.fp8_fake_quant_hoist=gather8 needs a device mesh with an FSDP-sharded "
                              "expert weight; there is no mesh here")
         return fp8.fake_quant(w, CONTRACT, amax)
-    stored, used = logical_to_spec(axes), at_use_spec(axes)
+    stored, used, gathered = logical_to_spec(axes), at_use_spec(axes), gathered_at_use(axes)
     # Collectives over size-1 axes too: shard_map types every manual axis, and XLA drops them.
     contract_axes = mesh_axes_of(tuple(stored)[CONTRACT])
-    gather_axes = (FSDP,)
     if mode == "gather8":
-        if mesh.shape[FSDP] == 1 or not any(FSDP in mesh_axes_of(e) for e in stored):
-            # The validation pass refuses this at load or, with mesh.fsdp=-1, at set-up on the real mesh.
+        if math.prod(mesh.shape[a] for dim in gathered for a in dim) == 1:
+            # The validation pass refuses this at load or, with a -1 axis, at set-up on the real mesh.
             raise ValueError(f"quant.fp8_fake_quant_hoist=gather8 needs an FSDP-sharded expert weight; "
-                             f"the mesh's fsdp axis is {mesh.shape[FSDP]} and the weight is {stored}")
-        return _gather8(w, amax, amax, mesh, stored, used, gather_axes)
+                             f"the weight is {stored} on a mesh of {dict(mesh.shape)}: nothing to gather")
+        return _gather8(w, amax, amax, mesh, stored, used, gathered)
     if amax is None:
         def body(w_blk):
             return _gather(fp8.fake_quant(w_blk, CONTRACT, _local_absmax(w_blk, contract_axes, CONTRACT)),
-                           stored, gather_axes)
+                           stored, gathered)
 
         return jax.shard_map(body, mesh=mesh, in_specs=stored, out_specs=used)(w)
 
     def body(w_blk, amax_blk):
-        return _gather(fp8.fake_quant(w_blk, CONTRACT, amax_blk), stored, gather_axes)
+        return _gather(fp8.fake_quant(w_blk, CONTRACT, amax_blk), stored, gathered)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(stored, _amax_spec(stored)), out_specs=used)(w, amax)
 
@@ -145,14 +147,17 @@ def stacked_absmax(w_LEKN, axes, mode: str):
         return fp8.absmax(w_LEKN, CONTRACT + 1)
     stored, used = logical_to_spec(axes), at_use_spec(axes)
     contract_axes = mesh_axes_of(tuple(stored)[CONTRACT])
-    gather_axes = (FSDP,) if mode == "gather8" else ()
     stack = PartitionSpec(None, *stored)
+    amax_stored = _amax_spec(stored, leading=(None,))
+    # gather8: the stack in the gathered layout (the contracting dim is size 1, nothing to gather there).
+    gathered = ((),) + tuple(() if d == CONTRACT else g for d, g in enumerate(gathered_at_use(axes))) \
+        if mode == "gather8" else ()
 
     def body(w_blk):
         amax = _local_absmax(w_blk, contract_axes, CONTRACT + 1)
-        return _gather(amax, _amax_spec(stored, leading=(None,)), gather_axes)
+        return _gather(amax, amax_stored, gathered)
 
-    out = _amax_spec(used if gather_axes else stored, leading=(None,))
+    out = _amax_spec(used if mode == "gather8" else stored, leading=(None,))
     return jax.shard_map(body, mesh=mesh, in_specs=stack, out_specs=out)(w_LEKN)
 
 

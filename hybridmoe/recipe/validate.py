@@ -14,6 +14,7 @@ from contextvars import ContextVar
 
 from hybridmoe.config.errors import ConfigError, Problem
 from hybridmoe.config.schema import CHECKPOINT_NAMES, Config
+from hybridmoe.kernels.attention import limits as attention_limits
 from hybridmoe.kernels.gdn import limits as gdn_limits
 from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.platform import PALLAS_PLATFORMS
@@ -367,6 +368,62 @@ def _attention_context_parallel(cfg: Config) -> list[Problem]:
     return out
 
 
+# The attention core (kernels.attention): a backend the platform runs, blocks that tile the rows.
+
+
+def _attention_backend(cfg: Config) -> str:
+    """kernels.attention.backend with `auto` resolved for the platform the program is for."""
+    choice = cfg.kernels.attention.backend
+    return attention_limits.resolve(choice, _run_platform(cfg)) if choice == "auto" else choice
+
+
+def attention_block_problems(cfg: Config, rows: int, rows_what: str) -> list[Problem]:
+    """kernels.attention.block_q / block_k against rows of `rows` tokens (train.seq_len, or the rl
+    rows): the query blocks tile each context rank's queries, the key blocks the keys it attends
+    (every key of the row, all-gathered under context parallelism)."""
+    a = cfg.kernels.attention
+    P = _context_size(cfg)
+    if not (a.block_q or a.block_k) or "attention" not in cfg.model.layer_pattern or P is None or rows % P:
+        return []  # unknown context size: decided again on the built mesh; rows % P: reported under the rows' key
+    backend, out = _attention_backend(cfg), []
+    t = rows // P
+    if backend == "blocked":
+        if a.block_k:
+            out.append(("kernels.attention.block_k", "kernels.attention.backend=blocked has no key blocks (each query "
+                        "block attends every key before it): set it to 0, or use a flash backend (xla, pallas_tpu)"))
+        if a.block_q and P > 1:
+            out.append(("kernels.attention.block_q", f"under context parallelism (mesh.context={P}) "
+                        "kernels.attention.backend=blocked runs the masked core over the gathered keys, which has no "
+                        "query blocks: set it to 0, or use a flash backend (xla, pallas_tpu)"))
+            return out
+        multiple = 1
+    else:
+        multiple = attention_limits.block_multiple(backend, hardware=not cfg.kernels.interpret)
+    q_what = f"local queries ({rows_what} / mesh.context={P})" if P > 1 else f"queries ({rows_what})"
+    k_what = f"keys ({rows_what}, every key gathered to each context rank)" if P > 1 else f"keys ({rows_what})"
+    for name, block, length, what in (("block_q", a.block_q, t, q_what), ("block_k", a.block_k, rows, k_what)):
+        problem = block and attention_limits.block_problem(f"kernels.attention.{name}", block, length, what, multiple)
+        if problem:
+            fit = attention_limits.fit_block(block, length, multiple)
+            out.append((f"kernels.attention.{name}", f"{problem}; e.g. kernels.attention.{name}={fit}"))
+    return out
+
+
+@rule("kernels.attention.backend", "kernels.attention.block_q", "kernels.attention.block_k")
+def _kernels_attention(cfg: Config) -> list[Problem]:
+    a, out = cfg.kernels.attention, []
+    backend = _attention_backend(cfg)
+    if backend not in attention_limits.BUILT:
+        out.append(("kernels.attention.backend", f"{backend} is not built yet (its Triton kernels are issue 18 item "
+                    "3); use xla (flash attention in XLA ops, any platform) or auto"))
+    elif backend in PALLAS_PLATFORMS and not cfg.kernels.interpret:
+        platform = _run_platform(cfg)
+        if platform not in PALLAS_PLATFORMS[backend]:
+            out.append(("kernels.attention.backend", f"{backend} cannot run on this platform ({platform}); use auto or "
+                        "xla, or kernels.interpret=true to run the Pallas kernels interpreted"))
+    return out + attention_block_problems(cfg, cfg.train.seq_len, f"train.seq_len={cfg.train.seq_len}")
+
+
 @rule("moe.routing_replay", "moe.wi_fused_swiglu", "moe.wo_fused_dswiglu", "moe.router_grad_from_wo_input", "moe.capacity_factor", "kernels.gmm.backend", "mesh.expert")
 def _moe_routing_replay(cfg: Config) -> list[Problem]:
     # Replay feeds the sampler's expert ids into the trainer's default MoE program; the levers and
@@ -398,8 +455,9 @@ def _round_up(n: int, multiple: int) -> int:
 def rl_sequence_problems(cfg: Config) -> list[Problem]:
     """The GRPO update's rows (rl.max_prompt_len + rl.max_new_tokens tokens) split over
     mesh.context like training rows, in whole GDN chunks per rank, and the sampler's prompt rows
-    [B, rl.max_prompt_len] split over it as they are handed in."""
-    ranks, r, out = _context_size(cfg), cfg.rl, []
+    [B, rl.max_prompt_len] split over it as they are handed in; the attention blocks tile those rows."""
+    ranks, r = _context_size(cfg), cfg.rl
+    out = attention_block_problems(cfg, r.sequence_len, f"rl.max_prompt_len + rl.max_new_tokens = {r.sequence_len}")
     if not ranks or ranks <= 1:
         return out
     if r.max_prompt_len % ranks:
@@ -484,14 +542,20 @@ def _kernels_gdn_backend(cfg: Config) -> list[Problem]:
 # fp8: fake quantization of the routed experts and its hoist (LEVERS.md, "fp8").
 
 
-def _fsdp_size(cfg: Config) -> int | None:
-    """The fsdp axis size when the config fixes it (explicitly, or through simulated devices)."""
-    if cfg.mesh.fsdp != -1:
-        return cfg.mesh.fsdp
-    if cfg.mesh.cpu_devices:
-        sizes, problem = cfg.mesh.resolve(cfg.mesh.cpu_devices)
-        return None if problem else sizes["fsdp"]
-    return None
+def _expert_fsdp_shards(cfg: Config) -> tuple[int | None, str]:
+    """(shards of the routed expert weights' FSDP dimension, or None where a -1 axis it uses is not
+    known at load; the mesh axes as text). Read from the weight declaration and the rules table."""
+    from hybridmoe.model.fit import known_mesh_sizes
+    from hybridmoe.model.params import layer_axes
+    from hybridmoe.parallel.rules import FSDP_AXIS, RULES_TABLES, logical_to_spec, mesh_axes_of
+
+    wi_axes = layer_axes(cfg.model)[0]["moe"]["wi"]
+    entry = logical_to_spec(wi_axes, RULES_TABLES[cfg.mesh.rules])[wi_axes.index(FSDP_AXIS)]
+    axes, sizes = mesh_axes_of(entry), known_mesh_sizes(cfg.mesh)
+    text = " x ".join(f"mesh.{a}" for a in axes) or "no mesh axis"
+    if any(a not in sizes for a in axes):
+        return None, text
+    return math.prod(sizes[a] for a in axes), text
 
 
 @rule("quant.fp8_fake_quant_hoist")
@@ -505,10 +569,10 @@ def _quant_fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
     if mode == "gather8":
         if cfg.moe.impl != "sparse":
             unmet.append("gather8 needs moe.impl=sparse (the grouped-matmul path)")
-        fsdp = _fsdp_size(cfg)
-        if fsdp == 1:
-            unmet.append("gather8 needs FSDP-sharded expert weights (mesh.fsdp > 1): with mesh.fsdp=1 "
-                         "nothing is gathered")
+        shards, axes = _expert_fsdp_shards(cfg)
+        if shards == 1:
+            unmet.append(f"gather8 needs FSDP-sharded expert weights: their FSDP dimension is split over {axes}, "
+                         "1 shard, so nothing is gathered (give mesh.fsdp or mesh.context a size > 1)")
     return [("quant.fp8_fake_quant_hoist", "; ".join(unmet))] if unmet else []
 
 

@@ -13,10 +13,10 @@ update. The sampler's log-probs (the distribution actually sampled, truncation i
 the importance correction (rl.importance_correction) and the logged train/sampler gap.
 
 One update's rows are split into M micro-batches [M, b, T]. Per micro-batch: the decoder's hidden
-states, per-token log-probs and entropies by `chunked_token_logprobs` (never the [tokens, vocab]
+states, per-token log-probs and entropies by `model.forward.next_token_logprobs` (never the [tokens, vocab]
 logits), the clipped objective with the update-wide normaliser (so the micro-batch losses and
 gradients sum to exactly those of one big batch), optionally the k3 KL to a frozen reference
-policy. `train.step.accumulate_grads` sums losses, metric numerators and gradients over the
+policy. `run.step.accumulate_grads` sums losses, metric numerators and gradients over the
 micro-batches (the ratio's max and min reduce by max and min); then clipping and AdamW as in
 supervised training. `combine_update_metrics` reduces the metrics of a rollout's updates the same way.
 
@@ -35,8 +35,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridmoe.config.schema import Config
-from hybridmoe.model.forward import decoder_hidden, lm_head_at_use
-from hybridmoe.rl.logprobs import chunked_token_logprobs
+from hybridmoe.model.forward import next_token_logprobs
 from hybridmoe.rl.objective import clipped_policy_loss, importance_weights
 from hybridmoe.run.step import accumulate_grads, guarded, keep_if_not, make_optimizer, skip_if_nonfinite
 
@@ -59,10 +58,8 @@ def rl_optimizer(cfg: Config) -> optax.GradientTransformation:
 def sequence_logprobs(params, cfg: Config, tokens_BT, segment_ids_BT, positions_BT, routing_BTLk=None):
     """(log p of each next token, entropy of each next-token distribution), float32 [B, T-1], of
     the policy at the sampling temperature; routing_BTLk: the sampler's experts (routing replay)."""
-    h = decoder_hidden(params, cfg, tokens_BT, segment_ids_BT, positions_BT, routing_BTLk=routing_BTLk)
-    return chunked_token_logprobs(h[:, :-1], lm_head_at_use(params).astype(h.dtype), tokens_BT[:, 1:],
-                                  chunk_tokens=cfg.rl.logprob_chunk_tokens, chunk_vocab=cfg.rl.logprob_chunk_vocab,
-                                  temperature=cfg.rl.temperature or 1.0)
+    return next_token_logprobs(params, cfg, tokens_BT, segment_ids_BT, positions_BT, routing_BTLk=routing_BTLk,
+                               temperature=cfg.rl.temperature or 1.0)
 
 
 def micro_batch_loss(params, ref_params, cfg: Config, mb):

@@ -378,7 +378,8 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
         if ckpt is not None and done > last_saved:
             try:
                 save(done)
-                log.warning("run stopped by an error after step %d; checkpointed it in %s", done - 1, out)
+                log.warning("run stopped by an error in step %d; checkpointed the state after step %d (checkpoint "
+                            "%d) in %s", done, done - 1, done, out)
             except Exception as e:  # noqa: BLE001 -- the original error is the one to report
                 log.warning("could not checkpoint step %d after the error: %s", done, e)
         raise

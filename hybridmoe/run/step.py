@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import optax
 
 from hybridmoe.config.schema import Config, TrainConfig
-from hybridmoe.model.forward import logits
-from hybridmoe.run.data import loss_mask
+from hybridmoe.model.forward import next_token_logprobs
+from hybridmoe.run.data import batch_loss_mask, loss_mask
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
@@ -28,15 +28,12 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
 
 def nll_sum(params, cfg: Config, batch, *, with_moe_dropped: bool = False):
     """(summed NLL over valid targets, number of valid targets) of one micro-batch
-    (with_moe_dropped: and the MoE rows its expert buffers dropped, int32)."""
-    lg = logits(params, cfg, batch["tokens"], batch["segment_ids"], batch["positions"],
-                with_moe_dropped=with_moe_dropped)
-    if with_moe_dropped:
-        lg, dropped = lg
-    lg = lg[:, :-1]
-    lp = jax.nn.log_softmax(lg, axis=-1)
-    tgt = jnp.take_along_axis(lp, batch["tokens"][:, 1:, None], axis=-1)[..., 0]
-    mask = loss_mask(batch["segment_ids"])
+    (with_moe_dropped: and the MoE rows its expert buffers dropped, int32). The log-probs come
+    from the chunked LM head: the [tokens, vocab] logits are never built."""
+    out = next_token_logprobs(params, cfg, batch["tokens"], batch["segment_ids"], batch["positions"],
+                              with_moe_dropped=with_moe_dropped)
+    tgt, dropped = out[0], (out[2] if with_moe_dropped else None)
+    mask = batch_loss_mask(batch)
     out = (-jnp.sum(jnp.where(mask, tgt, 0.0)), jnp.sum(mask))
     return (*out, dropped) if with_moe_dropped else out
 
@@ -118,7 +115,12 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation):
             (params, opt_state), skipped = skip_if_nonfinite(loss, grad_norm, new_state, (params, state["opt_state"]))
         else:
             (params, opt_state), skipped = new_state, jnp.int32(0)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "update_skipped": skipped}
+        # tokens: the next-token targets the step computed; loss_tokens: those the loss trains
+        # (fewer under data.loss_on=assistant), its denominator.
+        seg = batch["segment_ids"]
+        targets = jnp.sum(loss_mask(seg.reshape(-1, seg.shape[-1])))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": targets, "loss_tokens": count,
+                   "update_skipped": skipped}
         if report_dropped:
             metrics["moe_dropped"] = counts["moe_dropped"]
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics

@@ -37,12 +37,15 @@ def evaluate(policy, examples, reward_fns, *, samples: int, pass_threshold: floa
     for i, e in enumerate(examples):
         by_task[str(e.fields.get("task", "all"))].append(i)
     ks = sorted({1, samples})
+    failed_PS = failed.reshape(len(examples), samples)
     tasks = {}
     for name, idx in sorted(by_task.items()):
         c = passed_PS[idx].sum(axis=1)
         tasks[name] = {"prompts": len(idx), "samples": len(idx) * samples,
                        "mean_reward": float(rewards_PS[idx].mean()),
-                       **{f"pass@{k}": float(np.mean([pass_at_k(samples, int(ci), k) for ci in c])) for k in ks}}
+                       **{f"pass@{k}": float(np.mean([pass_at_k(samples, int(ci), k) for ci in c])) for k in ks},
+                       "reward_errors": int(failed_PS[idx].sum())}
+    kinds = {k: int(v) for k, v in counts.items() if k.startswith("raised:") or k == "nonfinite"}
     return {"tasks": tasks, "samples_per_prompt": samples, "pass_threshold": pass_threshold,
-            "reward_errors": int(sum(v for k, v in counts.items() if k.startswith("raised:") or k == "nonfinite")),
+            "reward_errors": int(failed.sum()), "reward_error_kinds": kinds,
             "generation": timing, "completions": [{**r, "reward": float(x)} for r, x in zip(records, rewards)]}

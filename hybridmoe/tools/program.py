@@ -370,6 +370,98 @@ def analyze(fn: Callable, *args, **kwargs) -> Program:
 
 
 # ---------------------------------------------------------------------------------------------
+# What fills memory at the peak (XLA's buffer assignment)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBuffer:
+    """One buffer live at the program's peak of memory, per device."""
+    value: str           # the HLO value: instruction name, and tuple index when not the whole result
+    bytes: int
+    shape: str           # dtype[dims] (a tuple result: "tuple")
+    op_name: str         # jax's name stack of the op that makes it ("" for an argument)
+    computation: str     # the HLO computation that makes it
+    loop: str | None     # the innermost while loop (the layer scan, ...) it is made in; None outside
+
+    @property
+    def in_loop(self) -> bool:
+        return self.loop is not None
+
+
+_PEAK_SECTION = re.compile(r"Live ranges at \d+ \(peak\):\n((?:[ \t]+\S.*\n?)+)")
+_PEAK_LINE = re.compile(r"^\s+(\S+?)(\{[\d,]*\})?: (\d+) bytes")
+_VALUE_LINE = re.compile(r"value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=\d+,offset=\d+\): (\S+)")
+
+
+def _shape_text(hlo_type: str) -> str:
+    """`f32[4,512]{1,0:T(8,128)}` -> `f32[4,512]`; a tuple type -> `tuple`."""
+    return "tuple" if hlo_type.startswith("(") else hlo_type.split("{", 1)[0]
+
+
+def peak_buffers(live_range_text: str, buffer_assignment_text: str, hlo_text: str) -> list[LiveBuffer]:
+    """The buffers live at the peak, largest first, from the dumps XLA writes with `xla_dump_to`:
+    the live-range report (its "Live ranges at N (peak)" section), the buffer assignment (each
+    value's shape) and the optimized HLO module (each instruction's computation, loop, op_name)."""
+    section = _PEAK_SECTION.search(live_range_text)
+    if not section:
+        return []
+    shapes = {}
+    for name, index, hlo_type in _VALUE_LINE.findall(buffer_assignment_text):
+        shapes.setdefault((name, index or "{}"), _shape_text(hlo_type))
+    where = {}
+    for comp, _, loop, _, ops in _walk_hlo(hlo_text):
+        for _, _, name, opname in ops:
+            where.setdefault(name, (comp, loop, opname))
+    out = []
+    for line in section.group(1).splitlines():
+        m = _PEAK_LINE.match(line)
+        if not m:
+            continue
+        name, index, nbytes = m.group(1), m.group(2) or "{}", int(m.group(3))
+        comp, loop, opname = where.get(name, ("?", None, ""))
+        if not opname and loop:  # a loop body's parameter: state the loop carries (the scan's stacks, ...)
+            opname = f"{where.get(loop, ('', None, ''))[2] or loop} [carried by the loop]"
+        value = name if index == "{}" else f"{name}{index}"
+        out.append(LiveBuffer(value, nbytes, shapes.get((name, index), "?"), opname, comp, loop))
+    return sorted(out, key=lambda b: -b.bytes)
+
+
+def compile_with_buffers(lowered, module_name: str | None = None):
+    """(compiled, the buffers live at its peak): compiles with XLA's dumps into a temporary folder
+    (removed after) and reads them. `module_name`: a regex of the module to dump (default all). A
+    compile that fails re-raises with the error's `peak_buffers` set: the compiler writes the buffer
+    assignment before it refuses a program for memory, so a refusal says what filled memory too."""
+    import glob
+    import os
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="hybridmoe-xla-dump-")
+    options = {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}
+    if module_name:
+        options["xla_dump_hlo_module_re"] = module_name
+
+    def read(suffix: str) -> str:
+        # The main module's files (kernel modules of Pallas calls are dumped beside it).
+        found = sorted(glob.glob(os.path.join(folder, f"*{suffix}")), key=os.path.getsize)
+        return open(found[-1]).read() if found else ""
+
+    def buffers(hlo_text: str) -> list[LiveBuffer]:
+        return peak_buffers(read("after_optimizations-live-range.txt"),
+                            read("after_optimizations-buffer-assignment.txt"), hlo_text)
+
+    try:
+        try:
+            compiled = lowered.compile(compiler_options=options)
+        except Exception as e:
+            e.peak_buffers = buffers(read("after_optimizations.txt"))
+            raise
+        return compiled, buffers(compiled.as_text())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # Remat residuals
 
 

@@ -1,16 +1,19 @@
-"""The training step as a compiled program, for this host or a TPU topology, and its facts.
+"""The training, GRPO and sampler steps as compiled programs, for this host or a TPU topology,
+and their facts.
 
-`compile_step` lowers and compiles the jitted training step for abstract inputs (nothing runs,
-no parameter is allocated) on the devices of a *target*: "cpu:N" (N simulated CPU devices of this
-host) or a TPU topology such as "tpu7x:2x2x1" or "v5p:4x4x4", whose compile-only devices come
-from `jax.experimental.topologies.get_topology_desc` (needs libtpu, installed by `jax[tpu]`).
-The Mosaic TPU compiler then runs for real, so memory and VMEM errors surface on this host.
+`compile_step` lowers and compiles one of them for abstract inputs (nothing runs, no parameter is
+allocated) on the devices of a *target*: "cpu:N" (N simulated CPU devices of this host) or a TPU
+topology such as "tpu7x:2x2x1" or "v5p:4x4x4", whose compile-only devices come from
+`jax.experimental.topologies.get_topology_desc` (needs libtpu, installed by `jax[tpu]`). The
+Mosaic TPU compiler then runs for real, so memory and VMEM errors surface on this host.
 
 `step_facts` reads what a compiled step says: per-device memory (arguments, outputs, aliased,
-temporaries and their sum, against the target's HBM), the collectives by kind, dtype and loop
-(per loop iteration: each op in a loop body runs once per iteration) and XLA's FLOP count;
-`saved_residuals` lists what one layer block keeps for the backward under the remat policy.
-The `inspect` command prints these; lever tests read the same functions.
+temporaries and their sum, against the target's HBM), the largest buffers live at the peak (XLA's
+buffer assignment: shape, the op that makes them, in or out of a loop), the collectives by kind,
+dtype and loop (per loop iteration: each op in a loop body runs once per iteration), XLA's FLOP
+count and the count from the model shape (XLA's leaves out Pallas kernels); `saved_residuals`
+lists what one layer block keeps for the backward under the remat policy. The `inspect` command
+prints these; lever tests read the same functions.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ class CompiledStep:
     compile_s: float
     residuals: list
     out_of_memory: dict | None = None   # what the refusal said (see `_out_of_hbm`)
+    peak_buffers: list = dataclasses.field(default_factory=list)  # program.LiveBuffer, largest first
+    program_name: str = "train"
 
 
 # The TPU compiler refuses a program whose buffers exceed the device's HBM (after buffer
@@ -124,7 +129,8 @@ def _out_of_hbm(error: Exception) -> dict | None:
     if not m:
         return None
     return {"temp": round(float(m.group(1)) * GIB), "available": round(float(m.group(2)) * GIB),
-            "message": str(error).strip().splitlines()[0][:400]}
+            "message": str(error).strip().splitlines()[0][:400],
+            "largest": buffer_rows(getattr(error, "peak_buffers", []))}
 
 
 _VMEM_REFUSAL = re.compile(r"CompileTimeScopedVmemOom.*?%([A-Za-z_][\w]*?)(?:\.\d+)? = ", re.S)
@@ -139,7 +145,7 @@ def _vmem_refusal(error: Exception, cfg: Config) -> ValueError | None:
     g = cfg.kernels.gmm
     return ValueError(f"the Pallas kernel {m.group(1)} does not fit the TPU core's VMEM at kernels.gmm.tm={g.tm} "
                       f"tk={g.tk} tn={g.tn} wi_fwd_tile_n_per_half={g.wi_fwd_tile_n_per_half}: lower the tiles "
-                      "(or, for gmm_swiglu_fwd, kernels.gmm.wi_fwd_rhs_buffer_count=1)")
+                      "(or, for wi_fused_swiglu_fwd, kernels.gmm.wi_fwd_rhs_buffer_count=1)")
 
 
 def shard_bytes(tree) -> int:
@@ -151,20 +157,77 @@ def shard_bytes(tree) -> int:
     return total
 
 
-def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True) -> CompiledStep:
-    """Lower and compile the training step for the target's devices (nothing is run). A TPU
-    compile refused for HBM comes back as a step without a program whose `out_of_memory` holds
-    the compiler's figure and the arguments' per-device bytes."""
-    from hybridmoe.run.setup import build, jit_train_step
+PROGRAMS = ("train", "grpo", "sample")
+
+
+def abstract_grpo_batch(cfg: Config, setup) -> dict:
+    """One GRPO update's batch as ShapeDtypeStructs [M, b, ...] (rl/grpo.py's fields and
+    shardings): the rows of one mini-batch in rl.micro_batches micro-batches of rl.sequence_len
+    tokens, with pi_old's log-probs when a rollout takes several updates."""
+    from hybridmoe.rl.grpo import update_batch_shardings
+
+    r, m = cfg.rl, cfg.model
+    M = r.micro_batches
+    b = r.rollouts_per_step // r.mini_batches // M
+    T = r.sequence_len
+    shardings = update_batch_shardings(setup, with_old_logprobs=r.updates_per_rollout > 1)
+    shapes = {"tokens": ((M, b, T), jnp.int32), "segment_ids": ((M, b, T), jnp.int32),
+              "positions": ((M, b, T), jnp.int32), "logp_sampler": ((M, b, T - 1), jnp.float32),
+              "mask": ((M, b, T - 1), jnp.float32), "advantages": ((M, b), jnp.float32), "keep": ((M, b), jnp.bool_),
+              "normalizer": ((M,), jnp.float32), "logp_old": ((M, b, T - 1), jnp.float32),
+              "routing": ((M, b, T, m.num_layers, m.num_experts_per_tok), jnp.int32)}
+    return {k: jax.ShapeDtypeStruct(*shapes[k], sharding=sh) for k, sh in shardings.items()}
+
+
+def _jitted_program(cfg: Config, setup, program_name: str):
+    """(the jitted function, its abstract inputs, the name of its HLO module) of one program."""
+    from hybridmoe.run.setup import jit_train_step
+
+    state = setup.abstract_state()
+    if program_name == "train":
+        return jit_train_step(setup), (state, abstract_batch(cfg, setup)), "jit_step"
+    if program_name == "grpo":
+        from hybridmoe.recipe.validate import check_rl_requirements
+        from hybridmoe.rl.grpo import jit_grpo_step, rl_optimizer
+
+        check_rl_requirements(cfg)
+        with_reference = cfg.rl.beta > 0
+        ref = state["params"] if with_reference else None
+        return (jit_grpo_step(setup, rl_optimizer(cfg), with_reference),
+                (state, ref, abstract_grpo_batch(cfg, setup)), "jit_step")
+    if program_name == "sample":
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from hybridmoe.rl.sampler import SamplingOptions, make_generate
+
+        r = cfg.rl
+        rows_sh = setup.batch_sharding(0)
+        replicated = NamedSharding(setup.mesh, PartitionSpec())
+        generate = make_generate(cfg, SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, top_k=r.top_k),
+                                 in_shardings=(setup.param_shardings, rows_sh, rows_sh, rows_sh, replicated))
+        prompts = jax.ShapeDtypeStruct((r.rollouts_per_step, r.max_prompt_len), jnp.int32, sharding=rows_sh)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+        return generate, (state["params"], prompts, prompts, prompts, key), "jit__lambda"
+    raise ValueError(f"unknown program {program_name!r}; choices: {', '.join(PROGRAMS)}")
+
+
+def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, program_name: str = "train") -> CompiledStep:
+    """Lower and compile one program for the target's devices (nothing is run): the supervised
+    training step ("train"), one GRPO update ("grpo": rl.* rows, micro-batches, pi_old and the
+    reference policy where the config holds them) or the sampler ("sample": one rollout batch's
+    prefill and its decode loop, KV cache and GDN state included). A TPU compile refused for HBM
+    comes back as a step without a program whose `out_of_memory` holds the compiler's figure and
+    the arguments' per-device bytes."""
+    from hybridmoe.run.setup import build
 
     setup = build(cfg, list(target.devices))
-    step = jit_train_step(setup)
     with setup.context():
+        fn, inputs, module = _jitted_program(cfg, setup, program_name)
         t0 = time.perf_counter()
-        inputs = (setup.abstract_state(), abstract_batch(cfg, setup))
-        lowered = step.lower(*inputs)
+        lowered = fn.lower(*inputs)
         try:
-            compiled = lowered.compile()
+            compiled, buffers = program.compile_with_buffers(lowered, module_name=module)
         except jax.errors.JaxRuntimeError as e:
             refusal = _out_of_hbm(e)
             if refusal is None:
@@ -175,10 +238,10 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True) ->
             refusal["argument"] = shard_bytes(inputs)
             return CompiledStep(cfg, target, None, time.perf_counter() - t0, [], refusal)
         compile_s = time.perf_counter() - t0
-        residuals = block_residuals(cfg, setup) if with_residuals else []
+        residuals = block_residuals(cfg, setup) if with_residuals and program_name == "train" else []
     prog = program.Program(lowered.as_text(), compiled.as_text(), program.memory_figures(compiled),
                            program.cost_figures(compiled))
-    return CompiledStep(cfg, target, prog, compile_s, residuals)
+    return CompiledStep(cfg, target, prog, compile_s, residuals, peak_buffers=buffers, program_name=program_name)
 
 
 def block_residuals(cfg: Config, setup) -> list[program.Residual]:
@@ -259,17 +322,45 @@ def refused_memory_facts(refusal: dict, hbm_bytes: int | None) -> dict:
             "fits": False, "refused": refusal["message"]}
 
 
+PEAK_BUFFERS_SHOWN = 12
+
+
+def buffer_rows(buffers: list[program.LiveBuffer], top: int = PEAK_BUFFERS_SHOWN) -> list[dict]:
+    """The largest buffers live at the peak, one row each (per device)."""
+    return [{"bytes": b.bytes, "shape": b.shape, "op_name": b.op_name, "value": b.value,
+             "where": f"in loop {b.loop}" if b.in_loop else "outside loops"} for b in buffers[:top]]
+
+
+def model_flops_per_device(cfg: Config, devices: int, program_name: str = "train") -> float | None:
+    """The step's useful FLOPs from the model shape (tools/flops.py) over the devices: XLA's count
+    leaves out the Pallas kernels, this one counts the work whatever runs it. The GRPO update: its
+    rows' forward + backward (a reference policy adds a forward); the sampler: not counted."""
+    from hybridmoe.tools.flops import step_flops
+
+    if program_name == "train":
+        return step_flops(cfg) / devices
+    if program_name == "grpo":
+        r = cfg.rl
+        rows = r.rollouts_per_step // r.mini_batches
+        fwd_bwd = step_flops(cfg, batch=rows, seq_len=r.sequence_len)
+        return fwd_bwd * (1 + (1 / 3 if r.beta > 0 else 0)) / devices
+    return None
+
+
 def step_facts(step: CompiledStep) -> dict:
     prog = step.program
+    model_flops = model_flops_per_device(step.cfg, step.target.num_devices, step.program_name)
     if prog is None:
         return {"target": step.target.name, "devices": step.target.num_devices,
                 "compile_s": round(step.compile_s, 1),
                 "memory": refused_memory_facts(step.out_of_memory, step.target.hbm_bytes_per_device),
-                "flops": None, "collectives": [], "saved_residuals": [], "saved_residual_bytes_per_block": None}
+                "flops": None, "model_flops": model_flops, "collectives": [], "saved_residuals": [],
+                "saved_residual_bytes_per_block": None, "peak_buffers": step.out_of_memory.get("largest", [])}
     return {"target": step.target.name, "devices": step.target.num_devices,
             "compile_s": round(step.compile_s, 1),
             "memory": memory_facts(prog, step.target.hbm_bytes_per_device),
-            "flops": prog.cost.get("flops"),
+            "flops": prog.cost.get("flops"), "model_flops": model_flops,
+            "peak_buffers": buffer_rows(step.peak_buffers),
             "collectives": collective_rows(prog.compiled_collectives),
             "saved_residuals": residual_rows(step.residuals),
             "saved_residual_bytes_per_block": residual_bytes(step.residuals)}
@@ -299,9 +390,10 @@ def format_facts(columns: dict[str, dict]) -> str:
     fits = {n: mem[n]["fits"] for n in names}
     lines.append(f"{'fits HBM':<34}" + "".join(
         f"{'-' if fits[n] is None else ('yes' if fits[n] else 'NO'):>{width + 2}}" for n in names))
-    lines.append(f"{'TFLOPs per device (XLA)':<34}" + "".join(
-        f"{'-' if columns[n]['flops'] is None else format(columns[n]['flops'] / 1e12, '.4f'):>{width + 2}}"
-        for n in names))
+    for key, label in (("flops", "TFLOPs per device (XLA)"), ("model_flops", "TFLOPs per device (model shape)")):
+        lines.append(f"{label:<34}" + "".join(
+            f"{'-' if columns[n].get(key) is None else format(columns[n][key] / 1e12, '.4f'):>{width + 2}}"
+            for n in names))
     lines.append(f"{'compile s':<34}" + "".join(f"{columns[n]['compile_s']:>{width + 2}.1f}" for n in names))
     lines.append("")
     lines.append("collectives (compiled; ops and MiB per execution of the place, per device)")
@@ -324,6 +416,13 @@ def format_facts(columns: dict[str, dict]) -> str:
         lines.append(f"  {rn:<32}" + "".join(f"{c:>{width + 2}}" for c in cells))
     lines.append(f"  {'all residuals (named or not)':<32}" + "".join(
         f"{_in(2**20)(columns[n]['saved_residual_bytes_per_block']):>{width + 2}}" for n in names))
+    for n in names:
+        rows = columns[n].get("peak_buffers") or []
+        if rows:
+            lines.append("")
+            lines.append(f"{n}: the largest buffers live at the peak (per device)")
+            for r in rows:
+                lines.append(f"  {fmt(r['bytes']):>9} {unit}  {r['shape']:<28} {r['where']:<22} {r['op_name'][:110]}")
     for n in names:
         if mem[n].get("refused"):
             lines.append(f"{n}: the compiler refused the step for memory (temporaries as it reports them, "

@@ -68,7 +68,7 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, overwri
                 m = {k: float(v) for k, v in fetch_global(m).items()}
                 dt = time.perf_counter() - t0
                 rec = {"step": step, "loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": int(m["tokens"]),
-                       "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}
+                       "loss_tokens": int(m["loss_tokens"]), "tokens_per_s": m["tokens"] / dt, "step_time_s": dt}
                 if "moe_dropped" in m:  # expert buffers (moe.capacity_factor > 0) report their drops
                     rec["moe_dropped"] = int(m["moe_dropped"])
                 rec["update_skipped"] = int(m["update_skipped"])

@@ -159,6 +159,21 @@ def blocks_to_rows(x_BGIW, group: int):
     return jnp.moveaxis(x, 3, 2).reshape(B, G, group, nq * (W // group))
 
 
+def vary_like(tree, *refs):
+    """`tree`'s arrays typed as varying over every manual mesh axis the refs vary over (inside
+    shard_map a loop's initial carry, made of constants, must carry its body's type; outside
+    shard_map a no-op)."""
+    import jax
+
+    want = frozenset().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))
+
+    def cast(a):
+        missing = want - jax.typeof(a).manual_axis_type.varying
+        return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
+
+    return jax.tree.map(cast, tree)
+
+
 # ---------------------------------------------------------------------------------------------
 # Block math
 

@@ -55,16 +55,15 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe.kernels.attention import flash_block as fb
+from hybridmoe.kernels.attention import limits
 from hybridmoe.kernels.attention import xla
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
-_PLATFORM_DEFAULT = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
 
 def platform_default(platform: str) -> str:
-    """The best backend on a platform (jax.default_backend() names): pallas_tpu on TPU, pallas_gpu on
-    an NVIDIA GPU, xla elsewhere."""
-    return _PLATFORM_DEFAULT.get(platform, "xla")
+    """The best flash backend on a platform (jax platform names): limits.resolve's `auto`."""
+    return limits.resolve("auto", platform)
 
 
 def _driver(backend: str):

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.attention import flash_block as fb
+from hybridmoe.kernels.attention import limits
 
 F32 = jnp.float32
 KERNEL_NAMES = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
@@ -160,12 +161,11 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, interpret
 
 
 def _check_blocks(block_q: int, block_k: int, T: int, S: int, interpret: bool):
-    if interpret:
-        return
-    for name, block, length in (("block_q", block_q, T), ("block_k", block_k, S)):
-        if block % 8 and block != length:
-            raise ValueError(f"flash attention pallas_tpu: {name}={block} must be a multiple of 8 (or the whole "
-                             f"length {length}) for Mosaic's (8, 128) tiles")
+    multiple = limits.block_multiple("pallas_tpu", hardware=not interpret)
+    for name, block, length, what in (("block_q", block_q, T, "queries"), ("block_k", block_k, S, "keys")):
+        problem = limits.block_problem(name, block, length, what, multiple)
+        if problem:
+            raise ValueError(f"flash attention pallas_tpu: {problem}")
 
 
 def forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *, scale: float, block_q: int,

@@ -67,6 +67,7 @@ def flash_forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg
     nq = T // block_q
     by_q, _ = fb.schedules(q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, block_q, block_k)
     q_ids, kv_ids = fb.id_blocks(q_pos_BT, q_seg_BT, block_q, R), fb.id_blocks(kv_pos_BS, kv_seg_BS, block_k)
+    varying = (q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS)
 
     def query_block(bi):
         b, i = bi // nq, bi % nq
@@ -82,7 +83,8 @@ def flash_forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg
                 lambda c: fb.forward_block(q, k, v, None, c, scale),
                 lambda c: fb.forward_block(q, k, v, fb.visible(q_pos, q_seg, kv_pos, kv_seg), c, scale), carry)
 
-        carry = jax.lax.fori_loop(0, by_q.count[b, i], key_block, fb.forward_init(R * block_q, A, (G,)))
+        init = fb.vary_like(fb.forward_init(R * block_q, A, (G,)), *varying)
+        carry = jax.lax.fori_loop(0, by_q.count[b, i], key_block, init)
         o, lse = fb.forward_finish(carry)
         return o.astype(q_BGRTA.dtype), lse[..., 0]
 
@@ -101,6 +103,7 @@ def flash_backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_po
     by_q, by_k = fb.schedules(q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, block_q, block_k)
     q_ids, kv_ids = fb.id_blocks(q_pos_BT, q_seg_BT, block_q, R), fb.id_blocks(kv_pos_BS, kv_seg_BS, block_k)
     lse_BGIW, delta_BGIW = fb.rows_to_blocks(lse_BGRT, block_q), fb.rows_to_blocks(delta_BGRT, block_q)
+    varying = (q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS)
 
     def dq_query_block(bi):
         b, i = bi // nq, bi % nq
@@ -117,7 +120,8 @@ def flash_backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_po
                 lambda: fb.dq_block(q, k, v, do, lse, delta, None, scale),
                 lambda: fb.dq_block(q, k, v, do, lse, delta, fb.visible(q_pos, q_seg, kv_pos, kv_seg), scale))
 
-        return jax.lax.fori_loop(0, by_q.count[b, i], key_block, jnp.zeros((G, R * block_q, A), jnp.float32))
+        zeros = fb.vary_like(jnp.zeros((G, R * block_q, A), jnp.float32), *varying)
+        return jax.lax.fori_loop(0, by_q.count[b, i], key_block, zeros)
 
     def dkv_key_block(bj):
         b, j = bj // nk, bj % nk
@@ -135,7 +139,7 @@ def flash_backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_po
                 lambda: fb.dkv_block(k, v, q, do, lse, delta, fb.visible(q_pos, q_seg, kv_pos, kv_seg), scale))
             return dkv[0] + dk, dkv[1] + dv
 
-        zeros = jnp.zeros((G, block_k, A), jnp.float32)
+        zeros = fb.vary_like(jnp.zeros((G, block_k, A), jnp.float32), *varying)
         return jax.lax.fori_loop(0, by_k.count[b, j], query_block, (zeros, zeros))
 
     dq = _unfold(jax.lax.map(dq_query_block, jnp.arange(B * nq)), B, R)

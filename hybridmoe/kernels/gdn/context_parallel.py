@@ -39,17 +39,13 @@ from hybridmoe.kernels.gdn.xla import (
     chunk_terms,
     finish_backward,
     from_chunks,
+    matmul_highest,
     prepare_chunks,
     replay_chunks,
 )
 
-_HIGHEST = lax.Precision.HIGHEST
 PREFIXES = ("all_gather", "ppermute")
 TRANSITION_NAME, STATE_IN_NAME = "gdn_cp_transition", "gdn_cp_state_in"
-
-
-def _matmul(subscripts, *operands):
-    return jnp.einsum(subscripts, *operands, precision=_HIGHEST)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +56,7 @@ def _matmul(subscripts, *operands):
 def chunk_transitions(t: ChunkTerms):
     """M_c = decay I - K_bwd^T W for every chunk: [B, N, H, K, K] float32."""
     eye_KK = jnp.eye(t.w.shape[-1], dtype=t.w.dtype)
-    return t.decay[..., None, None] * eye_KK - _matmul("bnhck,bnhcj->bnhkj", t.k_to_end, t.w)
+    return t.decay[..., None, None] * eye_KK - matmul_highest("bnhck,bnhcj->bnhkj", t.k_to_end, t.w)
 
 
 def _fold_pairs(items_N, combine, identity):
@@ -72,16 +68,16 @@ def _fold_pairs(items_N, combine, identity):
     return tuple(a[0] for a in items_N)
 
 
-def transition_product_tree(t: ChunkTerms):
+def cp_m_tree_product(t: ChunkTerms):
     """M_r = M_{N-1} ... M_0 [B, H, K, K] by pairwise products (m[1::2] @ m[0::2])."""
     m_NBHKK = jnp.moveaxis(chunk_transitions(t), 1, 0)
     eye = jnp.broadcast_to(jnp.eye(m_NBHKK.shape[-1], dtype=m_NBHKK.dtype), m_NBHKK.shape[1:])
-    (m_BHKK,) = _fold_pairs((m_NBHKK,), lambda early, late: (_matmul("...ij,...jk->...ik", late[0], early[0]),),
+    (m_BHKK,) = _fold_pairs((m_NBHKK,), lambda early, late: (matmul_highest("...ij,...jk->...ik", late[0], early[0]),),
                             (eye,))
     return m_BHKK
 
 
-def transition_product_scan(t: ChunkTerms):
+def cp_m_scan_product(t: ChunkTerms):
     """M_r by one pass over chunks carrying one [K, K] product per head: M <- decay M - K_bwd^T (W M).
 
     The state step with U = 0 applied to the identity, in a fori_loop that reads chunk n in place
@@ -99,29 +95,29 @@ def transition_product_scan(t: ChunkTerms):
     return lax.fori_loop(0, num_chunks, step, eye_BHKK)
 
 
-def local_state_cotangent_tree(t: ChunkTerms, do_BNHCV):
+def cp_dh_tree_cotangent(t: ChunkTerms, do_BNHCV):
     """dS_loc: the cotangent at the shard's start from its outputs alone (zero cotangent at its end).
 
     Each chunk is the adjoint map x -> M_c^T x + e_c, e_c = Q_dec^T dO - W^T A_qk^T dO; the maps
     are composed pairwise over the materialised [N, H, K, K] stack of M_c^T.
     """
     mt_NBHKK = jnp.moveaxis(jnp.swapaxes(chunk_transitions(t), -1, -2), 1, 0)
-    e_BNHKV = _matmul("bnhck,bnhcv->bnhkv", t.q_decayed, do_BNHCV) - _matmul(
+    e_BNHKV = matmul_highest("bnhck,bnhcv->bnhkv", t.q_decayed, do_BNHCV) - matmul_highest(
         "bnhck,bnhdc,bnhdv->bnhkv", t.w, t.attn, do_BNHCV)
     e_NBHKV = jnp.moveaxis(e_BNHKV, 1, 0)
 
     def combine(early, late):  # x -> early(late(x)): the later chunk's map is applied first
         mt_early, e_early = early
         mt_late, e_late = late
-        return (_matmul("...ij,...jk->...ik", mt_early, mt_late),
-                _matmul("...ij,...jv->...iv", mt_early, e_late) + e_early)
+        return (matmul_highest("...ij,...jk->...ik", mt_early, mt_late),
+                matmul_highest("...ij,...jv->...iv", mt_early, e_late) + e_early)
 
     eye = jnp.broadcast_to(jnp.eye(mt_NBHKK.shape[-1], dtype=mt_NBHKK.dtype), mt_NBHKK.shape[1:])
     _, d_start_BHKV = _fold_pairs((mt_NBHKK, e_NBHKV), combine, (eye, jnp.zeros_like(e_NBHKV[0])))
     return d_start_BHKV
 
 
-def local_state_cotangent_scan(t: ChunkTerms, do_BNHCV):
+def cp_dh_scan_cotangent(t: ChunkTerms, do_BNHCV):
     """dS_loc by the reverse recurrence of GDN.md section 2 as one scan (no [N, H, K, K] stack)."""
     return chunk_end_cotangents(t, do_BNHCV, _zero_state(t))[1]
 
@@ -138,7 +134,7 @@ def _zero_state(t: ChunkTerms):
 
 
 def _apply(a_BHKK, x_BHKV, transpose):
-    return _matmul("bhjk,bhjv->bhkv" if transpose else "bhkj,bhjv->bhkv", a_BHKK, x_BHKV)
+    return matmul_highest("bhjk,bhjv->bhkv" if transpose else "bhkj,bhjv->bhkv", a_BHKK, x_BHKV)
 
 
 def exclusive_prefix_all_gather(a_BHKK, b_BHKV, axis_name, *, reverse=False):
@@ -184,7 +180,7 @@ def exclusive_prefix_ppermute(a_BHKK, b_BHKV, axis_name, *, reverse=False):
         has_prev = me + distance < ranks if reverse else me >= distance
         b_BHKV = jnp.where(has_prev, _apply(a_BHKK, b_prev, False) + b_BHKV, b_BHKV)
         if 2 * distance < ranks:
-            a_BHKK = jnp.where(has_prev, _matmul("...ij,...jk->...ik", a_BHKK, a_prev), a_BHKK)
+            a_BHKK = jnp.where(has_prev, matmul_highest("...ij,...jk->...ik", a_BHKK, a_prev), a_BHKK)
         distance *= 2
     return from_rank_before(b_BHKV, 1)  # the first rank in order receives zeros
 
@@ -208,20 +204,20 @@ def cross_rank_starts(starts_BT, segment_ids_BT, axis_name):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def context_parallel_core(x: ChunkInputs, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend="xla",
+def context_parallel_core(x: ChunkInputs, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend="xla",
                           interpret=False):
     """o [B, N, H, C, V] of this rank's chunks, the state entering the shard from the ranks before.
 
     A Pallas backend runs pass 2 and the backward's final pass as its kernels; pass 1, M_r
     and the local state cotangent stay in XLA (they need the chunk terms, not the kernels' outputs).
     """
-    return _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend, interpret)[0]
+    return _cp_fwd(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret)[0]
 
 
-def _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend, interpret):
+def _cp_fwd(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret):
     t = chunk_terms(x, starts_BNC)
     _, s_ext_BHKV = chunk_start_states(t, _zero_state(t))  # pass 1
-    m_BHKK = transition_product_scan(t) if m_scan else transition_product_tree(t)
+    m_BHKK = cp_m_scan_product(t) if cp_m_scan else cp_m_tree_product(t)
     m_BHKK = checkpoint_name(m_BHKK, TRANSITION_NAME)
     s_in_BHKV = checkpoint_name(exclusive_prefix(m_BHKK, s_ext_BHKV, axis_name, prefix=prefix), STATE_IN_NAME)
     if backend == "xla":  # pass 2
@@ -233,13 +229,13 @@ def _cp_fwd(x, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend, interpre
     return o_BNHCV, (x, starts_BNC, states_BNHKV, m_BHKK)
 
 
-def _cp_bwd(axis_name, m_scan, dh_scan, prefix, backend, interpret, residuals, do_BNHCV):
+def _cp_bwd(axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret, residuals, do_BNHCV):
     x, starts_BNC, states_BNHKV, m_BHKK = residuals
     if backend == "xla":
         local_vjp, t = replay_chunks((x, starts_BNC, states_BNHKV))
     else:
         t = chunk_terms(x, starts_BNC)
-    d_local_BHKV = (local_state_cotangent_scan if dh_scan else local_state_cotangent_tree)(t, do_BNHCV)
+    d_local_BHKV = (cp_dh_scan_cotangent if cp_dh_scan else cp_dh_tree_cotangent)(t, do_BNHCV)
     # dS_in_r = M_r^T dS_out_r + dS_loc_r, folded from the last rank down: the cotangent at this
     # shard's end is what the ranks after it send back.
     d_end_BHKV = exclusive_prefix(m_BHKK, d_local_BHKV, axis_name, prefix=prefix, reverse=True)
@@ -256,7 +252,7 @@ context_parallel_core.defvjp(_cp_fwd, _cp_bwd)
 
 def gated_delta_rule_context_parallel(
     q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids, axis_name, chunk_size: int = 64,
-    normalize_qk: bool = True, m_scan: bool = False, dh_scan: bool = False, prefix: str = "all_gather",
+    normalize_qk: bool = True, cp_m_scan: bool = False, cp_dh_scan: bool = False, prefix: str = "all_gather",
     backend: str = "xla", interpret: bool = False,
 ):
     """gated_delta_rule on this rank's shard of the sequence (inside shard_map over `axis_name`).
@@ -271,5 +267,5 @@ def gated_delta_rule_context_parallel(
                          f"chunks of {chunk_size}")
     starts_BT = cross_rank_starts(document_starts(segment_ids), segment_ids, axis_name)
     x, starts_BNC = prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size, normalize_qk)
-    o_BNHCV = context_parallel_core(x, starts_BNC, axis_name, m_scan, dh_scan, prefix, backend, interpret)
+    o_BNHCV = context_parallel_core(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret)
     return from_chunks(o_BNHCV).astype(v_BTHV.dtype)

@@ -33,8 +33,10 @@ _HIGHEST = lax.Precision.HIGHEST
 INVERSE_BLOCK_SIZE = 16
 
 
-def _matmul(subscripts, *operands):
+def matmul_highest(subscripts, *operands):
+    """einsum at HIGHEST precision (full float32 products on every backend)."""
     return jnp.einsum(subscripts, *operands, precision=_HIGHEST)
+
 
 
 def _forward_substitution_inverse(strict_lower_Acd):
@@ -50,7 +52,7 @@ def _forward_substitution_inverse(strict_lower_Acd):
     def substitute_row(row, inverse_Acd):
         # Rows >= `row` of the inverse are still identity rows, but L[row, j >= row] = 0 drops them.
         lower_row_Ac = lax.dynamic_index_in_dim(strict_lower_Acd, row, row_axis, keepdims=False)
-        new_row_Ad = eye[row] - _matmul("...j,...jd->...d", lower_row_Ac, inverse_Acd)
+        new_row_Ad = eye[row] - matmul_highest("...j,...jd->...d", lower_row_Ac, inverse_Acd)
         return lax.dynamic_update_index_in_dim(inverse_Acd, new_row_Ad, row, row_axis)
 
     return lax.fori_loop(1, size, substitute_row, jnp.broadcast_to(eye, strict_lower_Acd.shape))
@@ -82,21 +84,21 @@ def unit_lower_inverse(strict_lower_CD, block_size: int = INVERSE_BLOCK_SIZE):
 
     block_of = jnp.arange(size) // block_size
     off_diagonal_CD = jnp.where(block_of[:, None] > block_of[None, :], strict_lower_CD, 0.0)
-    neg_n_CD = -_matmul("...ce,...ed->...cd", diag_inverse_CD, off_diagonal_CD)
+    neg_n_CD = -matmul_highest("...ce,...ed->...cd", diag_inverse_CD, off_diagonal_CD)
     eye = jnp.eye(size, dtype=dtype)
     series_CD, power_CD, reach = eye + neg_n_CD, neg_n_CD, 2
     while reach < num_blocks:  # series_CD holds the terms (-N)^n for n < reach
-        power_CD = _matmul("...ce,...ed->...cd", power_CD, power_CD)
-        series_CD = _matmul("...ce,...ed->...cd", series_CD, eye + power_CD)
+        power_CD = matmul_highest("...ce,...ed->...cd", power_CD, power_CD)
+        series_CD = matmul_highest("...ce,...ed->...cd", series_CD, eye + power_CD)
         reach *= 2
-    return _matmul("...ce,...ed->...cd", series_CD, diag_inverse_CD)
+    return matmul_highest("...ce,...ed->...cd", series_CD, diag_inverse_CD)
 
 
 def unit_lower_inverse_adjoint(inverse_CD, d_inverse_CD):
     """The adjoint of a matrix inverse restricted to L's strictly lower part: dL = strict_lower(-T^T dT T^T)."""
     size = inverse_CD.shape[-1]
     strictly_lower = jnp.arange(size)[:, None] > jnp.arange(size)[None, :]
-    d_lower = -_matmul("...ec,...ef,...df->...cd", inverse_CD, d_inverse_CD, inverse_CD)
+    d_lower = -matmul_highest("...ec,...ef,...df->...cd", inverse_CD, d_inverse_CD, inverse_CD)
     return (jnp.where(strictly_lower, d_lower, 0.0),)
 
 
@@ -203,7 +205,7 @@ def chunk_factors(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_
     # carry that error into every later decay of the chunk. Summing g_t over (j, i] has no cancellation.
     # The sums over (j, i] for all i at once are one matmul with the [t <= i] mask (a cumsum over
     # the [C, C] array lowers to a reduce-window on CPU that re-adds up to C terms per entry).
-    log_segment_BNHCD = _matmul("it,bnhtj->bnhij", causal_CD.astype(jnp.float32),
+    log_segment_BNHCD = matmul_highest("it,bnhtj->bnhij", causal_CD.astype(jnp.float32),
                                 jnp.where(strictly_causal_CD, x.g[..., :, None], 0.0))
     log_from_start_BNHC = jnp.cumsum(x.g, axis=-1)  # decay from chunk start through token i
     log_to_end_BNHC = log_segment_BNHCD[..., -1, :]  # decay after token i to the chunk's end
@@ -215,7 +217,7 @@ def chunk_factors(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_
     decay_chunk_BNH = masked_exp(log_chunk_BNH, carries_state_BN[:, :, None])
 
     # WY form: T = (I + L)^-1, L = strict_lower(diag(beta) (K K^T) * Gamma).
-    kk_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.k, x.k)
+    kk_BNHCD = matmul_highest("bnhck,bnhdk->bnhcd", x.k, x.k)
     if wy_BNHCD is None:
         wy_BNHCD = inverse(jnp.where(strictly_causal_CD, x.beta[..., None] * kk_BNHCD * gamma_BNHCD, 0.0))
     return ChunkFactors(gamma_BNHCD, decay_from_start_BNHC, decay_to_end_BNHC, decay_chunk_BNH, kk_BNHCD,
@@ -224,9 +226,9 @@ def chunk_factors(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_
 
 
 def terms_from_factors(x: ChunkInputs, f: ChunkFactors) -> ChunkTerms:
-    w_BNHCK = _matmul("bnhcd,bnhdk->bnhck", f.wy, f.k_scaled)
-    u_BNHCV = _matmul("bnhcd,bnhdv->bnhcv", f.wy, f.v_scaled)
-    attn_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.q, x.k) * f.gamma
+    w_BNHCK = matmul_highest("bnhcd,bnhdk->bnhck", f.wy, f.k_scaled)
+    u_BNHCV = matmul_highest("bnhcd,bnhdv->bnhcv", f.wy, f.v_scaled)
+    attn_BNHCD = matmul_highest("bnhck,bnhdk->bnhcd", x.q, x.k) * f.gamma
     return ChunkTerms(w_BNHCK, u_BNHCV, attn_BNHCD, x.q * f.decay_from_start[..., None],
                       x.k * f.decay_to_end[..., None], f.decay)
 
@@ -238,8 +240,8 @@ def chunk_terms(x: ChunkInputs, starts_BNC, inverse=unit_lower_inverse_closed_fo
 
 def chunk_state_step(state_BHKV, w_BHCK, u_BHCV, k_to_end_BHCK, decay_BH):
     """S_next = decay S + K_bwd^T (U - W S): one chunk's transition of the state."""
-    v_new_BHCV = u_BHCV - _matmul("bhck,bhkv->bhcv", w_BHCK, state_BHKV)
-    return decay_BH[..., None, None] * state_BHKV + _matmul("bhck,bhcv->bhkv", k_to_end_BHCK, v_new_BHCV)
+    v_new_BHCV = u_BHCV - matmul_highest("bhck,bhkv->bhcv", w_BHCK, state_BHKV)
+    return decay_BH[..., None, None] * state_BHKV + matmul_highest("bhck,bhcv->bhkv", k_to_end_BHCK, v_new_BHCV)
 
 
 def chunk_start_states(t: ChunkTerms, initial_BHKV):
@@ -256,17 +258,19 @@ def chunk_start_states(t: ChunkTerms, initial_BHKV):
 
 def chunk_outputs(t: ChunkTerms, states_BNHKV):
     """Every chunk's output and end state from the state at its start (no sequential dependence)."""
-    v_new = t.u - _matmul("bnhck,bnhkv->bnhcv", t.w, states_BNHKV)
-    o_BNHCV = _matmul("bnhck,bnhkv->bnhcv", t.q_decayed, states_BNHKV) + _matmul("bnhcd,bnhdv->bnhcv", t.attn, v_new)
-    ends_BNHKV = t.decay[..., None, None] * states_BNHKV + _matmul("bnhck,bnhcv->bnhkv", t.k_to_end, v_new)
+    v_new = t.u - matmul_highest("bnhck,bnhkv->bnhcv", t.w, states_BNHKV)
+    o_BNHCV = (matmul_highest("bnhck,bnhkv->bnhcv", t.q_decayed, states_BNHKV)
+               + matmul_highest("bnhcd,bnhdv->bnhcv", t.attn, v_new))
+    ends_BNHKV = t.decay[..., None, None] * states_BNHKV + matmul_highest("bnhck,bnhcv->bnhkv", t.k_to_end, v_new)
     return o_BNHCV, ends_BNHKV
 
 
 def state_cotangent_step(d_end_BHKV, do_BHCV, w_BHCK, attn_BHCD, q_decayed_BHCK, k_to_end_BHCK, decay_BH):
     """GDN.md section 2's adjoint: dS_in = decay dS_out + Q_dec^T dO - W^T (A_qk^T dO + K_bwd dS_out)."""
-    d_v_new_BHCV = _matmul("bhcd,bhcv->bhdv", attn_BHCD, do_BHCV) + _matmul("bhck,bhkv->bhcv", k_to_end_BHCK, d_end_BHKV)
-    return (decay_BH[..., None, None] * d_end_BHKV + _matmul("bhck,bhcv->bhkv", q_decayed_BHCK, do_BHCV)
-            - _matmul("bhck,bhcv->bhkv", w_BHCK, d_v_new_BHCV))
+    d_v_new_BHCV = (matmul_highest("bhcd,bhcv->bhdv", attn_BHCD, do_BHCV)
+                    + matmul_highest("bhck,bhkv->bhcv", k_to_end_BHCK, d_end_BHKV))
+    return (decay_BH[..., None, None] * d_end_BHKV + matmul_highest("bhck,bhcv->bhkv", q_decayed_BHCK, do_BHCV)
+            - matmul_highest("bhck,bhcv->bhkv", w_BHCK, d_v_new_BHCV))
 
 
 def chunk_end_cotangents(t: ChunkTerms, do_BNHCV, d_final_BHKV):
@@ -303,37 +307,37 @@ def local_chunks_backward(x: ChunkInputs, f: ChunkFactors, t: ChunkTerms, states
     chunk_size = x.g.shape[-1]
     position = jnp.arange(chunk_size)
     strictly_causal_CD = position[:, None] > position[None, :]
-    v_new_BNHCV = t.u - _matmul("bnhck,bnhkv->bnhcv", t.w, states_BNHKV)
+    v_new_BNHCV = t.u - matmul_highest("bnhck,bnhkv->bnhcv", t.w, states_BNHKV)
 
     # Outputs and end state: O = Q_dec S + A_qk V_new, S_end = c S + K_bwd^T V_new.
-    d_v_new_BNHCV = (_matmul("bnhcd,bnhcv->bnhdv", t.attn, do_BNHCV)
-                     + _matmul("bnhck,bnhkv->bnhcv", t.k_to_end, d_ends_BNHKV))
-    d_attn_BNHCD = _matmul("bnhcv,bnhdv->bnhcd", do_BNHCV, v_new_BNHCV)
-    d_q_decayed_BNHCK = _matmul("bnhcv,bnhkv->bnhck", do_BNHCV, states_BNHKV)
-    d_k_to_end_BNHCK = _matmul("bnhcv,bnhkv->bnhck", v_new_BNHCV, d_ends_BNHKV)
+    d_v_new_BNHCV = (matmul_highest("bnhcd,bnhcv->bnhdv", t.attn, do_BNHCV)
+                     + matmul_highest("bnhck,bnhkv->bnhcv", t.k_to_end, d_ends_BNHKV))
+    d_attn_BNHCD = matmul_highest("bnhcv,bnhdv->bnhcd", do_BNHCV, v_new_BNHCV)
+    d_q_decayed_BNHCK = matmul_highest("bnhcv,bnhkv->bnhck", do_BNHCV, states_BNHKV)
+    d_k_to_end_BNHCK = matmul_highest("bnhcv,bnhkv->bnhck", v_new_BNHCV, d_ends_BNHKV)
     d_log_chunk_BNH = jnp.sum(states_BNHKV * d_ends_BNHKV, axis=(-2, -1)) * f.decay
 
     # V_new = U - W S; W = T K_s, U = T V_s.
-    d_w_BNHCK = -_matmul("bnhcv,bnhkv->bnhck", d_v_new_BNHCV, states_BNHKV)
-    d_k_scaled_BNHCK = _matmul("bnhcd,bnhck->bnhdk", f.wy, d_w_BNHCK)
-    d_v_scaled_BNHCV = _matmul("bnhcd,bnhcv->bnhdv", f.wy, d_v_new_BNHCV)
-    d_wy_BNHCD = (_matmul("bnhck,bnhdk->bnhcd", d_w_BNHCK, f.k_scaled)
-                  + _matmul("bnhcv,bnhdv->bnhcd", d_v_new_BNHCV, f.v_scaled))
+    d_w_BNHCK = -matmul_highest("bnhcv,bnhkv->bnhck", d_v_new_BNHCV, states_BNHKV)
+    d_k_scaled_BNHCK = matmul_highest("bnhcd,bnhck->bnhdk", f.wy, d_w_BNHCK)
+    d_v_scaled_BNHCV = matmul_highest("bnhcd,bnhcv->bnhdv", f.wy, d_v_new_BNHCV)
+    d_wy_BNHCD = (matmul_highest("bnhck,bnhdk->bnhcd", d_w_BNHCK, f.k_scaled)
+                  + matmul_highest("bnhcv,bnhdv->bnhcd", d_v_new_BNHCV, f.v_scaled))
     # T = (I + L)^-1: dL = strict(-T^T dT T^T).
-    t_d_wy = _matmul("bnhec,bnhed->bnhcd", f.wy, d_wy_BNHCD)
-    d_lower_BNHCD = jnp.where(strictly_causal_CD, -_matmul("bnhce,bnhde->bnhcd", t_d_wy, f.wy), 0.0)
+    t_d_wy = matmul_highest("bnhec,bnhed->bnhcd", f.wy, d_wy_BNHCD)
+    d_lower_BNHCD = jnp.where(strictly_causal_CD, -matmul_highest("bnhce,bnhde->bnhcd", t_d_wy, f.wy), 0.0)
 
     # L = strict(diag(beta) KK^T * Gamma) and A_qk = QK^T * Gamma.
     d_lower_gamma = d_lower_BNHCD * f.gamma
     d_kk_BNHCD = x.beta[..., None] * d_lower_gamma
-    qk_BNHCD = _matmul("bnhck,bnhdk->bnhcd", x.q, x.k)
+    qk_BNHCD = matmul_highest("bnhck,bnhdk->bnhcd", x.q, x.k)
     d_qk_BNHCD = d_attn_BNHCD * f.gamma
     # Cotangent of the log segment sums: (dGamma) * Gamma, zero wherever Gamma is masked.
     d_log_segment_BNHCD = (d_lower_gamma * x.beta[..., None] * f.kk + d_qk_BNHCD * qk_BNHCD)
 
-    dq = _matmul("bnhcd,bnhdk->bnhck", d_qk_BNHCD, x.k) + f.decay_from_start[..., None] * d_q_decayed_BNHCK
-    dk = (_matmul("bnhcd,bnhck->bnhdk", d_qk_BNHCD, x.q)
-          + _matmul("bnhcd,bnhdk->bnhck", d_kk_BNHCD + jnp.swapaxes(d_kk_BNHCD, -1, -2), x.k)
+    dq = matmul_highest("bnhcd,bnhdk->bnhck", d_qk_BNHCD, x.k) + f.decay_from_start[..., None] * d_q_decayed_BNHCK
+    dk = (matmul_highest("bnhcd,bnhck->bnhdk", d_qk_BNHCD, x.q)
+          + matmul_highest("bnhcd,bnhdk->bnhck", d_kk_BNHCD + jnp.swapaxes(d_kk_BNHCD, -1, -2), x.k)
           + (x.beta * f.decay_from_start)[..., None] * d_k_scaled_BNHCK
           + f.decay_to_end[..., None] * d_k_to_end_BNHCK)
     dv = x.beta[..., None] * d_v_scaled_BNHCV
@@ -347,7 +351,7 @@ def local_chunks_backward(x: ChunkInputs, f: ChunkFactors, t: ChunkTerms, states
     # the segment sum (j, i] for j < t <= i: the last as one matmul with the [j < t] mask, then a
     # masked column sum over i >= t.
     later_or_same_CT = position[:, None] >= position[None, :]
-    prefix_BNHCT = _matmul("bnhcd,dt->bnhct", d_log_segment_BNHCD, strictly_causal_CD.T.astype(jnp.float32))
+    prefix_BNHCT = matmul_highest("bnhcd,dt->bnhct", d_log_segment_BNHCD, strictly_causal_CD.T.astype(jnp.float32))
     dg = (jnp.sum(jnp.where(later_or_same_CT, prefix_BNHCT, 0.0), axis=-2)
           + jnp.flip(jnp.cumsum(jnp.flip(d_log_from_start, -1), axis=-1), -1)
           + jnp.cumsum(d_log_to_end, axis=-1) - d_log_to_end

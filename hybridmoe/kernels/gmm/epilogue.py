@@ -158,6 +158,14 @@ def read_halves(preact_M2F, tile_n_per_half: int):
     return gate, up
 
 
+def tile_columns(f: int, tile_n_per_half: int):
+    """Where a writer puts tile j of each half: (the half's columns, the gate tile's first stored
+    column, the up tile's first stored column) per tile, in the layout's definition (block j holds
+    tile j; kernels that store tile by tile use this, write_tiles is its array form)."""
+    t = tile_n_per_half
+    return [(slice(j * t, (j + 1) * t), 2 * t * j, 2 * t * j + t) for j in range(f // t)]
+
+
 def write_tiles(gate_MF, up_MF, tile_n_per_half: int | None):
     """Contiguous halves -> the per-tile layout [M, 2F] (inverse of read_halves)."""
     f = gate_MF.shape[-1]

@@ -21,19 +21,14 @@ Scales are powers of two (hybridmoe.kernels.fp8).
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 
 from hybridmoe.kernels.gmm.metadata import row_mask
+from hybridmoe.kernels.gmm.ops import backend_module
 from hybridmoe.kernels import fp8
 
 CODES_COMPUTE = jnp.bfloat16  # exact for every fp8 code
-
-
-def _backend(name: str):
-    return importlib.import_module(f"hybridmoe.kernels.gmm.{name}")
 
 
 def local_group_of_rows(m: int, group_sizes_E, group_offset, num_local: int):
@@ -60,7 +55,7 @@ def gmm_fp8(lhs_MK, rhs_GKN, group_sizes_E, *, group_offset=0, backend: str = "x
     Same contract as ops.gmm (rows sorted by group, padding and foreign rows zero, local groups
     [offset, offset + G)), without transpose_rhs.
     """
-    be = _backend(backend)
+    be = backend_module(backend)
     G = rhs_GKN.shape[0]
     sharded = group_sizes_E.shape[0] != G or not (isinstance(group_offset, int) and group_offset == 0)
     out_dtype, rhs_dtype = lhs_MK.dtype, rhs_GKN.dtype

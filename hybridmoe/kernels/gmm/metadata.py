@@ -31,12 +31,7 @@ def group_metadata(group_sizes_E, *, m: int, tm: int, group_offset, num_local: i
     if m % tm:
         raise ValueError(f"rows {m} must be padded to a multiple of tm={tm}")
     tiles_m = m // tm
-    sizes_E = group_sizes_E.astype(jnp.int32)
-    ends_E = jnp.cumsum(sizes_E)
-    off = jnp.asarray(group_offset, jnp.int32)
-    sizes_G = jax.lax.dynamic_slice_in_dim(sizes_E, off, num_local)
-    hi_G = jax.lax.dynamic_slice_in_dim(ends_E, off, num_local)
-    lo_G = hi_G - sizes_G
+    sizes_G, lo_G, hi_G = local_groups(group_sizes_E, group_offset, num_local)
 
     first_G = lo_G // tm
     span_G = (hi_G + tm - 1) // tm - first_G
@@ -51,6 +46,16 @@ def group_metadata(group_sizes_E, *, m: int, tm: int, group_offset, num_local: i
     before_S = (cum_G - steps_G)[group_S]
     tile_S = jnp.clip(first_G[group_S] + step_S - before_S, 0, tiles_m - 1).astype(jnp.int32)
     return lo_G, hi_G, group_S, tile_S, num_steps.astype(jnp.int32)
+
+
+def local_groups(group_sizes_E, group_offset, num_local: int):
+    """(sizes, first rows, one-past-last rows) [G] int32 of the local groups [offset, offset + G) of
+    rows sorted by group."""
+    sizes_E = group_sizes_E.astype(jnp.int32)
+    off = jnp.asarray(group_offset, jnp.int32)
+    sizes_G = jax.lax.dynamic_slice_in_dim(sizes_E, off, num_local)
+    ends_G = jax.lax.dynamic_slice_in_dim(jnp.cumsum(sizes_E), off, num_local)
+    return sizes_G, ends_G - sizes_G, ends_G
 
 
 def local_bounds(group_sizes_E, group_offset, num_local: int):
@@ -72,6 +77,18 @@ def keep_local_rows(out, m: int, group_sizes_E, group_offset, num_local: int):
     """A kernel's padded output cut to its M rows, zero outside the local groups' rows."""
     keep = row_mask(out.shape[0], group_sizes_E, group_offset, num_local)
     return jnp.where(keep[:, None], out, jnp.zeros((), out.dtype))[:m]
+
+
+def dlhs_row_operands(row_scale_M, h_MF, m_pad: int) -> list:
+    """The fused down-projection DLHS kernel's optional row operands, padded to m_pad rows: the
+    routing weight as float32 [M, 1] (router_grad_from_wo_input) and the stored h [M, F] (read only
+    by the match_unfused stand-in), each present when given."""
+    out = []
+    if row_scale_M is not None:
+        out.append(pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
+    if h_MF is not None:
+        out.append(pad_rows(h_MF, m_pad))
+    return out
 
 
 def row_tiling(tiling: Tiling | None, m: int):

@@ -1,4 +1,4 @@
-"""Public grouped matmuls with custom VJPs: gmm, tgmm, gmm_swiglu, gmm_dswiglu.
+"""Public grouped matmuls with custom VJPs: gmm, tgmm, wi_fused_swiglu, wo_fused_dswiglu.
 
 Legend: M rows (tokens x top-k, sorted by group), K contraction, N output columns, E groups in
 group_sizes (global experts), G groups held locally (the weight's leading dim), D model width,
@@ -49,7 +49,9 @@ def xla_impl_for(choice: str = "auto", platform: str | None = None) -> str:
     return "row_tiles" if (platform or jax.default_backend()) == "cpu" else "ragged_dot"
 
 
-def _backend(name: str):
+def backend_module(name: str):
+    """The module of a grouped-matmul backend (xla, pallas_tpu, pallas_gpu), imported when first
+    asked for (the Pallas ones import Pallas)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown gmm backend {name!r}; choose one of {BACKENDS}")
     return importlib.import_module(f"hybridmoe.kernels.gmm.{name}")
@@ -88,7 +90,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local: int | None = None, group_
     """[G, K, N]: out[g] = lhs[rows of group offset+g]^T @ grad[same rows] (no VJP: a gradient)."""
     num_local = group_sizes_E.shape[0] if num_local is None else num_local
     sharded = _sharded(group_sizes_E, num_local, group_offset)
-    return _backend(backend).tgmm(
+    return backend_module(backend).tgmm(
         lhs_MK, grad_MN, group_sizes_E, num_local=num_local, group_offset=group_offset,
         sharded=sharded, out_dtype=preferred_element_type or lhs_MK.dtype,
         **_kw(backend, tiling, interpret, xla_impl, xla_tile_rows))
@@ -103,7 +105,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs: bool = False, group_of
     DRHS = tgmm(lhs, g) (or tgmm(g, lhs) with transpose_rhs).
     """
     _check(lhs_MK, rhs_GKN, group_sizes_E, 2 if transpose_rhs else 1)
-    be = _backend(backend)
+    be = backend_module(backend)
     sharded = _sharded(group_sizes_E, rhs_GKN.shape[0], group_offset)
     out_dtype = preferred_element_type or lhs_MK.dtype
     kw = _kw(backend, tiling, interpret, xla_impl, xla_tile_rows)
@@ -166,11 +168,11 @@ def contiguous_to_preact(gate_up_M2F, tile_n_per_half: int | None):
     return epi.write_tiles(gate, up, tile_n_per_half)
 
 
-def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False,
-               tile_n_per_half: int | None = None, group_offset=0, backend: Backend = "xla",
-               tiling: Tiling | None = None, interpret: bool = False,
-               epilogue: epi.Epilogue = "float32", rhs_buffer_count: int = 0,
-               xla_impl: str = "ragged_dot", xla_tile_rows: int = 128):
+def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False,
+                    tile_n_per_half: int | None = None, group_offset=0, backend: Backend = "xla",
+                    tiling: Tiling | None = None, interpret: bool = False,
+                    epilogue: epi.Epilogue = "float32", rhs_buffer_count: int = 0,
+                    xla_impl: str = "ragged_dot", xla_tile_rows: int = 128):
     """The up projection with SwiGLU in its epilogue: h = silu(gate) * up, gate|up = x @ wi.
 
     wi [G, D, 2F] is the prefused [gate | up] weight (gate = columns [:F], up = [F:]). Math in
@@ -182,7 +184,7 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False,
     preact_to_contiguous. Its cotangent is in the same layout (autodiff semantics).
 
     Backward: d[gate | up] = (SwiGLU VJP of the h cotangent, skipped when that cotangent is a
-    symbolic zero, as it is behind gmm_dswiglu) + (the preact cotangent, made contiguous);
+    symbolic zero, as it is behind wo_fused_dswiglu) + (the preact cotangent, made contiguous);
     dx = gmm(d, wi^T), dwi = tgmm(x, d).
 
     rhs_buffer_count: the weight's pipeline depth in the fused forward kernel (Pallas only;
@@ -194,14 +196,14 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False,
         raise ValueError(f"wi's last dim must be 2F; got {wi_GD2F.shape}")
     f = wi_GD2F.shape[2] // 2
     t = _tile(f, tile_n_per_half)
-    be = _backend(backend)
+    be = backend_module(backend)
     sharded = _sharded(group_sizes_E, wi_GD2F.shape[0], group_offset)
     kw = _kw(backend, tiling, interpret, xla_impl, xla_tile_rows)
     fwd_kw = dict(kw, rhs_buffer_count=rhs_buffer_count) if backend != "xla" else kw
 
     @jax.custom_vjp
     def f_(x, wi, sizes, off):
-        return be.gmm_swiglu(x, wi, sizes, group_offset=off, sharded=sharded, tile_n_per_half=t,
+        return be.wi_fused_swiglu(x, wi, sizes, group_offset=off, sharded=sharded, tile_n_per_half=t,
                              mode=epilogue, **fwd_kw)
 
     def fwd(x, wi, sizes, off):
@@ -236,24 +238,24 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False,
     return (h, preact) if return_preact else h
 
 
-def gmm_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_half: int | None,
-                row_scale=None, with_row_dot: bool | None = None, group_offset=0,
-                backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
-                epilogue: epi.Epilogue = "float32", xla_impl: str = "ragged_dot",
-                xla_tile_rows: int = 128):
+def wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_half: int | None,
+                     row_scale=None, with_row_dot: bool | None = None, group_offset=0,
+                     backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
+                     epilogue: epi.Epilogue = "float32", xla_impl: str = "ragged_dot",
+                     xla_tile_rows: int = 128):
     """The down projection y = (s * h) @ wo per group, whose backward fuses the SwiGLU VJP.
 
     Forward: y = gmm(scale_rows(h, s), wo) with scale_rows(h, s) = round_to_h_dtype(h * s)
     (float32 multiply), exactly as the unfused path computes it; s = row_scale [M] (float32,
     the routing weight) or None.
 
-    Contract (the fused pair): h must be swiglu(preact) from gmm_swiglu(..., return_preact=True)
+    Contract (the fused pair): h must be swiglu(preact) from wi_fused_swiglu(..., return_preact=True)
     and preact must be passed in that call's layout, with preact_tile_n_per_half its
     tile_n_per_half. The backward's DLHS computes u = g @ wo^T per group with a float32
     accumulator and, in its epilogue, from the stored [gate | up]:
         d_gate = s * u * up * silu'(gate),  d_up = s * u * silu(gate),
         silu'(x) = sig(x) (1 + x (1 - sig(x))),   row_dot = <u, silu(gate) * up>.
-    Cotangents returned:  h -> zero (symbolic: gmm_swiglu then never builds the activation VJP),
+    Cotangents returned:  h -> zero (symbolic: wi_fused_swiglu then never builds the activation VJP),
     preact -> d[gate | up] in preact's layout (contiguous when the tile is F), row_scale ->
     row_dot (with_row_dot; default: whenever row_scale is given; False treats s as a
     constant), wo -> tgmm(scale_rows(h, s), g). The gradient thus reaches x and wi through
@@ -272,7 +274,7 @@ def gmm_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_half: 
         with_row_dot = row_scale is not None
     if with_row_dot and row_scale is None:
         raise ValueError("with_row_dot needs row_scale: the dot is the row scale's gradient")
-    be = _backend(backend)
+    be = backend_module(backend)
     sharded = _sharded(group_sizes_E, wo_GFD.shape[0], group_offset)
     kw = _kw(backend, tiling, interpret, xla_impl, xla_tile_rows)
 
@@ -293,7 +295,7 @@ def gmm_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_half: 
 
     def bwd(res, g_MD):
         lhs, wo, pre, s, h_res, sizes, off = res
-        d, row_dot = be.dswiglu_dlhs(
+        d, row_dot = be.wo_fused_dswiglu_dlhs(
             g_MD, wo, sizes, pre, preact_tile_n_per_half=t, row_scale_M=s,
             out_tile_n_per_half=t, group_offset=off, sharded=sharded, mode=epilogue,
             h_MF=h_res, **kw)

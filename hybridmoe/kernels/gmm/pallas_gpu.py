@@ -128,8 +128,8 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     )(lo, hi, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad))
 
 
-def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
-               tiling=None, interpret=False, rhs_buffer_count=0):
+def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
+                    tiling=None, interpret=False, rhs_buffer_count=0):
     """(h [M, F], preact [M, 2F] per-tile); rhs_buffer_count -> the Triton stage count."""
     del sharded
     m, d = x_MD.shape
@@ -169,15 +169,15 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
         grid=(f // tn, s_max),
         compiler_params=_params(stages),
         interpret=interpret,
-        name="gmm_swiglu_fwd" + (f"_stages{stages}" if stages else ""),
+        name="wi_fused_swiglu_fwd" + (f"_stages{stages}" if stages else ""),
     )(*meta, metadata.pad_rows(x_MD, m_pad), wi_GD2F)
     return (metadata.keep_local_rows(h, m, group_sizes_E, group_offset, num_local),
             metadata.keep_local_rows(pre, m, group_sizes_E, group_offset, num_local))
 
 
-def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
-                 out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
-                 interpret=False):
+def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
+                          out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
+                          interpret=False):
     """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
     del sharded
     m, d = g_MD.shape
@@ -209,17 +209,13 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
         scale = s_ref[rows, :] if has_scale else None
         h = h_ref[rows, :] if has_h else None
         d_gate, d_up, dot = epilogue.dswiglu(u, gate, up, scale, mode, pre_dtype, h)
-        for j in range(f // t_out):
-            cols = slice(j * t_out, (j + 1) * t_out)
-            _store_rows(d_ref.at[rows, pl.ds(2 * t_out * j, t_out)], d_gate[:, cols], mask)
-            _store_rows(d_ref.at[rows, pl.ds(2 * t_out * j + t_out, t_out)], d_up[:, cols], mask)
+        for cols, gate_at, up_at in epilogue.tile_columns(f, t_out):
+            _store_rows(d_ref.at[rows, pl.ds(gate_at, t_out)], d_gate[:, cols], mask)
+            _store_rows(d_ref.at[rows, pl.ds(up_at, t_out)], d_up[:, cols], mask)
         _store_rows(dot_ref.at[rows, :], dot, mask)
 
-    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad)]
-    if has_scale:
-        args.append(metadata.pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
-    if has_h:
-        args.append(metadata.pad_rows(h_MF, m_pad))
+    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad),
+            *metadata.dlhs_row_operands(row_scale_M, h_MF, m_pad)]
     d_out, dot = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),
@@ -227,7 +223,7 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
         grid=(s_max,),
         compiler_params=_params(),
         interpret=interpret,
-        name="gmm_dswiglu_dlhs",
+        name="wo_fused_dswiglu_dlhs",
     )(*meta, *args)
     return (metadata.keep_local_rows(d_out, m, group_sizes_E, group_offset, num_local),
             metadata.keep_local_rows(dot, m, group_sizes_E, group_offset, num_local)[:, 0])

@@ -170,8 +170,8 @@ def weight_pipeline(rhs_buffer_count: int, tiles_k: int) -> dict:
     return {}
 
 
-def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
-               tiling=None, interpret=False, rhs_buffer_count=0):
+def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
+                    tiling=None, interpret=False, rhs_buffer_count=0):
     """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones."""
     del sharded
     m, d = x_MD.shape
@@ -212,7 +212,7 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
                              **mode_kw)
     up_spec = pl.BlockSpec((None, tk, tn),
                            lambda j, s, ki, lo, hi, grp, tile: (grp[s], ki, nt + j), **mode_kw)
-    name = "gmm_swiglu_fwd" + (f"_rhsbuf{rhs_buffer_count}" if mode_kw else "")
+    name = "wi_fused_swiglu_fwd" + (f"_rhsbuf{rhs_buffer_count}" if mode_kw else "")
     h, pre = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m_pad, f), out_dtype),
@@ -243,9 +243,9 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
 # Fused down-projection DLHS: u = g @ wo^T (one N tile = F), SwiGLU VJP in the epilogue
 
 
-def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
-                 out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
-                 interpret=False):
+def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
+                          out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
+                          interpret=False):
     """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
     del sharded
     m, d = g_MD.shape
@@ -282,11 +282,9 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
             scale = s_ref[...] if has_scale else None
             h = h_ref[...] if has_h else None
             d_gate, d_up, dot = epilogue.dswiglu(acc_ref[...], gate, up, scale, mode, pre_dtype, h)
-            for j in range(f // t_out):
-                cols = slice(j * t_out, (j + 1) * t_out)
-                _merge(d_ref, mask, d_gate[:, cols], slice(2 * t_out * j, 2 * t_out * j + t_out))
-                _merge(d_ref, mask, d_up[:, cols],
-                       slice(2 * t_out * j + t_out, 2 * t_out * (j + 1)))
+            for cols, gate_at, up_at in epilogue.tile_columns(f, t_out):
+                _merge(d_ref, mask, d_gate[:, cols], slice(gate_at, gate_at + t_out))
+                _merge(d_ref, mask, d_up[:, cols], slice(up_at, up_at + t_out))
             _merge(dot_ref, mask, dot)
 
     row_map = lambda s, ki, lo, hi, grp, tile: (tile[s], 0)  # noqa: E731
@@ -295,13 +293,12 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
         pl.BlockSpec((None, f, tk), lambda s, ki, lo, hi, grp, tile: (grp[s], 0, ki)),
         pl.BlockSpec((tm, 2 * f), row_map),
     ]
-    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad)]
+    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad),
+            *metadata.dlhs_row_operands(row_scale_M, h_MF, m_pad)]
     if has_scale:
         in_specs.append(pl.BlockSpec((tm, 1), row_map))
-        args.append(metadata.pad_rows(row_scale_M.astype(jnp.float32)[:, None], m_pad))
     if has_h:
         in_specs.append(pl.BlockSpec((tm, f), row_map))
-        args.append(metadata.pad_rows(h_MF, m_pad))
     d_out, dot = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),
@@ -315,7 +312,7 @@ def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_h
         ),
         compiler_params=_params(t, ("arbitrary", "arbitrary")),
         interpret=interpret,
-        name="gmm_dswiglu_dlhs",
+        name="wo_fused_dswiglu_dlhs",
     )(lo, hi, grp, tile, *args)
     return (metadata.keep_local_rows(d_out, m, group_sizes_E, group_offset, num_local),
             metadata.keep_local_rows(dot, m, group_sizes_E, group_offset, num_local)[:, 0])

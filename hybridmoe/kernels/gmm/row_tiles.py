@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from hybridmoe.kernels.gmm.metadata import local_groups
+
 
 class RowTiles(NamedTuple):
     """Where each row goes in the padded layout, and back (int32 / bool index arrays)."""
@@ -55,12 +57,7 @@ def row_tiles(group_sizes_E, m: int, *, group_offset, num_local: int, rows_per_t
     """The padded layout of the local groups [offset, offset + G) of M rows sorted by group."""
     R = rows_per_tile
     tiles = -(-m // R) + num_local
-    sizes_E = group_sizes_E.astype(jnp.int32)
-    ends_E = jnp.cumsum(sizes_E)
-    off = jnp.asarray(group_offset, jnp.int32)
-    sizes_G = jax.lax.dynamic_slice_in_dim(sizes_E, off, num_local)
-    ends_G = jax.lax.dynamic_slice_in_dim(ends_E, off, num_local)
-    starts_G = ends_G - sizes_G
+    sizes_G, starts_G, ends_G = local_groups(group_sizes_E, group_offset, num_local)
     padded_G = (sizes_G + R - 1) // R * R
     padded_ends_G = jnp.cumsum(padded_G)
     padded_starts_G = padded_ends_G - padded_G

@@ -9,9 +9,9 @@ Rules:
 - tk, tn: divide their dimension (K is never padded: that would copy the weights each call);
   on TPU a multiple of 128 (lanes) unless the tile spans the whole dimension; on GPU a power of
   two >= 16 (Triton block shapes).
-- gmm_swiglu: the forward tile per half (tn) divides F and is a multiple of 128 on hardware; the
+- wi_fused_swiglu: the forward tile per half (tn) divides F and is a multiple of 128 on hardware; the
   pre-activation is stored per tile ([gate_j | up_j] blocks).
-- gmm_dswiglu: the fused DLHS runs one N tile spanning each half (its tn is F), so it can read
+- wo_fused_dswiglu: the fused DLHS runs one N tile spanning each half (its tn is F), so it can read
   and write both halves of a row block in one epilogue; F must then be lane-aligned.
 - rhs_buffer_count: 0 (the kernel default) or a depth >= 1, at most TPU_MAX_RHS_BUFFERS on Mosaic
   TPU; applied only to the fused up-projection forward kernel, and only when it runs one K tile.
@@ -30,7 +30,7 @@ TPU_MAX_RHS_BUFFERS = 2
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Preferred tiles (tm rows, tk contraction, tn output columns; per half for gmm_swiglu).
+    """Preferred tiles (tm rows, tk contraction, tn output columns; per half for wi_fused_swiglu).
 
     rhs_buffer_count: the weight operand's pipeline depth in the fused up-projection forward
     kernel (TPU: BlockSpec buffer count; GPU: the pipeline's stage count). 0 = kernel default.

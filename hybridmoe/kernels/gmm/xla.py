@@ -87,8 +87,8 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     return out.astype(out_dtype)
 
 
-def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
-               impl="ragged_dot", tile_rows=128):
+def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
+                    impl="ragged_dot", tile_rows=128):
     """(h [M, F], preact [M, 2F] in the per-tile layout for tile_n_per_half)."""
     acc = gmm_f32(x_MD, wi_GD2F, group_sizes_E, transpose_rhs=False,
                   group_offset=group_offset, sharded=sharded, impl=impl, tile_rows=tile_rows)
@@ -99,9 +99,9 @@ def gmm_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_pe
     return h, preact
 
 
-def dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
-                 out_tile_n_per_half, group_offset, sharded, mode, h_MF=None,
-                 impl="ragged_dot", tile_rows=128):
+def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
+                          out_tile_n_per_half, group_offset, sharded, mode, h_MF=None,
+                          impl="ragged_dot", tile_rows=128):
     """(d[gate | up] in the layout for out_tile_n_per_half, row_dot [M] float32)."""
     u = gmm_f32(g_MD, wo_GFD, group_sizes_E, transpose_rhs=True,
                 group_offset=group_offset, sharded=sharded, impl=impl, tile_rows=tile_rows)
