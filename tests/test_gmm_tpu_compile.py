@@ -272,3 +272,42 @@ def test_cell_query_kernel_is_gathered_once_per_layer_iteration(cell_step):
             per_loop[c.loop] = per_loop.get(c.loop, 0) + 1
     assert None not in per_loop, "the query kernel is gathered outside the layer loops"
     assert len(per_loop) == 2 and set(per_loop.values()) == {1}, per_loop
+
+
+def test_grouped_matmul_auto_is_the_traced_programs_platforms(device):
+    """kernels.gmm.xla_impl=auto decides by the platform of the program being traced, not this host's:
+    under a mesh of compile-only TPU devices it is ragged_dot (row tiles there gathered a weight copy
+    per tile: 44 GiB a layer at the 397B cell), on the host's CPU devices row tiles."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from hybridmoe.kernels.gmm.ops import xla_impl_for
+    from hybridmoe.tools.train_program import tpu_target
+
+    with jax.set_mesh(Mesh(np.asarray(tpu_target(TOPOLOGY).devices), ("x",))):
+        assert xla_impl_for("auto") == "ragged_dot"
+    with jax.set_mesh(Mesh(np.asarray(jax.devices()), ("x",))):
+        assert xla_impl_for("auto") == "row_tiles"
+
+
+@pytest.mark.parametrize("num_local, offset", [(512, 0), (256, 256)])
+def test_xla_grouped_matmul_over_more_groups_than_tpu_ragged_dot_takes(device, num_local, offset):
+    """The pinned libtpu refuses jax.lax.ragged_dot over more than 256 groups; the xla backend
+    runs Qwen3.5-397B's 512 experts (all local, and 256 local of 512 with the zero group) in
+    chunks that compile, forward and both gradients (and the default path's ragged_dot)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from hybridmoe.kernels.gmm import xla
+
+    E = 512
+    x, w, gs = _spec((1024, 256), jnp.bfloat16, device), _spec((num_local, 256, 128), jnp.bfloat16, device), \
+        _spec((E,), jnp.int32, device)
+
+    def loss(x, w, gs):
+        y = K.gmm(x, w, gs, group_offset=offset) if offset or num_local < E else K.ragged_dot(x, w, gs)
+        return jnp.sum(y.astype(jnp.float32))
+
+    with jax.set_mesh(Mesh(np.asarray([device]), ("x",))):
+        assert len(xla.ragged_group_chunks(num_local, num_local < E)) == 3 - (num_local < E)
+        _compile(jax.grad(loss, (0, 1)), x, w, gs)

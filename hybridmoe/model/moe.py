@@ -154,7 +154,7 @@ def default_grouped_dot(kernels: KernelsConfig | None):
     g = (kernels or KernelsConfig()).gmm
     impl = K.xla_impl_for(g.xla_impl)
     if impl == "ragged_dot":
-        return jax.lax.ragged_dot
+        return K.ragged_dot  # jax.lax.ragged_dot, in chunks of groups where the platform caps them
 
     def row_tiled(lhs_MK, rhs_EKN, group_sizes_E):
         # The weights are marked per-device here, so their gradient's reduction over the mesh

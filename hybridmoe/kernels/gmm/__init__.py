@@ -20,6 +20,7 @@ from hybridmoe.kernels.gmm.ops import (
 )
 from hybridmoe.kernels.gmm.row_tiles import routed_swiglu_mlp, row_tiled_dot
 from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
+from hybridmoe.kernels.gmm.xla import ragged_dot
 
 __all__ = [
     "BACKENDS",
@@ -32,6 +33,7 @@ __all__ = [
     "gmm_fp8",
     "wi_fused_swiglu",
     "preact_to_contiguous",
+    "ragged_dot",
     "routed_swiglu_mlp",
     "row_tiled_dot",
     "scale_rows",

@@ -30,6 +30,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from hybridmoe.kernels.gmm import epilogue as epi
 from hybridmoe.kernels.gmm.tiling import Tiling
+from hybridmoe.kernels.platform import trace_platform
 
 Backend = Literal["xla", "pallas_tpu", "pallas_gpu"]
 BACKENDS: tuple[str, ...] = ("xla", "pallas_tpu", "pallas_gpu")
@@ -40,13 +41,15 @@ def xla_impl_for(choice: str = "auto", platform: str | None = None) -> str:
     """The xla backend's grouped matmul: `choice`, or for "auto" the platform's own.
 
     CPU: row tiles (ragged_dot there computes every group for every row: at 16 groups 13x the
-    useful FLOPs). GPU/TPU: ragged_dot, which XLA lowers to grouped kernels.
+    useful FLOPs). GPU/TPU: ragged_dot, which XLA lowers to grouped kernels. The platform is the
+    traced program's (`trace_platform`: a compile-only TPU target's mesh is TPU on a CPU host,
+    where row tiles would gather a weight copy per tile: 44 GiB a layer at the 397B cell).
     """
     if choice != "auto":
         if choice not in XLA_IMPLS:
             raise ValueError(f"unknown xla grouped matmul {choice!r}; choose auto or one of {XLA_IMPLS}")
         return choice
-    return "row_tiles" if (platform or jax.default_backend()) == "cpu" else "ragged_dot"
+    return "row_tiles" if (platform or trace_platform()) == "cpu" else "ragged_dot"
 
 
 def backend_module(name: str):

@@ -9,6 +9,13 @@ D model width, F hidden half width, T forward tile per half.
 Expert-sharded groups (group_offset, G < E) are handled by prepending one zero "group" that
 absorbs the rows before the local groups; rows after them fall past the ragged sum and come out
 zero. Every output is masked to the local rows, so padding and foreign rows are exactly zero.
+
+The TPU compiler of the pinned libtpu refuses ragged_dot over more than TPU_RAGGED_DOT_MAX_GROUPS
+groups (an internal layout error; measured: 256 compile, 257 and up do not), and Qwen3.5-397B has
+512 experts (256 local + the zero group at 2 expert ranks). Traced for TPU, a ragged_dot over more
+groups runs as consecutive chunks of local groups, each one ragged_dot of at most that many
+groups (its rows before the chunk in the zero group), whose outputs (zero outside their rows) add
+up; elsewhere the one ragged_dot is unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +26,29 @@ import jax.numpy as jnp
 from hybridmoe.kernels.gmm import epilogue
 from hybridmoe.kernels.gmm import row_tiles as rt
 from hybridmoe.kernels.gmm.metadata import local_bounds, row_mask
+from hybridmoe.kernels.platform import trace_platform
+
+TPU_RAGGED_DOT_MAX_GROUPS = 256
+
+
+def ragged_group_chunks(num_local: int, sharded: bool, platform: str | None = None) -> list[tuple[int, int]]:
+    """(first local group, groups) of each ragged_dot the local groups run as: one unless the
+    platform's compiler caps the groups of a ragged_dot (TPU), then chunks that with their zero
+    group fit under the cap."""
+    if (platform or trace_platform()) != "tpu" or num_local + sharded <= TPU_RAGGED_DOT_MAX_GROUPS:
+        return [(0, num_local)]
+    step = TPU_RAGGED_DOT_MAX_GROUPS - 1
+    return [(a, min(step, num_local - a)) for a in range(0, num_local, step)]
+
+
+def ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=None):
+    """jax.lax.ragged_dot (differentiable by autodiff), in chunks of groups where the traced
+    platform's compiler caps a ragged_dot's groups (`ragged_group_chunks`); unchanged elsewhere."""
+    chunks = ragged_group_chunks(rhs_GKN.shape[0], False)
+    if len(chunks) == 1:
+        return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=preferred_element_type)
+    out = sum(_ragged_gmm_f32(lhs_MK, rhs_GKN[a:a + n], group_sizes_G, a, True) for a, n in chunks)
+    return out.astype(preferred_element_type or lhs_MK.dtype)
 
 
 def _ragged_sizes(group_sizes_E, group_offset, num_local: int, sharded: bool):
@@ -49,6 +79,14 @@ def gmm_f32(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, shar
         return rt.gmm_f32(lhs_MK, rhs_GKN, lay, transpose_rhs=transpose_rhs)
     if transpose_rhs:
         rhs_GKN = jnp.swapaxes(rhs_GKN, 1, 2)
+    chunks = ragged_group_chunks(rhs_GKN.shape[0], sharded)
+    if len(chunks) > 1:
+        return sum(_ragged_gmm_f32(lhs_MK, rhs_GKN[a:a + n], group_sizes_E, group_offset + a, True)
+                   for a, n in chunks)
+    return _ragged_gmm_f32(lhs_MK, rhs_GKN, group_sizes_E, group_offset, sharded)
+
+
+def _ragged_gmm_f32(lhs_MK, rhs_GKN, group_sizes_E, group_offset, sharded):
     num_local = rhs_GKN.shape[0]
     sizes = _ragged_sizes(group_sizes_E, group_offset, num_local, sharded)
     if not sharded:
@@ -73,6 +111,10 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     if impl == "row_tiles":
         lay = _tiles(group_sizes_E, lhs_MK.shape[0], group_offset, num_local, tile_rows)
         return rt.tgmm_f32(lhs_MK, grad_MN, lay, num_local=num_local).astype(out_dtype)
+    chunks = ragged_group_chunks(num_local, sharded)
+    if len(chunks) > 1:
+        return jnp.concatenate([tgmm(lhs_MK, grad_MN, group_sizes_E, num_local=n, group_offset=group_offset + a,
+                                     sharded=True, out_dtype=out_dtype) for a, n in chunks])
     sizes = _ragged_sizes(group_sizes_E, group_offset, num_local, sharded)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())),
