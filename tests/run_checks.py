@@ -8,7 +8,8 @@ from pathlib import Path
 
 from hybridmoe.run.metrics import read_metrics
 
-TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s"}
+TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "old_logprobs_time_s",
+               "rollout_tokens_per_s"}
 
 
 def read_tensorboard(tb_dir: Path) -> dict[int, dict[str, float]]:

@@ -69,6 +69,9 @@ def test_plot_metrics_writes_a_png_with_the_present_keys(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
     only = plot_metrics(tmp_path / "metrics.jsonl", png, keys=("loss", "grad_norm"))
     assert only == ["loss"]  # absent keys get no empty subplot
+    # A tuple is one panel of several lines (a step's time split): its present keys, in order.
+    grouped = plot_metrics(tmp_path / "metrics.jsonl", png, keys=(("loss", "grad_norm", "entropy"), "kl"))
+    assert grouped == ["loss", "entropy", "kl"]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert plot_metrics(empty, tmp_path / "empty.png") == []

@@ -18,7 +18,8 @@ from hybridmoe.train.loop import RunError
 from hybridmoe.run.metrics import read_metrics
 from hybridmoe.run.setup import build
 
-TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s"}
+TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "old_logprobs_time_s",
+               "rollout_tokens_per_s"}
 # 2 warm-up steps then 4 GRPO steps; checkpoints after steps 2 and 5 (done = 3, 6).
 OVERRIDES = ("rl.warmup_steps=2", "rl.steps=4", "rl.checkpoint_every=3", "rl.prompts_per_step=2", "rl.group_size=4",
              "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05", "train.batch_size=8", "train.seq_len=32",

@@ -314,6 +314,8 @@ class RLConfig(Section):
     group_size: int = Field(8, ge=2, description="Completions G sampled per prompt (the group of the advantage).")
     max_prompt_len: int = Field(16, gt=0, description="Prompt tokens (left-padded to this); a longer prompt is a counted skip.")
     max_new_tokens: int = Field(8, gt=0, description="Completion tokens sampled at most; a completion without EOS by then is truncated.")
+    prefill_chunk: int = Field(2048, gt=0, description="Prompt tokens the sampler prefills per pass: a longer prompt is "
+                               "prefilled chunk by chunk through the cache (attention scores [chunk, slots], never [prompt, prompt]).")
     # Sampling.
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")

@@ -16,6 +16,12 @@ Shared by all attention layers: kv_pos, kv_seg [B, S] (position and segment of e
 Prompts are left-padded (segment 0) so that every row writes the same slot at each step; padding
 never enters a state: the GDN layer zeroes padded inputs and resets at the first real token, and
 attention masks padded keys by segment.
+
+A prompt is prefilled (`prefill`) in chunks of at most `chunk_tokens` through the same update a
+decode step runs (`cached_hidden`): each chunk appends its keys/values to the cache and carries the
+GDN conv tails and delta-rule state on, so attention scores are [chunk, cache slots], never
+[prompt, prompt]. `cache_rows` copies each prompt's state to the rows that continue it (the G
+completions of a GRPO group share one prefill).
 """
 
 from __future__ import annotations
@@ -119,6 +125,49 @@ def cached_hidden(params, cfg: Config, cache, tokens_BT, segment_ids_BT, positio
     if with_routing:
         return hidden, new_cache, routing_from_blocks(routing)
     return hidden, new_cache
+
+
+def prefill(params, cfg: Config, cache, tokens_BP, segment_ids_BP, positions_BP, *, chunk_tokens: int,
+            with_routing: bool = False):
+    """Run the prompts [B, P] into the cache, at most `chunk_tokens` tokens per call of `cached_hidden`.
+
+    A prompt within one chunk is one call (the program of a one-piece prefill). A longer one runs
+    its whole chunks in a `lax.scan` (one compiled chunk) and the remainder, if any, last, so the
+    chunks start where a one-piece prefill's GDN chunks do when chunk_tokens is a multiple of
+    gdn.chunk_size. Returns (the final-normed hidden state of each row's last prompt token [B, D],
+    the cache, with_routing the experts of every prompt token int32 [B, P, layers, k] else None).
+    """
+    B, P = tokens_BP.shape
+    C = chunk_tokens
+    if P <= C:
+        out = cached_hidden(params, cfg, cache, tokens_BP, segment_ids_BP, positions_BP, with_routing=with_routing)
+        return out[0][:, -1], out[1], (out[2] if with_routing else None)
+    whole = P // C
+    chunks = lambda a_BP: a_BP[:, :whole * C].reshape(B, whole, C).swapaxes(0, 1)  # noqa: E731 [whole, B, C]
+
+    def chunk(cache, xs):
+        out = cached_hidden(params, cfg, cache, *xs, with_routing=with_routing)
+        return out[1], (out[0][:, -1], out[2] if with_routing else None)
+
+    cache, (last_NBD, routing_NBCLk) = jax.lax.scan(
+        chunk, cache, (chunks(tokens_BP), chunks(segment_ids_BP), chunks(positions_BP)))
+    hidden_BD = last_NBD[-1]
+    routing = [] if not with_routing else [routing_NBCLk.swapaxes(0, 1).reshape(B, whole * C, *routing_NBCLk.shape[3:])]
+    if P > whole * C:
+        rest = lambda a_BP: a_BP[:, whole * C:]  # noqa: E731
+        out = cached_hidden(params, cfg, cache, rest(tokens_BP), rest(segment_ids_BP), rest(positions_BP),
+                            with_routing=with_routing)
+        hidden_BD, cache = out[0][:, -1], out[1]
+        routing += list(out[2:])
+    return hidden_BD, cache, (jnp.concatenate(routing, axis=1) if with_routing else None)
+
+
+def cache_rows(cache, rows_R):
+    """The cache of rows `rows_R` (int [R]): row r continues row rows_R[r]'s state (its keys and
+    values, kv positions and segments, GDN conv tails and delta-rule state), at the same slot."""
+    take = lambda a, axis: jnp.take(a, rows_R, axis=axis)  # noqa: E731
+    return {"layers": jax.tree.map(lambda a: take(a, 1), cache["layers"]),  # [L, B, ...]
+            "kv_pos": take(cache["kv_pos"], 0), "kv_seg": take(cache["kv_seg"], 0), "slot": cache["slot"]}
 
 
 def next_token_logits(params, hidden_BD):

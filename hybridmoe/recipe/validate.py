@@ -137,6 +137,11 @@ def _rl_shapes(cfg: Config) -> list[Problem]:
                     "to train: set it > 0"))
     if r.operators and len(set(r.operators)) != len(r.operators):
         out.append(("rl.operators", f"{r.operators!r} repeats an operator"))
+    C = cfg.gdn.chunk_size
+    if "gdn" in cfg.model.layer_pattern and r.prefill_chunk % C:
+        out.append(("rl.prefill_chunk", f"{r.prefill_chunk} is not a multiple of gdn.chunk_size={C} (the prefill's "
+                    f"GDN chunks then fall where a one-piece prefill's do); e.g. rl.prefill_chunk="
+                    f"{_round_up(r.prefill_chunk, C)}"))
     return out
 
 

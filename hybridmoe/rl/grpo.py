@@ -28,6 +28,8 @@ would otherwise move the weights on a zero gradient, and a NaN would poison them
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -263,17 +265,20 @@ def jit_old_logprobs(setup):
 
 def policy_updates(cfg: Config, rows: dict, step: int, state, ref_params, step_fn, old_logprobs_fn, put, fetch):
     """All updates of one rollout: `put(host batch, with_old_logprobs)` places a batch on the mesh,
-    `fetch` brings arrays back. Returns (state, the combined metrics of the updates)."""
+    `fetch` brings arrays back. Returns (state, the combined metrics of the updates, with
+    old_logprobs_time_s: the seconds of the pi_old pass, 0 with one update per rollout)."""
     B = rows["tokens"].shape[0]
     to_floats = lambda m: {k: float(v) for k, v in fetch(m).items()}  # noqa: E731
     if cfg.rl.updates_per_rollout == 1:
         state, m = step_fn(state, ref_params, put(split_update_batch(cfg, rows), False))
-        return state, combine_update_metrics([to_floats(m)])
+        return state, {**combine_update_metrics([to_floats(m)]), "old_logprobs_time_s": 0.0}
+    t0 = time.perf_counter()
     logp_old = np.asarray(fetch(old_logprobs_fn(state["params"], put(split_update_batch(cfg, rows), False))))
+    old_logprobs_s = time.perf_counter() - t0
     rows = {**rows, "logp_old": logp_old.reshape(B, -1)}
     per_update = []
     for index in mini_batch_rows(cfg, B, step):
         batch = split_update_batch(cfg, {k: v[index] for k, v in rows.items()})
         state, m = step_fn(state, ref_params, put(batch, True))
         per_update.append(to_floats(m))
-    return state, combine_update_metrics(per_update)
+    return state, {**combine_update_metrics(per_update), "old_logprobs_time_s": old_logprobs_s}

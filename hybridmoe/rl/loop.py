@@ -49,7 +49,8 @@ from hybridmoe.run.step import guarded
 log = logging.getLogger(__name__)
 
 WARMUP, GRPO = 0, 1
-PLOT_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "warmup_loss")
+PLOT_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "warmup_loss", "rollout_tokens_per_s",
+             ("rollout_time_s", "old_logprobs_time_s", "update_time_s"))
 PLOT_EVERY = 5
 MAX_EMPTY_STEPS = 3  # GRPO steps in a row without a scored sample before the run stops
 @dataclasses.dataclass
@@ -111,9 +112,11 @@ def _sample_groups(run: _Run, state, step: int, round_index: int, key) -> dict:
     prompts = [e.prompt for e in examples]
     prompt_ids, prompt_skipped = _encode_prompts(run, prompts)
     G = r.group_size
-    rows = left_pad_prompts([ids for ids in prompt_ids for _ in range(G)], r.max_prompt_len, run.tokenizer.pad_id)
-    rows = put_global(rows, run.setup.batch_sharding(0))
-    rollout = fetch_global(run.generate(state["params"], *rows, key))
+    # The Q prompts go in once (replicated: Q need not split over the batch shards); the sampler
+    # prefills each once and returns its G completions in rows q * G .. q * G + G - 1.
+    prompt_rows = left_pad_prompts(prompt_ids, r.max_prompt_len, run.tokenizer.pad_id)
+    prompt_rows = put_global(prompt_rows, NamedSharding(run.setup.mesh, PartitionSpec()))
+    rollout = fetch_global(run.generate(state["params"], *prompt_rows, key))
 
     # Rows of a skipped prompt were sampled from a placeholder: they are not scored at all.
     scored_rows = np.flatnonzero(~np.repeat(prompt_skipped, G))
@@ -126,7 +129,8 @@ def _sample_groups(run: _Run, state, step: int, round_index: int, key) -> dict:
     rewards[scored_rows], skipped[scored_rows] = scored_rewards, reward_skipped
     skipped = apply_reward_error_policy(r.reward_error, skipped, np.repeat(prompt_skipped, G), G)
     return {**{k: np.asarray(v) for k, v in rollout.items()}, "rewards": rewards, "skipped": skipped,
-            "prompt_skipped": prompt_skipped, "rewards_skipped": float(counts["skipped"]),
+            "prompt_skipped": prompt_skipped, "new_tokens": float(np.asarray(rollout["lengths"]).sum()),
+            "rewards_skipped": float(counts["skipped"]),
             "reward_errors": float(sum(v for k, v in counts.items() if k.startswith("raised:") or k == "nonfinite"))}
 
 
@@ -147,7 +151,8 @@ def _pick_groups(sample: dict, groups: np.ndarray, G: int) -> dict:
 
 
 def _fill_batch(run: _Run, state, step: int, key) -> tuple[dict, dict, dict]:
-    """(the P groups to train on, round 0's groups as sampled, dynamic-sampling counts).
+    """(the P groups to train on, round 0's groups as sampled, dynamic-sampling counts and the
+    tokens sampled in all rounds).
 
     Without rl.dynamic_sampling: one round. With it (DAPO): further rounds of P prompts until P
     groups with reward variance are held or rl.dynamic_sampling_rounds are spent; a short batch is
@@ -156,13 +161,15 @@ def _fill_batch(run: _Run, state, step: int, key) -> tuple[dict, dict, dict]:
     G = r.group_size
     first = _sample_groups(run, state, step, 0, key)
     if not r.dynamic_sampling:
-        return first, first, {}
+        return first, first, {"rollout_tokens": first["new_tokens"]}
+    new_tokens = 0.0
     pick = lambda sample, groups: _pick_groups(sample, groups, G)  # noqa: E731
     informative, rounds, spent = [], 0, 0
     sample = first
     while True:
         rounds += 1
         spent += r.rollouts_per_step
+        new_tokens += sample["new_tokens"]
         informative.append(pick(sample, np.flatnonzero(_informative_groups(sample, G))))
         held = sum(len(x["rewards"]) // G for x in informative)
         if held >= r.prompts_per_step or rounds >= r.dynamic_sampling_rounds:
@@ -171,10 +178,11 @@ def _fill_batch(run: _Run, state, step: int, key) -> tuple[dict, dict, dict]:
     filler = pick(first, np.flatnonzero(~_informative_groups(first, G)))
     parts = [*informative, filler]
     batch = {k: (parts[0][k] if np.ndim(parts[0][k]) == 0 else np.concatenate([x[k] for x in parts]))
-             for k in first if k not in ("prompt_skipped", "rewards_skipped", "reward_errors")}
+             for k in first if k not in ("prompt_skipped", "rewards_skipped", "reward_errors", "new_tokens")}
     batch = {k: v[:r.rollouts_per_step] for k, v in batch.items()}
     return batch, first, {"ds_rounds": float(rounds), "ds_rollouts": float(spent),
-                          "ds_informative_frac": min(held, r.prompts_per_step) / r.prompts_per_step}
+                          "ds_informative_frac": min(held, r.prompts_per_step) / r.prompts_per_step,
+                          "rollout_tokens": new_tokens}
 
 
 def _grpo_step(run: _Run, state, ref_params, step: int, key):
@@ -231,7 +239,10 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
         "prompts_skipped": float(first["prompt_skipped"].sum()),
         **ds,
         "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
-        "rollout_time_s": t_rollout, "update_time_s": t_update,
+        # The step's time split: sampling and scoring (every dynamic-sampling round), the pi_old
+        # pass (several updates per rollout only), the updates.
+        "rollout_time_s": t_rollout, "rollout_tokens_per_s": ds["rollout_tokens"] / t_rollout,
+        "old_logprobs_time_s": m["old_logprobs_time_s"], "update_time_s": t_update - m["old_logprobs_time_s"],
     }
     return state, rec
 
@@ -315,13 +326,12 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
 
     rl_opt = rl_optimizer(cfg)
     replicated = NamedSharding(setup.mesh, PartitionSpec())
-    rows_sh = setup.batch_sharding(0)
     run = _Run(
         cfg, task, tokenizer, reward_fns, setup, jit_train_step(setup) if r.warmup_steps else None,
         jit_grpo_step(setup, rl_opt, with_reference) if r.steps else None,
         make_generate(cfg, SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id,
-                                           r.top_k, stop_ids=tokenizer.stop_ids),
-                      in_shardings=(setup.param_shardings, rows_sh, rows_sh, rows_sh, replicated)),
+                                           r.top_k, stop_ids=tokenizer.stop_ids), group_size=r.group_size,
+                      in_shardings=(setup.param_shardings, replicated, replicated, replicated, replicated)),
         # The GRPO phase starts from the warmed-up policy with a fresh optimizer state.
         jax.jit(lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
                 in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings),

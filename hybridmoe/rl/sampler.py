@@ -1,6 +1,7 @@
-"""Rollouts: batched prefill, then token-by-token decode under one `lax.while_loop`.
+"""Rollouts: prefill once per prompt, then token-by-token decode of its group under one `lax.while_loop`.
 
-Shape legend: B rows (prompts x group), P prompt slots (left-padded), N max new tokens, V vocab.
+Shape legend: Q prompts, G completions per prompt, B = Q x G rows, P prompt slots (left-padded),
+N max new tokens, V vocab.
 
 Each row's prompt is left-padded to P with segment 0, so all rows decode in lock-step (the same
 cache slot per step) and padding never enters a state. Sampling is greedy (temperature 0) or from
@@ -21,6 +22,7 @@ counting from 0 at each row's first real token.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -28,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe.config.schema import Config
-from hybridmoe.model.decode import cached_hidden, init_cache, next_token_logits
+from hybridmoe.model.decode import cache_rows, cached_hidden, init_cache, next_token_logits, prefill
 from hybridmoe.parallel.context import sequence_unsharded
-from hybridmoe.parallel.rules import active_rules, use_rules
+from hybridmoe.parallel.rules import active_rules, mesh_axes_of, use_rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,36 +98,70 @@ def choose_tokens(logits_BV, key, temperature: float, top_p: float, top_k: int =
     return token_B, logp_B
 
 
-def generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids_BP, positions_BP, key):
-    """Sample completions. Returns a dict of arrays:
+def generate(params, cfg: Config, opts: SamplingOptions, tokens_QP, segment_ids_QP, positions_QP, key, *,
+             group_size: int = 1):
+    """Sample `group_size` completions of each of Q prompts [Q, P] (left-padded). Returns a dict of
+    arrays over the B = Q * group_size rows, prompt q's completions in rows q * G .. q * G + G - 1:
     completion [B, N] int32 (padding after EOS), logprobs [B, N] float32 (the sampling distribution's,
     0 past the end),
     lengths [B] int32 (tokens through EOS), truncated [B] bool, and the trainer's rows
     tokens / segment_ids / positions [B, P + N]; with moe.routing_replay also routing int32
     [B, P + N, layers, k], the experts each row's tokens went to (what the trainer then replays).
 
+    Each prompt is prefilled once (rl.prefill_chunk tokens at a time), on Q rows, and its cache and
+    GDN state copied to its G rows, which then decode in lock-step.
+
     Under context parallelism the sampler runs without it (parallel/context.sequence_unsharded):
     the rows stay split over the batch axes and the context ranks decode the same rows."""
     with use_rules(sequence_unsharded(active_rules())):
-        return _generate(params, cfg, opts, tokens_BP, segment_ids_BP, positions_BP, key)
+        return _generate(params, cfg, opts, tokens_QP, segment_ids_QP, positions_QP, key, group_size)
 
 
-def _generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids_BP, positions_BP, key):
-    B, P = tokens_BP.shape
+def _batch_shards() -> int:
+    """How many ways the active mesh splits the logical batch axis (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    return math.prod(dict(mesh.shape)[a] for a in mesh_axes_of(active_rules()["batch"]))
+
+
+def share_prompts(cache, logits_QV, routing_QPLk, rows_B):
+    """Each row's copy of its prompt's prefilled state: the cache, the next-token logits and (routing
+    replay) the prompt tokens' experts of prompt rows_B[b] for row b."""
+    take = lambda a: None if a is None else jnp.take(a, rows_B, axis=0)  # noqa: E731
+    return cache_rows(cache, rows_B), take(logits_QV), take(routing_QPLk)
+
+
+def _generate(params, cfg: Config, opts: SamplingOptions, tokens_QP, segment_ids_QP, positions_QP, key,
+              group_size: int):
+    Q, P = tokens_QP.shape
+    G = group_size
+    B = Q * G
     N = opts.max_new_tokens
     replay = cfg.moe.routing_replay
-    cache = init_cache(cfg, B, P + N)
-    out = cached_hidden(params, cfg, cache, tokens_BP, segment_ids_BP, positions_BP, with_routing=replay)
-    hidden_BPD, cache = out[:2]
-    logits_BV = next_token_logits(params, hidden_BPD[:, -1])
+    # The prefill's rows: the prompts, padded with copies of the last to a multiple of the batch
+    # shards so every shard prefills as many (the copies are never read).
+    shards = _batch_shards()
+    prefill_rows = -(-Q // shards) * shards
+    rows_B = np.arange(B) // G
+    prompt = lambda a_QP: a_QP if prefill_rows == Q else a_QP[np.minimum(np.arange(prefill_rows), Q - 1)]  # noqa: E731
+    cache = init_cache(cfg, prefill_rows, P + N)
+    hidden_QD, cache, routing_QPLk = prefill(params, cfg, cache, prompt(tokens_QP), prompt(segment_ids_QP),
+                                             prompt(positions_QP), chunk_tokens=cfg.rl.prefill_chunk,
+                                             with_routing=replay)
+    logits_BV = next_token_logits(params, hidden_QD)
+    routing_BPLk = routing_QPLk
+    tokens_BP, segment_ids_BP, positions_BP = tokens_QP, segment_ids_QP, positions_QP
+    if G > 1 or prefill_rows != Q:
+        cache, logits_BV, routing_BPLk = share_prompts(cache, logits_BV, routing_QPLk, rows_B)
+        tokens_BP, segment_ids_BP, positions_BP = (a[rows_B] for a in (tokens_QP, segment_ids_QP, positions_QP))
     next_pos_B = positions_BP[:, -1] + 1
-    # Routing replay: the experts of every token in every layer, [B, P + N, layers, k]. Slots a
-    # finished batch never decodes hold experts 0..k-1 (distinct; nothing reads those rows).
+    # Routing replay: the experts of every token in every layer, [B, P + N, layers, k].
     k = cfg.model.num_experts_per_tok
     routing_BSLk = None
     if replay:
         routing_BSLk = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (B, P + N, cfg.model.num_layers, k))
-        routing_BSLk = jax.lax.dynamic_update_slice_in_dim(routing_BSLk, out[2], 0, axis=1)
+        routing_BSLk = jax.lax.dynamic_update_slice_in_dim(routing_BSLk, routing_BPLk, 0, axis=1)
 
     def cond(carry):
         t, _, _, _, _, done_B, _, _ = carry
@@ -161,16 +197,23 @@ def _generate(params, cfg: Config, opts: SamplingOptions, tokens_BP, segment_ids
     rows_seg = jnp.concatenate([segment_ids_BP, in_completion_BN.astype(jnp.int32)], axis=1)
     completion_pos_BN = next_pos_B[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
     rows_pos = jnp.concatenate([positions_BP, jnp.where(in_completion_BN, completion_pos_BN, 0)], axis=1)
+    if replay:
+        # Slots past a row's end hold experts 0..k-1 however long the loop ran (early stop changes
+        # nothing but time); they are padding to the trainer.
+        past_end_BS = jnp.concatenate([jnp.zeros((B, P), bool), ~in_completion_BN], axis=1)
+        routing_BSLk = jnp.where(past_end_BS[:, :, None, None], jnp.arange(k, dtype=jnp.int32), routing_BSLk)
     out = {"completion": completion_BN, "logprobs": jnp.where(in_completion_BN, logprobs_BN, 0.0),
            "lengths": lengths_B, "truncated": ~has_eos_B,
            "tokens": rows_tokens, "segment_ids": rows_seg, "positions": rows_pos}
     return {**out, "routing": routing_BSLk} if replay else out
 
 
-def make_generate(cfg: Config, opts: SamplingOptions, *, in_shardings=None, out_shardings=None):
-    """The jitted sampler (compiled once per prompt shape): (params, tokens, segment_ids, positions,
-    key) -> generate's dict."""
-    fn = lambda params, tokens, seg, pos, key: generate(params, cfg, opts, tokens, seg, pos, key)
+def make_generate(cfg: Config, opts: SamplingOptions, *, group_size: int = 1, in_shardings=None,
+                  out_shardings=None):
+    """The jitted sampler (compiled once per prompt shape): (params, prompt tokens, segment_ids,
+    positions [Q, P], key) -> generate's dict over Q * group_size rows."""
+    fn = lambda params, tokens, seg, pos, key: generate(params, cfg, opts, tokens, seg, pos, key,  # noqa: E731
+                                                        group_size=group_size)
     if in_shardings is None:
         return jax.jit(fn)
     return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings)

@@ -130,31 +130,39 @@ class MetricsWriter:
 def plot_metrics(
     jsonl_path: Path,
     png_path: Path,
-    keys: Iterable[str] = ("reward_mean", "loss", "kl", "entropy"),
+    keys: Iterable[str | tuple[str, ...]] = ("reward_mean", "loss", "kl", "entropy"),
 ) -> list[str]:
-    """One subplot per key that appears in the records, against step; written atomically. Returns
-    the keys plotted (a figure saying "no metrics yet" when none appear)."""
+    """One subplot per entry of `keys` that appears in the records, against step: a key, or a tuple
+    of keys drawn together with a legend (e.g. a step's time split); written atomically. Returns the
+    keys plotted (a figure saying "no metrics yet" when none appear)."""
     # The Agg canvas directly, not pyplot: no global backend switch, no GUI, safe in any thread.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     records = read_metrics(Path(jsonl_path))
-    present = [k for k in keys if any(k in r for r in records)]
-    fig = Figure(figsize=(6.0, 2.2 * max(len(present), 1)), dpi=100)
+    panels = [[k for k in ((entry,) if isinstance(entry, str) else entry) if any(k in r for r in records)]
+              for entry in keys]
+    panels = [p for p in panels if p]
+    fig = Figure(figsize=(6.0, 2.2 * max(len(panels), 1)), dpi=100)
     FigureCanvasAgg(fig)
-    if not present:
+    if not panels:
         ax = fig.add_subplot(1, 1, 1)
         ax.text(0.5, 0.5, "no metrics yet", ha="center", va="center")
         ax.set_axis_off()
-    for i, key in enumerate(present, 1):
-        ax = fig.add_subplot(len(present), 1, i)
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None)
-        ax.set_ylabel(key)
+    for i, panel in enumerate(panels, 1):
+        ax = fig.add_subplot(len(panels), 1, i)
+        for key in panel:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None,
+                    label=key)
+        if len(panel) > 1:
+            ax.legend(fontsize="small")
+        else:
+            ax.set_ylabel(panel[0])
         ax.grid(alpha=0.3)
-        if i == len(present):
+        if i == len(panels):
             ax.set_xlabel("step")
     fig.tight_layout()
     png_path = Path(png_path)
     _replace_atomically(png_path, lambda tmp: fig.savefig(tmp, format="png"))
-    return present
+    return [k for panel in panels for k in panel]
