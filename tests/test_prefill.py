@@ -185,3 +185,13 @@ def test_early_stop_changes_nothing_but_time(monkeypatch):
     to_the_end = _sample(cfg, G, 1, opts)[0]
     for k in early:
         np.testing.assert_array_equal(np.asarray(early[k]), np.asarray(to_the_end[k]), err_msg=k)
+
+
+def test_prefill_chunk_off_the_gdn_chunks_is_a_config_error():
+    from hybridmoe.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _config("rl.prefill_chunk=6")
+    assert "rl.prefill_chunk" in str(e.value) and "rl.prefill_chunk=8" in str(e.value), str(e.value)
+    # Without a GDN layer there are no GDN chunks to keep in place.
+    tiny_config("rl.prefill_chunk=6", "model.layer_pattern=[attention]", "model.num_layers=2")

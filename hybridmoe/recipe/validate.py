@@ -119,7 +119,8 @@ def _remat_save(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule("rl.max_new_tokens", "rl.updates_per_rollout", "rl.micro_batches", "rl.temperature", "rl.operators")
+@rule("rl.max_new_tokens", "rl.updates_per_rollout", "rl.micro_batches", "rl.temperature", "rl.operators",
+      "rl.prefill_chunk", "gdn.chunk_size")
 def _rl_shapes(cfg: Config) -> list[Problem]:
     r, out = cfg.rl, []
     if r.sequence_len > cfg.model.max_seq_len:
@@ -139,8 +140,8 @@ def _rl_shapes(cfg: Config) -> list[Problem]:
         out.append(("rl.operators", f"{r.operators!r} repeats an operator"))
     C = cfg.gdn.chunk_size
     if "gdn" in cfg.model.layer_pattern and r.prefill_chunk % C:
-        out.append(("rl.prefill_chunk", f"{r.prefill_chunk} is not a multiple of gdn.chunk_size={C} (the prefill's "
-                    f"GDN chunks then fall where a one-piece prefill's do); e.g. rl.prefill_chunk="
+        out.append(("rl.prefill_chunk", f"{r.prefill_chunk} is not a multiple of gdn.chunk_size={C} (it must be, so that "
+                    f"a chunked prefill's GDN chunks fall where a one-piece prefill's do); e.g. rl.prefill_chunk="
                     f"{_round_up(r.prefill_chunk, C)}"))
     return out
 

@@ -201,11 +201,12 @@ def _jitted_program(cfg: Config, setup, program_name: str):
         from hybridmoe.rl.sampler import SamplingOptions, make_generate
 
         r = cfg.rl
-        rows_sh = setup.batch_sharding(0)
         replicated = NamedSharding(setup.mesh, PartitionSpec())
+        # As the RL loop calls it: the step's prompts (replicated), each prefilled once for its group.
         generate = make_generate(cfg, SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, top_k=r.top_k),
-                                 in_shardings=(setup.param_shardings, rows_sh, rows_sh, rows_sh, replicated))
-        prompts = jax.ShapeDtypeStruct((r.rollouts_per_step, r.max_prompt_len), jnp.int32, sharding=rows_sh)
+                                 group_size=r.group_size,
+                                 in_shardings=(setup.param_shardings, replicated, replicated, replicated, replicated))
+        prompts = jax.ShapeDtypeStruct((r.prompts_per_step, r.max_prompt_len), jnp.int32, sharding=replicated)
         key = jax.eval_shape(lambda: jax.random.key(0))
         key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
         return generate, (state["params"], prompts, prompts, prompts, key), "jit__lambda"
