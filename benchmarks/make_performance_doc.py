@@ -24,7 +24,6 @@ MiB, GiB = 2**20, 2**30
 # record file -> why its figures are not shown until it is regenerated.
 PENDING = {
     "step_anatomy_ours.json": "our side of an earlier step anatomy, superseded by `step_anatomy.json`",
-    "rollout_small.json": "the sampler against Hugging Face `generate` is being rerun; `benchmarks/rollout.py`",
     "inspect_qwen3.5-397b-a17b_tpu7x-4x4x4.json": "the 397B memory tables are being redone for the real "
                                                    "256-device cell tpu7x:4x4x8; `benchmarks/inspect_tpu_memory.sh`",
     "inspect_qwen3.5-397b-a17b_tpu7x-4x4x4_moe_levers_only.json": "as above (397B, tpu7x:4x4x8)",
@@ -472,6 +471,61 @@ wall time {_spread(ratio['time_ratio'], digits=2)} (min {ratio['cpu_time_ratio']
 """
 
 
+def rollout_vs_reference() -> str:
+    name = "rollout_small.json"
+    rec = load(name)
+    meth, shape, sides = rec["method"], rec["shape"], rec["sides"]
+    ratios = rec["ratios_over_reference"]
+    rv = sides["reference"]["info"]
+    B, N, P = shape["rows"], shape["new_tokens"], shape["prompt_len"]
+
+    def row(side):
+        w, c = sides[side]["wall"], sides[side]["cpu"]
+        r = ratios.get(side)
+        return [side, _spread(w["rollout_tokens_per_s"], digits=0), _spread(c["rollout_tokens_per_s"], digits=0),
+                _spread(w["prefill_s"], digits=2), _spread(c["prefill_s"], digits=2),
+                _spread(w["decode_tokens_per_s"], digits=0),
+                _spread(r["wall"]["rollout_tokens_per_s"], digits=2) if r else "1",
+                _spread(r["cpu"]["rollout_tokens_per_s"], digits=2) if r else "1"]
+
+    ours = ratios["ours"]["cpu"]["rollout_tokens_per_s"]["median"]
+    verdict = ("met" if ours >= 2 else f"not met (ours {ours:.2f}x the reference's rollout tokens per CPU second)")
+    shared = ""
+    if "ours-unshared" in sides:
+        per = sorted(b["full"]["cpu_s"] / a["full"]["cpu_s"] for a, b in zip(sides["ours"]["calls"],
+                                                                            sides["ours-unshared"]["calls"]))
+        pre = sorted(b["first_token"]["cpu_s"] / a["first_token"]["cpu_s"]
+                     for a, b in zip(sides["ours"]["calls"], sides["ours-unshared"]["calls"]))
+        shared = (f" Prefilling each prompt once (`ours`) against every row prefilling its own copy (`ours-unshared`, "
+                  f"the sampler before), per round: the rollout {per[len(per) // 2]:.2f}x faster in CPU time (range "
+                  f"{per[0]:.2f}-{per[-1]:.2f}), the 1-token call {pre[len(pre) // 2]:.2f}x (range {pre[0]:.2f}-{pre[-1]:.2f}).")
+    return f"""## Rollouts against Hugging Face `generate`
+
+`benchmarks/rollout.py`: the GRPO sampler (`hybridmoe/rl/sampler.py`, the `small` model on one CPU
+device) and transformers' `Qwen3_5MoeForCausalLM.generate(num_return_sequences=G)` (transformers
+{rv['transformers']}, PyTorch {rv['torch']}, Python {rv['python']}, its pure-PyTorch GDN fallbacks)
+sample G = {shape['group_size']} completions of each of {shape['prompts']} prompts of {P} tokens ({B} rows),
+exactly {N} new tokens each ({shape['sampling']}, {shape['dtype']}), with their caches. The pinned
+method of the step comparison above: both pinned to cores {meth['cores']}, {meth['threads_per_side']}
+compute thread(s) each, {meth['warmup_rounds']} warm-up round(s), then {meth['rounds']} rounds with the
+sides' order rotating. Per round each side makes a 1-token call (the prefill, and the first token)
+and the {N}-token call; decode tokens/s is {B} x {N - 1} tokens over the difference. The machine was shared
+(1-minute load average {_loads(rec['load_average']['per_round'])} on its {rec['machine']['cores']} cores),
+so wall time includes waiting for the core; CPU time is each side's own work. `generate` repeats
+each prompt G times and prefills all {B} rows; `ours` prefills the {shape['prompts']} prompts once and
+copies their state. Median (quartiles) over the rounds:
+
+{table(["side", "rollout tok/s (wall)", "rollout tok per CPU s", "1-token call s (wall)", "1-token call CPU s",
+        "decode tok/s (wall)", "over the reference (wall)", "over the reference (CPU)"],
+       [row(side) for side in sides])}
+
+Against issue 22's goal (rollout tokens/s at least 2x the reference's) this is {verdict}.{shared}
+
+{source(rec, name, "python benchmarks/rollout.py --hf-python /work/refvenv/bin/python --arms ours,ours-unshared "
+        f"--rounds {meth['rounds']} --prompt-len {P} --new-tokens {N}")}
+"""
+
+
 def step_anatomy() -> str:
     name = "step_anatomy.json"
     rec = load(name)
@@ -531,6 +585,31 @@ tests bound it).
 """
 
 
+def decode_moe() -> str:
+    name = "decode_moe.json"
+    rec = load(name)
+    sh, meth = rec["shape"], rec["method"]
+    paths = list(next(iter(rec["tokens"].values()))["per_call"])
+    rows = [[T, *(f"{1e3 * t['per_call'][p]['cpu_s']['median']:.2f}" for p in paths),
+             "every_expert" if t["every_expert_is_cheaper"] else "tiled128", t["fastest_by_cpu_time"]]
+            for T, t in rec["tokens"].items()]
+    return f"""## A decode step's MoE block on CPU
+
+`benchmarks/decode_moe.py`: one MoE layer of `small` (top-{sh['top_k']} of {sh['experts']} experts, D =
+{sh['d_model']}, F = {sh['moe_intermediate_size']}, {sh['dtype']}) on T tokens by each path: `ragged_dot`
+(jax.lax.ragged_dot), `tiled128` (`model/moe.tiled_experts`, the CPU training program's row tiles),
+`row_tiles8` (the grouped matmul with 8-row tiles) and `every_expert` (`model/moe.every_expert_rows`:
+every expert on every token, then the routed rows taken). A decode step has one token per row, so T is
+the rollout's rows. One process pinned to cores {meth['cores']}, the paths interleaved, {meth['rounds']}
+rounds of {meth['calls_per_round']} calls (load average {rec['load_average'][0]:.1f} at the end); median process
+CPU ms per call, the path the sampler's decode step takes (`every_expert_is_cheaper`) and the fastest:
+
+{table(["T", *paths, "decode step takes", "fastest"], rows)}
+
+{source(rec, name, "python benchmarks/decode_moe.py --cores 1 --steps 5")}
+"""
+
+
 def pending() -> str:
     rows = [[f"`benchmarks/records/{n}`", why] for n, why in PENDING.items()]
     return f"""## To be regenerated
@@ -541,7 +620,7 @@ These records are kept but their figures are not shown until they are remeasured
 """
 
 
-SECTIONS = [demo_curves, cpu_step_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, gmm_vmem, tuned, fp8, cp_attention, gdn_core, gdn_cp,
+SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, gdn_core, gdn_cp,
             gdn_pallas_tpu, inspect_35b, hf_reload, post_train_eval, robustness, pending]
 
 HEADER = """# Performance and measurements

@@ -107,9 +107,8 @@ def every_expert_rows(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD):
 def every_expert_is_cheaper(num_tokens: int, k: int, num_experts: int, tile_rows: int) -> bool:
     """Whether `every_expert_rows` computes no more rows than the row-tile grouped matmul's padded
     layout (ceil(T k / R) + E tiles of R rows, each also gathering its expert's weights): true for
-    the few tokens of a decode step. Measured (benchmarks/decode_moe.py, `small`'s MoE layer, CPU
-    time per call): 8 tokens 2.3 ms against 9.7 ms with 128-row tiles, 128 tokens 10.3 against
-    13.2; at 256 tokens, where this says row tiles, 18.4 against 16.7."""
+    the few tokens of a decode step. benchmarks/decode_moe.py times both at `small`'s MoE layer over
+    8..512 tokens (record decode_moe.json, shown in docs/performance.md)."""
     tiles = -(-num_tokens * k // tile_rows) + num_experts
     return num_tokens * num_experts <= tiles * tile_rows
 
