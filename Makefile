@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/hybridmoe demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=40
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -125,9 +125,10 @@ def test_the_check_follows_the_rules_table_not_a_list_of_known_axes(monkeypatch)
     """A rule for a logical axis nobody listed is checked the moment it exists."""
     cfg = load_config("tiny", ["mesh.tensor=2"])
     assert fit.sharding_problems(cfg.model, DEFAULT_RULES, {"tensor": 2, "fsdp": 4, "data": 1}) == []
-    # A table that also splits the layer stack over tensor: the 1 stacked block of num_layers=4
-    # with a 4-long pattern does not split in 2.
-    problems = fit.sharding_problems(cfg.model, {**DEFAULT_RULES, "layers": "tensor"}, {"tensor": 2, "fsdp": 4})
+    # A table that also splits the layer stack over data (an axis no weight dimension uses): the 1
+    # stacked block of num_layers=4 with a 4-long pattern does not split in 2.
+    problems = fit.sharding_problems(cfg.model, {**DEFAULT_RULES, "layers": "data"},
+                                     {"tensor": 2, "fsdp": 4, "data": 2})
     assert [k for k, _ in problems] == ["model.num_layers"], problems
 
 

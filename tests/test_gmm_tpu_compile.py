@@ -223,6 +223,31 @@ def test_flash_attention_pallas_kernels_compile(device, T, S, N, G, head_dim, bl
         assert name in text, name
 
 
+def test_flash_attention_training_step_runs_the_kernels_per_shard(device):
+    """The training step of a one-attention-layer model (rows over data x fsdp, heads over tensor,
+    no context parallelism) compiled for the topology's 8 devices with the default
+    kernels.attention.backend (auto: pallas_tpu on a TPU target): a Mosaic call cannot be
+    partitioned, so outside a shard_map it would not compile. It holds the three kernels and
+    exactly the collectives of the blocked core's step (plain einsums GSPMD splits), so no operand
+    of the kernels is gathered: they run per shard."""
+    from hybridmoe.kernels.attention.pallas_tpu import KERNEL_NAMES
+    from hybridmoe.recipe import load_config
+    from hybridmoe.recipe.validate import compile_target
+    from hybridmoe.tools import train_program as tp
+
+    steps = {}
+    for backend in ("auto", "blocked"):
+        with compile_target("tpu"):
+            cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "model.layer_pattern=[attention]",
+                                       "model.num_layers=1", "model.head_dim=128", f"kernels.attention.backend={backend}"])
+        steps[backend] = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False)
+    text = steps["auto"].program.compiled_text
+    assert all(name in text for name in KERNEL_NAMES), [n for n in KERNEL_NAMES if n not in text]
+    assert not any(name in steps["blocked"].program.compiled_text for name in KERNEL_NAMES)
+    collectives = {b: tp.collective_rows(s.program.compiled_collectives) for b, s in steps.items()}
+    assert collectives["auto"] == collectives["blocked"], collectives
+
+
 # ---------------------------------------------------------------------------------------------
 # The seed's cell geometry: 256 devices of tpu7x:4x4x8 as fsdp 32 x context 4 x expert 2, one
 # 65,536-token sequence per context group (16,384 local queries), at tiny widths (the program's

@@ -257,11 +257,12 @@ def test_program_wo_fused_dswiglu_alone_and_with_wi():
     without the fused up projection (wi alone keeps the plain one): the check tells wi + wo
     from wi alone."""
     plain = ["gmm_t", "gmm_t", "tgmm", "tgmm"]
-    fused = ["wo_fused_dswiglu_dlhs", "gmm_t", "tgmm", "tgmm"]
-    assert layer_program()["bwd_kernels"] == plain
-    assert layer_program(*WI)["bwd_kernels"] == plain
-    assert layer_program(*WO)["bwd_kernels"] == fused
-    assert layer_program(*WI, *WO)["bwd_kernels"] == fused
+    fused = ["gmm_t", "tgmm", "tgmm", "wo_fused_dswiglu_dlhs"]
+    # The kernels as a multiset: the order the backward emits independent kernels in is the tracer's.
+    assert sorted(layer_program()["bwd_kernels"]) == plain
+    assert sorted(layer_program(*WI)["bwd_kernels"]) == plain
+    assert sorted(layer_program(*WO)["bwd_kernels"]) == fused
+    assert sorted(layer_program(*WI, *WO)["bwd_kernels"]) == fused
 
 
 def _activation_vjp_muls(prog) -> int:

@@ -9,13 +9,16 @@ The attention core is kernels.attention.backend (attention_core: flash attention
 Pallas kernels, or the masked XLA core in query blocks; `auto` resolved for the platform the program
 is traced for). Context parallelism (the sequence split over the mesh axes of logical "seq"):
 queries stay sequence-sharded and keys/values are all-gathered
-(kernels/attention/context_parallel.py), that core running on each rank's queries. With
+(kernels/attention/context_parallel.py), that core running on each rank's queries. Without
+context parallelism under a mesh a flash core runs per shard in a shard_map (self_attention). With
 attention.cp_load_balance the layer first moves its input, positions and segment ids into the
 load-balanced order of parallel/context.py and moves its output back, so the layers around it
 see natural order.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +30,7 @@ from hybridmoe.kernels.attention.context_parallel import context_parallel_attent
 from hybridmoe.kernels.platform import trace_platform
 from hybridmoe.model.norms import apply_partial_rope, rms_norm, rope_tables
 from hybridmoe.parallel import context
-from hybridmoe.parallel.rules import constrain, logical_to_spec
+from hybridmoe.parallel.rules import constrain, logical_to_spec, mesh_axes_of
 
 # The checkpoint name of the load-balanced positions and segment ids (attention.cp_load_balance_hoist_ids).
 LB_IDS_NAME = "attn_lb_ids"
@@ -93,6 +96,37 @@ def attention_core(kc: KernelsConfig, *, self_attention: bool):
     return core
 
 
+def _splits(spec, shape) -> bool:
+    """Whether every dimension of `shape` divides over the current mesh's axes in `spec`."""
+    sizes = jax.sharding.get_abstract_mesh().shape
+    return all(n % math.prod(sizes[a] for a in mesh_axes_of(e)) == 0 for e, n in zip(spec, shape))
+
+
+def self_attention(q_BTNA, k_BTGA, v_BTGA, positions_BT, segment_ids_BT, kernels: KernelsConfig, *, scale: float):
+    """The core over the whole (unsharded) sequence. Under a mesh a flash core runs per shard in a
+    shard_map (rows and head groups are independent): a Mosaic or Triton kernel is a custom call
+    that GSPMD cannot partition, and the XLA flash loop is kept to each shard's rows and heads the
+    same way. The blocked core is plain einsums that GSPMD splits; so is the XLA flash core where
+    the rows or heads do not divide over their mesh axes (a Pallas core there is refused by
+    shard_map, naming the shapes)."""
+    backend = limits.resolve(kernels.attention.backend, trace_platform())
+    core = attention_core(kernels, self_attention=True)
+
+    def local(q, k, v, pos, seg):
+        return core(q, k, v, q_pos_BT=pos, kv_pos_BS=pos, q_seg_BT=seg, kv_seg_BS=seg, scale=scale)
+
+    args = (q_BTNA, k_BTGA, v_BTGA, positions_BT, segment_ids_BT)
+    if backend == "blocked" or jax.sharding.get_abstract_mesh().empty:
+        return local(*args)
+    q_spec, kv_spec = logical_to_spec(("batch", "seq", "heads", None)), logical_to_spec(("batch", "seq", "kv_heads", None))
+    ids = logical_to_spec(("batch", "seq"))
+    specs = (q_spec, kv_spec, kv_spec, ids, ids)
+    if backend == "xla" and not all(_splits(sp, a.shape) for sp, a in zip(specs, args)):
+        return local(*args)
+    # check_vma off for Pallas: a Pallas call's outputs carry no varying-axes annotation.
+    return jax.shard_map(local, in_specs=specs, out_specs=q_spec, check_vma=not backend.startswith("pallas"))(*args)
+
+
 def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig, a: AttentionConfig = AttentionConfig(),
                     *, packed: bool = True, kernels: KernelsConfig = KernelsConfig()):
     """`packed`: whether segment_ids_BT came with the batch (else it is all ones and context
@@ -100,9 +134,7 @@ def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig, a: A
     axes = context.context_axes()
     if not axes:
         q, gate, k, v = project_qkv(p, x_BTD, positions_BT, m)
-        o_BTNA = attention_core(kernels, self_attention=True)(
-            q, k, v, q_pos_BT=positions_BT, kv_pos_BS=positions_BT, q_seg_BT=segment_ids_BT,
-            kv_seg_BS=segment_ids_BT, scale=m.head_dim ** -0.5)
+        o_BTNA = self_attention(q, k, v, positions_BT, segment_ids_BT, kernels, scale=m.head_dim ** -0.5)
         return gated_output(p, o_BTNA, gate)
     seg_BT = segment_ids_BT if packed else None
     if a.cp_load_balance:

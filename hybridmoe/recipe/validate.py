@@ -550,7 +550,7 @@ def _kernels_gdn_backend(cfg: Config) -> list[Problem]:
 
 def _expert_fsdp_shards(cfg: Config) -> tuple[int | None, str]:
     """(shards of the routed expert weights' FSDP dimension, or None where a -1 axis it uses is not
-    known at load; the mesh axes as text). Read from the weight declaration and the rules table."""
+    known at load; the mesh axes, with their sizes where known, as text). Read from the weight declaration and the rules table."""
     from hybridmoe.model.fit import known_mesh_sizes
     from hybridmoe.model.params import layer_axes
     from hybridmoe.parallel.rules import FSDP_AXIS, RULES_TABLES, logical_to_spec, mesh_axes_of
@@ -558,10 +558,9 @@ def _expert_fsdp_shards(cfg: Config) -> tuple[int | None, str]:
     wi_axes = layer_axes(cfg.model)[0]["moe"]["wi"]
     entry = logical_to_spec(wi_axes, RULES_TABLES[cfg.mesh.rules])[wi_axes.index(FSDP_AXIS)]
     axes, sizes = mesh_axes_of(entry), known_mesh_sizes(cfg.mesh)
-    text = " x ".join(f"mesh.{a}" for a in axes) or "no mesh axis"
     if any(a not in sizes for a in axes):
-        return None, text
-    return math.prod(sizes[a] for a in axes), text
+        return None, " x ".join(f"mesh.{a}" for a in axes)
+    return math.prod(sizes[a] for a in axes), " x ".join(f"mesh.{a}={sizes[a]}" for a in axes) or "no mesh axis"
 
 
 @rule("quant.fp8_fake_quant_hoist")
@@ -578,7 +577,7 @@ def _quant_fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
         shards, axes = _expert_fsdp_shards(cfg)
         if shards == 1:
             unmet.append(f"gather8 needs FSDP-sharded expert weights: their FSDP dimension is split over {axes}, "
-                         "1 shard, so nothing is gathered (give mesh.fsdp or mesh.context a size > 1)")
+                         "1 shard, so nothing is gathered (give one of those axes a size > 1)")
     return [("quant.fp8_fake_quant_hoist", "; ".join(unmet))] if unmet else []
 
 

@@ -36,6 +36,7 @@ KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all
          "collective-permute")
 
 _DTYPE_BYTES = {
+    "token": 0,  # HLO's ordering value (async-call starts and their dones pass one), no bytes
     "pred": 1, "i1": 1, "s8": 1, "u8": 1, "i8": 1, "ui8": 1, "s16": 2, "u16": 2, "i16": 2, "ui16": 2,
     "s32": 4, "u32": 4, "i32": 4, "ui32": 4, "s64": 8, "u64": 8, "i64": 8, "ui64": 8,
     "f16": 2, "bf16": 2, "f32": 4, "f64": 8,
