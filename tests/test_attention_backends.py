@@ -1,7 +1,7 @@
-"""kernels.attention.backend through the production model path on the 8-device CPU mesh: the
+"""kernels.attention.backend and attention.cp_impl through the production model path on the 8-device CPU mesh: the
 logits and every parameter gradient of the tiny model with each attention core (xla and pallas_tpu
 flash attention, pallas_tpu interpreted; the blocked core) against the same model on the masked XLA
-core (kernels/attention/xla.py), without context parallelism and with all-gather context
+core (kernels/attention/xla.py), without context parallelism and with all-gather or ring context
 parallelism over 2 and 4 ranks, natural and load-balanced order, packed rows (documents, padding)
 and unpacked ones. Blocks of 8 queries x 16 keys, so every rank walks several block pairs, skipped,
 masked and unmasked. Broken variants of the flash block math patched in are caught through the
@@ -29,10 +29,11 @@ BLOCKS = ("kernels.attention.block_q=8", "kernels.attention.block_k=16")
 TOLERANCE = 1e-4  # relative L2 per leaf; float32 sums in another order: ~1e-6
 
 
-def mesh_overrides(P: int, lb: bool):
+def mesh_overrides(P: int, lb: bool, impl: str = "all_gather"):
     if P == 1:  # rows over data x fsdp, heads over tensor: self_attention's shard_map splits both
         return ("mesh.data=2", "mesh.tensor=2")
-    return (f"mesh.context={P}", "mesh.data=1", "gdn.chunk_size=8", f"attention.cp_load_balance={lb}")
+    return (f"mesh.context={P}", "mesh.data=1", "gdn.chunk_size=8", f"attention.cp_load_balance={lb}",
+            f"attention.cp_impl={impl}")
 
 
 def logits_and_grads(cfg, packed: bool):
@@ -90,38 +91,43 @@ def reference(P, lb, packed):
     return _REFERENCE[key]
 
 
-def run_backend(backend, P, lb, packed):
+def run_backend(backend, P, lb, packed, impl="all_gather"):
     more = ("kernels.interpret=true",) if backend.startswith("pallas") else ()
     blocks = BLOCKS if backend != "blocked" else ()
-    cfg = tiny_config(*mesh_overrides(P, lb), f"kernels.attention.backend={backend}", *blocks, *more)
+    cfg = tiny_config(*mesh_overrides(P, lb, impl), f"kernels.attention.backend={backend}", *blocks, *more)
     return logits_and_grads(cfg, packed)
 
 
-# (backend, context ranks, load-balanced, packed). blocked under context parallelism is the masked
-# core itself (not a case). Each case compiles the model twice (~15 s each on 2 cores): the default
-# suite runs one per order and packing for xla, one for blocked and pallas_tpu; the rest are slow.
+# (backend, context ranks, load-balanced, packed, context parallelism's impl). blocked under context
+# parallelism is the masked core itself (not a case). Each case compiles the model twice (~15 s
+# each on 2 cores): the default suite runs one per order and packing for xla, the ring once, one
+# case for blocked and pallas_tpu; the rest are slow.
 SLOW = pytest.mark.slow
-CASES = [("xla", 1, False, True), ("xla", 2, False, False), ("xla", 2, True, True), ("blocked", 1, False, True),
-         ("pallas_tpu", 2, True, True), pytest.param("xla", 1, False, False, marks=SLOW),
-         pytest.param("xla", 4, True, False, marks=SLOW), pytest.param("pallas_tpu", 1, False, True, marks=SLOW)]
+AG, RING = "all_gather", "ring"
+CASES = [("xla", 1, False, True, AG), ("xla", 2, False, False, AG), ("xla", 2, True, True, AG),
+         ("xla", 2, True, True, RING), ("blocked", 1, False, True, AG), ("pallas_tpu", 2, True, True, AG),
+         pytest.param("xla", 1, False, False, AG, marks=SLOW), pytest.param("xla", 4, True, False, AG, marks=SLOW),
+         pytest.param("xla", 4, False, False, RING, marks=SLOW),
+         pytest.param("pallas_tpu", 1, False, True, AG, marks=SLOW),
+         pytest.param("pallas_tpu", 2, True, True, RING, marks=SLOW)]
 _CLEAN = {}
 
 
-def clean(backend, P, lb, packed):
-    key = (backend, P, lb, packed)
+def clean(backend, P, lb, packed, impl=AG):
+    key = (backend, P, lb, packed, impl)
     if key not in _CLEAN:
         _CLEAN[key] = rel_errors(run_backend(*key), reference(P, lb, packed))
     return _CLEAN[key]
 
 
 def _case_id(c):
-    b, P, lb, pk = c.values if hasattr(c, "values") else c
-    return f"{b}-cp{P}-{'lb' if lb else 'natural'}-{'packed' if pk else 'unpacked'}"
+    b, P, lb, pk, impl = c.values if hasattr(c, "values") else c
+    return f"{b}-cp{P}{'-ring' if impl == RING else ''}-{'lb' if lb else 'natural'}-{'packed' if pk else 'unpacked'}"
 
 
-@pytest.mark.parametrize("backend, P, lb, packed", CASES, ids=[_case_id(c) for c in CASES])
-def test_model_with_each_core_equals_the_masked_core(backend, P, lb, packed):
-    err, leaf = worst(clean(backend, P, lb, packed))
+@pytest.mark.parametrize("backend, P, lb, packed, impl", CASES, ids=[_case_id(c) for c in CASES])
+def test_model_with_each_core_equals_the_masked_core(backend, P, lb, packed, impl):
+    err, leaf = worst(clean(backend, P, lb, packed, impl))
     assert err < TOLERANCE, (leaf, err)
 
 
@@ -153,9 +159,9 @@ MODEL_BROKEN = {
                                      for v in sorted(MODEL_BROKEN)])
 def test_broken_block_math_is_caught_through_the_model(variant, monkeypatch):
     """Load-balanced context parallelism on 2 ranks, packed rows, the xla flash backend."""
-    case = ("xla", 2, True, True)
+    case = ("xla", 2, True, True, AG)
     clean_err, _ = worst(clean(*case))
-    ref = reference(*case[1:])
+    ref = reference(*case[1:4])
     attribute, broken = MODEL_BROKEN[variant]
     monkeypatch.setattr(fb, attribute, broken)
     broken_err, leaf = worst(rel_errors(run_backend(*case), ref))

@@ -290,8 +290,12 @@ def model_case():
     overrides = ("gdn.chunk_size=16", "train.seq_len=128")
     cfg = tiny_config(*overrides)
     params = tiny_params(cfg)
-    # Documents of 5, 70, 9, 30 tokens per row: starts inside shards and across shard edges.
-    batch = packed_batch(3, 8, TOKENS, cfg.model.vocab_size)
+    # Documents of 32, 64, 9 and 23 tokens, packed first fit: rows of four 32s and of two 64s start
+    # documents exactly on the 4-rank shard edges (32, 64, 96) and carry the 64s' state across
+    # edges 32 and 96; the 9s and 23s start inside shards.
+    batch = packed_batch(3, 8, TOKENS, cfg.model.vocab_size, doc_lengths=(32, 64, 9, 23))
+    starts = {int(t) for t in np.argwhere(np.diff(np.asarray(batch["segment_ids"]), axis=1) != 0)[:, 1] + 1}
+    assert {32, 64, 96} <= starts and starts - {32, 64, 96}, starts
     return overrides, params, batch, _model_loss_and_grads(cfg, params, batch)
 
 

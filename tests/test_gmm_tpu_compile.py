@@ -248,6 +248,30 @@ def test_flash_attention_training_step_runs_the_kernels_per_shard(device):
     assert collectives["auto"] == collectives["blocked"], collectives
 
 
+def test_flash_attention_ring_step_compiles_for_tpu(device):
+    """attention.cp_impl=ring on the Mosaic kernels (context 2, load-balanced, heads over tensor 2):
+    the training step compiles for the topology's 8 devices with the three kernels inside the ring's
+    shard_map, and K/V reach the other rank by collective-permute, never by an all-gather of the
+    [b, T, G, A] keys."""
+    from hybridmoe.kernels.attention.pallas_tpu import KERNEL_NAMES
+    from hybridmoe.recipe import load_config
+    from hybridmoe.recipe.validate import compile_target
+    from hybridmoe.tools import train_program as tp
+
+    with compile_target("tpu"):
+        cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "mesh.context=2", "mesh.data=1",
+                                   "model.layer_pattern=[attention]", "model.num_layers=1", "model.head_dim=128",
+                                   "attention.cp_load_balance=true", "attention.cp_impl=ring", "model.d_model=128"])
+    step = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False)
+    text = step.program.compiled_text
+    assert all(name in text for name in KERNEL_NAMES), [n for n in KERNEL_NAMES if n not in text]
+    m = cfg.model
+    T = cfg.train.seq_len  # K/V (and dK/dV) blocks [b, t or T, G / tensor, A] (not the [1, D, G, A] weights)
+    kv = [c for c in step.program.compiled_collectives if len(c.shape) == 4 and c.shape[1] in (T // 2, T)
+          and c.shape[-2:] == (m.num_kv_heads // 2, m.head_dim)]
+    assert kv and {c.kind for c in kv} == {"collective-permute"}, kv
+
+
 # ---------------------------------------------------------------------------------------------
 # The seed's cell geometry: 256 devices of tpu7x:4x4x8 as fsdp 32 x context 4 x expert 2, one
 # 65,536-token sequence per context group (16,384 local queries), at tiny widths (the program's

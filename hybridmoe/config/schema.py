@@ -236,6 +236,10 @@ class QuantConfig(Section):
 
 
 class AttentionConfig(Section):
+    cp_impl: Literal["all_gather", "ring"] = Field(
+        "all_gather", description="Context parallelism's attention: all_gather (every rank gathers all keys and "
+        "values) or ring (K/V blocks passed round the context ranks by collective-permute while the held block "
+        "computes; partials merged by online softmax; two shards held instead of all keys). Needs mesh.context > 1.")
     cp_load_balance: bool = Field(
         False, description="Under context parallelism, each attention layer works in load-balanced order (rank r "
         "holds half-chunks r and 2P-1-r of the sequence) so causal work is even over the ranks; natural order outside.")

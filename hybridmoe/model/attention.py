@@ -9,7 +9,8 @@ The attention core is kernels.attention.backend (attention_core: flash attention
 Pallas kernels, or the masked XLA core in query blocks; `auto` resolved for the platform the program
 is traced for). Context parallelism (the sequence split over the mesh axes of logical "seq"):
 queries stay sequence-sharded and keys/values are all-gathered
-(kernels/attention/context_parallel.py), that core running on each rank's queries. Without
+(kernels/attention/context_parallel.py), that core running on each rank's queries; or, with
+attention.cp_impl=ring, the K/V blocks go round the ranks (kernels/attention/ring.py). Without
 context parallelism under a mesh a flash core runs per shard in a shard_map (self_attention). With
 attention.cp_load_balance the layer first moves its input, positions and segment ids into the
 load-balanced order of parallel/context.py and moves its output back, so the layers around it
@@ -27,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from hybridmoe.config.schema import AttentionConfig, KernelsConfig, ModelConfig
 from hybridmoe.kernels.attention import attention, causal_attention_blocked, flash_attention, limits
 from hybridmoe.kernels.attention.context_parallel import context_parallel_attention
+from hybridmoe.kernels.attention.ring import ring_attention
 from hybridmoe.kernels.platform import trace_platform
 from hybridmoe.model.norms import apply_partial_rope, rms_norm, rope_tables
 from hybridmoe.parallel import context
@@ -142,11 +144,18 @@ def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig, a: A
         positions_BT, seg_BT = load_balanced_ids(positions_BT, seg_BT, a)
     q, gate, k, v = project_qkv(p, x_BTD, positions_BT, m)
     backend = limits.resolve(kernels.attention.backend, trace_platform())
-    o_BTNA = context_parallel_attention(
-        q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5,
-        q_spec=logical_to_spec(("batch", "seq", "heads", None)), kv_spec=logical_to_spec(("batch", "seq", "kv_heads", None)),
-        ids_spec=logical_to_spec(("batch", "seq")), core=attention_core(kernels, self_attention=False),
-        check_vma=not backend.startswith("pallas"))
+    specs = dict(q_spec=logical_to_spec(("batch", "seq", "heads", None)),
+                 kv_spec=logical_to_spec(("batch", "seq", "kv_heads", None)), ids_spec=logical_to_spec(("batch", "seq")))
+    if a.cp_impl == "ring":  # a flash core (the validator refuses blocked): each step is one shard's keys
+        t = q.shape[1] // context.context_size(axes)
+        block_q, block_k = limits.blocks(backend, kernels.attention.block_q, kernels.attention.block_k, t, t,
+                                         hardware=backend != "xla" and not kernels.interpret)
+        o_BTNA = ring_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5, **specs,
+                                backend=backend, block_q=block_q, block_k=block_k, interpret=kernels.interpret)
+    else:
+        o_BTNA = context_parallel_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5,
+                                            **specs, core=attention_core(kernels, self_attention=False),
+                                            check_vma=not backend.startswith("pallas"))
     y_BTD = gated_output(p, o_BTNA, gate)
     if a.cp_load_balance:
         y_BTD = context.reorder(y_BTD, ("batch", "seq", None), inverse=True)

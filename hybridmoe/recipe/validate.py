@@ -344,7 +344,8 @@ def _context_size(cfg: Config) -> int | None:
     return None if problem else sizes["context"]
 
 
-@rule("attention.cp_load_balance", "attention.cp_load_balance_hoist_ids", "mesh.context", "train.seq_len")
+@rule("attention.cp_load_balance", "attention.cp_impl", "attention.cp_load_balance_hoist_ids", "mesh.context",
+      "train.seq_len")
 def _attention_context_parallel(cfg: Config) -> list[Problem]:
     a, r, out = cfg.attention, cfg.remat, []
     P = _context_size(cfg)
@@ -354,6 +355,18 @@ def _attention_context_parallel(cfg: Config) -> list[Problem]:
         if cfg.train.seq_len % pieces:
             out.append(("train.seq_len", f"{cfg.train.seq_len} tokens do not split into {what} mesh.context={P} "
                         f"shards; make it a multiple of {pieces}"))
+    if a.cp_impl == "ring":
+        unmet = []
+        if P is not None and P <= 1:
+            unmet.append(f"needs context parallelism, mesh.context > 1 (got {P}): with one rank there is no ring; "
+                         "set mesh.context or attention.cp_impl=all_gather")
+        if "attention" not in cfg.model.layer_pattern:
+            unmet.append("needs attention layers (model.layer_pattern has none)")
+        if _attention_backend(cfg) == "blocked":
+            unmet.append("needs a flash attention core (kernels.attention.backend=auto, xla or pallas_tpu): the "
+                         "blocked core returns no log-sum-exp to merge the ring's partials by")
+        if unmet:
+            out.append(("attention.cp_impl", "ring " + "; ".join(unmet)))
     if a.cp_load_balance:
         if P is not None and (P < 2 or P % 2):
             out.append(("attention.cp_load_balance", f"needs an even mesh.context >= 2 (got {P}): with one rank "
@@ -407,7 +420,10 @@ def attention_block_problems(cfg: Config, rows: int, rows_what: str) -> list[Pro
         multiple = attention_limits.block_multiple(backend, hardware=not cfg.kernels.interpret)
     q_what = f"local queries ({rows_what} / mesh.context={P})" if P > 1 else f"queries ({rows_what})"
     k_what = f"keys ({rows_what}, every key gathered to each context rank)" if P > 1 else f"keys ({rows_what})"
-    for name, block, length, what in (("block_q", a.block_q, t, q_what), ("block_k", a.block_k, rows, k_what)):
+    k_len = rows
+    if P > 1 and cfg.attention.cp_impl == "ring":  # a key block tiles the one rank's shard held at a step
+        k_len, k_what = t, f"keys of a ring step ({rows_what} / mesh.context={P}, one rank's shard)"
+    for name, block, length, what in (("block_q", a.block_q, t, q_what), ("block_k", a.block_k, k_len, k_what)):
         problem = block and attention_limits.block_problem(f"kernels.attention.{name}", block, length, what, multiple)
         if problem:
             fit = attention_limits.fit_block(block, length, multiple)
