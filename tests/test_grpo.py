@@ -167,13 +167,14 @@ def test_combined_metrics_take_max_of_max_and_token_weighted_means():
     one = {"kept_tokens": 10.0, "completion_tokens": 12.0, "entropy_sum": 12.0, "logp_sum": -12.0, "kl_sum": 1.0,
            "clipped_sum": 1.0, "clipped_high_sum": 1.0, "clipped_low_sum": 0.0, "ratio_sum": 10.0, "pg_loss": 0.5,
            "gap_sum": 1.2, "is_weight_sum": 10.0, "is_masked_rows": 0.0, "rows_with_tokens": 4.0,
-           "ratio_max": 1.5, "ratio_min": 0.9, "gap_max": 0.3, "loss": 0.5, "grad_norm": 2.0, "update_applied": 1.0}
+           "ratio_max": 1.5, "ratio_min": 0.9, "gap_max": 0.3, "loss": 0.5, "grad_norm": 2.0, "update_applied": 1.0,
+           "update_skipped": 0.0}
     two = {**one, "kept_tokens": 30.0, "clipped_sum": 9.0, "clipped_high_sum": 3.0, "clipped_low_sum": 6.0,
-           "ratio_max": 1.1, "ratio_min": 0.5, "gap_max": 0.1, "loss": 1.5, "grad_norm": 4.0}
+           "ratio_max": 1.1, "ratio_min": 0.5, "gap_max": 0.1, "loss": 1.5, "grad_norm": 4.0, "update_skipped": 1.0}
     m = combine_update_metrics([one, two])
     assert m["ratio_max"] == 1.5 and m["ratio_min"] == 0.5 and m["sampler_gap_max"] == 0.3
     assert m["pg_clipfrac"] == 10.0 / 40.0 and m["pg_clipfrac_low"] == 6.0 / 40.0  # not the mean of 0.1 and 0.3
-    assert m["loss"] == 1.0 and m["grad_norm_max"] == 4.0 and m["updates"] == 2.0
+    assert m["loss"] == 1.0 and m["grad_norm_max"] == 4.0 and m["updates"] == 2.0 and m["update_skipped"] == 1.0
     # Four updates as two passes of two shuffled mini-batches: each pass covers every row once.
     cfg = _config("rl.updates_per_rollout=4", "rl.epochs_per_rollout=2")
     parts = mini_batch_rows(cfg, ROWS, step=3)

@@ -202,3 +202,74 @@ def test_a_broken_guard_is_caught(variant, unguarded, monkeypatch):
     errors = {"train": _state_error(_train_steps("skip")[0][0], unguarded["train"][0][0]),
               "grpo": _state_error(_grpo_steps("skip")[0], unguarded["grpo"][0])}
     assert min(errors.values()) > 10 * STATE_TOL, (variant, errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# A non-finite gradient in a GRPO step (the loss stays finite): the step keeps params and optimizer
+# state bit for bit and counts the skip; the next finite step updates again. The poison is data:
+# a micro-batch whose first advantage is POISON gets a NaN gradient on every parameter (a custom
+# VJP: the forward, and so the loss, are untouched), so one compiled step serves every batch.
+
+POISON = 0.625
+
+
+@jax.custom_vjp
+def _nan_gradient_if(x, flag):
+    return x
+
+
+_nan_gradient_if.defvjp(lambda x, flag: (x, flag),
+                        lambda flag, g: (g * jnp.where(flag, jnp.nan, 1.0).astype(g.dtype), None))
+
+
+def _poisoned_micro_batch_loss(real):
+    def loss(params, ref_params, cfg, mb):
+        flag = mb["advantages"][0] == POISON
+        return real(jax.tree.map(lambda p: _nan_gradient_if(p, flag), params), ref_params, cfg, mb)
+    return loss
+
+
+def _loss_only_guard(loss, grad_norm, new, old):
+    """Broken: the guard looks at the loss alone (a NaN gradient under a finite loss goes through)."""
+    finite = jnp.isfinite(loss)
+    return step_module.keep_if_not(finite, new, old), (~finite).astype(jnp.int32)
+
+
+GRPO_BROKEN_GUARDS = {"real_guard": None, "guard_reads_the_loss_only": _loss_only_guard}
+
+
+@pytest.mark.parametrize("variant", list(GRPO_BROKEN_GUARDS))
+def test_grpo_step_with_a_nonfinite_gradient_keeps_params_and_optimizer_state(variant, monkeypatch):
+    monkeypatch.setattr(grpo_module, "micro_batch_loss", _poisoned_micro_batch_loss(grpo_module.micro_batch_loss))
+    if GRPO_BROKEN_GUARDS[variant] is not None:
+        monkeypatch.setattr(grpo_module, "skip_if_nonfinite", GRPO_BROKEN_GUARDS[variant])
+    cfg = grpo_config("rl.micro_batches=2")
+    setup, opt = build(cfg), rl_optimizer(cfg)
+    step_fn = jit_grpo_step(setup, opt, with_reference=False)
+    init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
+                   out_shardings=setup.state_shardings)
+
+    def batch(seed, poisoned):
+        adv, keep = _advantages(seed=seed)
+        out = build_update_batch(cfg, _rollout(cfg, seed=seed), adv, keep)
+        if poisoned:  # the second micro-batch only: one poisoned micro-batch poisons the step's sum
+            out["advantages"][1, 0] = POISON
+        return out
+
+    with setup.context():
+        state, m0 = step_fn(init(tiny_params(cfg)), None, batch(0, False))
+        before = jax.device_get(state)
+        state, m1 = step_fn(state, None, batch(1, True))
+        after = jax.device_get(state)
+        state, m2 = step_fn(state, None, batch(2, False))
+    m0, m1, m2 = jax.device_get((m0, m1, m2))
+    moved = lambda a, b: any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+    if variant != "real_guard":
+        assert moved(after["params"], before["params"]) or m1["update_skipped"] != 1.0, f"{variant} was not caught"
+        return
+    assert np.isfinite(m1["loss"]) and not np.isfinite(m1["grad_norm"]), m1  # the gradient alone is poisoned
+    assert (m0["update_skipped"], m1["update_skipped"], m2["update_skipped"]) == (0.0, 1.0, 0.0)
+    assert (m0["update_applied"], m1["update_applied"], m2["update_applied"]) == (1.0, 0.0, 1.0)
+    jax.tree.map(np.testing.assert_array_equal, after["params"], before["params"])
+    jax.tree.map(np.testing.assert_array_equal, after["opt_state"], before["opt_state"])
+    assert moved(jax.device_get(state["params"]), after["params"])  # the next finite step updates

@@ -187,3 +187,36 @@ def test_grpo_levers_together_run_and_log_what_they_do(tmp_path):
         assert r["ratio_min"] <= 1 <= r["ratio_max"] and 0 < r["is_weight_mean"] <= 2.0
         assert r["sampler_gap_mean"] > 0 and r["sampler_gap_max"] >= r["sampler_gap_mean"]
         assert r["update_applied"] == 1.0
+
+
+def test_a_nonfinite_grpo_step_is_skipped_counted_and_leaves_the_checkpointed_state(monkeypatch, tmp_path):
+    """A NaN advantage injected into the second GRPO step (the programs are the finished run's): that
+    step's update is skipped and counted (update_skipped), params and optimizer state are the
+    first step's bit for bit, and the run goes on."""
+    from hybridmoe.rl import loop as rl_loop
+
+    real_updates = rl_loop.policy_updates
+
+    def poisoning_updates(cfg, rows, step, *rest):
+        if step == 1:
+            rows = {**rows, "advantages": np.where(np.arange(len(rows["advantages"])) == 0, np.nan,
+                                                   rows["advantages"]).astype(np.float32)}
+        return real_updates(cfg, rows, step, *rest)
+
+    monkeypatch.setattr(rl_loop, "policy_updates", poisoning_updates)
+    cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=0", "rl.steps=3", "rl.checkpoint_every=1")
+    task = ArithmeticTask(digits=1)
+    noisy = lambda prompt, completion: float(zlib.crc32(completion.encode()) % 3)  # noqa: E731 -- varied rewards
+    out = tmp_path / "run"
+    history = run_rl(cfg, out, progress=False, task=task, reward_fns=[(noisy, 1.0)])
+    assert [h["update_skipped"] for h in history] == [0.0, 1.0, 0.0], history
+    assert [h["update_applied"] for h in history] == [1.0, 0.0, 1.0] and history[1]["kept_frac"] > 0
+    setup = build(cfg)
+    abstract = {"train": setup.abstract_state(), "ref_params": abstract_params(setup.specs, setup.param_shardings)}
+    ckpt = Checkpoints(out / "checkpoints")
+    states = {s: jax.device_get(ckpt.restore(s, abstract)[0]["train"]) for s in (1, 2, 3)}
+    ckpt.close()
+    for key in ("params", "opt_state"):
+        jax.tree.map(np.testing.assert_array_equal, states[2][key], states[1][key])
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(states[3]["params"]),
+                                                        jax.tree.leaves(states[2]["params"])))

@@ -23,7 +23,7 @@ supervised training. `combine_update_metrics` reduces the metrics of a rollout's
 A step whose batch keeps no token (every group zero-variance or masked) or whose gradient is not
 finite (unless train.on_nonfinite=off) leaves params and optimizer state unchanged: AdamW's momentum
 would otherwise move the weights on a zero gradient, and a NaN would poison them for good.
-`update_applied` records which.
+`update_applied` records which; `update_skipped` counts the non-finite ones (what the run's guard counts).
 """
 
 from __future__ import annotations
@@ -121,11 +121,12 @@ def grpo_step(cfg: Config, optimizer: optax.GradientTransformation):
         any_kept = sums["kept_tokens"] > 0
         old = (params, state["opt_state"])
         new_params, opt_state = keep_if_not(any_kept, (optax.apply_updates(params, updates), opt_state), old)
-        apply = any_kept
+        apply, skipped = any_kept, jnp.int32(0)
         if guarded(cfg.train):
             (new_params, opt_state), skipped = skip_if_nonfinite(loss, grad_norm, (new_params, opt_state), old)
             apply = apply & (skipped == 0)
         metrics = {"loss": loss, "grad_norm": grad_norm, "update_applied": apply.astype(jnp.float32),
+                   "update_skipped": skipped.astype(jnp.float32),
                    **{k: sums[k] for k in (*_SUM_KEYS, *_EXTREMES)}}
         metrics.update(step_metrics(metrics, any_kept, jnp.where, jnp.maximum))
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
@@ -152,7 +153,8 @@ def step_metrics(sums, any_kept, where=np.where, maximum=np.maximum) -> dict:
 
 def combine_update_metrics(per_update: list[dict]) -> dict:
     """One record for a rollout's updates: sums add up, extremes take the max of the maxima (min of
-    the minima), loss and grad_norm are the mean over the updates, update_applied the fraction."""
+    the minima), loss and grad_norm are the mean over the updates, update_applied the fraction,
+    update_skipped the number of updates the numerics guard skipped."""
     total = {k: float(sum(u[k] for u in per_update)) for k in _SUM_KEYS}
     total["ratio_max"] = max(u["ratio_max"] for u in per_update)
     total["ratio_min"] = min(u["ratio_min"] for u in per_update)
@@ -160,6 +162,7 @@ def combine_update_metrics(per_update: list[dict]) -> dict:
     for k in ("loss", "pg_loss", "grad_norm", "update_applied"):
         total[k] = float(np.mean([u[k] for u in per_update]))
     total["grad_norm_max"] = float(max(u["grad_norm"] for u in per_update))
+    total["update_skipped"] = float(sum(u["update_skipped"] for u in per_update))
     total["updates"] = float(len(per_update))
     total.update({k: float(v) for k, v in step_metrics(total, total["kept_tokens"] > 0).items()})
     return total

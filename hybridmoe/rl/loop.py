@@ -44,7 +44,6 @@ from hybridmoe.run.hf_io import config_with_hf_model, export_hf_checkpoint, para
 from hybridmoe.run.metrics import MetricsWriter, plot_metrics
 from hybridmoe.run.run_dir import RunError, check_paths, config_record, open_checkpoints
 from hybridmoe.run.setup import build, init_state, jit_train_step
-from hybridmoe.run.step import guarded
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +229,7 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
         **{k: m[k] for k in ("loss", "pg_loss", "kl", "entropy", "logp_mean", "grad_norm", "pg_clipfrac",
                              "pg_clipfrac_high", "pg_clipfrac_low", "ratio_mean", "ratio_min", "ratio_max",
                              "sampler_gap_mean", "sampler_gap_max", "is_weight_mean", "is_masked_frac",
-                             "update_applied")},
+                             "update_applied", "update_skipped")},
         "kept_frac": float(kept_frac),
         **{k: float(v) for k, v in advantage_stats(jnp.asarray(adv_PG), jnp.asarray(keep_PG)).items()},
         "completion_len_mean": float(lengths.mean()), "completion_len_min": float(lengths.min()),
@@ -364,9 +363,6 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
                     state, rec = _grpo_step(run, state, ref_params, step, sample_key)
                     bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", kept=f"{rec['kept_frac']:.2f}")
                 done = step + 1
-                if step >= r.warmup_steps:  # GRPO also skips updates with no kept token: only NaN/inf counts here
-                    rec["update_skipped"] = float(guarded(cfg.train) and not (np.isfinite(rec["loss"])
-                                                                                and np.isfinite(rec["grad_norm"])))
                 nonfinite = bool(rec["update_skipped"])
                 history.append({"step": step, **rec})
                 stop = guard.observe(step, nonfinite)
