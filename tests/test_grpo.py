@@ -1,17 +1,25 @@
-"""The GRPO policy update on the 8-device CPU mesh: its loss is the objective of unchunked log-probs,
-micro-batch accumulation equals one big batch, the first update of a rollout sampled at T = 0.7 and
-top-p 0.9 has ratio exactly 1, and several updates per rollout make the clip act."""
+"""The GRPO policy update on the 8-device CPU mesh: its loss, metrics and gradient equal an independent
+numpy re-derivation on unchunked log-probs at T = 0.7, micro-batch accumulation equals one big batch,
+the first update of a rollout has ratio exactly 1 on every path that computes pi_old (one update,
+several: mini-batches x epochs, micro-batches, routing replay; T = 0.7), the pi_old later updates
+read is the rollout policy at the sampling temperature (broken variants caught), and several updates
+per rollout make the clip act."""
+
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+import hybridmoe.rl.grpo as grpo_module
 from helpers import tiny_config, tiny_params
 from hybridmoe.model.forward import decoder_hidden
 from hybridmoe.rl.grpo import (build_update_batch, combine_update_metrics, jit_grpo_step, jit_old_logprobs,
-                               mini_batch_rows, policy_updates, rl_optimizer, update_batch_shardings, update_rows)
+                               mini_batch_rows, policy_updates, rl_optimizer, split_update_batch,
+                               update_batch_shardings, update_rows)
 from hybridmoe.kernels.logprobs import token_logprobs_reference
-from hybridmoe.rl.objective import clipped_policy_loss
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
 from hybridmoe.run.setup import build
 
@@ -24,16 +32,16 @@ def _config(*overrides):
                        "gdn.chunk_size=4", *overrides)
 
 
-def _rollout(cfg, seed=0):
+def _rollout(cfg, seed=0, rows=ROWS):
     """A rollout as the sampler returns it, with made-up tokens, lengths and old log-probs."""
     rng = np.random.default_rng(seed)
     V = cfg.model.vocab_size
-    prompts = [rng.integers(3, V, size=int(n)).tolist() for n in rng.integers(1, PROMPT_LEN + 1, size=ROWS)]
+    prompts = [rng.integers(3, V, size=int(n)).tolist() for n in rng.integers(1, PROMPT_LEN + 1, size=rows)]
     tokens, seg, pos = left_pad_prompts(prompts, PROMPT_LEN, pad_id=0)
-    lengths = rng.integers(1, NEW_TOKENS + 1, size=ROWS)
+    lengths = rng.integers(1, NEW_TOKENS + 1, size=rows)
     lengths[3] = NEW_TOKENS
     in_completion = np.arange(NEW_TOKENS)[None] < lengths[:, None]
-    completion = np.where(in_completion, rng.integers(3, V, size=(ROWS, NEW_TOKENS)), 0)
+    completion = np.where(in_completion, rng.integers(3, V, size=(rows, NEW_TOKENS)), 0)
     comp_pos = pos[:, -1:] + 1 + np.arange(NEW_TOKENS)
     return {
         "tokens": np.concatenate([tokens, completion], 1).astype(np.int32),
@@ -41,14 +49,14 @@ def _rollout(cfg, seed=0):
         "positions": np.concatenate([pos, np.where(in_completion, comp_pos, 0)], 1).astype(np.int32),
         "lengths": lengths.astype(np.int32),
         # A stale sampler: old log-probs far enough off that both clip branches engage.
-        "logprobs": np.where(in_completion, -5.5 + rng.normal(0, 0.4, (ROWS, NEW_TOKENS)), 0.0).astype(np.float32),
+        "logprobs": np.where(in_completion, -5.5 + rng.normal(0, 0.4, (rows, NEW_TOKENS)), 0.0).astype(np.float32),
     }
 
 
-def _advantages(seed=0):
+def _advantages(seed=0, rows=ROWS):
     rng = np.random.default_rng(seed + 10)
-    keep = rng.random(ROWS) > 0.2
-    return np.where(keep, rng.normal(size=ROWS), 0.0).astype(np.float32), keep
+    keep = rng.random(rows) > 0.2
+    return np.where(keep, rng.normal(size=rows), 0.0).astype(np.float32), keep
 
 
 _COMPILED = {}
@@ -67,68 +75,89 @@ def _run_step(cfg, params, ref_params, batch):
         return step(init(params), ref_params, batch)
 
 
-def test_step_loss_equals_objective_of_unchunked_logprobs():
-    # Two updates per rollout: the step takes pi_old from the batch (here a stale one, so that both
-    # clip branches engage) instead of its own log-probs.
-    cfg = _config("rl.beta=0.05", "rl.eps_high=0.28", "rl.micro_batches=1", "rl.updates_per_rollout=2")
+def _stale(batch, logp_old):
+    """The batch of a later update of a rollout: pi_old from the batch, not the step's own."""
+    return {**batch, "logp_old": logp_old, "on_policy": np.zeros(batch["tokens"].shape[0], bool)}
+
+
+STEP_TOL = 1e-4  # the step (float32, chunked, 8 devices) against numpy float64 on unchunked log-probs
+
+
+def _objective_case():
+    """(cfg, params, reference params, a later update's batch: pi_old stale) of the objective test."""
+    cfg = _config("rl.beta=0.05", "rl.eps_high=0.28", "rl.micro_batches=1", "rl.updates_per_rollout=2",
+                  "rl.temperature=0.7")
     params, ref_params = tiny_params(cfg, seed=0), tiny_params(cfg, seed=5)
-    rollout = _rollout(cfg)
     adv, keep = _advantages()
-    batch = build_update_batch(cfg, rollout, adv, keep)
-    batch["logp_old"] = batch["logp_sampler"]
-    state, metrics = _run_step(cfg, params, ref_params, batch)
+    adv = np.where(keep, adv, 1.5).astype(np.float32)  # dropped rows carry an advantage: it must not count
+    batch = build_update_batch(cfg, _rollout(cfg), adv, keep)
+    return cfg, params, ref_params, _stale(batch, batch["logp_sampler"])
+
+
+def test_step_equals_the_independent_objective_at_temperature():
+    """The step's loss, metrics and gradient norm against tests/grpo_reference.py (numpy, float64,
+    d loss / d logp written out) on log-probs of the unchunked definition at T = 0.7, chained to the
+    params by the log-probs' own VJP. A stale pi_old (a later update of a rollout) makes both clip
+    sides act; masked prompt slots (pi_old 0 there, ratio ~e^-5) and a dropped row whose advantage
+    is not 0 would clip if they counted."""
+    from grpo_reference import grpo_reference
+
+    cfg, params, ref_params, batch = _objective_case()
+    _, metrics = jax.device_get(_run_step(cfg, params, ref_params, batch))
 
     mb = jax.tree.map(lambda x: jnp.asarray(x[0]), batch)
 
     def logp_of(p):
         h = decoder_hidden(p, cfg, mb["tokens"], mb["segment_ids"], mb["positions"])
-        return token_logprobs_reference(h[:, :-1], p["lm_head"], mb["tokens"][:, 1:])
+        return token_logprobs_reference(h[:, :-1], p["lm_head"], mb["tokens"][:, 1:], temperature=0.7)
 
-    def loss_fn(p):
-        logp, entropy = logp_of(p)
-        logp_ref, _ = logp_of(ref_params)
-        loss, m = clipped_policy_loss(logp, mb["logp_old"], mb["advantages"], mb["mask"], eps=0.2, eps_high=0.28,
-                                      beta=0.05, logp_ref_BT=logp_ref, keep_B=mb["keep"])
-        return loss, (m, entropy)
-
-    (loss, (m, entropy)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    assert float(m["pg_clipfrac_high"]) > 0 and float(m["pg_clipfrac_low"]) > 0 and float(m["kl"]) > 0
-    np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["kl"]), float(m["kl"]), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["pg_clipfrac"]), float(m["pg_clipfrac"]), rtol=1e-6)
-    mask = mb["mask"]
-    np.testing.assert_allclose(float(metrics["entropy"]), float((entropy * mask).sum() / mask.sum()), rtol=1e-5)
-    grad_norm = float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
-    np.testing.assert_allclose(float(metrics["grad_norm"]), grad_norm, rtol=1e-4)
+    # Compiled once each (eager, the model's ops would dispatch one by one).
+    logp_jit = jax.jit(logp_of)
+    logp, entropy = logp_jit(params)
+    logp_ref, _ = logp_jit(ref_params)
+    pullback = jax.jit(lambda p, ct: jax.vjp(logp_of, p)[1]((ct, jnp.zeros_like(ct)))[0])
+    kw = dict(eps=0.2, eps_high=0.28, keep=np.asarray(mb["keep"]))
+    want = grpo_reference(logp, mb["logp_old"], mb["advantages"], mb["mask"], beta=0.05, logp_ref=logp_ref, **kw)
+    # The case exercises what it claims: both clip sides, and masked or dropped tokens that would clip.
+    assert want["pg_clipfrac_high"] > 0 and want["pg_clipfrac_low"] > 0 and want["kl"] > 0
+    everything = grpo_reference(logp, mb["logp_old"], mb["advantages"], np.ones_like(mb["mask"]), eps=0.2,
+                                eps_high=0.28)
+    assert everything["pg_clipfrac"] * everything["num_tokens"] > want["pg_clipfrac"] * want["num_tokens"] + 10
+    grads = pullback(params, jnp.asarray(want["grad"], jnp.float32))
+    mask = np.asarray(mb["mask"], np.float64)
+    want.update(grad_norm=float(np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))),
+                entropy=float((np.asarray(entropy, np.float64) * mask).sum() / mask.sum()),
+                kept_tokens=want["num_tokens"])
+    keys = ("loss", "pg_loss", "kl", "pg_clipfrac", "pg_clipfrac_high", "pg_clipfrac_low", "ratio_mean", "ratio_max",
+            "ratio_min", "entropy", "grad_norm", "kept_tokens")
+    errors = {k: abs(float(metrics[k]) - want[k]) / max(abs(want[k]), 1e-3) for k in keys}
+    assert max(errors.values()) < STEP_TOL, {k: f"{metrics[k]:.6g} vs {want[k]:.6g}" for k in keys}
     assert float(metrics["update_applied"]) == 1.0
 
 
-def test_micro_batches_accumulate_to_one_big_batch_and_empty_batches_do_not_step():
-    params = tiny_params(_config())
-    rollout = _rollout(_config(), seed=1)
-    adv, keep = _advantages(seed=1)
-    outs = {}
-    for m in (1, 2):
-        # A stale pi_old from the batch (several updates per rollout): clipping acts on some tokens.
-        cfg = _config(f"rl.micro_batches={m}", "rl.aggregation=seq_mean_token_mean",
-                      "rl.updates_per_rollout=2", "rl.epochs_per_rollout=2")
-        batch = build_update_batch(cfg, rollout, adv, keep)
-        batch["logp_old"] = batch["logp_sampler"]
-        outs[m] = jax.device_get(_run_step(cfg, params, None, batch))
-    (s1, m1), (s2, m2) = outs[1], outs[2]
-    for key in ("loss", "pg_loss", "grad_norm", "entropy", "pg_clipfrac", "kept_tokens"):
-        np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, err_msg=key)
-    # Adam's first step is nearly sign(g) * lr: where g is ~0, float-order noise in g moves the
-    # update by up to lr; 5e-5 is 5% of lr = 1e-3, far below a wrong accumulation (O(lr) everywhere).
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), s2["params"], s1["params"])
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(params)))
+def on_policy_metrics(run_step) -> dict:
+    """The step's ratio metrics on the objective case's batch flagged as a rollout's first update."""
+    cfg, params, ref_params, batch = _objective_case()
+    m = jax.device_get(run_step(cfg, params, ref_params, {**batch, "on_policy": np.ones_like(batch["on_policy"])})[1])
+    return {k: float(m[k]) for k in ("ratio_min", "ratio_max", "ratio_mean", "pg_clipfrac")}
 
-    # Nothing kept: the update is skipped (params unchanged), not an AdamW step on a zero gradient.
-    batch = build_update_batch(cfg, rollout, np.zeros(ROWS, np.float32), np.zeros(ROWS, bool))
-    batch["logp_old"] = batch["logp_sampler"]
-    state, metrics = jax.device_get(_run_step(cfg, params, None, batch))
-    assert metrics["update_applied"] == 0.0 and metrics["loss"] == 0.0
-    jax.tree.map(np.testing.assert_array_equal, state["params"], jax.device_get(params))
+
+def test_a_first_update_takes_its_own_logprobs_as_pi_old_whatever_the_batch_holds():
+    # The batch's pi_old is stale (both clip sides act on it, see the test above); flagged on
+    # policy, the step's ratio is exp(0) = 1 on every token.
+    assert on_policy_metrics(_run_step) == {"ratio_min": 1.0, "ratio_max": 1.0, "ratio_mean": 1.0, "pg_clipfrac": 0.0}
+
+
+def test_broken_on_policy_flag_is_caught(monkeypatch):
+    """Broken variant: the step reads the batch's recomputed pi_old on the first update too (the
+    README's "exactly 1" then fails by float rounding of another program: ratios 1 +- 2e-6
+    measured on the multi-update run, here by the stale pi_old's whole distance)."""
+    from broken_variants import mutated
+    monkeypatch.setattr(grpo_module, "micro_batch_loss", mutated(
+        grpo_module, "micro_batch_loss", 'jnp.where(mb["on_policy"], sg(logp), mb["logp_old"])', 'mb["logp_old"]'))
+    monkeypatch.setattr(sys.modules[__name__], "_COMPILED", {})
+    m = on_policy_metrics(_run_step)
+    assert m["ratio_min"] != 1.0 or m["ratio_max"] != 1.0, m
 
 
 def _sampled_rollout(cfg, params, seed=0):
@@ -184,17 +213,36 @@ def test_combined_metrics_take_max_of_max_and_token_weighted_means():
     assert not np.array_equal(parts[0], parts[2])
 
 
-def test_several_updates_per_rollout_make_the_clip_act_and_clipped_tokens_carry_no_gradient():
-    cfg = _config("rl.updates_per_rollout=4", "rl.epochs_per_rollout=2", "rl.micro_batches=1",
-                  "rl.learning_rate=0.01")
+# ---------------------------------------------------------------------------------------------
+# Several updates per rollout: every path that computes pi_old at once (two shuffled mini-batches
+# x two epochs, two micro-batches, routing replay with experts the trainer's router would not
+# pick), at T = 0.7. The rollout's routing is random, so pi_old without it would be another policy.
+
+MULTI = ("rl.temperature=0.7", "rl.top_p=0.9", "moe.routing_replay=true", "rl.updates_per_rollout=4",
+         "rl.epochs_per_rollout=2", "rl.micro_batches=2", "rl.learning_rate=0.01", "rl.prompts_per_step=8",
+         "rl.aggregation=seq_mean_token_mean")
+MULTI_ROWS = 32  # 8 prompts x 4: a micro-batch of 8 rows, one per batch shard
+PI_OLD_TOL = 3e-4  # max |pi_old - reference| over completion tokens, in nats (measured clean: 1.0e-5)
+
+
+def _random_routing(cfg, seed):
+    m = cfg.model
+    draws = np.random.default_rng(seed).random((MULTI_ROWS, PROMPT_LEN + NEW_TOKENS, m.num_layers, m.num_experts))
+    return np.argsort(draws, axis=-1)[..., :m.num_experts_per_tok].astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def multi_update():
+    cfg = _config(*MULTI)
     params = tiny_params(cfg)
-    rollout = _sampled_rollout(_config(), params, seed=2)
-    adv, keep = _advantages(seed=2)
+    rollout = {**_rollout(cfg, seed=2, rows=MULTI_ROWS), "routing": _random_routing(cfg, 3)}
+    adv, keep = _advantages(seed=2, rows=MULTI_ROWS)
     setup, opt = build(cfg), rl_optimizer(cfg)
     init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
                    out_shardings=setup.state_shardings)
     step, old = jit_grpo_step(setup, opt, with_reference=False), jit_old_logprobs(setup)
     put = lambda b, with_old: jax.device_put(b, update_batch_shardings(setup, with_old))  # noqa: E731
+    rows = update_rows(cfg, rollout, adv, keep)
     per_update = []
 
     def recording_step(state, ref, batch):
@@ -202,26 +250,130 @@ def test_several_updates_per_rollout_make_the_clip_act_and_clipped_tokens_carry_
         per_update.append(jax.device_get(m))
         return state, m
 
-    rows = update_rows(cfg, rollout, adv, keep)
     with setup.context():
-        _, m = policy_updates(cfg, rows, 0, init(params), None, recording_step, old, put, jax.device_get)
+        _, combined = policy_updates(cfg, rows, 0, init(params), None, recording_step, old, put, jax.device_get)
+    return types.SimpleNamespace(cfg=cfg, params=params, rollout=rollout, adv=adv, keep=keep, rows=rows, setup=setup,
+                                 init=init, step=step, old=old, put=put, per_update=per_update, combined=combined)
 
-        # The first update: pi_old recomputed by another program on the same params, ratio 1.
-        first = per_update[0]
-        assert abs(first["ratio_max"] - 1) < 1e-5 and abs(first["ratio_min"] - 1) < 1e-5, first
-        # Later updates move the policy past the clip: clipping acts, max is the max of the maxima.
-        assert m["pg_clipfrac"] > 0 and m["ratio_max"] > 1 + cfg.rl.eps and m["ratio_min"] < 1 - cfg.rl.eps, m
-        assert m["ratio_max"] == max(float(u["ratio_max"]) for u in per_update)
-        assert m["updates"] == 4.0 and m["update_applied"] == 1.0
 
-        # Every kept token clipped (pi_old shifted so that r > 1 + eps where A > 0, r < 1 - eps
-        # where A < 0): the clipped branch is a constant, so the gradient is exactly 0.
-        batch = build_update_batch(cfg, rollout, adv, keep)
-        logp = np.asarray(old(params, put(batch, False)))
-        sign = np.sign(batch["advantages"])[..., None]
+def test_first_update_of_a_rollout_has_ratio_exactly_one_on_every_pi_old_path(multi_update):
+    first = multi_update.per_update[0]
+    # The trainer's own metrics: the rollout's params, so pi_old is the update's own log-prob.
+    assert first["ratio_min"] == 1.0 and first["ratio_max"] == 1.0 and first["pg_clipfrac"] == 0.0, first
+    assert first["ratio_mean"] == 1.0 and first["kept_tokens"] > 0
+
+
+_NO_METRICS = dict.fromkeys((*grpo_module._SUM_KEYS, *grpo_module._EXTREMES, "loss", "grad_norm", "update_applied",
+                             "update_skipped"), 0.0)
+
+
+def pi_old_errors(run) -> dict:
+    """{"pi_old": max |pi_old each update reads - the reference| over completion tokens, "flags": the
+    updates' on_policy flags}. The reference is the unchunked definition at T = 0.7 on each batch's
+    own rows and replayed experts; the updates are policy_updates' with a step that only records."""
+    seen = []
+
+    def recording_only(state, ref, batch):
+        seen.append(jax.device_get(batch))
+        return state, _NO_METRICS
+
+    with run.setup.context():
+        grpo_module.policy_updates(run.cfg, run.rows, 0, {"params": run.params}, None, recording_only, run.old,
+                                   run.put, jax.device_get)
+    flat = lambda k: np.concatenate([b[k].reshape(-1, *b[k].shape[2:]) for b in seen])  # noqa: E731
+    h = jax.jit(lambda p, t, s, q, r: decoder_hidden(p, run.cfg, t, s, q, routing_BTLk=r))(
+        run.params, flat("tokens"), flat("segment_ids"), flat("positions"), flat("routing"))
+    want, _ = token_logprobs_reference(h[:, :-1], run.params["lm_head"], flat("tokens")[:, 1:], temperature=0.7)
+    mask = flat("mask") > 0
+    return {"pi_old": float(np.abs(flat("logp_old") - np.asarray(want))[mask].max()),
+            "flags": [b["on_policy"].tolist() for b in seen]}
+
+
+def test_recomputed_pi_old_is_the_rollout_policy_at_the_sampling_temperature(multi_update):
+    errors = pi_old_errors(multi_update)
+    assert errors["pi_old"] < PI_OLD_TOL, errors
+    assert errors["flags"] == [[True, True]] + [[False, False]] * 3, errors  # the first update only, every micro-batch
+
+
+# One-line bugs on the pi_old paths, each patched in: pi_old_errors must catch it (>= 10x the clean error).
+PI_OLD_BROKEN = {
+    "pi_old_at_temperature_1": ("jit_old_logprobs", "sequence_logprobs(params, cfg,",
+                                "sequence_logprobs(params, cfg.model_copy(update={'rl': cfg.rl.model_copy("
+                                "update={'temperature': 1.0})}),"),
+    "pi_old_without_the_replayed_experts": ("jit_old_logprobs", 'mb["positions"], mb.get("routing"))',
+                                            'mb["positions"], None)'),
+    "pi_old_rows_in_micro_batch_order": ("policy_updates", 'logp_old.reshape(B, -1)',
+                                         'np.swapaxes(logp_old, 0, 1).reshape(B, -1)'),
+    "no_update_flagged_on_policy": ("policy_updates", "on_policy=update == 0", "on_policy=False"),
+}
+
+
+@pytest.mark.parametrize("variant", list(PI_OLD_BROKEN))
+def test_broken_pi_old_is_caught(variant, multi_update, monkeypatch):
+    from broken_variants import mutated
+    clean = pi_old_errors(multi_update)
+    name, old, new = PI_OLD_BROKEN[variant]
+    monkeypatch.setattr(grpo_module, name, mutated(grpo_module, name, old, new))
+    run = multi_update
+    if name == "jit_old_logprobs":
+        run = types.SimpleNamespace(**{**vars(run), "old": grpo_module.jit_old_logprobs(run.setup)})
+    broken = pi_old_errors(run)
+    assert (broken["pi_old"] >= max(PI_OLD_TOL, 10 * clean["pi_old"]) or broken["flags"] != clean["flags"]), (
+        f"{variant}: clean {clean}, broken {broken}")
+
+
+def test_micro_batches_accumulate_to_one_big_batch_and_empty_batches_do_not_step(multi_update):
+    """The run's second update (its compiled two-micro-batch step, seq_mean_token_mean, a stale
+    pi_old: clipping acts on some tokens) against the same update in one micro-batch."""
+    run = multi_update
+    cfg1 = _config(*MULTI, "rl.micro_batches=1")
+    rows = {k: v[mini_batch_rows(run.cfg, MULTI_ROWS, 0)[1]] for k, v in run.rows.items()}
+    rows["logp_old"] = rows["logp_sampler"]
+    with run.setup.context():
+        s2, m2 = jax.device_get(run.step(run.init(run.params), None, run.put(split_update_batch(run.cfg, rows), True)))
+    s1, m1 = jax.device_get(_run_step(cfg1, run.params, None, split_update_batch(cfg1, rows)))
+    assert m1["pg_clipfrac"] > 0, m1
+    for key in ("loss", "pg_loss", "grad_norm", "entropy", "pg_clipfrac", "kept_tokens"):
+        np.testing.assert_allclose(m2[key], m1[key], rtol=2e-5, err_msg=key)
+    # Adam's first step is nearly sign(g) * lr: where g is ~0, float-order noise in g can move
+    # that element's update by up to 2 lr (measured: 1 element of the tree 1.2e-3 off at lr 1e-2),
+    # so the params are compared by how many elements differ by more than 10% of lr: a wrong
+    # direction of the accumulated gradient moves a large fraction of them (its scale is the
+    # metrics' check above).
+    atol = 0.1 * run.cfg.rl.learning_rate
+    pairs = list(zip(jax.tree.leaves(s2["params"]), jax.tree.leaves(s1["params"])))
+    far = sum(int(np.sum(np.abs(a - b) > atol + 1e-4 * np.abs(b))) for a, b in pairs)
+    total = sum(a.size for a, _ in pairs)
+    assert far <= 1e-3 * total, f"{far} of {total} params differ by more than {atol:g} (bound {1e-3 * total:.0f})"
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(run.params)))
+
+    # Nothing kept: the update is skipped (params unchanged), not an AdamW step on a zero gradient.
+    empty = {**rows, "advantages": np.zeros_like(rows["advantages"]), "keep": np.zeros_like(rows["keep"])}
+    state, metrics = jax.device_get(_run_step(cfg1, run.params, None, split_update_batch(cfg1, empty)))
+    assert metrics["update_applied"] == 0.0 and metrics["loss"] == 0.0
+    jax.tree.map(np.testing.assert_array_equal, state["params"], jax.device_get(run.params))
+
+
+def test_later_updates_make_the_clip_act_and_clipped_tokens_carry_no_gradient(multi_update):
+    run, m = multi_update, multi_update.combined
+    # Later updates move the policy past the clip: clipping acts, max is the max of the maxima.
+    assert m["pg_clipfrac"] > 0 and m["ratio_max"] > 1 + run.cfg.rl.eps and m["ratio_min"] < 1 - run.cfg.rl.eps, m
+    assert m["ratio_max"] == max(float(u["ratio_max"]) for u in run.per_update)
+    assert m["updates"] == 4.0 and m["update_applied"] == 1.0
+
+    # Every kept token clipped (pi_old shifted so that r > 1 + eps where A > 0, r < 1 - eps
+    # where A < 0): the clipped branch is a constant, so the gradient is exactly 0. The masked
+    # prompt slots are shifted too: they would clip, and must not count.
+    # The first update's rows and pi_old, so that the run's compiled programs serve.
+    with run.setup.context():
+        index = mini_batch_rows(run.cfg, MULTI_ROWS, 0)[0]
+        rows = {k: v[index] for k, v in run.rows.items()}
+        logp = np.asarray(run.old(run.params, run.put(split_update_batch(run.cfg, run.rows), False)))
+        logp = logp.reshape(MULTI_ROWS, -1)[index]
+        sign = np.sign(rows["advantages"])[:, None]
         for shift, all_clipped in ((-0.5, True), (-0.1, False)):
-            batch["logp_old"] = (logp + shift * sign).astype(np.float32)
-            _, mm = jax.device_get(step(init(params), None, put(batch, True)))
+            stale = split_update_batch(run.cfg, {**rows, "logp_old": (logp + shift * sign).astype(np.float32)})
+            _, mm = jax.device_get(run.step(run.init(run.params), None, run.put(stale, True)))
             if all_clipped:
                 assert mm["pg_clipfrac"] == 1.0 and mm["grad_norm"] == 0.0, mm
             else:

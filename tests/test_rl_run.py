@@ -172,8 +172,26 @@ def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_e
     assert Checkpoints(out / "checkpoints").latest_step() == 3  # the last completed step, saved on the way out
 
 
-def test_grpo_levers_together_run_and_log_what_they_do(tmp_path):
-    """T = 0.8 with top-p, TIS, two updates per rollout, dynamic sampling and routing replay."""
+def test_grpo_levers_together_run_and_log_what_they_do(tmp_path, monkeypatch):
+    """T = 0.8 with top-p, TIS, two updates per rollout, dynamic sampling and routing replay; the
+    first update of every rollout has ratio exactly 1 (the trainer's own metrics, update by update)."""
+    from hybridmoe.rl import loop as rl_loop
+
+    real_updates, per_step = rl_loop.policy_updates, []
+
+    def recording_updates(cfg, rows, step, state, ref_params, step_fn, *rest):
+        updates = []
+
+        def recording_step(state, ref_params, batch):
+            state, m = step_fn(state, ref_params, batch)
+            updates.append({k: float(v) for k, v in jax.device_get(m).items()})
+            return state, m
+
+        out = real_updates(cfg, rows, step, state, ref_params, recording_step, *rest)
+        per_step.append(updates)
+        return out
+
+    monkeypatch.setattr(rl_loop, "policy_updates", recording_updates)
     cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=0", "rl.steps=2", "rl.checkpoint_every=0", "rl.beta=0",
                       "rl.temperature=0.8", "rl.top_p=0.95", "rl.importance_correction=tis",
                       "rl.updates_per_rollout=2", "rl.dynamic_sampling=true", "rl.dynamic_sampling_rounds=2",
@@ -181,10 +199,16 @@ def test_grpo_levers_together_run_and_log_what_they_do(tmp_path):
     task = ArithmeticTask(digits=1)
     noisy = lambda prompt, completion: float(zlib.crc32(completion.encode()) % 3)  # noqa: E731 -- varied rewards
     history = run_rl(cfg, tmp_path / "run", progress=False, task=task, reward_fns=[(noisy, 1.0)])
-    for r in history:
+    assert len(per_step) == len(history) == 2 and all(len(u) == 2 for u in per_step)
+    for r, (first, second) in zip(history, per_step):
         assert r["ds_rounds"] >= 1 and r["ds_rollouts"] == 16 * r["ds_rounds"], r
         assert 0 <= r["ds_informative_frac"] <= 1
-        assert r["ratio_min"] <= 1 <= r["ratio_max"] and 0 < r["is_weight_mean"] <= 2.0
+        assert first["ratio_min"] == first["ratio_max"] == first["ratio_mean"] == 1.0 and first["pg_clipfrac"] == 0.0
+        assert first["kept_tokens"] > 0, first
+        # The record: min of the minima and max of the maxima of its two updates.
+        assert (r["ratio_min"], r["ratio_max"]) == (min(first["ratio_min"], second["ratio_min"]),
+                                                    max(first["ratio_max"], second["ratio_max"]))
+        assert 0 < r["is_weight_mean"] <= 2.0
         assert r["sampler_gap_mean"] > 0 and r["sampler_gap_max"] >= r["sampler_gap_mean"]
         assert r["update_applied"] == 1.0
 

@@ -5,11 +5,13 @@ P prompts, G completions per prompt.
 
 The trainer's policy is the model at the sampling temperature (rl.temperature): the log-probs of
 the distribution the sampler draws from before top-p/top-k truncation. The ratio's denominator
-pi_old is the trainer's own log-prob under the parameters the rollout came from: with one update
-per rollout those are the current parameters, so pi_old is the update's own log-prob with its
-gradient stopped and the first ratio is exactly 1; with several (rl.updates_per_rollout, PPO-style
-mini-batches x epochs) it is recomputed once per rollout by `jit_old_logprobs` before the first
-update. The sampler's log-probs (the distribution actually sampled, truncation included) enter only
+pi_old is the trainer's own log-prob under the parameters the rollout came from. The first update of every
+rollout runs on those parameters, so its pi_old is the update's own log-prob with its gradient
+stopped, and its ratio is exactly 1 on every path (one or several updates, epochs, micro-batches,
+routing replay; any temperature): the batch's `on_policy` flag says so. Later updates
+(rl.updates_per_rollout > 1, PPO-style mini-batches x epochs) have moved the parameters: they
+read pi_old recomputed once per rollout, before the first update, by `jit_old_logprobs` (the same
+policy at the same temperature and routing, in another program: equal to float rounding). The sampler's log-probs (the distribution actually sampled, truncation included) enter only
 the importance correction (rl.importance_correction) and the logged train/sampler gap.
 
 One update's rows are split into M micro-batches [M, b, T]. Per micro-batch: the decoder's hidden
@@ -70,8 +72,9 @@ def micro_batch_loss(params, ref_params, cfg: Config, mb):
     sg = jax.lax.stop_gradient
     rows = (mb["tokens"], mb["segment_ids"], mb["positions"], mb.get("routing"))
     logp, entropy = sequence_logprobs(params, cfg, *rows)
-    # No recomputed pi_old: these params are the rollout's, so pi_old is logp itself.
-    logp_old = mb["logp_old"] if "logp_old" in mb else sg(logp)
+    # On policy (the rollout's own params: one update per rollout, or the first of several),
+    # pi_old is logp itself, so the ratio is exp(0) = 1 exactly; later updates read the recomputed one.
+    logp_old = sg(logp) if "logp_old" not in mb else jnp.where(mb["on_policy"], sg(logp), mb["logp_old"])
     logp_ref = None
     if ref_params is not None:
         logp_ref, _ = sequence_logprobs(sg(ref_params), cfg, *rows)
@@ -197,15 +200,20 @@ def update_rows(cfg: Config, rollout: dict, advantages_B: np.ndarray, keep_B: np
     return out
 
 
-def split_update_batch(cfg: Config, rows: dict) -> dict:
-    """One update's rows [B', ...] as [M, B' / M, ...] micro-batches with the update-wide normaliser."""
+def split_update_batch(cfg: Config, rows: dict, on_policy: bool = False) -> dict:
+    """One update's rows [B', ...] as [M, B' / M, ...] micro-batches with the update-wide normaliser;
+    with a recomputed pi_old (rows["logp_old"]) also the flag [M] of the rollout's first update
+    (`on_policy`: the step takes its own log-probs as pi_old)."""
     M = cfg.rl.micro_batches
     B = rows["tokens"].shape[0]
     if B % M:
         raise ValueError(f"rl.micro_batches={M} does not divide an update's {B} rows")
     split = lambda x: np.asarray(x).reshape(M, B // M, *np.shape(x)[1:])
     normalizer = step_normalizer(cfg, rows["mask"], rows["keep"].astype(np.float32))
-    return {**{k: split(v) for k, v in rows.items()}, "normalizer": np.full((M,), normalizer, np.float32)}
+    out = {**{k: split(v) for k, v in rows.items()}, "normalizer": np.full((M,), normalizer, np.float32)}
+    if "logp_old" in rows:
+        out["on_policy"] = np.full((M,), on_policy, bool)
+    return out
 
 
 def build_update_batch(cfg: Config, rollout: dict, advantages_B: np.ndarray, keep_B: np.ndarray) -> dict:
@@ -239,12 +247,13 @@ def update_batch_shardings(setup, with_old_logprobs: bool = False) -> dict:
            "advantages": per_row, "keep": per_row, "normalizer": replicated}
     if setup.cfg.moe.routing_replay:
         out["routing"] = NamedSharding(setup.mesh, PartitionSpec(*rows.spec, None, None))
-    return {**out, "logp_old": per_row} if with_old_logprobs else out
+    return {**out, "logp_old": per_row, "on_policy": replicated} if with_old_logprobs else out
 
 
 def jit_grpo_step(setup, optimizer: optax.GradientTransformation, with_reference: bool):
     """The compiled step; the reference params (when held) use the policy's shardings and are not
-    donated. Above one update per rollout the batch carries the recomputed pi_old (logp_old)."""
+    donated. Above one update per rollout the batch carries the recomputed pi_old (logp_old) and
+    the rollout's-first-update flag (on_policy)."""
     replicated = NamedSharding(setup.mesh, PartitionSpec())
     ref_sh = setup.param_shardings if with_reference else None
     batch_sh = update_batch_shardings(setup, with_old_logprobs=setup.cfg.rl.updates_per_rollout > 1)
@@ -280,8 +289,8 @@ def policy_updates(cfg: Config, rows: dict, step: int, state, ref_params, step_f
     old_logprobs_s = time.perf_counter() - t0
     rows = {**rows, "logp_old": logp_old.reshape(B, -1)}
     per_update = []
-    for index in mini_batch_rows(cfg, B, step):
-        batch = split_update_batch(cfg, {k: v[index] for k, v in rows.items()})
+    for update, index in enumerate(mini_batch_rows(cfg, B, step)):
+        batch = split_update_batch(cfg, {k: v[index] for k, v in rows.items()}, on_policy=update == 0)
         state, m = step_fn(state, ref_params, put(batch, True))
         per_update.append(to_floats(m))
     return state, {**combine_update_metrics(per_update), "old_logprobs_time_s": old_logprobs_s}
