@@ -257,6 +257,41 @@ def test_remat_names_keep_the_prefix_out_of_the_replay(layer_case, saved, replay
 
 
 # ---------------------------------------------------------------------------------------------
+# Long sequences in bfloat16: the state chain across ranks stays float32 (GDN.md: "keep every
+# cross-chunk and cross-rank product in float32"; a bfloat16 chain is the drift another project
+# found inflating its RL trainer/sampler KL). Measured: benchmarks/bf16_gaps.py.
+
+
+def chain_collectives(layer_case) -> list:
+    """The collectives of a bfloat16 GDN layer's value and gradient on 4 ranks that carry the state
+    chain ([.., dk, dk] transitions, [.., dk, dv] states and their cotangents), from the lowered program."""
+    cfg, params, x, seg = layer_case
+    m = tiny_config("model.compute_dtype=bfloat16").model
+    loss = lambda p, x: jnp.sum(gdn_layer(p, x, seg, m, chunk_size=16).astype(jnp.float32))  # noqa: E731
+    text = _on_context_mesh(4, lambda: jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x.astype(jnp.bfloat16))
+                            .as_text())
+    k, v = m.gdn_key_dim, m.gdn_value_dim
+    return [c for c in program.parse_stablehlo(text) if len(c.shape) >= 4 and tuple(c.shape[-2:]) in ((k, k), (k, v))]
+
+
+def test_cross_rank_state_chain_is_float32_in_a_bfloat16_layer(layer_case):
+    chain = chain_collectives(layer_case)
+    # Forward: M_r and S_ext_r gathered; backward: M_r and dS_loc (the replay of pass 1: two more).
+    assert len(chain) >= 4, chain
+    assert {c.dtype for c in chain} == {"f32"}, [(c.dtype, c.shape) for c in chain]
+
+
+def test_a_bfloat16_chain_is_caught(layer_case, monkeypatch):
+    """Broken variant: the prefix's payload gathered in bfloat16 (what the program test must see)."""
+    from broken_variants import mutated
+    monkeypatch.setattr(cp, "exclusive_prefix_all_gather", mutated(
+        cp, "exclusive_prefix_all_gather", "a_PBHKK = lax.all_gather(a_BHKK, axis_name)\n    b_PBHKV = lax.all_gather(b_BHKV, axis_name)",
+        "a_PBHKK = lax.all_gather(a_BHKK.astype(jnp.bfloat16), axis_name).astype(a_BHKK.dtype)\n"
+        "    b_PBHKV = lax.all_gather(b_BHKV.astype(jnp.bfloat16), axis_name).astype(b_BHKV.dtype)"))
+    assert "bf16" in {c.dtype for c in chain_collectives(layer_case)}
+
+
+# ---------------------------------------------------------------------------------------------
 # The validator.
 
 
