@@ -186,7 +186,21 @@ def problems(*overrides, target=None):
 def test_a_backend_the_platform_cannot_run_is_refused():
     msg = problems("kernels.attention.backend=pallas_tpu")["kernels.attention.backend"]
     assert "cannot run on this platform (cpu)" in msg and "kernels.interpret=true" in msg, msg
-    assert "not built yet" in problems("kernels.attention.backend=pallas_gpu")["kernels.attention.backend"]
+    msg = problems("kernels.attention.backend=pallas_gpu")["kernels.attention.backend"]
+    assert "pallas_gpu cannot run on this platform (cpu)" in msg, msg
+    # Validated for a GPU, Triton's rules: power-of-two blocks >= 16 and head dim.
+    probs = problems("kernels.attention.backend=pallas_gpu", "kernels.attention.block_q=24", "model.head_dim=24",
+                     "model.partial_rotary_factor=0.5", target="gpu")
+    assert "model.head_dim=24 must be a power of two >= 16" in probs["kernels.attention.backend"], probs
+    assert "block_q=24 does not divide the 64 queries" in probs["kernels.attention.block_q"], probs
+    probs = problems("kernels.attention.backend=pallas_gpu", "kernels.attention.block_q=8", target="gpu")
+    assert "must be a power of two >= 16 (Triton)" in probs["kernels.attention.block_q"], probs
+    assert "kernels.attention.block_q=16" in probs["kernels.attention.block_q"], probs
+    # auto on a GPU is xla (the Triton kernels have not run on one yet): no Triton rule applies.
+    from hybridmoe.recipe.validate import compile_target
+
+    with compile_target("gpu"):
+        tiny_config("kernels.attention.block_q=8", "model.head_dim=24", "model.partial_rotary_factor=0.5")
 
 
 def test_blocks_that_do_not_tile_the_rows_are_refused():

@@ -1,6 +1,6 @@
 """Flash attention (kernels/attention/ops.py) against the reference: values and every gradient for
-each backend (xla; pallas_tpu and pallas_gpu interpreted on CPU), float32 and bfloat16, GQA and
-MHA, packed rows (a document starting exactly on a block edge, one starting inside a block,
+each backend (xla; pallas_tpu and pallas_gpu interpreted on CPU; pallas_gpu also lowered to
+Triton), float32 and bfloat16, GQA and MHA, packed rows (a document starting exactly on a block edge, one starting inside a block,
 padding) and unpacked ones, natural and load-balanced token order, queries against another rank's
 keys (T != S); the ring's primitives (lse exact, gradients summed over key sets); rows with no
 visible key; the broken variants of the shared block math each caught with a 10x margin; bad block
@@ -114,6 +114,8 @@ CASES = ("packed", "unpacked", "load_balanced", "mha_load_balanced", "later_quer
          "keys_all_in_the_future")
 PALLAS_BACKENDS = ("pallas_tpu",)
 PALLAS_CASES = ("packed", "mha_load_balanced", "later_queries_other_rank_keys")
+# The Triton driver (interpreted, slow): packed rows and another rank's keys.
+GPU_CASES = ("packed", "later_queries_other_rank_keys")
 
 
 @functools.cache
@@ -129,7 +131,8 @@ def clean_errors(name, backend):
 
 
 @pytest.mark.parametrize("backend, name", [("xla", n) for n in CASES]
-                         + [(b, n) for b in PALLAS_BACKENDS for n in PALLAS_CASES])
+                         + [(b, n) for b in PALLAS_BACKENDS for n in PALLAS_CASES]
+                         + [("pallas_gpu", n) for n in GPU_CASES])
 def test_values_and_gradients_match_the_reference_float32(backend, name):
     errs = clean_errors(name, backend)
     assert max(errs.values()) < TOLERANCE[jnp.float32], errs
@@ -149,7 +152,7 @@ def test_bfloat16_inputs_meet_the_tolerance(backend):
 def test_no_visible_key_gives_exact_zeros():
     """Queries whose keys all lie in the future: o and dq exactly 0 (no NaN), dk and dv exactly 0."""
     case = make_case("keys_all_in_the_future")
-    for backend in ("xla", "pallas_tpu"):
+    for backend in ("xla", "pallas_tpu", "pallas_gpu"):
         for x in run_flash(case, backend):
             assert np.array_equal(np.asarray(x), np.zeros(x.shape)), backend
 
@@ -188,7 +191,7 @@ def test_forward_primitive_lse_is_exact(backend, name):
     assert errors([o], want[:1])["o"] < TOLERANCE[jnp.float32]
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
 def test_backward_primitive_summed_over_key_sets_is_exact(backend):
     """The ring's use: keys split into two sets (each set a rank's shard in load-balanced order),
     attention_bwd per set with the global o and lse; dq summed, dk and dv per set = the gradients."""
@@ -285,3 +288,31 @@ def test_xla_backend_holds_no_score_matrix():
         sizes[name] = max(_largest_buffers(jaxpr.jaxpr, []), key=np.prod)
     assert np.prod(sizes["flash"]) < T * T // 4, sizes
     assert np.prod(sizes["masked"]) >= N * T * T, sizes  # the check sees a score matrix where there is one
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: the GPU kernels lower from this CPU host (no GPU: Triton IR, not PTX).
+
+
+def test_gpu_kernels_lower_to_triton():
+    """Forward, dq and dk/dv of pallas_gpu lower through Pallas' Triton lowering for a cuda target at
+    Qwen3.5-35B's heads (16 query heads over 2 kv heads, head dim 256; packed ids, bf16 inputs,
+    blocks 64 x 64, queries against more keys). This proves the lowering accepts every primitive of
+    the kernels; compiling the Triton IR to PTX (and whether its tiles fit shared memory) needs a GPU."""
+    from hybridmoe.kernels.attention.pallas_gpu import KERNEL_NAMES
+
+    T, S, N, G, head_dim = 256, 512, 16, 2, 256
+    spec = jax.ShapeDtypeStruct
+    args = (spec((1, T, N, head_dim), jnp.bfloat16), spec((1, S, G, head_dim), jnp.bfloat16),
+            spec((1, S, G, head_dim), jnp.bfloat16), spec((1, T), jnp.int32), spec((1, S), jnp.int32),
+            spec((1, T), jnp.int32), spec((1, S), jnp.int32))
+
+    def loss(q, k, v, q_pos, kv_pos, q_seg, kv_seg):
+        o = ops.flash_attention(q, k, v, q_pos_BT=q_pos, kv_pos_BS=kv_pos, q_seg_BT=q_seg, kv_seg_BS=kv_seg,
+                                scale=head_dim ** -0.5, backend="pallas_gpu", block_q=64, block_k=64)
+        return jnp.sum(o.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3, text.count("__gpu$xla.gpu.triton")
+    for name in KERNEL_NAMES:
+        assert name in text, name

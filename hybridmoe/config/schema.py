@@ -196,12 +196,13 @@ class AttentionKernelConfig(Section):
     backend: Literal["auto", "xla", "blocked", "pallas_tpu", "pallas_gpu"] = Field(
         "auto", description="The attention core (self-attention, and the local core of context parallelism): "
         "xla (flash attention in XLA ops), blocked (the masked XLA core over query blocks), pallas_tpu / pallas_gpu "
-        "(flash kernels; on CPU with kernels.interpret=true); auto: pallas_tpu on TPU, xla elsewhere (on CPU "
+        "(flash kernels; on CPU with kernels.interpret=true; pallas_gpu not yet run on a GPU); auto: pallas_tpu on "
+        "TPU, xla elsewhere (on CPU "
         "0.47 of blocked's time at the small shape: benchmarks/records/attention_cpu_backend.json).")
     block_q: int = Field(0, ge=0, description="Query tokens per block (flash backends; blocked: its query block "
-                         "length); 0 = the backend's default (xla 256, pallas_tpu 128) fitted to the local length.")
+                         "length); 0 = the backend's default (xla 256, pallas_tpu 128, pallas_gpu 64) fitted to the local length.")
     block_k: int = Field(0, ge=0, description="Key tokens per block (flash backends); 0 = the backend's default "
-                         "(xla 256, pallas_tpu 512) fitted to the key length.")
+                         "(xla 256, pallas_tpu 512, pallas_gpu 64) fitted to the key length.")
 
 
 class LogprobsKernelConfig(Section):

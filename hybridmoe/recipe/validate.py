@@ -402,7 +402,7 @@ def attention_block_problems(cfg: Config, rows: int, rows_what: str) -> list[Pro
     (every key of the row, all-gathered under context parallelism)."""
     a = cfg.kernels.attention
     P = _context_size(cfg)
-    if not (a.block_q or a.block_k) or "attention" not in cfg.model.layer_pattern or P is None or rows % P:
+    if "attention" not in cfg.model.layer_pattern or P is None or rows % P:
         return []  # unknown context size: decided again on the built mesh; rows % P: reported under the rows' key
     backend, out = _attention_backend(cfg), []
     t = rows // P
@@ -415,19 +415,26 @@ def attention_block_problems(cfg: Config, rows: int, rows_what: str) -> list[Pro
                         "kernels.attention.backend=blocked runs the masked core over the gathered keys, which has no "
                         "query blocks: set it to 0, or use a flash backend (xla, pallas_tpu)"))
             return out
-        multiple = 1
+        rule = None
     else:
-        multiple = attention_limits.block_multiple(backend, hardware=not cfg.kernels.interpret)
+        rule = attention_limits.block_rule(backend, hardware=not cfg.kernels.interpret)
     q_what = f"local queries ({rows_what} / mesh.context={P})" if P > 1 else f"queries ({rows_what})"
     k_what = f"keys ({rows_what}, every key gathered to each context rank)" if P > 1 else f"keys ({rows_what})"
     k_len = rows
     if P > 1 and cfg.attention.cp_impl == "ring":  # a key block tiles the one rank's shard held at a step
         k_len, k_what = t, f"keys of a ring step ({rows_what} / mesh.context={P}, one rank's shard)"
     for name, block, length, what in (("block_q", a.block_q, t, q_what), ("block_k", a.block_k, k_len, k_what)):
-        problem = block and attention_limits.block_problem(f"kernels.attention.{name}", block, length, what, multiple)
+        defaults = attention_limits.DEFAULT_BLOCKS.get(backend)
+        if not block and defaults is None:
+            continue
+        problem = block and attention_limits.block_problem(f"kernels.attention.{name}", block, length, what, rule)
+        fit = attention_limits.fit_block(block or defaults[name == "block_k"], length, rule)
         if problem:
-            fit = attention_limits.fit_block(block, length, multiple)
-            out.append((f"kernels.attention.{name}", f"{problem}; e.g. kernels.attention.{name}={fit}"))
+            hint = f"e.g. kernels.attention.{name}={fit}" if fit else "no block tiles them: use kernels.attention.backend=xla"
+            out.append((f"kernels.attention.{name}", f"{problem}; {hint}"))
+        elif not block and fit is None:  # the backend's default cannot fit either
+            out.append(("kernels.attention.backend", f"{backend} has no {name} that tiles the {length} {what} "
+                        f"({attention_limits.rule_text(rule)}); use xla or another length"))
     return out
 
 
@@ -435,14 +442,14 @@ def attention_block_problems(cfg: Config, rows: int, rows_what: str) -> list[Pro
 def _kernels_attention(cfg: Config) -> list[Problem]:
     a, out = cfg.kernels.attention, []
     backend = _attention_backend(cfg)
-    if backend not in attention_limits.BUILT:
-        out.append(("kernels.attention.backend", f"{backend} is not built yet (its Triton kernels are issue 18 item "
-                    "3); use xla (flash attention in XLA ops, any platform) or auto"))
-    elif backend in PALLAS_PLATFORMS and not cfg.kernels.interpret:
+    if backend in PALLAS_PLATFORMS and not cfg.kernels.interpret:
         platform = _run_platform(cfg)
         if platform not in PALLAS_PLATFORMS[backend]:
             out.append(("kernels.attention.backend", f"{backend} cannot run on this platform ({platform}); use auto or "
                         "xla, or kernels.interpret=true to run the Pallas kernels interpreted"))
+        head = attention_limits.head_dim_problem(cfg.model.head_dim, backend, hardware=True)
+        if head and "attention" in cfg.model.layer_pattern:
+            out.append(("kernels.attention.backend", f"{backend}: {head}; use xla"))
     return out + attention_block_problems(cfg, cfg.train.seq_len, f"train.seq_len={cfg.train.seq_len}")
 
 

@@ -99,6 +99,12 @@ def schedule(classes_BOI) -> Schedule:
     return Schedule(order, count, jnp.take_along_axis(classes_BOI, order, axis=-1))
 
 
+def flat_schedule(s: Schedule):
+    """(order, count, cls) flattened to 1-D int32: how the Pallas drivers take a schedule (TPU:
+    scalar prefetch; GPU: plain inputs indexed in the kernel)."""
+    return s.order.reshape(-1), s.count.reshape(-1), s.cls.reshape(-1)
+
+
 def schedules(q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, block_q: int, block_k: int):
     """(by query block: the key blocks to visit, by key block: the query blocks to visit)."""
     cls_BIJ = block_classes(block_ranges(q_pos_BT, q_seg_BT, block_q), block_ranges(kv_pos_BS, kv_seg_BS, block_k))

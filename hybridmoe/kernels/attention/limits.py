@@ -11,7 +11,10 @@ Cores (the config key kernels.attention.backend):
   pallas_gpu  flash attention, Triton kernels (pallas_gpu.py).
 The Pallas ones run on CPU with kernels.interpret=true.
 
-`auto` on CPU is `xla`: at the `small` recipe's attention shape (4 x 512 tokens, 4 query heads over
+`auto` is pallas_tpu on TPU and `xla` elsewhere, GPUs included: the Triton kernels (pallas_gpu,
+opt-in) have not yet run on a GPU (tested interpreted on CPU and lowered to Triton IR; their time
+against cuDNN is benchmarks/attention_gpu.py's, not measured yet). On CPU, at the `small` recipe's
+attention shape (4 x 512 tokens, 4 query heads over
 2 kv heads of dim 64, float32, its packed synthetic batch) flash-xla forward + backward takes 0.47
 of blocked's time at blocks of 256, 0.52 at 128, 0.62 at 64 (benchmarks/records/attention_cpu_backend.json,
 from benchmarks/attention_cpu_backend.py).
@@ -20,18 +23,19 @@ from benchmarks/attention_cpu_backend.py).
 from __future__ import annotations
 
 CHOICES = ("auto", "xla", "blocked", "pallas_tpu", "pallas_gpu")
-# The Pallas backends whose kernels exist (pallas_gpu: issue 18 item 3, not built yet).
-BUILT = ("xla", "blocked", "pallas_tpu")
-_AUTO = {"tpu": "pallas_tpu", "cpu": "xla"}
+_AUTO = {"tpu": "pallas_tpu"}  # pallas_gpu joins for GPUs once it has run and been timed on one
 
 # Default blocks (block_q, block_k) per flash backend; a length they do not divide gets the
 # largest block below the default that does (fit_block). xla: the fastest block measured at the
-# `small` shape (the record above). pallas_tpu: 128 query tokens (times the
-# query heads per kv head: 2048 folded rows for Qwen3.5-397B's 16) by 512 keys, which Mosaic
-# compiles for tpu7x at 397B's heads (tests/test_gmm_tpu_compile.py).
+# `small` shape (the record above). pallas_tpu: 128 query tokens (times the query heads per kv
+# head: 2048 folded rows for Qwen3.5-397B's 16) by 512 keys, which Mosaic compiles for tpu7x at
+# 397B's heads (tests/test_gmm_tpu_compile.py). pallas_gpu: 64 x 64, the tile of jax's own Triton
+# attention kernel (jax/experimental/pallas/ops/gpu/attention.py); not measured here (no GPU).
 DEFAULT_BLOCKS = {"xla": (256, 256), "pallas_tpu": (128, 512), "pallas_gpu": (64, 64)}
 # Mosaic's (8, 128) tiles: a block's token dim is a multiple of 8 or the whole length.
 TPU_BLOCK_MULTIPLE = 8
+# Triton: power-of-two block shapes, and tl.dot wants every matmul dim >= 16.
+GPU_MIN_DIM = 16
 
 
 def resolve(choice: str, platform: str) -> str:
@@ -41,30 +45,66 @@ def resolve(choice: str, platform: str) -> str:
     return _AUTO.get(platform, "xla")
 
 
-def block_multiple(backend: str, hardware: bool) -> int:
-    return TPU_BLOCK_MULTIPLE if backend == "pallas_tpu" and hardware else 1
+def block_rule(backend: str, hardware: bool) -> str | None:
+    """Which compiler's block rule applies: "mosaic", "triton", or None (any divisor)."""
+    if not hardware:
+        return None
+    return {"pallas_tpu": "mosaic", "pallas_gpu": "triton"}.get(backend)
 
 
-def fit_block(wanted: int, length: int, multiple: int = 1) -> int:
-    """The largest block <= wanted that divides length and is a multiple of `multiple`, else the
-    smallest such block above it (the whole length at most)."""
-    fits = [b for b in range(1, length + 1) if length % b == 0 and (b % multiple == 0 or b == length)]
+def _power_of_two(n: int) -> bool:
+    return n >= GPU_MIN_DIM and not n & (n - 1)
+
+
+def block_ok(block: int, length: int, rule: str | None) -> bool:
+    if block < 1 or length % block:
+        return False
+    if rule == "mosaic":
+        return block % TPU_BLOCK_MULTIPLE == 0 or block == length
+    if rule == "triton":
+        return _power_of_two(block)
+    return True
+
+
+def fit_block(wanted: int, length: int, rule: str | None = None) -> int | None:
+    """The largest block <= wanted that tiles length under the rule, else the smallest one above
+    it; None when none does (Triton and a length with no power-of-two divisor >= 16)."""
+    fits = [b for b in range(1, length + 1) if block_ok(b, length, rule)]
     below = [b for b in fits if b <= wanted]
-    return below[-1] if below else fits[0]
+    return below[-1] if below else (fits[0] if fits else None)
 
 
 def blocks(backend: str, block_q: int, block_k: int, q_len: int, k_len: int, hardware: bool) -> tuple[int, int]:
     """(block_q, block_k) a flash backend runs with: the given ones, or (0) its default fitted to
     the lengths."""
-    dq, dk = DEFAULT_BLOCKS[backend]
-    m = block_multiple(backend, hardware)
-    return (block_q or fit_block(dq, q_len, m), block_k or fit_block(dk, k_len, m))
+    rule = block_rule(backend, hardware)
+    out = []
+    for name, given, default, length in (("block_q", block_q, DEFAULT_BLOCKS[backend][0], q_len),
+                                         ("block_k", block_k, DEFAULT_BLOCKS[backend][1], k_len)):
+        block = given or fit_block(default, length, rule)
+        if block is None:
+            raise ValueError(f"flash attention {backend}: no {name} tiles {length} tokens ({rule} blocks: "
+                             f"{rule_text(rule)})")
+        out.append(block)
+    return out[0], out[1]
 
 
-def block_problem(name: str, block: int, length: int, what: str, multiple: int = 1) -> str | None:
+def rule_text(rule: str | None) -> str:
+    return {"mosaic": f"a multiple of {TPU_BLOCK_MULTIPLE} (Mosaic's (8, 128) tiles) or the whole length",
+            "triton": f"a power of two >= {GPU_MIN_DIM} (Triton)"}.get(rule, "any divisor")
+
+
+def block_problem(name: str, block: int, length: int, what: str, rule: str | None = None) -> str | None:
     """Why `block` cannot tile `length` tokens (`what`: e.g. "local queries"); None when it can."""
     if length % block:
         return f"{name}={block} does not divide the {length} {what}"
-    if block % multiple and block != length:
-        return f"{name}={block} must be a multiple of {multiple} (Mosaic's (8, 128) tiles) or all {length} {what}"
+    if not block_ok(block, length, rule):
+        return f"{name}={block} must be {rule_text(rule)}; the {what}: {length}"
+    return None
+
+
+def head_dim_problem(head_dim: int, backend: str, hardware: bool) -> str | None:
+    """Triton's matmuls need the head dim a power of two >= 16."""
+    if block_rule(backend, hardware) == "triton" and not _power_of_two(head_dim):
+        return f"model.head_dim={head_dim} must be a power of two >= {GPU_MIN_DIM} for the Triton kernels"
     return None

@@ -148,10 +148,6 @@ def _dkv_kernel(order_ref, count_ref, cls_ref, q_ref, k_ref, v_ref, do_ref, q_id
         dv_ref[...] = dv_scratch[...].astype(dv_ref.dtype)
 
 
-def _prefetch(s: fb.Schedule):
-    return s.order.reshape(-1), s.count.reshape(-1), s.cls.reshape(-1)
-
-
 def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, interpret):
     return pl.pallas_call(
         kernel, name=name, out_shape=out_shape, interpret=interpret,
@@ -161,9 +157,9 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, interpret
 
 
 def _check_blocks(block_q: int, block_k: int, T: int, S: int, interpret: bool):
-    multiple = limits.block_multiple("pallas_tpu", hardware=not interpret)
+    rule = limits.block_rule("pallas_tpu", hardware=not interpret)
     for name, block, length, what in (("block_q", block_q, T, "queries"), ("block_k", block_k, S, "keys")):
-        problem = limits.block_problem(name, block, length, what, multiple)
+        problem = limits.block_problem(name, block, length, what, rule)
         if problem:
             raise ValueError(f"flash attention pallas_tpu: {problem}")
 
@@ -188,7 +184,7 @@ def forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *
     scratch = [pltpu.VMEM((rows, 1), F32), pltpu.VMEM((rows, 1), F32), pltpu.VMEM((rows, A), F32)]
     kernel = functools.partial(_forward_kernel, scale=scale, nq=nq, nk=nk)
     o, lse = _call(kernel, KERNEL_NAMES[0], (B, G, nq, nk), in_specs, out_specs, out_shape, scratch, interpret)(
-        *_prefetch(by_q), q_BGRTA, k_BGSA, v_BGSA, q_ids, kv_ids)
+        *fb.flat_schedule(by_q), q_BGRTA, k_BGSA, v_BGSA, q_ids, kv_ids)
     return o, fb.blocks_to_rows(lse[:, :, :, 0], R)
 
 
@@ -216,7 +212,7 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
                 pl.BlockSpec((None, None, None, 2, rows), lambda b, g, i, n, *_: (b, g, i, 0, 0))]
     dq = _call(functools.partial(_dq_kernel, scale=scale, nq=nq, nk=nk), KERNEL_NAMES[1], (B, G, nq, nk), in_specs,
                q_spec, jax.ShapeDtypeStruct(q_BGRTA.shape, dq_dtype), [pltpu.VMEM((rows, A), F32)], interpret)(
-        *_prefetch(by_q), *inputs)
+        *fb.flat_schedule(by_q), *inputs)
 
     # dk, dv: outer key block j, inner the n-th query block of its schedule.
     query = lambda b, j, n, order, *_: order[(b * nk + j) * nq + n]  # noqa: E731
@@ -229,5 +225,5 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
     dk, dv = _call(functools.partial(_dkv_kernel, scale=scale, nq=nq, nk=nk), KERNEL_NAMES[2], (B, G, nk, nq),
                    in_specs, [kv_spec, kv_spec],
                    [jax.ShapeDtypeStruct(k_BGSA.shape, dk_dtype), jax.ShapeDtypeStruct(v_BGSA.shape, dv_dtype)],
-                   [pltpu.VMEM((block_k, A), F32), pltpu.VMEM((block_k, A), F32)], interpret)(*_prefetch(by_k), *inputs)
+                   [pltpu.VMEM((block_k, A), F32), pltpu.VMEM((block_k, A), F32)], interpret)(*fb.flat_schedule(by_k), *inputs)
     return dq, dk, dv
