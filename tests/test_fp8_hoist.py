@@ -5,7 +5,11 @@ The model is the tiny recipe shrunk to two attention layers (a layer scan of two
 a neighbouring layer exists), bfloat16 weights and compute, full remat, experts sharded over the
 expert axis (mesh data 2 x fsdp 2 x expert 2): scan, remat, expert parallelism and FSDP at once.
 
-Bit-for-bit comparisons view floats as unsigned integers: -0.0 and +0.0 differ.
+Bit-for-bit comparisons view floats as unsigned integers: -0.0 and +0.0 differ. The routed
+weights of every test here span 12 binades across output channels, and in every channel one FSDP
+shard of the contracting axis sits 12 binades below the other (fp8_reference.spread_experts): a
+per-tensor absmax gives other bits there (a broken variant below). The sampler test keeps the
+plain weights: on the spread ones it failed (issue 21, not yet diagnosed).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8_reference import bits, ref_fake_quant
+from fp8_reference import bits, ref_fake_quant, spread_experts
 from helpers import packed_batch, tiny_config, tiny_params
 from hybridmoe.tools import program
 from hybridmoe.config import ConfigError
@@ -115,7 +119,7 @@ def _with_tiny_negatives(params):
 def weights_run(mode: str):
     """(weights as used, their VJP for a fixed cotangent: the params' gradient) on the mesh."""
     cfg = tiny_config(*MODEL, *FQ, f"quant.fp8_fake_quant_hoist={mode}")
-    params = _with_tiny_negatives(tiny_params(cfg))
+    params = _with_tiny_negatives(spread_experts(tiny_params(cfg)))
     setup = build(cfg)
     fn = _layer_weights_fn(cfg)
     with setup.context():
@@ -166,7 +170,7 @@ def _loss_and_logits(cfg):
 def model_run(*overrides, params_fn=None):
     """(Program, ((loss, logits), grads)) of the loss on the 8-device mesh."""
     cfg = tiny_config(*MODEL, *overrides)
-    params = tiny_params(cfg)
+    params = spread_experts(tiny_params(cfg))
     if params_fn is not None:
         params = params_fn(params)
     batch = packed_batch(0, 8, 64, cfg.model.vocab_size)
@@ -237,7 +241,8 @@ def test_every_moe_path_runs_on_quantized_weights(path):
 
     def loss(*overrides, params_fn=lambda p: p):
         cfg = tiny_config(*base, *overrides)
-        params, batch, setup = params_fn(tiny_params(cfg)), packed_batch(0, 8, 64, cfg.model.vocab_size), build(cfg)
+        params = params_fn(spread_experts(tiny_params(cfg)))
+        batch, setup = packed_batch(0, 8, 64, cfg.model.vocab_size), build(cfg)
         with setup.context():
             return jax.jit(lambda p, b: nll_sum(p, cfg, b)[0])(params, batch)
 
@@ -289,6 +294,12 @@ def _unrounded_scale(amax, dtype=fp8.E4M3):
     return jnp.where(amax > 0, amax / fp8.fp8_max(dtype), 1.0)
 
 
+def _per_tensor_absmax(x, axis: int):
+    """Broken: one absmax for the whole (local) tensor, broadcast to the per-channel shape."""
+    per_channel = jnp.max(jnp.abs(jax.lax.stop_gradient(x)).astype(jnp.float32), axis=axis, keepdims=True)
+    return jnp.broadcast_to(jnp.max(per_channel), per_channel.shape)
+
+
 _stacked = expert_fp8.stacked_absmax
 _dequantize = expert_fp8.dequantize_gathered
 _to_shard = expert_fp8.cotangent_to_shard
@@ -303,6 +314,8 @@ BROKEN = {
                                                 lambda c, s, d: _dequantize(c, jnp.roll(s, 1, axis=-1), d)),
     "scaled_custom_vjp_cotangent": (expert_fp8, "cotangent_to_shard", lambda ct, spec: _to_shard(ct * 2, spec)),
     "codes_keep_negative_zero": (fp8, "positive_zero", lambda codes: codes),
+    # Issue 21: scales that per-channel weights within a factor of ~3 cannot tell apart.
+    "per_tensor_absmax": (fp8, "absmax", _per_tensor_absmax),
 }
 
 
