@@ -100,10 +100,15 @@ def test_loss_and_gradients_equal_the_fsdp_only_layout(batch):
 def test_fp8_gather8_over_fsdp_and_context_is_bit_identical(batch):
     """gather8 all-gathers the 1-byte codes over both mesh axes of the expert weights' FSDP
     dimension (fsdp x context); against fake quantization without the hoist: the same bits (a
-    gather in the wrong axis order, tests/broken_variants-style, permutes rows of wi/wo)."""
+    gather in the wrong axis order, tests/broken_variants-style, permutes rows of wi/wo). The
+    routed weights' output channels span 12 binades and their FSDP shards sit 12 binades apart
+    (fp8_reference.spread_experts, one block per shard of the 4): a scale not reduced over both
+    axes gives other bits."""
+    from fp8_reference import spread_experts
+
     cfg_off = tiny_config(*MESH, "quant.fp8_moe_fake_quant=true")
     cfg_g8 = tiny_config(*MESH, "quant.fp8_moe_fake_quant=true", "quant.fp8_fake_quant_hoist=gather8")
-    params = tiny_params(cfg_off)
+    params = spread_experts(tiny_params(cfg_off), blocks=4)
     loss_off, _, grads_off = _loss_and_grads(cfg_off, params, batch)
     loss_g8, _, grads_g8 = _loss_and_grads(cfg_g8, params, batch)
     assert loss_g8 == loss_off
