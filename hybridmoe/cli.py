@@ -305,7 +305,7 @@ def cmd_gates(args, words):
     print(f"reference: recipe={split_args(words)[0]} {' '.join(split_args(words)[1])} (run twice)")
     print(f"candidate: recipe={cand_recipe} {' '.join(cand_overrides)}")
     out = run_gates(reference, candidate, args.steps)
-    print(format_gates(out["gates"], out["reference"], out["candidate"]))
+    print(format_gates(out["gates"], out["reference"], out["candidate"], out["gaps"]))
     print("all gates PASS" if out["passed"] else "a gate FAILED")
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record

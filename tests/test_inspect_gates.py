@@ -138,3 +138,12 @@ def test_gates_fail_a_perturbed_candidate(tmp_path, capsys):
     assert [g["gate"] for g in rec["gates"]] == ["V1", "V2", "N1", "N1-last", "N2", "N3"]
     assert all(g["reference_pair"] == 0 <= g["tolerance"] for g in rec["gates"]), rec["gates"]
     assert rec["passed"] is False
+    # The gaps beside the gates: the candidate's per-token log-probs moved (at least as far as the
+    # mean the N1 gate sees), the reference pair's did not; at T = 1 without truncation each arm's
+    # sampler draws from the trainer's own distribution, so its gap is float rounding.
+    gaps, n1 = rec["gaps"], next(g for g in rec["gates"] if g["gate"] == "N1")
+    assert gaps["logp_gap_reference_pair"] == {"mean": 0.0, "max": 0.0}, gaps
+    assert gaps["logp_gap"]["max"] >= gaps["logp_gap"]["mean"] >= 0.9 * n1["value"] > 0, (gaps, n1)
+    for arm in ("reference", "candidate"):
+        assert 0 <= gaps["sampler_gap"][arm]["sampler_gap_mean"] <= gaps["sampler_gap"][arm]["sampler_gap_max"] < 1e-4
+    assert "gaps (reported, not gated)" in text and "sampler gap (sampler_gap_mean / max)" in text

@@ -17,6 +17,14 @@ Gates on step 0 (steps 1.. are reported, not gated):
   N3      grad_norm, relative difference          <= 2e-3
 Each value is the candidate against the first reference run, shown beside the reference pair's
 own difference.
+
+Reported beside the gates, not gated (measured for bfloat16 and context parallelism in
+benchmarks/bf16_gaps.py):
+  logp gap     per-token |logp_candidate - logp_reference| over the step-0 completion tokens, mean
+               and max (a candidate mesh.context=4 against one device: the context-parallel gap)
+  sampler gap  each arm's sampler_gap_mean / sampler_gap_max: mean and max |log pi_train -
+               log pi_sampler| over the completions its own sampler draws (rl.temperature, top-p,
+               top-k) from the arm's initial policy, as a GRPO step logs them
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import numpy as np
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, put_global
 from hybridmoe.rl.grpo import build_update_batch, jit_grpo_step, rl_optimizer, sequence_logprobs, update_batch_shardings
+from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
 from hybridmoe.run.setup import build, init_state
 
 
@@ -71,8 +80,25 @@ def random_rollout(cfg: Config, step: int) -> tuple[dict, np.ndarray]:
     return rollout, rng.standard_normal(B).astype(np.float32)
 
 
-def run_arm(cfg: Config, steps: int) -> list[dict]:
-    """The arm's per-step metrics over `steps` GRPO updates on the gate batches."""
+def sampler_gap(cfg: Config, params, logprobs) -> dict:
+    """sampler_gap_mean / sampler_gap_max of completions the arm's sampler draws from `params`
+    (random full-length prompts, every new-token slot sampled), against the trainer's log-probs."""
+    r = cfg.rl
+    rng = np.random.default_rng([cfg.train.seed, 11])
+    prompts = rng.integers(1, cfg.model.vocab_size, size=(r.rollouts_per_step, r.max_prompt_len)).tolist()
+    rows = left_pad_prompts(prompts, r.max_prompt_len, pad_id=0)
+    opts = SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, eos_id=-1, pad_id=0, top_k=r.top_k)
+    out = fetch_global(make_generate(cfg, opts)(params, *rows, jax.random.key(cfg.train.seed + 11)))
+    args = [out[k] for k in ("tokens", "segment_ids", "positions")] + ([out["routing"]] if cfg.moe.routing_replay else [])
+    trainer = np.asarray(fetch_global(logprobs(params, *args)))[:, r.max_prompt_len - 1:]
+    gap = np.abs(trainer - np.asarray(out["logprobs"]))
+    return {"sampler_gap_mean": float(gap.mean()), "sampler_gap_max": float(gap.max())}
+
+
+def run_arm(cfg: Config, steps: int, with_sampler_gap: bool = True) -> dict:
+    """{"steps": the arm's per-step metrics over `steps` GRPO updates on the gate batches,
+    "logp_tokens": step 0's per-token log-probs of the completion tokens [B, N], "sampler_gap": its
+    sampler_gap_mean / max (None without with_sampler_gap)}."""
     setup = build(cfg)
     optimizer = rl_optimizer(cfg)
     state = init_state(dataclasses.replace(setup, optimizer=optimizer), jax.random.key(cfg.train.seed))
@@ -80,8 +106,9 @@ def run_arm(cfg: Config, steps: int) -> list[dict]:
     rows_sh = setup.batch_sharding(0)
 
     with setup.context():
-        logprobs = jax.jit(lambda p, t, s, q: sequence_logprobs(p, cfg, t, s, q)[0])
-        out = []
+        logprobs = jax.jit(lambda p, t, s, q, *routing: sequence_logprobs(p, cfg, t, s, q, *routing)[0])
+        gap = sampler_gap(cfg, state["params"], logprobs) if with_sampler_gap else None
+        out, logp_tokens = [], None
         for step in range(steps):
             rollout, adv_B = random_rollout(cfg, step)
             rows = put_global({k: rollout[k] for k in ("tokens", "segment_ids", "positions")}, rows_sh)
@@ -89,6 +116,8 @@ def run_arm(cfg: Config, steps: int) -> list[dict]:
                                                        rows["positions"])))
             P = cfg.rl.max_prompt_len
             rollout["logprobs"] = logp_BT[:, P - 1:]
+            if step == 0:
+                logp_tokens = rollout["logprobs"]
             B = adv_B.shape[0]
             batch = build_update_batch(cfg, rollout, adv_B, np.ones((B,), bool))
             last = batch["mask"][-1]
@@ -99,7 +128,17 @@ def run_arm(cfg: Config, steps: int) -> list[dict]:
             m["kept_frac"] = m["kept_tokens"] / float(batch_tokens(cfg))
             m["logp_mean_last"] = logp_last
             out.append(m)
-    return out
+    return {"steps": out, "logp_tokens": logp_tokens, "sampler_gap": gap}
+
+
+def logp_gap(a: dict, b: dict) -> dict:
+    """Mean and max per-token |logp_a - logp_b| of two arms' step-0 completion tokens (NaN when the
+    candidate's batch has another shape: other rl.* lengths or counts)."""
+    x, y = (np.asarray(arm["logp_tokens"], np.float64) for arm in (a, b))
+    if x.shape != y.shape:
+        return {"mean": float("nan"), "max": float("nan")}
+    d = np.abs(x - y)
+    return {"mean": float(d.mean()), "max": float(d.max())}
 
 
 def batch_tokens(cfg: Config) -> int:
@@ -118,13 +157,22 @@ def evaluate(reference: list[dict], replicate: list[dict], candidate: list[dict]
     return rows
 
 
-def format_gates(rows: list[dict], reference: list[dict], candidate: list[dict]) -> str:
+def format_gates(rows: list[dict], reference: list[dict], candidate: list[dict], gaps: dict | None = None) -> str:
     lines = [f"{'gate':<8} {'what':<42} {'reference':>14} {'candidate':>14} {'value':>10} {'ref pair':>10} "
              f"{'tolerance':>10}  result"]
     for r in rows:
         lines.append(f"{r['gate']:<8} {r['what']:<42} {r['reference']:>14.8g} {r['candidate']:>14.8g} "
                      f"{r['value']:>10.3g} {r['reference_pair']:>10.3g} {r['tolerance']:>10.3g}  "
                      f"{'PASS' if r['passed'] else 'FAIL'}")
+    if gaps is not None:
+        lg, ref_pair, sg = gaps["logp_gap"], gaps["logp_gap_reference_pair"], gaps["sampler_gap"]
+        lines.append("")
+        lines.append("gaps (reported, not gated)")
+        lines.append(f"  logp gap per token, candidate vs reference (step 0): mean {lg['mean']:.3g}  max {lg['max']:.3g}"
+                     f"   (reference pair: mean {ref_pair['mean']:.3g}  max {ref_pair['max']:.3g})")
+        lines.append("  sampler gap (sampler_gap_mean / max): "
+                     + "  |  ".join(f"{arm} {sg[arm]['sampler_gap_mean']:.3g} / {sg[arm]['sampler_gap_max']:.3g}"
+                                    for arm in ("reference", "candidate")))
     lines.append("")
     lines.append("steps (logged, not gated): step  loss  grad_norm  entropy  logp_mean  (reference | candidate)")
     for i, (a, b) in enumerate(zip(reference, candidate)):
@@ -138,8 +186,10 @@ def run_gates(reference_cfg: Config, candidate_cfg: Config, steps: int = 3) -> d
     if steps < 1:
         raise ValueError("the gates need at least one step")
     reference = run_arm(reference_cfg, steps)
-    replicate = run_arm(reference_cfg, steps)
+    replicate = run_arm(reference_cfg, steps, with_sampler_gap=False)  # the reference's sampler, again
     candidate = run_arm(candidate_cfg, steps)
-    rows = evaluate(reference, replicate, candidate)
-    return {"gates": rows, "passed": all(r["passed"] for r in rows), "reference": reference,
-            "replicate": replicate, "candidate": candidate}
+    rows = evaluate(reference["steps"], replicate["steps"], candidate["steps"])
+    gaps = {"logp_gap": logp_gap(candidate, reference), "logp_gap_reference_pair": logp_gap(replicate, reference),
+            "sampler_gap": {"reference": reference["sampler_gap"], "candidate": candidate["sampler_gap"]}}
+    return {"gates": rows, "passed": all(r["passed"] for r in rows), "gaps": gaps, "reference": reference["steps"],
+            "replicate": replicate["steps"], "candidate": candidate["steps"]}
