@@ -116,15 +116,22 @@ def test_fp8_gather8_over_fsdp_and_context_is_bit_identical(batch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
-def test_compiled_arguments_are_the_state_over_the_devices():
+@pytest.fixture(scope="module")
+def compiled_step():
+    from hybridmoe.tools import train_program as tp
+
+    cfg = tiny_config(*MESH, "kernels.logprobs.chunk_tokens=16")  # 4 chunks of each device's 64 tokens
+    return cfg, tp.compile_step(cfg, tp.host_target(), with_residuals=False)
+
+
+def test_compiled_arguments_are_the_state_over_the_devices(compiled_step):
     """The compiled training step's per-device argument bytes are exactly the shardings' (state
     and batch); every weight with an FSDP dimension (and its optimizer moments) is split over all
     8 devices, the rest (norm scales, gates' biases, conv taps: no FSDP dimension) is replicated,
     so the state per device is its total over the devices but for those small leaves."""
     from hybridmoe.tools import train_program as tp
 
-    cfg = tiny_config(*MESH)
-    step = tp.compile_step(cfg, tp.host_target(), with_residuals=False)
+    cfg, step = compiled_step
     setup = build(cfg)
     state = setup.abstract_state()
     assert step.program.memory["argument"] == tp.shard_bytes(state) + tp.shard_bytes(tp.abstract_batch(cfg, setup))
@@ -142,3 +149,22 @@ def test_compiled_arguments_are_the_state_over_the_devices():
     replicated = sum(nbytes(a) for a in leaves if a.sharding.is_fully_replicated)
     assert tp.shard_bytes(state) == (total - replicated) // devices + replicated
     assert replicated < 0.05 * total, (replicated, total)
+
+
+def test_the_lm_heads_chunk_loop_runs_on_each_devices_tokens(compiled_step):
+    """The chunked LM head (model/forward.per_shard_token_logprobs) loops over the token chunks of
+    each device's own rows and sequence shard: no array of the compiled step holds the global batch's
+    tokens in one dimension (traced over the global batch, GSPMD gathered every token's hidden state
+    onto every device before the chunk loop: 2 x 32 GiB per device at the 397B cell)."""
+    from hybridmoe.tools.program import _HLO_SHAPE, _TRIP
+
+    cfg, step = compiled_step
+    B, T, chunk = cfg.train.batch_size, cfg.train.seq_len, cfg.kernels.logprobs.chunk_tokens
+    text = step.program.compiled_text
+    global_tokens = {B * T, B * (T - 1)}
+    dims = {int(d) for _, ds in _HLO_SHAPE.findall(text) for d in ds.split(",") if d}
+    assert not dims & global_tokens, sorted(dims & global_tokens)
+    # The chunk loops (forward, backward) run over one device's chunks, not the global batch's.
+    trips = [int(n) for n in _TRIP.findall(text)]
+    assert B * T // chunk not in trips, trips
+    assert trips.count(B * T // 8 // chunk) >= 2, trips

@@ -19,7 +19,7 @@ from hybridmoe.model.moe import moe_layer
 from hybridmoe.model.norms import rms_norm
 from hybridmoe.model.params import layer_axes
 from hybridmoe.model.remat import checkpointed
-from hybridmoe.parallel.rules import constrain, constrain_at_use
+from hybridmoe.parallel.rules import constrain, constrain_at_use, logical_to_spec, splits_evenly
 
 
 def default_batch_fields(tokens_BT):
@@ -207,11 +207,35 @@ def next_token_logprobs(params, cfg: Config, tokens_BT, segment_ids_BT=None, pos
                        routing_BTLk=routing_BTLk)
     if with_moe_dropped:
         h, dropped = h
-    chunks = cfg.kernels.logprobs
-    out = chunked_token_logprobs(h[:, :-1], lm_head_at_use(params).astype(h.dtype), tokens_BT[:, 1:],
-                                 chunk_tokens=chunks.chunk_tokens, chunk_vocab=chunks.chunk_vocab,
-                                 temperature=temperature)
+    # Every position scores the next token; the last one's target is a stand-in (position 0's token)
+    # whose results are cut off, so the token arrays keep the length the mesh splits.
+    targets_BT = jnp.concatenate([tokens_BT[:, 1:], tokens_BT[:, :1]], axis=1)
+    logp_BT, entropy_BT = per_shard_token_logprobs(h, lm_head_at_use(params).astype(h.dtype), targets_BT, cfg,
+                                                   temperature=temperature)
+    out = (logp_BT[:, :-1], entropy_BT[:, :-1])
     return (*out, dropped) if with_moe_dropped else out
+
+
+def per_shard_token_logprobs(h_BTD, lm_head_DV, targets_BT, cfg: Config, *, temperature: float = 1.0):
+    """kernels/logprobs.chunked_token_logprobs on each device's own tokens. Its chunk loop is a scan
+    over token chunks, which GSPMD cannot split: traced over the global [B, T] it gathers every
+    token's hidden state onto every device (at the 397B cell, 64 x 65,536 x 4,096 bf16 = 32 GiB per
+    device, twice). Under a mesh it runs in a shard_map over the token shards instead, the LM head
+    gathered whole (its gradient summed over the shards by shard_map's transpose); where the tokens
+    do not divide over their mesh axes, over the global arrays."""
+    chunks = cfg.kernels.logprobs
+
+    def local(h, w, t):
+        return chunked_token_logprobs(h, w, t, chunk_tokens=chunks.chunk_tokens, chunk_vocab=chunks.chunk_vocab,
+                                      temperature=temperature)
+
+    if jax.sharding.get_abstract_mesh().empty:
+        return local(h_BTD, lm_head_DV, targets_BT)
+    hidden, ids = logical_to_spec(("batch", "seq", None)), logical_to_spec(("batch", "seq"))
+    if not splits_evenly(ids, targets_BT.shape):
+        return local(h_BTD, lm_head_DV, targets_BT)
+    return jax.shard_map(local, in_specs=(hidden, jax.sharding.PartitionSpec(), ids), out_specs=(ids, ids),
+                         check_vma=False)(h_BTD, lm_head_DV, targets_BT)
 
 
 def token_logprobs(params, cfg, tokens_BT, segment_ids_BT=None, positions_BT=None):

@@ -91,6 +91,18 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, MeshAxes] | 
     return PartitionSpec(*out)
 
 
+def splits_evenly(spec: PartitionSpec, shape: Sequence[int]) -> bool:
+    """Whether every dimension of `shape` divides over the current mesh's axes that `spec` gives it."""
+    sizes = jax.sharding.get_abstract_mesh().shape
+    out = True
+    for entry, n in zip(spec, shape):
+        shards = 1
+        for a in mesh_axes_of(entry):
+            shards *= sizes[a]
+        out = out and n % shards == 0
+    return out
+
+
 def named_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str | None],
                    rules: Mapping[str, MeshAxes] | None = None) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, rules))

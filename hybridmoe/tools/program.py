@@ -69,6 +69,7 @@ class Collective:
     trip_count: int | None  # iterations of that loop when the compiler knows them
     computation: str     # where the op is written
     op_name: str         # HLO metadata op_name (jax's name stack) or ""
+    shapes: tuple = ()   # every element's shape of a tuple result (the compiler combines collectives)
 
     @property
     def in_loop(self) -> bool:
@@ -180,7 +181,8 @@ def parse_hlo(text: str) -> list[Collective]:
             kind = _hlo_kind(opcode)
             if kind:
                 dt, shape, nbytes = _hlo_result(type_text)
-                out.append(Collective(kind, dt, shape, nbytes, depth, loop, trip, comp, opname))
+                shapes = tuple(tuple(int(d) for d in dims.split(",") if d) for _, dims in _HLO_SHAPE.findall(type_text))
+                out.append(Collective(kind, dt, shape, nbytes, depth, loop, trip, comp, opname, shapes))
     return out
 
 
@@ -270,7 +272,7 @@ def parse_stablehlo(text: str) -> list[Collective]:
             return
         for kind, dt, shape, nbytes, d, lp in funcs[fn]:
             out.append(Collective(kind, dt, shape, nbytes, base_depth + d, lp or base_loop, None,
-                                  fn, ""))
+                                  fn, "", (shape,)))
         for callee, d, lp in calls.get(fn, []):
             walk(callee, base_depth + d, lp or base_loop, stack + (fn,))
 
