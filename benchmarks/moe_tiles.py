@@ -15,35 +15,31 @@ benchmarks/records/moe_tiles.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 
 from hybridmoe.tools.pinned import parse_cores, pin, spread  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--cores", default="0")
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "moe_tiles.json"))
     args = ap.parse_args()
     cores = parse_cores(args.cores)
     pin(cores)
+    harness.configure(cpu_only=True)
     import jax
-    jax.config.update("jax_platforms", "cpu")
     import jax.numpy as jnp
     import numpy as np
     from hybridmoe.kernels.gmm import row_tiles as rt
     from hybridmoe.model import moe as M
     from hybridmoe.recipe import load_config
-    from hybridmoe.tools.record import machine_record, source_commit, write_record
-    source_commit()
 
     cfg = load_config("small", ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=-1"])
     m, tile = cfg.model, cfg.kernels.gmm.xla_tile_rows
@@ -87,11 +83,10 @@ def main() -> None:
     print(f"tiles / sorted per round: cpu {ratio_cpu['median']:.3f} ({ratio_cpu['p25']:.3f}-{ratio_cpu['p75']:.3f}), "
           f"wall {ratio_wall['median']:.3f}; largest relative L2 difference of the gradients {rel:.1e}; "
           f"load average {min(x[0] for x in loads):.1f}-{max(x[0] for x in loads):.1f}")
-    write_record(Path(args.out), {"benchmark": "moe_tiles", "script": "benchmarks/moe_tiles.py", **machine_record(),
-                                  "cores": cores, "rounds": args.rounds, "shape": {"tokens": T, "d_model": D,
-                                  "experts": E, "top_k": m.num_experts_per_tok, "moe_intermediate": F,
-                                  "tile_rows": tile}, "arms": res, "ratio_cpu": ratio_cpu, "ratio_wall": ratio_wall,
-                                  "max_rel_l2_grad_difference": rel, "load_average_per_round": loads})
+    harness.write(args.out, "moe_tiles", script="benchmarks/moe_tiles.py", cores=cores, rounds=args.rounds,
+                  shape={"tokens": T, "d_model": D, "experts": E, "top_k": m.num_experts_per_tok,
+                         "moe_intermediate": F, "tile_rows": tile}, arms=res, ratio_cpu=ratio_cpu,
+                  ratio_wall=ratio_wall, max_rel_l2_grad_difference=rel, load_average_per_round=loads)
 
 
 if __name__ == "__main__":

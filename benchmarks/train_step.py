@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run as a file: this checkout's packages
+from benchmarks import harness  # noqa: E402
 from hybridmoe.tools.pinned import Worker, parse_cores, pin, serve, spread, thread_census  # noqa: E402
 
 RECIPE = "small"
@@ -106,7 +107,7 @@ def source_tree(commit: str, into: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__, __file__, raw=True, record="train_step_small")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--hf-python", help="a Python with torch and transformers (benchmarks/reference/setup.sh)")
     ap.add_argument("--cores", default="0", help="cores both sides are pinned to, e.g. 0 or 0,1 (default 0)")
@@ -115,16 +116,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side before round 0")
     ap.add_argument("--arm", action="append", default=[], metavar="NAME:OVERRIDES",
                     help="another arm of ours (repeatable); the default arm 'ours' always runs")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "records" / "train_step_small.json"))
     args = ap.parse_args()
     if args.worker:
         our_worker(json.loads(args.worker))
         return
 
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    from hybridmoe.tools.record import machine_record, source_commit, write_record
-    source_commit()  # read now: the record names the code the run started from
+    harness.configure(cpu_only=True)  # and the commit now: the record names the code the run started from
+    from hybridmoe.tools.record import source_commit
 
     cores = parse_cores(args.cores)
     pin(cores)  # every worker below inherits this affinity
@@ -201,8 +199,8 @@ def main() -> None:
     if not same_tokens:
         print(f"WARNING: the sides trained on different tokens: {sums}")
 
-    write_record(Path(args.out), {
-        "benchmark": "train_step_small", "script": "benchmarks/train_step.py", **machine_record(),
+    harness.write(args.out, "train_step_small", **{
+        "script": "benchmarks/train_step.py",
         "method": {"cores": cores, "threads_per_side": len(cores), "rounds": args.rounds,
                    "steps_per_round": args.steps_per_round, "warmup_steps": args.warmup,
                    "order": "alternating round by round (rotated)", "figure": "median over rounds of each "
