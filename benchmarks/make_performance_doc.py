@@ -24,10 +24,8 @@ MiB, GiB = 2**20, 2**30
 # record file -> why its figures are not shown until it is regenerated.
 PENDING = {
     "step_anatomy_ours.json": "our side of an earlier step anatomy, superseded by `step_anatomy.json`",
-    "inspect_qwen3.5-397b-a17b_tpu7x-4x4x4.json": "the 397B memory tables are being redone for the real "
-                                                   "256-device cell tpu7x:4x4x8; `benchmarks/inspect_tpu_memory.sh`",
-    "inspect_qwen3.5-397b-a17b_tpu7x-4x4x4_moe_levers_only.json": "as above (397B, tpu7x:4x4x8)",
-    "inspect_qwen3.5-397b-a17b_tpu7x-4x4x4_all_levers.json": "as above (397B, tpu7x:4x4x8)",
+    "inspect_qwen3.5-35b-a3b_tpu7x-2x2x1.json": "compiled before the chunked LM head and the weights over every "
+                                                 "data-parallel axis changed the step; `benchmarks/inspect_tpu_memory.sh`",
 }
 
 
@@ -347,6 +345,51 @@ arguments + outputs - donated + temporaries; of the target's {gib(hbm)} GiB per 
 """
 
 
+BEFORE_LM_HEAD_FIX = {"db17658", "557f88b"}  # seed-cell records compiled before f645318
+
+
+def seed_cell() -> str:
+    name = "seed_cell.json"
+    rec = load(name)
+    arms = {a["arm"]: a for a in rec["arms"]}
+    labels = {"before": "masked XLA attention core", "default": "no lever",
+              **{lever: f"+ {lever}" for lever in rec["order"]}, "grpo": "GRPO update, every lever",
+              "sample": "sampler (prefill + decode loop), every lever"}
+    rows = []
+    for arm in [a for a in labels if a in arms]:
+        m = arms[arm]["memory"]
+        rows.append([f"`{arm}`", labels[arm], arms[arm]["program"], gib(m["argument"]), gib(m["temp"]),
+                     gib(m["total"]), f"{m['total'] / m['hbm']:.0%}",
+                     f"{m['total'] / 2**30 - rec['seed_total_gib']:+.2f}", "yes" if m["fits"] else "NO",
+                     f"`{arms[arm]['commit'][:7]}`"])
+    peaks = []
+    for arm in [a for a in labels if a in arms]:
+        for b in arms[arm]["peak_buffers"][:3]:
+            peaks.append([f"`{arm}`", gib(b["bytes"]), f"`{b['shape']}`", b["where"], f"`{b['op_name'][-80:]}`"])
+    # Arms recorded before a fix that changes their program, and what the fix removes.
+    before_fix = [f"`{a}` ({arms[a]['commit'][:7]})" for a in arms if arms[a]["commit"][:7] in BEFORE_LM_HEAD_FIX]
+    stale = (f"\n{', '.join(before_fix)} predates f645318 (the LM head's chunk loop on each device's own tokens), which "
+             "removes the two 32 GiB bf16 [tokens, 4096] buffers at its peak; to be recompiled.\n") if before_fix else ""
+    return f"""## The seed's cell: Qwen3.5-397B-A17B on 128 TPU v7x chips
+
+`recipe={rec['recipe']}` compiled for `{rec['target']}` (256 devices; mesh fsdp 32 x context 4 x
+expert 2; one 65,536-token sequence per context group, 16,384 tokens per device per micro-batch,
+9 micro-batches). `every lever` is the recipe; each lever arm turns the levers after it in the
+seed's order ({", ".join(rec["order"])}) off (the arms' overrides are in the record). GiB per
+device (total = arguments + outputs - donated + temporaries, of the 96 GiB of a v7x device; a
+refused compile: the compiler's temporaries figure); `vs seed` against the seed's own build,
+{rec['seed_total_gib']:.2f} GiB; each arm's commit.
+
+{table(["arm", "what", "program", "arguments", "temporaries", "total", "of HBM", "vs seed", "fits", "commit"], rows)}
+{stale}
+The largest buffers live at the peak (XLA's buffer assignment, per device):
+
+{table(["arm", "GiB", "shape", "where", "made by"], peaks)}
+
+{source(rec, name, "python benchmarks/seed_cell.py")}
+"""
+
+
 def hf_reload() -> str:
     name = "hf_reload.json"
     rec = load(name)
@@ -621,7 +664,7 @@ These records are kept but their figures are not shown until they are remeasured
 
 
 SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, gdn_core, gdn_cp,
-            gdn_pallas_tpu, inspect_35b, hf_reload, post_train_eval, robustness, pending]
+            gdn_pallas_tpu, seed_cell, hf_reload, post_train_eval, robustness, pending]
 
 HEADER = """# Performance and measurements
 
