@@ -19,7 +19,6 @@ see natural order.
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ from hybridmoe.kernels.attention.ring import ring_attention
 from hybridmoe.kernels.platform import trace_platform
 from hybridmoe.model.norms import apply_partial_rope, rms_norm, rope_tables
 from hybridmoe.parallel import context
-from hybridmoe.parallel.rules import constrain, logical_to_spec, mesh_axes_of
+from hybridmoe.parallel.rules import constrain, logical_to_spec, splits_evenly
 
 # The checkpoint name of the load-balanced positions and segment ids (attention.cp_load_balance_hoist_ids).
 LB_IDS_NAME = "attn_lb_ids"
@@ -98,12 +97,6 @@ def attention_core(kc: KernelsConfig, *, self_attention: bool):
     return core
 
 
-def _splits(spec, shape) -> bool:
-    """Whether every dimension of `shape` divides over the current mesh's axes in `spec`."""
-    sizes = jax.sharding.get_abstract_mesh().shape
-    return all(n % math.prod(sizes[a] for a in mesh_axes_of(e)) == 0 for e, n in zip(spec, shape))
-
-
 def self_attention(q_BTNA, k_BTGA, v_BTGA, positions_BT, segment_ids_BT, kernels: KernelsConfig, *, scale: float):
     """The core over the whole (unsharded) sequence. Under a mesh a flash core runs per shard in a
     shard_map (rows and head groups are independent): a Mosaic or Triton kernel is a custom call
@@ -123,7 +116,7 @@ def self_attention(q_BTNA, k_BTGA, v_BTGA, positions_BT, segment_ids_BT, kernels
     q_spec, kv_spec = logical_to_spec(("batch", "seq", "heads", None)), logical_to_spec(("batch", "seq", "kv_heads", None))
     ids = logical_to_spec(("batch", "seq"))
     specs = (q_spec, kv_spec, kv_spec, ids, ids)
-    if backend == "xla" and not all(_splits(sp, a.shape) for sp, a in zip(specs, args)):
+    if backend == "xla" and not all(splits_evenly(sp, a.shape) for sp, a in zip(specs, args)):
         return local(*args)
     # check_vma off for Pallas: a Pallas call's outputs carry no varying-axes annotation.
     return jax.shard_map(local, in_specs=specs, out_specs=q_spec, check_vma=not backend.startswith("pallas"))(*args)

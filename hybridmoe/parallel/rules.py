@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -94,13 +95,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, MeshAxes] | 
 def splits_evenly(spec: PartitionSpec, shape: Sequence[int]) -> bool:
     """Whether every dimension of `shape` divides over the current mesh's axes that `spec` gives it."""
     sizes = jax.sharding.get_abstract_mesh().shape
-    out = True
-    for entry, n in zip(spec, shape):
-        shards = 1
-        for a in mesh_axes_of(entry):
-            shards *= sizes[a]
-        out = out and n % shards == 0
-    return out
+    return all(n % math.prod(sizes[a] for a in mesh_axes_of(e)) == 0 for e, n in zip(spec, shape))
 
 
 def named_sharding(mesh: jax.sharding.Mesh, axes: Sequence[str | None],
