@@ -19,7 +19,6 @@ see natural order.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
