@@ -60,7 +60,7 @@ def test_accepted_where_it_can_work():
 def test_hoist_names_every_unmet_requirement():
     msg = _problems("quant.fp8_fake_quant_hoist=gather8", "moe.impl=dense", "mesh.fsdp=1",
                     "mesh.data=8")["quant.fp8_fake_quant_hoist"]
-    for need in ("fp8_moe_fake_quant=true", "moe.impl=sparse", "split over mesh.fsdp x mesh.context, 1 shard"):
+    for need in ("fp8_moe_fake_quant=true", "moe.impl=sparse", "split over mesh.fsdp=1 x mesh.context=1, 1 shard"):
         assert need in msg, (need, msg)
     assert "fp8_moe_fake_quant" in _problems("quant.fp8_fake_quant_hoist=absmax")["quant.fp8_fake_quant_hoist"]
 

@@ -212,7 +212,8 @@ def test_validator_names_the_key_and_every_unmet_requirement(backend, requiremen
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
 def test_interpreted_backend_is_accepted_with_any_chunk_and_context_parallelism(backend):
     cfg = load_config("tiny", [f"kernels.gdn.backend={backend}", "kernels.interpret=true", "gdn.chunk_size=12",
-                               "mesh.context=2", "mesh.fsdp=1", "mesh.data=-1", "train.seq_len=48"])
+                               "mesh.context=2", "mesh.fsdp=1", "mesh.data=-1", "train.seq_len=48",
+                               "rl.prefill_chunk=48"])
     assert cfg.kernels.gdn.backend == backend
 
 

@@ -503,7 +503,7 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance_and_fills_the_batch(
         ids = np.arange(len(r)) + 100 * round_index  # which round and row each sample came from
         return {"tokens": ids[:, None], "rewards": r, "skipped": np.zeros(len(r), bool),
                 "truncated": np.zeros(len(r), bool), "prompt_skipped": np.zeros(len(r) // G, bool),
-                "rewards_skipped": 0.0}
+                "rewards_skipped": 0.0, "new_tokens": 10.0 ** round_index}  # round r sampled 10^r new tokens
 
     monkeypatch.setattr(loop, "_sample_groups", fake_sample)
     for max_rounds, want_rounds, want_rows, frac in ((3, 3, [0, 1, 6, 7, 102, 103, 2, 3], 0.75),
@@ -516,5 +516,6 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance_and_fills_the_batch(
         # is filled with round 0's zero-variance groups, in order.
         assert calls == list(range(want_rounds))
         np.testing.assert_array_equal(batch["tokens"][:, 0], want_rows)
-        assert ds == {"ds_rounds": want_rounds, "ds_rollouts": 8.0 * want_rounds, "ds_informative_frac": frac}
+        assert ds == {"ds_rounds": want_rounds, "ds_rollouts": 8.0 * want_rounds, "ds_informative_frac": frac,
+                      "rollout_tokens": sum(10.0 ** i for i in range(want_rounds))}  # every round's, once
         assert first["rewards"].tolist() == [1, 0, 1, 1, 0, 0, 0, 1]  # what the step logs as reward_mean
