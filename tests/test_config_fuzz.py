@@ -9,7 +9,7 @@ from config_fuzz import check, override_sets
 FUZZ = dict(deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
-@settings(max_examples=300, **FUZZ)
+@settings(max_examples=120, **FUZZ)
 @given(override_sets())
 def test_random_overrides_validate_or_name_the_key(overrides):
     check(overrides)
