@@ -108,6 +108,7 @@ def test_scan_and_remat_variants_equal_the_scanned_full_remat(overrides):
     cfg = tiny_config("model.num_layers=8", *overrides)
     params = tiny_params(base)
     batch = packed_batch(0, 2, 64, base.model.vocab_size)
-    # Remat changes what is recomputed, hence XLA's fusion and float32 summation order (~5e-6),
-    # never the maths: a wrong save or replay is O(1).
-    assert_rel_l2(_loss_and_grads(base, params, batch), _loss_and_grads(cfg, params, batch), 2e-5)
+    # Remat changes what is recomputed, hence XLA's fusion and float32 summation order (~5e-6 at
+    # LLVM -O2, up to 2.3e-5 at the suite's -O0: tests/conftest.py), never the maths: a wrong save
+    # or replay is O(1).
+    assert_rel_l2(_loss_and_grads(base, params, batch), _loss_and_grads(cfg, params, batch), 1e-4)

@@ -105,14 +105,17 @@ def test_guard_counts_only_consecutive_skips():
 
 # ---------------------------------------------------------------------------------------------
 # The guard against the guard removed (`off`, whose step has no such select), for the supervised
-# and the GRPO step, a few finite steps each. The metrics are bit-identical. The state is not: on
-# the CPU backend the select changes how XLA fuses the optimizer update, which then rounds the
-# last bit differently (measured: at most ~2e-6 of a leaf's largest value; an optimization
-# barrier before the select, or a lax.cond instead of it, did not make it bit-exact either). So the
-# state is held to STATE_TOL, and every sabotage of the guard lands far above it.
+# and the GRPO step, a few finite steps each. The first step's metrics are bit-identical (same state
+# in, same loss and gradients). The state out is not: on the CPU backend the select changes how
+# XLA fuses the optimizer update, which then rounds the last bit differently (measured: at most
+# ~2e-6 of a leaf's largest value at LLVM -O2, 3.4e-5 at the suite's -O0; an optimization barrier
+# before the select, or a lax.cond instead of it, did not make it bit-exact either), so the later
+# steps' metrics, computed from that state, may differ in their last bits too. The state is held to
+# STATE_TOL, the later metrics to METRIC_TOL; every sabotage of the guard lands at ~1.
 
 GUARD_STEPS = 2
-STATE_TOL = 2e-5  # per leaf: max |guarded - unguarded| / max |unguarded|
+STATE_TOL = 1e-4  # per leaf: max |guarded - unguarded| / max |unguarded|
+METRIC_TOL = 1e-4  # per metric: |guarded - unguarded| / max(|unguarded|, 1)
 
 
 def _select_inverted(loss, grad_norm, new, old):
@@ -173,8 +176,15 @@ def _state_error(got, want) -> float:
     return max(errs)
 
 
-def _metric_bits(history) -> list[dict]:
-    return [{k: np.asarray(v).tobytes() for k, v in m.items()} for m in history]
+def _metric_bits(metrics: dict) -> dict:
+    return {k: np.asarray(v).tobytes() for k, v in metrics.items()}
+
+
+def _metric_error(got: list[dict], want: list[dict]) -> float:
+    assert [m.keys() for m in got] == [m.keys() for m in want]
+    return max(float(np.max(np.abs(np.asarray(g[k], np.float64) - np.asarray(w[k], np.float64))
+                            / np.maximum(np.abs(np.asarray(w[k], np.float64)), 1.0)))
+               for g, w in zip(got, want) for k in w)
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +195,10 @@ def unguarded():
 def test_the_guard_changes_nothing_in_finite_steps(unguarded):
     (off_out, off_prims), (skip_out, skip_prims) = unguarded["train"], _train_steps("skip")
     grpo_skip, grpo_off = _grpo_steps("skip"), unguarded["grpo"]
-    assert _metric_bits(skip_out[1]) == _metric_bits(off_out[1])
-    assert _metric_bits(grpo_skip[1]) == _metric_bits(grpo_off[1])
+    assert _metric_bits(skip_out[1][0]) == _metric_bits(off_out[1][0])
+    assert _metric_bits(grpo_skip[1][0]) == _metric_bits(grpo_off[1][0])
+    metric_errors = {"train": _metric_error(skip_out[1], off_out[1]), "grpo": _metric_error(grpo_skip[1], grpo_off[1])}
+    assert max(metric_errors.values()) < METRIC_TOL, metric_errors
     errors = {"train": _state_error(skip_out[0], off_out[0]), "grpo": _state_error(grpo_skip[0], grpo_off[0])}
     assert max(errors.values()) < STATE_TOL, errors
     assert all(int(m["update_skipped"]) == 0 for m in skip_out[1])
@@ -204,6 +216,7 @@ def test_a_broken_guard_is_caught(variant, unguarded, monkeypatch):
     state = _train_steps("skip")[0][0] if through == "train" else _grpo_steps("skip")[0]
     error = _state_error(state, unguarded[through][0][0] if through == "train" else unguarded[through][0])
     assert error > 10 * STATE_TOL, (variant, through, error)
+    print(f"{variant} through {through}: state error {error:.3g}")
 
 
 # ---------------------------------------------------------------------------------------------
