@@ -213,10 +213,9 @@ def test_a_broken_guard_is_caught(variant, unguarded, monkeypatch):
     broken, through = BROKEN_GUARDS[variant]
     for module in (step_module, grpo_module):
         monkeypatch.setattr(module, "skip_if_nonfinite", broken)
-    state = _train_steps("skip")[0][0] if through == "train" else _grpo_steps("skip")[0]
-    error = _state_error(state, unguarded[through][0][0] if through == "train" else unguarded[through][0])
+    steps, state_of = {"train": (_train_steps, lambda out: out[0][0]), "grpo": (_grpo_steps, lambda out: out[0])}[through]
+    error = _state_error(state_of(steps("skip")), state_of(unguarded[through]))
     assert error > 10 * STATE_TOL, (variant, through, error)
-    print(f"{variant} through {through}: state error {error:.3g}")
 
 
 # ---------------------------------------------------------------------------------------------
