@@ -1,8 +1,11 @@
 """Every test sees 8 simulated CPU devices (set before JAX initialises its backends).
 
-Tests that build the same program (a run and its resumed twin, the same tiny step in several
-tests) share compiled executables through JAX's persistent cache, in a fresh directory per test
-process, so a run never reads a cache it did not write.
+Compiled programs persist across test processes and test runs in one directory outside the checkout
+(TEST_COMPILE_CACHE), which child processes inherit through JAX's own environment variables: a rerun,
+another xdist worker, a kill/resume trial or a CI run on a machine that ran the tests before compiles
+only what changed. JAX keys each entry by the program, the compile options (optimisation level
+included), the backend and the versions, so a stale entry is never read; a size cap turns on JAX's
+file lock, so parallel workers read and write the directory safely.
 
 CPU programs compile with XLA's backend optimisations off (jax_disable_most_optimizations: LLVM at
 -O0, its expensive passes skipped): at the tests' tiny shapes code generation is most of a compile
@@ -14,9 +17,18 @@ tpu_compile) run with the defaults, as `hybridmoe inspect` compiles.
 """
 
 import os
-import tempfile
+from pathlib import Path
 
-os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # read by jax at import, and by child processes
+TEST_COMPILE_CACHE = Path.home() / ".cache" / "hybridmoe" / "xla-tests"
+TEST_COMPILE_CACHE.mkdir(parents=True, exist_ok=True)
+# Read by jax at import, in this process and in every child process the tests start.
+os.environ.update({
+    "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+    "JAX_COMPILATION_CACHE_DIR": str(TEST_COMPILE_CACHE),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 * 2**30),  # LRU eviction past 8 GiB; turns on the file lock
+})
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -24,9 +36,6 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_disable_most_optimizations", True)
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="hybridmoe-test-xla-cache-"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -116,7 +116,9 @@ def trial(command: str, index: int, work: Path, cache_dir: Path, straight: Path,
 
 def run_trials(command: str, trials: int, work: Path, seed: int = 0) -> dict:
     """`trials` kill-and-resume trials of one command; a summary (raises on the first failure)."""
-    cache_dir = work / "xla-cache"
+    # The suite's compile cache (tests/conftest.py) when there is one, so trials reuse the programs
+    # every earlier run compiled.
+    cache_dir = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or work / "xla-cache")
     # Random kills fall anywhere in the uninterrupted run's time, compile included (later runs read
     # the compile cache this one fills, so they reach their steps sooner).
     straight, straight_s = uninterrupted(command, work, cache_dir)

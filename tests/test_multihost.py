@@ -49,7 +49,7 @@ def _same_steps(two, one, command):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("xla-cache")
+    return Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or tmp_path_factory.mktemp("xla-cache"))
 
 
 @pytest.mark.parametrize("command", ["train", pytest.param("rl", marks=pytest.mark.slow)])
