@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 REFVENV ?= /work/refvenv
 
-.PHONY: demo test test-slow bench clean reference-env
+.PHONY: demo test test-quick test-slow bench clean reference-env
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=40
+
+# The tests a change touches (scripts/affected_tests.py): those importing a module changed since BASE
+# (default HEAD: the uncommitted change), directly or through the package. `make test` before submitting.
+BASE ?= HEAD
+test-quick: $(STAMP)
+	@files="$$($(BIN)/python scripts/affected_tests.py $(BASE))"; \
+	if [ -z "$$files" ]; then echo "no test imports what changed since $(BASE)"; \
+	else $(BIN)/python -m pytest -q -n 2 --dist loadfile $$files; fi
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

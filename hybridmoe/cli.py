@@ -34,10 +34,17 @@ def _recipe(words: list[str], init_hf: str | None = None) -> tuple[str, list[str
     return recipe, overrides
 
 
+def _runtime(cfg) -> None:
+    """What JAX needs before its first compile: simulated CPU devices and the compile cache."""
+    from hybridmoe.parallel.mesh import configure_cpu_devices
+    from hybridmoe.run.compile_cache import configure_compile_cache
+    configure_cpu_devices(cfg.mesh)
+    configure_compile_cache(cfg.run.compile_cache_dir)
+
+
 def _config(words: list[str], init_hf: str | None = None):
     cfg = load_config(*_recipe(words, init_hf))
-    from hybridmoe.parallel.mesh import configure_cpu_devices
-    configure_cpu_devices(cfg.mesh)
+    _runtime(cfg)
     if cfg.mesh.distributed:
         from hybridmoe.parallel.host import initialize_distributed
         initialize_distributed(cfg.mesh)
@@ -174,11 +181,10 @@ def _policy(args, words):
         cfg = _config(words, args.hf)
     else:
         from hybridmoe.recipe.load import config_with_overrides
-        from hybridmoe.parallel.mesh import configure_cpu_devices
         from hybridmoe.rl.policy_io import run_config
         saved, _, _ = run_config(Path(args.run))
         cfg = config_with_overrides(saved.model_dump(), split_args(words)[1])
-        configure_cpu_devices(cfg.mesh)
+        _runtime(cfg)
     from hybridmoe.rl.policy_io import load_policy
     return load_policy(cfg, hf_dir=Path(args.hf) if args.hf else None, run_dir=Path(args.run) if args.run else None)
 
@@ -265,6 +271,7 @@ def _inspect_config(words: list[str], target_kind: str | None, cpu_count: int | 
 def cmd_inspect(args, words):
     from hybridmoe.tools import train_program as tp
     from hybridmoe.parallel.mesh import configure_cpu_devices
+    from hybridmoe.run.compile_cache import configure_compile_cache
     kind, count = tp.parse_target(args.target) if args.target else (None, None)
     arms = {"base": words}
     if args.compare is not None:
@@ -275,6 +282,7 @@ def cmd_inspect(args, words):
     configs = {name: _inspect_config(w, kind, count) for name, w in arms.items()}
     if kind != "tpu":
         configure_cpu_devices(configs["base"][2].mesh)
+    configure_compile_cache(configs["base"][2].run.compile_cache_dir)
     target = tp.tpu_target(args.target) if kind == "tpu" else tp.host_target()
     facts = {}
     for name, (recipe, overrides, cfg) in configs.items():

@@ -390,6 +390,18 @@ class DataConfig(Section):
         "token) or every token; `text` records always train every token.")
 
 
+class RunConfig(Section):
+    compile_cache_dir: str = Field(
+        "auto", description="Compiled programs kept on disk and reused by later runs of the same program (a second "
+        "demo, a --resume, inspect again): a directory, off, or auto (JAX's own jax_compilation_cache_dir when "
+        "set, else ~/.cache/hybridmoe/xla).")
+
+    @field_validator("compile_cache_dir", mode="before")
+    @classmethod
+    def _bare_off(cls, v):
+        return bare_off(v)
+
+
 class BenchConfig(Section):
     steps: int = Field(5, ge=2, description="Timed steps per arm (the first compiles and is not averaged).")
 
@@ -406,4 +418,5 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     rl: RLConfig = RLConfig()
     data: DataConfig = DataConfig()
+    run: RunConfig = RunConfig()
     bench: BenchConfig = BenchConfig()

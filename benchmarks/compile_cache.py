@@ -1,0 +1,60 @@
+"""The persistent compile cache (run.compile_cache_dir): each command run twice into one empty cache
+folder, as a user would run it again; the wall time of the first run (compiles and stores) against
+the second (reads the programs back).
+
+  python benchmarks/compile_cache.py [--out benchmarks/records/compile_cache.json]
+
+Commands: `hybridmoe demo` (the embedded GRPO run), `hybridmoe inspect recipe=small` (the training
+step compiled for 8 simulated CPU devices) and the same for a compile-only TPU target (tpu7x:2x2x1).
+Each runs in its own process in a scratch folder, so nothing but the cache folder carries over.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+COMMANDS = {
+    "demo": ["demo"],
+    "inspect small (cpu:8)": ["inspect", "recipe=small", "--target", "cpu:8"],
+    "inspect small (tpu7x:2x2x1)": ["inspect", "recipe=small", "--target", "tpu7x:2x2x1"],
+}
+
+
+def timed(argv: list[str], cwd: Path) -> float:
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "hybridmoe", *argv], cwd=cwd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"hybridmoe {' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    args = harness.parser(__doc__, __file__).parse_args(argv)
+    harness.configure(cpu_only=True)
+    rows = []
+    for name, words in COMMANDS.items():
+        with tempfile.TemporaryDirectory(prefix="hybridmoe-cc-") as scratch:
+            cache = Path(scratch) / "cache"
+            words = [*words, f"run.compile_cache_dir={cache}"]
+            first = timed(words, Path(scratch))
+            entries = len(list(cache.glob("*-cache")))
+            second = timed(words, Path(scratch))
+        rows.append({"command": f"hybridmoe {' '.join(words[:-1])}", "first_s": round(first, 1),
+                     "second_s": round(second, 1), "second_over_first": round(second / first, 3),
+                     "programs_stored": entries})
+        print(f"{name:30s} first {first:7.1f} s   second {second:7.1f} s   ({second / first:.2f}x, "
+              f"{entries} programs stored)", flush=True)
+    harness.write(args.out, "compile_cache", runs=rows,
+                  method="each command twice in a fresh process into one empty cache folder; wall time of the "
+                         "whole command (start-up, compile or cache read, and its run)")
+
+
+if __name__ == "__main__":
+    main()
