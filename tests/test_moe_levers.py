@@ -158,8 +158,16 @@ def test_wi_fwd_rhs_buffer_count_names_every_unmet_requirement():
     assert "cannot run on this platform" in probs["kernels.gmm.backend"]
 
 
-def test_all_to_all_is_refused_not_ignored():
-    assert "not built" in _problems("moe.expert_parallel=all_to_all")["moe.expert_parallel"]
+def test_all_to_all_is_not_offered():
+    assert "moe.expert_parallel" in _problems("moe.expert_parallel=all_to_all")
+
+
+def test_the_rl_trainer_refuses_expert_buffers_naming_the_key():
+    from hybridmoe.recipe.validate import check_rl_requirements
+    check_rl_requirements(tiny_config())  # dropless: accepted
+    with pytest.raises(ConfigError) as e:
+        check_rl_requirements(tiny_config("moe.capacity_factor=1.0"))
+    assert "dropless" in dict(e.value.problems)["moe.capacity_factor"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,9 +137,9 @@ class MoEConfig(Section):
     impl: Literal["sparse", "dense"] = Field(
         "sparse", description="sparse: dropless sort-and-group grouped matmuls; dense: every expert on every token (reference)."
     )
-    expert_parallel: Literal["ring", "all_to_all"] = Field(
-        "ring", description="How tokens reach experts sharded over the expert axis."
-    )
+    expert_parallel: Literal["ring"] = Field(
+        "ring", description="How tokens reach experts sharded over the expert axis: ring (all-gather the tokens over "
+        "the expert axes, run the local experts, reduce-scatter the outputs), the one scheme built.")
     capacity_factor: float = Field(
         0.0, ge=0, description="Per-expert buffer as a multiple of the even share (0 = dropless); overflow is dropped and counted."
     )

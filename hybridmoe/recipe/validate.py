@@ -247,9 +247,6 @@ def _moe_fused_levers(cfg: Config) -> list[Problem]:
             out.append((f"moe.{key}", "; ".join(unmet)))
     if moe.impl == "dense" and moe.capacity_factor > 0:
         out.append(("moe.capacity_factor", "the dense reference path has no expert buffers; use moe.impl=sparse"))
-    if moe.expert_parallel == "all_to_all":
-        out.append(("moe.expert_parallel", "all_to_all is not built; use ring (all-gather tokens over the expert "
-                    "axes, local experts, reduce-scatter)"))
     return out
 
 
@@ -508,6 +505,10 @@ def rl_sequence_problems(cfg: Config) -> list[Problem]:
 def check_rl_requirements(cfg: Config) -> None:
     """What only the rl command needs of a config that passed check_requirements; one ConfigError."""
     problems = rl_sequence_problems(cfg)
+    if cfg.moe.capacity_factor > 0:
+        # The rollout and the policy update would drop different tokens, and the update does not
+        # report its drops: refused rather than trained on a silently different model.
+        problems.append(("moe.capacity_factor", "the RL trainer runs dropless MoE only; set it to 0"))
     if problems:
         raise ConfigError(problems)
 

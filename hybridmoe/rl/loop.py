@@ -26,7 +26,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from hybridmoe.config.schema import Config
-from hybridmoe.config.errors import ConfigError
 from hybridmoe.recipe.validate import check_rl_requirements
 from hybridmoe.model.params import abstract_params
 from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
@@ -271,10 +270,6 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
     """
     out = Path(out) if out is not None else None
     check_paths(out, resume=resume, overwrite=overwrite, export_hf=export_hf, init_hf=init_hf)
-    if cfg.moe.capacity_factor > 0:
-        # The rollout and the policy update would drop different tokens, and the update does not
-        # report its drops: refuse rather than train on a silently different model.
-        raise ConfigError([("moe.capacity_factor", "the RL trainer runs dropless MoE only; set it to 0")])
     if init_hf is not None:
         cfg = config_with_hf_model(cfg, init_hf)
     check_rl_requirements(cfg)  # after the model section is final, before anything is built

@@ -26,13 +26,11 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "layer_pattern", "num_hea
 def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
     """The recipe's config with the model fields of an HF checkpoint's config.json; a RunError naming
     every shape field where the recipe disagrees (and the overrides that would match)."""
-    import json
-
-    from hybridmoe.hf import model_fields_from_hf_config
-    config_path = Path(hf_dir) / "config.json"
-    if not config_path.is_file():
-        raise RunError(f"--init-hf: no config.json in {hf_dir}")
-    fields = model_fields_from_hf_config(json.loads(config_path.read_text()))
+    from hybridmoe.hf import CheckpointError, model_fields_from_hf_config, read_hf_config
+    try:
+        fields = model_fields_from_hf_config(read_hf_config(str(hf_dir)))
+    except CheckpointError as e:
+        raise RunError(f"--init-hf: {e}") from None
     current = cfg.model.model_dump()
     wrong = [(k, current[k], fields[k]) for k in SHAPE_FIELDS
              if k in fields and tuple(np.atleast_1d(current[k])) != tuple(np.atleast_1d(fields[k]))]
