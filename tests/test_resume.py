@@ -6,7 +6,8 @@ import pytest
 
 from helpers import tiny_config
 from hybridmoe.run.checkpoint import finished_steps
-from hybridmoe.train.loop import RunError, train
+from hybridmoe.run.run_dir import RunError
+from hybridmoe.train.loop import train
 from hybridmoe.run.metrics import read_metrics
 from run_checks import assert_tensorboard_matches_jsonl, comparable
 

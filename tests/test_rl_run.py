@@ -14,7 +14,7 @@ from hybridmoe.model.params import abstract_params
 from hybridmoe.rl.loop import run_rl
 from hybridmoe.data.arithmetic import ArithmeticTask, Example
 from hybridmoe.run.checkpoint import Checkpoints
-from hybridmoe.train.loop import RunError
+from hybridmoe.run.run_dir import RunError
 from hybridmoe.run.metrics import read_metrics
 from hybridmoe.run.setup import build
 

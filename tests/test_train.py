@@ -8,7 +8,8 @@ import pytest
 
 from helpers import assert_rel_l2, tiny_config, tiny_params
 from hybridmoe.data.synthetic import synthetic_batch
-from hybridmoe.train.loop import RunError, train
+from hybridmoe.run.run_dir import RunError
+from hybridmoe.train.loop import train
 from hybridmoe.run.step import accumulate_grads, nll_sum
 
 

@@ -23,12 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-from tqdm import tqdm
 
 from hybridmoe.config.schema import Config
 from hybridmoe.recipe.validate import check_rl_requirements
 from hybridmoe.model.params import abstract_params
-from hybridmoe.parallel.host import fetch_global, is_lead_host, put_global
+from hybridmoe.parallel.host import fetch_global, put_global
 from hybridmoe.rl.advantages import advantage_stats, group_advantages
 from hybridmoe.rl.grpo import jit_grpo_step, jit_old_logprobs, policy_updates, rl_optimizer, update_batch_shardings, update_rows
 from hybridmoe.rl.reward_loading import load_rewards
@@ -38,11 +37,11 @@ from hybridmoe.data.arithmetic import PROMPT_STREAM, Task, solved_batch, task_fr
 from hybridmoe.data.prompts import PromptSetTask
 from hybridmoe.data.sources import config_tokenizer
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
-from hybridmoe.run.guard import NonFiniteGuard
-from hybridmoe.run.hf_io import config_with_hf_model, export_hf_checkpoint, params_from_hf, read_hf_weights
-from hybridmoe.run.metrics import MetricsWriter, plot_metrics
-from hybridmoe.run.run_dir import RunError, check_paths, config_record, open_checkpoints
-from hybridmoe.run.setup import build, init_state, jit_train_step
+from hybridmoe.run.hf_io import params_from_hf
+from hybridmoe.run.metrics import plot_metrics
+from hybridmoe.run.run_dir import RunError
+from hybridmoe.run.session import open_session, start_config
+from hybridmoe.run.setup import init_state, jit_train_step
 
 log = logging.getLogger(__name__)
 
@@ -269,10 +268,67 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
     for custom tasks and rewards; a resumed run must pass the same ones).
     """
     out = Path(out) if out is not None else None
-    check_paths(out, resume=resume, overwrite=overwrite, export_hf=export_hf, init_hf=init_hf)
-    if init_hf is not None:
-        cfg = config_with_hf_model(cfg, init_hf)
+    cfg = start_config(cfg, out, resume=resume, overwrite=overwrite, init_hf=init_hf, export_hf=export_hf)
     check_rl_requirements(cfg)  # after the model section is final, before anything is built
+    tokenizer, task, reward_fns = _task_and_rewards(cfg, init_hf, task, reward_fns)
+    r, with_reference = cfg.rl, cfg.rl.beta > 0
+
+    def abstract(setup):
+        ref = {"ref_params": abstract_params(setup.specs, setup.param_shardings)} if with_reference else {}
+        return {"train": setup.abstract_state(), **ref}
+
+    def fresh(setup, hf_tree):
+        state = init_state(setup, jax.random.key(cfg.train.seed))
+        if hf_tree is not None:
+            state = {**state, "params": params_from_hf(setup, init_hf, hf_tree)}
+        # The reference is set when GRPO starts; until then a copy stands in (not the policy's own
+        # buffers: the warm-up step donates those, and a checkpoint of the warm-up saves this one).
+        ref = {"ref_params": jax.tree.map(jnp.copy, state["params"])} if with_reference else {}
+        return {"train": state, **ref}
+
+    def check_saved(saved: dict) -> None:
+        if (saved.get("config", {}).get("rl", {}).get("beta", 0) > 0) != with_reference:
+            raise RunError("--resume: rl.beta switches the reference policy on or off; keep the run's rl.beta")
+
+    session = open_session(cfg, out, resume=resume, overwrite=overwrite, init_hf=init_hf, abstract_tree=abstract,
+                           fresh_tree=fresh, check_saved=check_saved)
+    saved = session.saved_meta
+    key = (jax.random.wrap_key_data(jnp.asarray(saved["rng_key"], jnp.uint32)) if saved
+           else jax.random.key(cfg.train.seed + 1))
+    run = _build_run(cfg, session.setup, task, tokenizer, reward_fns, with_reference)
+
+    def step(tree, i: int):
+        nonlocal key
+        state, ref_params = tree["train"], tree.get("ref_params")
+        if i < r.warmup_steps:
+            state, rec = _warmup_step(run, state, i)
+            shown = {"phase": "warm-up", "loss": f"{rec['warmup_loss']:.3f}"}
+        else:
+            if i == r.warmup_steps:
+                state = run.rl_init(state)
+                if with_reference:  # the reference is the policy GRPO starts from, frozen
+                    ref_params = jax.tree.map(jnp.copy, state["params"])
+            key, sample_key = jax.random.split(key)
+            state, rec = _grpo_step(run, state, ref_params, i, sample_key)
+            shown = {"reward": f"{rec['reward_mean']:.3f}", "kept": f"{rec['kept_frac']:.2f}"}
+        return {"train": state, **({"ref_params": ref_params} if with_reference else {})}, rec, shown
+
+    def step_meta(done: int) -> dict:
+        return {"step": done, "phase": WARMUP if done < r.warmup_steps else GRPO, "data_position": done,
+                "rng_key": _key_record(key)}
+
+    def plot(writer, done=None):
+        if done is None or done % PLOT_EVERY == 0:
+            plot_metrics(writer.jsonl_path, out / "metrics.png", PLOT_KEYS)
+
+    history = session.run(step, run.total_steps, checkpoint_every=r.checkpoint_every, step_meta=step_meta,
+                          progress=progress, desc="rl", on_write=plot, on_close=plot)
+    session.export(export_hf, session.tree["train"]["params"])
+    return history
+
+
+def _task_and_rewards(cfg: Config, init_hf: Path | None, task: Task | None, reward_fns):
+    """(tokenizer, task, [(reward function, weight)]): the task of cfg.rl and its rewards unless given."""
     tokenizer = (config_tokenizer(cfg) if cfg.data.tokenizer else
                  load_tokenizer(init_hf if init_hf is not None and (Path(init_hf) / "tokenizer.json").is_file() else None))
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -281,46 +337,15 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
         task = PromptSetTask.from_config(cfg, tokenizer) if cfg.rl.task == "prompts" else task_from_config(cfg)
     if reward_fns is None:
         reward_fns = load_rewards(cfg.rl.reward, cfg.rl.reward_weights) if cfg.rl.reward else [(task.reward, 1.0)]
-    reward_fns = list(reward_fns)
+    return tokenizer, task, list(reward_fns)
+
+
+def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns, with_reference: bool) -> _Run:
+    """The compiled step functions of the warm-up, the sampler and the GRPO update."""
     r = cfg.rl
-
-    setup = build(cfg)
-    hf_tree = read_hf_weights(init_hf, out, resume)  # a corrupt file fails here, before anything is written
-    ckpt = open_checkpoints(out, resume=resume, overwrite=overwrite)
-    latest = ckpt.latest_step() if ckpt else None
-    with_reference = r.beta > 0
-    abstract = {"train": setup.abstract_state()}
-    if with_reference:
-        abstract["ref_params"] = abstract_params(setup.specs, setup.param_shardings)
-    meta = {"config": config_record(cfg), "init_hf": str(init_hf) if init_hf else None}
-    try:
-        if latest is not None:  # a resume (a fresh start refuses a folder with a finished checkpoint)
-            saved = ckpt.restore_meta(latest)
-            if saved.get("config", {}).get("model") != meta["config"]["model"]:
-                raise RunError(f"--resume: the checkpoint in {out} holds a model of another shape or kind than the "
-                               "config asks for; resume with the same recipe, model.* overrides and --init-hf")
-            if (saved.get("config", {}).get("rl", {}).get("beta", 0) > 0) != with_reference:
-                raise RunError("--resume: rl.beta switches the reference policy on or off; keep the run's rl.beta")
-            try:
-                restored, _ = ckpt.restore(latest, abstract)
-            except (ValueError, KeyError, TypeError) as e:
-                raise RunError(f"--resume: the checkpoint at step {latest} in {out} does not fit the model: {e}") from None
-            state, ref_params = restored["train"], restored.get("ref_params")
-            key = jax.random.wrap_key_data(jnp.asarray(saved["rng_key"], jnp.uint32))
-            start = int(saved["step"])
-        else:
-            state = init_state(setup, jax.random.key(cfg.train.seed))
-            if init_hf is not None:
-                state = {**state, "params": params_from_hf(setup, init_hf, hf_tree)}
-            ref_params, key, start = (state["params"] if with_reference else None), jax.random.key(cfg.train.seed + 1), 0
-    except BaseException:
-        if ckpt is not None:
-            ckpt.close()
-        raise
-
     rl_opt = rl_optimizer(cfg)
     replicated = NamedSharding(setup.mesh, PartitionSpec())
-    run = _Run(
+    return _Run(
         cfg, task, tokenizer, reward_fns, setup, jit_train_step(setup) if r.warmup_steps else None,
         jit_grpo_step(setup, rl_opt, with_reference) if r.steps else None,
         make_generate(cfg, SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id,
@@ -330,67 +355,3 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
         jax.jit(lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
                 in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings),
         jit_old_logprobs(setup) if r.steps and r.updates_per_rollout > 1 else None)
-    writer = (MetricsWriter(out, resume_from_step=start)
-              if out is not None and is_lead_host() else None)
-    history, last_saved, done = [], start, start
-    guard = NonFiniteGuard(cfg.train)
-
-    def save(step_done: int):
-        meta_now = {**meta, "step": step_done, "phase": WARMUP if step_done < r.warmup_steps else GRPO,
-                    "data_position": step_done, "rng_key": _key_record(key)}
-        tree = {"train": state, **({"ref_params": ref_params} if with_reference else {})}
-        ckpt.save(step_done, tree, meta_now)
-
-    bar = tqdm(range(start, run.total_steps), initial=start, total=run.total_steps, disable=not progress or not is_lead_host(),
-               desc="rl")
-    try:
-        with setup.context():
-            for step in bar:
-                if step < r.warmup_steps:
-                    state, rec = _warmup_step(run, state, step)
-                    bar.set_postfix(phase="warm-up", loss=f"{rec['warmup_loss']:.3f}")
-                else:
-                    if step == r.warmup_steps:
-                        state = run.rl_init(state)
-                        if with_reference:  # the reference is the policy GRPO starts from, frozen
-                            ref_params = jax.tree.map(jnp.copy, state["params"])
-                    key, sample_key = jax.random.split(key)
-                    state, rec = _grpo_step(run, state, ref_params, step, sample_key)
-                    bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", kept=f"{rec['kept_frac']:.2f}")
-                done = step + 1
-                nonfinite = bool(rec["update_skipped"])
-                history.append({"step": step, **rec})
-                stop = guard.observe(step, nonfinite)
-                if writer is not None:
-                    writer.write(step, rec)
-                    if done % PLOT_EVERY == 0:
-                        plot_metrics(writer.jsonl_path, out / "metrics.png", PLOT_KEYS)
-                if stop is not None:
-                    raise stop  # the handler below checkpoints the last good state
-                if ckpt is not None and r.checkpoint_every and done % r.checkpoint_every == 0:
-                    save(done)
-                    last_saved = done
-            if ckpt is not None and done > last_saved:
-                save(done)
-                last_saved = done
-    except (Exception, KeyboardInterrupt):
-        # Keep what is done: the last completed step's state is intact (the failure came between
-        # steps or inside one whose donated input is then gone: that save fails and is logged).
-        if ckpt is not None and done > last_saved:
-            try:
-                save(done)
-                log.warning("run stopped by an error in step %d; checkpointed the state after step %d (checkpoint "
-                            "%d) in %s", done, done - 1, done, out)
-            except Exception as e:  # noqa: BLE001 -- the original error is the one to report
-                log.warning("could not checkpoint step %d after the error: %s", done, e)
-        raise
-    finally:
-        bar.close()
-        if ckpt is not None:
-            ckpt.close()
-        if writer is not None:
-            writer.close()
-            plot_metrics(writer.jsonl_path, out / "metrics.png", PLOT_KEYS)
-    if export_hf is not None:
-        export_hf_checkpoint(export_hf, cfg, state["params"], source_dir=init_hf)
-    return history
