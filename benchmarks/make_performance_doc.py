@@ -265,6 +265,28 @@ devices whose attention time is the critical path.
 """
 
 
+def attention_cpu_backend() -> str:
+    name = "attention_cpu_backend.json"
+    rec = load(name)
+    sh = rec["shape"]
+    rows = [[f"`{arm}`", f"{1e3 * t:.1f}", f"{rec['ratio_to_blocked'][arm]:.3f}",
+             f"{rec['max_rel_error_vs_masked'][arm]:.1e}"] for arm, t in rec["median_seconds"].items()]
+    return f"""## Attention cores on CPU
+
+`benchmarks/attention_cpu_backend.py`: forward + backward of one attention core at the `small`
+recipe's shape ({sh['batch']} rows x {sh['tokens']} tokens of packed documents, {sh['query_heads']} query heads over
+{sh['kv_heads']} kv heads of dim {sh['head_dim']}, {sh['dtype']}): `masked` the full masked core, `blocked` the masked core
+over query blocks, `xla-bN` flash attention in XLA ops with blocks of N queries x N keys (what
+`kernels.attention.backend=auto` runs on CPU). One device; every arm compiled first, then
+{rec['rounds']} rounds of {rec['reps']} calls per arm, the arms taking turns; median ms per call, its ratio to
+`blocked`, and the largest relative difference from `masked`:
+
+{table(["arm", "median ms", "over blocked", "max rel diff from masked"], rows)}
+
+{source(rec, name, "python -m benchmarks.attention_cpu_backend")}
+"""
+
+
 def gdn_core() -> str:
     name = "gdn_core.json"
     rec = load(name)
@@ -694,7 +716,7 @@ These records are kept but their figures are not shown until they are remeasured
 """
 
 
-SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, gdn_core, gdn_cp,
+SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, attention_cpu_backend, gdn_core, gdn_cp,
             gdn_pallas_tpu, seed_cell, hf_reload, hf_exports, post_train_eval, robustness, pending]
 
 HEADER = """# Performance and measurements
