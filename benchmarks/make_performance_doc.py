@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "benchmarks" / "records"
 DOC = ROOT / "docs" / "performance.md"
 MiB, GiB = 2**20, 2**30
+# The commands name the PyTorch reference's interpreter by the venv benchmarks/reference/setup.sh makes.
+REFERENCE_PYTHON = "REFERENCE_VENV/bin/python"
 
 # record file -> why its figures are not shown until it is regenerated.
 PENDING = {
@@ -262,15 +265,38 @@ devices whose attention time is the critical path.
 """
 
 
+def attention_cpu_backend() -> str:
+    name = "attention_cpu_backend.json"
+    rec = load(name)
+    sh = rec["shape"]
+    rows = [[f"`{arm}`", f"{1e3 * t:.1f}", f"{rec['ratio_to_blocked'][arm]:.3f}",
+             f"{rec['max_rel_error_vs_masked'][arm]:.1e}"] for arm, t in rec["median_seconds"].items()]
+    return f"""## Attention cores on CPU
+
+`benchmarks/attention_cpu_backend.py`: forward + backward of one attention core at the `small`
+recipe's shape ({sh['batch']} rows x {sh['tokens']} tokens of packed documents, {sh['query_heads']} query heads over
+{sh['kv_heads']} kv heads of dim {sh['head_dim']}, {sh['dtype']}): `masked` the full masked core, `blocked` the masked core
+over query blocks, `xla-bN` flash attention in XLA ops with blocks of N queries x N keys (what
+`kernels.attention.backend=auto` runs on CPU). One device; every arm compiled first, then
+{rec['rounds']} rounds of {rec['reps']} calls per arm, the arms taking turns; median ms per call, its ratio to
+`blocked`, and the largest relative difference from `masked`:
+
+{table(["arm", "median ms", "over blocked", "max rel diff from masked"], rows)}
+
+{source(rec, name, "python -m benchmarks.attention_cpu_backend")}
+"""
+
+
 def gdn_core() -> str:
     name = "gdn_core.json"
     rec = load(name)
     rows = [[f"`{r['arm']}`", r["what"], r["code"], r["backend"], r["chunk_size"], f(r.get("time_ratio_to_baseline")),
              f(r.get("cpu_time_ratio_to_baseline")), f(r.get("gflops"), 2),
              mib(r["core_residual_bytes"]) if r.get("core_residual_bytes") else "-"] for r in rec["rows"]]
+    method = textwrap.fill(f"The `small` shape; {rec['method']}.", 100)
     return f"""## Gated DeltaNet core and layer (CPU)
 
-The `small` shape; {rec['method']}. The baselines are `{rec['baselines']['layer']}` and
+{method} The baselines are `{rec['baselines']['layer']}` and
 `{rec['baselines']['core']}` (commit {rec['before_commit']}). The Pallas cores ran interpreted on CPU,
 which is no speed measurement: their time on GPU/TPU is not measured yet.
 
@@ -406,6 +432,32 @@ A checkpoint exported by `hybridmoe train --export-hf` after fine-tuning, reload
 """
 
 
+def hf_exports() -> str:
+    name = "hf_exports.json"
+    rec = load(name)
+    v, tol = rec["versions"], rec["tolerance"]
+    rows = [[layout, f"`{r['source_architecture']}`", f"`{r['loaded_as']}`", f"{r['max_abs_diff']:.2e}",
+             f"{r['mean_abs_diff']:.2e}", f"{r['mean_logprob']:.2f}",
+             f"{r['max_abs_diff'] / abs(r['mean_logprob']):.1e}", "yes" if r["passed"] else "no"]
+            for layout, r in rec["layouts"].items()]
+    return f"""## Hugging Face exports of each layout
+
+`scripts/check_hf_exports.sh` trains and exports a text-only checkpoint, one in the published
+multimodal layout and one with tied embeddings, reloads each in transformers {v['transformers']} (torch
+{v['torch']}) as its source's class and scores the fixture's token ids {rec['tokens_shape']} there and with
+`hybridmoe score`. Absolute log-prob differences against the tolerance {tol}; the relative column
+divides the largest difference by the size of the mean log-prob:
+
+{table(["layout", "source class", "loaded as", "max abs diff", "mean abs diff", "mean log-prob",
+        "max abs diff / abs mean log-prob", f"within {tol}"], rows)}
+
+The tied fixture's log-probs lie much further from zero than the others', so a difference of about
+the same relative size as theirs (the last but one column) crosses the absolute tolerance.
+
+{source(rec, name, "scripts/check_hf_exports.sh")}
+"""
+
+
 def post_train_eval() -> str:
     name = "post_train_eval.json"
     rec = load(name)
@@ -507,10 +559,11 @@ Median (quartiles) over the rounds:
 
 Ours over the reference, per round: CPU time **{_spread(ratio['cpu_time_ratio'], digits=2)}**,
 wall time {_spread(ratio['time_ratio'], digits=2)} (min {ratio['cpu_time_ratio']['min']:.2f}, max
-{ratio['cpu_time_ratio']['max']:.2f} CPU). Against the goal of issue 22 the default step is
+{ratio['cpu_time_ratio']['max']:.2f} CPU). Against the goal of the reference's time per step the default step is
 {verdict}; the second goal (half the reference's time) is {second}.{pairs}
 
-{source(rec, name, "python benchmarks/train_step.py --hf-python /work/refvenv/bin/python --cores 0 --rounds 15 --arm before@49daae6")}
+{source(rec, name, f"python benchmarks/train_step.py --hf-python {REFERENCE_PYTHON} --cores 0 --rounds 15 "
+        "--arm before@49daae6")}
 """
 
 
@@ -562,9 +615,9 @@ copies their state. Median (quartiles) over the rounds:
         "decode tok/s (wall)", "over the reference (wall)", "over the reference (CPU)"],
        [row(side) for side in sides])}
 
-Against issue 22's goal (rollout tokens/s at least 2x the reference's) this is {verdict}.{shared}
+Against the goal of rollout tokens/s at least 2x the reference's this is {verdict}.{shared}
 
-{source(rec, name, "python benchmarks/rollout.py --hf-python /work/refvenv/bin/python --arms ours,ours-unshared "
+{source(rec, name, f"python benchmarks/rollout.py --hf-python {REFERENCE_PYTHON} --arms ours,ours-unshared "
         f"--rounds {meth['rounds']} --prompt-len {P} --new-tokens {N}")}
 """
 
@@ -601,7 +654,7 @@ undone.
 {table(["component (instances per step)", "ours CPU ms", "reference CPU ms", "CPU-time ratio", "wall ratio",
         "ours GFLOP per CPU s"], rows)}
 
-{source(rec, name, "python benchmarks/step_anatomy.py --hf-python /work/refvenv/bin/python --cores 1 --rounds 5")}
+{source(rec, name, f"python benchmarks/step_anatomy.py --hf-python {REFERENCE_PYTHON} --cores 1 --rounds 5")}
 """
 
 
@@ -663,8 +716,8 @@ These records are kept but their figures are not shown until they are remeasured
 """
 
 
-SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, gdn_core, gdn_cp,
-            gdn_pallas_tpu, seed_cell, hf_reload, post_train_eval, robustness, pending]
+SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, attention_cpu_backend, gdn_core, gdn_cp,
+            gdn_pallas_tpu, seed_cell, hf_reload, hf_exports, post_train_eval, robustness, pending]
 
 HEADER = """# Performance and measurements
 
@@ -673,7 +726,8 @@ Generated by `python benchmarks/make_performance_doc.py` from the records under
 script's output). Each section names its record, the command that regenerates it, and the
 record's date, commit, machine and versions. Times are ratios of arms measured interleaved in one
 run; program facts (collectives, bytes, memory) are read from the compiled program. Which key each
-figure belongs to: `docs/levers.md`.
+figure belongs to: `docs/levers.md`. `REFERENCE_VENV` in a command is the PyTorch reference's
+venv, made by `benchmarks/reference/setup.sh`.
 """
 
 

@@ -7,7 +7,7 @@ compared with `hybridmoe score --hf DIR` on the same ids. It writes a JSON recor
 the largest difference is above the tolerance.
 
 Needs torch and transformers, which are never dependencies of the package; run it with a separate
-venv (README, "The CPU training step against the PyTorch reference", says how to make one):
+venv (`benchmarks/reference/README.md` says how to make one):
 
     hybridmoe score --hf DIR --tokens T.npy --out ours.npy
     REFVENV/bin/python scripts/check_hf_reload.py --hf DIR --tokens T.npy --ours ours.npy \
@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 
 import numpy as np
@@ -41,6 +42,20 @@ def reference_logprobs(hf_dir: str, tokens_BT: np.ndarray) -> np.ndarray:
     return logp.gather(-1, ids[:, 1:, None])[..., 0].numpy()
 
 
+def source_commit() -> str | None:
+    """The checkout's commit, "+modified" when the package differs from it (what the record's
+    `hybridmoe score` side ran); None outside git."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=root).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "hybridmoe"], capture_output=True,
+                                 text=True, check=True, cwd=root).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+modified" if changed else "")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", required=True, help="the exported Hugging Face folder")
@@ -59,6 +74,7 @@ def main() -> int:
     record = {
         "what": "an exported checkpoint reloaded in transformers: per-token log-probs vs hybridmoe score",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": source_commit(),
         "machine": platform.processor() or platform.machine(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},

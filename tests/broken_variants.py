@@ -1,5 +1,6 @@
-"""The broken variants of the fused SwiGLU epilogues (LEVERS.md), shared by the kernel and the
-MoE-layer tests: each is (name in kernels/gmm/epilogue.py, the broken function to patch in)."""
+"""The broken variants of the fused SwiGLU epilogues (docs/levers.md, `moe.wo_fused_dswiglu`), shared
+by the kernel and the MoE-layer tests: each is (name in kernels/gmm/epilogue.py, the broken function
+to patch in)."""
 
 import jax.numpy as jnp
 

@@ -1,6 +1,6 @@
 """The GRPO objective re-derived in numpy (float64), independently of hybridmoe.rl.objective: the
 loss, its derivative with respect to every token's log-prob (written out, not autodiff), and the
-metrics. design/RL.md, step 4:
+metrics. docs/rl.md, "One GRPO step", step 4:
 
   d = clip(logp - logp_old, -20, 20),  r = exp(d)
   pg = max(-A r, -A clip(r, 1 - eps, 1 + eps_high)),  times the importance weight w (no gradient)

@@ -139,7 +139,7 @@ def test_cp_load_balance_hoist_ids_off_never_names_the_ids(arms):
 
 
 # ---------------------------------------------------------------------------------------------
-# Broken variants (LEVERS.md), each patched in and caught by check_hoist.
+# Broken variants (docs/levers.md, `attention.cp_load_balance_hoist_ids`), each patched in and caught by check_hoist.
 
 _reorder = context.reorder
 

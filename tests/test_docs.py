@@ -1,15 +1,20 @@
-"""The docs point at things that exist, and the figures page is the records' own rendering.
+"""The docs point at things that exist, stand on their own, and the figures page is the records' own rendering.
 
 docs/levers.md is how a newcomer finds a lever's code, rule, proofs and record in one step: every
-path, function, validator rule and test it names must exist. docs/performance.md is generated from
-benchmarks/records/ and must equal the generator's output, so no figure in it can go stale.
+path, function, config key, validator rule and test it names must exist. Every `*.md` that the code,
+the tests, the benchmarks, the scripts or the docs name is in the repository (a derivation the code
+cites lives in docs/), and the docs cite no tracker issue and no machine's folders.
+docs/performance.md is generated from benchmarks/records/ and must equal the generator's output, so
+no figure in it can go stale.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
+import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -53,46 +58,149 @@ def test_every_path_function_and_test_a_doc_names_exists(doc):
     assert not missing, "\n".join(missing)
 
 
-def _lever_rows():
+def _lever_sections():
+    """(heading, {field: text}) for every `### `key`` section of docs/levers.md; a field is a
+    `- Name: text` bullet with its indented continuation lines."""
+    sections, fields, field = [], None, None
     for line in (ROOT / "docs" / "levers.md").read_text().splitlines():
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-        if len(cells) == 7 and cells[0].startswith("`"):
-            yield cells
+        if line.startswith("#"):
+            fields = field = None
+            if line.startswith("### `"):
+                fields = {}
+                sections.append((line[4:], fields))
+        elif fields is not None and (m := re.match(r"- ([A-Z][a-z ]+): (.*)", line)):
+            field = m.group(1).lower()
+            fields[field] = m.group(2)
+        elif fields is not None and field and line.startswith("  "):
+            fields[field] += " " + line.strip()
+        elif not line.strip():
+            field = None
+    return sections
 
 
-def test_levers_table_rows_name_real_keys_and_rules():
+LEVER_FIELDS = ("code", "validator", "proofs", "broken variants", "measured")
+
+
+def test_every_lever_section_names_its_key_rule_code_proofs_variants_and_record():
     from hybridmoe.config.schema import Config
     from hybridmoe.recipe.validate import RULES
 
     rules = {fn.__name__: fn.keys for fn in RULES}
-    rows = list(_lever_rows())
-    assert len(rows) >= 25
+    sections = _lever_sections()
+    assert len(sections) >= 25
     problems = []
-    for key_cell, _what, code, rule_cell, proofs, _record, _measured in rows:
-        keys = [k.split("=")[0] for k in re.findall(r"`([a-z0-9_.=]+)", key_cell + " " + rule_cell)
+    for heading, fields in sections:
+        missing = [f for f in LEVER_FIELDS if not fields.get(f)]
+        if missing:
+            problems.append(f"{heading}: no {', '.join(missing)} (write `- Name: text` bullets)")
+            continue
+        validator = fields["validator"]
+        keys = [k.split("=")[0] for k in re.findall(r"`([a-z0-9_.=]+)`", heading + " " + validator)
                 if not k.startswith("_")]
         section = keys[0].rsplit(".", 1)[0]
         for key in keys:
             full = key if "." in key else f"{section}.{key}"  # `kernels.gmm.tiling`, `tm`, ...
             node = Config
             for part in full.split("."):
-                fields = getattr(node, "model_fields", {})
-                if part not in fields:
-                    problems.append(f"{key_cell}: {full} is not a config key")
+                fields_of = getattr(node, "model_fields", {})
+                if part not in fields_of:
+                    problems.append(f"{heading}: {full} is not a config key")
                     break
-                node = fields[part].annotation
-        for rule in re.findall(r"`(_[A-Za-z0-9_]+)`", rule_cell):
+                node = fields_of[part].annotation
+        named_rules = re.findall(r"`(_[A-Za-z0-9_]+)`", validator)
+        for rule in named_rules:
             if rule not in rules:
-                problems.append(f"{key_cell}: no validator rule {rule}")
+                problems.append(f"{heading}: no validator rule {rule}")
             elif not any(k in rules[rule] or k.split(".")[0] in rules[rule] for k in keys):
-                problems.append(f"{key_cell}: rule {rule} does not declare it (declares {rules[rule]})")
-        if not rule_cell.startswith("-") and not re.search(r"`_[A-Za-z0-9_]+`", rule_cell):
-            problems.append(f"{key_cell}: no validator rule named (write - and why when it has none)")
-        if "hybridmoe/" not in code:
-            problems.append(f"{key_cell}: no code path")
-        if "::test_" not in proofs:
-            problems.append(f"{key_cell}: no proof test")
+                problems.append(f"{heading}: rule {rule} does not declare it (declares {rules[rule]})")
+        if not named_rules and not validator.startswith("none"):
+            problems.append(f"{heading}: no validator rule named (write `none` and why when it has none)")
+        if "hybridmoe/" not in fields["code"]:
+            problems.append(f"{heading}: no code path")
+        if "::test_" not in fields["proofs"]:
+            problems.append(f"{heading}: no proof test")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_no_line_of_a_doc_is_a_wall(doc):
+    """A doc is read in an editor and in a diff: a line over LONGEST_LINE characters is a table row or
+    a paragraph that wants wrapping (generated tables included)."""
+    long = [f"{doc}:{n}: {len(line)} characters" for n, line in
+            enumerate((ROOT / doc).read_text().splitlines(), 1) if len(line) > LONGEST_LINE]
+    assert not long, "\n".join(long)
+
+
+LONGEST_LINE = 600
+
+
+# Where a reader may meet the name of a markdown file: the code, the tests, the benchmarks and
+# scripts, the docs and the README.
+CITING = ("hybridmoe", "tests", "benchmarks", "scripts")
+MD_NAME = re.compile(r"(?<![\w./+-])((?:\.\./|\./)?[A-Za-z0-9_][A-Za-z0-9_./+-]*\.md)\b")
+
+
+@cache
+def _repository_files() -> tuple[str, ...]:
+    """The repository's files relative to its root: git's list where there is a checkout, else the
+    files on disk outside hidden folders, virtual environments and run outputs."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+        return tuple(sorted(set(out.splitlines())))
+    except (OSError, subprocess.CalledProcessError):
+        skip = {"runs", "__pycache__", "node_modules"}
+        return tuple(sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
+                            and not any(part.startswith(".") or part in skip for part in p.relative_to(ROOT).parts)))
+
+
+def _citing_files() -> list[str]:
+    return [f for f in _repository_files()
+            if (f.split("/")[0] in CITING and f.endswith((".py", ".md", ".sh", ".yml", ".yaml", ".toml", ".txt")))
+            or (f.startswith("docs/") and f.endswith(".md")) or f == "README.md"]
+
+
+def missing_markdown(files) -> list[str]:
+    """Every `*.md` named in `files` that is not in the repository: a name with a folder is resolved
+    from the repository root (or, for ./ and ../, from the citing file's folder); a bare name must be
+    the name of some file of the repository."""
+    repo = set(_repository_files())
+    names = {Path(f).name for f in repo}
+    missing = []
+    for f in files:
+        for n, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1):
+            for m in MD_NAME.finditer(line):
+                name = m.group(1)
+                if "://" in line[line.rfind(" ", 0, m.start()) + 1:m.end()]:
+                    continue  # part of a URL
+                if name.startswith(("./", "../")):
+                    found = os.path.normpath(os.path.join(os.path.dirname(f), name)) in repo
+                elif "/" in name:
+                    found = name in repo
+                else:
+                    found = name in names
+                if not found:
+                    missing.append(f"{f}:{n}: {name} is not in the repository")
+    return missing
+
+
+def test_every_markdown_file_named_in_code_tests_and_docs_exists():
+    files = _citing_files()
+    assert "README.md" in files and "hybridmoe/model/gdn.py" in files
+    missing = missing_markdown(files)
+    assert not missing, "\n".join(missing)
+
+
+ISSUE_NUMBER = re.compile(r"\b[Ii]ssues?\s+#?\d+|(?<![\w&/])#\d+\b")
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home|Users)/")
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_no_issue_numbers_or_machine_paths_in_docs(doc):
+    """The docs stand on their own: they cite no tracker issue and no folder of one machine."""
+    found = [f"{doc}:{n}: {line.strip()[:120]}" for n, line in enumerate((ROOT / doc).read_text().splitlines(), 1)
+             if ISSUE_NUMBER.search(line) or MACHINE_PATH.search(line)]
+    assert not found, "\n".join(found)
 
 
 def test_performance_page_equals_the_records_rendering():

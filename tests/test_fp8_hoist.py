@@ -1,4 +1,4 @@
-"""quant.fp8_moe_fake_quant and quant.fp8_fake_quant_hoist (LEVERS.md, "fp8"): validators,
+"""quant.fp8_moe_fake_quant and quant.fp8_fake_quant_hoist (docs/levers.md, "fp8 experts"): validators,
 exactness on the 8-device mesh, program proofs, and the six broken variants.
 
 The model is the tiny recipe shrunk to two attention layers (a layer scan of two iterations, so
@@ -286,7 +286,7 @@ def test_program_gathers_one_byte_codes_at_half_the_bytes():
 
 
 # ---------------------------------------------------------------------------------------------
-# Broken variants (LEVERS.md): each patched into the production functions, each caught.
+# Broken variants (docs/levers.md, "fp8 experts"): each patched into the production functions, each caught.
 
 
 def _unrounded_scale(amax, dtype=fp8.E4M3):

@@ -1,4 +1,4 @@
-"""Sequence-sharded GDN (GDN.md section 3) and its scan keys gdn.cp_m_scan / gdn.cp_dh_scan.
+"""Sequence-sharded GDN (docs/gdn.md section 3) and its scan keys gdn.cp_m_scan / gdn.cp_dh_scan.
 
 - The GDN layer with the sequence split over 2, 4 and 8 context ranks equals the single-device
   layer (forward and every gradient), on rows that are one document and rows packed with
@@ -110,7 +110,7 @@ def test_sequence_sharded_layer_equals_one_device(case, layer_case, single_devic
     errors = {"loss": _rel_max(value, value_1)}
     for (path, g), g_1 in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads_1)):
         errors[jax.tree_util.keystr(path)] = _rel_max(g, g_1)
-    # GDN.md section 5: context-parallel vs not, 3e-3 in the field; float32 here lands near 1e-6.
+    # docs/gdn.md section 5: context-parallel vs not, 3e-3 in the field; float32 here lands near 1e-6.
     assert max(errors.values()) < 1e-4, errors
 
 
@@ -257,9 +257,9 @@ def test_remat_names_keep_the_prefix_out_of_the_replay(layer_case, saved, replay
 
 
 # ---------------------------------------------------------------------------------------------
-# Long sequences in bfloat16: the state chain across ranks stays float32 (GDN.md: "keep every
-# cross-chunk and cross-rank product in float32"; a bfloat16 chain is the drift another project
-# found inflating its RL trainer/sampler KL). Measured: benchmarks/bf16_gaps.py.
+# Long sequences in bfloat16: the state chain across ranks stays float32 (docs/gdn.md section 3:
+# every cross-chunk and cross-rank product stays in float32; a bfloat16 chain is the drift another
+# project found inflating its RL trainer/sampler KL). Measured: benchmarks/bf16_gaps.py.
 
 
 def chain_collectives(layer_case) -> list:

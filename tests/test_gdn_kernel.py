@@ -14,7 +14,7 @@ from hybridmoe.kernels.gdn import BACKENDS, gated_delta_rule, gated_delta_step
 from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
 from hybridmoe.kernels.gdn.xla import unit_lower_inverse
 
-# GDN.md section 5: chunked vs recurrent in float32.
+# docs/gdn.md section 5: chunked vs recurrent in float32.
 RTOL, ATOL = 1e-4, 1e-5
 
 # At these shapes compiling is nearly all of the time, and most of that is LLVM optimising code
@@ -246,7 +246,7 @@ def _relative_rms(actual, expected):
     return float(np.sqrt(np.mean((actual - expected) ** 2) / np.mean(expected**2)))
 
 
-# GDN.md section 5: reduced-precision kernels against the float32 recurrence, relative RMS.
+# docs/gdn.md section 5: reduced-precision kernels against the float32 recurrence, relative RMS.
 BF16_TOLERANCE = {"o": 5e-3, "final state": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dg": 2e-2, "dbeta": 2e-2,
                   "dinitial_state": 8e-3}
 

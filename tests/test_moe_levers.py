@@ -1,4 +1,4 @@
-"""The four MoE grouped-matmul levers (LEVERS.md, "MoE grouped matmuls"): validators, exactness
+"""The four MoE grouped-matmul levers (docs/levers.md, "MoE: grouped matmuls, routing, experts"): validators, exactness
 through the production MoE layer and the model on the 8-device mesh, program proofs, and the
 broken variants each test must catch.
 
@@ -335,7 +335,7 @@ def test_tiny_recipe_trains_with_all_four_levers():
 
 
 # ---------------------------------------------------------------------------------------------
-# Broken variants (LEVERS.md): each patched into the epilogue module, each caught.
+# Broken variants (docs/levers.md, `moe.wo_fused_dswiglu`): each patched into the epilogue module, each caught.
 
 
 @pytest.fixture(params=list(BROKEN))

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet layer of Qwen3.5 around the delta-rule core (GDN.md section 4).
+"""The Gated DeltaNet layer of Qwen3.5 around the delta-rule core (docs/gdn.md section 4).
 
 Shape legend: B batch, T tokens, D model, K key heads, U value heads, k key dim, v value dim,
 W conv width. Packed documents: the conv never reads across a document boundary and the core
@@ -154,7 +154,7 @@ def _halo_from_previous_rank(x_BS, axis_name: str):
 
 def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chunk_size: int,
                                      cp_m_scan: bool, cp_dh_scan: bool, prefix: str, backend: str, interpret: bool):
-    """Causal convs and the core with the sequence split over the mesh's context axis (GDN.md 3).
+    """Causal convs and the core with the sequence split over the mesh's context axis (docs/gdn.md section 3).
 
     Each rank holds a [B, T / P] slice: the convs read the previous rank's last W-1 pre-conv tokens
     (the halo, masked by document like any tap); the core chains the shards' states across ranks.

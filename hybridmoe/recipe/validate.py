@@ -569,7 +569,7 @@ def _kernels_gdn_backend(cfg: Config) -> list[Problem]:
     return [("kernels.gdn.backend", "; ".join(unmet))] if unmet else []
 
 
-# fp8: fake quantization of the routed experts and its hoist (LEVERS.md, "fp8").
+# fp8: fake quantization of the routed experts and its hoist (docs/levers.md, "fp8 experts").
 
 
 def _expert_fsdp_shards(cfg: Config) -> tuple[int | None, str]:

@@ -1,4 +1,4 @@
-"""The GRPO policy update (design/RL.md, steps 3-5) on the mesh.
+"""The GRPO policy update (docs/rl.md, "One GRPO step", steps 3-5) on the mesh.
 
 Shape legend: M micro-batches, b rows per micro-batch, T tokens per row (prompt + completion),
 P prompts, G completions per prompt.

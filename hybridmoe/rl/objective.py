@@ -1,4 +1,4 @@
-"""The token-level clipped policy objective of GRPO (design/RL.md, step 4).
+"""The token-level clipped policy objective of GRPO (docs/rl.md, "One GRPO step", step 4).
 
 Per completion token t of sequence b (A_b the sequence's advantage):
   log_ratio = clip(logp - logp_old, -20, 20)        clipped before exp: one stale token must not

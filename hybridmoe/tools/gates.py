@@ -1,4 +1,4 @@
-"""The numerics gates (design/RL.md): a candidate's GRPO steps against a reference pair.
+"""The numerics gates (docs/rl.md, "the numerics gates"): a candidate's GRPO steps against a reference pair.
 
 The same `steps` GRPO updates run three times from the same initial policy on the same batches:
 the reference config twice (how far identical code lands apart) and the candidate (the reference
@@ -10,7 +10,7 @@ a pure function of (train.seed, step).
 
 Gates on step 0 (steps 1.. are reported, not gated):
   V1      kept_frac equal (every sample kept)
-  V2      loss, relative difference               <= 1e-5 (our choice; RL.md names no value)
+  V2      loss, relative difference               <= 1e-5 (our choice)
   N1      mean token log-prob, absolute difference <= 5e-5
   N1-last the same over the last micro-batch       <= 5e-5
   N2      entropy, relative difference            <= 1e-4

@@ -1,4 +1,4 @@
-"""Sequence-sharded context parallelism of the chunked core (GDN.md section 3). Runs inside shard_map.
+"""Sequence-sharded context parallelism of the chunked core (docs/gdn.md section 3). Runs inside shard_map.
 
 A rank's shard is an affine map of the state it receives: S_out = M_r S_in + S_ext_r, with M_r the
 product of its chunk transitions M_c = decay I - K_bwd^T W (later chunks on the left) and S_ext_r
@@ -118,7 +118,7 @@ def cp_dh_tree_cotangent(t: ChunkTerms, do_BNHCV):
 
 
 def cp_dh_scan_cotangent(t: ChunkTerms, do_BNHCV):
-    """dS_loc by the reverse recurrence of GDN.md section 2 as one scan (no [N, H, K, K] stack)."""
+    """dS_loc by the reverse recurrence of docs/gdn.md section 2 as one scan (no [N, H, K, K] stack)."""
     return chunk_end_cotangents(t, do_BNHCV, _zero_state(t))[1]
 
 

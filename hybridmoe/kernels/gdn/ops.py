@@ -57,7 +57,7 @@ def gated_delta_rule(
     backend: str = "xla",
     interpret: bool = False,
 ):
-    """Gated delta rule over a sequence (GDN.md sections 1-2).
+    """Gated delta rule over a sequence (docs/gdn.md sections 1-2).
 
     q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log gate, <= 0) and beta [B, T, Hv]. Value head h
     reads key head h // (Hv // Hk). normalize_qk L2-normalises q and k over dk (float32, eps 1e-6);

@@ -1,10 +1,10 @@
-"""Gated DeltaNet, chunked form (GDN.md section 2) as Pallas kernels, with the XLA core's backward contract.
+"""Gated DeltaNet, chunked form (docs/gdn.md section 2) as Pallas kernels, with the XLA core's backward contract.
 
 The forward kernel walks the chunks of each (batch, value head) in order from the initial state,
 writing each chunk's output, the state at its start (the backward's only residual besides the
 inputs) and the final state. The backward kernel walks them in reverse, replays each chunk from
 its saved start state and takes the chunk's vjp with the cotangents of its output and of its end
-state: dq, dk, dv, dbeta, dg of the chunk and the cotangent of its start state (GDN.md section 2's
+state: dq, dk, dv, dbeta, dg of the chunk and the cotangent of its start state (docs/gdn.md section 2's
 adjoint recurrence), down to dL/d(initial state). The per-chunk math is pallas_chunk.py's; the two
 drivers differ in how they walk the chunks:
   pallas_tpu (pallas_tpu.py): Mosaic TPU, grid (B, H, N) with the chunk axis sequential, the

@@ -1,4 +1,4 @@
-"""Gated DeltaNet, one chunk of one (batch, value head) for the Pallas kernels (GDN.md section 2).
+"""Gated DeltaNet, one chunk of one (batch, value head) for the Pallas kernels (docs/gdn.md section 2).
 
 `chunk_step` is the chunk's math as a plain 2D jnp function: the forward kernels call it, the
 backward kernels differentiate it (one jax.vjp per chunk gives the chunk's input cotangents and

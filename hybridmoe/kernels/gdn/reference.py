@@ -1,4 +1,4 @@
-"""Gated DeltaNet: the token-by-token recurrence (GDN.md section 1), the oracle for every faster form.
+"""Gated DeltaNet: the token-by-token recurrence (docs/gdn.md section 1), the oracle for every faster form.
 
 Also the one definition of the input semantics every backend shares: L2 normalisation of q and k,
 the dk^-1/2 query scale, value-head grouping and where packed documents start.

@@ -1,4 +1,4 @@
-"""Gated DeltaNet, chunked form (GDN.md section 2) in plain XLA ops, with its own backward.
+"""Gated DeltaNet, chunked form (docs/gdn.md section 2) in plain XLA ops, with its own backward.
 
 Within a chunk everything is batched matmuls (the WY form); only the [K, V] state crosses chunks,
 carried by a `lax.scan`. All of it runs in float32 with HIGHEST matmul precision: the state is
@@ -7,7 +7,7 @@ a long product of chunk transitions and a bf16 pass anywhere in it compounds ove
 The backward (`vjp="custom"`, the default) saves the prepared inputs, the state at every chunk
 start ([B, N, H, K, V]) and each chunk's inverse T ([B, N, H, C, D]): less than autodiff's
 per-chunk residuals of the scan and of the inverse's substitution loop. It recomputes the other
-intra-chunk terms, runs one reverse scan for the state cotangent (GDN.md section 2's adjoint
+intra-chunk terms, runs one reverse scan for the state cotangent (docs/gdn.md section 2's adjoint
 recurrence) and then takes every chunk's adjoint at once, by hand (`local_chunks_backward`), with
 the state at its start and end fixed; T's adjoint is the closed form dL = -T^T dT T^T.
 `vjp="autodiff"` differentiates the same forward by autodiff (the benchmark's comparison).
@@ -153,7 +153,7 @@ class ChunkInputs(NamedTuple):
 
 
 class ChunkTerms(NamedTuple):
-    """What the chunk-to-chunk recurrence reads, per chunk (GDN.md section 2, step 4):
+    """What the chunk-to-chunk recurrence reads, per chunk (docs/gdn.md section 2, "Outputs and the next state"):
     V_new = U - W S;  O = Q_dec S + A_qk V_new;  S_next = decay S + K_bwd^T V_new."""
 
     w: jax.Array  # [B, N, H, C, K]
@@ -266,7 +266,7 @@ def chunk_outputs(t: ChunkTerms, states_BNHKV):
 
 
 def state_cotangent_step(d_end_BHKV, do_BHCV, w_BHCK, attn_BHCD, q_decayed_BHCK, k_to_end_BHCK, decay_BH):
-    """GDN.md section 2's adjoint: dS_in = decay dS_out + Q_dec^T dO - W^T (A_qk^T dO + K_bwd dS_out)."""
+    """docs/gdn.md section 2's adjoint: dS_in = decay dS_out + Q_dec^T dO - W^T (A_qk^T dO + K_bwd dS_out)."""
     d_v_new_BHCV = (matmul_highest("bhcd,bhcv->bhdv", attn_BHCD, do_BHCV)
                     + matmul_highest("bhck,bhkv->bhcv", k_to_end_BHCK, d_end_BHKV))
     return (decay_BH[..., None, None] * d_end_BHKV + matmul_highest("bhck,bhcv->bhkv", q_decayed_BHCK, do_BHCV)
@@ -294,7 +294,7 @@ def local_chunks_backward(x: ChunkInputs, f: ChunkFactors, t: ChunkTerms, states
     the cotangent of the state at its end given (the reverse scan supplies them).
 
     The forward of one chunk, with S its start state and a, e, c the decays from the chunk's start,
-    to its end and across it (GDN.md section 2):
+    to its end and across it (docs/gdn.md section 2):
         L = strict(diag(beta) K K^T * Gamma),  T = (I + L)^-1,  W = T diag(beta a) K,  U = T diag(beta) V,
         V_new = U - W S,  O = diag(a) Q S + (Q K^T * Gamma) V_new,  S_end = c S + (diag(e) K)^T V_new.
     Its adjoint by hand, each line the transpose of one forward line, so that every intra-chunk
