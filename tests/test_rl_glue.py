@@ -140,9 +140,10 @@ def share_programs(monkeypatch):
     memo("jit_grpo_step", lambda setup, opt, with_reference: (id(setup), with_reference))
 
 
-def recorded_run(cfg, monkeypatch, broken: tuple[str, str, str] | None = None) -> list[dict]:
-    """run_rl on cfg (with one of ROW_BROKEN patched in); the rows of every update batch as the step
-    received them (after the split into micro-batches and the transfer to the mesh)."""
+def recorded_run(cfg, monkeypatch, broken: tuple[str, str, str] | None = None) -> tuple[list[dict], list[dict]]:
+    """run_rl on cfg (with one of ROW_BROKEN patched in): (the rows of every update batch as the
+    step received them, after the split into micro-batches and the transfer to the mesh; the run's
+    per-step records)."""
     real_updates, batches = rl_loop.policy_updates, []
 
     def recording_updates(cfg, rows, step, state, ref_params, step_fn, *rest):
@@ -156,18 +157,21 @@ def recorded_run(cfg, monkeypatch, broken: tuple[str, str, str] | None = None) -
     if broken is not None:  # after the recorder: a recompiled function sees the module as it is now
         name, old, new = broken
         monkeypatch.setattr(rl_loop, name, mutated(rl_loop, name, old, new))
-    rl_loop.run_rl(cfg, None, progress=False)
-    return batches
+    history = rl_loop.run_rl(cfg, None, progress=False)
+    return batches, history
 
 
-def row_errors(cfg, batches) -> dict:
+def row_errors(cfg, run) -> dict:
     """Each row's prompt read from its own tokens, its completion scored against that prompt's line
     of the prompt set, the group advantages re-derived: the largest advantage error, the rows whose
-    keep flag differs, and the groups whose rows hold more than one prompt."""
+    keep flag differs, the largest error of the logged reward_mean, and the groups whose rows hold
+    more than one prompt."""
+    batches, history = run
     by_prompt = {line["prompt"]: line for line in PROMPT_SET}
     G, P = cfg.rl.group_size, cfg.rl.max_prompt_len
-    worst, keep_wrong, mixed_groups, informative = 0.0, 0, 0, 0
-    for rows in batches:
+    worst, keep_wrong, mixed_groups, informative, reward_mean = 0.0, 0, 0, 0, 0.0
+    assert len(batches) == len(history)
+    for rows, record in zip(batches, history):
         prompts = [TOK.decode(t) for t in rows["tokens"][:, :P]]
         completions = [TOK.decode(t) for t in rows["tokens"][:, P:]]
         mixed_groups += sum(len(set(prompts[g * G:(g + 1) * G])) > 1 for g in range(len(prompts) // G))
@@ -175,9 +179,11 @@ def row_errors(cfg, batches) -> dict:
         none = np.zeros(len(rewards), bool)
         adv, keep = reference_advantages(rewards, none, none, G)
         worst = max(worst, float(np.max(np.abs(rows["advantages"] - adv))))
+        reward_mean = max(reward_mean, abs(record["reward_mean"] - rewards.mean()))
         keep_wrong += int(np.sum(rows["keep"] != keep))
         informative += int(keep.sum())
-    return {"advantage": worst, "keep": keep_wrong, "mixed_groups": mixed_groups, "kept_rows": informative}
+    return {"advantage": worst, "keep": keep_wrong, "reward_mean": reward_mean, "mixed_groups": mixed_groups,
+            "kept_rows": informative}
 
 
 # One-line bugs between the sampler's rows, the rewards and the advantages.
@@ -196,11 +202,11 @@ ROW_BROKEN = {
 
 def test_each_row_is_scored_against_its_own_prompt_and_example_and_trains_on_its_advantage(prompt_run_cfg,
                                                                                            monkeypatch):
-    batches = recorded_run(prompt_run_cfg, monkeypatch)
-    errors = row_errors(prompt_run_cfg, batches)
-    assert len(batches) == 2 and errors["mixed_groups"] == 0, errors
+    run = recorded_run(prompt_run_cfg, monkeypatch)
+    errors = row_errors(prompt_run_cfg, run)
+    assert len(run[0]) == 2 and errors["mixed_groups"] == 0, errors
     assert errors["kept_rows"] >= 8, errors  # the reward separates the rows: most groups teach something
-    assert errors["advantage"] < ROW_TOL and errors["keep"] == 0, errors
+    assert errors["advantage"] < ROW_TOL and errors["keep"] == 0 and errors["reward_mean"] < ROW_TOL, errors
 
 
 @pytest.mark.parametrize("variant", list(ROW_BROKEN))
@@ -219,7 +225,8 @@ def test_broken_rows_are_caught(variant, prompt_run_cfg, monkeypatch):
 NORM_P, NORM_G, NORM_PROMPT, NORM_N = 8, 4, 6, 6
 # Each row's completion text; the reward is its value as a number ("x": the reward raises). A text
 # of NORM_N characters has no room for EOS: truncated. Groups: 0 plain; 1 zero variance (every
-# value 1, at four lengths); 2 and 6 a reward error; 3, 5 and 7 truncated rows; 4 one valid sample.
+# value 1, at four lengths); 2 a reward error; 3, 5 and 7 truncated rows; 4 one valid sample; 6 a
+# prompt too long for rl.max_prompt_len (its rows are placeholders, never scored).
 COMPLETIONS = ("1", "0.5", "2", "0.25",
                "1", "1.0", "01", "1.00",
                "3", "x", "0", "12",
@@ -239,7 +246,21 @@ class FixedPrompts:
     max_completion_chars = NORM_N
 
     def sample(self, rng, num_examples):
-        return [Example(f"p{i}", "") for i in range(num_examples)]
+        return [Example(prompt_text(i), "") for i in range(num_examples)]
+
+
+def prompt_text(i: int) -> str:
+    return "too long" if i == SKIPPED_PROMPT else f"p{i}"
+
+
+SKIPPED_PROMPT = 6
+
+
+def sampler_logprobs(texts, N, seed=0):
+    """float32 [B, N]: a made-up sampling distribution's log-prob of each completion token, 0 past the end."""
+    lengths = np.asarray([min(len(t) + 1, N) for t in texts])
+    logprobs = -np.random.default_rng(seed).exponential(1.0, (len(texts), N))
+    return np.where(np.arange(N)[None] < lengths[:, None], logprobs, 0.0).astype(np.float32)
 
 
 def sampler_stub(texts, G, N, seed=0):
@@ -258,8 +279,7 @@ def sampler_stub(texts, G, N, seed=0):
         in_completion = np.arange(N)[None] < lengths[:, None]
         rows = np.arange(B) // G
         comp_pos = pos_QP[rows, -1:] + 1 + np.arange(N)
-        logprobs = -np.random.default_rng(seed).exponential(1.0, (B, N))
-        return {"completion": completion, "logprobs": np.where(in_completion, logprobs, 0.0).astype(np.float32),
+        return {"completion": completion, "logprobs": sampler_logprobs(texts, N, seed),
                 "lengths": lengths, "truncated": np.asarray([len(t) == N for t in texts]),
                 "tokens": np.concatenate([tokens_QP[rows], completion], 1),
                 "segment_ids": np.concatenate([seg_QP[rows], in_completion], 1).astype(np.int32),
@@ -337,6 +357,7 @@ def reference_weights(cfg, logp_BT) -> dict:
     rewards = np.asarray([0.0 if f else float(t) for t, f in zip(COMPLETIONS, failed)])
     truncated = np.asarray([len(t) == N for t in COMPLETIONS])
     skipped = reward_error_policy(failed, G, r.reward_error)
+    skipped[SKIPPED_PROMPT * G:(SKIPPED_PROMPT + 1) * G] = True
     adv, keep = reference_advantages(rewards, skipped, truncated, G, estimator=r.estimator,
                                      mask_truncated=r.mask_truncated, mask_zero_variance=r.mask_zero_variance)
     B = len(COMPLETIONS)
@@ -353,15 +374,10 @@ def reference_weights(cfg, logp_BT) -> dict:
     is_weight = np.ones_like(mask)
     if r.importance_correction == "tis":
         sampler = np.zeros_like(mask)
-        sampler[:, P - 1:] = sampler_stub(COMPLETIONS, G, N)(None, *_prompt_rows(), None)["logprobs"]
+        sampler[:, P - 1:] = sampler_logprobs(COMPLETIONS, N)
         is_weight = np.minimum(np.exp(np.asarray(logp_BT, np.float64) - sampler), r.importance_cap)
     grad = -adv[:, None] * is_weight * weight
     return {"loss": float(grad.sum()), "grad": grad, "advantages": adv, "keep": keep, "dropped": int((~keep).sum())}
-
-
-def _prompt_rows():
-    from hybridmoe.rl.sampler import left_pad_prompts
-    return left_pad_prompts([[TOK.bos_id] + TOK.encode(f"p{i}") for i in range(NORM_P)], NORM_PROMPT, TOK.pad_id)
 
 
 def normaliser_errors(monkeypatch, cases=NORM_CASES) -> dict:
@@ -551,4 +567,5 @@ def test_broken_eos_masks_are_caught(variant, eos_case, monkeypatch):
     weights = eos_weight_error(eos_case)
     step = max(eos_step_errors(eos_case).values())
     # Each check catches it on its own: the gradient's positions, and the real step's figures.
-    assert weights >= 10 * EOS_WEIGHT_TOL and step >= 10 * EOS_STEP_TOL, f"{variant}: weights {weights:.2e}, step {step:.2e}"
+    assert weights >= 10 * EOS_WEIGHT_TOL and step >= 10 * EOS_STEP_TOL, (
+        f"{variant}: weights {weights:.2e}, step {step:.2e}")
