@@ -15,8 +15,8 @@ rollout holds (never from the code under test), with the one-line bugs each chec
 
 from __future__ import annotations
 
+import inspect
 import json
-import sys
 import types
 import zlib
 
@@ -75,6 +75,15 @@ def reward_error_policy(failed_B, G, policy):
     return np.zeros_like(failed_B)
 
 
+def logp_table(B, T, seed=1):
+    return (-np.random.default_rng(seed).exponential(1.0, (B, T - 1))).astype(np.float32)
+
+
+def table_policy(params, cfg, tokens, *rest):
+    """The policy as a table: the log-probs of a micro-batch's targets are `params` itself."""
+    return params, jnp.zeros_like(params)
+
+
 def flat_rows(batch):
     """An update batch's [M, b, ...] arrays as rows [M * b, ...] (host numpy)."""
     return {k: np.asarray(v).reshape(-1, *np.shape(v)[2:]) for k, v in jax.device_get(batch).items()
@@ -92,19 +101,17 @@ RUN_OVERRIDES = ("rl.warmup_steps=0", "rl.steps=2", "rl.checkpoint_every=0", "rl
 # Eight prompts, each with an answer no other prompt has.
 PROMPT_SET = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
               ((1, 2), (7, 5), (3, 3), (9, 8), (4, 0), (2, 9), (6, 7), (5, 5))]
-REWARD_FILE = '''import zlib
+ROW_TOL = 1e-5  # advantages: float32 against float64 (measured clean: ~1e-7)
 
 
 def graded(prompt, completion, example):
     """A stand-in for a graded answer check that a random policy cannot pass: a value in [0, 1)
     that changes whenever the prompt, the example's answer or the completion changes."""
     return zlib.crc32(f"{prompt}|{example['answer']}|{completion}".encode()) % 1000 / 1000
-'''
-ROW_TOL = 1e-5  # advantages: float32 against float64 (measured clean: ~1e-7)
 
 
-def graded(prompt, completion, example):  # the reward file's function, for the re-derivation
-    return zlib.crc32(f"{prompt}|{example['answer']}|{completion}".encode()) % 1000 / 1000
+# The user's reward file (the run loads it through rl.reward; the test re-derives with `graded`).
+REWARD_FILE = "import zlib\n\n\n" + inspect.getsource(graded)
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +223,133 @@ def test_broken_rows_are_caught(variant, prompt_run_cfg, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# 2. Completions that end in EOS: real rollouts of the tiny model (tests/test_grpo.py's config and
+# compiled step: 16 rows, 6 prompt slots, 5 new tokens, T = 0.7, top-p 0.9, 2 micro-batches), with
+# the EOS and stop ids chosen among the tokens this policy samples most, so that rows end at
+# several lengths in one batch, some at their first token, some truncated.
+
+EOS_CFG = ("rl.temperature=0.7", "rl.top_p=0.9", "rl.micro_batches=2")
+EOS_WEIGHT_TOL = 1e-5  # the per-token weights, relative to the largest (float32; measured clean ~1e-7)
+EOS_STEP_TOL = 1e-4  # the real step's metrics against unchunked float32 log-probs (test_grpo.STEP_TOL)
+
+
+def trained_positions(tokens_BT, prompt_len, end_ids):
+    """The expected loss mask [B, T - 1] from the sampled tokens alone: completion token j (row
+    index prompt_len + j) is predicted at index prompt_len - 1 + j; a row trains its completion
+    through the first end id (EOS trains), nothing after it (padding) and no prompt slot."""
+    B, T = tokens_BT.shape
+    mask = np.zeros((B, T - 1))
+    for b in range(B):
+        completion = tokens_BT[b, prompt_len:]
+        ends = np.flatnonzero(np.isin(completion, end_ids))
+        n = ends[0] + 1 if len(ends) else len(completion)
+        mask[b, prompt_len - 1:prompt_len - 1 + n] = 1.0
+    return mask
+
+
+@pytest.fixture(scope="module")
+def eos_case():
+    from helpers import tiny_params
+    from test_grpo import PROMPT_LEN, ROWS, _advantages, _config, _sampled_rollout
+
+    cfg = _config(*EOS_CFG)
+    params = tiny_params(cfg)
+    plain = _sampled_rollout(cfg, params)  # no EOS: what the policy samples in every slot
+    ids, counts = np.unique(plain["completion"], return_counts=True)
+    by_count = ids[np.lexsort((ids, -counts))]
+    eos, stops = int(by_count[0]), tuple(int(i) for i in by_count[1:4])
+    rollout = _sampled_rollout(cfg, params, eos_id=eos, stop_ids=stops)  # the same prompts and key
+    adv, keep = _advantages()
+    mask = trained_positions(rollout["tokens"], PROMPT_LEN, (eos, *stops))
+    lengths = mask.sum(axis=1)
+    ended = np.asarray([np.isin(rollout["tokens"][b, PROMPT_LEN:], (eos, *stops)).any() for b in range(ROWS)])
+    # The fixture holds what it claims: rows ending at EOS at several lengths (the first token among
+    # them) with padding after, rows that do not end, and kept rows of each kind.
+    assert lengths.min() == 1 and len(set(lengths[ended & keep])) >= 3, lengths
+    assert (~ended & keep).any() and (ended & (lengths < cfg.rl.max_new_tokens)).sum() >= 3, (lengths, ended)
+    return types.SimpleNamespace(cfg=cfg, params=params, rollout=rollout, adv=adv, keep=keep, mask=mask)
+
+
+def eos_weight_error(case) -> float:
+    """The per-token weight of the loss, d loss / d logp, read from the real update batch and
+    micro-batch loss (the policy's log-probs a free array), against -A_b / kept tokens on exactly
+    the expected positions of kept rows (on policy: ratio 1)."""
+    cfg = case.cfg
+    batch = grpo_module.build_update_batch(cfg, case.rollout, case.adv, case.keep)
+    B, T = case.rollout["tokens"].shape
+    M = batch["tokens"].shape[0]
+    logp = logp_table(B, T, seed=3)
+    grads = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo_module, "sequence_logprobs", table_policy)
+        for m in range(M):
+            mb = {k: jnp.asarray(v[m]) for k, v in batch.items()}
+            grads.append(np.asarray(jax.grad(lambda lp: grpo_module.micro_batch_loss(lp, None, cfg, mb)[0])(
+                logp[m * (B // M):(m + 1) * (B // M)])))
+    kept = case.mask * case.keep[:, None]
+    want = -case.adv[:, None] * kept / kept.sum()
+    return float(np.abs(np.concatenate(grads) - want).max() / np.abs(want).max())
+
+
+_LOGP = {}
+
+
+def eos_step_errors(case) -> dict:
+    """The real GRPO step (compiled, 8 devices, 2 micro-batches) on the rollout's update batch: its
+    loss, kept and completion token counts, mean log-prob and entropy of the completion tokens,
+    against the same figures from the model's unchunked log-probs on the expected positions."""
+    from grpo_reference import grpo_reference
+    from test_grpo import _run_step
+    from hybridmoe.kernels.logprobs import token_logprobs_reference
+    from hybridmoe.model.forward import decoder_hidden
+
+    cfg, ro = case.cfg, case.rollout
+    batch = grpo_module.build_update_batch(cfg, ro, case.adv, case.keep)
+    _, m = jax.device_get(_run_step(cfg, case.params, None, batch))
+    if "logp" not in _LOGP:
+        def logp_of(p, tokens, seg, pos):
+            h = decoder_hidden(p, cfg, tokens, seg, pos)
+            return token_logprobs_reference(h[:, :-1], p["lm_head"], tokens[:, 1:], temperature=0.7)
+        _LOGP["logp"] = jax.device_get(jax.jit(logp_of)(case.params, ro["tokens"], ro["segment_ids"],
+                                                        ro["positions"]))
+    logp, entropy = (np.asarray(x, np.float64) for x in _LOGP["logp"])
+    mask = case.mask
+    want = {"loss": grpo_reference(logp, logp, case.adv, mask, eps=0.2, keep=case.keep)["loss"],
+            "kept_tokens": float((mask * case.keep[:, None]).sum()), "completion_tokens": float(mask.sum()),
+            "logp_mean": float((logp * mask).sum() / mask.sum()),
+            "entropy": float((entropy * mask).sum() / mask.sum())}
+    return {k: abs(float(m[k]) - v) / max(abs(v), 1e-3) for k, v in want.items()}
+
+
+def test_rows_ending_in_eos_train_through_eos_and_not_the_padding_after(eos_case):
+    assert eos_weight_error(eos_case) < EOS_WEIGHT_TOL
+    errors = eos_step_errors(eos_case)
+    assert max(errors.values()) < EOS_STEP_TOL, errors
+
+
+# One-line bugs in the update rows' loss mask.
+EOS_BROKEN = {
+    "eos_not_trained": ("mask_BN = np.arange(r.max_new_tokens)[None, :] < lengths[:, None]",
+                        'mask_BN = np.arange(r.max_new_tokens)[None, :] < np.where(rollout["truncated"], lengths, '
+                        'lengths - 1)[:, None]'),
+    "one_past_eos_trained": ("mask_BN = np.arange(r.max_new_tokens)[None, :] < lengths[:, None]",
+                             "mask_BN = np.arange(r.max_new_tokens)[None, :] <= lengths[:, None]"),
+    "mask_shifted_by_one": ("np.zeros((B, P - 1), np.float32), mask_BN.astype(np.float32)",
+                            "np.zeros((B, P), np.float32), mask_BN[:, :-1].astype(np.float32)"),
+}
+
+
+@pytest.mark.parametrize("variant", list(EOS_BROKEN))
+def test_broken_eos_masks_are_caught(variant, eos_case, monkeypatch):
+    monkeypatch.setattr(grpo_module, "update_rows", mutated(grpo_module, "update_rows", *EOS_BROKEN[variant]))
+    weights = eos_weight_error(eos_case)
+    step = max(eos_step_errors(eos_case).values())
+    # Each check catches it on its own: the gradient's positions, and the real step's figures.
+    assert weights >= 10 * EOS_WEIGHT_TOL and step >= 10 * EOS_STEP_TOL, (
+        f"{variant}: weights {weights:.2e}, step {step:.2e}")
+
+
+# ---------------------------------------------------------------------------------------------
 # 3. Loss normalisers. The real loop from the sampler's rows to the micro-batch losses
 # (loop._grpo_step: scoring, the reward-error policy, group advantages, update rows, micro-batches,
 # each micro-batch's loss), with the model replaced by a table: the sampler stub writes fixed
@@ -307,15 +441,6 @@ NORM_CASES = {
     "drgrpo_token_mean_skip_sample": ("drgrpo", "token_mean", "skip_sample", True, True, 4),
 }
 NORM_TOL = 1e-5  # relative, float32 against float64 (measured clean: ~1e-7)
-
-
-def logp_table(B, T, seed=1):
-    return (-np.random.default_rng(seed).exponential(1.0, (B, T - 1))).astype(np.float32)
-
-
-def table_policy(params, cfg, tokens, *rest):
-    """The policy as a table: the log-probs of a micro-batch's targets are `params` itself."""
-    return params, jnp.zeros_like(params)
 
 
 def step_weights(cfg, monkeypatch) -> dict:
@@ -435,137 +560,3 @@ def test_broken_normalisers_are_caught(variant, monkeypatch):
     monkeypatch.setattr(rl_loop if module is advantages_module else module, name, broken)
     errors = normaliser_errors(monkeypatch)
     assert max(errors.values()) >= 10 * NORM_TOL, f"{variant}: {errors}"
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. Completions that end in EOS: real rollouts of the tiny model (tests/test_grpo.py's config and
-# compiled step: 16 rows, 6 prompt slots, 5 new tokens, T = 0.7, top-p 0.9, 2 micro-batches), with
-# the EOS and stop ids chosen among the tokens this policy samples most, so that rows end at
-# several lengths in one batch, some at their first token, some truncated.
-
-EOS_CFG = ("rl.temperature=0.7", "rl.top_p=0.9", "rl.micro_batches=2")
-EOS_WEIGHT_TOL = 1e-5  # the per-token weights, relative to the largest (float32; measured clean ~1e-7)
-EOS_STEP_TOL = 1e-4  # the real step's metrics against unchunked float32 log-probs (test_grpo.STEP_TOL)
-
-
-def trained_positions(tokens_BT, prompt_len, end_ids):
-    """The expected loss mask [B, T - 1] from the sampled tokens alone: completion token j (row
-    index prompt_len + j) is predicted at index prompt_len - 1 + j; a row trains its completion
-    through the first end id (EOS trains), nothing after it (padding) and no prompt slot."""
-    B, T = tokens_BT.shape
-    mask = np.zeros((B, T - 1))
-    for b in range(B):
-        completion = tokens_BT[b, prompt_len:]
-        ends = np.flatnonzero(np.isin(completion, end_ids))
-        n = ends[0] + 1 if len(ends) else len(completion)
-        mask[b, prompt_len - 1:prompt_len - 1 + n] = 1.0
-    return mask
-
-
-@pytest.fixture(scope="module")
-def eos_case():
-    from helpers import tiny_params
-    from test_grpo import PROMPT_LEN, ROWS, _advantages, _config, _sampled_rollout
-    from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
-
-    cfg = _config(*EOS_CFG)
-    params = tiny_params(cfg)
-    plain = _sampled_rollout(cfg, params)  # no EOS: what the policy samples in every slot
-    ids, counts = np.unique(plain["completion"], return_counts=True)
-    by_count = ids[np.lexsort((ids, -counts))]
-    eos, stops = int(by_count[0]), tuple(int(i) for i in by_count[1:4])
-    rng = np.random.default_rng(0)  # _sampled_rollout's prompts and key
-    prompts = [rng.integers(3, cfg.model.vocab_size, size=int(n)).tolist()
-               for n in rng.integers(1, PROMPT_LEN + 1, size=ROWS)]
-    opts = SamplingOptions(cfg.rl.max_new_tokens, 0.7, 0.9, eos_id=eos, stop_ids=stops)
-    with build(cfg).context():
-        rollout = jax.device_get(make_generate(cfg, opts)(params, *left_pad_prompts(prompts, PROMPT_LEN, 0),
-                                                          jax.random.key(0)))
-    adv, keep = _advantages()
-    mask = trained_positions(rollout["tokens"], PROMPT_LEN, (eos, *stops))
-    lengths = mask.sum(axis=1)
-    ended = np.asarray([np.isin(rollout["tokens"][b, PROMPT_LEN:], (eos, *stops)).any() for b in range(ROWS)])
-    # The fixture holds what it claims: rows ending at EOS at several lengths (the first token among
-    # them) with padding after, rows that do not end, and kept rows of each kind.
-    assert lengths.min() == 1 and len(set(lengths[ended & keep])) >= 3, lengths
-    assert (~ended & keep).any() and (ended & (lengths < cfg.rl.max_new_tokens)).sum() >= 3, (lengths, ended)
-    return types.SimpleNamespace(cfg=cfg, params=params, rollout=rollout, adv=adv, keep=keep, mask=mask)
-
-
-
-def eos_weight_error(case) -> float:
-    """The per-token weight of the loss, d loss / d logp, read from the real update batch and
-    micro-batch loss (the policy's log-probs a free array), against -A_b / kept tokens on exactly
-    the expected positions of kept rows (on policy: ratio 1)."""
-    cfg = case.cfg
-    batch = grpo_module.build_update_batch(cfg, case.rollout, case.adv, case.keep)
-    B, T = case.rollout["tokens"].shape
-    M = batch["tokens"].shape[0]
-    logp = logp_table(B, T, seed=3)
-    grads = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(grpo_module, "sequence_logprobs", table_policy)
-        for m in range(M):
-            mb = {k: jnp.asarray(v[m]) for k, v in batch.items()}
-            grads.append(np.asarray(jax.grad(lambda lp: grpo_module.micro_batch_loss(lp, None, cfg, mb)[0])(
-                logp[m * (B // M):(m + 1) * (B // M)])))
-    kept = case.mask * case.keep[:, None]
-    want = -case.adv[:, None] * kept / kept.sum()
-    return float(np.abs(np.concatenate(grads) - want).max() / np.abs(want).max())
-
-
-_LOGP = {}
-
-
-def eos_step_errors(case) -> dict:
-    """The real GRPO step (compiled, 8 devices, 2 micro-batches) on the rollout's update batch: its
-    loss, kept and completion token counts, mean log-prob and entropy of the completion tokens,
-    against the same figures from the model's unchunked log-probs on the expected positions."""
-    from grpo_reference import grpo_reference
-    from test_grpo import _run_step
-    from hybridmoe.kernels.logprobs import token_logprobs_reference
-    from hybridmoe.model.forward import decoder_hidden
-
-    cfg, ro = case.cfg, case.rollout
-    batch = grpo_module.build_update_batch(cfg, ro, case.adv, case.keep)
-    _, m = jax.device_get(_run_step(cfg, case.params, None, batch))
-    if "logp" not in _LOGP:
-        def logp_of(p, tokens, seg, pos):
-            h = decoder_hidden(p, cfg, tokens, seg, pos)
-            return token_logprobs_reference(h[:, :-1], p["lm_head"], tokens[:, 1:], temperature=0.7)
-        _LOGP["logp"] = jax.device_get(jax.jit(logp_of)(case.params, ro["tokens"], ro["segment_ids"],
-                                                        ro["positions"]))
-    logp, entropy = (np.asarray(x, np.float64) for x in _LOGP["logp"])
-    mask = case.mask
-    want = {"loss": grpo_reference(logp, logp, case.adv, mask, eps=0.2, keep=case.keep)["loss"],
-            "kept_tokens": float((mask * case.keep[:, None]).sum()), "completion_tokens": float(mask.sum()),
-            "logp_mean": float((logp * mask).sum() / mask.sum()), "entropy": float((entropy * mask).sum() / mask.sum())}
-    return {k: abs(float(m[k]) - v) / max(abs(v), 1e-3) for k, v in want.items()}
-
-
-def test_rows_ending_in_eos_train_through_eos_and_not_the_padding_after(eos_case, monkeypatch):
-    assert eos_weight_error(eos_case) < EOS_WEIGHT_TOL
-    errors = eos_step_errors(eos_case)
-    assert max(errors.values()) < EOS_STEP_TOL, errors
-
-
-# One-line bugs in the update rows' loss mask.
-EOS_BROKEN = {
-    "eos_not_trained": ("mask_BN = np.arange(r.max_new_tokens)[None, :] < lengths[:, None]",
-                        'mask_BN = np.arange(r.max_new_tokens)[None, :] < np.where(rollout["truncated"], lengths, '
-                        'lengths - 1)[:, None]'),
-    "one_past_eos_trained": ("mask_BN = np.arange(r.max_new_tokens)[None, :] < lengths[:, None]",
-                             "mask_BN = np.arange(r.max_new_tokens)[None, :] <= lengths[:, None]"),
-    "mask_shifted_by_one": ("np.zeros((B, P - 1), np.float32), mask_BN.astype(np.float32)",
-                            "np.zeros((B, P), np.float32), mask_BN[:, :-1].astype(np.float32)"),
-}
-
-
-@pytest.mark.parametrize("variant", list(EOS_BROKEN))
-def test_broken_eos_masks_are_caught(variant, eos_case, monkeypatch):
-    monkeypatch.setattr(grpo_module, "update_rows", mutated(grpo_module, "update_rows", *EOS_BROKEN[variant]))
-    weights = eos_weight_error(eos_case)
-    step = max(eos_step_errors(eos_case).values())
-    # Each check catches it on its own: the gradient's positions, and the real step's figures.
-    assert weights >= 10 * EOS_WEIGHT_TOL and step >= 10 * EOS_STEP_TOL, (
-        f"{variant}: weights {weights:.2e}, step {step:.2e}")
