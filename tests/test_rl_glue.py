@@ -247,26 +247,38 @@ def trained_positions(tokens_BT, prompt_len, end_ids):
     return mask
 
 
+def covers_the_cases(tokens_BT, prompt_len, end_ids, keep_B) -> bool:
+    """Whether kept rows end at EOS at three lengths or more (with padding after some), and some
+    kept row does not end (truncated)."""
+    lengths = trained_positions(tokens_BT, prompt_len, end_ids).sum(axis=1)
+    ended = np.isin(tokens_BT[:, prompt_len:], end_ids).any(axis=1)
+    N = tokens_BT.shape[1] - prompt_len
+    return (len(set(lengths[ended & keep_B])) >= 3 and (ended & keep_B & (lengths < N)).sum() >= 3
+            and bool((~ended & keep_B).any()))
+
+
 @pytest.fixture(scope="module")
 def eos_case():
     from helpers import tiny_params
-    from test_grpo import PROMPT_LEN, ROWS, _advantages, _config, _sampled_rollout
+    from test_grpo import PROMPT_LEN, _advantages, _config, _sampled_rollout
 
     cfg = _config(*EOS_CFG)
     params = tiny_params(cfg)
-    plain = _sampled_rollout(cfg, params)  # no EOS: what the policy samples in every slot
-    ids, counts = np.unique(plain["completion"], return_counts=True)
-    by_count = ids[np.lexsort((ids, -counts))]
-    eos, stops = int(by_count[0]), tuple(int(i) for i in by_count[1:4])
-    rollout = _sampled_rollout(cfg, params, eos_id=eos, stop_ids=stops)  # the same prompts and key
     adv, keep = _advantages()
-    mask = trained_positions(rollout["tokens"], PROMPT_LEN, (eos, *stops))
-    lengths = mask.sum(axis=1)
-    ended = np.asarray([np.isin(rollout["tokens"][b, PROMPT_LEN:], (eos, *stops)).any() for b in range(ROWS)])
-    # The fixture holds what it claims: rows ending at EOS at several lengths (the first token among
-    # them) with padding after, rows that do not end, and kept rows of each kind.
-    assert lengths.min() == 1 and len(set(lengths[ended & keep])) >= 3, lengths
-    assert (~ended & keep).any() and (ended & (lengths < cfg.rl.max_new_tokens)).sum() >= 3, (lengths, ended)
+    # The end ids: the fewest of the tokens this policy samples most (EOS the first, the others
+    # stop ids) with which the rows end at several lengths. A row's tokens up to its end do not
+    # depend on the end ids (the same prompts and key), so a rollout without EOS shows where each
+    # choice ends the rows.
+    plain = _sampled_rollout(cfg, params)
+    ids, counts = np.unique(plain["completion"], return_counts=True)
+    by_count = [int(i) for i in ids[np.lexsort((ids, -counts))]]
+    end_ids = next((tuple(by_count[:k]) for k in range(1, 9)
+                    if covers_the_cases(plain["tokens"], PROMPT_LEN, by_count[:k], keep)), None)
+    assert end_ids is not None, "no few end ids end this policy's rows at several lengths: reseed the fixture"
+    rollout = _sampled_rollout(cfg, params, eos_id=end_ids[0], stop_ids=end_ids[1:])
+    # The fixture holds what it claims (the sampler stopped the rows where the ids fall).
+    assert covers_the_cases(rollout["tokens"], PROMPT_LEN, end_ids, keep)
+    mask = trained_positions(rollout["tokens"], PROMPT_LEN, end_ids)
     return types.SimpleNamespace(cfg=cfg, params=params, rollout=rollout, adv=adv, keep=keep, mask=mask)
 
 
