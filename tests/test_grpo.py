@@ -160,13 +160,14 @@ def test_broken_on_policy_flag_is_caught(monkeypatch):
     assert m["ratio_min"] != 1.0 or m["ratio_max"] != 1.0, m
 
 
-def _sampled_rollout(cfg, params, seed=0):
-    """A real rollout of the sampler at cfg's temperature and top-p (no EOS: every slot sampled)."""
+def _sampled_rollout(cfg, params, seed=0, eos_id=-1, stop_ids=()):
+    """A real rollout of the sampler at cfg's temperature and top-p (by default no EOS: every slot
+    sampled)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, cfg.model.vocab_size, size=int(n)).tolist()
                for n in rng.integers(1, PROMPT_LEN + 1, size=ROWS)]
     rows = left_pad_prompts(prompts, PROMPT_LEN, pad_id=0)
-    opts = SamplingOptions(NEW_TOKENS, cfg.rl.temperature, cfg.rl.top_p, eos_id=-1)
+    opts = SamplingOptions(NEW_TOKENS, cfg.rl.temperature, cfg.rl.top_p, eos_id=eos_id, stop_ids=stop_ids)
     with build(cfg).context():
         return jax.device_get(make_generate(cfg, opts)(params, *rows, jax.random.key(seed)))
 

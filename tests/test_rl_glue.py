@@ -1,0 +1,574 @@
+"""The GRPO bookkeeping between the parts, each against an independent re-derivation from what the
+rollout holds (never from the code under test), with the one-line bugs each check catches:
+
+- Rewards and rows: a run on a prompt set whose reward depends on the prompt, the example and the
+  completion; every row of every update batch must carry the advantage of its own prompt's group,
+  re-derived from the prompt written in the row's own tokens.
+- Completions that end in EOS: real rollouts that stop at EOS at different lengths in one batch;
+  the trained positions (EOS in, the padding after it and the prompt out) are derived from the
+  sampled tokens, then read back from the step's per-token gradient and from the real step's metrics.
+- Loss normalisers: every aggregation and estimator with dropped sequences present (zero-variance
+  groups, truncated completions, reward errors under skip_sample / skip_group), through the real
+  loop from rewards to micro-batches, against a numpy re-derivation of the loss and of its
+  gradient with respect to every token's log-prob.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import types
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hybridmoe.rl.advantages as advantages_module
+import hybridmoe.rl.grpo as grpo_module
+import hybridmoe.rl.loop as rl_loop
+from broken_variants import mutated
+from helpers import tiny_config
+from hybridmoe.data.arithmetic import Example
+from hybridmoe.data.tokenizer import CharTokenizer
+from hybridmoe.run.setup import build
+
+TOK = CharTokenizer()
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared: the numpy re-derivation of the group advantages (advantages.py's contract, written out:
+# statistics over the valid samples only, population std, leave-one-out baseline for rloo).
+
+def reference_advantages(rewards_B, skipped_B, truncated_B, G, *, estimator="grpo", mask_truncated=False,
+                         mask_zero_variance=True):
+    """(advantages float64 [B], keep bool [B]) of rows in groups of G consecutive rows."""
+    B = len(rewards_B)
+    adv, keep = np.zeros(B), np.zeros(B, bool)
+    for g in range(B // G):
+        rows = np.arange(g * G, (g + 1) * G)
+        valid = [int(r) for r in rows if not skipped_B[r]]
+        values = np.asarray([rewards_B[r] for r in valid], np.float64)
+        if not valid:
+            continue
+        for i, r in enumerate(valid):
+            others = np.delete(values, i)
+            if estimator == "grpo":
+                a = (values[i] - values.mean()) / (values.std() + 1e-6)
+            elif estimator == "rloo":
+                a = values[i] - others.mean() if len(others) else 0.0
+            else:
+                a = values[i] - values.mean()
+            kept = (estimator != "rloo" or len(valid) >= 2)
+            kept &= not mask_zero_variance or values.max() > values.min()
+            kept &= not (mask_truncated and truncated_B[r])
+            adv[r], keep[r] = (a if kept else 0.0), kept
+    return adv, keep
+
+
+def reward_error_policy(failed_B, G, policy):
+    if policy == "skip_sample":
+        return failed_B.copy()
+    if policy == "skip_group":
+        return np.repeat(failed_B.reshape(-1, G).any(axis=1), G)
+    return np.zeros_like(failed_B)
+
+
+def logp_table(B, T, seed=1):
+    return (-np.random.default_rng(seed).exponential(1.0, (B, T - 1))).astype(np.float32)
+
+
+def table_policy(params, cfg, tokens, *rest):
+    """The policy as a table: the log-probs of a micro-batch's targets are `params` itself."""
+    return params, jnp.zeros_like(params)
+
+
+def flat_rows(batch):
+    """An update batch's [M, b, ...] arrays as rows [M * b, ...] (host numpy)."""
+    return {k: np.asarray(v).reshape(-1, *np.shape(v)[2:]) for k, v in jax.device_get(batch).items()
+            if np.ndim(v) >= 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Rewards and rows: a run on a prompt set (a user reward file, rl.task=prompts) whose reward
+# depends on the prompt, the example's answer and the completion. The shapes are
+# tests/test_rl_run.py's (its compiled programs serve): 2 prompts x 4 completions, 3 new tokens.
+
+RUN_OVERRIDES = ("rl.warmup_steps=0", "rl.steps=2", "rl.checkpoint_every=0", "rl.prompts_per_step=2",
+                 "rl.group_size=4", "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05",
+                 "train.batch_size=8", "train.seq_len=32", "gdn.chunk_size=8", "rl.task=prompts")
+# Eight prompts, each with an answer no other prompt has.
+PROMPT_SET = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
+              ((1, 2), (7, 5), (3, 3), (9, 8), (4, 0), (2, 9), (6, 7), (5, 5))]
+ROW_TOL = 1e-5  # advantages: float32 against float64 (measured clean: ~1e-7)
+
+
+def graded(prompt, completion, example):
+    """A stand-in for a graded answer check that a random policy cannot pass: a value in [0, 1)
+    that changes whenever the prompt, the example's answer or the completion changes."""
+    return zlib.crc32(f"{prompt}|{example['answer']}|{completion}".encode()) % 1000 / 1000
+
+
+# The user's reward file (the run loads it through rl.reward; the test re-derives with `graded`).
+REWARD_FILE = "import zlib\n\n\n" + inspect.getsource(graded)
+
+
+@pytest.fixture(scope="module")
+def prompt_run_cfg(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prompt_set")
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in PROMPT_SET))
+    (folder / "rewards.py").write_text(REWARD_FILE)
+    return tiny_config(*RUN_OVERRIDES, f"data.prompts={folder / 'prompts.jsonl'}",
+                       f"rl.reward={folder / 'rewards.py'}:graded")
+
+
+_PROGRAMS: dict = {}
+
+
+def share_programs(monkeypatch):
+    """run_rl's setup, initial state, sampler and GRPO step built once per config and reused by the
+    later runs of this module (each run_rl otherwise traces and loads them again: ~20 s a run)."""
+    def memo(name, key_of, fresh=lambda x: x):
+        real = getattr(rl_loop, name)
+
+        def shared(*args, **kwargs):
+            key = (name, key_of(*args, **kwargs))
+            if key not in _PROGRAMS:
+                _PROGRAMS[key] = real(*args, **kwargs)
+            return fresh(_PROGRAMS[key])
+        monkeypatch.setattr(rl_loop, name, shared)
+
+    memo("build", lambda cfg: cfg.model_dump_json())
+    # The GRPO step donates its state: every run starts from its own copy.
+    memo("init_state", lambda setup, key: (id(setup), str(jax.random.key_data(key))),
+         lambda state: jax.tree.map(jnp.copy, state))
+    memo("make_generate", lambda cfg, opts, **kw: (cfg.model_dump_json(), opts, kw.get("group_size")))
+    memo("jit_grpo_step", lambda setup, opt, with_reference: (id(setup), with_reference))
+
+
+def recorded_run(cfg, monkeypatch, broken: tuple[str, str, str] | None = None) -> tuple[list[dict], list[dict]]:
+    """run_rl on cfg (with one of ROW_BROKEN patched in): (the rows of every update batch as the
+    step received them, after the split into micro-batches and the transfer to the mesh; the run's
+    per-step records)."""
+    real_updates, batches = rl_loop.policy_updates, []
+
+    def recording_updates(cfg, rows, step, state, ref_params, step_fn, *rest):
+        def recording_step(state, ref_params, batch):
+            batches.append(flat_rows(batch))
+            return step_fn(state, ref_params, batch)
+        return real_updates(cfg, rows, step, state, ref_params, recording_step, *rest)
+
+    monkeypatch.setattr(rl_loop, "policy_updates", recording_updates)
+    share_programs(monkeypatch)
+    if broken is not None:  # after the recorder: a recompiled function sees the module as it is now
+        name, old, new = broken
+        monkeypatch.setattr(rl_loop, name, mutated(rl_loop, name, old, new))
+    history = rl_loop.run_rl(cfg, None, progress=False)
+    return batches, history
+
+
+def row_errors(cfg, run) -> dict:
+    """Each row's prompt read from its own tokens, its completion scored against that prompt's line
+    of the prompt set, the group advantages re-derived: the largest advantage error, the rows whose
+    keep flag differs, the largest error of the logged reward_mean, and the groups whose rows hold
+    more than one prompt."""
+    batches, history = run
+    by_prompt = {line["prompt"]: line for line in PROMPT_SET}
+    G, P = cfg.rl.group_size, cfg.rl.max_prompt_len
+    worst, keep_wrong, mixed_groups, informative, reward_mean = 0.0, 0, 0, 0, 0.0
+    assert len(batches) == len(history)
+    for rows, record in zip(batches, history):
+        prompts = [TOK.decode(t) for t in rows["tokens"][:, :P]]
+        completions = [TOK.decode(t) for t in rows["tokens"][:, P:]]
+        mixed_groups += sum(len(set(prompts[g * G:(g + 1) * G])) > 1 for g in range(len(prompts) // G))
+        rewards = np.asarray([graded(p, c, by_prompt[p]) for p, c in zip(prompts, completions)])
+        none = np.zeros(len(rewards), bool)
+        adv, keep = reference_advantages(rewards, none, none, G)
+        worst = max(worst, float(np.max(np.abs(rows["advantages"] - adv))))
+        reward_mean = max(reward_mean, abs(record["reward_mean"] - rewards.mean()))
+        keep_wrong += int(np.sum(rows["keep"] != keep))
+        informative += int(keep.sum())
+    return {"advantage": worst, "keep": keep_wrong, "reward_mean": reward_mean, "mixed_groups": mixed_groups,
+            "kept_rows": informative}
+
+
+# One-line bugs between the sampler's rows, the rewards and the advantages.
+ROW_BROKEN = {
+    # The completion of a group's last row scored against the next prompt (wrapping around).
+    "rows_scored_against_rotated_prompts": ("_sample_groups", "[prompts[i // G] for i in scored_rows]",
+                                            "[prompts[(i + 1) // G % len(prompts)] for i in scored_rows]"),
+    # Every completion scored with the first prompt's line of the prompt set.
+    "example_of_group_0_for_all": ("_sample_groups", '[getattr(examples[i // G], "fields", {}) for i in scored_rows]',
+                                   '[getattr(examples[0], "fields", {}) for i in scored_rows]'),
+    # The advantages reach the rows one row late.
+    "advantages_rolled_by_one_row": ("_grpo_step", "update_rows(cfg, rollout, adv_PG.reshape(-1),",
+                                     "update_rows(cfg, rollout, np.roll(adv_PG.reshape(-1), 1),"),
+}
+
+
+def test_each_row_is_scored_against_its_own_prompt_and_example_and_trains_on_its_advantage(prompt_run_cfg,
+                                                                                           monkeypatch):
+    run = recorded_run(prompt_run_cfg, monkeypatch)
+    errors = row_errors(prompt_run_cfg, run)
+    assert len(run[0]) == 2 and errors["mixed_groups"] == 0, errors
+    assert errors["kept_rows"] >= 8, errors  # the reward separates the rows: most groups teach something
+    assert errors["advantage"] < ROW_TOL and errors["keep"] == 0 and errors["reward_mean"] < ROW_TOL, errors
+
+
+@pytest.mark.parametrize("variant", list(ROW_BROKEN))
+def test_broken_rows_are_caught(variant, prompt_run_cfg, monkeypatch):
+    errors = row_errors(prompt_run_cfg, recorded_run(prompt_run_cfg, monkeypatch, ROW_BROKEN[variant]))
+    assert errors["advantage"] >= 10 * ROW_TOL or errors["keep"] > 0, f"{variant}: {errors}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Completions that end in EOS: real rollouts of the tiny model (tests/test_grpo.py's config and
+# compiled step: 16 rows, 6 prompt slots, 5 new tokens, T = 0.7, top-p 0.9, 2 micro-batches), with
+# the EOS and stop ids chosen among the tokens this policy samples most, so that rows end at
+# several lengths in one batch, some at their first token, some truncated.
+
+EOS_CFG = ("rl.temperature=0.7", "rl.top_p=0.9", "rl.micro_batches=2")
+EOS_WEIGHT_TOL = 1e-5  # the per-token weights, relative to the largest (float32; measured clean ~1e-7)
+EOS_STEP_TOL = 1e-4  # the real step's metrics against unchunked float32 log-probs (test_grpo.STEP_TOL)
+
+
+def trained_positions(tokens_BT, prompt_len, end_ids):
+    """The expected loss mask [B, T - 1] from the sampled tokens alone: completion token j (row
+    index prompt_len + j) is predicted at index prompt_len - 1 + j; a row trains its completion
+    through the first end id (EOS trains), nothing after it (padding) and no prompt slot."""
+    B, T = tokens_BT.shape
+    mask = np.zeros((B, T - 1))
+    for b in range(B):
+        completion = tokens_BT[b, prompt_len:]
+        ends = np.flatnonzero(np.isin(completion, end_ids))
+        n = ends[0] + 1 if len(ends) else len(completion)
+        mask[b, prompt_len - 1:prompt_len - 1 + n] = 1.0
+    return mask
+
+
+def covers_the_cases(tokens_BT, prompt_len, end_ids, keep_B) -> bool:
+    """Whether kept rows end at EOS at three lengths or more (with padding after some), and some
+    kept row does not end (truncated)."""
+    lengths = trained_positions(tokens_BT, prompt_len, end_ids).sum(axis=1)
+    ended = np.isin(tokens_BT[:, prompt_len:], end_ids).any(axis=1)
+    N = tokens_BT.shape[1] - prompt_len
+    return (len(set(lengths[ended & keep_B])) >= 3 and (ended & keep_B & (lengths < N)).sum() >= 3
+            and bool((~ended & keep_B).any()))
+
+
+@pytest.fixture(scope="module")
+def eos_case():
+    from helpers import tiny_params
+    from test_grpo import PROMPT_LEN, _advantages, _config, _sampled_rollout
+
+    cfg = _config(*EOS_CFG)
+    params = tiny_params(cfg)
+    adv, keep = _advantages()
+    # The end ids: the fewest of the tokens this policy samples most (EOS the first, the others
+    # stop ids) with which the rows end at several lengths. A row's tokens up to its end do not
+    # depend on the end ids (the same prompts and key), so a rollout without EOS shows where each
+    # choice ends the rows.
+    plain = _sampled_rollout(cfg, params)
+    ids, counts = np.unique(plain["completion"], return_counts=True)
+    by_count = [int(i) for i in ids[np.lexsort((ids, -counts))]]
+    end_ids = next((tuple(by_count[:k]) for k in range(1, 9)
+                    if covers_the_cases(plain["tokens"], PROMPT_LEN, by_count[:k], keep)), None)
+    assert end_ids is not None, "no few end ids end this policy's rows at several lengths: reseed the fixture"
+    rollout = _sampled_rollout(cfg, params, eos_id=end_ids[0], stop_ids=end_ids[1:])
+    # The fixture holds what it claims (the sampler stopped the rows where the ids fall).
+    assert covers_the_cases(rollout["tokens"], PROMPT_LEN, end_ids, keep)
+    mask = trained_positions(rollout["tokens"], PROMPT_LEN, end_ids)
+    return types.SimpleNamespace(cfg=cfg, params=params, rollout=rollout, adv=adv, keep=keep, mask=mask)
+
+
+def eos_weight_error(case) -> float:
+    """The per-token weight of the loss, d loss / d logp, read from the real update batch and
+    micro-batch loss (the policy's log-probs a free array), against -A_b / kept tokens on exactly
+    the expected positions of kept rows (on policy: ratio 1)."""
+    cfg = case.cfg
+    batch = grpo_module.build_update_batch(cfg, case.rollout, case.adv, case.keep)
+    B, T = case.rollout["tokens"].shape
+    M = batch["tokens"].shape[0]
+    logp = logp_table(B, T, seed=3)
+    grads = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo_module, "sequence_logprobs", table_policy)
+        for m in range(M):
+            mb = {k: jnp.asarray(v[m]) for k, v in batch.items()}
+            grads.append(np.asarray(jax.grad(lambda lp: grpo_module.micro_batch_loss(lp, None, cfg, mb)[0])(
+                logp[m * (B // M):(m + 1) * (B // M)])))
+    kept = case.mask * case.keep[:, None]
+    want = -case.adv[:, None] * kept / kept.sum()
+    return float(np.abs(np.concatenate(grads) - want).max() / np.abs(want).max())
+
+
+_LOGP = {}
+
+
+def eos_step_errors(case) -> dict:
+    """The real GRPO step (compiled, 8 devices, 2 micro-batches) on the rollout's update batch: its
+    loss, kept and completion token counts, mean log-prob and entropy of the completion tokens,
+    against the same figures from the model's unchunked log-probs on the expected positions."""
+    from grpo_reference import grpo_reference
+    from test_grpo import _run_step
+    from hybridmoe.kernels.logprobs import token_logprobs_reference
+    from hybridmoe.model.forward import decoder_hidden
+
+    cfg, ro = case.cfg, case.rollout
+    batch = grpo_module.build_update_batch(cfg, ro, case.adv, case.keep)
+    _, m = jax.device_get(_run_step(cfg, case.params, None, batch))
+    if "logp" not in _LOGP:
+        def logp_of(p, tokens, seg, pos):
+            h = decoder_hidden(p, cfg, tokens, seg, pos)
+            return token_logprobs_reference(h[:, :-1], p["lm_head"], tokens[:, 1:], temperature=0.7)
+        _LOGP["logp"] = jax.device_get(jax.jit(logp_of)(case.params, ro["tokens"], ro["segment_ids"],
+                                                        ro["positions"]))
+    logp, entropy = (np.asarray(x, np.float64) for x in _LOGP["logp"])
+    mask = case.mask
+    want = {"loss": grpo_reference(logp, logp, case.adv, mask, eps=0.2, keep=case.keep)["loss"],
+            "kept_tokens": float((mask * case.keep[:, None]).sum()), "completion_tokens": float(mask.sum()),
+            "logp_mean": float((logp * mask).sum() / mask.sum()),
+            "entropy": float((entropy * mask).sum() / mask.sum())}
+    return {k: abs(float(m[k]) - v) / max(abs(v), 1e-3) for k, v in want.items()}
+
+
+def test_rows_ending_in_eos_train_through_eos_and_not_the_padding_after(eos_case):
+    assert eos_weight_error(eos_case) < EOS_WEIGHT_TOL
+    errors = eos_step_errors(eos_case)
+    assert max(errors.values()) < EOS_STEP_TOL, errors
+
+
+# One-line bugs in the update rows' loss mask.
+EOS_BROKEN = {
+    "eos_not_trained": ("mask_BN = np.arange(r.max_new_tokens)[None, :] < lengths[:, None]",
+                        'mask_BN = np.arange(r.max_new_tokens)[None, :] < np.where(rollout["truncated"], lengths, '
+                        'lengths - 1)[:, None]'),
+    "one_past_eos_trained": ("mask_BN = np.arange(r.max_new_tokens)[None, :] < lengths[:, None]",
+                             "mask_BN = np.arange(r.max_new_tokens)[None, :] <= lengths[:, None]"),
+    "mask_shifted_by_one": ("np.zeros((B, P - 1), np.float32), mask_BN.astype(np.float32)",
+                            "np.zeros((B, P), np.float32), mask_BN[:, :-1].astype(np.float32)"),
+}
+
+
+@pytest.mark.parametrize("variant", list(EOS_BROKEN))
+def test_broken_eos_masks_are_caught(variant, eos_case, monkeypatch):
+    monkeypatch.setattr(grpo_module, "update_rows", mutated(grpo_module, "update_rows", *EOS_BROKEN[variant]))
+    weights = eos_weight_error(eos_case)
+    step = max(eos_step_errors(eos_case).values())
+    # Each check catches it on its own: the gradient's positions, and the real step's figures.
+    assert weights >= 10 * EOS_WEIGHT_TOL and step >= 10 * EOS_STEP_TOL, (
+        f"{variant}: weights {weights:.2e}, step {step:.2e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Loss normalisers. The real loop from the sampler's rows to the micro-batch losses
+# (loop._grpo_step: scoring, the reward-error policy, group advantages, update rows, micro-batches,
+# each micro-batch's loss), with the model replaced by a table: the sampler stub writes fixed
+# completions and the policy's log-prob of every target is a free array, so the gradient of the
+# summed micro-batch losses is each token's weight in the loss, compared with a numpy re-derivation.
+
+NORM_P, NORM_G, NORM_PROMPT, NORM_N = 8, 4, 6, 6
+# Each row's completion text; the reward is its value as a number ("x": the reward raises). A text
+# of NORM_N characters has no room for EOS: truncated. Groups: 0 plain; 1 zero variance (every
+# value 1, at four lengths); 2 a reward error; 3, 5 and 7 truncated rows; 4 one valid sample; 6 a
+# prompt too long for rl.max_prompt_len (its rows are placeholders, never scored).
+COMPLETIONS = ("1", "0.5", "2", "0.25",
+               "1", "1.0", "01", "1.00",
+               "3", "x", "0", "12",
+               "2", "0", "000004", "1.5",
+               "x", "x", "x", "5",
+               "0.5", "000001", "3.5", "0",
+               "7", "7", "0.5", "x",
+               "000002", "000009", "1", "4")
+
+
+def number_reward(prompt: str, completion: str) -> float:
+    return float(completion)  # raises ValueError on "x": a counted reward error
+
+
+class FixedPrompts:
+    name = "fixed"
+    max_completion_chars = NORM_N
+
+    def sample(self, rng, num_examples):
+        return [Example(prompt_text(i), "") for i in range(num_examples)]
+
+
+def prompt_text(i: int) -> str:
+    return "too long" if i == SKIPPED_PROMPT else f"p{i}"
+
+
+SKIPPED_PROMPT = 6
+
+
+def sampler_logprobs(texts, N, seed=0):
+    """float32 [B, N]: a made-up sampling distribution's log-prob of each completion token, 0 past the end."""
+    lengths = np.asarray([min(len(t) + 1, N) for t in texts])
+    logprobs = -np.random.default_rng(seed).exponential(1.0, (len(texts), N))
+    return np.where(np.arange(N)[None] < lengths[:, None], logprobs, 0.0).astype(np.float32)
+
+
+def sampler_stub(texts, G, N, seed=0):
+    """The sampler's contract (rl/sampler.py) for fixed completion texts: rows [B, P + N] = the left-
+    padded prompt then the completion (EOS after the text when it fits, padding after EOS), segment 1
+    on the prompt and the completion through EOS, positions counting on; the sampling distribution's
+    log-probs (0 past the end)."""
+    def generate(params, tokens_QP, seg_QP, pos_QP, key):
+        tokens_QP, seg_QP, pos_QP = (np.asarray(a) for a in (tokens_QP, seg_QP, pos_QP))
+        B = tokens_QP.shape[0] * G
+        completion = np.full((B, N), TOK.pad_id, np.int32)
+        for b, text in enumerate(texts):
+            ids = TOK.encode(text) + ([TOK.eos_id] if len(text) < N else [])
+            completion[b, :len(ids)] = ids
+        lengths = np.asarray([min(len(t) + 1, N) for t in texts], np.int32)
+        in_completion = np.arange(N)[None] < lengths[:, None]
+        rows = np.arange(B) // G
+        comp_pos = pos_QP[rows, -1:] + 1 + np.arange(N)
+        return {"completion": completion, "logprobs": sampler_logprobs(texts, N, seed),
+                "lengths": lengths, "truncated": np.asarray([len(t) == N for t in texts]),
+                "tokens": np.concatenate([tokens_QP[rows], completion], 1),
+                "segment_ids": np.concatenate([seg_QP[rows], in_completion], 1).astype(np.int32),
+                "positions": np.concatenate([pos_QP[rows], np.where(in_completion, comp_pos, 0)], 1).astype(np.int32)}
+    return generate
+
+
+def norm_config(estimator, aggregation, reward_error, mask_truncated, mask_zero_variance, micro_batches,
+                correction="none"):
+    return tiny_config(f"rl.prompts_per_step={NORM_P}", f"rl.group_size={NORM_G}",
+                       f"rl.max_prompt_len={NORM_PROMPT}", f"rl.max_new_tokens={NORM_N}",
+                       f"rl.estimator={estimator}", f"rl.aggregation={aggregation}", f"rl.reward_error={reward_error}",
+                       f"rl.mask_truncated={str(mask_truncated).lower()}",
+                       f"rl.mask_zero_variance={str(mask_zero_variance).lower()}", f"rl.micro_batches={micro_batches}",
+                       f"rl.importance_correction={correction}", "rl.importance_cap=1.5")
+
+
+# Every estimator and aggregation; every kind of dropped sequence; 1, 2 and 4 micro-batches.
+NORM_CASES = {
+    "grpo_token_mean_skip_sample": ("grpo", "token_mean", "skip_sample", True, True, 2),
+    "grpo_seq_mean_skip_group_tis": ("grpo", "seq_mean_token_mean", "skip_group", True, True, 4, "tis"),
+    "rloo_token_mean_skip_group_tis": ("rloo", "token_mean", "skip_group", False, True, 4, "tis"),
+    "rloo_seq_mean_skip_sample": ("rloo", "seq_mean_token_mean", "skip_sample", True, False, 1),
+    "drgrpo_seq_mean_zero": ("drgrpo", "seq_mean_token_mean", "zero", False, True, 2),
+    "drgrpo_token_mean_skip_sample": ("drgrpo", "token_mean", "skip_sample", True, True, 4),
+}
+NORM_TOL = 1e-5  # relative, float32 against float64 (measured clean: ~1e-7)
+
+
+def step_weights(cfg, monkeypatch) -> dict:
+    """One GRPO step through loop._grpo_step with the sampler stub and a log-prob table as the policy:
+    (the summed micro-batch losses, d loss / d logp [B, T - 1], the rows as the step received them)."""
+    B, T = NORM_P * NORM_G, NORM_PROMPT + NORM_N
+    logp_BT = logp_table(B, T)
+    seen = {}
+    monkeypatch.setattr(grpo_module, "sequence_logprobs", table_policy)
+
+    def table_step(state, ref_params, batch):
+        batch = jax.device_get(batch)
+        M = batch["tokens"].shape[0]
+        b = B // M
+        loss, grads, sums = 0.0, [], []
+        for m in range(M):
+            mb = {k: jnp.asarray(v[m]) for k, v in batch.items()}
+            (loss_m, sums_m), g = jax.value_and_grad(
+                lambda lp: grpo_module.micro_batch_loss(lp, None, cfg, mb), has_aux=True)(logp_BT[m * b:(m + 1) * b])
+            loss, grads, sums = loss + float(loss_m), grads + [np.asarray(g)], sums + [jax.device_get(sums_m)]
+        seen.update(loss=loss, grad=np.concatenate(grads), rows=flat_rows(batch))
+        metrics = {k: sum(s[k] for s in sums) for k in grpo_module._SUM_KEYS}
+        metrics.update(ratio_max=max(s["ratio_max"] for s in sums), ratio_min=min(s["ratio_min"] for s in sums),
+                       gap_max=max(s["gap_max"] for s in sums), loss=loss, update_skipped=0.0, update_applied=1.0,
+                       grad_norm=float(np.linalg.norm(seen["grad"])))
+        return state, metrics
+
+    run = rl_loop._Run(cfg, FixedPrompts(), TOK, [(number_reward, 1.0)], build(cfg), None, table_step,
+                       sampler_stub(COMPLETIONS, NORM_G, NORM_N), None)
+    rl_loop._grpo_step(run, {"params": None}, None, 0, jax.random.key(0))
+    return {**seen, "logp": logp_BT}
+
+
+def reference_weights(cfg, logp_BT) -> dict:
+    """The loss and d loss / d logp re-derived from the completion texts (on policy: ratio 1, so
+    each kept token's pg term is -A times its importance weight)."""
+    r, G, N, P = cfg.rl, NORM_G, NORM_N, NORM_PROMPT
+    failed = np.asarray([t == "x" for t in COMPLETIONS])
+    rewards = np.asarray([0.0 if f else float(t) for t, f in zip(COMPLETIONS, failed)])
+    truncated = np.asarray([len(t) == N for t in COMPLETIONS])
+    skipped = reward_error_policy(failed, G, r.reward_error)
+    skipped[SKIPPED_PROMPT * G:(SKIPPED_PROMPT + 1) * G] = True
+    adv, keep = reference_advantages(rewards, skipped, truncated, G, estimator=r.estimator,
+                                     mask_truncated=r.mask_truncated, mask_zero_variance=r.mask_zero_variance)
+    B = len(COMPLETIONS)
+    lengths = np.asarray([len(t) + (len(t) < N) for t in COMPLETIONS])  # the text, then EOS when it fits
+    mask = np.zeros((B, P + N - 1))
+    for b, n in enumerate(lengths):
+        mask[b, P - 1:P - 1 + n] = 1.0  # completion token j is predicted at index P - 1 + j
+    kept = mask * keep[:, None]
+    if r.aggregation == "token_mean":
+        weight = kept / kept.sum()
+    else:
+        per_row = kept.sum(axis=1)
+        weight = kept / np.maximum(per_row, 1)[:, None] / (per_row > 0).sum()
+    is_weight = np.ones_like(mask)
+    if r.importance_correction == "tis":
+        sampler = np.zeros_like(mask)
+        sampler[:, P - 1:] = sampler_logprobs(COMPLETIONS, N)
+        is_weight = np.minimum(np.exp(np.asarray(logp_BT, np.float64) - sampler), r.importance_cap)
+    grad = -adv[:, None] * is_weight * weight
+    return {"loss": float(grad.sum()), "grad": grad, "advantages": adv, "keep": keep, "dropped": int((~keep).sum())}
+
+
+def normaliser_errors(monkeypatch, cases=NORM_CASES) -> dict:
+    """Per case: the loss's and the per-token weights' error relative to the re-derivation's largest
+    value, and the advantages' largest error."""
+    out = {}
+    for name, case in cases.items():
+        cfg = norm_config(*case)
+        got = step_weights(cfg, monkeypatch)
+        want = reference_weights(cfg, got["logp"])
+        assert want["dropped"] >= 4, (name, want["dropped"])  # the case holds dropped sequences with tokens
+        scale = np.abs(want["grad"]).max()
+        out[name] = max(abs(got["loss"] - want["loss"]) / max(abs(want["loss"]), 1e-3),
+                        float(np.abs(got["grad"] - want["grad"]).max() / scale),
+                        float(np.abs(got["rows"]["advantages"] - want["advantages"]).max()),
+                        float(np.sum(got["rows"]["keep"] != want["keep"])))
+    return out
+
+
+def test_every_normaliser_counts_kept_sequences_only(monkeypatch):
+    errors = normaliser_errors(monkeypatch)
+    assert max(errors.values()) < NORM_TOL, errors
+
+
+# One-line bugs in the normalisers: the estimators' group statistics, the loop's masks, the
+# update's denominator and its split into micro-batches.
+NORM_BROKEN = {
+    "dropped_sequence_in_the_denominator": (grpo_module, "step_normalizer", "kept_BT = mask_BT * keep_B[:, None]",
+                                            "kept_BT = mask_BT + 0 * keep_B[:, None]"),
+    "seq_mean_over_all_sequences": (grpo_module, "step_normalizer", "return float((kept_BT.sum(axis=1) > 0).sum())",
+                                    "return float(kept_BT.shape[0])"),
+    "normaliser_per_micro_batch": (grpo_module, "split_update_batch",
+                                   '"normalizer": np.full((M,), normalizer, np.float32)',
+                                   '"normalizer": np.asarray([step_normalizer(cfg, m, k) for m, k in zip('
+                                   'split(rows["mask"]), split(rows["keep"].astype(np.float32)))], np.float32)'),
+    "group_mean_over_skipped_samples": (advantages_module, "group_advantages",
+                                        "mean_P1 = r_PG.sum(axis=1, keepdims=True) / jnp.maximum(n_P1, 1.0)",
+                                        "mean_P1 = r_PG.mean(axis=1, keepdims=True)"),
+    "sample_std": (advantages_module, "group_advantages",
+                   "(centred_PG**2).sum(axis=1, keepdims=True) / jnp.maximum(n_P1, 1.0)",
+                   "(centred_PG**2).sum(axis=1, keepdims=True) / jnp.maximum(n_P1 - 1.0, 1.0)"),
+    "rloo_baseline_over_the_whole_group": (advantages_module, "group_advantages",
+                                           "centred_PG * n_P1 / jnp.maximum(n_P1 - 1.0, 1.0)",
+                                           "centred_PG * rewards_PG.shape[1] / (rewards_PG.shape[1] - 1.0)"),
+    "truncated_rows_not_masked": (rl_loop, "_grpo_step", "mask_truncated=r.mask_truncated",
+                                  "mask_truncated=False"),
+}
+
+
+@pytest.mark.parametrize("variant", list(NORM_BROKEN))
+def test_broken_normalisers_are_caught(variant, monkeypatch):
+    module, name, old, new = NORM_BROKEN[variant]
+    broken = mutated(module, name, old, new)
+    # The loop holds its own references to the advantage function and its step.
+    monkeypatch.setattr(rl_loop if module is advantages_module else module, name, broken)
+    errors = normaliser_errors(monkeypatch)
+    assert max(errors.values()) >= 10 * NORM_TOL, f"{variant}: {errors}"
