@@ -28,6 +28,7 @@ import pytest
 import hybridmoe.rl.advantages as advantages_module
 import hybridmoe.rl.grpo as grpo_module
 import hybridmoe.rl.loop as rl_loop
+import hybridmoe.run.session as run_session
 from broken_variants import mutated
 from helpers import tiny_config
 from hybridmoe.data.arithmetic import Example
@@ -129,17 +130,17 @@ _PROGRAMS: dict = {}
 def share_programs(monkeypatch):
     """run_rl's setup, initial state, sampler and GRPO step built once per config and reused by the
     later runs of this module (each run_rl otherwise traces and loads them again: ~20 s a run)."""
-    def memo(name, key_of, fresh=lambda x: x):
-        real = getattr(rl_loop, name)
+    def memo(name, key_of, fresh=lambda x: x, module=rl_loop):
+        real = getattr(module, name)
 
         def shared(*args, **kwargs):
             key = (name, key_of(*args, **kwargs))
             if key not in _PROGRAMS:
                 _PROGRAMS[key] = real(*args, **kwargs)
             return fresh(_PROGRAMS[key])
-        monkeypatch.setattr(rl_loop, name, shared)
+        monkeypatch.setattr(module, name, shared)
 
-    memo("build", lambda cfg: cfg.model_dump_json())
+    memo("build", lambda cfg: cfg.model_dump_json(), module=run_session)
     # The GRPO step donates its state: every run starts from its own copy.
     memo("init_state", lambda setup, key: (id(setup), str(jax.random.key_data(key))),
          lambda state: jax.tree.map(jnp.copy, state))
