@@ -388,6 +388,12 @@ class DataConfig(Section):
     loss_on: Literal["assistant", "all"] = Field(
         "assistant", description="`messages` records: train the assistant's turns only (through each turn's end "
         "token) or every token; `text` records always train every token.")
+    long_documents: Literal["split", "truncate"] = Field(
+        "split", description="A document longer than train.seq_len: split (the default, so no trained token is lost: it "
+        "becomes several rows of at most train.seq_len tokens, each beginning with the previous one's last token, so every "
+        "target is trained exactly once with its loss mask; a later row does not see the earlier rows' tokens) or "
+        "truncate (its first train.seq_len tokens; what is cut is counted). Both are logged at start and in the "
+        "first step's metrics.")
 
 
 class RunConfig(Section):

@@ -56,6 +56,20 @@ class FileSource:
         return self.text.batch(position)
 
 
+def long_document_metrics(source) -> dict[str, int]:
+    """What data.long_documents did to the files' documents, summed over hosts (the longest: their
+    maximum), for the run's first metrics record; {} for rows built from the step."""
+    counts = getattr(getattr(source, "text", None), "long_documents", None)
+    if counts is None:
+        return {}
+    m = counts.metrics()
+    if jax.process_count() == 1:
+        return m
+    from jax.experimental import multihost_utils
+    every = np.asarray(multihost_utils.process_allgather(np.asarray(list(m.values()), np.int64)))
+    return {k: int(every[:, i].max() if k == "data_longest_doc" else every[:, i].sum()) for i, k in enumerate(m)}
+
+
 def training_source(cfg: Config):
     return FileSource(cfg) if cfg.train.data == "files" else StepSource(cfg)
 

@@ -9,7 +9,7 @@ import jax
 
 from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, put_global, put_process_local
-from hybridmoe.data.sources import position_record, start_position, training_source
+from hybridmoe.data.sources import long_document_metrics, position_record, start_position, training_source
 from hybridmoe.run.hf_io import params_from_hf
 from hybridmoe.run.session import open_session, start_config
 from hybridmoe.run.setup import init_state, jit_train_step
@@ -31,6 +31,7 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, overwri
     session = open_session(cfg, out, resume=resume, overwrite=overwrite, init_hf=init_hf,
                            abstract_tree=lambda setup: setup.abstract_state(), fresh_tree=fresh)
     position = start_position(session.saved_meta)
+    data_counts = long_document_metrics(source)  # documents longer than train.seq_len: in the first record
     step_fn = jit_train_step(session.setup)
 
     def step(state, i: int):
@@ -47,6 +48,8 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, overwri
         if "moe_dropped" in m:  # expert buffers (moe.capacity_factor > 0) report their drops
             rec["moe_dropped"] = int(m["moe_dropped"])
         rec["update_skipped"] = int(m["update_skipped"])
+        if i == session.start:  # what data.long_documents did, once per invocation (always written)
+            rec.update(data_counts)
         return state, rec, {"loss": f"{m['loss']:.4f}"}
 
     t = cfg.train
