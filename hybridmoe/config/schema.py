@@ -275,8 +275,11 @@ class TrainConfig(Section):
     seq_len: int = Field(64, gt=1, description="Tokens per sequence.")
     micro_batches: int = Field(1, gt=0, description="Micro-batches whose gradients are accumulated per step.")
     learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
-    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps: step k (from 0) runs at learning_rate * "
+                              "min(k, warmup_steps) / warmup_steps (step 0 moves Adam's moments, not the weights); 0 = "
+                              "the full rate from step 0.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay, scaled by the scheduled learning "
+                                "rate, on every parameter (norm weights included).")
     b1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     b2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
     grad_clip: float = Field(1.0, ge=0, description="Global-norm clip (0 = off).")
@@ -330,7 +333,8 @@ class RLConfig(Section):
     steps: int = Field(30, ge=0, description="GRPO policy-update steps.")
     # The policy update.
     learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate of the GRPO phase (betas, clip, decay from train.*).")
-    lr_warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps of the GRPO phase.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps of the GRPO phase, counted "
+                                 "from its first step (as train.warmup_steps).")
     micro_batches: int = Field(1, gt=0, description="Micro-batches each update's sequences are split into; gradients accumulate.")
     updates_per_rollout: int = Field(1, ge=1, description="Policy updates (optimizer steps) per rollout batch, PPO-style: "
                                      "updates_per_rollout / epochs_per_rollout mini-batches per pass (1 = one update on the whole batch).")
