@@ -20,7 +20,7 @@ from hybridmoe.data.records import DataError
 from hybridmoe.data.text import TextSource, tokenize_document
 from hybridmoe.data.tokenizer import load_tokenizer
 from hybridmoe.recipe import load_config
-from tests.broken_variants import mutated
+from broken_variants import mutated
 
 HF_TINY = Path(__file__).parent / "fixtures" / "hf_tiny"
 ROWS = 64

@@ -22,8 +22,8 @@ import pytest
 from hybridmoe.rl import grpo as grpo_mod
 from hybridmoe.run import setup as setup_mod
 from hybridmoe.run import step as step_mod
-from tests.broken_variants import mutated
-from tests.helpers import tiny_config, tiny_params
+from broken_variants import mutated
+from helpers import tiny_config, tiny_params
 
 OVERRIDES = ("train.learning_rate=2e-3", "train.warmup_steps=3", "train.weight_decay=0.5", "train.b1=0.8",
              "train.b2=0.97", "train.grad_clip=0.5", "rl.learning_rate=7e-4", "rl.lr_warmup_steps=2")
