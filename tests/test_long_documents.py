@@ -114,7 +114,7 @@ def test_split_trains_every_assistant_token_exactly_once(variant, chat_file, tok
         assert any(r is None or r[0] != want for r in results.values())
 
 
-def test_truncate_counts_what_it_cut(chat_file, tok):
+def test_truncate_counts_what_it_cut(chat_file, tok, caplog):
     seq_len = 96  # inside the assistant turns: some trained tokens kept, the rest cut
     src = TextSource(_cfg(chat_file, f"train.seq_len={seq_len}", "data.long_documents=truncate"), tok)
     full = [tokenize_document(json.loads(x), tok, "text") for x in chat_file.read_text().splitlines()]
@@ -127,6 +127,9 @@ def test_truncate_counts_what_it_cut(chat_file, tok):
     # What is kept plus what was cut is every assistant token.
     assert sum(_trained_targets(src).values()) + n.trained_targets_cut == sum(_assistant_tokens(tok, chat_file).values())
     assert n.metrics()["data_trained_targets_cut"] == want_trained_cut
+    # ... and says so at start.
+    assert (f"{long_docs} of {ROWS} documents are longer than train.seq_len={seq_len}" in caplog.text
+            and f"truncate cut {want_cut} targets past the limit, {want_trained_cut} of them trained" in caplog.text)
 
 
 def test_nothing_trainable_left_names_train_seq_len_and_the_longest_document(chat_file, tok):

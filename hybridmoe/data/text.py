@@ -155,8 +155,8 @@ class TextSource:
                         "train.seq_len or pass data.long_documents=split to keep them", where, n.truncated, n.documents,
                         t.seq_len, n.longest, n.targets_cut, n.trained_targets_cut)
         if not self.docs:
-            cut = (f"; data.long_documents=truncate cut all {n.truncated} of them at train.seq_len={t.seq_len}: "
-                   f"raise train.seq_len to at least {n.longest} or pass data.long_documents=split"
+            cut = (f"; data.long_documents=truncate cut every trained token of the {n.truncated} documents longer than "
+                   f"train.seq_len: raise train.seq_len to at least {n.longest} or pass data.long_documents=split"
                    if n.truncated else "")
             raise DataError(f"data.path={d.path}: {where}no document has a trained token "
                             f"(train.seq_len={t.seq_len}, the longest document has {n.longest} tokens, "
