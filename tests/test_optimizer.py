@@ -1,8 +1,10 @@
 """Each loop's optimizer against AdamW written out by hand from the config.
 
-The supervised loop steps with train.* (learning rate, linear warm-up over train.warmup_steps,
-betas, weight decay, global-norm clip); the GRPO phase with rl.learning_rate and
-rl.lr_warmup_steps and the same betas, clip and decay. The reference below is the AdamW update in
+The supervised loop (and the RL run's supervised warm-up) steps with train.* (learning rate,
+linear warm-up over train.warmup_steps, betas, weight decay, global-norm clip); the GRPO phase with
+rl.learning_rate and rl.lr_warmup_steps and the same betas, clip and decay. The optimizers are
+taken where each loop hands them to its jitted step (a spy in place of the step builder), so a
+loop that builds the right optimizer and passes another shows. The reference below is the AdamW update in
 float64 numpy from those numbers alone (not optax), run for several steps of known gradients that
 differ step to step (so the betas show) on the tiny model's parameter tree (so the decay of every
 leaf shows). Adam's update is ~1 per element whatever the gradient's scale, so each step's size
@@ -20,8 +22,10 @@ import optax
 import pytest
 
 from hybridmoe.rl import grpo as grpo_mod
+from hybridmoe.rl import loop as rl_loop
 from hybridmoe.run import setup as setup_mod
 from hybridmoe.run import step as step_mod
+from hybridmoe.train import loop as train_loop
 from broken_variants import mutated
 from helpers import tiny_config, tiny_params
 
@@ -112,7 +116,43 @@ BROKEN = {
         "weight_decay=t.weight_decay, mask=lambda p: jax.tree_util.tree_map_with_path("
         "lambda k, x: 'norm' not in jax.tree_util.keystr(k), p)"),
     "clip_dropped": (step_mod, "make_optimizer", "if t.grad_clip > 0 else []", "if False else []"),
+    # the GRPO phase handed the supervised optimizer by its loop
+    "grpo_loop_given_the_supervised_optimizer": (rl_loop, "run_rl", "jit_grpo_step(setup, rl_opt, with_reference)",
+                                                 "jit_grpo_step(setup, setup.optimizer, with_reference)"),
 }
+
+
+class _Captured(Exception):
+    """Raised by the spies once a loop has handed its step the optimizer (nothing is compiled)."""
+
+
+def loop_optimizers(cfg, monkeypatch, patch=None) -> dict:
+    """The optimizers the loops give their jitted steps: the supervised loop's, the RL warm-up's
+    and the GRPO phase's, taken where each loop builds its step. `patch` applies a broken variant
+    after the spies are in place (a mutated loop reads its module's names as they are then)."""
+    got = {}
+
+    def sft_step(setup):
+        got["supervised"] = setup.optimizer
+        raise _Captured
+
+    def warmup_step(setup):
+        got["rl_warmup"] = setup.optimizer
+
+    def grpo_step(setup, optimizer, with_reference):
+        got["grpo"] = optimizer
+        raise _Captured
+
+    monkeypatch.setattr(train_loop, "jit_train_step", sft_step)
+    monkeypatch.setattr(rl_loop, "jit_train_step", warmup_step)
+    monkeypatch.setattr(rl_loop, "jit_grpo_step", grpo_step)
+    if patch is not None:
+        patch()
+    with pytest.raises(_Captured):
+        train_loop.train(cfg, None, progress=False)
+    with pytest.raises(_Captured):
+        rl_loop.run_rl(cfg, None, progress=False)
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -129,25 +169,24 @@ def _patch(monkeypatch, variant):
     if name == "make_optimizer":  # imported by name where the loops build their optimizers
         monkeypatch.setattr(setup_mod, "make_optimizer", fn)
         monkeypatch.setattr(grpo_mod, "make_optimizer", fn)
+    if name == "rl_optimizer":
+        monkeypatch.setattr(rl_loop, "rl_optimizer", fn)
 
 
 @pytest.mark.parametrize("variant", [None, *BROKEN])
 def test_each_loops_optimizer_is_adamw_from_its_config(variant, case, monkeypatch):
     cfg, params, grads = case
-    if variant is not None:
-        _patch(monkeypatch, variant)
     t, r = cfg.train, cfg.rl
     common = dict(b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, clip=t.grad_clip)
-    loops = {
-        # what the supervised loop (and the RL warm-up) steps with: build(cfg).optimizer
-        "supervised": (setup_mod.build(cfg).optimizer, dict(lr=t.learning_rate, warmup=t.warmup_steps)),
-        # what the GRPO phase steps with
-        "grpo": (grpo_mod.rl_optimizer(cfg), dict(lr=r.learning_rate, warmup=r.lr_warmup_steps)),
-    }
+    own = {"supervised": dict(lr=t.learning_rate, warmup=t.warmup_steps),
+           "rl_warmup": dict(lr=t.learning_rate, warmup=t.warmup_steps),  # the RL warm-up steps with train.*
+           "grpo": dict(lr=r.learning_rate, warmup=r.lr_warmup_steps)}
+    optimizers = loop_optimizers(cfg, monkeypatch, None if variant is None else lambda: _patch(monkeypatch, variant))
+    assert set(optimizers) == set(own)
     errors = {}
-    for loop, (optimizer, own) in loops.items():
+    for loop, optimizer in optimizers.items():
         starts, updates = _run(optimizer, params, grads)
-        errors[loop] = _worst_step_error(updates, reference_adamw(starts, grads, **own, **common))
+        errors[loop] = _worst_step_error(updates, reference_adamw(starts, grads, **own[loop], **common))
     print(f"{variant or 'clean'}: worst relative step error {errors} (tolerance {TOL:.0e})")
     worst = max(e for e, _ in errors.values())
     if variant is None:
