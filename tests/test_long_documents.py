@@ -153,3 +153,21 @@ def test_long_chat_rows_train_by_default_and_the_counts_reach_the_metrics(chat_f
     assert first["loss_tokens"] > 0
     assert first["data_docs_split"] == ROWS and first["data_docs_truncated"] == 0
     assert first["data_longest_doc"] > 64
+
+
+def test_the_metrics_sum_the_hosts_counts_and_keep_the_longest(chat_file, tok, monkeypatch):
+    """Each host counts its own share; the metrics record holds the hosts' sums (the longest
+    document: their maximum). Two hosts' shares, gathered as the multi-host run gathers them."""
+    from jax.experimental import multihost_utils
+
+    from hybridmoe.data import sources
+    cfg = _cfg(chat_file, "train.seq_len=24")
+    hosts = [TextSource(cfg, tok, h, 2).long_documents for h in range(2)]
+    hosts[1].longest -= 3  # the hosts' longest documents differ
+    every = np.asarray([list(n.metrics().values()) for n in hosts], np.int64)
+    monkeypatch.setattr(sources.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: every)
+    source = type("FileSourceLike", (), {"text": type("Text", (), {"long_documents": hosts[0]})()})()
+    got = sources.long_document_metrics(source)
+    want = {k: (max if k == "data_longest_doc" else sum)(n.metrics()[k] for n in hosts) for k in hosts[0].metrics()}
+    assert got == want and got["data_docs_split"] == ROWS
