@@ -117,7 +117,7 @@ BROKEN = {
         "lambda k, x: 'norm' not in jax.tree_util.keystr(k), p)"),
     "clip_dropped": (step_mod, "make_optimizer", "if t.grad_clip > 0 else []", "if False else []"),
     # the GRPO phase handed the supervised optimizer by its loop
-    "grpo_loop_given_the_supervised_optimizer": (rl_loop, "run_rl", "jit_grpo_step(setup, rl_opt, with_reference)",
+    "grpo_loop_given_the_supervised_optimizer": (rl_loop, "_build_run", "jit_grpo_step(setup, rl_opt, with_reference)",
                                                  "jit_grpo_step(setup, setup.optimizer, with_reference)"),
 }
 
