@@ -69,9 +69,8 @@ class Session:
 
         step_fn(tree, step) -> (tree, record, progress-bar fields); the record holds update_skipped.
         step_meta(steps_done): the loop's own checkpoint fields (data position, RNG key, ...).
-        A record is written every log_every steps, on a stop and on this invocation's first step
-        (where a loop puts what it reports once); on_write / on_close follow the metrics writer
-        (the RL loop's plot)."""
+        A record is written every log_every steps (step 0 included) and on a stop; on_write / on_close
+        follow the metrics writer (the RL loop's plot)."""
         writer = MetricsWriter(self.out, resume_from_step=self.start) if self.out is not None and is_lead_host() else None
         guard = NonFiniteGuard(self.cfg.train)
         history, done, last_saved = [], self.start, self.start
@@ -88,7 +87,7 @@ class Session:
                     done = step + 1
                     history.append({"step": step, **rec})
                     stop = guard.observe(step, bool(rec["update_skipped"]))
-                    if writer is not None and (step % log_every == 0 or stop is not None or step == self.start):
+                    if writer is not None and (step % log_every == 0 or stop is not None):
                         writer.write(step, rec)
                         if on_write is not None:
                             on_write(writer, done)

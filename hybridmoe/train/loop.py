@@ -48,8 +48,8 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, overwri
         if "moe_dropped" in m:  # expert buffers (moe.capacity_factor > 0) report their drops
             rec["moe_dropped"] = int(m["moe_dropped"])
         rec["update_skipped"] = int(m["update_skipped"])
-        if i == session.start:  # what data.long_documents did, once per invocation (always written)
-            rec.update(data_counts)
+        if i == 0:  # what data.long_documents did, in the run's first record (a resume's metrics equal
+            rec.update(data_counts)  # the uninterrupted run's; its start-up log repeats the counts)
         return state, rec, {"loss": f"{m['loss']:.4f}"}
 
     t = cfg.train
