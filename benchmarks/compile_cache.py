@@ -11,6 +11,7 @@ Each runs in its own process in a scratch folder, so nothing but the cache folde
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
             second = timed(words, Path(scratch))
         rows.append({"command": f"hybridmoe {' '.join(words[:-1])}", "first_s": round(first, 1),
                      "second_s": round(second, 1), "second_over_first": round(second / first, 3),
-                     "programs_stored": entries})
+                     "programs_stored": entries, "load_average_1min": round(os.getloadavg()[0], 1)})
         print(f"{name:30s} first {first:7.1f} s   second {second:7.1f} s   ({second / first:.2f}x, "
               f"{entries} programs stored)", flush=True)
     harness.write(args.out, "compile_cache", runs=rows,
