@@ -23,8 +23,8 @@ import harness  # noqa: E402
 
 COMMANDS = {
     "demo": ["demo"],
-    "inspect small (cpu:8)": ["inspect", "recipe=small", "--target", "cpu:8"],
-    "inspect small (tpu7x:2x2x1)": ["inspect", "recipe=small", "--target", "tpu7x:2x2x1"],
+    "inspect small (cpu:8)": ["inspect", "recipe=small", "train.batch_size=8", "--target", "cpu:8"],
+    "inspect small (tpu7x:2x2x1)": ["inspect", "recipe=small", "train.batch_size=8", "--target", "tpu7x:2x2x1"],
 }
 
 
