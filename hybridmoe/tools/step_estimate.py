@@ -79,23 +79,26 @@ class Hardware:
 
 
 T, G = 1e12, 1e9
-# The Pallas TPU documentation ("Pipelining", software pipelining on TPU) puts the fixed cost of a
-# grid step at about 0.35 us (the DMA issue and the pipeline's bookkeeping, with no work in the
-# step); we use it for every Pallas grid step. Triton launches whole programs, so no per-step cost.
+# The fixed cost of one Pallas TPU grid step (the pipeline's DMA issue and bookkeeping, with no work
+# in the step): an assumed constant, not measured (no TPU here). The Pallas TPU guides say each
+# step has a fixed cost that small blocks cannot amortise but give no figure we could check;
+# 0.35 us is the figure Pallas kernel authors quote. `estimate(..., grid_step_s=)` and
+# `--grid-step-us` take another. Triton launches whole programs: no per-step cost on the GPUs.
 PALLAS_TPU_GRID_STEP_S = 0.35e-6
 
 HARDWARE = {
-    # Google Cloud TPU documentation, "TPU7x (Ironwood)": per chip 2,307 TFLOP/s bf16, 4,614 fp8,
-    # 192 GiB HBM at 7,380 GB/s, ICI 1,200 GB/s bidirectional (600 one way); two TensorCores (two
-    # JAX devices) per chip, 64 MiB VMEM each.
+    # Google Cloud TPU documentation, "TPU7x (Ironwood)", system architecture table: per chip 2,307
+    # TFLOP/s bf16, 4,614 fp8, 192 GiB HBM at 7,380 GB/s, bidirectional ICI 1,200 GB/s (600 each
+    # way), two TensorCores per chip (two JAX devices). VMEM 64 MiB per TensorCore: JAX's Pallas
+    # TPU hardware table (pltpu.TpuInfo for TPU7x).
     "tpu7x": Hardware("tpu7x", 2, 2307 * T, 4614 * T, 7380 * G, 192 * 2**30, 64 * 2**20, 600 * G,
                       PALLAS_TPU_GRID_STEP_S),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s bf16 dense (1,979 with sparsity),
-    # 1,979 fp8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional (450 one way);
-    # 228 KB shared memory per SM (Hopper tuning guide).
+    # 1,979 fp8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional (450 each way);
+    # 228 KB shared memory per SM (NVIDIA Hopper tuning guide) in the VMEM column.
     "h100": Hardware("h100", 1, 989 * T, 1979 * T, 3350 * G, 80e9, 228 * 1024, 450 * G, 0.0),
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute, 141 GB HBM3e at 4.8 TB/s,
-    # NVLink 900 GB/s bidirectional.
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute (same GH100 die), 141 GB HBM3e
+    # at 4.8 TB/s, NVLink 900 GB/s bidirectional.
     "h200": Hardware("h200", 1, 989 * T, 1979 * T, 4800 * G, 141e9, 228 * 1024, 450 * G, 0.0),
 }
 
@@ -534,9 +537,12 @@ def hlo_flops(text: str, *, apply_trip_counts: bool = True) -> float:
 
 
 def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devices: int,
-             model_flops_per_device: float | None = None, apply_trip_counts: bool = True) -> dict:
+             model_flops_per_device: float | None = None, apply_trip_counts: bool = True,
+             grid_step_s: float | None = None) -> dict:
     """The step's estimated seconds by category on `hw` (per device; every device runs the same
     program), both overlap assumptions, tokens/s per chip and MFU against the model's FLOPs."""
+    if grid_step_s is not None:
+        hw = dataclasses.replace(hw, grid_step_s=grid_step_s)
     est = Estimator(text, apply_trip_counts=apply_trip_counts)
     cats = {c: {"s": 0.0, "compute_s": 0.0, "memory_s": 0.0, "grid_s": 0.0, "flops": 0.0, "bytes": 0.0}
             for c in CATEGORIES}
@@ -598,20 +604,20 @@ def format_estimate(e: dict, reference: dict | None = None) -> str:
              f"  {'category':<18}{'s/step':>10}{'compute s':>11}{'memory s':>10}{'grid s':>9}{'TFLOPs/dev':>12}"]
     for cat in CATEGORIES:
         r = e["categories"][cat]
-        lines.append(f"  {cat:<18}{r['s']:>10.3f}{r['compute_s']:>11.3f}{r['memory_s']:>10.3f}{r['grid_s']:>9.3f}"
-                     f"{r['flops'] / 1e12:>12.3f}")
+        lines.append(f"  {cat:<18}{r['s']:>10.4g}{r['compute_s']:>11.4g}{r['memory_s']:>10.4g}{r['grid_s']:>9.4g}"
+                     f"{r['flops'] / 1e12:>12.4g}")
     for key, label in (("serial", "collectives not overlapped"), ("overlapped", "collectives hidden under compute")):
         r = e[key]
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        lines.append(f"  total, {label:<33}{r['step_s']:>9.3f} s/step  {r['tokens_per_s_per_chip']:>10,.0f} "
+        lines.append(f"  total, {label:<33}{r['step_s']:>9.4g} s/step  {r['tokens_per_s_per_chip']:>10,.0f} "
                      f"tokens/s per chip  MFU {mfu}")
     if reference:
         lines.append(f"  {reference['label']:<41}{reference['step_s']:>9.2f} s/step  "
                      f"{reference['tokens_per_s_per_chip']:>10,.0f} tokens/s per chip")
     for kind, r in sorted(e["collectives"].items()):
-        lines.append(f"  collective {kind:<20}{r['wire_bytes'] / 2**30:>9.2f} GiB sent per device  {r['s']:.3f} s")
+        lines.append(f"  collective {kind:<20}{r['wire_bytes'] / 2**30:>9.3g} GiB sent per device  {r['s']:.4g} s")
     for name, r in sorted(e["kernels"].items(), key=lambda kv: -kv[1]["s"]):
-        lines.append(f"  Pallas {name:<28}{r['calls']:>8.0f} calls {r['grid_steps']:>12,.0f} grid steps  {r['s']:.3f} s")
+        lines.append(f"  Pallas {name:<28}{r['calls']:>8.0f} calls {r['grid_steps']:>12,.0f} grid steps  {r['s']:.4g} s")
     lines.append(f"  assumptions: peak bf16 {hw['bf16_flops_chip'] / hw['devices_per_chip'] / 1e12:.0f} TFLOP/s, "
                  f"HBM {hw['hbm_bytes_per_s_chip'] / hw['devices_per_chip'] / 1e9:.0f} GB/s, links "
                  f"{hw['link_bytes_per_s_chip'] / hw['devices_per_chip'] / 1e9:.0f} GB/s per device; "
@@ -623,3 +629,50 @@ def format_estimate(e: dict, reference: dict | None = None) -> str:
     if e["loops_with_unknown_trip_count"]:
         lines.append(f"  loops whose trip count is unreadable (counted once): {len(e['loops_with_unknown_trip_count'])}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# From a compiled step (tools/train_program.py), for `hybridmoe inspect` and benchmarks/step_estimate.py
+
+# The seed's measured step at its cell (Qwen3.5-397B-A17B on 128 TPU v7x chips, every lever).
+SEED_CELL = {"recipe": "qwen3.5-397b-a17b-v7x-128", "label": "seed, measured (128 v7x chips)",
+             "step_s": 78.35, "tokens_per_s_per_chip": 3764.0}
+
+
+def tokens_per_step(cfg, program_name: str) -> int | None:
+    """Tokens one run of the program trains on: the step's micro-batches, or the GRPO update's rows."""
+    if program_name == "train":
+        t = cfg.train
+        return t.batch_size * t.seq_len * t.micro_batches
+    if program_name == "grpo":
+        r = cfg.rl
+        return r.rollouts_per_step // r.mini_batches * r.sequence_len
+    return None
+
+
+def default_hardware(target_name: str) -> str | None:
+    """The table's row for a target ("tpu7x:4x4x8" -> tpu7x); None for one the table lacks (cpu:N)."""
+    gen = target_name.split(":")[0]
+    return gen if gen in HARDWARE else None
+
+
+def estimate_step(step, hardware: str | None = None, *, recipe: str | None = None,
+                  grid_step_s: float | None = None) -> dict | None:
+    """The estimate of a compiled step (train_program.CompiledStep) on `hardware` (a HARDWARE key;
+    default the target's generation). None when there is no program (refused for memory), no
+    token count (the sampler) or no hardware row."""
+    from hybridmoe.tools.train_program import model_flops_per_device
+
+    name = hardware or default_hardware(step.target.name)
+    tokens = tokens_per_step(step.cfg, step.program_name)
+    if step.program is None or tokens is None or name is None:
+        return None
+    hw = hardware_for(name)
+    devices = step.target.num_devices
+    out = estimate(step.program.compiled_text, hw, tokens_per_step=tokens,
+                   chips=max(1, devices // hw.devices_per_chip), devices=devices,
+                   model_flops_per_device=model_flops_per_device(step.cfg, devices, step.program_name),
+                   grid_step_s=grid_step_s)
+    if recipe == SEED_CELL["recipe"] and step.program_name == "train":
+        out["reference"] = SEED_CELL
+    return out
