@@ -266,3 +266,20 @@ def test_small_step_estimate_prints_every_category(small_step):
     for word in ("grouped matmuls", "attention", "GDN", "dense matmuls", "collectives", "the rest",
                  "not overlapped", "hidden under compute", "MFU"):
         assert word in text_out
+
+
+def test_inspect_prints_and_records_the_estimate(tmp_path, capsys):
+    import json
+
+    from hybridmoe.cli import main
+
+    out = tmp_path / "inspect.json"
+    rc = main(["inspect", "recipe=tiny", "train.batch_size=8", "--target", "cpu:8", "--estimate-for", "h200",
+               "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "step time estimate on h200" in text and "tokens/s per chip" in text
+    est = json.loads(out.read_text())["programs"]["base"]["step_estimate"]
+    assert est["hardware"]["name"] == "h200" and est["chips"] == 8
+    assert est["serial"]["step_s"] >= est["overlapped"]["step_s"] > 0
+    assert est["tokens_per_step"] == 8 * 64

@@ -376,10 +376,14 @@ def dot_flops(instr: Instr, types: dict[str, str]) -> float:
         flops = 2.0 * result * math.prod(kernel) / kernel[labels.group(1).index("o")]
     else:
         return 0.0
+    return flops * mxu_passes(instr, types)
+
+
+def mxu_passes(instr: Instr, types: dict[str, str]) -> int:
+    """MXU passes of a float32 dot at its precision (HIGHEST 6, HIGH 3; bf16 and fp8: 1)."""
+    lhs = _shapes(types.get(instr.operands[0], "")) if instr.operands else []
     precision = re.search(r"operand_precision=\{(\w+)", instr.attrs)
-    dtype = lhs[0][0] if lhs else "bf16"
-    passes = _PASSES.get(precision.group(1), 1) if precision and dtype == "f32" else 1
-    return flops * passes
+    return _PASSES.get(precision.group(1), 1) if precision and lhs and lhs[0][0] == "f32" else 1
 
 
 @dataclasses.dataclass
@@ -404,14 +408,11 @@ class Estimator:
         self.types = {c: {i.name: i.type_text for i in body} for c, body in self.comps.items()}
         self.apply_trip_counts = apply_trip_counts
         self.unknown_trips: list[str] = []
-
-    @functools.cached_property
-    def _fused_flops(self) -> dict[str, tuple[float, float, str, bool]]:
-        return {}
+        self._fused: dict[str, tuple[float, float, str, bool]] = {}
 
     def _fusion(self, comp: str) -> tuple[float, float, str, bool]:
         """(MXU flops, useful flops, op_name of its first dot, fp8 operands) of a fused computation."""
-        memo = self._fused_flops
+        memo = self._fused
         if comp in memo:
             return memo[comp]
         flops = useful = 0.0
@@ -420,12 +421,8 @@ class Estimator:
             if i.opcode in ("dot", "convolution", "ragged-dot"):
                 f = dot_flops(i, self.types[comp])
                 flops += f
+                useful += f / mxu_passes(i, self.types[comp])
                 lhs = _shapes(self.types[comp].get(i.operands[0], ""))
-                passes = 1
-                precision = re.search(r"operand_precision=\{(\w+)", i.attrs)
-                if precision and lhs and lhs[0][0] == "f32":
-                    passes = _PASSES.get(precision.group(1), 1)
-                useful += f / passes
                 name = name or i.op_name
                 fp8 = fp8 or bool(lhs and lhs[0][0].startswith("f8"))
             for callee in re.findall(r"\bcalls=%?([\w.\-]+)", i.attrs):
@@ -441,13 +438,14 @@ class Estimator:
         """One instruction's cost; `context`: the op_name of the loop or branch it runs in, for an
         instruction the compiler left without one."""
         types = self.types[comp]
-        if i.opcode in _FREE or i.opcode.endswith("-done"):
+        if i.opcode in _FREE or i.opcode.endswith("-done") or i.opcode == "copy-start":
             return None
         kind = i.opcode[:-len("-start")] if i.opcode.endswith("-start") else i.opcode
         result_bytes = type_bytes(i.type_text)
         if kind in COLLECTIVES:
-            if i.opcode.endswith("-start") and "(" in i.type_text:  # (operand, result) pair
-                result_bytes = type_bytes(_shapes_text_last(i.type_text))
+            if i.opcode.endswith("-start") and i.type_text.startswith("("):
+                # (operand, result[, context scalars]): the result is the largest element
+                result_bytes = max((math.prod(d) * dtype_bytes(dt) for dt, d in _shapes(i.type_text)), default=0)
             return OpCost("collectives", collective=kind,
                           wire_bytes=wire_bytes(kind, result_bytes, _group_size(i.attrs)))
         operand_bytes = sum(type_bytes(types.get(o, "")) for o in i.operands)
@@ -461,7 +459,7 @@ class Estimator:
         name, fp8 = i.op_name, False
         if i.opcode in ("dot", "convolution", "ragged-dot"):
             flops = dot_flops(i, types)
-            useful = self._fusion_like_useful(i, types, flops)
+            useful = flops / mxu_passes(i, types)
             lhs = _shapes(types.get(i.operands[0], "")) if i.operands else []
             fp8 = bool(lhs and lhs[0][0].startswith("f8"))
         elif i.opcode == "fusion":
@@ -469,17 +467,7 @@ class Estimator:
                 f, u, n, e = self._fusion(callee)
                 flops, useful, fp8 = flops + f, useful + u, fp8 or e
                 name = n or name
-        if i.opcode in ("copy-start",):
-            return None
         return OpCost(category_of(name or context, flops > 0), flops, useful, operand_bytes + result_bytes, fp8)
-
-    @staticmethod
-    def _fusion_like_useful(i: Instr, types, flops: float) -> float:
-        lhs = _shapes(types.get(i.operands[0], "")) if i.operands else []
-        precision = re.search(r"operand_precision=\{(\w+)", i.attrs)
-        if precision and lhs and lhs[0][0] == "f32":
-            return flops / _PASSES.get(precision.group(1), 1)
-        return flops
 
     def _walk(self, comp: str, stack: tuple = (), context: str = "") -> list[tuple[OpCost, float]]:
         """The ops one execution of `comp` runs, each with how many times (loops applied)."""
@@ -513,12 +501,6 @@ class Estimator:
 
     def ops(self) -> list[tuple[OpCost, float]]:
         return self._walk(self.entry)
-
-
-def _shapes_text_last(type_text: str) -> str:
-    """The last element of a tuple type's text (an async collective's result)."""
-    parts = _HLO_SHAPE.findall(type_text)
-    return f"{parts[-1][0]}[{parts[-1][1]}]" if parts else ""
 
 
 def _flat_time(c: OpCost) -> float:
