@@ -283,3 +283,19 @@ def test_inspect_prints_and_records_the_estimate(tmp_path, capsys):
     assert est["hardware"]["name"] == "h200" and est["chips"] == 8
     assert est["serial"]["step_s"] >= est["overlapped"]["step_s"] > 0
     assert est["tokens_per_step"] == 8 * 64
+
+
+def test_a_batched_dot_written_as_a_dilated_convolution_counts_its_real_taps():
+    """XLA's TPU form of a batched dot [G, K, M]^T x [G, K, N]: the batch G as a spatial dim with
+    window G and lhs_dilate G, so one tap of the window lands on real input; counting the whole
+    window would count G times the work."""
+    G, K, M, N = 16, 64, 8, 32
+    text = f"""HloModule batched_dot
+
+ENTRY %main (a: f32[{G},{K},{M}], b: f32[{G},{K},{N}]) -> f32[{G},{M},{N}] {{
+  %a = f32[{G},{K},{M}]{{2,1,0}} parameter(0)
+  %b = f32[{G},{K},{N}]{{2,1,0}} parameter(1)
+  ROOT %conv = f32[{G},{M},{N}]{{2,1,0}} convolution(%a, %b), window={{size={G} stride={G - 1} lhs_dilate={G}}}, dim_labels=0fb_0io->0bf
+}}
+"""
+    assert se.hlo_flops(text) == 2 * G * M * N * K

@@ -368,15 +368,27 @@ def dot_flops(instr: Instr, types: dict[str, str]) -> float:
         contracted = math.prod(lhs[0][1][d] for d in _dims_attr(instr.attrs, "lhs_contracting_dims"))
         flops = 2.0 * result * contracted
     elif instr.opcode == "convolution":
+        # Each output sums over the kernel's input features and the window taps that land on real
+        # input: a dilated lhs (XLA's TPU form of a batched dot: the batch as a spatial dim with
+        # window = lhs_dilate) leaves ceil(size / lhs_dilate) taps per spatial dim.
         rhs = _shapes(types.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
         labels = re.search(r"dim_labels=\w*_(\w+)->", instr.attrs)
-        if not rhs or not labels or "o" not in labels.group(1):
+        if not rhs or not labels or "i" not in labels.group(1):
             return 0.0
         kernel = rhs[0][1]
-        flops = 2.0 * result * math.prod(kernel) / kernel[labels.group(1).index("o")]
+        window = re.search(r"window=\{([^}]*)\}", instr.attrs)
+        sizes = _window_field(window.group(1), "size") if window else ()
+        dilate = _window_field(window.group(1), "lhs_dilate") if window else ()
+        taps = math.prod(-(-size // (dilate[d] if d < len(dilate) else 1)) for d, size in enumerate(sizes))
+        flops = 2.0 * result * kernel[labels.group(1).index("i")] * taps
     else:
         return 0.0
     return flops * mxu_passes(instr, types)
+
+
+def _window_field(window: str, key: str) -> tuple[int, ...]:
+    m = re.search(rf"\b{key}=([\dx]+)", window)
+    return tuple(int(v) for v in m.group(1).split("x")) if m else ()
 
 
 def mxu_passes(instr: Instr, types: dict[str, str]) -> int:
@@ -406,6 +418,7 @@ class Estimator:
     def __init__(self, text: str, *, apply_trip_counts: bool = True):
         self.comps, self.entry = parse_module(text)
         self.types = {c: {i.name: i.type_text for i in body} for c, body in self.comps.items()}
+        self.names = {c: {i.name: i.op_name for i in body} for c, body in self.comps.items()}
         self.apply_trip_counts = apply_trip_counts
         self.unknown_trips: list[str] = []
         self._fused: dict[str, tuple[float, float, str, bool]] = {}
@@ -467,6 +480,8 @@ class Estimator:
                 f, u, n, e = self._fusion(callee)
                 flops, useful, fp8 = flops + f, useful + u, fp8 or e
                 name = n or name
+        if not name:  # a compiler-made op (a fusion of its own): named by what feeds it, else its loop
+            name = next((self.names[comp].get(o) for o in i.operands if self.names[comp].get(o)), "")
         return OpCost(category_of(name or context, flops > 0), flops, useful, operand_bytes + result_bytes, fp8)
 
     def _walk(self, comp: str, stack: tuple = (), context: str = "") -> list[tuple[OpCost, float]]:
@@ -583,10 +598,10 @@ def format_estimate(e: dict, reference: dict | None = None) -> str:
     hw = e["hardware"]
     lines = [f"step time estimate on {hw['name']} ({e['devices']} devices, {e['chips']} chips; roofline per op, "
              "loops' trip counts applied)",
-             f"  {'category':<18}{'s/step':>10}{'compute s':>11}{'memory s':>10}{'grid s':>9}{'TFLOPs/dev':>12}"]
+             f"  {'category':<18}{'s/step':>11}{'compute s':>11}{'memory s':>11}{'grid s':>11}{'TFLOPs/dev':>12}"]
     for cat in CATEGORIES:
         r = e["categories"][cat]
-        lines.append(f"  {cat:<18}{r['s']:>10.4g}{r['compute_s']:>11.4g}{r['memory_s']:>10.4g}{r['grid_s']:>9.4g}"
+        lines.append(f"  {cat:<18}{r['s']:>11.4g}{r['compute_s']:>11.4g}{r['memory_s']:>11.4g}{r['grid_s']:>11.4g}"
                      f"{r['flops'] / 1e12:>12.4g}")
     for key, label in (("serial", "collectives not overlapped"), ("overlapped", "collectives hidden under compute")):
         r = e[key]
