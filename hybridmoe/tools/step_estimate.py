@@ -288,6 +288,15 @@ def mosaic_kernel(body_b64: str) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
+@functools.cache
+def kernel_mxu_passes() -> dict[str, int]:
+    """MXU passes per stated FLOP of our kernels whose matmuls run float32 at HIGHEST precision
+    (a cost estimate states the math's FLOPs; the MXU runs them as bfloat16 passes)."""
+    from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES, MXU_PASSES
+
+    return {name: MXU_PASSES for name in KERNEL_NAMES.values()}
+
+
 _BODY = re.compile(r'"body":"([A-Za-z0-9+/=]*)"')
 _COST = re.compile(r'"cost_estimate":\{([^}]*)\}')
 
@@ -466,7 +475,8 @@ class Estimator:
             p = pallas_call_cost(i, types)
             flops = p["flops"] or 0.0
             cat = category_of(f"{p['kernel']} {i.op_name or context}", flops > 0)
-            return OpCost(cat, flops, flops, p["bytes"] if p["bytes"] is not None else operand_bytes + result_bytes,
+            return OpCost(cat, flops * kernel_mxu_passes().get(p["kernel"], 1), flops,
+                          p["bytes"] if p["bytes"] is not None else operand_bytes + result_bytes,
                           grid_steps=p["grid_steps"] or 0, kernel=p["kernel"], no_cost_estimate=p["flops"] is None)
         flops = useful = 0.0
         name, fp8 = i.op_name, False
