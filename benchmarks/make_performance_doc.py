@@ -744,6 +744,12 @@ model's FLOPs over the bf16 peak) are the serial total's.
 
 {table(["arm", "config", "target", "on", *cats, "serial s", "overlapped s", "tokens/s/chip", "MFU"], rows)}
 
+What these arms show, read from the programs: with the Pallas kernels at their default
+128 x 128 x 128 tiles the grouped matmuls' time is mostly the fixed cost of their many grid steps;
+with the XLA grouped matmul on TPU the compiler computes `ragged_dot`'s weight gradient as one
+masked matmul per expert over every row (a `convolution_select_fusion`, E times the useful work),
+which the dense-matmul column holds where the compiler left it no name.
+
 The seed's measured step at its cell, for comparison: {seed['step_s']} s, {seed['tokens_per_s_per_chip']:,.0f}
 tokens/s per chip.
 
@@ -765,6 +771,9 @@ What the estimate cannot know, and so leaves out or guesses:
   fusions are costed at their boundaries (intermediates assumed on chip); layouts, padding to
   MXU tiles, DMA efficiency, ICI topology (every collective at the full per-device link
   bandwidth) and host work are not modelled;
+- categories come from name scopes in the ops' metadata; an op the compiler made without any
+  (and whose operands have none) falls into its loop's category or, failing that, dense matmuls
+  or the rest;
 - on a CPU target the program is the CPU compiler's (float32, other fusions), so an estimate for
   a TPU or GPU from it says little beyond the FLOP count.
 
