@@ -53,7 +53,7 @@ def step_flops(cfg: Config, batch: int | None = None, seq_len: int | None = None
 
 
 def gdn_chunk_core_macs_per_token(m: ModelConfig, chunk_size: int) -> float:
-    """Multiply-adds per token and value head of the chunked delta rule's core (GDN.md section 2):
+    """Multiply-adds per token and value head of the chunked delta rule's core:
     per chunk k k^T, the WY products with k and v, q k^T and its product with the new values (C^2
     K, C^2 K, C^2 V, C^2 K, C^2 V), and the state terms w S, q S, k^T v_new (3 C K V); over C tokens:
     3 C K + 2 C V + 3 K V. The recurrent form needs only the 3 K V of `forward_flops_per_token`."""
