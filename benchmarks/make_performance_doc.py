@@ -706,6 +706,81 @@ CPU ms per call, the path the sampler's decode step takes (`every_expert_is_chea
 """
 
 
+def step_estimate() -> str:
+    name = "step_estimate.json"
+    rec = load(name)
+    cats = ["grouped matmuls", "attention", "GDN", "dense matmuls", "collectives", "the rest"]
+
+    def sec(x):
+        return "-" if x is None else (f"{x:.3g}" if x < 1 else f"{x:.2f}")
+
+    rows, kernels = [], []
+    for arm, a in rec["arms"].items():
+        if "step_s" not in a:
+            rows.append([f"`{arm}`", f"`{a['recipe']}` {' '.join(a['overrides'])}", a["target"], "refused"] + ["-"] * 10)
+            continue
+        rows.append([f"`{arm}`", f"`{a['recipe']}` {' '.join(a['overrides'])}", a["target"], a["hardware"],
+                     *(sec(a["category_s"][c]) for c in cats), sec(a["step_s"]), sec(a["overlapped_step_s"]),
+                     f"{a['tokens_per_s_per_chip']:,.0f}", "-" if a["mfu"] is None else f"{a['mfu']:.1%}"])
+        for k, r in sorted(a["kernels"].items(), key=lambda kv: -kv[1]["s"]):
+            kernels.append([f"`{arm}`", f"`{k}`", f"{r['calls']:.0f}", f"{r['grid_steps']:,.0f}", sec(r["s"])])
+    seed = rec["seed"]
+    return f"""## Step time on the target, estimated from the compiled program
+
+`hybridmoe inspect` and `benchmarks/step_estimate.py` estimate a step's time on its target from
+the program the compiler made for it (`hybridmoe/tools/step_estimate.py`); nothing runs on the
+target. Each instruction of the optimised HLO costs the larger of its compute time (dot,
+convolution and ragged-dot FLOPs from their shapes; a float32 dot at HIGHEST precision as 6 MXU
+passes) and its memory time (operand and result bytes over HBM bandwidth), times the trip counts
+of the loops around it (XLA's own cost analysis counts a loop body once). A Pallas call costs what
+the kernel states in its `pl.CostEstimate` (each of our TPU kernels states one, checked against
+its reference in the default suite) plus a fixed cost per grid step (the grid read from the
+compiled kernel); a collective, the bytes a ring algorithm sends per device over the chip's
+inter-chip bandwidth. The hardware figures (bf16 and fp8 peak, HBM bandwidth, VMEM, link
+bandwidth for TPU7x, H100 and H200, per device: a TPU7x chip is two devices) sit in one table in
+that module, each with its public source. Seconds per step by category; `serial` adds the
+collectives to the compute, `overlapped` hides them under it; tokens/s per chip and MFU (the
+model's FLOPs over the bf16 peak) are the serial total's.
+
+{table(["arm", "config", "target", "on", *cats, "serial s", "overlapped s", "tokens/s/chip", "MFU"], rows)}
+
+What these arms show, read from the programs: with the Pallas kernels at their default
+128 x 128 x 128 tiles the grouped matmuls' time is mostly the fixed cost of their many grid steps;
+with the XLA grouped matmul on TPU the compiler computes `ragged_dot`'s weight gradient as one
+masked matmul per expert over every row (a `convolution_select_fusion`, E times the useful work),
+which the dense-matmul column holds where the compiler left it no name.
+
+The seed's measured step at its cell, for comparison: {seed['step_s']} s, {seed['tokens_per_s_per_chip']:,.0f}
+tokens/s per chip.
+
+Pallas calls (calls and grid steps per step, estimated seconds):
+
+{table(["arm", "kernel", "calls", "grid steps", "s"], kernels) if kernels else "(none in these arms)"}
+
+What the estimate cannot know, and so leaves out or guesses:
+- overlap: the compiler's schedule decides what hides under what; the two totals bound it only if
+  compute and memory themselves never overlap across ops (they do), so the truth can lie below
+  the overlapped figure as well;
+- the fixed cost per Pallas grid step ({rec['arms'][next(iter(rec['arms']))].get('grid_step_s', 0) * 1e6:.2f} us) is an assumed
+  constant, not measured (no TPU here); `--grid-step-us` changes it;
+- data-dependent work: a conditional costs its heaviest branch; a loop whose bound is data (the
+  XLA flash attention's key loop) counts once and is listed; a kernel's schedule that skips
+  blocks at run time (documents, padding) is costed at the static causal count its cost estimate
+  states; a grouped matmul's dynamic grid at its static upper bound;
+- elementwise work rides under the memory time (no vector-unit or transcendental throughput);
+  fusions are costed at their boundaries (intermediates assumed on chip); layouts, padding to
+  MXU tiles, DMA efficiency, ICI topology (every collective at the full per-device link
+  bandwidth) and host work are not modelled;
+- categories come from name scopes in the ops' metadata; an op the compiler made without any
+  (and whose operands have none) falls into its loop's category or, failing that, dense matmuls
+  or the rest;
+- on a CPU target the program is the CPU compiler's (float32, other fusions), so an estimate for
+  a TPU or GPU from it says little beyond the FLOP count.
+
+{source(rec, name, "python benchmarks/step_estimate.py --recipe RECIPE --target TARGET --arm NAME=OVERRIDES")}
+"""
+
+
 def pending() -> str:
     rows = [[f"`benchmarks/records/{n}`", why] for n, why in PENDING.items()]
     return f"""## To be regenerated
@@ -717,7 +792,7 @@ These records are kept but their figures are not shown until they are remeasured
 
 
 SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, attention_cpu_backend, gdn_core, gdn_cp,
-            gdn_pallas_tpu, seed_cell, hf_reload, hf_exports, post_train_eval, robustness, pending]
+            gdn_pallas_tpu, seed_cell, step_estimate, hf_reload, hf_exports, post_train_eval, robustness, pending]
 
 HEADER = """# Performance and measurements
 

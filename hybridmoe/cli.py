@@ -268,7 +268,15 @@ def _inspect_config(words: list[str], target_kind: str | None, cpu_count: int | 
         return recipe, overrides, load_config(recipe, overrides)
 
 
+def _step_estimate(step, recipe: str, args):
+    """The step's estimated time on --estimate-for (default: the TPU target's generation)."""
+    from hybridmoe.tools import step_estimate
+    grid_step_s = None if args.grid_step_us is None else args.grid_step_us * 1e-6
+    return step_estimate.estimate_step(step, args.estimate_for, recipe=recipe, grid_step_s=grid_step_s)
+
+
 def cmd_inspect(args, words):
+    from hybridmoe.tools import step_estimate
     from hybridmoe.tools import train_program as tp
     from hybridmoe.parallel.mesh import configure_cpu_devices
     from hybridmoe.run.compile_cache import configure_compile_cache
@@ -288,8 +296,13 @@ def cmd_inspect(args, words):
     for name, (recipe, overrides, cfg) in configs.items():
         print(f"{name}: recipe={recipe} {' '.join(overrides)}  (compiling the {args.program} program for "
               f"{target.name}, {target.num_devices} devices)", flush=True)
-        facts[name] = tp.step_facts(tp.compile_step(cfg, target, program_name=args.program))
+        step = tp.compile_step(cfg, target, program_name=args.program)
+        facts[name] = tp.step_facts(step)
+        facts[name]["step_estimate"] = _step_estimate(step, recipe, args)
     print(tp.format_facts(facts))
+    for name, f in facts.items():
+        if f["step_estimate"]:
+            print(f"\n{name}: " + step_estimate.format_estimate(f["step_estimate"], f["step_estimate"].get("reference")))
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {
@@ -387,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
                            "v5p:4x4x4 (compile-only devices; needs libtpu)")
             p.add_argument("--compare", nargs="*", metavar="OVERRIDE",
                            help="a second program: the same words plus these overrides, shown side by side")
+            p.add_argument("--estimate-for", choices=("tpu7x", "h100", "h200"), default=None,
+                           help="estimate the step's time on this hardware from the compiled program (default: "
+                           "the TPU target's generation; none for a CPU target unless named)")
+            p.add_argument("--grid-step-us", type=float, default=None,
+                           help="the estimate's fixed cost per Pallas grid step in microseconds (default 0.35)")
             p.add_argument("--program", choices=("train", "grpo", "sample"), default="train",
                            help="train: the supervised step; grpo: one GRPO update (rl.* rows and micro-batches, "
                            "pi_old, the reference policy); sample: the rollout sampler (prefill + decode loop)")

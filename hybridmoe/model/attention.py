@@ -96,6 +96,11 @@ def attention_core(kc: KernelsConfig, *, self_attention: bool):
     return core
 
 
+# The scope names the attention core's ops in the compiled program (tools/step_estimate.py).
+CORE_SCOPE = "attention_core"
+
+
+@jax.named_scope(CORE_SCOPE)
 def self_attention(q_BTNA, k_BTGA, v_BTGA, positions_BT, segment_ids_BT, kernels: KernelsConfig, *, scale: float):
     """The core over the whole (unsharded) sequence. Under a mesh a flash core runs per shard in a
     shard_map (rows and head groups are independent): a Mosaic or Triton kernel is a custom call
@@ -142,12 +147,14 @@ def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig, a: A
         t = q.shape[1] // context.context_size(axes)
         block_q, block_k = limits.blocks(backend, kernels.attention.block_q, kernels.attention.block_k, t, t,
                                          hardware=backend != "xla" and not kernels.interpret)
-        o_BTNA = ring_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5, **specs,
-                                backend=backend, block_q=block_q, block_k=block_k, interpret=kernels.interpret)
+        with jax.named_scope(CORE_SCOPE):
+            o_BTNA = ring_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5, **specs,
+                                    backend=backend, block_q=block_q, block_k=block_k, interpret=kernels.interpret)
     else:
-        o_BTNA = context_parallel_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5,
-                                            **specs, core=attention_core(kernels, self_attention=False),
-                                            check_vma=not backend.startswith("pallas"))
+        with jax.named_scope(CORE_SCOPE):
+            o_BTNA = context_parallel_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5,
+                                                **specs, core=attention_core(kernels, self_attention=False),
+                                                check_vma=not backend.startswith("pallas"))
     y_BTD = gated_output(p, o_BTNA, gate)
     if a.cp_load_balance:
         y_BTD = context.reorder(y_BTD, ("batch", "seq", None), inverse=True)

@@ -152,6 +152,11 @@ def _halo_from_previous_rank(x_BS, axis_name: str):
     return jax.lax.ppermute(x_BS, axis_name, [(i, i + 1) for i in range(ranks - 1)])
 
 
+# The scope names the GDN core's ops in the compiled program (tools/step_estimate.py).
+CORE_SCOPE = "gdn_core"
+
+
+@jax.named_scope(CORE_SCOPE)
 def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chunk_size: int,
                                      cp_m_scan: bool, cp_dh_scan: bool, prefix: str, backend: str, interpret: bool):
     """Causal convs and the core with the sequence split over the mesh's context axis (docs/gdn.md section 3).
@@ -182,6 +187,7 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
         p["conv_q"], p["conv_k"], p["conv_v"], q, k, v, g, beta, segment_ids_BT)
 
 
+@jax.named_scope(CORE_SCOPE)
 def _core(q, k, v, g, beta, segment_ids_BT, initial_state, *, chunk_size: int, backend: str, interpret: bool):
     """The core on the whole sequence. A Pallas kernel is a custom call that GSPMD cannot split, so
     under a mesh it runs per shard in a shard_map (rows and head groups are independent)."""

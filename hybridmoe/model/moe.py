@@ -304,17 +304,20 @@ def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | 
     w_Tk, idx_Tk, _ = route(p["router"], x_TD, m, replay_Tk)
     plan = GroupedPlan.of(m, moe, kernels, quant)
     dropped = jnp.int32(0)
-    if moe.impl == "dense":
-        y = dense_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
-    elif (decode_step and plan.is_default and plan.xla_impl == "row_tiles"
-          and every_expert_is_cheaper(x_TD.shape[0], m.num_experts_per_tok, m.num_experts, plan.xla_tile_rows)):
-        y = every_expert_rows(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
-    elif plan.is_default and plan.xla_impl == "row_tiles":
-        y = tiled_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan.xla_tile_rows)
-    elif plan.is_default:
-        y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], default_grouped_dot(kernels))
-    else:
-        y, dropped = grouped_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan)
+    # The scope names the routed experts' ops in the compiled program (tools/step_estimate.py's
+    # "grouped matmuls"); jax keeps it in the backward's op names too.
+    with jax.named_scope("grouped_matmul"):
+        if moe.impl == "dense":
+            y = dense_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
+        elif (decode_step and plan.is_default and plan.xla_impl == "row_tiles"
+              and every_expert_is_cheaper(x_TD.shape[0], m.num_experts_per_tok, m.num_experts, plan.xla_tile_rows)):
+            y = every_expert_rows(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
+        elif plan.is_default and plan.xla_impl == "row_tiles":
+            y = tiled_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan.xla_tile_rows)
+        elif plan.is_default:
+            y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], default_grouped_dot(kernels))
+        else:
+            y, dropped = grouped_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan)
     if "shared_wi" in p:
         y = y + shared_expert(p, x_TD)
     out = (y,) + ((dropped,) if return_dropped else ()) + ((idx_Tk,) if return_routing else ())

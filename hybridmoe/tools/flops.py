@@ -46,3 +46,60 @@ def step_flops(cfg: Config, batch: int | None = None, seq_len: int | None = None
     layers = sum(per[kind] for kind in m.layer_kinds) + m.num_layers * per["moe"]
     return layers + per["embed_head"]
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The matmul work the compiled step is built to run (the check of tools/step_estimate.py's count)
+
+
+def gdn_chunk_core_macs_per_token(m: ModelConfig, chunk_size: int) -> float:
+    """Multiply-adds per token and value head of the chunked delta rule's core:
+    per chunk k k^T, the WY products with k and v, q k^T and its product with the new values (C^2
+    K, C^2 K, C^2 V, C^2 K, C^2 V), and the state terms w S, q S, k^T v_new (3 C K V); over C tokens:
+    3 C K + 2 C V + 3 K V. The recurrent form needs only the 3 K V of `forward_flops_per_token`."""
+    C, K, V = chunk_size, m.gdn_key_dim, m.gdn_value_dim
+    return 3 * C * K + 2 * C * V + 3 * K * V
+
+
+def routed_rows_per_token(cfg: Config, tokens_per_shard: int) -> float:
+    """Rows the routed experts' matmuls run per token: k, or on the CPU row tiles (the default
+    grouped matmul there) the static tile capacity, cdiv(T k, R) + E tiles of R rows (every tile
+    is computed, filled or not: kernels/gmm/row_tiles.py)."""
+    m, g = cfg.model, cfg.kernels.gmm
+    k = m.num_experts_per_tok
+    from hybridmoe.kernels.gmm.ops import xla_impl_for
+
+    if g.backend != "xla" or cfg.moe.impl != "sparse" or xla_impl_for(g.xla_impl, "cpu") != "row_tiles":
+        return float(k)
+    R = g.xla_tile_rows
+    tiles = -(-tokens_per_shard * k // R) + m.num_experts
+    return tiles * R / tokens_per_shard
+
+
+def designed_step_flops(cfg: Config, devices: int, *, remat_policy: str, tokens_per_shard: int,
+                        on_cpu: bool = True) -> float:
+    """Matmul FLOPs per device of one training step as the implementation runs it: the model's
+    count (`forward_flops_per_token`) with the GDN core in its chunked form, the routed experts
+    at their grouped matmul's row capacity (plus, on row tiles, the weight gradient's per-expert
+    sum over tiles), the flash attention backward's recomputation (the scores in both passes and
+    do v^T twice: 7 matmuls a block where the plain backward has 4, 1.5 core forwards more), the
+    layer stack's forward run twice under full remat (forward, replay, backward = 4 x forward
+    instead of 3) and the LM head's logits recomputed in the chunked log-probs' backward (4 x its
+    forward)."""
+    m, t = cfg.model, cfg.train
+    tokens = t.batch_size * t.seq_len * t.micro_batches
+    per = forward_flops_per_token(m, t.seq_len)
+    core = m.gdn_num_value_heads * 2.0
+    per["gdn"] += core * (gdn_chunk_core_macs_per_token(m, cfg.gdn.chunk_size) - 3 * m.gdn_key_dim * m.gdn_value_dim)
+    k, D, F, E = m.num_experts_per_tok, m.d_model, m.moe_intermediate_size, m.num_experts
+    rows = routed_rows_per_token(cfg, tokens_per_shard) if on_cpu else float(k)
+    per["moe"] += 2.0 * (rows - k) * 3 * D * F
+    stack = 4.0 if remat_policy == "full" else 3.0
+    attention_core = 2.0 * 2 * m.num_heads * m.head_dim * (t.seq_len + 1) / 2
+    layers = sum(per[kind] for kind in m.layer_kinds) + m.num_layers * per["moe"]
+    per_token = stack * layers + 4.0 * per["embed_head"]
+    per_token += 1.5 * attention_core * sum(kind == "attention" for kind in m.layer_kinds)
+    if rows != k:  # row tiles: one-hot sums [E, tiles] x [tiles, K x N] of wi's and wo's gradients
+        tiles = rows * tokens_per_shard / cfg.kernels.gmm.xla_tile_rows
+        per_token += m.num_layers * 2.0 * E * tiles * 3 * D * F / tokens_per_shard
+    return per_token * tokens / devices

@@ -148,9 +148,40 @@ def _dkv_kernel(order_ref, count_ref, cls_ref, q_ref, k_ref, v_ref, do_ref, q_id
         dv_ref[...] = dv_scratch[...].astype(dv_ref.dtype)
 
 
-def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, interpret):
+def visited_blocks(T: int, S: int, block_q: int, block_k: int) -> int:
+    """Query x key blocks the schedule visits, as the cost estimate counts them: with as many keys
+    as queries, the causal blocks of one document in position order (key block j for query block i
+    when its first key is at or before the block's last query); otherwise every block. The real
+    schedule is data (documents skip more blocks); this is the static count a compiler can see."""
+    nq, nk = T // block_q, S // block_k
+    if T != S:
+        return nq * nk
+    return sum(min(nk, -(-((i + 1) * block_q) // block_k)) for i in range(nq))
+
+
+def cost(kernel: str, B: int, G: int, R: int, T: int, S: int, A: int, block_q: int, block_k: int,
+         itemsize: int) -> pl.CostEstimate:
+    """The kernels' stated cost: per visited block of R x block_q query rows and block_k keys, the
+    forward's 2 matmuls (q k^T, p v), dq's 3 (q k^T, do v^T, ds k), dk/dv's 4 (k q^T, p^T do,
+    v do^T, ds^T q), 2 R block_q block_k A FLOPs each, one exp per score; bytes: the outer block's
+    rows once, the inner operand's blocks once per visit, the outputs once."""
+    matmuls = {"flash_attention_forward": 2, "flash_attention_dq": 3, "flash_attention_dkv": 4}[kernel]
+    blocks = B * G * visited_blocks(T, S, block_q, block_k)
+    flops = matmuls * 2 * R * block_q * block_k * A * blocks
+    q_rows, kv_rows = B * G * R * T * A * itemsize, B * G * S * A * itemsize
+    if kernel == "flash_attention_forward":  # q in, o out once; k, v per visit
+        nbytes = 2 * q_rows + blocks * 2 * block_k * A * itemsize + B * G * R * T * 4
+    elif kernel == "flash_attention_dq":  # q, do in, dq out once; k, v per visit
+        nbytes = 3 * q_rows + blocks * 2 * block_k * A * itemsize + B * G * R * T * 8
+    else:  # k, v in, dk, dv out once; q, do and the row stats per visit
+        nbytes = 4 * kv_rows + blocks * (2 * R * block_q * A * itemsize + R * block_q * 8)
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(R * block_q * block_k * blocks),
+                           bytes_accessed=int(nbytes))
+
+
+def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, interpret, cost_estimate=None):
     return pl.pallas_call(
-        kernel, name=name, out_shape=out_shape, interpret=interpret,
+        kernel, name=name, out_shape=out_shape, interpret=interpret, cost_estimate=cost_estimate,
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
                                                out_specs=out_specs, scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")))
@@ -183,7 +214,9 @@ def forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *
     out_shape = [jax.ShapeDtypeStruct(q_BGRTA.shape, q_BGRTA.dtype), jax.ShapeDtypeStruct((B, G, nq, 1, rows), F32)]
     scratch = [pltpu.VMEM((rows, 1), F32), pltpu.VMEM((rows, 1), F32), pltpu.VMEM((rows, A), F32)]
     kernel = functools.partial(_forward_kernel, scale=scale, nq=nq, nk=nk)
-    o, lse = _call(kernel, KERNEL_NAMES[0], (B, G, nq, nk), in_specs, out_specs, out_shape, scratch, interpret)(
+    estimate = cost(KERNEL_NAMES[0], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize)
+    o, lse = _call(kernel, KERNEL_NAMES[0], (B, G, nq, nk), in_specs, out_specs, out_shape, scratch, interpret,
+                   estimate)(
         *fb.flat_schedule(by_q), q_BGRTA, k_BGSA, v_BGSA, q_ids, kv_ids)
     return o, fb.blocks_to_rows(lse[:, :, :, 0], R)
 
@@ -211,7 +244,8 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
                 pl.BlockSpec((None, None, 2, block_k), lambda b, g, i, n, *pf: (b, key(b, i, n, *pf), 0, 0)),
                 pl.BlockSpec((None, None, None, 2, rows), lambda b, g, i, n, *_: (b, g, i, 0, 0))]
     dq = _call(functools.partial(_dq_kernel, scale=scale, nq=nq, nk=nk), KERNEL_NAMES[1], (B, G, nq, nk), in_specs,
-               q_spec, jax.ShapeDtypeStruct(q_BGRTA.shape, dq_dtype), [pltpu.VMEM((rows, A), F32)], interpret)(
+               q_spec, jax.ShapeDtypeStruct(q_BGRTA.shape, dq_dtype), [pltpu.VMEM((rows, A), F32)], interpret,
+               cost(KERNEL_NAMES[1], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize))(
         *fb.flat_schedule(by_q), *inputs)
 
     # dk, dv: outer key block j, inner the n-th query block of its schedule.
@@ -225,5 +259,7 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
     dk, dv = _call(functools.partial(_dkv_kernel, scale=scale, nq=nq, nk=nk), KERNEL_NAMES[2], (B, G, nk, nq),
                    in_specs, [kv_spec, kv_spec],
                    [jax.ShapeDtypeStruct(k_BGSA.shape, dk_dtype), jax.ShapeDtypeStruct(v_BGSA.shape, dv_dtype)],
-                   [pltpu.VMEM((block_k, A), F32), pltpu.VMEM((block_k, A), F32)], interpret)(*fb.flat_schedule(by_k), *inputs)
+                   [pltpu.VMEM((block_k, A), F32), pltpu.VMEM((block_k, A), F32)], interpret,
+                   cost(KERNEL_NAMES[2], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize))(
+        *fb.flat_schedule(by_k), *inputs)
     return dq, dk, dv

@@ -26,6 +26,24 @@ _HIGHEST = lax.Precision.HIGHEST
 # The kernels' names in the compiled program (what program facts look for).
 KERNEL_NAMES = {"_forward_kernel": "gdn_chunk_forward", "_backward_kernel": "gdn_chunk_backward"}
 _F32 = jnp.float32
+# Every matmul here runs at HIGHEST precision: float32 on the TPU MXU as 6 bfloat16 passes.
+MXU_PASSES = 6
+
+
+def chunk_macs(kernel: str, C: int, K: int, V: int) -> int:
+    """Multiply-adds of one chunk of one head, as `chunk_step` writes them. Forward: the two
+    segment sums (causal ones @ [C, C], 2 C^3), k k^T, the WY products with k and v, q k^T and its
+    product with the new values (3 C^2 K + 2 C^2 V), w S, q S and k^T v_new (3 C K V); the
+    substitution has no matmul. Backward: the forward replayed without the products only the
+    outputs need (q S, the attention's product with the new values, k^T v_new: the compiler drops
+    them), plus each product's two operand gradients (one for the segment sum of g, whose other
+    operand is constant, none for that of the starts) and the inverse's closed-form adjoint (2 C^3):
+    5 C^3 + 9 C^2 K + 5 C^2 V + 7 C K V."""
+    forward = 2 * C**3 + 3 * C * C * K + 2 * C * C * V + 3 * C * K * V
+    if kernel == "gdn_chunk_forward":
+        return forward
+    replay = forward - 2 * C * K * V - C * C * V
+    return replay + 3 * C**3 + 6 * C * C * K + 4 * C * C * V + 6 * C * K * V
 
 
 def _dot(a, b, contract):

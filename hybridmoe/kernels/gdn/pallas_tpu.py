@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES, backward_chunk, forward_chunk
+from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES, backward_chunk, chunk_macs, forward_chunk
 
 _F32 = jnp.float32
 
@@ -50,10 +50,22 @@ def _specs(dims, reverse: bool):
             spec((chunk_size, 1), per_head=False), spec((1, chunk_size), per_head=False)], spec
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, key_dim, value_dim, interpret):
+def cost(name: str, grid, operands, out_shape, chunk_size: int, key_dim: int, value_dim: int) -> pl.CostEstimate:
+    """The kernel's stated cost: `chunk_macs` x 2 per grid step (one chunk of one head; the FLOPs
+    of the math, not the 6 MXU passes HIGHEST costs), one exp per decay entry (C^2 + 3 C), every
+    operand and result moved once (the state blocks stay resident)."""
+    steps = grid[0] * grid[1] * grid[2]
+    nbytes = sum(a.size * jnp.dtype(a.dtype).itemsize for a in (*operands, *out_shape))
+    return pl.CostEstimate(flops=int(2 * chunk_macs(name, chunk_size, key_dim, value_dim) * steps),
+                           transcendentals=int((chunk_size**2 + 3 * chunk_size) * steps), bytes_accessed=int(nbytes))
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, key_dim, value_dim, interpret, operands=()):
+    name = KERNEL_NAMES[kernel.__name__]
+    chunk_size = operands[0].shape[3]
     return pl.pallas_call(
-        kernel, name=KERNEL_NAMES[kernel.__name__], grid=grid, in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape,
+        kernel, name=name, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, cost_estimate=cost(name, grid, operands, out_shape, chunk_size, key_dim, value_dim),
         scratch_shapes=[pltpu.VMEM((key_dim, value_dim), _F32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret)
@@ -102,7 +114,7 @@ def forward(chunk_inputs, initial_BHKV, *, interpret: bool):
         _forward_kernel, (batch, heads, num_chunks), in_specs + [_state_spec(key_dim, value_dim)],
         [spec((chunk_size, value_dim)), spec((key_dim, value_dim)), _state_spec(key_dim, value_dim)],
         [shape(batch, num_chunks, heads, chunk_size, value_dim), shape(batch, num_chunks, heads, key_dim, value_dim),
-         shape(batch, heads, key_dim, value_dim)], key_dim, value_dim, interpret,
+         shape(batch, heads, key_dim, value_dim)], key_dim, value_dim, interpret, (*chunk_inputs, initial_BHKV),
     )(*chunk_inputs, initial_BHKV)
 
 
@@ -117,4 +129,5 @@ def backward(chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV, *, interpret: b
         in_specs + [spec((key_dim, value_dim)), spec((chunk_size, value_dim)), _state_spec(key_dim, value_dim)],
         in_specs[:6] + [_state_spec(key_dim, value_dim)],
         [like(a) for a in chunk_inputs[:6]] + [like(d_final_BHKV)], key_dim, value_dim, interpret,
+        (*chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV),
     )(*chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV)

@@ -28,6 +28,14 @@ def _params(t: Tiling, semantics=_ROW_TILED):
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
 
 
+def _cost(flops: float, nbytes: float, transcendentals: float = 0) -> pl.CostEstimate:
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(nbytes))
+
+
+def _itemsize(x) -> int:
+    return jnp.dtype(x.dtype).itemsize
+
+
 def _rows_in_group(step, lo_ref, hi_ref, grp_ref, tile_ref, tm: int):
     """[tm, 1] bool: which rows of this step's row tile belong to this step's group."""
     g = grp_ref[step]
@@ -92,6 +100,12 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
         compiler_params=_params(t),
         interpret=interpret,
         name="gmm_t" if transpose_rhs else "gmm",
+        # Every row through its group's weight, 2 m k n (rows of a non-local group counted too);
+        # bytes as the grid fetches blocks: the lhs row tile once per N tile, the group's weight
+        # slab once per step, the output tile once per step (the step tables' length: a static upper
+        # bound of the steps run).
+        cost_estimate=_cost(2 * m * k * n, (n // tn) * grp.shape[0] * tm * k * _itemsize(lhs_MK)
+                            + grp.shape[0] * k * n * _itemsize(rhs_GKN) + grp.shape[0] * tm * n * jnp.dtype(out_dtype).itemsize),
     )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
     return metadata.keep_local_rows(out, m, group_sizes_E, group_offset, num_local)
 
@@ -153,6 +167,11 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
         compiler_params=_params(t),
         interpret=interpret,
         name="tgmm",
+        # lhs^T @ grad over every row: 2 m k n; each step fetches a row tile of both operands per
+        # (N tile, K tile); the [G, K, N] output is written once.
+        cost_estimate=_cost(2 * m * k * n, grp.shape[0] * tm * ((n // tn) * k * _itemsize(lhs_MK)
+                                                         + (k // tk) * n * _itemsize(grad_MN))
+                            + num_local * k * n * jnp.dtype(out_dtype).itemsize),
     )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad))
     return out
 
@@ -234,6 +253,10 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
         compiler_params=_params(t),
         interpret=interpret,
         name=name,
+        # x @ [gate | up]: 2 m d 2f, one sigmoid per h element; x's row tile once per N tile, the
+        # two weight slabs once per step, h and the pre-activations written per step.
+        cost_estimate=_cost(2 * m * d * 2 * f, nt * grp.shape[0] * tm * d * _itemsize(x_MD)
+                            + grp.shape[0] * d * 2 * f * _itemsize(wi_GD2F) + grp.shape[0] * tm * 3 * f * _itemsize(x_MD), m * f),
     )(lo, hi, grp, tile, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
     return (metadata.keep_local_rows(h, m, group_sizes_E, group_offset, num_local),
             metadata.keep_local_rows(pre, m, group_sizes_E, group_offset, num_local))
@@ -313,6 +336,13 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         compiler_params=_params(t, ("arbitrary", "arbitrary")),
         interpret=interpret,
         name="wo_fused_dswiglu_dlhs",
+        # g @ wo^T: 2 m d f (the SwiGLU VJP epilogue is elementwise, one sigmoid per gate element);
+        # per step a row tile of g and the group's [F, D] weight; the pre-activations read and
+        # their gradient written per step (plus the row scale and h where given).
+        cost_estimate=_cost(2 * m * d * f, grp.shape[0] * (tm * d * _itemsize(g_MD) + f * d * _itemsize(wo_GFD)
+                                                     + 2 * tm * 2 * f * jnp.dtype(pre_dtype).itemsize
+                                                     + tm * 4 * (1 + has_scale) + (tm * f * _itemsize(h_MF) if has_h else 0)),
+                            m * f),
     )(lo, hi, grp, tile, *args)
     return (metadata.keep_local_rows(d_out, m, group_sizes_E, group_offset, num_local),
             metadata.keep_local_rows(dot, m, group_sizes_E, group_offset, num_local)[:, 0])

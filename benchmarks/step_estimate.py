@@ -1,0 +1,100 @@
+"""The step time on its target, estimated from the compiled program (tools/step_estimate.py), arm by arm.
+
+Each arm is a recipe plus overrides, compiled for the target (a TPU topology: compile-only devices,
+the Mosaic compiler runs for real) and read by the cost model: seconds per step by category
+(grouped matmuls, attention, GDN, dense matmuls, collectives, the rest), the two totals
+(collectives not overlapped: `step_s`; hidden under compute: `overlapped_step_s`), tokens/s per
+chip and MFU against the model's FLOPs. Nothing runs on a TPU: these are estimates, not timings.
+
+Arms already in the record are kept unless named again, so the seed cell's arms can be added by a
+later run of this script with the same record:
+
+    python benchmarks/step_estimate.py --recipe small --target tpu7x:2x2x1 \\
+        --arm default= --arm gmm_tiles_512=kernels.gmm.tiling=explicit,kernels.gmm.tm=512
+    python benchmarks/step_estimate.py --recipe qwen3.5-397b-a17b-v7x-128 --target tpu7x:4x4x8 --arm cell=
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+
+def _arm(text: str) -> tuple[str, list[str]]:
+    if "=" not in text:
+        raise SystemExit(f"--arm takes NAME=override,override,... (NAME= for the recipe as it is); got {text!r}")
+    name, overrides = text.split("=", 1)
+    return name, [o for o in overrides.split(",") if o]
+
+
+def main(argv=None) -> int:
+    harness.configure()
+    p = harness.parser(__doc__, __file__, raw=True)
+    p.add_argument("--recipe", default="small")
+    p.add_argument("--target", default="tpu7x:2x2x1", help="a TPU topology (or cpu:N with --estimate-for)")
+    p.add_argument("--arm", action="append", default=[], help="NAME=override,override,... (repeatable)")
+    p.add_argument("--estimate-for", default=None, help="hardware row (default: the target's generation)")
+    p.add_argument("--grid-step-us", type=float, default=None, help="fixed cost per Pallas grid step (us)")
+    args = p.parse_args(argv)
+    arms = dict(_arm(a) for a in args.arm) or {"default": []}
+
+    from hybridmoe.cli import _inspect_config
+    from hybridmoe.parallel.mesh import configure_cpu_devices
+    from hybridmoe.tools import step_estimate as se
+    from hybridmoe.tools import train_program as tp
+
+    kind, count = tp.parse_target(args.target)
+    out = Path(args.out)
+    previous = json.loads(out.read_text()).get("arms", {}) if out.exists() else {}
+    results = {}
+    target = None
+    for name, overrides in arms.items():
+        recipe, overrides, cfg = _inspect_config([f"recipe={args.recipe}", *overrides], kind, count)
+        if target is None:
+            if kind != "tpu":
+                configure_cpu_devices(cfg.mesh)
+            target = tp.tpu_target(args.target) if kind == "tpu" else tp.host_target()
+        print(f"{name}: recipe={recipe} {' '.join(overrides)} (compiling for {target.name})", flush=True)
+        t0 = time.perf_counter()
+        step = tp.compile_step(cfg, target, with_residuals=False)
+        grid = None if args.grid_step_us is None else args.grid_step_us * 1e-6
+        est = se.estimate_step(step, args.estimate_for, recipe=recipe, grid_step_s=grid)
+        if est is None:
+            print(f"{name}: no estimate (the compiler refused the step, or no hardware row for {target.name})")
+            results[name] = {"recipe": recipe, "overrides": overrides, "target": target.name,
+                             "refused": (step.out_of_memory or {}).get("message")}
+            continue
+        print(se.format_estimate(est, est.get("reference")), flush=True)
+        results[name] = {
+            "recipe": recipe, "overrides": overrides, "target": target.name, "hardware": est["hardware"]["name"],
+            "compile_s": round(time.perf_counter() - t0, 1),
+            "step_s": est["serial"]["step_s"], "overlapped_step_s": est["overlapped"]["step_s"],
+            "tokens_per_s_per_chip": est["serial"]["tokens_per_s_per_chip"],
+            "overlapped_tokens_per_s_per_chip": est["overlapped"]["tokens_per_s_per_chip"],
+            "mfu": est["serial"]["mfu"], "overlapped_mfu": est["overlapped"]["mfu"],
+            "category_s": {c: r["s"] for c, r in est["categories"].items()},
+            "categories": est["categories"], "collectives": est["collectives"], "kernels": est["kernels"],
+            "kernels_without_cost_estimate": est["kernels_without_cost_estimate"],
+            "loops_with_unknown_trip_count": len(est["loops_with_unknown_trip_count"]),
+            "hlo_flops_per_device": est["hlo_flops_per_device"],
+            "model_flops_per_device": est["model_flops_per_device"],
+            "tokens_per_step": est["tokens_per_step"], "chips": est["chips"], "devices": est["devices"],
+            "grid_step_s": est["hardware"]["grid_step_s"],
+        }
+    harness.write(out, "step_estimate", arms={**previous, **results},
+                  assumptions="per-op roofline (max of compute and HBM time) over the optimised HLO, loops' "
+                  "trip counts applied, Pallas calls by their stated cost estimate plus a fixed cost per grid "
+                  "step, collectives' ring wire bytes over the link bandwidth; step_s adds the collectives to "
+                  "the compute, overlapped_step_s hides them under it; a conditional costs its heaviest branch",
+                  seed=se.SEED_CELL)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

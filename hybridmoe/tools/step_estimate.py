@@ -1,0 +1,685 @@
+"""How long a compiled step would take on its target: a roofline cost model of the optimised HLO.
+
+Nothing here runs the step. The model reads the program the compiler made (`compiled.as_text()`)
+and charges every instruction the larger of its compute time and its memory time:
+
+- FLOPs: each dot, convolution and ragged dot from its HLO shapes (2 x result elements x the
+  contracted size; TPU fusions hold dots as convolutions), wherever it sits (a fusion's body too);
+  a float32 dot at HIGHEST precision costs 6 bfloat16 MXU passes, HIGH 3 (XLA's TPU lowering).
+  Elementwise work counts no FLOPs (it rides the vector units under the memory time).
+- bytes: a top-level instruction's operands plus its result (a fusion: its boundary, not its
+  body's intermediates, which stay on chip).
+- loops: a while body runs its trip count times: the `known_trip_count` XLA annotates, else the
+  induction variable's compare against a constant in the loop condition (start from the
+  while's initial tuple); nested loops multiply. XLA's own cost analysis counts a body once.
+- conditionals: the most expensive branch (an upper bound: a causal block skip is not seen).
+- Pallas calls (the Mosaic `tpu_custom_call`): the kernel's stated `pl.CostEstimate` (FLOPs,
+  bytes accessed) and its grid (`iteration_bounds` of the serialised kernel) times a fixed cost
+  per grid step. A dynamic grid dimension is bounded by the length of its scalar-prefetch tables.
+- collectives: wire bytes per device (ring algorithms: an all-gather moves (n-1)/n of its result,
+  a reduce-scatter (n-1) shards, an all-reduce 2 (n-1)/n of its buffer) over the device's link
+  bandwidth; n from the op's replica groups.
+
+Totals: `serial_s` adds the collectives to the compute; `overlapped_s` assumes every collective
+hides under compute (the larger of the two sums). Both are printed; the truth lies between them
+(the compiler overlaps what its schedule allows, and nothing here reads that schedule).
+
+Categories: grouped matmuls, attention, GDN, dense matmuls, collectives, the rest. An op belongs
+to a kernel's category by the Pallas kernel's name or by the name scope the model's kernel entry
+points open (`grouped_matmul`, `attention_core`, `gdn_core`: jax keeps them in every op's
+`op_name`, forward and backward); any other dot is a dense matmul.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import json
+import math
+import re
+from collections import defaultdict
+
+from hybridmoe.tools.program import _HLO_COMP, _HLO_SHAPE, _OPNAME, dtype_bytes
+
+# ---------------------------------------------------------------------------------------------
+# Hardware: per-chip figures as their makers publish them; per device = per chip / devices per chip.
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    devices_per_chip: int        # JAX devices on one chip (a TPU7x chip shows two)
+    bf16_flops_chip: float       # dense peak, FLOP/s
+    fp8_flops_chip: float
+    hbm_bytes_per_s_chip: float
+    hbm_bytes_chip: float
+    vmem_bytes_device: float     # on-core scratchpad per device (GPU: shared memory per SM)
+    link_bytes_per_s_chip: float  # chip-to-chip interconnect, all links, one direction
+    grid_step_s: float           # fixed cost of one Pallas grid step (see below)
+
+    def per_device(self, value: float) -> float:
+        return value / self.devices_per_chip
+
+    @property
+    def bf16_flops(self) -> float:
+        return self.per_device(self.bf16_flops_chip)
+
+    @property
+    def fp8_flops(self) -> float:
+        return self.per_device(self.fp8_flops_chip)
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.per_device(self.hbm_bytes_per_s_chip)
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.per_device(self.link_bytes_per_s_chip)
+
+
+T, G = 1e12, 1e9
+# The fixed cost of one Pallas TPU grid step (the pipeline's DMA issue and bookkeeping, with no work
+# in the step): an assumed constant, not measured (no TPU here). The Pallas TPU guides say each
+# step has a fixed cost that small blocks cannot amortise but give no figure we could check;
+# 0.35 us is the figure Pallas kernel authors quote. `estimate(..., grid_step_s=)` and
+# `--grid-step-us` take another. Triton launches whole programs: no per-step cost on the GPUs.
+PALLAS_TPU_GRID_STEP_S = 0.35e-6
+
+HARDWARE = {
+    # Google Cloud TPU documentation, "TPU7x (Ironwood)", system architecture table: per chip 2,307
+    # TFLOP/s bf16, 4,614 fp8, 192 GiB HBM at 7,380 GB/s, bidirectional ICI 1,200 GB/s (600 each
+    # way), two TensorCores per chip (two JAX devices). VMEM 64 MiB per TensorCore: JAX's Pallas
+    # TPU hardware table (pltpu.TpuInfo for TPU7x).
+    "tpu7x": Hardware("tpu7x", 2, 2307 * T, 4614 * T, 7380 * G, 192 * 2**30, 64 * 2**20, 600 * G,
+                      PALLAS_TPU_GRID_STEP_S),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s bf16 dense (1,979 with sparsity),
+    # 1,979 fp8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional (450 each way);
+    # 228 KB shared memory per SM (NVIDIA Hopper tuning guide) in the VMEM column.
+    "h100": Hardware("h100", 1, 989 * T, 1979 * T, 3350 * G, 80e9, 228 * 1024, 450 * G, 0.0),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute (same GH100 die), 141 GB HBM3e
+    # at 4.8 TB/s, NVLink 900 GB/s bidirectional.
+    "h200": Hardware("h200", 1, 989 * T, 1979 * T, 4800 * G, 141e9, 228 * 1024, 450 * G, 0.0),
+}
+
+
+def hardware_for(target: str) -> Hardware:
+    """The table's row of a target name: "tpu7x:2x2x1" -> tpu7x, "h200" / "gpu:h200" -> h200."""
+    gen = target.split(":")[-1] if target.startswith("gpu:") else target.split(":")[0]
+    if gen not in HARDWARE:
+        raise ValueError(f"no hardware figures for target {target!r}; known: {', '.join(HARDWARE)} "
+                         "(estimate a CPU compile against one with --estimate-for NAME)")
+    return HARDWARE[gen]
+
+
+# ---------------------------------------------------------------------------------------------
+# The HLO text as instructions
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    type_text: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+    op_name: str
+    args: str = ""               # the operands' text (a constant's literal)
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+
+
+def _split_call(rest: str) -> tuple[str, str]:
+    """(operands text, attributes text) of `a, b), attr=...` (the opcode's paren already eaten)."""
+    depth = 1
+    for i, ch in enumerate(rest):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+            if depth == 0:
+                return rest[:i], rest[i + 1:]
+    return rest, ""
+
+
+def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """({computation: [instructions]}, entry name) of an HLO module's text."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        m = _HLO_COMP.match(line)
+        if m and not line.startswith(" "):
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        op = _INSTR.match(line)
+        if not op:
+            continue
+        name, type_text, opcode, rest = op.groups()
+        operands, attrs = _split_call(rest)
+        opname = _OPNAME.search(attrs)
+        comps[current].append(Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operands), attrs,
+                                    opname.group(1) if opname else "", operands))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _shapes(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _HLO_SHAPE.findall(type_text)]
+
+
+def type_bytes(type_text: str) -> int:
+    return sum(math.prod(dims) * dtype_bytes(dt) for dt, dims in _shapes(type_text))
+
+
+def _dims_attr(attrs: str, key: str) -> tuple[int, ...]:
+    m = re.search(rf"\b{key}=\{{([\d,]*)\}}", attrs)
+    return tuple(int(d) for d in m.group(1).split(",") if d) if m else ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Trip counts
+
+_KNOWN_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def constant_of(instr: Instr) -> int | None:
+    """The value of a scalar integer `constant(N)`, else None."""
+    if instr.opcode != "constant" or not re.match(r"[su]\d+\[\]", instr.type_text):
+        return None
+    m = re.fullmatch(r"\s*(-?\d+)\s*", instr.args)
+    return int(m.group(1)) if m else None
+
+
+def trip_count(while_instr: Instr, comps: dict[str, list[Instr]], where: list[Instr]) -> int | None:
+    """Iterations of a while: XLA's known_trip_count, else `i < N` (or <=, >, >=, !=) on a
+    tuple element against a constant in the condition, counted from that element's initial
+    value in the while's operand tuple (a constant), with step 1. None when neither is readable."""
+    known = _KNOWN_TRIP.search(while_instr.attrs)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", while_instr.attrs)
+    if not cond or cond.group(1) not in comps:
+        return None
+    body = comps[cond.group(1)]
+    by_name = {i.name: i for i in body}
+    root = body[-1] if body else None
+    operands = root.operands if root is not None else []
+    if root is not None and root.opcode == "fusion":  # the CPU wraps the compare in a fusion
+        called = re.search(r"\bcalls=%?([\w.\-]+)", root.attrs)
+        inner = comps.get(called.group(1), []) if called else []
+        params = {i.name: int(i.args) for i in inner if i.opcode == "parameter" and i.args.strip().isdigit()}
+        compare = inner[-1] if inner and inner[-1].opcode == "compare" else None
+        if compare is None or any(o not in params for o in compare.operands):
+            return None
+        root, operands = compare, [root.operands[params[o]] for o in compare.operands]
+    if root is None or root.opcode != "compare" or len(operands) != 2:
+        return None
+    direction = re.search(r"direction=(\w+)", root.attrs).group(1)
+    a, b = (by_name.get(o) for o in operands)
+    if a is None or b is None:
+        return None
+    if a.opcode == "constant" and b.opcode == "get-tuple-element":
+        a, b = b, a
+        direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction, direction)
+    if a.opcode != "get-tuple-element" or b.opcode != "constant":
+        return None
+    limit = constant_of(b)
+    index = re.search(r"index=(\d+)", a.attrs)
+    start = _initial_value(while_instr, int(index.group(1)) if index else None, where)
+    if limit is None or start is None:
+        return None
+    n = {"LT": limit - start, "LE": limit - start + 1, "NE": limit - start,
+         "GT": start - limit, "GE": start - limit + 1}.get(direction)
+    return max(n, 0) if n is not None else None
+
+
+def _initial_value(while_instr: Instr, index: int | None, where: list[Instr]) -> int | None:
+    if index is None or not while_instr.operands:
+        return None
+    by_name = {i.name: i for i in where}
+    init = by_name.get(while_instr.operands[0])
+    if init is None or init.opcode != "tuple" or index >= len(init.operands):
+        return None
+    element = by_name.get(init.operands[index])
+    while element is not None and element.opcode in ("copy", "bitcast", "convert") and element.operands:
+        element = by_name.get(element.operands[0])  # the compiler copies the start into the loop's buffer
+    return constant_of(element) if element is not None else None
+
+
+def while_trip_counts(text: str) -> dict[str, int | None]:
+    """{while instruction name: trip count or None} of every while loop in an HLO module."""
+    comps, _ = parse_module(text)
+    return {i.name: trip_count(i, comps, body) for body in comps.values() for i in body if i.opcode == "while"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pallas kernels
+
+
+@functools.lru_cache(maxsize=None)
+def mosaic_kernel(body_b64: str) -> tuple[str, tuple[int, ...]] | None:
+    """(kernel name, iteration bounds; -1 = dynamic) of a serialised Mosaic kernel, or None when
+    this JAX cannot read it."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.lib import tpu
+        from jax._src.lib.mlir import ir
+    except ImportError:
+        return None
+    ctx = mlir.make_ir_context()
+    tpu.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True
+    with ctx, ir.Location.unknown():
+        module = ir.Module.parse(base64.b64decode(body_b64))
+        for op in module.body.operations:
+            if "iteration_bounds" in op.attributes:
+                bounds = tuple(int(b) if b >= 0 else -1 for b in ir.DenseI64ArrayAttr(op.attributes["iteration_bounds"]))
+                return ir.StringAttr(op.attributes["sym_name"]).value, bounds
+    return None
+
+
+@functools.cache
+def kernel_mxu_passes() -> dict[str, int]:
+    """MXU passes per stated FLOP of our kernels whose matmuls run float32 at HIGHEST precision
+    (a cost estimate states the math's FLOPs; the MXU runs them as bfloat16 passes)."""
+    from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES, MXU_PASSES
+
+    return {name: MXU_PASSES for name in KERNEL_NAMES.values()}
+
+
+_BODY = re.compile(r'"body":"([A-Za-z0-9+/=]*)"')
+_COST = re.compile(r'"cost_estimate":\{([^}]*)\}')
+
+
+def pallas_call_cost(instr: Instr, types: dict[str, str]) -> dict:
+    """What a Mosaic custom call states: name, flops, bytes (None without a cost estimate) and
+    grid steps (a dynamic dimension: the longest 1-D int32 scalar-prefetch operand)."""
+    name, steps = instr.name, None
+    body = _BODY.search(instr.attrs)
+    kernel = mosaic_kernel(body.group(1)) if body else None
+    if kernel:
+        name, bounds = kernel
+        longest = max((dims[0] for o in instr.operands for dt, dims in _shapes(types.get(o, ""))
+                       if dt == "s32" and len(dims) == 1), default=1)
+        steps = math.prod(b if b >= 0 else longest for b in bounds)
+    cost = _COST.search(instr.attrs)
+    flops = nbytes = None
+    if cost:
+        fields = json.loads("{" + cost.group(1) + "}")
+        flops, nbytes = float(fields.get("flops", 0)), float(fields.get("bytes_accessed", 0))
+    return {"kernel": name, "flops": flops, "bytes": nbytes, "grid_steps": steps}
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs per instruction
+
+CATEGORIES = ("grouped matmuls", "attention", "GDN", "dense matmuls", "collectives", "the rest")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute")
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "iota"}
+_SCOPES = (("grouped matmuls", re.compile(r"grouped_matmul|\bgmm|tgmm|swiglu|ragged")),
+           ("attention", re.compile(r"attention")),
+           ("GDN", re.compile(r"gdn")))
+_PASSES = {"highest": 6, "high": 3}
+
+
+def category_of(text: str, has_flops: bool) -> str:
+    for cat, pattern in _SCOPES:
+        if pattern.search(text):
+            return cat
+    return "dense matmuls" if has_flops else "the rest"
+
+
+def _group_size(attrs: str) -> int:
+    """Devices per replica group of a collective (the three spellings XLA prints)."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+        return math.prod(sizes.get(a, 1) for a in re.findall(r"'(\w+)'", m.group(2))) or 1
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if m:
+        return len([d for d in m.group(1).split(",") if d]) or 1
+    m = re.search(r"source_target_pairs=", attrs)
+    return 2 if m else 1
+
+
+def wire_bytes(kind: str, result_bytes: int, n: int) -> float:
+    """Bytes one device sends for a collective of `result_bytes` over a group of n (ring)."""
+    if n <= 1:
+        return 0.0 if kind != "collective-permute" else float(result_bytes)
+    return {"all-gather": result_bytes * (n - 1) / n, "reduce-scatter": result_bytes * (n - 1),
+            "all-reduce": 2 * result_bytes * (n - 1) / n, "all-to-all": result_bytes * (n - 1) / n,
+            "ragged-all-to-all": result_bytes * (n - 1) / n}.get(kind, float(result_bytes))
+
+
+def dot_flops(instr: Instr, types: dict[str, str]) -> float:
+    """2 x result elements x contracted size of a dot / ragged dot; a convolution's from its
+    kernel (result elements x kernel elements / output features); MXU passes of f32 precision."""
+    result = sum(math.prod(d) for _, d in _shapes(instr.type_text)[:1])
+    lhs = _shapes(types.get(instr.operands[0], "")) if instr.operands else []
+    if instr.opcode in ("dot", "ragged-dot"):
+        if not lhs:
+            return 0.0
+        contracted = math.prod(lhs[0][1][d] for d in _dims_attr(instr.attrs, "lhs_contracting_dims"))
+        flops = 2.0 * result * contracted
+    elif instr.opcode == "convolution":
+        # Each output sums over the kernel's input features and the window taps that land on real
+        # input: a dilated lhs (XLA's TPU form of a batched dot: the batch as a spatial dim with
+        # window = lhs_dilate) leaves ceil(size / lhs_dilate) taps per spatial dim.
+        rhs = _shapes(types.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
+        labels = re.search(r"dim_labels=\w*_(\w+)->", instr.attrs)
+        if not rhs or not labels or "i" not in labels.group(1):
+            return 0.0
+        kernel = rhs[0][1]
+        window = re.search(r"window=\{([^}]*)\}", instr.attrs)
+        sizes = _window_field(window.group(1), "size") if window else ()
+        dilate = _window_field(window.group(1), "lhs_dilate") if window else ()
+        taps = math.prod(-(-size // (dilate[d] if d < len(dilate) else 1)) for d, size in enumerate(sizes))
+        flops = 2.0 * result * kernel[labels.group(1).index("i")] * taps
+    else:
+        return 0.0
+    return flops * mxu_passes(instr, types)
+
+
+def _window_field(window: str, key: str) -> tuple[int, ...]:
+    m = re.search(rf"\b{key}=([\dx]+)", window)
+    return tuple(int(v) for v in m.group(1).split("x")) if m else ()
+
+
+def mxu_passes(instr: Instr, types: dict[str, str]) -> int:
+    """MXU passes of a float32 dot at its precision (HIGHEST 6, HIGH 3; bf16 and fp8: 1)."""
+    lhs = _shapes(types.get(instr.operands[0], "")) if instr.operands else []
+    precision = re.search(r"operand_precision=\{(\w+)", instr.attrs)
+    return _PASSES.get(precision.group(1), 1) if precision and lhs and lhs[0][0] == "f32" else 1
+
+
+@dataclasses.dataclass
+class OpCost:
+    category: str
+    flops: float = 0.0           # MXU work (f32 passes included)
+    useful_flops: float = 0.0    # the same without the f32 pass factor
+    bytes: float = 0.0
+    fp8: bool = False
+    grid_steps: float = 0.0
+    collective: str | None = None
+    wire_bytes: float = 0.0
+    kernel: str | None = None
+    no_cost_estimate: bool = False
+
+
+class Estimator:
+    """Walks an HLO module once; `ops()` lists (OpCost, times executed) over the whole step."""
+
+    def __init__(self, text: str, *, apply_trip_counts: bool = True):
+        self.comps, self.entry = parse_module(text)
+        self.types = {c: {i.name: i.type_text for i in body} for c, body in self.comps.items()}
+        self.names = {c: {i.name: i.op_name for i in body} for c, body in self.comps.items()}
+        self.apply_trip_counts = apply_trip_counts
+        self.unknown_trips: list[str] = []
+        self._fused: dict[str, tuple[float, float, str, bool]] = {}
+
+    def _fusion(self, comp: str) -> tuple[float, float, str, bool]:
+        """(MXU flops, useful flops, op_name of its first dot, fp8 operands) of a fused computation."""
+        memo = self._fused
+        if comp in memo:
+            return memo[comp]
+        flops = useful = 0.0
+        name, fp8 = "", False
+        for i in self.comps.get(comp, []):
+            if i.opcode in ("dot", "convolution", "ragged-dot"):
+                f = dot_flops(i, self.types[comp])
+                flops += f
+                useful += f / mxu_passes(i, self.types[comp])
+                lhs = _shapes(self.types[comp].get(i.operands[0], ""))
+                name = name or i.op_name
+                fp8 = fp8 or bool(lhs and lhs[0][0].startswith("f8"))
+            for callee in re.findall(r"\bcalls=%?([\w.\-]+)", i.attrs):
+                sub = self._fusion(callee)
+                flops, useful = flops + sub[0], useful + sub[1]
+                name, fp8 = name or sub[2], fp8 or sub[3]
+        if not name:  # a dot without metadata: any named op of the fusion says where it comes from
+            name = next((i.op_name for i in self.comps.get(comp, []) if i.op_name), "")
+        memo[comp] = (flops, useful, name, fp8)
+        return memo[comp]
+
+    def _instr_cost(self, i: Instr, comp: str, context: str = "") -> OpCost | None:
+        """One instruction's cost; `context`: the op_name of the loop or branch it runs in, for an
+        instruction the compiler left without one."""
+        types = self.types[comp]
+        if i.opcode in _FREE or i.opcode.endswith("-done") or i.opcode == "copy-start":
+            return None
+        kind = i.opcode[:-len("-start")] if i.opcode.endswith("-start") else i.opcode
+        result_bytes = type_bytes(i.type_text)
+        if kind in COLLECTIVES:
+            if i.opcode.endswith("-start") and i.type_text.startswith("("):
+                # (operand, result[, context scalars]): the result is the largest element
+                result_bytes = max((math.prod(d) * dtype_bytes(dt) for dt, d in _shapes(i.type_text)), default=0)
+            return OpCost("collectives", collective=kind,
+                          wire_bytes=wire_bytes(kind, result_bytes, _group_size(i.attrs)))
+        operand_bytes = sum(type_bytes(types.get(o, "")) for o in i.operands)
+        if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs:
+            p = pallas_call_cost(i, types)
+            flops = p["flops"] or 0.0
+            cat = category_of(f"{p['kernel']} {i.op_name or context}", flops > 0)
+            return OpCost(cat, flops * kernel_mxu_passes().get(p["kernel"], 1), flops,
+                          p["bytes"] if p["bytes"] is not None else operand_bytes + result_bytes,
+                          grid_steps=p["grid_steps"] or 0, kernel=p["kernel"], no_cost_estimate=p["flops"] is None)
+        flops = useful = 0.0
+        name, fp8 = i.op_name, False
+        if i.opcode in ("dot", "convolution", "ragged-dot"):
+            flops = dot_flops(i, types)
+            useful = flops / mxu_passes(i, types)
+            lhs = _shapes(types.get(i.operands[0], "")) if i.operands else []
+            fp8 = bool(lhs and lhs[0][0].startswith("f8"))
+        elif i.opcode == "fusion":
+            for callee in re.findall(r"\bcalls=%?([\w.\-]+)", i.attrs):
+                f, u, n, e = self._fusion(callee)
+                flops, useful, fp8 = flops + f, useful + u, fp8 or e
+                name = n or name
+        if not name:  # a compiler-made op (a fusion of its own): named by what feeds it, else its loop
+            name = next((self.names[comp].get(o) for o in i.operands if self.names[comp].get(o)), "")
+        return OpCost(category_of(name or context, flops > 0), flops, useful, operand_bytes + result_bytes, fp8)
+
+    def _walk(self, comp: str, stack: tuple = (), context: str = "") -> list[tuple[OpCost, float]]:
+        """The ops one execution of `comp` runs, each with how many times (loops applied)."""
+        if comp in stack or comp not in self.comps:
+            return []
+        out: list[tuple[OpCost, float]] = []
+        body = self.comps[comp]
+        for i in body:
+            if i.opcode == "while":
+                loop_body = re.search(r"\bbody=%?([\w.\-]+)", i.attrs).group(1)
+                n = trip_count(i, self.comps, body) if self.apply_trip_counts else 1
+                if n is None:
+                    self.unknown_trips.append(i.name)
+                    n = 1
+                out += [(c, k * n) for c, k in self._walk(loop_body, stack + (comp,), i.op_name or context)]
+            elif i.opcode == "conditional":
+                branches = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
+                names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
+                         re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", i.attrs))
+                walked = [self._walk(b, stack + (comp,), i.op_name or context) for b in names]
+                if walked:
+                    out += max(walked, key=lambda ops: sum(_flat_time(c) * k for c, k in ops))
+            elif i.opcode in ("call", "async-start") or (i.opcode == "custom-call" and "called_computations" in i.attrs):
+                for callee in re.findall(r"\b(?:to_apply|calls|called_computations)=\{?%?([\w.\-]+)", i.attrs):
+                    out += self._walk(callee, stack + (comp,), i.op_name or context)
+            else:
+                c = self._instr_cost(i, comp, context)
+                if c is not None:
+                    out.append((c, 1.0))
+        return out
+
+    def ops(self) -> list[tuple[OpCost, float]]:
+        return self._walk(self.entry)
+
+
+def _flat_time(c: OpCost) -> float:
+    """A hardware-free weight to pick a conditional's heaviest branch: FLOPs + 300 x bytes."""
+    return c.flops + 300.0 * c.bytes + 300.0 * c.wire_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+
+
+def hlo_flops(text: str, *, apply_trip_counts: bool = True) -> float:
+    """MXU FLOPs of one run of the program without the f32 pass factor (dots, convolutions, ragged
+    dots and Pallas calls' stated FLOPs, loops applied): the count to check against the model's."""
+    return sum(c.useful_flops * k for c, k in Estimator(text, apply_trip_counts=apply_trip_counts).ops())
+
+
+def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devices: int,
+             model_flops_per_device: float | None = None, apply_trip_counts: bool = True,
+             grid_step_s: float | None = None) -> dict:
+    """The step's estimated seconds by category on `hw` (per device; every device runs the same
+    program), both overlap assumptions, tokens/s per chip and MFU against the model's FLOPs."""
+    if grid_step_s is not None:
+        hw = dataclasses.replace(hw, grid_step_s=grid_step_s)
+    est = Estimator(text, apply_trip_counts=apply_trip_counts)
+    cats = {c: {"s": 0.0, "compute_s": 0.0, "memory_s": 0.0, "grid_s": 0.0, "flops": 0.0, "bytes": 0.0}
+            for c in CATEGORIES}
+    by_kind: dict[str, dict[str, float]] = defaultdict(lambda: {"wire_bytes": 0.0, "s": 0.0})
+    kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0.0, "grid_steps": 0.0, "s": 0.0, "flops": 0.0})
+    missing = set()
+    for c, k in est.ops():
+        row = cats[c.category]
+        if c.collective:
+            s = c.wire_bytes / hw.link_bytes_per_s
+            by_kind[c.collective]["wire_bytes"] += c.wire_bytes * k
+            by_kind[c.collective]["s"] += s * k
+            row["s"] += s * k
+            row["bytes"] += c.wire_bytes * k
+            continue
+        compute = c.flops / (hw.fp8_flops if c.fp8 else hw.bf16_flops)
+        memory = c.bytes / hw.hbm_bytes_per_s
+        grid = c.grid_steps * hw.grid_step_s
+        s = max(compute, memory) + grid
+        row["s"] += s * k
+        row["compute_s"] += compute * k
+        row["memory_s"] += memory * k
+        row["grid_s"] += grid * k
+        row["flops"] += c.useful_flops * k
+        row["bytes"] += c.bytes * k
+        if c.kernel:
+            kr = kernels[c.kernel]
+            kr["calls"] += k
+            kr["grid_steps"] += c.grid_steps * k
+            kr["s"] += s * k
+            kr["flops"] += c.flops * k
+            if c.no_cost_estimate:
+                missing.add(c.kernel)
+    collective_s = cats["collectives"]["s"]
+    compute_s = sum(v["s"] for cat, v in cats.items() if cat != "collectives")
+    serial = compute_s + collective_s
+    overlapped = max(compute_s, collective_s)
+    flops = sum(v["flops"] for v in cats.values())
+
+    def rates(step_s):
+        return {"step_s": step_s, "tokens_per_s_per_chip": tokens_per_step / step_s / chips if step_s else None,
+                "mfu": (model_flops_per_device / (step_s * hw.bf16_flops)
+                        if model_flops_per_device and step_s else None)}
+
+    return {"hardware": dataclasses.asdict(hw), "categories": cats, "collectives": dict(by_kind),
+            "kernels": dict(kernels), "kernels_without_cost_estimate": sorted(missing),
+            "loops_with_unknown_trip_count": est.unknown_trips, "hlo_flops_per_device": flops,
+            "model_flops_per_device": model_flops_per_device, "tokens_per_step": tokens_per_step,
+            "chips": chips, "devices": devices,
+            "serial": rates(serial), "overlapped": rates(overlapped)}
+
+
+def format_estimate(e: dict, reference: dict | None = None) -> str:
+    """The estimate as a table: seconds per step by category, the two totals, tokens/s per chip,
+    MFU; `reference` {"step_s", "tokens_per_s_per_chip", "label"} printed beside it."""
+    hw = e["hardware"]
+    lines = [f"step time estimate on {hw['name']} ({e['devices']} devices, {e['chips']} chips; roofline per op, "
+             "loops' trip counts applied)",
+             f"  {'category':<18}{'s/step':>11}{'compute s':>11}{'memory s':>11}{'grid s':>11}{'TFLOPs/dev':>12}"]
+    for cat in CATEGORIES:
+        r = e["categories"][cat]
+        lines.append(f"  {cat:<18}{r['s']:>11.4g}{r['compute_s']:>11.4g}{r['memory_s']:>11.4g}{r['grid_s']:>11.4g}"
+                     f"{r['flops'] / 1e12:>12.4g}")
+    for key, label in (("serial", "collectives not overlapped"), ("overlapped", "collectives hidden under compute")):
+        r = e[key]
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        lines.append(f"  total, {label:<33}{r['step_s']:>9.4g} s/step  {r['tokens_per_s_per_chip']:>10,.0f} "
+                     f"tokens/s per chip  MFU {mfu}")
+    if reference:
+        lines.append(f"  {reference['label']:<41}{reference['step_s']:>9.2f} s/step  "
+                     f"{reference['tokens_per_s_per_chip']:>10,.0f} tokens/s per chip")
+    for kind, r in sorted(e["collectives"].items()):
+        lines.append(f"  collective {kind:<20}{r['wire_bytes'] / 2**30:>9.3g} GiB sent per device  {r['s']:.4g} s")
+    for name, r in sorted(e["kernels"].items(), key=lambda kv: -kv[1]["s"]):
+        lines.append(f"  Pallas {name:<28}{r['calls']:>8.0f} calls {r['grid_steps']:>12,.0f} grid steps  {r['s']:.4g} s")
+    lines.append(f"  assumptions: peak bf16 {hw['bf16_flops_chip'] / hw['devices_per_chip'] / 1e12:.0f} TFLOP/s, "
+                 f"HBM {hw['hbm_bytes_per_s_chip'] / hw['devices_per_chip'] / 1e9:.0f} GB/s, links "
+                 f"{hw['link_bytes_per_s_chip'] / hw['devices_per_chip'] / 1e9:.0f} GB/s per device; "
+                 f"{hw['grid_step_s'] * 1e6:.2f} us per Pallas grid step; a conditional costs its heaviest branch; "
+                 "elementwise work hides under memory time")
+    if e["kernels_without_cost_estimate"]:
+        lines.append(f"  Pallas kernels without a cost estimate (counted as memory only): "
+                     f"{', '.join(e['kernels_without_cost_estimate'])}")
+    if e["loops_with_unknown_trip_count"]:
+        lines.append(f"  loops whose trip count is unreadable (counted once): {len(e['loops_with_unknown_trip_count'])}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# From a compiled step (tools/train_program.py), for `hybridmoe inspect` and benchmarks/step_estimate.py
+
+# The seed's measured step at its cell (Qwen3.5-397B-A17B on 128 TPU v7x chips, every lever).
+SEED_CELL = {"recipe": "qwen3.5-397b-a17b-v7x-128", "label": "seed, measured (128 v7x chips)",
+             "step_s": 78.35, "tokens_per_s_per_chip": 3764.0}
+
+
+def tokens_per_step(cfg, program_name: str) -> int | None:
+    """Tokens one run of the program trains on: the step's micro-batches, or the GRPO update's rows."""
+    if program_name == "train":
+        t = cfg.train
+        return t.batch_size * t.seq_len * t.micro_batches
+    if program_name == "grpo":
+        r = cfg.rl
+        return r.rollouts_per_step // r.mini_batches * r.sequence_len
+    return None
+
+
+def default_hardware(target_name: str) -> str | None:
+    """The table's row for a target ("tpu7x:4x4x8" -> tpu7x); None for one the table lacks (cpu:N)."""
+    gen = target_name.split(":")[0]
+    return gen if gen in HARDWARE else None
+
+
+def estimate_step(step, hardware: str | None = None, *, recipe: str | None = None,
+                  grid_step_s: float | None = None) -> dict | None:
+    """The estimate of a compiled step (train_program.CompiledStep) on `hardware` (a HARDWARE key;
+    default the target's generation). None when there is no program (refused for memory), no
+    token count (the sampler) or no hardware row."""
+    from hybridmoe.tools.train_program import model_flops_per_device
+
+    name = hardware or default_hardware(step.target.name)
+    tokens = tokens_per_step(step.cfg, step.program_name)
+    if step.program is None or tokens is None or name is None:
+        return None
+    hw = hardware_for(name)
+    devices = step.target.num_devices
+    out = estimate(step.program.compiled_text, hw, tokens_per_step=tokens,
+                   chips=max(1, devices // hw.devices_per_chip), devices=devices,
+                   model_flops_per_device=model_flops_per_device(step.cfg, devices, step.program_name),
+                   grid_step_s=grid_step_s)
+    if recipe == SEED_CELL["recipe"] and step.program_name == "train":
+        out["reference"] = SEED_CELL
+    return out

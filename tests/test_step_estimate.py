@@ -1,0 +1,301 @@
+"""The step-time cost model (tools/step_estimate.py) and the cost estimates our Pallas kernels state.
+
+- Trip counts: a tiny jitted scan around a fori_loop; the count read from XLA's annotation and,
+  with the annotation removed, from the loop condition's compare; FLOPs multiply through both.
+- Kernels: each Pallas kernel's stated CostEstimate FLOPs equal the count of its reference
+  (the dots XLA compiles for the same math, counted by the model's own HLO reader) at a small
+  shape; a cost estimate off by 2x fails.
+- The compiled `small` step on the 8-device CPU mesh: its FLOPs (trip counts applied) within 10%
+  of the analytic count (tools/flops.designed_step_flops); ignoring trip counts fails.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybridmoe.tools import step_estimate as se
+from hybridmoe.tools.program import iter_eqns
+
+
+def _compiled_text(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def _stated(fn, *args) -> dict[str, int]:
+    """{kernel name: stated FLOPs} of every pallas_call fn traces (summed per name)."""
+    out: dict[str, int] = {}
+    for eqn in iter_eqns(jax.make_jaxpr(fn)(*args)):
+        if eqn.primitive.name == "pallas_call":
+            name = eqn.params.get("name") or eqn.params["name_and_src_info"].name
+            est = eqn.params.get("cost_estimate")
+            assert est is not None, f"the Pallas kernel {name} states no cost estimate"
+            out[name] = out.get(name, 0) + est.flops
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Trip counts
+
+INNER, OUTER, N = 5, 3, 16
+
+
+def _nested(x, w):
+    def inner(i, acc):
+        return jnp.tanh(acc @ w)
+
+    def outer(acc, _):
+        return jax.lax.fori_loop(0, INNER, inner, acc), None
+
+    return jax.lax.scan(outer, x, None, length=OUTER)[0]
+
+
+@pytest.fixture(scope="module")
+def nested_text():
+    x = jnp.ones((N, N), jnp.float32)
+    return _compiled_text(_nested, x, x)
+
+
+def test_trip_counts_from_the_annotation_and_from_the_condition(nested_text):
+    assert sorted(n for n in se.while_trip_counts(nested_text).values()) == sorted([INNER, OUTER])
+    # Without XLA's annotation (what a TPU compile prints), the condition's `i < N` says the same.
+    bare = nested_text.replace('"known_trip_count"', '"unknown_trip_count"')
+    assert '"known_trip_count"' not in bare
+    assert sorted(se.while_trip_counts(bare).values()) == sorted([INNER, OUTER])
+
+
+def test_loop_flops_multiply_through_nested_loops(nested_text):
+    one = 2 * N**3
+    want = one * INNER * OUTER
+    for text in (nested_text, nested_text.replace('"known_trip_count"', '"unknown_trip_count"')):
+        got = se.hlo_flops(text)
+        assert got == want, (got, want)
+    assert se.hlo_flops(nested_text, apply_trip_counts=False) == one
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels' stated FLOPs against their references
+
+M, K, NN, E = 256, 128, 256, 4
+SIZES = jnp.array([40, 0, 150, 66], jnp.int32)  # an empty group, groups straddling row tiles
+
+
+def _gmm_cases():
+    from hybridmoe.kernels.gmm import pallas_tpu as gp
+    from hybridmoe.kernels.gmm.tiling import Tiling
+
+    t = Tiling(tm=128, tk=128, tn=128)
+    x = jnp.ones((M, K), jnp.bfloat16)
+    w = jnp.ones((E, K, NN), jnp.bfloat16)
+    g = jnp.ones((M, NN), jnp.bfloat16)
+    wo = jnp.ones((E, NN // 2, K), jnp.bfloat16)  # [G, F, D], F = NN / 2
+    pre = jnp.ones((M, NN), jnp.bfloat16)
+    common = dict(group_offset=0, sharded=False, tiling=t, interpret=True)
+    return {
+        # kernel: (its call, the reference: the same rows through one dense matmul)
+        "gmm": (lambda: gp.gmm(x, w, SIZES, transpose_rhs=False, out_dtype=jnp.float32, **common),
+                lambda: _dense_flops((M, K), (K, NN))),
+        "tgmm": (lambda: gp.tgmm(x, g, SIZES, num_local=E, out_dtype=jnp.float32, **common),
+                 lambda: _dense_flops((K, M), (M, NN))),
+        "wi_fused_swiglu_fwd": (lambda: gp.wi_fused_swiglu(x, w, SIZES, tile_n_per_half=128, mode="float32", **common),
+                                lambda: _dense_flops((M, K), (K, NN))),
+        "wo_fused_dswiglu_dlhs": (lambda: gp.wo_fused_dswiglu_dlhs(
+            jnp.ones((M, K), jnp.bfloat16), wo, SIZES, pre, preact_tile_n_per_half=128, row_scale_M=None,
+            out_tile_n_per_half=128, mode="float32", **common), lambda: _dense_flops((M, K), (K, NN // 2))),
+    }
+
+
+def _dense_flops(a, b) -> float:
+    return se.hlo_flops(_compiled_text(lambda x, y: x @ y, jnp.ones(a, jnp.float32), jnp.ones(b, jnp.float32)))
+
+
+@pytest.mark.parametrize("kernel", ["gmm", "tgmm", "wi_fused_swiglu_fwd", "wo_fused_dswiglu_dlhs"])
+def test_gmm_kernels_state_their_reference_flops(kernel):
+    call, reference = _gmm_cases()[kernel]
+    stated = _stated(call)
+    assert set(stated) == {kernel}
+    assert stated[kernel] == reference(), (stated, reference())
+
+
+B, T, NH, G, A = 1, 256, 4, 2, 64
+
+
+def _attention_inputs():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, T, NH, A)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, T, G, A)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return q, k, k, pos, jnp.ones((B, T), jnp.int32)
+
+
+def _reference_attention_flops(block_q: int, block_k: int):
+    """(forward, backward) dot FLOPs of the dense reference, scaled to the blocks a causal flash
+    schedule visits (blocks holding any visible query-key pair, counted from the mask itself)."""
+    from hybridmoe.kernels.attention.xla import attention
+
+    q, k, v, pos, seg = _attention_inputs()
+    fwd = lambda q, k, v: attention(q, k, v, q_pos_BT=pos, kv_pos_BS=pos, q_seg_BT=seg, kv_seg_BS=seg, scale=0.1)  # noqa: E731
+    f = se.hlo_flops(_compiled_text(fwd, q, k, v))
+    both = se.hlo_flops(_compiled_text(lambda q, k, v: jax.vjp(fwd, q, k, v)[1](jnp.ones_like(q)), q, k, v))
+    mask = np.tril(np.ones((T, T), bool))
+    blocks = mask.reshape(T // block_q, block_q, T // block_k, block_k).any(axis=(1, 3))
+    share = blocks.sum() / blocks.size
+    # The vjp replays the scores q k^T but not p v (its output is unused): its backward is what
+    # the vjp adds beyond half the forward.
+    return f * share, (both - f / 2) * share
+
+
+@pytest.mark.parametrize("blocks", [(256, 256), (128, 128), (128, 256)])
+def test_flash_attention_kernels_state_their_reference_flops(blocks):
+    from hybridmoe.kernels.attention import ops
+
+    block_q, block_k = blocks
+    q, k, v, pos, seg = _attention_inputs()
+    opts = dict(q_pos=pos, kv_pos=pos, q_seg=seg, kv_seg=seg, scale=0.1, backend="pallas_tpu",
+                block_q=block_q, block_k=block_k, interpret=True)
+    fwd = _stated(lambda: ops.attention_fwd(q, k, v, **opts))
+    o, lse = jax.eval_shape(lambda: ops.attention_fwd(q, k, v, **opts))
+    bwd = _stated(lambda: ops.attention_bwd(q, k, v, jnp.ones(o.shape, o.dtype), jnp.ones(lse.shape, lse.dtype),
+                                            q, **opts))
+    ref_fwd, ref_bwd = _reference_attention_flops(block_q, block_k)
+    assert fwd["flash_attention_forward"] == pytest.approx(ref_fwd, rel=1e-9), (fwd, ref_fwd)
+    # The kernels' backward recomputes the scores in both passes and do v^T in both (3 matmuls a
+    # block beyond the reference's 4: 1.5 forwards).
+    got = bwd["flash_attention_dq"] + bwd["flash_attention_dkv"]
+    assert got == pytest.approx(ref_bwd + 1.5 * ref_fwd, rel=1e-9), (bwd, ref_bwd, ref_fwd)
+
+
+def _gdn_chunk_inputs(batch=1, chunks=3, heads=2, C=16, Kd=32, Vd=48):
+    from hybridmoe.kernels.gdn.xla import ChunkInputs
+
+    rng = np.random.default_rng(1)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    x = ChunkInputs(f(batch, chunks, heads, C, Kd), f(batch, chunks, heads, C, Kd), f(batch, chunks, heads, C, Vd),
+                    -jnp.abs(f(batch, chunks, heads, C)), jax.nn.sigmoid(f(batch, chunks, heads, C)))
+    starts = jnp.zeros((batch, chunks, C), jnp.int32).at[:, 0, 0].set(1)
+    return x, starts, jnp.zeros((batch, heads, Kd, Vd), jnp.float32)
+
+
+def test_gdn_kernels_state_the_flops_their_chunk_math_compiles_to():
+    """The GDN kernels' reference is their own per-chunk math (pallas_chunk.chunk_step): run in
+    interpret mode the grid is an XLA loop, and the dots it compiles to, loops applied, are the
+    work the stated count must name."""
+    from hybridmoe.kernels.gdn import pallas
+
+    x, starts, init = _gdn_chunk_inputs()
+    fwd = lambda x: pallas.core_forward(x, starts, init, backend="pallas_tpu", interpret=True)  # noqa: E731
+    (o, final), res = jax.eval_shape(fwd, x)
+    bwd = lambda x, res: pallas.core_backward(  # noqa: E731
+        res, jnp.ones(o.shape, o.dtype), jnp.ones(final.shape, final.dtype), backend="pallas_tpu", interpret=True)
+    res = fwd(x)[1]
+    stated_fwd = _stated(fwd, x)["gdn_chunk_forward"]
+    stated_bwd = _stated(bwd, x, res)["gdn_chunk_backward"]
+    compiled_fwd = se.hlo_flops(_compiled_text(fwd, x))
+    compiled_bwd = se.hlo_flops(_compiled_text(bwd, x, res))
+    assert stated_fwd == compiled_fwd, (stated_fwd, compiled_fwd)
+    assert stated_bwd == compiled_bwd, (stated_bwd, compiled_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sabotage: a kernel's cost estimate off by 2x
+
+
+def test_a_cost_estimate_off_by_2x_is_caught(monkeypatch):
+    from hybridmoe.kernels.gdn import pallas_chunk, pallas_tpu as gdn_tpu
+
+    honest = pallas_chunk.chunk_macs
+    monkeypatch.setattr(gdn_tpu, "chunk_macs", lambda *a: 2 * honest(*a))
+    with pytest.raises(AssertionError):
+        test_gdn_kernels_state_the_flops_their_chunk_math_compiles_to()
+    from hybridmoe.kernels.gmm import pallas_tpu as gp
+
+    honest_cost = gp._cost
+    monkeypatch.setattr(gp, "_cost", lambda flops, *a: honest_cost(2 * flops, *a))
+    with pytest.raises(AssertionError):
+        test_gmm_kernels_state_their_reference_flops("gmm")
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled `small` step against the analytic count
+
+# Two micro-batches (a loop of 2) and full remat (the layer stack's forward replayed): the two
+# multipliers the analytic count must see and the compiled count must read from the program.
+SMALL = ["recipe=small", "train.batch_size=8", "train.micro_batches=2", "remat.policy=full"]
+TOLERANCE = 0.10
+
+
+@pytest.fixture(scope="module")
+def small_step():
+    from hybridmoe.cli import _inspect_config
+    from hybridmoe.tools import train_program as tp
+
+    _, _, cfg = _inspect_config(SMALL, "cpu", 8)
+    step = tp.compile_step(cfg, tp.host_target(), with_residuals=False)
+    return cfg, step.program.compiled_text
+
+
+def _analytic(cfg) -> float:
+    from hybridmoe.tools.flops import designed_step_flops
+
+    t = cfg.train
+    return designed_step_flops(cfg, 8, remat_policy=cfg.remat.policy, tokens_per_shard=t.batch_size * t.seq_len // 8)
+
+
+def test_small_step_flops_match_the_analytic_count(small_step):
+    cfg, text = small_step
+    compiled, analytic = se.hlo_flops(text), _analytic(cfg)
+    ignored = se.hlo_flops(text, apply_trip_counts=False)
+    err, broken_err = abs(compiled / analytic - 1), abs(ignored / analytic - 1)
+    print(f"compiled {compiled:.4e} analytic {analytic:.4e}: off by {err:.3f}; trip counts ignored: {broken_err:.3f}")
+    assert err < TOLERANCE, (compiled, analytic, err)
+    # Sabotage: trip counts ignored (XLA's own cost analysis counts a loop body once).
+    assert broken_err > TOLERANCE, (ignored, analytic, broken_err)
+
+
+def test_small_step_estimate_prints_every_category(small_step):
+    cfg, text = small_step
+    est = se.estimate(text, se.HARDWARE["tpu7x"], tokens_per_step=8 * 512 * 2, chips=4, devices=8,
+                      model_flops_per_device=_analytic(cfg))
+    for cat in ("grouped matmuls", "attention", "GDN", "dense matmuls"):
+        assert est["categories"][cat]["flops"] > 0, cat
+    assert est["collectives"], "the 8-device step gathers and reduces"
+    assert est["serial"]["step_s"] >= est["overlapped"]["step_s"] > 0
+    text_out = se.format_estimate(est, {"label": "reference", "step_s": 1.0, "tokens_per_s_per_chip": 1.0})
+    for word in ("grouped matmuls", "attention", "GDN", "dense matmuls", "collectives", "the rest",
+                 "not overlapped", "hidden under compute", "MFU"):
+        assert word in text_out
+
+
+def test_inspect_prints_and_records_the_estimate(tmp_path, capsys):
+    import json
+
+    from hybridmoe.cli import main
+
+    out = tmp_path / "inspect.json"
+    rc = main(["inspect", "recipe=tiny", "train.batch_size=8", "--target", "cpu:8", "--estimate-for", "h200",
+               "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "step time estimate on h200" in text and "tokens/s per chip" in text
+    est = json.loads(out.read_text())["programs"]["base"]["step_estimate"]
+    assert est["hardware"]["name"] == "h200" and est["chips"] == 8
+    assert est["serial"]["step_s"] >= est["overlapped"]["step_s"] > 0
+    assert est["tokens_per_step"] == 8 * 64
+
+
+def test_a_batched_dot_written_as_a_dilated_convolution_counts_its_real_taps():
+    """XLA's TPU form of a batched dot [G, K, M]^T x [G, K, N]: the batch G as a spatial dim with
+    window G and lhs_dilate G, so one tap of the window lands on real input; counting the whole
+    window would count G times the work."""
+    G, K, M, N = 16, 64, 8, 32
+    text = f"""HloModule batched_dot
+
+ENTRY %main (a: f32[{G},{K},{M}], b: f32[{G},{K},{N}]) -> f32[{G},{M},{N}] {{
+  %a = f32[{G},{K},{M}]{{2,1,0}} parameter(0)
+  %b = f32[{G},{K},{N}]{{2,1,0}} parameter(1)
+  ROOT %conv = f32[{G},{M},{N}]{{2,1,0}} convolution(%a, %b), window={{size={G} stride={G - 1} lhs_dilate={G}}}, dim_labels=0fb_0io->0bf
+}}
+"""
+    assert se.hlo_flops(text) == 2 * G * M * N * K
