@@ -104,7 +104,9 @@ def test_gmm_xla(dtype, sizes, transpose):
 
 @pytest.mark.parametrize("backend", ["xla", "xla_row_tiles"])
 @HYP
-@given(sizes=st.lists(st.integers(0, 9), min_size=4, max_size=4), data=st.data())
+# Group sizes sum to at most the 24 rows (a grouped matmul's groups partition its rows; [0, 7, 9, 9]
+# asked for 25 rows of 24 and made the reference and the kernel disagree on rows that do not exist).
+@given(sizes=st.lists(st.integers(0, 9), min_size=4, max_size=4).filter(lambda s: sum(s) <= 24), data=st.data())
 def test_gmm_xla_group_offset(backend, sizes, data):
     num_local = data.draw(st.integers(1, 3))
     offset = data.draw(st.integers(0, 4 - num_local))
