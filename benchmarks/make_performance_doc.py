@@ -371,6 +371,41 @@ arguments + outputs - donated + temporaries; of the target's {gib(hbm)} GiB per 
 """
 
 
+def inspect_depth() -> str:
+    name = "inspect_depth.json"
+    rec = load(name)
+    full = next(d for d in rec["depths"] if d["layers"] == rec["full_layers"])
+    rows = [[d["layers"], d["layers"] // rec["block_layers"], mib(d["argument"]), mib(d["temp"]), mib(d["total"]),
+             f"{d['compile_s']:.0f}"] for d in rec["depths"]]
+    ext = [[f"`--layers {e['layers_flag']}` ({e['compiled'][0]} and {e['compiled'][1]})", mib(e["per_block"]["temp"]),
+            mib(e["extrapolated"]["temp"]), mib(e["extrapolated"]["total"]), mib(full["total"]),
+            f"{100 * e['relative_error']['temp']:+.1f}%", f"{100 * e['relative_error']['total']:+.1f}%",
+            f"{e['compile_s']:.0f}"] for e in rec["extrapolations"]]
+    overrides = " ".join(f"`{o}`" for o in rec["overrides"] if o != "mesh.cpu_devices=0")
+    return f"""## Memory against depth: `inspect --layers`
+
+The decoder runs its layers as a scan over blocks (one block = one pass of `model.layer_pattern`).
+A compiled step holds one copy of the block's body, whose temporaries do not depend on the number
+of blocks; what the blocks add is what the loop stacks: parameters and optimizer state (the
+arguments), the per-block gradients, and the residuals the forward saves per block for the
+backward. So per-device memory is affine in the number of blocks, and `hybridmoe inspect --layers
+N` compiles the step at N layers and at N + one block and extrapolates along that line to the
+model's depth (per block = the difference). It is not exact: the compiler schedules and packs the
+deeper program on its own (buffers of one block's body can overlap the stacks differently), and a
+loop of one iteration is removed outright, so N is at least two blocks. Below: `{rec['recipe']}`
+({overrides}) for `{rec['target']}`, blocks of {rec['block_layers']} layers, compiled at each depth
+and whole at {rec['full_layers']} layers (MiB per device; compile seconds on this host).
+
+{table(["layers", "blocks", "arguments", "temporaries", "total", "compile s"], rows)}
+
+{table(["extrapolation", "temporaries per block", f"temporaries at {rec['full_layers']}",
+        f"total at {rec['full_layers']}", "full compile's total", "error (temporaries)", "error (total)",
+        "compile s (both)"], ext)}
+
+{source(rec, name, "python benchmarks/inspect_depth.py")}
+"""
+
+
 BEFORE_LM_HEAD_FIX = {"db17658", "557f88b"}  # seed-cell records compiled before f645318
 
 
@@ -392,6 +427,7 @@ def seed_cell() -> str:
     for arm in [a for a in labels if a in arms]:
         for b in arms[arm]["peak_buffers"][:3]:
             peaks.append([f"`{arm}`", gib(b["bytes"]), f"`{b['shape']}`", b["where"], f"`{b['op_name'][-80:]}`"])
+    itemised = _itemised_peaks(arms, labels)
     # Arms recorded before a fix that changes their program, and what the fix removes.
     before_fix = [f"`{a}` ({arms[a]['commit'][:7]})" for a in arms if arms[a]["commit"][:7] in BEFORE_LM_HEAD_FIX]
     stale = (f"\n{', '.join(before_fix)} predates f645318 (the LM head's chunk loop on each device's own tokens), which "
@@ -411,8 +447,30 @@ refused compile: the compiler's temporaries figure); `vs seed` against the seed'
 The largest buffers live at the peak (XLA's buffer assignment, per device):
 
 {table(["arm", "GiB", "shape", "where", "made by"], peaks)}
-
+{itemised}
 {source(rec, name, "python benchmarks/seed_cell.py")}
+"""
+
+
+def _itemised_peaks(arms: dict, labels: dict) -> str:
+    """The temporaries at each arm's peak by what made them (`inspect`'s itemised peak), for the
+    arms recorded with it."""
+    have = [a for a in labels if a in arms and arms[a].get("peak_by_category")]
+    if not have:
+        return ""
+    cats = list(dict.fromkeys(r["category"] for a in have for r in arms[a]["peak_by_category"]["categories"]))
+    rows = []
+    for a in have:
+        peak = arms[a]["peak_by_category"]
+        by = {r["category"]: r["bytes"] for r in peak["categories"]}
+        rows.append([f"`{a}`", *(gib(by[c]) if c in by else "-" for c in cats), gib(peak["itemised"]),
+                     f"{peak['share']:.0%}" if peak.get("share") is not None else "-"])
+    return f"""
+The temporaries live at the peak by what made each buffer (GiB per device; `itemised` = their
+sum, `of temporaries` = its share of the compiler's figure; tools/peak_memory.py says what counts
+where):
+
+{table(["arm", *cats, "itemised", "of temporaries"], rows)}
 """
 
 
@@ -792,7 +850,8 @@ These records are kept but their figures are not shown until they are remeasured
 
 
 SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, attention_cpu_backend, gdn_core, gdn_cp,
-            gdn_pallas_tpu, seed_cell, step_estimate, hf_reload, hf_exports, post_train_eval, robustness, pending]
+            gdn_pallas_tpu, seed_cell, step_estimate, inspect_depth, hf_reload, hf_exports, post_train_eval, robustness,
+            pending]
 
 HEADER = """# Performance and measurements
 

@@ -76,6 +76,7 @@ def summary(name: str, record: dict) -> dict:
     prog = record["programs"]["base"]
     return {"arm": name, "program": record.get("program", "train"), "overrides": prog["overrides"],
             "memory": prog["memory"], "compile_s": prog["compile_s"], "peak_buffers": prog.get("peak_buffers", []),
+            "peak_by_category": prog.get("peak_by_category"),
             "flops": prog.get("flops"), "model_flops": prog.get("model_flops"), "commit": record["commit"],
             "date": record["date"]}
 

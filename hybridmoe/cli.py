@@ -288,9 +288,16 @@ def cmd_inspect(args, words):
             raise ValueError(f"--compare takes overrides section.key=value (or recipe=NAME); got {bad}")
         arms["compare"] = [*words, *args.compare]
     configs = {name: _inspect_config(w, kind, count) for name, w in arms.items()}
+    full_cfg = configs["base"][2]
+    if args.layers is not None:
+        from hybridmoe.tools import depth
+        if args.compare is not None:
+            raise ValueError("--layers compiles two depths of one program; it takes no --compare")
+        configs = {f"{n} layers": _inspect_config([*words, f"model.num_layers={n}"], kind, count)
+                   for n in depth.depths(full_cfg, args.layers)}
     if kind != "tpu":
-        configure_cpu_devices(configs["base"][2].mesh)
-    configure_compile_cache(configs["base"][2].run.compile_cache_dir)
+        configure_cpu_devices(full_cfg.mesh)
+    configure_compile_cache(full_cfg.run.compile_cache_dir)
     target = tp.tpu_target(args.target) if kind == "tpu" else tp.host_target()
     facts = {}
     for name, (recipe, overrides, cfg) in configs.items():
@@ -303,13 +310,21 @@ def cmd_inspect(args, words):
     for name, f in facts.items():
         if f["step_estimate"]:
             print(f"\n{name}: " + step_estimate.format_estimate(f["step_estimate"], f["step_estimate"].get("reference")))
+    record = {}
+    if args.layers is not None:
+        m = full_cfg.model
+        record["depth"] = depth.extrapolate({cfg.model.num_layers: facts[name]["memory"]
+                                             for name, (_, _, cfg) in configs.items()},
+                                            len(m.layer_pattern), m.num_layers, target.hbm_bytes_per_device)
+        print()
+        print(depth.format_depth(record["depth"]))
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {
             "benchmark": "inspect", **machine_record(), "target": target.name, "program": args.program,
             "programs": {name: {"recipe": configs[name][0], "overrides": configs[name][1], **facts[name],
                                 "config": json.loads(configs[name][2].model_dump_json())}
-                         for name in facts}})
+                         for name in facts}, **record})
     return 0
 
 
@@ -408,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--program", choices=("train", "grpo", "sample"), default="train",
                            help="train: the supervised step; grpo: one GRPO update (rl.* rows and micro-batches, "
                            "pi_old, the reference policy); sample: the rollout sampler (prefill + decode loop)")
+            p.add_argument("--layers", type=int, metavar="N",
+                           help="a fast answer to 'does it fit': compile the step with N layers and with one "
+                           "block more (N a whole number of blocks of model.layer_pattern, at least two) and "
+                           "extrapolate memory to the model's depth (memory is affine in the blocks)")
             p.add_argument("--out", help="write the JSON record here")
         if name == "gates":
             p.add_argument("--candidate", nargs="*", metavar="OVERRIDE",

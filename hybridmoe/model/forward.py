@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from hybridmoe.config.schema import Config, ModelConfig
 from hybridmoe.kernels.logprobs import chunked_token_logprobs
+from hybridmoe.model import scopes
 from hybridmoe.model.attention import attention_layer
 from hybridmoe.quant.expert_fp8 import hoisted, layer_weights_at_use, scan_xs
 from hybridmoe.model.gdn import gdn_layer
@@ -29,17 +30,21 @@ def default_batch_fields(tokens_BT):
 
 def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config, packed: bool = True):
     if kind == "attention":
-        return attention_layer(p, x, positions, segment_ids, cfg.model, cfg.attention, packed=packed, kernels=cfg.kernels)
+        with jax.named_scope(scopes.ATTENTION):
+            return attention_layer(p, x, positions, segment_ids, cfg.model, cfg.attention, packed=packed,
+                                   kernels=cfg.kernels)
     if kind == "gdn":
-        return gdn_layer(p, x, segment_ids, cfg.model, chunk_size=cfg.gdn.chunk_size,
-                         backend=cfg.kernels.gdn.backend, interpret=cfg.kernels.interpret, cp_m_scan=cfg.gdn.cp_m_scan,
-                         cp_dh_scan=cfg.gdn.cp_dh_scan)
+        with jax.named_scope(scopes.GDN):
+            return gdn_layer(p, x, segment_ids, cfg.model, chunk_size=cfg.gdn.chunk_size,
+                             backend=cfg.kernels.gdn.backend, interpret=cfg.kernels.interpret,
+                             cp_m_scan=cfg.gdn.cp_m_scan, cp_dh_scan=cfg.gdn.cp_dh_scan)
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
 def embed_tokens(params, tokens_BT, dtype):
-    table_VD = constrain_at_use(params["embed"], ("vocab", "embed"))
-    return constrain(table_VD.astype(dtype)[tokens_BT], "batch", "seq", None)
+    with jax.named_scope(scopes.EMBEDDING):
+        table_VD = constrain_at_use(params["embed"], ("vocab", "embed"))
+        return constrain(table_VD.astype(dtype)[tokens_BT], "batch", "seq", None)
 
 
 def lm_head_at_use(params):
@@ -65,8 +70,9 @@ def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False
     y_BTD, aux = mix(lp["mixer"], h)
     x_BTD = x_BTD + y_BTD
     h = rms_norm(x_BTD, lp["post_norm"], m.rms_norm_eps)
-    y_BTD = moe_layer(lp["moe"], h, m, cfg.moe, cfg.kernels, return_dropped=with_moe_dropped,
-                      replay_BTk=replay_BTk, return_routing=with_routing, quant=cfg.quant)
+    with jax.named_scope(scopes.MOE):
+        y_BTD = moe_layer(lp["moe"], h, m, cfg.moe, cfg.kernels, return_dropped=with_moe_dropped,
+                          replay_BTk=replay_BTk, return_routing=with_routing, quant=cfg.quant)
     if with_moe_dropped or with_routing:
         y_BTD, extra = y_BTD
     x_BTD = constrain(x_BTD + y_BTD, "batch", "seq", None)
@@ -90,7 +96,8 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
         routing = []
         block_params, block_absmax = block_xs if with_absmax else (block_xs, [None] * len(axes))
         for i, (kind, lp, lp_axes, amax) in enumerate(zip(m.layer_pattern, block_params, axes, block_absmax)):
-            lp = layer_weights_at_use(lp, lp_axes, cfg, amax)
+            with jax.named_scope(scopes.LAYER_WEIGHTS):
+                lp = layer_weights_at_use(lp, lp_axes, cfg, amax)
             mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)
             out = decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped, with_routing=with_routing,
                                 replay_BTk=None if replay_PBTk is None else replay_PBTk[i])
@@ -150,18 +157,20 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
     if with_moe_dropped:
         step = lambda carry, bp: ((lambda x, d: (x, carry[1] + d))(*block(carry[0], bp)), None)  # noqa: E731
         carry = (x, jnp.int32(0))
-        if cfg.remat.scan_layers:
-            carry, _ = jax.lax.scan(step, carry, xs)
-        else:
-            for i in range(m.num_blocks):
-                carry, _ = step(carry, jax.tree.map(lambda a: a[i], xs))
+        with jax.named_scope(scopes.LAYERS):
+            if cfg.remat.scan_layers:
+                carry, _ = jax.lax.scan(step, carry, xs)
+            else:
+                for i in range(m.num_blocks):
+                    carry, _ = step(carry, jax.tree.map(lambda a: a[i], xs))
         x, dropped = carry
         return rms_norm(x, params["final_norm"], m.rms_norm_eps), dropped
-    if cfg.remat.scan_layers:
-        x, _ = jax.lax.scan(lambda x, bp: (block(x, bp), None), x, xs)
-    else:
-        for i in range(m.num_blocks):
-            x = block(x, jax.tree.map(lambda a: a[i], xs))
+    with jax.named_scope(scopes.LAYERS):
+        if cfg.remat.scan_layers:
+            x, _ = jax.lax.scan(lambda x, bp: (block(x, bp), None), x, xs)
+        else:
+            for i in range(m.num_blocks):
+                x = block(x, jax.tree.map(lambda a: a[i], xs))
     return rms_norm(x, params["final_norm"], m.rms_norm_eps)
 
 
@@ -176,14 +185,15 @@ def _decoder_hidden_routed(params, cfg: Config, tokens_BT, segment_ids_BT, posit
     xs = scan_xs(params, cfg, layer_axes(m))
     xs = (xs, routing_to_blocks(routing_BTLk, cfg)) if replay else xs
     step = (lambda x, bp: block(x, bp)) if with_routing else (lambda x, bp: (block(x, bp), None))  # noqa: E731
-    if cfg.remat.scan_layers:
-        x, ys = jax.lax.scan(step, x, xs)
-    else:
-        outs = []
-        for i in range(m.num_blocks):
-            x, y = step(x, jax.tree.map(lambda a: a[i], xs))
-            outs.append(y)
-        ys = jnp.stack(outs) if with_routing else None
+    with jax.named_scope(scopes.LAYERS):
+        if cfg.remat.scan_layers:
+            x, ys = jax.lax.scan(step, x, xs)
+        else:
+            outs = []
+            for i in range(m.num_blocks):
+                x, y = step(x, jax.tree.map(lambda a: a[i], xs))
+                outs.append(y)
+            ys = jnp.stack(outs) if with_routing else None
     hidden = rms_norm(x, params["final_norm"], m.rms_norm_eps)
     return (hidden, routing_from_blocks(ys)) if with_routing else hidden
 
@@ -193,7 +203,8 @@ def logits(params, cfg: Config, tokens_BT, segment_ids_BT=None, positions_BT=Non
     h = decoder_hidden(params, cfg, tokens_BT, segment_ids_BT, positions_BT, with_moe_dropped=with_moe_dropped)
     if with_moe_dropped:
         h, dropped = h
-    out = jnp.einsum("btd,dv->btv", h, lm_head_at_use(params).astype(h.dtype), preferred_element_type=jnp.float32)
+    with jax.named_scope(scopes.LM_HEAD):
+        out = jnp.einsum("btd,dv->btv", h, lm_head_at_use(params).astype(h.dtype), preferred_element_type=jnp.float32)
     return (out, dropped) if with_moe_dropped else out
 
 
@@ -210,8 +221,9 @@ def next_token_logprobs(params, cfg: Config, tokens_BT, segment_ids_BT=None, pos
     # Every position scores the next token; the last one's target is a stand-in (position 0's token)
     # whose results are cut off, so the token arrays keep the length the mesh splits.
     targets_BT = jnp.concatenate([tokens_BT[:, 1:], tokens_BT[:, :1]], axis=1)
-    logp_BT, entropy_BT = per_shard_token_logprobs(h, lm_head_at_use(params).astype(h.dtype), targets_BT, cfg,
-                                                   temperature=temperature)
+    with jax.named_scope(scopes.LM_HEAD):
+        logp_BT, entropy_BT = per_shard_token_logprobs(h, lm_head_at_use(params).astype(h.dtype), targets_BT, cfg,
+                                                       temperature=temperature)
     out = (logp_BT[:, :-1], entropy_BT[:, :-1])
     return (*out, dropped) if with_moe_dropped else out
 

@@ -39,6 +39,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridmoe.config.schema import Config
+from hybridmoe.model import scopes
 from hybridmoe.model.forward import next_token_logprobs
 from hybridmoe.rl.objective import clipped_policy_loss, importance_weights
 from hybridmoe.run.step import accumulate_grads, guarded, keep_if_not, make_optimizer, skip_if_nonfinite
@@ -120,10 +121,12 @@ def grpo_step(cfg: Config, optimizer: optax.GradientTransformation):
                                              reducers=_EXTREMES)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        with jax.named_scope(scopes.OPTIMIZER):
+            updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+            new = (optax.apply_updates(params, updates), opt_state)
         any_kept = sums["kept_tokens"] > 0
         old = (params, state["opt_state"])
-        new_params, opt_state = keep_if_not(any_kept, (optax.apply_updates(params, updates), opt_state), old)
+        new_params, opt_state = keep_if_not(any_kept, new, old)
         apply, skipped = any_kept, jnp.int32(0)
         if guarded(cfg.train):
             (new_params, opt_state), skipped = skip_if_nonfinite(loss, grad_norm, (new_params, opt_state), old)

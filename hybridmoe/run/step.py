@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from hybridmoe.config.schema import Config, TrainConfig
+from hybridmoe.model import scopes
 from hybridmoe.model.forward import next_token_logprobs
 from hybridmoe.run.data import batch_loss_mask, loss_mask
 
@@ -67,7 +68,8 @@ def accumulate_grads(loss_sum_fn, params, micro_batches, reducers=None):
     for k, (_, init) in reducers.items():
         zero_count[k] = jnp.full(count_shape[k].shape, init, count_shape[k].dtype)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (loss, count, grads), _ = jax.lax.scan(body, (jnp.float32(0), zero_count, zeros), micro_batches)
+    with jax.named_scope(scopes.MICRO_BATCHES):
+        (loss, count, grads), _ = jax.lax.scan(body, (jnp.float32(0), zero_count, zeros), micro_batches)
     return loss, count, grads
 
 
@@ -107,8 +109,9 @@ def train_step(cfg: Config, optimizer: optax.GradientTransformation):
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
         grad_norm = optax.tree.norm(grads)
         loss = loss_sum / denom
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_state = (optax.apply_updates(params, updates), opt_state)
+        with jax.named_scope(scopes.OPTIMIZER):
+            updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+            new_state = (optax.apply_updates(params, updates), opt_state)
         # A NaN/inf loss or gradient would poison the weights and Adam's moments for good: such a
         # step keeps the old ones, selected here on the device (no host round trip).
         if guarded(cfg.train):

@@ -24,6 +24,7 @@ reduce-scatter: the scattered shard; tuple results are summed).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections import Counter, defaultdict
@@ -385,6 +386,7 @@ class LiveBuffer:
     op_name: str         # jax's name stack of the op that makes it ("" for an argument)
     computation: str     # the HLO computation that makes it
     loop: str | None     # the innermost while loop (the layer scan, ...) it is made in; None outside
+    storage: str = "temp"  # its allocation: "temp", "argument", "output", "constant" or "thread-local"
 
     @property
     def in_loop(self) -> bool:
@@ -394,6 +396,40 @@ class LiveBuffer:
 _PEAK_SECTION = re.compile(r"Live ranges at \d+ \(peak\):\n((?:[ \t]+\S.*\n?)+)")
 _PEAK_LINE = re.compile(r"^\s+(\S+?)(\{[\d,]*\})?: (\d+) bytes")
 _VALUE_LINE = re.compile(r"value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=\d+,offset=\d+\): (\S+)")
+
+
+_ALLOCATION_LINE = re.compile(r"^allocation \d+: size \d+,(.*)$")
+_VALUE_IN_ALLOCATION = re.compile(r"^ value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+>")
+
+
+def _storage(allocation_tags: str) -> str:
+    """What an allocation of the buffer assignment holds, from its tags: an entry parameter
+    (arguments; those the output reuses too), the output, constants, a CPU thread's scratch, or
+    temporaries (everything else: `memory_analysis().temp_size_in_bytes` counts these)."""
+    if "parameter" in allocation_tags:
+        return "argument"
+    if "constant" in allocation_tags:
+        return "constant"
+    if "thread-local" in allocation_tags:
+        return "thread-local"
+    if "output shape" in allocation_tags or "maybe-live-out" in allocation_tags:
+        return "output"
+    return "temp"
+
+
+def value_storage(buffer_assignment_text: str) -> dict[tuple[str, str], str]:
+    """{(HLO value name, tuple index): the kind of allocation it lives in} (see `_storage`)."""
+    out: dict[tuple[str, str], str] = {}
+    kind = None
+    for line in buffer_assignment_text.splitlines():
+        a = _ALLOCATION_LINE.match(line)
+        if a:
+            kind = _storage(a.group(1))
+            continue
+        v = _VALUE_IN_ALLOCATION.match(line)
+        if v and kind:
+            out.setdefault((v.group(1), v.group(2) or "{}"), kind)
+    return out
 
 
 def _shape_text(hlo_type: str) -> str:
@@ -411,6 +447,7 @@ def peak_buffers(live_range_text: str, buffer_assignment_text: str, hlo_text: st
     shapes = {}
     for name, index, hlo_type in _VALUE_LINE.findall(buffer_assignment_text):
         shapes.setdefault((name, index or "{}"), _shape_text(hlo_type))
+    storage = value_storage(buffer_assignment_text)
     where = {}
     for comp, _, loop, _, ops in _walk_hlo(hlo_text):
         for _, _, name, opname in ops:
@@ -425,8 +462,26 @@ def peak_buffers(live_range_text: str, buffer_assignment_text: str, hlo_text: st
         if not opname and loop:  # a loop body's parameter: state the loop carries (the scan's stacks, ...)
             opname = f"{where.get(loop, ('', None, ''))[2] or loop} [carried by the loop]"
         value = name if index == "{}" else f"{name}{index}"
-        out.append(LiveBuffer(value, nbytes, shapes.get((name, index), "?"), opname, comp, loop))
+        out.append(LiveBuffer(value, nbytes, shapes.get((name, index), "?"), opname, comp, loop,
+                              storage.get((name, index), "temp")))
     return sorted(out, key=lambda b: -b.bytes)
+
+
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """The persistent compilation cache leaves the dump options out of its key, so an executable
+    read from it comes without the dumps: compile past it. JAX decides whether to use the cache once
+    per process; resetting it before and after makes it decide again (off inside, as configured
+    after)."""
+    from jax._src import config as jax_config
+    from jax.experimental.compilation_cache import compilation_cache
+
+    with jax_config.enable_compilation_cache(False):
+        compilation_cache.reset_cache()
+        try:
+            yield
+        finally:
+            compilation_cache.reset_cache()
 
 
 def compile_with_buffers(lowered, module_name: str | None = None):
@@ -455,7 +510,8 @@ def compile_with_buffers(lowered, module_name: str | None = None):
 
     try:
         try:
-            compiled = lowered.compile(compiler_options=options)
+            with _without_persistent_cache():
+                compiled = lowered.compile(compiler_options=options)
         except Exception as e:
             e.peak_buffers = buffers(read("after_optimizations.txt"))
             raise

@@ -28,7 +28,7 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 
-from hybridmoe.tools import program
+from hybridmoe.tools import peak_memory, program
 from hybridmoe.config.schema import Config
 
 GIB = 2**30
@@ -113,6 +113,7 @@ class CompiledStep:
     out_of_memory: dict | None = None   # what the refusal said (see `_out_of_hbm`)
     peak_buffers: list = dataclasses.field(default_factory=list)  # program.LiveBuffer, largest first
     program_name: str = "train"
+    shapes: peak_memory.ModelShapes | None = None  # what attributes the peak's buffers to the model's parts
 
 
 # The TPU compiler refuses a program whose buffers exceed the device's HBM (after buffer
@@ -225,6 +226,7 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, pr
     setup = build(cfg, list(target.devices))
     with setup.context():
         fn, inputs, module = _jitted_program(cfg, setup, program_name)
+        shapes = peak_memory.model_shapes(cfg, setup.abstract_state())
         t0 = time.perf_counter()
         lowered = fn.lower(*inputs)
         try:
@@ -237,12 +239,15 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, pr
                     raise vmem from None
                 raise
             refusal["argument"] = shard_bytes(inputs)
-            return CompiledStep(cfg, target, None, time.perf_counter() - t0, [], refusal)
+            return CompiledStep(cfg, target, None, time.perf_counter() - t0, [], refusal,
+                                peak_buffers=getattr(e, "peak_buffers", []), program_name=program_name,
+                                shapes=shapes)
         compile_s = time.perf_counter() - t0
         residuals = block_residuals(cfg, setup) if with_residuals and program_name == "train" else []
     prog = program.Program(lowered.as_text(), compiled.as_text(), program.memory_figures(compiled),
                            program.cost_figures(compiled))
-    return CompiledStep(cfg, target, prog, compile_s, residuals, peak_buffers=buffers, program_name=program_name)
+    return CompiledStep(cfg, target, prog, compile_s, residuals, peak_buffers=buffers, program_name=program_name,
+                        shapes=shapes)
 
 
 def block_residuals(cfg: Config, setup) -> list[program.Residual]:
@@ -326,10 +331,26 @@ def refused_memory_facts(refusal: dict, hbm_bytes: int | None) -> dict:
 PEAK_BUFFERS_SHOWN = 12
 
 
-def buffer_rows(buffers: list[program.LiveBuffer], top: int = PEAK_BUFFERS_SHOWN) -> list[dict]:
-    """The largest buffers live at the peak, one row each (per device)."""
+def buffer_rows(buffers: list[program.LiveBuffer], top: int = PEAK_BUFFERS_SHOWN,
+                shapes: peak_memory.ModelShapes | None = None) -> list[dict]:
+    """The largest buffers live at the peak, one row each (per device), with their category when
+    `shapes` is given (arguments and outputs: their storage)."""
+    def what(b):
+        if b.storage != "temp" or shapes is None:
+            return b.storage
+        return peak_memory.category(b, shapes)
+
     return [{"bytes": b.bytes, "shape": b.shape, "op_name": b.op_name, "value": b.value,
-             "where": f"in loop {b.loop}" if b.in_loop else "outside loops"} for b in buffers[:top]]
+             "where": f"in loop {b.loop}" if b.in_loop else "outside loops", "category": what(b)}
+            for b in buffers[:top]]
+
+
+def peak_by_category(step: CompiledStep) -> dict | None:
+    """The step's temporaries at the peak itemised by what made them (tools/peak_memory.py)."""
+    if step.shapes is None or not step.peak_buffers:
+        return None
+    temp = step.program.temp_bytes if step.program is not None else step.out_of_memory["temp"]
+    return peak_memory.itemise(step.peak_buffers, step.shapes, temp)
 
 
 def model_flops_per_device(cfg: Config, devices: int, program_name: str = "train") -> float | None:
@@ -356,12 +377,15 @@ def step_facts(step: CompiledStep) -> dict:
                 "compile_s": round(step.compile_s, 1),
                 "memory": refused_memory_facts(step.out_of_memory, step.target.hbm_bytes_per_device),
                 "flops": None, "model_flops": model_flops, "collectives": [], "saved_residuals": [],
-                "saved_residual_bytes_per_block": None, "peak_buffers": step.out_of_memory.get("largest", [])}
+                "saved_residual_bytes_per_block": None,
+                "peak_buffers": buffer_rows(step.peak_buffers, shapes=step.shapes) or step.out_of_memory.get("largest", []),
+                "peak_by_category": peak_by_category(step)}
     return {"target": step.target.name, "devices": step.target.num_devices,
             "compile_s": round(step.compile_s, 1),
             "memory": memory_facts(prog, step.target.hbm_bytes_per_device),
             "flops": prog.cost.get("flops"), "model_flops": model_flops,
-            "peak_buffers": buffer_rows(step.peak_buffers),
+            "peak_buffers": buffer_rows(step.peak_buffers, shapes=step.shapes),
+            "peak_by_category": peak_by_category(step),
             "collectives": collective_rows(prog.compiled_collectives),
             "saved_residuals": residual_rows(step.residuals),
             "saved_residual_bytes_per_block": residual_bytes(step.residuals)}
@@ -423,7 +447,12 @@ def format_facts(columns: dict[str, dict]) -> str:
             lines.append("")
             lines.append(f"{n}: the largest buffers live at the peak (per device)")
             for r in rows:
-                lines.append(f"  {fmt(r['bytes']):>9} {unit}  {r['shape']:<28} {r['where']:<22} {r['op_name'][:110]}")
+                lines.append(f"  {fmt(r['bytes']):>9} {unit}  {r['shape']:<28} {r.get('category', ''):<30} "
+                             f"{r['where']:<22} {r['op_name'][:110]}")
+        itemised = peak_memory.format_itemised(n, columns[n].get("peak_by_category"), GIB if big else 2**20, unit)
+        if itemised:
+            lines.append("")
+            lines.extend(itemised)
     for n in names:
         if mem[n].get("refused"):
             lines.append(f"{n}: the compiler refused the step for memory (temporaries as it reports them, "

@@ -1,0 +1,79 @@
+"""Memory against depth: a step compiled at two depths, extrapolated to the model's.
+
+The decoder runs its layers as a scan over blocks (one block = one pass of model.layer_pattern),
+so a compiled step holds one copy of the block's body and its temporaries, whatever the depth;
+what grows with the number of blocks is what the loop stacks: the parameters and optimizer state
+(arguments), the gradients, and the residuals the forward saves per block for the backward. So
+per-device memory is affine in the number of blocks, m(b) = intercept + slope x b, and two
+compiles at b and b + 1 blocks give both terms (`extrapolate`). It is not exact where the
+compiler schedules or packs the deeper program differently (a loop of one iteration is removed
+outright, so b >= 2 here); the error against a full compile is recorded in
+benchmarks/records/inspect_depth.json.
+"""
+
+from __future__ import annotations
+
+KEYS = ("argument", "temp", "total")
+
+
+def depths(cfg, layers: int) -> tuple[int, int]:
+    """The two layer counts to compile for `--layers N`: N and N + one block. N must be a whole
+    number (at least 2) of blocks and below the model's depth."""
+    m = cfg.model
+    block = len(m.layer_pattern)
+    if layers % block:
+        raise ValueError(f"--layers {layers}: not a whole number of layer blocks (one block is {block} layers, "
+                         f"model.layer_pattern={list(m.layer_pattern)}): e.g. --layers {2 * block}")
+    if layers // block < 2:
+        raise ValueError(f"--layers {layers}: at least two blocks (--layers {2 * block}): a one-block step compiles "
+                         "without its layer loop (the compiler removes a loop of one iteration), so its memory is "
+                         "off the line the deeper steps lie on")
+    if layers + block > m.num_layers:
+        raise ValueError(f"--layers {layers}: the model has {m.num_layers} layers (model.num_layers) and the "
+                         f"extrapolation compiles {layers} and {layers + block}; use fewer layers, or inspect "
+                         "without --layers to compile the whole model")
+    return layers, layers + block
+
+
+def extrapolate(memory: dict[int, dict], block: int, num_layers: int, hbm: int | None) -> dict:
+    """`memory`: {layers: memory facts (train_program.memory_facts)} at two depths one block
+    apart. Per key of KEYS: the per-block slope and the value at `num_layers`; `fits` against the
+    HBM per device."""
+    (l1, m1), (l2, m2) = sorted(memory.items())
+    b1, b2, full = l1 // block, l2 // block, num_layers // block
+    per_block, at_full = {}, {}
+    for k in KEYS:
+        if m1.get(k) is None or m2.get(k) is None:
+            per_block[k] = at_full[k] = None
+            continue
+        slope = (m2[k] - m1[k]) / (b2 - b1)
+        per_block[k] = round(slope)
+        at_full[k] = round(m1[k] + slope * (full - b1))
+    fits = None if hbm is None or at_full["total"] is None else at_full["total"] <= hbm
+    return {"block_layers": block, "compiled": [{"layers": l1, "blocks": b1, **{k: m1.get(k) for k in KEYS}},
+                                                {"layers": l2, "blocks": b2, **{k: m2.get(k) for k in KEYS}}],
+            "per_block": per_block, "extrapolated": {"layers": num_layers, "blocks": full, **at_full},
+            "hbm": hbm, "fits": fits}
+
+
+def format_depth(d: dict) -> str:
+    biggest = max((row["total"] or 0) for row in [*d["compiled"], d["extrapolated"]])
+    unit, name = (2**30, "GiB") if biggest >= 2**30 else (2**20, "MiB")
+    cell = lambda v: "-" if v is None else f"{v / unit:.2f}"  # noqa: E731
+    lines = [f"memory against depth (per device, {name}): compiled at {d['compiled'][0]['layers']} and "
+             f"{d['compiled'][1]['layers']} layers (blocks of {d['block_layers']}), extrapolated to "
+             f"{d['extrapolated']['layers']}",
+             f"  {'':<24}{'blocks':>7}{'layers':>8}{'arguments':>11}{'temporaries':>13}{'total':>9}"]
+    for row in d["compiled"]:
+        lines.append(f"  {'compiled':<24}{row['blocks']:>7}{row['layers']:>8}{cell(row['argument']):>11}"
+                     f"{cell(row['temp']):>13}{cell(row['total']):>9}")
+    p = d["per_block"]
+    lines.append(f"  {'per block (difference)':<24}{1:>7}{d['block_layers']:>8}{cell(p['argument']):>11}"
+                 f"{cell(p['temp']):>13}{cell(p['total']):>9}")
+    e = d["extrapolated"]
+    lines.append(f"  {'EXTRAPOLATED':<24}{e['blocks']:>7}{e['layers']:>8}{cell(e['argument']):>11}"
+                 f"{cell(e['temp']):>13}{cell(e['total']):>9}")
+    if d["hbm"] is not None:
+        verdict = "-" if d["fits"] is None else ("fits" if d["fits"] else "does NOT fit")
+        lines.append(f"  HBM per device {d['hbm'] / 2**30:.2f} GiB: the extrapolated step {verdict}")
+    return "\n".join(lines)

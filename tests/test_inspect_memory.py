@@ -1,0 +1,144 @@
+"""The memory peak itemised by what made each buffer, and `inspect --layers` (memory against
+depth), on tiny CPU programs (8 devices)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridmoe.cli import main
+from hybridmoe.recipe import load_config
+from hybridmoe.tools import depth, peak_memory
+from hybridmoe.tools import train_program as tp
+
+# Two planted programs. Rows: tiny (narrow experts, 128-row tiles): the MoE block's token-row
+# buffers fill the peak. Weights: experts 16x wider and 8-row tiles: the routed experts' weights
+# gathered per row tile [tiles, d_model, 2 x moe_intermediate] and their gradients fill it.
+PLANTED = {"rows": (["train.batch_size=8"], peak_memory.MOE_ROWS),
+           "weights": (["train.batch_size=8", "model.moe_intermediate_size=512", "kernels.gmm.xla_tile_rows=8"],
+                       peak_memory.EXPERT_WEIGHTS)}
+# A planted buffer of each: a row tile [tiles, 128 rows, d_model 64]; a wi gathered per row tile
+# [tiles, d_model 64, 2 x 512].
+PLANTED_BUFFER = {"rows": (",128,64]", peak_memory.MOE_ROWS), "weights": (",64,1024]", peak_memory.EXPERT_WEIGHTS)}
+
+
+@pytest.fixture(scope="module")
+def planted():
+    return {name: tp.compile_step(load_config("tiny", words), tp.host_target(), with_residuals=False)
+            for name, (words, _) in PLANTED.items()}
+
+
+def problems(steps: dict) -> list[str]:
+    """What is wrong with the itemised peaks of the planted programs (empty when right)."""
+    out = []
+    for name, step in steps.items():
+        peak = tp.peak_by_category(step)
+        cats = {r["category"]: r["bytes"] for r in peak["categories"]}
+        if not 0.9 <= peak["share"] <= 1.0:
+            out.append(f"{name}: the categories sum to {peak['share']:.3f} of the temporaries' figure")
+        expected = PLANTED[name][1]
+        largest = max(cats, key=cats.get)
+        if largest != expected:
+            out.append(f"{name}: the largest category is {largest!r}, planted {expected!r}: {cats}")
+        if cats.get(peak_memory.OTHER, 0) > 0.1 * peak["itemised"]:
+            out.append(f"{name}: 'other' holds {cats[peak_memory.OTHER] / peak['itemised']:.2f} of the peak")
+    # The planted buffers themselves, wherever the MoE block made them.
+    for name, (suffix, expected) in PLANTED_BUFFER.items():
+        step = steps[name]
+        found = [b for b in step.peak_buffers if b.shape.endswith(suffix) and b.storage == "temp"
+                 and peak_memory.innermost_scope(b.op_name) == "moe"]
+        if not found:
+            out.append(f"{name}: no [..{suffix} buffer of the MoE block at the peak")
+        for b in found:
+            got = peak_memory.category(b, step.shapes)
+            if got != expected:
+                out.append(f"{name}: {b.value} {b.shape} ({b.op_name}) counted to {got!r}, not {expected!r}")
+    return out
+
+
+def _everything_other(buf, shapes):
+    return peak_memory.OTHER
+
+
+_ORIGINAL_CATEGORY = peak_memory.category
+
+
+def _rows_and_weights_swapped(buf, shapes):
+    c = _ORIGINAL_CATEGORY(buf, shapes)
+    return {peak_memory.MOE_ROWS: peak_memory.EXPERT_WEIGHTS, peak_memory.EXPERT_WEIGHTS: peak_memory.MOE_ROWS}.get(c, c)
+
+
+BROKEN_CATEGORY = {"everything_other": _everything_other, "rows_and_weights_swapped": _rows_and_weights_swapped}
+
+
+def test_the_peak_is_itemised_by_what_made_each_buffer(planted):
+    """Each planted program's temporaries at the peak sum to the compiler's figure within 10%, the
+    planted part is the largest category, 'other' holds under 10%, and the gathered expert weights
+    count to the expert weights."""
+    found = problems(planted)
+    assert not found, found
+    for name, step in planted.items():
+        print(name, {r["category"]: r["bytes"] for r in tp.peak_by_category(step)["categories"]})
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN_CATEGORY))
+def test_a_broken_attribution_is_caught(planted, variant, monkeypatch):
+    monkeypatch.setattr(peak_memory, "category", BROKEN_CATEGORY[variant])
+    assert problems(planted), variant
+
+
+def test_extrapolation_is_the_line_through_two_depths():
+    """Memory affine in blocks (100 + 10 per block of 4 layers, arguments 7 per block): compiled at 8
+    and 12 layers, the 60-layer value is 100 + 10 x 15 (an extrapolation in layers instead of
+    blocks, or from the wrong point, misses it)."""
+    mem = {layers: {"argument": 7 * (layers // 4), "temp": 100 + 10 * (layers // 4),
+                    "total": 100 + 17 * (layers // 4)} for layers in (8, 12)}
+    d = depth.extrapolate(mem, 4, 60, hbm=260)
+    assert d["per_block"] == {"argument": 7, "temp": 10, "total": 17}
+    assert d["extrapolated"] == {"layers": 60, "blocks": 15, "argument": 105, "temp": 250, "total": 355}
+    assert d["fits"] is False and depth.extrapolate(mem, 4, 60, hbm=355)["fits"] is True
+    assert "EXTRAPOLATED" in depth.format_depth(d)
+
+
+def test_layers_must_be_whole_blocks_of_at_least_two():
+    cfg = load_config("tiny", ["model.num_layers=16"])
+    assert depth.depths(cfg, 8) == (8, 12)
+    with pytest.raises(ValueError, match="not a whole number of layer blocks .*4 layers"):
+        depth.depths(cfg, 6)
+    with pytest.raises(ValueError, match="at least two blocks"):
+        depth.depths(cfg, 4)
+    with pytest.raises(ValueError, match="has 16 layers"):
+        depth.depths(cfg, 16)
+
+
+def test_layers_at_the_cell_recipe():
+    """The 397B cell (60 layers, blocks of 4) takes --layers 8: its recipe loads at 8 and 12 layers
+    for the TPU target (nothing compiled here)."""
+    from hybridmoe.recipe.validate import compile_target
+
+    with compile_target("tpu"):
+        cell = load_config("qwen3.5-397b-a17b-v7x-128", ["mesh.cpu_devices=0"])
+        assert cell.model.num_layers == 60 and depth.depths(cell, 8) == (8, 12)
+        for n in (8, 12):
+            assert load_config("qwen3.5-397b-a17b-v7x-128", ["mesh.cpu_devices=0", f"model.num_layers={n}"]).model.num_blocks == n // 4
+
+
+def test_inspect_layers_compiles_two_depths_and_extrapolates(tmp_path, capsys):
+    """`inspect --layers 8` of a 16-layer model: the step at 8 and 12 layers, per-block memory their
+    difference, the 16-layer figure extrapolated; the layer loop's saved residuals grow with the
+    blocks it stacks."""
+    out = tmp_path / "depth.json"
+    assert main(["inspect", "recipe=tiny", "model.num_layers=16", "train.batch_size=8", "--layers", "8",
+                 "--target", "cpu:8", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "memory against depth" in text and "EXTRAPOLATED" in text
+    rec = json.loads(out.read_text())
+    d = rec["depth"]
+    m8, m12 = (rec["programs"][f"{n} layers"]["memory"] for n in (8, 12))
+    assert [c["layers"] for c in d["compiled"]] == [8, 12] and d["extrapolated"]["layers"] == 16
+    assert d["per_block"]["temp"] == m12["temp"] - m8["temp"] > 0
+    assert d["extrapolated"]["temp"] == m8["temp"] + 2 * d["per_block"]["temp"]
+    residuals = {n: {r["category"]: r["bytes"] for r in rec["programs"][f"{n} layers"]["peak_by_category"]["categories"]}
+                 .get(peak_memory.RESIDUALS, 0) for n in (8, 12)}
+    assert residuals[12] > residuals[8] > 0, residuals
