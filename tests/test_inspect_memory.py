@@ -142,3 +142,18 @@ def test_inspect_layers_compiles_two_depths_and_extrapolates(tmp_path, capsys):
     residuals = {n: {r["category"]: r["bytes"] for r in rec["programs"][f"{n} layers"]["peak_by_category"]["categories"]}
                  .get(peak_memory.RESIDUALS, 0) for n in (8, 12)}
     assert residuals[12] > residuals[8] > 0, residuals
+
+
+def test_a_stack_the_tpu_compiler_allocates_counts_to_the_layer_loop():
+    """The TPU compiler allocates the layer loop's stacks itself (custom-calls named after the call
+    around the loop, no model scope): a buffer led by the number of blocks counts to the saved
+    residuals, or to the gradients when shaped like a stacked parameter; led by anything else, other."""
+    from hybridmoe.tools.program import LiveBuffer
+
+    shapes = peak_memory.ModelShapes(256, 128, 16, frozenset({(2, 16, 256, 256)}), num_blocks=2)
+    made = lambda shape: LiveBuffer("custom-call.1", 1, shape, "jit(step)/micro_batches/while/body/closed_call",  # noqa: E731
+                                    "main", None)
+    assert peak_memory.category(made("f32[2,2048,256]"), shapes) == peak_memory.RESIDUALS
+    assert peak_memory.category(made("f32[2,1,512,4,64]"), shapes) == peak_memory.RESIDUALS
+    assert peak_memory.category(made("f32[2,16,256,256]"), shapes) == peak_memory.GRADIENTS
+    assert peak_memory.category(made("f32[3,2048,256]"), shapes) == peak_memory.OTHER

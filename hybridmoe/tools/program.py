@@ -381,12 +381,13 @@ def analyze(fn: Callable, *args, **kwargs) -> Program:
 class LiveBuffer:
     """One buffer live at the program's peak of memory, per device."""
     value: str           # the HLO value: instruction name, and tuple index when not the whole result
-    bytes: int
+    bytes: int           # what it takes in its allocation (its layout's size, tile padding included)
     shape: str           # dtype[dims] (a tuple result: "tuple")
     op_name: str         # jax's name stack of the op that makes it ("" for an argument)
     computation: str     # the HLO computation that makes it
     loop: str | None     # the innermost while loop (the layer scan, ...) it is made in; None outside
-    storage: str = "temp"  # its allocation: "temp", "argument", "output", "constant" or "thread-local"
+    storage: str = "temp"  # its allocation: "temp", "argument", "output", "constant", "thread-local" or
+    #                        "on-chip" (another memory space than the device's main one: TPU VMEM, ...)
 
     @property
     def in_loop(self) -> bool:
@@ -399,13 +400,16 @@ _VALUE_LINE = re.compile(r"value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(
 
 
 _ALLOCATION_LINE = re.compile(r"^allocation \d+: size \d+,(.*)$")
-_VALUE_IN_ALLOCATION = re.compile(r"^ value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+>")
+_VALUE_IN_ALLOCATION = re.compile(r"^ value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=(\d+),")
 
 
 def _storage(allocation_tags: str) -> str:
     """What an allocation of the buffer assignment holds, from its tags: an entry parameter
     (arguments; those the output reuses too), the output, constants, a CPU thread's scratch, or
     temporaries (everything else: `memory_analysis().temp_size_in_bytes` counts these)."""
+    color = re.search(r"\bcolor (\d+)", allocation_tags)
+    if color and color.group(1) != "0":
+        return "on-chip"
     if "parameter" in allocation_tags:
         return "argument"
     if "constant" in allocation_tags:
@@ -417,9 +421,10 @@ def _storage(allocation_tags: str) -> str:
     return "temp"
 
 
-def value_storage(buffer_assignment_text: str) -> dict[tuple[str, str], str]:
-    """{(HLO value name, tuple index): the kind of allocation it lives in} (see `_storage`)."""
-    out: dict[tuple[str, str], str] = {}
+def value_storage(buffer_assignment_text: str) -> dict[tuple[str, str], tuple[str, int]]:
+    """{(HLO value name, tuple index): (the kind of allocation it lives in (see `_storage`), the
+    bytes it takes there: its layout's, tile padding included)}."""
+    out: dict[tuple[str, str], tuple[str, int]] = {}
     kind = None
     for line in buffer_assignment_text.splitlines():
         a = _ALLOCATION_LINE.match(line)
@@ -428,7 +433,7 @@ def value_storage(buffer_assignment_text: str) -> dict[tuple[str, str], str]:
             continue
         v = _VALUE_IN_ALLOCATION.match(line)
         if v and kind:
-            out.setdefault((v.group(1), v.group(2) or "{}"), kind)
+            out.setdefault((v.group(1), v.group(2) or "{}"), (kind, int(v.group(3))))
     return out
 
 
@@ -462,8 +467,8 @@ def peak_buffers(live_range_text: str, buffer_assignment_text: str, hlo_text: st
         if not opname and loop:  # a loop body's parameter: state the loop carries (the scan's stacks, ...)
             opname = f"{where.get(loop, ('', None, ''))[2] or loop} [carried by the loop]"
         value = name if index == "{}" else f"{name}{index}"
-        out.append(LiveBuffer(value, nbytes, shapes.get((name, index), "?"), opname, comp, loop,
-                              storage.get((name, index), "temp")))
+        kind, padded = storage.get((name, index), ("temp", nbytes))
+        out.append(LiveBuffer(value, padded, shapes.get((name, index), "?"), opname, comp, loop, kind))
     return sorted(out, key=lambda b: -b.bytes)
 
 
