@@ -413,7 +413,8 @@ def _depth_reading(rec: dict, full: dict) -> str:
     errs = {e["layers_flag"]: e["relative_error"]["total"] for e in rec["extrapolations"]}
     best = min(errs, key=lambda n: abs(errs[n]))
     slower = [e for e in rec["extrapolations"] if e["compile_s"] > full["compile_s"]]
-    time = (f"Compile time barely depends on depth (the loop body is compiled once): the two shallow "
+    time = (f"Compile time does not shrink with depth (the loop body is compiled once; times on this shared "
+            f"host are noisy): the two shallow "
             f"compiles took {slower[0]['compile_s']:.0f} s together against {full['compile_s']:.0f} s for the "
             f"whole model, so at this size `--layers` saves no time; it saves time only where the whole "
             f"model's compile takes longer than two shallow ones." if slower else "")
