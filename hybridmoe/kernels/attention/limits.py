@@ -108,3 +108,48 @@ def head_dim_problem(head_dim: int, backend: str, hardware: bool) -> str | None:
     if block_rule(backend, hardware) == "triton" and not _power_of_two(head_dim):
         return f"model.head_dim={head_dim} must be a power of two >= {GPU_MIN_DIM} for the Triton kernels"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# On-chip memory of the flash kernels (kernels/vmem.py), as pallas_tpu.py builds their BlockSpecs
+# and scratch, and the float32 values the body makes per (query block, key block) pair: the
+# scores [rows, block_k] and the probabilities in the input dtype (rows = the R query heads of a
+# kv head times block_q, folded). Compared with the Mosaic compiler in tests/test_gmm_tpu_compile.py.
+
+KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
+
+
+def tpu_buffers(kernel: str, *, block_q: int, block_k: int, group: int, head_dim: int, itemsize: int = 2,
+                grad_itemsize: int = 4):
+    """The VMEM buffers of one Mosaic flash kernel (KERNELS) at its blocks; group = query heads per
+    kv head, grad_itemsize: the gradients' dtype (float32 in the model)."""
+    from hybridmoe.kernels.vmem import Buffer
+
+    rows, A = group * block_q, head_dim
+    q = (group, block_q, A)
+    common = [Buffer("q", q, itemsize), Buffer("k", (block_k, A), itemsize), Buffer("v", (block_k, A), itemsize)]
+    ids = [Buffer("q_ids", (2, rows), 4), Buffer("kv_ids", (2, block_k), 4)]
+    values = [Buffer("scores", (rows, block_k), 4, 1, "value"),
+              Buffer("probabilities", (rows, block_k), itemsize, 1, "value")]
+    if kernel == "flash_attention_forward":
+        return [*common, *ids, Buffer("o", q, itemsize), Buffer("lse", (1, rows), 4),
+                Buffer("m", (rows, 1), 4, 1, "scratch"), Buffer("l", (rows, 1), 4, 1, "scratch"),
+                Buffer("acc", (rows, A), 4, 1, "scratch"), *values]
+    if kernel == "flash_attention_dq":
+        return [*common, Buffer("do", q, itemsize), *ids, Buffer("stats", (2, rows), 4),
+                Buffer("dq", q, grad_itemsize), Buffer("dq_acc", (rows, A), 4, 1, "scratch"), *values]
+    if kernel == "flash_attention_dkv":
+        return [*common, Buffer("do", q, itemsize), *ids, Buffer("stats", (2, rows), 4),
+                Buffer("dk", (block_k, A), grad_itemsize), Buffer("dv", (block_k, A), grad_itemsize),
+                Buffer("dk_acc", (block_k, A), 4, 1, "scratch"), Buffer("dv_acc", (block_k, A), 4, 1, "scratch"),
+                *values]
+    raise ValueError(f"unknown flash kernel {kernel!r}; choose one of {KERNELS}")
+
+
+def vmem_needs(limit_mib: float, **blocks) -> dict:
+    """Per flash kernel, its VMEM need against the scoped limit (limit_mib, 0 = the compiler's
+    default); blocks: tpu_buffers' keywords."""
+    from hybridmoe.kernels.vmem import MIB, Need, tpu_bytes, tpu_limit_mib
+
+    limit = int(tpu_limit_mib(limit_mib) * MIB)
+    return {k: Need(k, tpu_bytes(tpu_buffers(k, **blocks)), limit) for k in KERNELS}
