@@ -114,30 +114,34 @@ def head_dim_problem(head_dim: int, backend: str, hardware: bool) -> str | None:
 # On-chip memory of the flash kernels (kernels/vmem.py), as pallas_tpu.py builds their BlockSpecs
 # and scratch, and the float32 values the body makes per (query block, key block) pair: the
 # scores [rows, block_k] and the probabilities in the input dtype (rows = the R query heads of a
-# kv head times block_q, folded). Compared with the Mosaic compiler in tests/test_gmm_tpu_compile.py.
+# kv head times block_q, folded; dq: the scores only). Against the compiler's smallest accepted
+# limit on tpu7x (head dim 128): the forward spills 1.44 to 1.52 x the scores' bytes (model 1.5), dq
+# 0.78 to 1.10 x (model 1), dk-dv 0.28 to 1.54 x (model 1.5); checked on a sweep of blocks in
+# tests/test_gmm_tpu_compile.py.
 
 KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
 
 
 def tpu_buffers(kernel: str, *, block_q: int, block_k: int, group: int, head_dim: int, itemsize: int = 2,
-                grad_itemsize: int = 4):
+                grad_itemsize: int | None = None):
     """The VMEM buffers of one Mosaic flash kernel (KERNELS) at its blocks; group = query heads per
-    kv head, grad_itemsize: the gradients' dtype (float32 in the model)."""
+    kv head, grad_itemsize: the gradients' (default the inputs', as the model's attention has them)."""
+    grad_itemsize = grad_itemsize or itemsize
     from hybridmoe.kernels.vmem import Buffer
 
     rows, A = group * block_q, head_dim
     q = (group, block_q, A)
     common = [Buffer("q", q, itemsize), Buffer("k", (block_k, A), itemsize), Buffer("v", (block_k, A), itemsize)]
     ids = [Buffer("q_ids", (2, rows), 4), Buffer("kv_ids", (2, block_k), 4)]
-    values = [Buffer("scores", (rows, block_k), 4, 1, "value"),
-              Buffer("probabilities", (rows, block_k), itemsize, 1, "value")]
+    scores = Buffer("scores", (rows, block_k), 4, 1, "value")
+    values = [scores, Buffer("probabilities", (rows, block_k), itemsize, 1, "value")]
     if kernel == "flash_attention_forward":
         return [*common, *ids, Buffer("o", q, itemsize), Buffer("lse", (1, rows), 4),
                 Buffer("m", (rows, 1), 4, 1, "scratch"), Buffer("l", (rows, 1), 4, 1, "scratch"),
                 Buffer("acc", (rows, A), 4, 1, "scratch"), *values]
     if kernel == "flash_attention_dq":
         return [*common, Buffer("do", q, itemsize), *ids, Buffer("stats", (2, rows), 4),
-                Buffer("dq", q, grad_itemsize), Buffer("dq_acc", (rows, A), 4, 1, "scratch"), *values]
+                Buffer("dq", q, grad_itemsize), Buffer("dq_acc", (rows, A), 4, 1, "scratch"), scores]
     if kernel == "flash_attention_dkv":
         return [*common, Buffer("do", q, itemsize), *ids, Buffer("stats", (2, rows), 4),
                 Buffer("dk", (block_k, A), grad_itemsize), Buffer("dv", (block_k, A), grad_itemsize),

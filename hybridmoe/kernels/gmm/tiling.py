@@ -193,9 +193,10 @@ def check(problems: list[str]) -> None:
 # On-chip memory (kernels/vmem.py): each Mosaic TPU kernel's buffers at its resolved tiles, as
 # pallas_tpu.py builds its BlockSpecs and scratch (tests/test_vmem_model.py compares the two), and
 # the float32 values its body spills (tests/test_gmm_tpu_compile.py compares the total with the
-# compiler's verdict). Measured on tpu7x: gmm, gmm_t, tgmm and the fused wi forward need exactly
-# their blocks and scratch (the compiler's smallest accepted limit equals the sum to 4 KiB); the
-# fused wo input gradient also spills its epilogue.
+# compiler's verdict). Measured on tpu7x (the smallest scoped limit the compiler accepts, bisected
+# to 4 KiB): gmm and gmm_t need exactly their blocks and scratch; tgmm its transposed lhs; the fused
+# wi forward its epilogue's [tm, tn] values; the fused wo input gradient its epilogue's float32
+# [tm, F] values.
 
 PALLAS_NAMES = {"gmm": "gmm", "gmm_t": "gmm_t", "tgmm": "tgmm", "wi_fused": "wi_fused_swiglu_fwd",
                 "wo_fused_dlhs": "wo_fused_dswiglu_dlhs"}
@@ -214,13 +215,19 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
                 Buffer("out", (tm, tn), out_itemsize), Buffer("acc", (tm, tn), F32, 1, "scratch")]
     if kind == "tgmm":
         return [Buffer("lhs", (tm, tk), itemsize), Buffer("grad", (tm, tn), itemsize),
-                Buffer("out", (tk, tn), out_itemsize), Buffer("acc", (tk, tn), F32, 1, "scratch")]
+                Buffer("out", (tk, tn), out_itemsize), Buffer("acc", (tk, tn), F32, 1, "scratch"),
+                # the masked lhs, transposed for the MXU (tpu7x: 0 / 48 / 184 KiB over the blocks at
+                # (tm, tk, tn) = (128, 256, 128) / (256, 256, 512) / (256, 512, 256); this is 64 / 128 / 256)
+                Buffer("lhs_transposed", (tk, tm), itemsize, 1, "value")]
     if kind == "wi_fused":
         w = depth or 2
         return [Buffer("x", (tm, tk), itemsize), Buffer("w_gate", (tk, tn), itemsize, w),
                 Buffer("w_up", (tk, tn), itemsize, w), Buffer("h", (tm, tn), itemsize),
                 Buffer("preact", (tm, 2 * tn), itemsize), Buffer("acc_gate", (tm, tn), F32, 1, "scratch"),
-                Buffer("acc_up", (tm, tn), F32, 1, "scratch")]
+                Buffer("acc_up", (tm, tn), F32, 1, "scratch"),
+                # the epilogue: silu(gate) in float32 and h in the output dtype (tpu7x at the seed's tile
+                # 512 x 4096 x 1024: 2.75 MiB over the blocks; 24 to 56 KiB at 256 x 512 x 256 / 512)
+                Buffer("silu_gate", (tm, tn), F32, 1, "value"), Buffer("h_value", (tm, tn), itemsize, 1, "value")]
     if kind == "wo_fused_dlhs":
         rows = [Buffer("g", (tm, tk), itemsize), Buffer("wo", (f, tk), itemsize),
                 Buffer("preact", (tm, 2 * f), itemsize)]
