@@ -225,3 +225,31 @@ def test_vmem_limit_above_the_core_is_refused():
     with pytest.raises(ConfigError) as err:
         load_config("tiny", ["kernels.attention.vmem_limit_mib=100"])
     assert "kernels.attention.vmem_limit_mib" in str(err.value) and "64 MiB" in str(err.value)
+
+
+def test_describe_lists_each_kernels_resolved_tiles_and_vmem():
+    from hybridmoe.cli import kernel_rows
+
+    with compile_target("tpu"):
+        cfg = load_config(CELL, [])
+    rows = {r["kernel"]: r for r in kernel_rows(cfg)}
+    assert list(rows) == list(tiling.KERNELS)
+    assert (rows["wi_fwd"]["pallas"], rows["wi_fwd"]["tk"], rows["wi_fwd"]["tn"]) == ("wi_fused_swiglu_fwd", 4096, 1024)
+    assert (rows["wo_dlhs"]["pallas"], rows["wo_dlhs"]["tk"], rows["wo_dlhs"]["tn"]) == ("wo_fused_dswiglu_dlhs", 2048, 1024)
+    assert (rows["wi_dlhs"]["tk"], rows["wo_fwd"]["tk"]) == (2048, 1024)  # the shared tk fitted to 2F and F
+    assert rows["wi_fwd"]["vmem_mib"] == 53.0 and rows["wi_fwd"]["limit_mib"] == 57.6
+
+
+def test_triton_flash_blocks_checked_against_shared_memory():
+    """At Qwen3.5's head dim 256 the Triton flash kernels at 64 x 64 blocks and 3 stages need more
+    than a GPU block's 227 KiB by the model (jax's own GPU kernel defaults, 128 x 128 at 2 stages, more
+    still: benchmarks/records/gmm_vmem.json); 32 x 32 fits."""
+    base = ["model.head_dim=256", "kernels.attention.backend=pallas_gpu", "model.layer_pattern=[attention]",
+            "model.num_layers=1", "model.compute_dtype=bfloat16"]
+    with compile_target("gpu"), pytest.raises(ConfigError) as err:
+        load_config("tiny", base + ["kernels.attention.block_q=64", "kernels.attention.block_k=64"])
+    assert "kernels.attention.block_k" in str(err.value) and "shared memory" in str(err.value), str(err.value)
+    with compile_target("gpu"):
+        load_config("tiny", base + ["kernels.attention.block_q=32", "kernels.attention.block_k=32"])
+    assert attention_limits.gpu_shared_bytes("flash_attention_forward", block_q=128, block_k=128, head_dim=256,
+                                             num_stages=2) > 227 * 1024

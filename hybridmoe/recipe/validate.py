@@ -710,6 +710,28 @@ def _kernels_vmem(cfg: Config) -> list[Problem]:
             and _attention_backend(cfg) == "pallas_tpu":
         out += _over("kernels.attention.vmem_limit_mib", attention_vmem_needs(cfg),
                      "lower kernels.attention.block_q / block_k or raise kernels.attention.vmem_limit_mib")
+    if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "") \
+            and _attention_backend(cfg) == "pallas_gpu":
+        out += _gpu_attention_problems(cfg)
     if "gdn" in cfg.model.layer_pattern and k.gdn.backend == "pallas_tpu":
         out += _over("kernels.gdn.backend", gdn_vmem_needs(cfg), "lower gdn.chunk_size or use kernels.gdn.backend=xla")
     return out
+
+
+def _gpu_attention_problems(cfg: Config) -> list[Problem]:
+    """The Triton flash kernels' shared memory per program against the GPU's per-block limit."""
+    from hybridmoe.kernels.vmem import GPU_SHARED_LIMIT_BYTES
+
+    a, m = cfg.kernels.attention, cfg.model
+    P = _context_size(cfg) or 1
+    rows = cfg.train.seq_len // P
+    block_q, block_k = attention_limits.blocks("pallas_gpu", a.block_q, a.block_k, rows, rows, hardware=True)
+    over = [(kernel, need) for kernel in attention_limits.KERNELS
+            for need in [attention_limits.gpu_shared_bytes(kernel, block_q=block_q, block_k=block_k, head_dim=m.head_dim,
+                                                           itemsize=_ITEMSIZE[m.compute_dtype])]
+            if need > GPU_SHARED_LIMIT_BYTES]
+    if not over:
+        return []
+    text = "; ".join(f"{k} needs {n / 1024:.0f} KiB of shared memory" for k, n in over)
+    return [("kernels.attention.block_k", f"{text} at block_q={block_q} block_k={block_k}, over the GPU's "
+             f"{GPU_SHARED_LIMIT_BYTES // 1024} KiB per block (Triton, {attention_limits.GPU_NUM_STAGES} stages): lower the blocks")]

@@ -157,3 +157,26 @@ def vmem_needs(limit_mib: float, **blocks) -> dict:
 
     limit = int(tpu_limit_mib(limit_mib) * MIB)
     return {k: Need(k, tpu_bytes(tpu_buffers(k, **blocks)), limit) for k in KERNELS}
+
+
+# Triton (pallas_gpu.py): a program loops over the blocks of its schedule, and the software pipeline
+# keeps num_stages copies of what one iteration loads in shared memory (the forward and dq: the key
+# and value blocks [block_k, A]; dk-dv: one query head's q and do blocks [block_q, A]) beside the
+# block the program holds for the whole loop (q, or k and v) and the probabilities it feeds the
+# second matmul. Triton's default depth is 3 stages (jax's lowering on CUDA).
+GPU_NUM_STAGES = 3
+# jax's own Triton flash attention (jax.experimental.pallas.ops.gpu.attention): forward blocks
+# 128 x 128, backward 32 x 32, num_stages 2.
+JAX_GPU_ATTENTION_DEFAULTS = {"block_q": 128, "block_k": 128, "block_q_bwd": 32, "block_k_bwd": 32, "num_stages": 2}
+
+
+def gpu_shared_bytes(kernel: str, *, block_q: int, block_k: int, head_dim: int, itemsize: int = 2,
+                     num_stages: int = GPU_NUM_STAGES) -> int:
+    """Shared memory one Triton program of a flash kernel (KERNELS) needs, by the model above."""
+    A = head_dim
+    if kernel in ("flash_attention_forward", "flash_attention_dq"):
+        per_stage, held = 2 * block_k * A * itemsize, block_q * A * itemsize * (1 if kernel.endswith("forward") else 2)
+        return num_stages * per_stage + held + block_q * block_k * itemsize
+    if kernel == "flash_attention_dkv":
+        return num_stages * 2 * block_q * A * itemsize + 2 * block_k * A * itemsize + block_q * block_k * itemsize
+    raise ValueError(f"unknown flash kernel {kernel!r}; choose one of {KERNELS}")

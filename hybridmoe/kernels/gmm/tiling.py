@@ -283,6 +283,19 @@ def layer_kernels(*, d_model: int, hidden: int, tiles: KernelTiles, wi_fused: bo
     return out
 
 
+def resolved_tiles(buffers: list[Buffer]) -> tuple[int, int, int]:
+    """(tm, tk, tn) a kernel runs, read back from its buffers (tn: per half for the fused forward,
+    F for the fused input gradient)."""
+    by = {b.what: b.shape for b in buffers}
+    if "w_gate" in by:
+        return by["x"][0], by["w_gate"][0], by["w_gate"][1]
+    if "wo" in by:
+        return by["g"][0], by["g"][1], by["wo"][0]
+    if "grad" in by:
+        return by["lhs"][0], by["lhs"][1], by["grad"][1]
+    return by["lhs"][0], by["lhs"][1], by["out"][1]
+
+
 def vmem_needs(limit_mib: float, **layer) -> dict[str, Need]:
     """Per grouped matmul of the MoE layer, its VMEM need (bytes) against the scoped limit it
     compiles under (limit_mib, 0 = the compiler's default); layer: layer_kernels' arguments."""
