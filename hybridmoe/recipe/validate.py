@@ -258,7 +258,7 @@ def _moe_fused_levers(cfg: Config) -> list[Problem]:
 
 
 @rule("kernels.gmm.backend", "kernels.gmm.tiling", "kernels.gmm.wi_fwd_tile_n_per_half", "kernels.gmm.wi_fwd_rhs_buffer_count",
-      "kernels.gmm.wi_fwd_tn", "kernels.gmm.wo_dlhs_tn")
+      *(f"kernels.gmm.{k}_{d}" for k in tiling.KERNELS for d in tiling.DIMS))
 def _kernels_gmm(cfg: Config) -> list[Problem]:
     g, moe, out = cfg.kernels.gmm, cfg.moe, []
     fused = moe.wi_fused_swiglu or moe.wo_fused_dswiglu
