@@ -307,9 +307,8 @@ def _kernels_gmm(cfg: Config) -> list[Problem]:
         out.append(("kernels.gmm.wi_fwd_tn", "tiles the unfused wi forward only; the fused one (moe.wi_fused_swiglu) "
                     "takes kernels.gmm.wi_fwd_tile_n_per_half"))
     if g.tiling != "explicit":
-        set_keys = [f"{k}_{d}" for k in tiling.KERNELS for d in tiling.DIMS if getattr(g, f"{k}_{d}")]
-        if set_keys:
-            out.append(("kernels.gmm.tiling", f"per-kernel tiles ({', '.join(set_keys)}) need kernels.gmm.tiling=explicit"))
+        out += [(f"kernels.gmm.{k}_{d}", "a per-kernel tile needs kernels.gmm.tiling=explicit")
+                for k in tiling.KERNELS for d in tiling.DIMS if getattr(g, f"{k}_{d}")]
     return out
 
 

@@ -19,7 +19,8 @@ Rules:
 Each grouped matmul of the MoE layer takes its own tiles (`KernelTiles`: wi forward, wi input
 gradient, wi weight gradient, wo forward, wo input gradient, wo weight gradient), resolved from the
 shared tm/tk/tn and per-kernel keys `<kernel>_<dim>` (0 = the shared tile) by `kernel_tiles`.
-The on-chip memory each kernel needs at its tiles is vmem.py's.
+`tpu_buffers` / `layer_kernels` / `vmem_needs` (below) are each kernel's on-chip memory at its tiles,
+built from kernels/vmem.py's pieces.
 """
 
 from __future__ import annotations
