@@ -137,17 +137,31 @@ def gmm_vmem() -> str:
     name = "gmm_vmem.json"
     rec = load(name)
     cfg = rec["config"]
-    rows = [[r["tile"], r["tm"], r["tk"], r["tn_per_half"], r["depth"] or "default", f(r["need_mib"], 2),
-             "yes" if r["fits"] else "NO", (r["error"] or "")[:60]] for r in rec["rows"]]
-    return f"""## VMEM of the fused up-projection kernel on TPU (`kernels.gmm.wi_fwd_rhs_buffer_count`)
+    rows = [[r["kernel"], " x ".join(map(str, r["tiles"])), f(r["model_mib"], 3), "fits" if r["model_fits"] else "over",
+             "fits" if r["compiler_fits"] else "overflows"] for r in rec["rows"]]
+    seed = [[s["depth"], f(s["model_mib"], 2), f(s["compiler_min_limit_mib"], 2)] for s in rec["seed_tile"]]
+    triton = [[t["blocks"], t["block_q"], t["block_k"], t["num_stages"],
+               ", ".join(f"{k.removeprefix('flash_attention_')} {v:.0f}" for k, v in t["shared_kib"].items())]
+              for t in rec["triton"]]
+    return f"""## On-chip memory of the Pallas kernels (`kernels.*.vmem_limit_mib`, the per-kernel tiles)
 
-The fused up-projection forward kernel compiled with Mosaic for one device of a compile-only
-`{cfg['topology']}` topology ({cfg['dtype']}, M {cfg['M']}, {cfg['E']} experts, one K tile), at the
-upstream tile and at the tile that decides the lever, with the weight operand's pipeline depth at
-the kernel default and at each depth; VMEM needed against the {rec['upstream']['limit_mib']} MiB
-scoped limit.
+Each Mosaic kernel alone, compiled for one device of a compile-only `{cfg['topology']}` topology, at
+tiles on both sides of a {cfg['limit_mib']} MiB scoped limit (grouped matmuls: tm x tk x tn; flash
+attention: block_q x block_k x head dim; GDN: chunk x key dim x value dim): the memory model's need
+and verdict against the compiler's. They disagree at {rec['disagree']} of {len(rec['rows'])} tiles.
 
-{table(["tile", "tm", "tk", "tn per half", "depth", "needs (MiB)", "fits", "compiler error"], rows)}
+{table(["kernel", "tiles", "model (MiB)", "model", "compiler"], rows)}
+
+The seed's wi forward tile {" x ".join(map(str, rec['seed']['wi_fwd_tile']))} (one N tile per half): the
+model against the smallest limit the compiler accepts (the seed's kernel: {rec['seed']['depth2_mib']} MiB
+at depth 2, of {rec['seed']['limit_mib']}).
+
+{table(["weight depth", "model (MiB)", "compiler's smallest limit (MiB)"], seed)}
+
+Triton flash kernels at head dim 256 (bf16): shared memory per program by the model (KiB), against a
+GPU block's {rec['triton'][0]['limit_kib']:.0f} KiB; not measured (no GPU).
+
+{table(["blocks", "block_q", "block_k", "stages", "shared memory (KiB)"], triton)}
 
 {source(rec, name, "python -m benchmarks.gmm_vmem")}
 """

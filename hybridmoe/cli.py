@@ -56,9 +56,10 @@ def cmd_describe(args, words):
     cfg = load_config(*split_args(words))
     specs = declare_params(cfg.model)
     total, active = count_params(specs), count_active_params(cfg.model)
+    kernels = kernel_rows(cfg)
     if args.json:
         print(json.dumps({"config": json.loads(cfg.model_dump_json()), "total_params": total,
-                          "active_params": active,
+                          "active_params": active, "kernels": kernels,
                           "params": [{"name": n, "shape": list(s), "dtype": d, "axes": list(a)}
                                      for n, s, d, a in param_table(specs)]}, indent=1))
         return 0
@@ -68,7 +69,37 @@ def cmd_describe(args, words):
         print(f"  {name:<{width}}  {str(shape):<28} {dtype:<9} {axes}")
     print(f"total parameters:  {total:,} ({total / 1e9:.2f} B)")
     print(f"active per token:  {active:,} ({active / 1e9:.2f} B)")
+    if kernels:
+        print("grouped matmuls (resolved tiles; VMEM by the model against the scoped limit on Mosaic TPU):")
+        for r in kernels:
+            vmem = f"  {r['vmem_mib']:.2f} / {r['limit_mib']:.2f} MiB" if "vmem_mib" in r else ""
+            print(f"  {r['kernel']:<8} {r['pallas']:<22} tm {r['tm']:<5} tk {r['tk']:<5} tn {r['tn']:<5}{vmem}")
     return 0
+
+
+def kernel_rows(cfg) -> list[dict]:
+    """Each grouped matmul of the MoE layer at its resolved tiles (explicit tiling), with its VMEM
+    need by the model on pallas_tpu."""
+    from hybridmoe.kernels.gmm import tiling
+    from hybridmoe.recipe.validate import _ITEMSIZE, gmm_tiles, gmm_vmem_needs
+
+    g, m, moe = cfg.kernels.gmm, cfg.model, cfg.moe
+    if g.tiling != "explicit" or g.backend == "xla":
+        return []
+    kernels = tiling.layer_kernels(d_model=m.d_model, hidden=m.moe_intermediate_size, tiles=gmm_tiles(cfg),
+                                   wi_fused=moe.wi_fused_swiglu, wo_fused=moe.wo_fused_dswiglu,
+                                   tile_n_per_half=g.wi_fwd_tile_n_per_half or None,
+                                   row_scale=moe.router_grad_from_wo_input, itemsize=_ITEMSIZE[m.compute_dtype])
+    needs = gmm_vmem_needs(cfg) if g.backend == "pallas_tpu" else {}
+    rows = []
+    for name, (pallas, buffers) in kernels.items():
+        tm, tk, tn = tiling.resolved_tiles(buffers)
+        row = {"kernel": name, "pallas": pallas, "tm": tm, "tk": tk, "tn": tn}
+        if name in needs:
+            row.update(vmem_mib=round(needs[name].need_bytes / 2**20, 3),
+                       limit_mib=round(needs[name].limit_bytes / 2**20, 3))
+        rows.append(row)
+    return rows
 
 
 def _check_run_paths(args) -> None:

@@ -95,3 +95,28 @@ def mutated(module, name: str, old: str, new: str):
     namespace = dict(vars(module))
     exec(compile(source.replace(old, new), f"<{module.__name__}.{name}, broken>", "exec"), namespace)  # noqa: S102
     return namespace[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-kernel tiles and the on-chip memory model (issue 26). Each is a function returning
+# [(module, attribute, broken value)] to monkeypatch (built when asked: mutated() reads the source).
+
+from hybridmoe.kernels import vmem as _vmem  # noqa: E402
+from hybridmoe.kernels.gmm import tiling as _tiling  # noqa: E402
+
+BROKEN_TILE_PLUMBING = {
+    # The wo input gradient silently runs at the forward's tiles (the shared tk at the cell).
+    "wo_dlhs_takes_the_forward_tiles": lambda: [(_moe, "_expert_mlp", mutated(
+        _moe, "_expert_mlp", "dlhs_tiling=t.wo_dlhs", "dlhs_tiling=t.wo_fwd"))],
+    # The wi weight gradient's tiles never reach the kernel (the forward's serve).
+    "wi_drhs_dropped": lambda: [(_moe, "_expert_mlp", mutated(
+        _moe, "_expert_mlp", "drhs_tiling=t.wi_drhs", "drhs_tiling=None"))],
+}
+
+BROKEN_VMEM_MODEL = {
+    # A block's buffer count ignored (one copy of every block).
+    "buffer_count_ignored": lambda: [(_vmem.Buffer, "tpu_bytes",
+                                      property(lambda b: _vmem.tpu_tile_bytes(b.shape, b.itemsize)))],
+    # The fused wo input gradient's float32 epilogue values dropped.
+    "epilogue_values_dropped": lambda: [(_tiling, "epilogue_values", lambda tm, f: [])],
+}

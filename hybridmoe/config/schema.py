@@ -180,10 +180,29 @@ class GmmKernelConfig(Section):
         0, description="Fused up-projection forward: the weight operand's pipeline depth (0 = kernel default, "
         "2 on Mosaic TPU; 1 frees the VMEM of one weight block)."
     )
-    vmem_limit_mib: float = Field(0.0, ge=0, description="Mosaic TPU scoped VMEM limit in MiB (0 = compiler default).")
+    vmem_limit_mib: float = Field(0.0, ge=0, description="Mosaic TPU scoped VMEM limit of the grouped matmuls in MiB (0 = the compiler's 32).")
     epilogue: Literal["float32", "match_unfused"] = Field(
         "float32", description="Fused epilogues: float32 (real), or match_unfused (rounds where the unfused path does; exactness proofs)."
     )
+    # Per-kernel tiles (explicit tiling): 0 = the shared tm / tk / tn above.
+    wi_fwd_tm: int = Field(0, ge=0, description="wi forward row tile (0 = tm).")
+    wi_fwd_tk: int = Field(0, ge=0, description="wi forward contraction tile over D (0 = tk).")
+    wi_fwd_tn: int = Field(0, ge=0, description="wi forward output tile over 2F, unfused only (0 = tn; fused: wi_fwd_tile_n_per_half).")
+    wi_dlhs_tm: int = Field(0, ge=0, description="wi input gradient row tile (0 = tm).")
+    wi_dlhs_tk: int = Field(0, ge=0, description="wi input gradient contraction tile over 2F (0 = tk).")
+    wi_dlhs_tn: int = Field(0, ge=0, description="wi input gradient output tile over D (0 = tn).")
+    wi_drhs_tm: int = Field(0, ge=0, description="wi weight gradient row tile (0 = tm).")
+    wi_drhs_tk: int = Field(0, ge=0, description="wi weight gradient tile over D (0 = tk).")
+    wi_drhs_tn: int = Field(0, ge=0, description="wi weight gradient tile over 2F (0 = tn).")
+    wo_fwd_tm: int = Field(0, ge=0, description="wo forward row tile (0 = tm).")
+    wo_fwd_tk: int = Field(0, ge=0, description="wo forward contraction tile over F (0 = tk).")
+    wo_fwd_tn: int = Field(0, ge=0, description="wo forward output tile over D (0 = tn).")
+    wo_dlhs_tm: int = Field(0, ge=0, description="wo input gradient row tile (0 = tm).")
+    wo_dlhs_tk: int = Field(0, ge=0, description="wo input gradient contraction tile over D (0 = tk).")
+    wo_dlhs_tn: int = Field(0, ge=0, description="wo input gradient output tile over F, unfused only (0 = tn; fused: one tile of F).")
+    wo_drhs_tm: int = Field(0, ge=0, description="wo weight gradient row tile (0 = tm).")
+    wo_drhs_tk: int = Field(0, ge=0, description="wo weight gradient tile over F (0 = tk).")
+    wo_drhs_tn: int = Field(0, ge=0, description="wo weight gradient tile over D (0 = tn).")
 
 
 class GdnKernelConfig(Section):
@@ -203,6 +222,7 @@ class AttentionKernelConfig(Section):
                          "length); 0 = the backend's default (xla 256, pallas_tpu 128, pallas_gpu 64) fitted to the local length.")
     block_k: int = Field(0, ge=0, description="Key tokens per block (flash backends); 0 = the backend's default "
                          "(xla 256, pallas_tpu 512, pallas_gpu 64) fitted to the key length.")
+    vmem_limit_mib: float = Field(0.0, ge=0, description="Mosaic TPU scoped VMEM limit of the flash kernels in MiB (0 = the compiler's 32).")
 
 
 class LogprobsKernelConfig(Section):

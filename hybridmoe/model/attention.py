@@ -91,7 +91,7 @@ def attention_core(kc: KernelsConfig, *, self_attention: bool):
         bq, bk = limits.blocks(backend, block_q, block_k, q_BTNA.shape[1], k_BSGA.shape[1], hardware)
         return flash_attention(q_BTNA, k_BSGA, v_BSGA, q_pos_BT=q_pos_BT, kv_pos_BS=kv_pos_BS, q_seg_BT=q_seg_BT,
                                kv_seg_BS=kv_seg_BS, scale=scale, backend=backend, block_q=bq, block_k=bk,
-                               interpret=kc.interpret)
+                               interpret=kc.interpret, vmem_limit_mib=kc.attention.vmem_limit_mib)
 
     return core
 
@@ -149,7 +149,8 @@ def attention_layer(p, x_BTD, positions_BT, segment_ids_BT, m: ModelConfig, a: A
                                          hardware=backend != "xla" and not kernels.interpret)
         with jax.named_scope(CORE_SCOPE):
             o_BTNA = ring_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5, **specs,
-                                    backend=backend, block_q=block_q, block_k=block_k, interpret=kernels.interpret)
+                                    backend=backend, block_q=block_q, block_k=block_k, interpret=kernels.interpret,
+                                    vmem_limit_mib=kernels.attention.vmem_limit_mib)
     else:
         with jax.named_scope(CORE_SCOPE):
             o_BTNA = context_parallel_attention(q, k, v, positions_BT, seg_BT, axes=axes, scale=m.head_dim ** -0.5,

@@ -141,7 +141,7 @@ class GroupedPlan:
     wo_fused_dswiglu: bool = False
     router_grad_from_wo_input: bool = False
     backend: str = "xla"
-    tiling: K.Tiling | None = None
+    tiles: K.KernelTiles | None = None  # each grouped matmul's (explicit tiling); None = the kernels' defaults
     interpret: bool = False
     epilogue: str = "float32"
     tile_n_per_half: int | None = None
@@ -160,7 +160,7 @@ class GroupedPlan:
             num_experts=m.num_experts, capacity_factor=moe.capacity_factor,
             wi_fused_swiglu=moe.wi_fused_swiglu, wo_fused_dswiglu=moe.wo_fused_dswiglu,
             router_grad_from_wo_input=moe.router_grad_from_wo_input, backend=g.backend,
-            tiling=K.Tiling(tm=g.tm, tk=g.tk, tn=g.tn, vmem_limit_mib=g.vmem_limit_mib) if explicit else None,
+            tiles=K.kernel_tiles(g.model_dump()) if explicit else None,
             interpret=kern.interpret, epilogue=g.epilogue,
             tile_n_per_half=(g.wi_fwd_tile_n_per_half or None) if explicit else None,
             rhs_buffer_count=g.wi_fwd_rhs_buffer_count, fp8=bool(quant and quant.fp8_gmm),
@@ -265,8 +265,11 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
     else:
         x_MD, w_M, wi_GD2F, wo_GFD, group_offset = _vary_alike(
             x_MD, w_M, wi_GD2F, wo_GFD, jnp.asarray(group_offset, jnp.int32))
-    kw = dict(backend=plan.backend, tiling=plan.tiling, interpret=plan.interpret,
-              group_offset=group_offset, xla_impl=plan.xla_impl, xla_tile_rows=plan.xla_tile_rows)
+    kw = dict(backend=plan.backend, interpret=plan.interpret, group_offset=group_offset, xla_impl=plan.xla_impl,
+              xla_tile_rows=plan.xla_tile_rows)
+    t = plan.tiles
+    wi_tiles = dict(tiling=t.wi_fwd, dlhs_tiling=t.wi_dlhs, drhs_tiling=t.wi_drhs) if t else {}
+    wo_tiles = dict(tiling=t.wo_fwd, dlhs_tiling=t.wo_dlhs, drhs_tiling=t.wo_drhs) if t else {}
     row_scale_M = w_M if plan.router_grad_from_wo_input else None
     # quant.fp8_gmm: the unfused grouped matmuls in fp8 (the fused levers are refused with it).
     mm = (functools.partial(K.gmm_fp8, group_offset=group_offset, backend=plan.backend) if plan.fp8
@@ -274,20 +277,20 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
     if plan.wi_fused_swiglu:
         out = K.wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,
                            tile_n_per_half=plan.tile_n_per_half, epilogue=plan.epilogue,
-                           rhs_buffer_count=plan.rhs_buffer_count, **kw)
+                           rhs_buffer_count=plan.rhs_buffer_count, **kw, **wi_tiles)
         h_MF, preact_M2F = out if plan.wo_fused_dswiglu else (out, None)
         preact_tile = plan.tile_n_per_half
     else:
-        preact_M2F = mm(x_MD, wi_GD2F, group_sizes_E)
+        preact_M2F = mm(x_MD, wi_GD2F, group_sizes_E, **({} if plan.fp8 else wi_tiles))
         h_MF = swiglu(preact_M2F)
         preact_tile = None  # the unfused matmul stores contiguous [gate | up]
     if plan.wo_fused_dswiglu:
         y_MD = K.wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, preact=preact_M2F,
                              preact_tile_n_per_half=preact_tile, row_scale=row_scale_M,
-                             epilogue=plan.epilogue, **kw)
+                             epilogue=plan.epilogue, **kw, **wo_tiles)
     else:
         lhs_MF = h_MF if row_scale_M is None else K.scale_rows(h_MF, row_scale_M)
-        y_MD = mm(lhs_MF, wo_GFD, group_sizes_E)
+        y_MD = mm(lhs_MF, wo_GFD, group_sizes_E, **({} if plan.fp8 else wo_tiles))
     if row_scale_M is None:
         y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(y_MD.dtype)
     return y_MD

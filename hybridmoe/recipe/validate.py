@@ -207,15 +207,22 @@ def _gmm_on_hardware(cfg: Config) -> bool:
 def _gmm_tile_problems(cfg: Config) -> list[str]:
     # The tile rules belong to the kernel (pure Python, no JAX); imported here, lazily, so the
     # validator and the kernels can never disagree about them.
-    from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
+    from hybridmoe.kernels.gmm.tiling import tile_problems
 
     g, m = cfg.kernels.gmm, cfg.model
     if g.tiling != "explicit":
         return []
-    return tile_problems(d_model=m.d_model, hidden=m.moe_intermediate_size,
-                         tiling=Tiling(tm=g.tm, tk=g.tk, tn=g.tn),
+    per_kernel = any(getattr(g, f"{k}_{d}") for k in tiling.KERNELS for d in tiling.DIMS)
+    tiles = gmm_tiles(cfg) if per_kernel else tiling.Tiling(tm=g.tm, tk=g.tk, tn=g.tn,
+                                                            rhs_buffer_count=g.wi_fwd_rhs_buffer_count)
+    return tile_problems(d_model=m.d_model, hidden=m.moe_intermediate_size, tiling=tiles,
                          tile_n_per_half=g.wi_fwd_tile_n_per_half or None, backend=g.backend,
                          hardware=_gmm_on_hardware(cfg))
+
+
+def gmm_tiles(cfg: Config) -> tiling.KernelTiles:
+    """Each grouped matmul's tiles as the MoE layer resolves them (explicit tiling)."""
+    return tiling.kernel_tiles(cfg.kernels.gmm.model_dump())
 
 
 def _quantized_gmm(cfg: Config) -> list[str]:
@@ -250,7 +257,8 @@ def _moe_fused_levers(cfg: Config) -> list[Problem]:
     return out
 
 
-@rule("kernels.gmm.backend", "kernels.gmm.tiling", "kernels.gmm.wi_fwd_tile_n_per_half", "kernels.gmm.wi_fwd_rhs_buffer_count")
+@rule("kernels.gmm.backend", "kernels.gmm.tiling", "kernels.gmm.wi_fwd_tile_n_per_half", "kernels.gmm.wi_fwd_rhs_buffer_count",
+      *(f"kernels.gmm.{k}_{d}" for k in tiling.KERNELS for d in tiling.DIMS))
 def _kernels_gmm(cfg: Config) -> list[Problem]:
     g, moe, out = cfg.kernels.gmm, cfg.moe, []
     fused = moe.wi_fused_swiglu or moe.wo_fused_dswiglu
@@ -279,9 +287,10 @@ def _kernels_gmm(cfg: Config) -> list[Problem]:
             unmet.append("needs moe.wi_fused_swiglu (only the fused up-projection forward takes the depth)")
         if g.tiling != "explicit":
             unmet.append("needs kernels.gmm.tiling=explicit (heuristic tiles may split K, where the depth is not applied)")
-        elif g.tk < cfg.model.d_model:
-            unmet.append(f"needs one K tile: kernels.gmm.tk={g.tk} must span model.d_model={cfg.model.d_model} "
-                         "(the depth is applied only when the kernel runs one K tile)")
+        elif gmm_tiles(cfg).wi_fwd.tk < cfg.model.d_model:
+            key = "wi_fwd_tk" if g.wi_fwd_tk else "tk"
+            unmet.append(f"needs one K tile: kernels.gmm.{key}={gmm_tiles(cfg).wi_fwd.tk} must span model.d_model="
+                         f"{cfg.model.d_model} (the depth is applied only when the kernel runs one K tile)")
         if g.backend == "xla":
             unmet.append("needs a Pallas backend (kernels.gmm.backend=pallas_tpu or pallas_gpu): the xla backend "
                          "has no weight pipeline")
@@ -290,6 +299,16 @@ def _kernels_gmm(cfg: Config) -> list[Problem]:
                          "1 is the depth that frees VMEM, benchmarks/records/gmm_vmem.json)")
         if unmet:
             out.append(("kernels.gmm.wi_fwd_rhs_buffer_count", "; ".join(unmet)))
+    F = cfg.model.moe_intermediate_size
+    if g.wo_dlhs_tn and moe.wo_fused_dswiglu and g.wo_dlhs_tn != F:
+        out.append(("kernels.gmm.wo_dlhs_tn", f"{g.wo_dlhs_tn}: the fused wo input gradient (moe.wo_fused_dswiglu) "
+                    f"spans F=model.moe_intermediate_size={F} with one N tile; leave it 0 or set {F}"))
+    if g.wi_fwd_tn and moe.wi_fused_swiglu:
+        out.append(("kernels.gmm.wi_fwd_tn", "tiles the unfused wi forward only; the fused one (moe.wi_fused_swiglu) "
+                    "takes kernels.gmm.wi_fwd_tile_n_per_half"))
+    if g.tiling != "explicit":
+        out += [(f"kernels.gmm.{k}_{d}", "a per-kernel tile needs kernels.gmm.tiling=explicit")
+                for k in tiling.KERNELS for d in tiling.DIMS if getattr(g, f"{k}_{d}")]
     return out
 
 
@@ -622,3 +641,96 @@ def _quant_fp8_gmm(cfg: Config) -> list[Problem]:
         unmet.append(f"kernels.gmm.backend={cfg.kernels.gmm.backend} has no fp8 grouped matmul; use xla "
                      "(ragged_dot over exact fp8 codes with float32 accumulation)")
     return [("quant.fp8_gmm", "; ".join(unmet))] if unmet else []
+
+
+# ---------------------------------------------------------------------------------------------
+# On-chip memory: every Mosaic TPU kernel the step runs must fit its scoped VMEM limit at the
+# configured tiles (the memory models beside each kernel family: kernels/vmem.py), refused here
+# instead of after a compile.
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _limit_problem(key: str, limit_mib: float) -> list[Problem]:
+    from hybridmoe.kernels.vmem import TPU_VMEM_MIB
+
+    if limit_mib > TPU_VMEM_MIB:
+        return [(key, f"{limit_mib} MiB is more than a TPU core's {TPU_VMEM_MIB:.0f} MiB of VMEM")]
+    return []
+
+
+def gmm_vmem_needs(cfg: Config) -> dict:
+    """Each grouped matmul's VMEM need at its tiles (explicit tiling, Mosaic TPU), by kernel."""
+    g, m, moe = cfg.kernels.gmm, cfg.model, cfg.moe
+    return tiling.vmem_needs(g.vmem_limit_mib, d_model=m.d_model, hidden=m.moe_intermediate_size,
+                             tiles=gmm_tiles(cfg), wi_fused=moe.wi_fused_swiglu, wo_fused=moe.wo_fused_dswiglu,
+                             tile_n_per_half=g.wi_fwd_tile_n_per_half or None,
+                             row_scale=moe.router_grad_from_wo_input, itemsize=_ITEMSIZE[m.compute_dtype])
+
+
+def attention_vmem_needs(cfg: Config) -> dict:
+    """The flash kernels' VMEM needs at the blocks they run (the self-attention's, train.seq_len)."""
+    a, m = cfg.kernels.attention, cfg.model
+    P = _context_size(cfg) or 1
+    rows = cfg.train.seq_len // P
+    keys = rows if cfg.attention.cp_impl == "ring" or P == 1 else cfg.train.seq_len
+    block_q, block_k = attention_limits.blocks("pallas_tpu", a.block_q, a.block_k, rows, keys, hardware=True)
+    return attention_limits.vmem_needs(a.vmem_limit_mib, block_q=block_q, block_k=block_k,
+                                       group=m.num_heads // m.num_kv_heads, head_dim=m.head_dim,
+                                       itemsize=_ITEMSIZE[m.compute_dtype])
+
+
+def gdn_vmem_needs(cfg: Config) -> dict:
+    m = cfg.model
+    return gdn_limits.vmem_needs(0.0, chunk_size=cfg.gdn.chunk_size, key_dim=m.gdn_key_dim,
+                                 value_dim=m.gdn_value_dim)
+
+
+def _over(key: str, needs: dict, fix: str) -> list[Problem]:
+    over = [n for n in needs.values() if not n.fits]
+    if not over:
+        return []
+    return [(key, "; ".join(n.text() for n in over) + f" (Mosaic TPU VMEM): {fix}")]
+
+
+@rule("kernels.gmm.vmem_limit_mib", "kernels.attention.vmem_limit_mib")
+def _kernels_vmem(cfg: Config) -> list[Problem]:
+    k = cfg.kernels
+    out = _limit_problem("kernels.gmm.vmem_limit_mib", k.gmm.vmem_limit_mib)
+    out += _limit_problem("kernels.attention.vmem_limit_mib", k.attention.vmem_limit_mib)
+    if out or k.interpret:
+        return out
+    moe_kernels = (cfg.moe.impl == "sparse" and k.gmm.backend == "pallas_tpu" and k.gmm.tiling == "explicit"
+                   and not _gmm_tile_problems(cfg))
+    if moe_kernels:
+        out += _over("kernels.gmm.vmem_limit_mib", gmm_vmem_needs(cfg),
+                     "lower that kernel's tiles (kernels.gmm.<kernel>_tm / _tk / _tn) or raise kernels.gmm.vmem_limit_mib")
+    if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "") \
+            and _attention_backend(cfg) == "pallas_tpu":
+        out += _over("kernels.attention.vmem_limit_mib", attention_vmem_needs(cfg),
+                     "lower kernels.attention.block_q / block_k or raise kernels.attention.vmem_limit_mib")
+    if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "") \
+            and _attention_backend(cfg) == "pallas_gpu":
+        out += _gpu_attention_problems(cfg)
+    if "gdn" in cfg.model.layer_pattern and k.gdn.backend == "pallas_tpu":
+        out += _over("kernels.gdn.backend", gdn_vmem_needs(cfg), "lower gdn.chunk_size or use kernels.gdn.backend=xla")
+    return out
+
+
+def _gpu_attention_problems(cfg: Config) -> list[Problem]:
+    """The Triton flash kernels' shared memory per program against the GPU's per-block limit."""
+    from hybridmoe.kernels.vmem import GPU_SHARED_LIMIT_BYTES
+
+    a, m = cfg.kernels.attention, cfg.model
+    P = _context_size(cfg) or 1
+    rows = cfg.train.seq_len // P
+    block_q, block_k = attention_limits.blocks("pallas_gpu", a.block_q, a.block_k, rows, rows, hardware=True)
+    over = [(kernel, need) for kernel in attention_limits.KERNELS
+            for need in [attention_limits.gpu_shared_bytes(kernel, block_q=block_q, block_k=block_k, head_dim=m.head_dim,
+                                                           itemsize=_ITEMSIZE[m.compute_dtype])]
+            if need > GPU_SHARED_LIMIT_BYTES]
+    if not over:
+        return []
+    text = "; ".join(f"{k} needs {n / 1024:.0f} KiB of shared memory" for k, n in over)
+    return [("kernels.attention.block_k", f"{text} at block_q={block_q} block_k={block_k}, over the GPU's "
+             f"{GPU_SHARED_LIMIT_BYTES // 1024} KiB per block (Triton, {attention_limits.GPU_NUM_STAGES} stages): lower the blocks")]

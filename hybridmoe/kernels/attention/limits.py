@@ -108,3 +108,75 @@ def head_dim_problem(head_dim: int, backend: str, hardware: bool) -> str | None:
     if block_rule(backend, hardware) == "triton" and not _power_of_two(head_dim):
         return f"model.head_dim={head_dim} must be a power of two >= {GPU_MIN_DIM} for the Triton kernels"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# On-chip memory of the flash kernels (kernels/vmem.py), as pallas_tpu.py builds their BlockSpecs
+# and scratch, and the float32 values the body makes per (query block, key block) pair: the
+# scores [rows, block_k] and the probabilities in the input dtype (rows = the R query heads of a
+# kv head times block_q, folded; dq: the scores only). Against the compiler's smallest accepted
+# limit on tpu7x (head dim 128): the forward spills 1.44 to 1.52 x the scores' bytes (model 1.5), dq
+# 0.78 to 1.10 x (model 1), dk-dv 0.28 to 1.54 x (model 1.5); checked on a sweep of blocks in
+# tests/test_gmm_tpu_compile.py.
+
+KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
+
+
+def tpu_buffers(kernel: str, *, block_q: int, block_k: int, group: int, head_dim: int, itemsize: int = 2,
+                grad_itemsize: int | None = None):
+    """The VMEM buffers of one Mosaic flash kernel (KERNELS) at its blocks; group = query heads per
+    kv head, grad_itemsize: the gradients' (default the inputs', as the model's attention has them)."""
+    grad_itemsize = grad_itemsize or itemsize
+    from hybridmoe.kernels.vmem import Buffer
+
+    rows, A = group * block_q, head_dim
+    q = (group, block_q, A)
+    common = [Buffer("q", q, itemsize), Buffer("k", (block_k, A), itemsize), Buffer("v", (block_k, A), itemsize)]
+    ids = [Buffer("q_ids", (2, rows), 4), Buffer("kv_ids", (2, block_k), 4)]
+    scores = Buffer("scores", (rows, block_k), 4, 1, "value")
+    values = [scores, Buffer("probabilities", (rows, block_k), itemsize, 1, "value")]
+    if kernel == "flash_attention_forward":
+        return [*common, *ids, Buffer("o", q, itemsize), Buffer("lse", (1, rows), 4),
+                Buffer("m", (rows, 1), 4, 1, "scratch"), Buffer("l", (rows, 1), 4, 1, "scratch"),
+                Buffer("acc", (rows, A), 4, 1, "scratch"), *values]
+    if kernel == "flash_attention_dq":
+        return [*common, Buffer("do", q, itemsize), *ids, Buffer("stats", (2, rows), 4),
+                Buffer("dq", q, grad_itemsize), Buffer("dq_acc", (rows, A), 4, 1, "scratch"), scores]
+    if kernel == "flash_attention_dkv":
+        return [*common, Buffer("do", q, itemsize), *ids, Buffer("stats", (2, rows), 4),
+                Buffer("dk", (block_k, A), grad_itemsize), Buffer("dv", (block_k, A), grad_itemsize),
+                Buffer("dk_acc", (block_k, A), 4, 1, "scratch"), Buffer("dv_acc", (block_k, A), 4, 1, "scratch"),
+                *values]
+    raise ValueError(f"unknown flash kernel {kernel!r}; choose one of {KERNELS}")
+
+
+def vmem_needs(limit_mib: float, **blocks) -> dict:
+    """Per flash kernel, its VMEM need against the scoped limit (limit_mib, 0 = the compiler's
+    default); blocks: tpu_buffers' keywords."""
+    from hybridmoe.kernels.vmem import MIB, Need, tpu_bytes, tpu_limit_mib
+
+    limit = int(tpu_limit_mib(limit_mib) * MIB)
+    return {k: Need(k, tpu_bytes(tpu_buffers(k, **blocks)), limit) for k in KERNELS}
+
+
+# Triton (pallas_gpu.py): a program loops over the blocks of its schedule, and the software pipeline
+# keeps num_stages copies of what one iteration loads in shared memory (the forward and dq: the key
+# and value blocks [block_k, A]; dk-dv: one query head's q and do blocks [block_q, A]) beside the
+# block the program holds for the whole loop (q, or k and v) and the probabilities it feeds the
+# second matmul. Triton's default depth is 3 stages (jax's lowering on CUDA).
+GPU_NUM_STAGES = 3
+# jax's own Triton flash attention (jax.experimental.pallas.ops.gpu.attention): forward blocks
+# 128 x 128, backward 32 x 32, num_stages 2.
+JAX_GPU_ATTENTION_DEFAULTS = {"block_q": 128, "block_k": 128, "block_q_bwd": 32, "block_k_bwd": 32, "num_stages": 2}
+
+
+def gpu_shared_bytes(kernel: str, *, block_q: int, block_k: int, head_dim: int, itemsize: int = 2,
+                     num_stages: int = GPU_NUM_STAGES) -> int:
+    """Shared memory one Triton program of a flash kernel (KERNELS) needs, by the model above."""
+    A = head_dim
+    if kernel in ("flash_attention_forward", "flash_attention_dq"):
+        per_stage, held = 2 * block_k * A * itemsize, block_q * A * itemsize * (1 if kernel.endswith("forward") else 2)
+        return num_stages * per_stage + held + block_q * block_k * itemsize
+    if kernel == "flash_attention_dkv":
+        return num_stages * 2 * block_q * A * itemsize + 2 * block_k * A * itemsize + block_q * block_k * itemsize
+    raise ValueError(f"unknown flash kernel {kernel!r}; choose one of {KERNELS}")

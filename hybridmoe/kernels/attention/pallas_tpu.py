@@ -32,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.attention import flash_block as fb
 from hybridmoe.kernels.attention import limits
+from hybridmoe.kernels.vmem import tpu_limit_bytes
 
 F32 = jnp.float32
 KERNEL_NAMES = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
@@ -179,12 +180,14 @@ def cost(kernel: str, B: int, G: int, R: int, T: int, S: int, A: int, block_q: i
                            bytes_accessed=int(nbytes))
 
 
-def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, interpret, cost_estimate=None):
+def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, interpret, cost_estimate=None,
+          vmem_limit_mib: float = 0.0):
     return pl.pallas_call(
         kernel, name=name, out_shape=out_shape, interpret=interpret, cost_estimate=cost_estimate,
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
                                                out_specs=out_specs, scratch_shapes=scratch),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")))
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=tpu_limit_bytes(vmem_limit_mib)))
 
 
 def _check_blocks(block_q: int, block_k: int, T: int, S: int, interpret: bool):
@@ -196,7 +199,7 @@ def _check_blocks(block_q: int, block_k: int, T: int, S: int, interpret: bool):
 
 
 def forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *, scale: float, block_q: int,
-            block_k: int, interpret: bool = False):
+            block_k: int, interpret: bool = False, vmem_limit_mib: float = 0.0):
     """(o [B, G, R, T, A] in q's dtype, lse [B, G, R, T] float32)."""
     B, G, R, T, A = q_BGRTA.shape
     S = k_BGSA.shape[2]
@@ -216,13 +219,14 @@ def forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *
     kernel = functools.partial(_forward_kernel, scale=scale, nq=nq, nk=nk)
     estimate = cost(KERNEL_NAMES[0], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize)
     o, lse = _call(kernel, KERNEL_NAMES[0], (B, G, nq, nk), in_specs, out_specs, out_shape, scratch, interpret,
-                   estimate)(
+                   estimate, vmem_limit_mib)(
         *fb.flat_schedule(by_q), q_BGRTA, k_BGSA, v_BGSA, q_ids, kv_ids)
     return o, fb.blocks_to_rows(lse[:, :, :, 0], R)
 
 
 def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *,
-             scale: float, block_q: int, block_k: int, grad_dtypes=(F32, F32, F32), interpret: bool = False):
+             scale: float, block_q: int, block_k: int, grad_dtypes=(F32, F32, F32), interpret: bool = False,
+             vmem_limit_mib: float = 0.0):
     """(dq [B, G, R, T, A], dk [B, G, S, A], dv [B, G, S, A]) in grad_dtypes, given the global lse
     and delta = rowsum(do * o)."""
     B, G, R, T, A = q_BGRTA.shape
@@ -245,7 +249,8 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
                 pl.BlockSpec((None, None, None, 2, rows), lambda b, g, i, n, *_: (b, g, i, 0, 0))]
     dq = _call(functools.partial(_dq_kernel, scale=scale, nq=nq, nk=nk), KERNEL_NAMES[1], (B, G, nq, nk), in_specs,
                q_spec, jax.ShapeDtypeStruct(q_BGRTA.shape, dq_dtype), [pltpu.VMEM((rows, A), F32)], interpret,
-               cost(KERNEL_NAMES[1], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize))(
+               cost(KERNEL_NAMES[1], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize),
+               vmem_limit_mib)(
         *fb.flat_schedule(by_q), *inputs)
 
     # dk, dv: outer key block j, inner the n-th query block of its schedule.
@@ -260,6 +265,7 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
                    in_specs, [kv_spec, kv_spec],
                    [jax.ShapeDtypeStruct(k_BGSA.shape, dk_dtype), jax.ShapeDtypeStruct(v_BGSA.shape, dv_dtype)],
                    [pltpu.VMEM((block_k, A), F32), pltpu.VMEM((block_k, A), F32)], interpret,
-                   cost(KERNEL_NAMES[2], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize))(
+                   cost(KERNEL_NAMES[2], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize),
+                   vmem_limit_mib)(
         *fb.flat_schedule(by_k), *inputs)
     return dq, dk, dv

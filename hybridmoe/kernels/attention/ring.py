@@ -147,24 +147,26 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention_local(q_BtNA, k_BtGA, v_BtGA, pos_Bt, seg_Bt, *, axes: tuple[str, ...], scale: float,
-                         backend: str = "xla", block_q: int, block_k: int, interpret: bool = False):
+                         backend: str = "xla", block_q: int, block_k: int, interpret: bool = False,
+                         vmem_limit_mib: float = 0.0):
     """One rank's queries against every rank's keys, inside shard_map over the context `axes`
     (o [B, t, N, A] in q's dtype). seg_Bt: segment ids, None for unpacked rows (then none is moved
     or compared: the mask is causal by position alone)."""
     options = (("scale", float(scale)), ("backend", backend), ("block_q", int(block_q)), ("block_k", int(block_k)),
-               ("interpret", bool(interpret)))
+               ("interpret", bool(interpret)), ("vmem_limit_mib", float(vmem_limit_mib)))
     seg = None if seg_Bt is None else seg_Bt.astype(jnp.int32)
     return _ring(q_BtNA, k_BtGA, v_BtGA, pos_Bt.astype(jnp.int32), seg, tuple(axes), options)
 
 
 def ring_attention(q_BTNA, k_BTGA, v_BTGA, positions_BT, segment_ids_BT, *, axes: tuple[str, ...], scale: float,
                    q_spec, kv_spec, ids_spec, backend: str = "xla", block_q: int, block_k: int,
-                   interpret: bool = False):
+                   interpret: bool = False, vmem_limit_mib: float = 0.0):
     """Global, sequence-sharded arrays in and out, the specs their partition specs (as
     context_parallel_attention's); segment_ids_BT None: unpacked rows (no segment id is moved or
     compared)."""
     packed = segment_ids_BT is not None
-    kw = dict(axes=axes, scale=scale, backend=backend, block_q=block_q, block_k=block_k, interpret=interpret)
+    kw = dict(axes=axes, scale=scale, backend=backend, block_q=block_q, block_k=block_k, interpret=interpret,
+              vmem_limit_mib=vmem_limit_mib)
 
     def local(q, k, v, pos, *seg):
         return ring_attention_local(q, k, v, pos, seg[0] if packed else None, **kw)

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES, backward_chunk, chunk_macs, forward_chunk
+from hybridmoe.kernels.vmem import tpu_limit_bytes
 
 _F32 = jnp.float32
 
@@ -60,14 +61,15 @@ def cost(name: str, grid, operands, out_shape, chunk_size: int, key_dim: int, va
                            transcendentals=int((chunk_size**2 + 3 * chunk_size) * steps), bytes_accessed=int(nbytes))
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, key_dim, value_dim, interpret, operands=()):
+def _call(kernel, grid, in_specs, out_specs, out_shape, key_dim, value_dim, interpret, operands=(), vmem_limit_mib=0.0):
     name = KERNEL_NAMES[kernel.__name__]
     chunk_size = operands[0].shape[3]
     return pl.pallas_call(
         kernel, name=name, grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, cost_estimate=cost(name, grid, operands, out_shape, chunk_size, key_dim, value_dim),
         scratch_shapes=[pltpu.VMEM((key_dim, value_dim), _F32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                             vmem_limit_bytes=tpu_limit_bytes(vmem_limit_mib)),
         interpret=interpret)
 
 
@@ -104,7 +106,7 @@ def _backward_kernel(*refs):
         d_initial_out[...] = d_start_KV
 
 
-def forward(chunk_inputs, initial_BHKV, *, interpret: bool):
+def forward(chunk_inputs, initial_BHKV, *, interpret: bool, vmem_limit_mib: float = 0.0):
     """(o [B, N, H, C, V], the state at every chunk start [B, N, H, K, V], final state [B, H, K, V])."""
     batch, num_chunks, heads, chunk_size, key_dim = chunk_inputs[0].shape
     value_dim = chunk_inputs[2].shape[-1]
@@ -115,10 +117,11 @@ def forward(chunk_inputs, initial_BHKV, *, interpret: bool):
         [spec((chunk_size, value_dim)), spec((key_dim, value_dim)), _state_spec(key_dim, value_dim)],
         [shape(batch, num_chunks, heads, chunk_size, value_dim), shape(batch, num_chunks, heads, key_dim, value_dim),
          shape(batch, heads, key_dim, value_dim)], key_dim, value_dim, interpret, (*chunk_inputs, initial_BHKV),
+        vmem_limit_mib,
     )(*chunk_inputs, initial_BHKV)
 
 
-def backward(chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV, *, interpret: bool):
+def backward(chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV, *, interpret: bool, vmem_limit_mib: float = 0.0):
     """(dq, dk, dv, dg column, dg row, dbeta) in the inputs' layouts, and d(initial state)."""
     batch, num_chunks, heads, chunk_size, key_dim = chunk_inputs[0].shape
     value_dim = chunk_inputs[2].shape[-1]
@@ -129,5 +132,5 @@ def backward(chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV, *, interpret: b
         in_specs + [spec((key_dim, value_dim)), spec((chunk_size, value_dim)), _state_spec(key_dim, value_dim)],
         in_specs[:6] + [_state_spec(key_dim, value_dim)],
         [like(a) for a in chunk_inputs[:6]] + [like(d_final_BHKV)], key_dim, value_dim, interpret,
-        (*chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV),
+        (*chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV), vmem_limit_mib,
     )(*chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV)

@@ -19,13 +19,14 @@ from hybridmoe.kernels.gmm.ops import (
     xla_impl_for,
 )
 from hybridmoe.kernels.gmm.row_tiles import routed_swiglu_mlp, row_tiled_dot
-from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
+from hybridmoe.kernels.gmm.tiling import KernelTiles, Tiling, kernel_tiles, tile_problems
 from hybridmoe.kernels.gmm.xla import ragged_dot
 
 __all__ = [
     "BACKENDS",
     "XLA_IMPLS",
     "EPILOGUES",
+    "KernelTiles",
     "Tiling",
     "contiguous_to_preact",
     "gmm",
@@ -39,6 +40,7 @@ __all__ = [
     "scale_rows",
     "split_preact",
     "swiglu",
+    "kernel_tiles",
     "tgmm",
     "tile_problems",
     "xla_impl_for",

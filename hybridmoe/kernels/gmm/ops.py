@@ -14,6 +14,9 @@ Common contract:
 - Accumulation is float32; outputs are in the activation dtype unless preferred_element_type.
 - backend: "xla" (any platform), "pallas_tpu" (Mosaic TPU), "pallas_gpu" (Triton).
   The Pallas backends run on CPU with interpret=True (tests).
+- tiling / dlhs_tiling / drhs_tiling (Pallas backends): the tiles of the forward kernel, of the input
+  gradient's and of the weight gradient's (None = the forward's): each grouped matmul of the MoE
+  layer has its own (tiling.KernelTiles).
 - xla_impl (xla backend): "ragged_dot" (jax.lax.ragged_dot) or "row_tiles" (one batched matmul
   over group-aligned tiles of xla_tile_rows rows; row_tiles.py). `xla_impl_for` is the one place
   that picks it per platform.
@@ -83,6 +86,13 @@ def _kw(backend, tiling, interpret, xla_impl, xla_tile_rows):
     return dict(tiling=tiling, interpret=interpret)
 
 
+def _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl, xla_tile_rows):
+    """The backend keywords of the forward, input-gradient and weight-gradient kernels (each its
+    own tiles; None = the forward's)."""
+    return tuple(_kw(backend, t, interpret, xla_impl, xla_tile_rows)
+                 for t in (tiling, dlhs_tiling or tiling, drhs_tiling or tiling))
+
+
 # ---------------------------------------------------------------------------------------------
 # gmm / tgmm
 
@@ -101,7 +111,8 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local: int | None = None, group_
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs: bool = False, group_offset=0,
         backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
-        preferred_element_type=None, xla_impl: str = "ragged_dot", xla_tile_rows: int = 128):
+        preferred_element_type=None, xla_impl: str = "ragged_dot", xla_tile_rows: int = 128,
+        dlhs_tiling: Tiling | None = None, drhs_tiling: Tiling | None = None):
     """[M, N]: out[r] = lhs[r] @ rhs[group(r) - offset]  (rhs [G, N, K] with transpose_rhs).
 
     Differentiable in lhs and rhs: DLHS = gmm(g, rhs, transpose_rhs=not transpose_rhs),
@@ -111,29 +122,30 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs: bool = False, group_of
     be = backend_module(backend)
     sharded = _sharded(group_sizes_E, rhs_GKN.shape[0], group_offset)
     out_dtype = preferred_element_type or lhs_MK.dtype
-    kw = _kw(backend, tiling, interpret, xla_impl, xla_tile_rows)
+    kw, dlhs_kw, drhs_kw = _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl,
+                                     xla_tile_rows)
 
-    def run(lhs, rhs, sizes, off, transpose, dtype):
+    def run(lhs, rhs, sizes, off, transpose, dtype, kw):
         return be.gmm(lhs, rhs, sizes, transpose_rhs=transpose, group_offset=off,
                       sharded=sharded, out_dtype=dtype, **kw)
 
     @jax.custom_vjp
     def f(lhs, rhs, sizes, off):
-        return run(lhs, rhs, sizes, off, transpose_rhs, out_dtype)
+        return run(lhs, rhs, sizes, off, transpose_rhs, out_dtype, kw)
 
     def fwd(lhs, rhs, sizes, off):
         return f(lhs, rhs, sizes, off), (lhs, rhs, sizes, off)
 
     def bwd(res, g_MN):
         lhs, rhs, sizes, off = res
-        dlhs = run(g_MN, rhs, sizes, off, not transpose_rhs, lhs.dtype)
+        dlhs = run(g_MN, rhs, sizes, off, not transpose_rhs, lhs.dtype, dlhs_kw)
         g_local = rhs.shape[0]
         if transpose_rhs:
             drhs = be.tgmm(g_MN, lhs, sizes, num_local=g_local, group_offset=off,
-                           sharded=sharded, out_dtype=rhs.dtype, **kw)
+                           sharded=sharded, out_dtype=rhs.dtype, **drhs_kw)
         else:
             drhs = be.tgmm(lhs, g_MN, sizes, num_local=g_local, group_offset=off,
-                           sharded=sharded, out_dtype=rhs.dtype, **kw)
+                           sharded=sharded, out_dtype=rhs.dtype, **drhs_kw)
         return dlhs, drhs, None, None
 
     f.defvjp(fwd, bwd)
@@ -175,7 +187,8 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False
                     tile_n_per_half: int | None = None, group_offset=0, backend: Backend = "xla",
                     tiling: Tiling | None = None, interpret: bool = False,
                     epilogue: epi.Epilogue = "float32", rhs_buffer_count: int = 0,
-                    xla_impl: str = "ragged_dot", xla_tile_rows: int = 128):
+                    xla_impl: str = "ragged_dot", xla_tile_rows: int = 128,
+                    dlhs_tiling: Tiling | None = None, drhs_tiling: Tiling | None = None):
     """The up projection with SwiGLU in its epilogue: h = silu(gate) * up, gate|up = x @ wi.
 
     wi [G, D, 2F] is the prefused [gate | up] weight (gate = columns [:F], up = [F:]). Math in
@@ -201,7 +214,8 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False
     t = _tile(f, tile_n_per_half)
     be = backend_module(backend)
     sharded = _sharded(group_sizes_E, wi_GD2F.shape[0], group_offset)
-    kw = _kw(backend, tiling, interpret, xla_impl, xla_tile_rows)
+    kw, dlhs_kw, drhs_kw = _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl,
+                                     xla_tile_rows)
     fwd_kw = dict(kw, rhs_buffer_count=rhs_buffer_count) if backend != "xla" else kw
 
     @jax.custom_vjp
@@ -231,9 +245,9 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False
         d = parts[0] if len(parts) == 1 else (parts[0].astype(jnp.float32) + parts[1]).astype(
             preact.dtype)
         dx = be.gmm(d, wi, sizes, transpose_rhs=True, group_offset=off, sharded=sharded,
-                    out_dtype=x.dtype, **kw)
+                    out_dtype=x.dtype, **dlhs_kw)
         dwi = be.tgmm(x, d, sizes, num_local=wi.shape[0], group_offset=off, sharded=sharded,
-                      out_dtype=wi.dtype, **kw)
+                      out_dtype=wi.dtype, **drhs_kw)
         return dx, dwi, None, None
 
     f_.defvjp(fwd, bwd, symbolic_zeros=True)
@@ -245,7 +259,8 @@ def wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_h
                      row_scale=None, with_row_dot: bool | None = None, group_offset=0,
                      backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
                      epilogue: epi.Epilogue = "float32", xla_impl: str = "ragged_dot",
-                     xla_tile_rows: int = 128):
+                     xla_tile_rows: int = 128, dlhs_tiling: Tiling | None = None,
+                     drhs_tiling: Tiling | None = None):
     """The down projection y = (s * h) @ wo per group, whose backward fuses the SwiGLU VJP.
 
     Forward: y = gmm(scale_rows(h, s), wo) with scale_rows(h, s) = round_to_h_dtype(h * s)
@@ -279,7 +294,8 @@ def wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_h
         raise ValueError("with_row_dot needs row_scale: the dot is the row scale's gradient")
     be = backend_module(backend)
     sharded = _sharded(group_sizes_E, wo_GFD.shape[0], group_offset)
-    kw = _kw(backend, tiling, interpret, xla_impl, xla_tile_rows)
+    kw, dlhs_kw, drhs_kw = _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl,
+                                     xla_tile_rows)
 
     @jax.custom_vjp
     def f_(h, wo, pre, s, sizes, off):
@@ -301,9 +317,9 @@ def wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_h
         d, row_dot = be.wo_fused_dswiglu_dlhs(
             g_MD, wo, sizes, pre, preact_tile_n_per_half=t, row_scale_M=s,
             out_tile_n_per_half=t, group_offset=off, sharded=sharded, mode=epilogue,
-            h_MF=h_res, **kw)
+            h_MF=h_res, **dlhs_kw)
         dwo = be.tgmm(lhs, g_MD, sizes, num_local=wo.shape[0], group_offset=off,
-                      sharded=sharded, out_dtype=wo.dtype, **kw)
+                      sharded=sharded, out_dtype=wo.dtype, **drhs_kw)
         ds = None
         if s is not None:
             ds = row_dot.astype(s.dtype) if with_row_dot else jnp.zeros_like(s)
