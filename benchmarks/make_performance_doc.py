@@ -870,6 +870,80 @@ What the estimate cannot know, and so leaves out or guesses:
 """
 
 
+def bf16_gaps() -> str:
+    name = "bf16_gaps.json"
+    if not (RECORDS / name).exists():
+        return ""
+    rec = load(name)
+    cp = [[a["dtype"], a["cross_rank_chain"], f"{a['gap_mean']:.2e}", f"{a['gap_max']:.2e}",
+           f"{a['gap_max_row0_one_document']:.2e}", f"{a['gap_max_row1_packed']:.2e}", f"{a['kl_k3_mean']:.2e}",
+           f"{a['routing_flips']} / {a['routings']}"] for a in rec["context_parallel"]]
+    layer = [[a["dtype"], a["cross_rank_chain"], f"{a['rel_l2']:.2e}", f"{a['rel_max']:.2e}"] for a in rec["gdn_layer"]]
+    sampler = "(not measured in this record)"
+    if rec.get("sampler"):
+        sampler = table(["compute", "sampler_gap_mean", "sampler_gap_max", "reward_mean per GRPO step"],
+                        [[a["dtype"], f"{a['sampler_gap_mean']:.2e}", f"{a['sampler_gap_max']:.2e}",
+                          " ".join(f"{st['reward_mean']:.3f}" for st in a["steps"])] for a in rec["sampler"]])
+    return f"""## bfloat16: context parallelism and the sampler against the one-device trainer
+
+`benchmarks/bf16_gaps.py`. Part 1: the `tiny` model's per-token log-probs of 2 packed rows of
+{rec['tokens']} tokens with the sequence split over mesh.context={rec['ranks']}, against one device (row 0 one
+document across every shard edge; row 1 documents that start on and cross shard edges): mean and
+max |difference|, the k3 KL estimate and the (token, layer) routings that picked other experts. The
+third arm rounds the cross-rank GDN state chain to bfloat16, the bug a test catches as a broken
+variant (the chain stays float32 in the code).
+
+{table(["compute", "cross-rank chain", "mean", "max", "max row 0", "max row 1", "KL k3", "routing flips"], cp)}
+
+Part 2: one GDN layer alone on 4 ranks against one device (output relative L2 and max |difference|
+over max |output|):
+
+{table(["compute", "cross-rank chain", "rel L2", "rel max"], layer)}
+
+Part 3: the demo recipe's GRPO steps, the trainer's own |log pi_train - log pi_sampler| over the
+completion tokens (T = 1):
+
+{sampler}
+
+{source(rec, name, rec.get("command", "python benchmarks/bf16_gaps.py"))}
+"""
+
+
+def compile_cache() -> str:
+    name = "compile_cache.json"
+    rec = load(name)
+    rows = [[f"`{r['command']}`", f"{r['first_s']:.1f}", f"{r['second_s']:.1f}", f"{r['second_over_first']:.2f}",
+             r["programs_stored"], r["load_average_1min"]] for r in rec["runs"]]
+    return f"""## The persistent compile cache
+
+`run.compile_cache_dir`: each command run twice in fresh processes into one empty cache folder;
+wall time of the whole command. `inspect` compiles every time by design (its report reads the
+buffer assignment only a compile writes).
+
+{table(["command", "first s", "second s", "second / first", "programs stored", "load (1 min)"], rows)}
+
+{source(rec, name, "python benchmarks/compile_cache.py")}
+"""
+
+
+def suite_time() -> str:
+    name = "suite_time.json"
+    if not (RECORDS / name).exists():
+        return ""
+    rec = load(name)
+    rows = [[r["cache"], f"{r['wall_min']:.1f}", r.get("passed", "-"), r.get("failed", 0), r.get("skipped", "-"),
+             r["load_average_1min"]] for r in rec["runs"]]
+    return f"""## The test suite's time
+
+`make test` (what CI runs: 2 xdist workers) on {rec['cores']} cores; cold: the suite's compile cache
+(`{rec['cache_dir']}`) emptied first, as on a new machine; warm: run again.
+
+{table(["cache", "minutes", "passed", "failed", "skipped", "load (1 min) at the end"], rows)}
+
+{source(rec, name, "python benchmarks/suite_time.py")}
+"""
+
+
 def pending() -> str:
     rows = [[f"`benchmarks/records/{n}`", why] for n, why in PENDING.items()]
     return f"""## To be regenerated
@@ -881,8 +955,8 @@ These records are kept but their figures are not shown until they are remeasured
 
 
 SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, attention_cpu_backend, gdn_core, gdn_cp,
-            gdn_pallas_tpu, seed_cell, step_estimate, inspect_depth, hf_reload, hf_exports, post_train_eval, robustness,
-            pending]
+            gdn_pallas_tpu, bf16_gaps, seed_cell, step_estimate, inspect_depth, hf_reload, hf_exports, post_train_eval,
+            robustness, compile_cache, suite_time, pending]
 
 HEADER = """# Performance and measurements
 
@@ -897,7 +971,7 @@ venv, made by `benchmarks/reference/setup.sh`.
 
 
 def render() -> str:
-    return "\n".join([HEADER, *(s() for s in SECTIONS)]).rstrip() + "\n"
+    return "\n".join([HEADER, *filter(None, (s() for s in SECTIONS))]).rstrip() + "\n"
 
 
 def main() -> int:

@@ -108,49 +108,53 @@ def _hlo_kind(opcode: str) -> str | None:
     return base if base in KINDS else None
 
 
+def hlo_computations(text: str) -> tuple[list[tuple[str, list[re.Match]]], str]:
+    """The computations of an HLO module's text in order, each (name, [its instruction lines'
+    matches: name, result type, opcode, the rest of the line]), and the entry's name."""
+    comps: list[tuple[str, list[re.Match]]] = []
+    entry, ops = None, None
+    for line in text.splitlines():
+        m = _HLO_COMP.match(line)
+        if m and not line.startswith(" "):
+            ops = []
+            comps.append((m.group(2), ops))
+            entry = m.group(2) if m.group(1) else entry
+        elif ops is not None and line.startswith("}"):
+            ops = None
+        elif ops is not None and (op := _HLO_OP.match(line)):
+            ops.append(op)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
 def _hlo_graph(text: str):
     """Every instruction of every computation, and the call edges: (comps, edges, entry).
 
     comps: name -> [(opcode, result type, instruction name, op_name)];
     edges: name -> [(callee, while name or "", trip count)] (a while's body/condition carry its name).
     """
+    computations, entry = hlo_computations(text)
     comps: dict[str, list[tuple[str, str, str, str]]] = {}
     edges: dict[str, list[tuple[str, str, int | None]]] = defaultdict(list)
-    entry = None
-    current = None
-    for line in text.splitlines():
-        m = _HLO_COMP.match(line)
-        if m and not line.startswith(" "):
-            current = m.group(2)
-            comps[current] = []
-            if m.group(1):
-                entry = current
-            continue
-        if current is None:
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        op = _HLO_OP.match(line)
-        if not op:
-            continue
-        name, type_text, opcode, rest = op.groups()
-        for key, targets in _HLO_CALLS.findall(rest):
-            for t in targets.strip("{}").replace("%", "").split(","):
-                t = t.strip()
-                if not t:
-                    continue
-                if opcode == "while" and key == "body":
-                    trip = _TRIP.search(rest)
-                    edges[current].append((t, name, int(trip.group(1)) if trip else None))
-                elif opcode == "while" and key == "condition":
-                    edges[current].append((t, name, None))
-                else:
-                    edges[current].append((t, "", None))
-        opname = _OPNAME.search(rest)
-        comps[current].append((opcode, type_text, name, opname.group(1) if opname else ""))
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
+    for current, ops in computations:
+        comps[current] = []
+        for op in ops:
+            name, type_text, opcode, rest = op.groups()
+            for key, targets in _HLO_CALLS.findall(rest):
+                for t in targets.strip("{}").replace("%", "").split(","):
+                    t = t.strip()
+                    if not t:
+                        continue
+                    if opcode == "while" and key == "body":
+                        trip = _TRIP.search(rest)
+                        edges[current].append((t, name, int(trip.group(1)) if trip else None))
+                    elif opcode == "while" and key == "condition":
+                        edges[current].append((t, name, None))
+                    else:
+                        edges[current].append((t, "", None))
+            opname = _OPNAME.search(rest)
+            comps[current].append((opcode, type_text, name, opname.group(1) if opname else ""))
     return comps, edges, entry
 
 

@@ -40,7 +40,7 @@ import math
 import re
 from collections import defaultdict
 
-from hybridmoe.tools.program import _HLO_COMP, _HLO_SHAPE, _OPNAME, dtype_bytes
+from hybridmoe.tools.program import _HLO_SHAPE, _OPNAME, dtype_bytes, hlo_computations
 
 # ---------------------------------------------------------------------------------------------
 # Hardware: per-chip figures as their makers publish them; per device = per chip / devices per chip.
@@ -127,9 +127,6 @@ class Instr:
     args: str = ""               # the operands' text (a constant's literal)
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-
-
 def _split_call(rest: str) -> tuple[str, str]:
     """(operands text, attributes text) of `a, b), attr=...` (the opcode's paren already eaten)."""
     depth = 1
@@ -145,31 +142,16 @@ def _split_call(rest: str) -> tuple[str, str]:
 
 def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
     """({computation: [instructions]}, entry name) of an HLO module's text."""
+    computations, entry = hlo_computations(text)
     comps: dict[str, list[Instr]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        m = _HLO_COMP.match(line)
-        if m and not line.startswith(" "):
-            current = m.group(2)
-            comps[current] = []
-            if m.group(1):
-                entry = current
-            continue
-        if current is None:
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        op = _INSTR.match(line)
-        if not op:
-            continue
-        name, type_text, opcode, rest = op.groups()
-        operands, attrs = _split_call(rest)
-        opname = _OPNAME.search(attrs)
-        comps[current].append(Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operands), attrs,
-                                    opname.group(1) if opname else "", operands))
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
+    for current, ops in computations:
+        comps[current] = []
+        for op in ops:
+            name, type_text, opcode, rest = op.groups()
+            operands, attrs = _split_call(rest)
+            opname = _OPNAME.search(attrs)
+            comps[current].append(Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operands), attrs,
+                                        opname.group(1) if opname else "", operands))
     return comps, entry
 
 
