@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 
 from hybridmoe.config.schema import GmmKernelConfig, KernelsConfig, ModelConfig, MoEConfig, QuantConfig
 from hybridmoe.kernels import gmm as K
+from hybridmoe.model import scopes
 from hybridmoe.parallel.rules import logical_to_spec, mesh_axes_of
 
 
@@ -309,7 +310,7 @@ def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | 
     dropped = jnp.int32(0)
     # The scope names the routed experts' ops in the compiled program (tools/step_estimate.py's
     # "grouped matmuls"); jax keeps it in the backward's op names too.
-    with jax.named_scope("grouped_matmul"):
+    with jax.named_scope(scopes.GROUPED_MATMUL):
         if moe.impl == "dense":
             y = dense_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
         elif (decode_step and plan.is_default and plan.xla_impl == "row_tiles"
