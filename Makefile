@@ -30,7 +30,8 @@ test-quick: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-# The PyTorch reference venv of benchmarks/ (Python 3.12, pinned; see benchmarks/reference/README.md).
+# The PyTorch reference venv of benchmarks/ (Python 3.12, pinned; see benchmarks/reference/README.md),
+# made in REFVENV: /work/refvenv unless you name another folder (make reference-env REFVENV=DIR).
 reference-env:
 	benchmarks/reference/setup.sh $(REFVENV)
 

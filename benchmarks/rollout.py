@@ -23,7 +23,9 @@ to the reference's. Prints a table and writes benchmarks/records/rollout_small.j
 carries what routing replay (moe.routing_replay) costs to keep per rollout: the sampler's expert
 ids, int32 [rows, tokens, layers, k], for this shape and for Qwen3.5-35B-A3B's.
 
-  .venv/bin/python benchmarks/rollout.py --hf-python /work/refvenv/bin/python [--cores 0] [--rounds 7]
+  .venv/bin/python benchmarks/rollout.py --hf-python REFVENV/bin/python [--cores 0] [--rounds 7]
+
+REFVENV: the reference venv benchmarks/reference/setup.sh makes (by default /work/refvenv).
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ only), so useful GFLOP/s compare directly; MFU is against the best float32 matmu
 in the same run (JAX's and torch's, the larger). Prints a table and writes
 benchmarks/records/step_anatomy.json.
 
-  python benchmarks/step_anatomy.py [--hf-python /work/refvenv/bin/python] [--cores 0] [--rounds 8]
+  python benchmarks/step_anatomy.py [--hf-python REFVENV/bin/python] [--cores 0] [--rounds 8]
   python benchmarks/step_anatomy.py --markdown benchmarks/records/step_anatomy.json   (the README's table)
+
+REFVENV: the reference venv benchmarks/reference/setup.sh makes (by default /work/refvenv).
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ faster); the record keeps every step, the median and spread (min, quartiles, max
 and of the per-round ratios, the load average at every round, each side's versions, affinity
 and threads. Prints a table and writes benchmarks/records/train_step_small.json.
 
-  .venv/bin/python benchmarks/train_step.py --hf-python /work/refvenv/bin/python [--cores 0] [--rounds 15]
+  .venv/bin/python benchmarks/train_step.py --hf-python REFVENV/bin/python [--cores 0] [--rounds 15]
+
+REFVENV: the reference venv benchmarks/reference/setup.sh makes (by default /work/refvenv).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ On CPU the reference runs its pure-PyTorch fallbacks for the Gated DeltaNet: the
 causal_conv1d kernels are CUDA-only; the record says which were found.
 
 Needs torch and transformers (never dependencies of the package): the venv that
-benchmarks/reference/setup.sh makes (benchmarks/reference/README.md):
-  /work/refvenv/bin/python benchmarks/reference/bench_hf_reference.py [--out FILE.json]
+benchmarks/reference/setup.sh makes, REFVENV (by default /work/refvenv; benchmarks/reference/README.md):
+  REFVENV/bin/python benchmarks/reference/bench_hf_reference.py [--out FILE.json]
 """
 
 from __future__ import annotations

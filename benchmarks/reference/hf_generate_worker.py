@@ -8,7 +8,9 @@ or top-p, with the model's cache (the attention layers' keys/values, the linear-
 conv and recurrent states), float32, on --threads CPU threads. On CPU its Gated DeltaNet runs the
 pure-PyTorch fallbacks (flash-linear-attention and causal_conv1d are CUDA-only).
 
-  /work/refvenv/bin/python benchmarks/reference/hf_generate_worker.py --threads 1
+  REFVENV/bin/python benchmarks/reference/hf_generate_worker.py --threads 1
+
+REFVENV: the reference venv benchmarks/reference/setup.sh makes (by default /work/refvenv).
 """
 
 from __future__ import annotations

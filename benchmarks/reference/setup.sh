@@ -5,7 +5,8 @@
 #
 #   benchmarks/reference/setup.sh [VENV_DIR] [PYTHON]      (or: make reference-env)
 #
-# VENV_DIR defaults to /work/refvenv; PYTHON to python3.12 on PATH, else pyenv's newest 3.12.
+# VENV_DIR: where the venv goes, any folder you choose (default /work/refvenv); pass the same folder
+# to what uses it (--hf-python VENV_DIR/bin/python). PYTHON: python3.12 on PATH, else pyenv's newest 3.12.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 venv=${1:-/work/refvenv}
@@ -23,8 +24,8 @@ if [ -z "$py" ] || ! "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 
   exit 2
 fi
 test -x "$venv/bin/python" || "$py" -m venv "$venv"
-# Some machines cap torch in a global pip constraints file (/etc/xdg/pip) to the releases cached on
-# their disk; this environment pins its own versions, so that cap is replaced for this install only.
+# A machine may cap torch in a global pip constraints file (e.g. under /etc/xdg/pip) below the pin;
+# this environment pins its own versions, so such a cap is set aside for this install only.
 PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q --disable-pip-version-check -r "$here/requirements.txt"
 "$venv/bin/python" -c 'import platform, torch, transformers; from transformers import Qwen3_5MoeForCausalLM
 print(f"reference env: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")'
