@@ -131,12 +131,10 @@ def test_inspect_compiles_the_training_step_for_a_tpu_target(device):
     for the topology's 8 devices, and the memory facts come against the v7x's 96 GiB per device."""
     from hybridmoe.tools import train_program as tp
     from hybridmoe.recipe import load_config
-    from hybridmoe.recipe.validate import compile_target
 
-    with compile_target("tpu"):
-        cfg = load_config("tiny", ["mesh.cpu_devices=0", "model.d_model=128", "model.moe_intermediate_size=128",
-                                   "kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit",
-                                   "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"])
+    cfg = load_config("tiny", ["mesh.cpu_devices=0", "model.d_model=128", "model.moe_intermediate_size=128",
+                               "kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit",
+                               "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"], platform="tpu")
     facts = tp.step_facts(tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False))
     mem = facts["memory"]
     assert facts["devices"] == 8 and mem["hbm"] == 96 * 2**30 and mem["fits"] is True
@@ -182,14 +180,12 @@ def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
     no operand of the kernels is gathered: they run per shard."""
     from hybridmoe.tools import train_program as tp
     from hybridmoe.recipe import load_config
-    from hybridmoe.recipe.validate import compile_target
     from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES
 
     steps = {}
     for backend in ("xla", "pallas_tpu"):
-        with compile_target("tpu"):
-            cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "model.layer_pattern=[gdn]",
-                                       "model.num_layers=1", f"kernels.gdn.backend={backend}"])
+        cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "model.layer_pattern=[gdn]",
+                                   "model.num_layers=1", f"kernels.gdn.backend={backend}"], platform="tpu")
         steps[backend] = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False)
     text = steps["pallas_tpu"].program.compiled_text
     assert all(name in text for name in KERNEL_NAMES.values())
@@ -242,14 +238,12 @@ def test_flash_attention_training_step_runs_the_kernels_per_shard(device):
     of the kernels is gathered: they run per shard."""
     from hybridmoe.kernels.attention.pallas_tpu import KERNEL_NAMES
     from hybridmoe.recipe import load_config
-    from hybridmoe.recipe.validate import compile_target
     from hybridmoe.tools import train_program as tp
 
     steps = {}
     for backend in ("auto", "blocked"):
-        with compile_target("tpu"):
-            cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "model.layer_pattern=[attention]",
-                                       "model.num_layers=1", "model.head_dim=128", f"kernels.attention.backend={backend}"])
+        cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "model.layer_pattern=[attention]",
+                                   "model.num_layers=1", "model.head_dim=128", f"kernels.attention.backend={backend}"], platform="tpu")
         steps[backend] = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False)
     text = steps["auto"].program.compiled_text
     assert all(name in text for name in KERNEL_NAMES), [n for n in KERNEL_NAMES if n not in text]
@@ -265,13 +259,11 @@ def test_flash_attention_ring_step_compiles_for_tpu(device):
     [b, T, G, A] keys."""
     from hybridmoe.kernels.attention.pallas_tpu import KERNEL_NAMES
     from hybridmoe.recipe import load_config
-    from hybridmoe.recipe.validate import compile_target
     from hybridmoe.tools import train_program as tp
 
-    with compile_target("tpu"):
-        cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "mesh.context=2", "mesh.data=1",
-                                   "model.layer_pattern=[attention]", "model.num_layers=1", "model.head_dim=128",
-                                   "attention.cp_load_balance=true", "attention.cp_impl=ring", "model.d_model=128"])
+    cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "mesh.context=2", "mesh.data=1",
+                               "model.layer_pattern=[attention]", "model.num_layers=1", "model.head_dim=128",
+                               "attention.cp_load_balance=true", "attention.cp_impl=ring", "model.d_model=128"], platform="tpu")
     step = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False)
     text = step.program.compiled_text
     assert all(name in text for name in KERNEL_NAMES), [n for n in KERNEL_NAMES if n not in text]
@@ -303,12 +295,10 @@ WIDTHS = ["mesh.cpu_devices=0", "mesh.data=1", "model.d_model=256", "model.num_h
 @functools.cache
 def _geometry_step(name: str):
     from hybridmoe.recipe import load_config
-    from hybridmoe.recipe.validate import compile_target
     from hybridmoe.tools import train_program as tp
 
     topology, mesh = GEOMETRY[name]
-    with compile_target("tpu"):
-        cfg = load_config("tiny", WIDTHS + mesh)
+    cfg = load_config("tiny", WIDTHS + mesh, platform="tpu")
     return cfg, tp.compile_step(cfg, tp.tpu_target(topology), with_residuals=False)
 
 

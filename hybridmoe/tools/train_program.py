@@ -191,7 +191,7 @@ def _jitted_program(cfg: Config, setup, program_name: str):
         from hybridmoe.recipe.validate import check_rl_requirements
         from hybridmoe.rl.grpo import jit_grpo_step, rl_optimizer
 
-        check_rl_requirements(cfg)
+        check_rl_requirements(cfg, platform=setup.mesh.devices.flat[0].platform, devices=setup.mesh.size)
         with_reference = cfg.rl.beta > 0
         ref = state["params"] if with_reference else None
         return (jit_grpo_step(setup, rl_optimizer(cfg), with_reference),
