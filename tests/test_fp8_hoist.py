@@ -9,7 +9,7 @@ Bit-for-bit comparisons view floats as unsigned integers: -0.0 and +0.0 differ. 
 weights of every test here span 12 binades across output channels, and in every channel one FSDP
 shard of the contracting axis sits 12 binades below the other (fp8_reference.spread_experts): a
 per-tensor absmax gives other bits there (a broken variant below). The sampler test keeps the
-plain weights: on the spread ones it failed (issue 21, not yet diagnosed).
+plain weights: on the spread ones it failed (not yet diagnosed).
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ BROKEN = {
                                                 lambda c, s, d: _dequantize(c, jnp.roll(s, 1, axis=-1), d)),
     "scaled_custom_vjp_cotangent": (expert_fp8, "cotangent_to_shard", lambda ct, spec: _to_shard(ct * 2, spec)),
     "codes_keep_negative_zero": (fp8, "positive_zero", lambda codes: codes),
-    # Issue 21: scales that per-channel weights within a factor of ~3 cannot tell apart.
+    # Scales that per-channel weights within a factor of ~3 cannot tell apart.
     "per_tensor_absmax": (fp8, "absmax", _per_tensor_absmax),
 }
 
