@@ -1,5 +1,5 @@
 """The inspect and gates commands end to end on tiny shapes (the TPU-target inspect is in
-test_gmm_tpu_compile.py, where every libtpu user lives)."""
+test_gmm_tpu_compile.py with the other tpu_compile tests, which share one libtpu process)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The on-chip memory model (kernels/vmem.py and each family's limits) and the per-kernel tiles.
 
-No compile here (tests/test_gmm_tpu_compile.py checks the model's verdicts against the Mosaic
+No compile here (tests/test_vmem_tpu_compile.py checks the model's verdicts against the Mosaic
 compiler): the model's blocks and scratch equal the BlockSpecs and scratch of the traced
 pallas_calls, every per-kernel tile key reaches its kernel and only it, and the validator refuses a
 tile set that does not fit at load.
