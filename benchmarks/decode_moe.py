@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=7, help="timed rounds")
     p.add_argument("--tokens", default="8,16,32,64,128,256,512")
     args = p.parse_args()
-    from hybridmoe.tools.pinned import parse_cores, pin, spread
+    from benchmarks.pinned import parse_cores, pin, spread
 
     cores = parse_cores(args.cores)
     pin(cores)

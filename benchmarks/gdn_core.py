@@ -4,7 +4,7 @@
 
 One process, one CPU device. Arms, each for the whole layer and for the core alone at the layer's
 shapes: `before` is the layer and core as they were at commit BEFORE_COMMIT (read from this
-repository's git history and run side by side: the "today's autodiff path" that issue 10's 2x
+repository's git history and run side by side: the autodiff path that the GDN speed work's 2x
 target is measured against); `now` is this checkout. Backends: xla (the core's own backward) and
 xla_autodiff (the same forward differentiated by autodiff), chunk 64, and chunk 32 for the current
 code. Every arm is compiled first, then timed interleaved (the arm order rotates each round); the
@@ -39,7 +39,7 @@ from hybridmoe.kernels.gdn import gated_delta_rule  # noqa: E402
 from hybridmoe.model.gdn import gdn_layer  # noqa: E402
 from hybridmoe.tools import program  # noqa: E402
 
-# The last commit before the GDN speed work (issue 10's "today's autodiff path").
+# The last commit before the GDN speed work (its autodiff path).
 BEFORE_COMMIT = "0f414be"
 
 ARMS = {  # name: (what, code, backend, chunk size)

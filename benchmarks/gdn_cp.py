@@ -89,7 +89,7 @@ def layer_on_context_ranks(rounds: int) -> list[dict]:
     for ranks in (1, 2, 4, 8):
         mesh_cfg = load_config("small", [f"mesh.context={ranks}", "mesh.fsdp=1", "mesh.data=1",
                                          f"mesh.cpu_devices={ranks}"]).mesh
-        mesh = make_mesh(mesh_cfg, jax.devices()[:ranks])
+        mesh = make_mesh(mesh_cfg.resolve(ranks)[0], jax.devices()[:ranks])
         for prefix in (("all_gather", "ppermute") if ranks > 1 else ("none",)):
             fn = step_for(prefix if ranks > 1 else "all_gather")
             with jax.set_mesh(mesh), use_rules(DEFAULT_RULES):

@@ -44,7 +44,6 @@ def compile_at(recipe: str, overrides: list[str], layers: int, target: str, fold
 
 def main(argv=None) -> int:
     from hybridmoe.recipe import load_config
-    from hybridmoe.recipe.validate import compile_target
     from hybridmoe.tools import depth
 
     p = harness.parser(__doc__, __file__, raw=True)
@@ -56,8 +55,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     harness.configure()
     overrides = [*args.set, "mesh.cpu_devices=0"]
-    with compile_target("tpu"):
-        cfg = load_config(args.recipe, [*overrides, f"model.num_layers={args.full}"])
+    cfg = load_config(args.recipe, [*overrides, f"model.num_layers={args.full}"], platform="tpu")
     block = len(cfg.model.layer_pattern)
     shallow = [int(n) for n in args.layers.split(",")]
     with tempfile.TemporaryDirectory(prefix="hybridmoe-depth-") as tmp:

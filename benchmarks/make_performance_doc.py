@@ -652,7 +652,7 @@ next-token loss, backward, global-norm clip, AdamW) and the Hugging Face referen
 {rv['python']}, attention `{ref['info']['attn_implementation']}`, experts
 `{ref['info']['experts_implementation']}`, its pure-PyTorch GDN fallbacks) trained on the same
 tokens with the same AdamW settings and clip, each in its own worker process. The method
-(`hybridmoe/tools/pinned.py`): both pinned to cores {meth['cores']}, {meth['threads_per_side']}
+(`benchmarks/pinned.py`): both pinned to cores {meth['cores']}, {meth['threads_per_side']}
 compute thread(s) each (XLA's intra-op pool follows the affinity mask; the reference calls
 `torch.set_num_threads`), {meth['warmup_steps']} warm-up steps each, then {meth['rounds']} rounds of
 {meth['steps_per_round']} step(s) per side, the order alternating every round. The machine was shared

@@ -1,5 +1,5 @@
 """The MoE block's routed experts on CPU: the sorted path through two row-tiled grouped matmuls
-against the same sums kept in the tile layout end to end (the default since issue 22).
+against the same sums kept in the tile layout end to end (the default path of the routed experts).
 
 Arms, at the `small` shape (2048 tokens, D 256, 16 experts, top-4, F 128, 128-row tiles, float32),
 forward + backward of router, routing and routed experts, compiled once each, one process pinned
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
 from benchmarks import harness  # noqa: E402
 
-from hybridmoe.tools.pinned import parse_cores, pin, spread  # noqa: E402
+from benchmarks.pinned import parse_cores, pin, spread  # noqa: E402
 
 
 def main() -> None:

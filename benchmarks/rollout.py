@@ -3,7 +3,7 @@
 Both sides sample G = 8 completions of each of Q prompts of P tokens (B = Q x G rows), exactly N new
 tokens (no EOS), temperature 1, no top-p or top-k, float32, with a KV cache (attention) and a
 recurrent state (Gated DeltaNet). Sides, each a worker process pinned to the same cores
-(`--cores`; hybridmoe/tools/pinned.py: XLA's intra-op pool and torch's threads one per core):
+(`--cores`; benchmarks/pinned.py: XLA's intra-op pool and torch's threads one per core):
   ours          hybridmoe.rl.sampler.make_generate(group_size=G) on one CPU device: each prompt
                 prefilled once (Q rows) and its state copied to its G rows, then the whole decode as
                 one lax.while_loop; the platform's grouped matmul (kernels.gmm.xla_impl=auto: row
@@ -42,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file: this checkout's packages
 from benchmarks import harness  # noqa: E402 (stdlib only until configure)
-from hybridmoe.tools.pinned import Worker, parse_cores, pin, serve, spread, thread_census  # noqa: E402
+from benchmarks.pinned import Worker, parse_cores, pin, serve, spread, thread_census  # noqa: E402
 
 RECIPE = "small"
 ONE_DEVICE = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=1"]

@@ -5,7 +5,7 @@ shape (4 x 512 tokens, float32) on one CPU device; the whole step (forward, back
 AdamW) is timed too. The Hugging Face reference (PyTorch, transformers' Qwen3.5-MoE modules)
 runs in a worker process (benchmarks/reference/hf_anatomy_worker.py) started with --hf-python, a Python that
 has torch and transformers (never dependencies of this package; benchmarks/reference/setup.sh).
-The method is hybridmoe/tools/pinned.py's: both sides pinned to the same cores (`--cores`), XLA's
+The method is benchmarks/pinned.py's: both sides pinned to the same cores (`--cores`), XLA's
 intra-op pool and torch's threads one per pinned core; the sides take turns, one round of every
 component each (the order of the sides alternating, our components' order rotating), so drift in
 the machine's speed (it is shared) lands on both; the figure is the median over rounds 1..
@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 
 from hybridmoe.tools.flops import component_flops, step_flops  # noqa: E402
 from hybridmoe.tools.bench import measure_peak_flops  # noqa: E402
-from hybridmoe.tools.pinned import parse_cores, pin, spread, thread_census  # noqa: E402
+from benchmarks.pinned import parse_cores, pin, spread, thread_census  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.data.synthetic import synthetic_batch  # noqa: E402
 from hybridmoe.kernels import attention as attn_kernels  # noqa: E402

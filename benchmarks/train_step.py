@@ -1,7 +1,7 @@
 """The `small` recipe's training step on this machine against the PyTorch reference, pinned and interleaved.
 
 Sides, each a worker process, started pinned to the same cores (`--cores`, the method of
-hybridmoe/tools/pinned.py: XLA's intra-op pool and torch's threads both one per pinned core):
+benchmarks/pinned.py: XLA's intra-op pool and torch's threads both one per pinned core):
   ours       the default step (forward, next-token loss, backward, clip, AdamW) of `recipe=small`
              on one CPU device (mesh.cpu_devices=1), 4 x 512 tokens, float32; further arms of ours
              with `--arm NAME:key=value,...` (overrides on top of that one-device base), or
@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file: this checkout's packages
 from benchmarks import harness  # noqa: E402
-from hybridmoe.tools.pinned import Worker, parse_cores, pin, serve, spread, thread_census  # noqa: E402
+from benchmarks.pinned import Worker, parse_cores, pin, serve, spread, thread_census  # noqa: E402
 
 RECIPE = "small"
 ONE_DEVICE = ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=-1"]

@@ -287,16 +287,13 @@ def cmd_eval(args, words):
 
 
 def _inspect_config(words: list[str], target_kind: str | None, cpu_count: int | None):
-    from contextlib import nullcontext
-
-    from hybridmoe.recipe.validate import compile_target
     recipe, overrides = split_args(words)
     if target_kind == "cpu":
         overrides = [*overrides, f"mesh.cpu_devices={cpu_count}"]
     elif target_kind == "tpu":
         overrides = [*overrides, "mesh.cpu_devices=0"]
-    with compile_target("tpu") if target_kind == "tpu" else nullcontext():
-        return recipe, overrides, load_config(recipe, overrides)
+    # A TPU target compiles for compile-only TPU devices: the config is validated for TPU.
+    return recipe, overrides, load_config(recipe, overrides, platform="tpu" if target_kind == "tpu" else None)
 
 
 def _step_estimate(step, recipe: str, args):

@@ -34,7 +34,7 @@ READER_VARIANTS = ("contiguous_reader_on_interleaved_layout", "reversed_tile_ord
 
 
 # ---------------------------------------------------------------------------------------------
-# The broken variants of the MoE levers' plumbing (issue 7): each is a list of
+# The broken variants of the MoE levers' plumbing: each is a list of
 # (module, attribute, the broken function to patch in); tests/test_moe_proofs.py must catch each.
 
 import jax  # noqa: E402
@@ -77,7 +77,7 @@ BROKEN_MOE = {
 
 
 # ---------------------------------------------------------------------------------------------
-# One-line bugs in production functions (issue 21): the function recompiled from its own source
+# One-line bugs in production functions: the function recompiled from its own source
 # with one fragment replaced, to patch in with monkeypatch. The fragment must occur exactly once,
 # so a variant whose target line has changed fails loudly instead of testing nothing.
 
@@ -98,7 +98,7 @@ def mutated(module, name: str, old: str, new: str):
 
 
 # ---------------------------------------------------------------------------------------------
-# The per-kernel tiles and the on-chip memory model (issue 26). Each is a function returning
+# The per-kernel tiles and the on-chip memory model. Each is a function returning
 # [(module, attribute, broken value)] to monkeypatch (built when asked: mutated() reads the source).
 
 from hybridmoe.kernels import vmem as _vmem  # noqa: E402

@@ -48,3 +48,26 @@ def _tpu_targets_compile_with_the_defaults(request):
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
+
+
+@pytest.fixture(scope="module")
+def device():
+    """A compile-only device of the TPU topology the tpu_compile tests compile for (tests/tpu_target.py)."""
+    import importlib.util
+
+    from tests.tpu_target import TOPOLOGY
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.fail(f"libtpu is not installed: pip install -e '.[test]' (jax[tpu]=={jax.__version__})")
+    from hybridmoe.tools.train_program import tpu_target
+
+    return tpu_target(TOPOLOGY).devices[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """Under `--dist loadgroup` (make test) a file runs on one worker, as under loadfile, except that
+    every tpu_compile test joins one group: libtpu lets one process per host hold it."""
+    for item in items:
+        group = "tpu_compile" if item.get_closest_marker("tpu_compile") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -11,8 +11,8 @@ from hybridmoe.model.params import declare_params, init_params
 from hybridmoe.data.packing import pack_documents
 
 
-def tiny_config(*overrides: str):
-    return load_config("tiny", list(overrides))
+def tiny_config(*overrides: str, platform: str | None = None):
+    return load_config("tiny", list(overrides), platform=platform)
 
 
 def tiny_params(cfg, seed: int = 0, perturb: bool = True):

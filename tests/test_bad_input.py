@@ -156,8 +156,8 @@ def test_a_grpo_step_runs_with_the_sequence_over_context_ranks(tmp_path):
 
 
 def test_a_rule_the_load_cannot_decide_is_decided_on_the_real_mesh():
-    """mesh.fsdp=-1 leaves the fsdp size open at load; set-up resolves it and runs the validation
-    pass again, so gather8 on an fsdp axis of 1 is one ConfigError naming the key, not a failure
+    """mesh.fsdp=-1 leaves the fsdp size open at load; set-up runs the validation pass for its
+    devices, which resolve it, so gather8 on an fsdp axis of 1 is one ConfigError naming the key, not a failure
     from inside the traced model."""
     from hybridmoe.run.setup import build
     cfg = load_config("tiny", ["quant.fp8_moe_fake_quant=true", "quant.fp8_fake_quant_hoist=gather8",
@@ -166,3 +166,36 @@ def test_a_rule_the_load_cannot_decide_is_decided_on_the_real_mesh():
         build(cfg)
     assert [k for k, _ in e.value.problems] == ["quant.fp8_fake_quant_hoist"]
     assert "mesh.fsdp=1" in str(e.value)
+
+
+def test_build_refuses_a_batch_its_devices_do_not_split():
+    """The batch's split over the mesh is a rule of the validation pass, decided for the devices the
+    run builds on: 3 rows over the 8 batch shards of the 8 CPU devices (data x fsdp x expert)."""
+    from hybridmoe.run.setup import build
+    cfg = load_config("tiny", ["train.batch_size=3"])  # accepted at load: the batch may be meant for other devices
+    with pytest.raises(ConfigError) as e:
+        build(cfg)
+    assert e.value.problems == [("train.batch_size", "3 does not split over the 8 shards of mesh axes "
+                                 "('data', 'fsdp', 'expert')")]
+    build(load_config("tiny", ["train.batch_size=8"]))
+
+
+def test_a_mesh_the_devices_cannot_hold_is_refused_by_the_validator():
+    from hybridmoe.run.setup import build
+    cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.data=3", "mesh.fsdp=-1"])
+    with pytest.raises(ConfigError) as e:
+        build(cfg)
+    assert e.value.problems == [("mesh.fsdp", "cannot absorb the rest: 8 devices are not a multiple of the other "
+                                 "axes' product 3 (mesh.data=3); change those axes")]
+
+
+def test_an_init_hf_checkpoint_of_other_shapes_is_refused_naming_each_field():
+    from hybridmoe.hf import model_fields_from_hf_config, read_hf_config
+    from hybridmoe.run.hf_io import config_with_hf_model
+    theirs = model_fields_from_hf_config(read_hf_config(str(FIXTURE)))
+    cfg = load_config(f"hf:{FIXTURE}", [f"model.d_model={2 * theirs['d_model']}"])
+    with pytest.raises(ConfigError) as e:
+        config_with_hf_model(cfg, FIXTURE)
+    (key, msg), = e.value.problems
+    assert key == "model.d_model" and f"pass: model.d_model={theirs['d_model']}" in msg, msg
+    assert config_with_hf_model(load_config(f"hf:{FIXTURE}"), FIXTURE).model.d_model == theirs["d_model"]

@@ -1,4 +1,4 @@
-"""A decode step's routed rows on CPU (issue 22): `every_expert_rows` against a float64 numpy
+"""A decode step's routed rows on CPU: `every_expert_rows` against a float64 numpy
 loop, where it is chosen, and that the sampler's decode runs it while its prefill runs row tiles."""
 
 from __future__ import annotations

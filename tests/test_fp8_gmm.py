@@ -26,8 +26,8 @@ import pytest
 from fp8_reference import spread_channels, spread_experts
 from helpers import tiny_config, tiny_params
 from hybridmoe.config import ConfigError
-from hybridmoe.kernels import fp8 as kernels_fp8
-from hybridmoe.kernels.gmm import fp8 as kfp8
+from hybridmoe.quant import fp8 as kernels_fp8
+from hybridmoe.quant import gmm_fp8 as kfp8
 from hybridmoe.kernels.gmm import reference as ref
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.run.setup import build

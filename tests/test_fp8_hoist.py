@@ -9,7 +9,7 @@ Bit-for-bit comparisons view floats as unsigned integers: -0.0 and +0.0 differ. 
 weights of every test here span 12 binades across output channels, and in every channel one FSDP
 shard of the contracting axis sits 12 binades below the other (fp8_reference.spread_experts): a
 per-tensor absmax gives other bits there (a broken variant below). The sampler test keeps the
-plain weights: on the spread ones it failed (issue 21, not yet diagnosed).
+plain weights: on the spread ones it failed (not yet diagnosed).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hybridmoe.tools import program
 from hybridmoe.config import ConfigError
 from hybridmoe.quant import expert_fp8
 from hybridmoe.model.params import layer_axes
-from hybridmoe.kernels import fp8
+from hybridmoe.quant import fp8
 from hybridmoe.run.setup import build
 from hybridmoe.run.step import nll_sum
 
@@ -86,15 +86,15 @@ def test_gather8_without_a_mesh_raises_at_trace():
 def _layer_weights_fn(cfg):
     """(stacked routed weights as used, per pattern position) through the scan's xs, exactly as
     forward.block_fn hands them to the MoE block."""
-    axes = layer_axes(cfg.model)
+    weights = expert_fp8.LayerWeights(cfg, layer_axes(cfg.model))
 
     def used(params):
-        xs = expert_fp8.scan_xs(params, cfg, axes)
+        xs = weights.scan_xs(params)
 
         def body(carry, block_xs):
-            block_params, block_amax = block_xs if expert_fp8.hoisted(cfg) else (block_xs, [None] * len(axes))
-            outs = [{k: expert_fp8.layer_weights_at_use(lp, la, cfg, a)["moe"][k] for k in expert_fp8.ROUTED}
-                    for lp, la, a in zip(block_params, axes, block_amax)]
+            block_params, block_amax = weights.split(block_xs)
+            outs = [{k: weights.at_use(lp, i, a)["moe"][k] for k in expert_fp8.ROUTED}
+                    for i, (lp, a) in enumerate(zip(block_params, block_amax))]
             return carry, outs
 
         return jax.lax.scan(body, 0, xs)[1]
@@ -314,7 +314,7 @@ BROKEN = {
                                                 lambda c, s, d: _dequantize(c, jnp.roll(s, 1, axis=-1), d)),
     "scaled_custom_vjp_cotangent": (expert_fp8, "cotangent_to_shard", lambda ct, spec: _to_shard(ct * 2, spec)),
     "codes_keep_negative_zero": (fp8, "positive_zero", lambda codes: codes),
-    # Issue 21: scales that per-channel weights within a factor of ~3 cannot tell apart.
+    # Scales that per-channel weights within a factor of ~3 cannot tell apart.
     "per_tensor_absmax": (fp8, "absmax", _per_tensor_absmax),
 }
 

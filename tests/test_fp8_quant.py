@@ -1,4 +1,4 @@
-"""hybridmoe.kernels.fp8 alone: power-of-two scales, codes, dequantization, fake quantization.
+"""hybridmoe.quant.fp8 alone: power-of-two scales, codes, dequantization, fake quantization.
 
 The reference is numpy + ml_dtypes (float64 scales, ml_dtypes' own float8 casts), written
 independently of the code under test. Comparisons are bit for bit (uint views), so a -0.0 where
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fp8_reference import bits, ref_fake_quant, ref_scale
-from hybridmoe.kernels import fp8
+from hybridmoe.quant import fp8
 
 FORMATS = [(fp8.E4M3, ml_dtypes.float8_e4m3fn, 448.0), (fp8.E5M2, ml_dtypes.float8_e5m2, 57344.0)]
 

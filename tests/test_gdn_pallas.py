@@ -3,7 +3,7 @@ forward and every gradient against the token-by-token oracle and against the XLA
 packed documents included; the whole tiny model on the 8-device mesh, the sequence-sharded layer
 and decode's prefill against the XLA path; the broken variants each caught; the GPU kernels'
 Triton lowering; the config validator. (The Mosaic TPU compile check lives in
-tests/test_gmm_tpu_compile.py with every other libtpu user.)
+tests/test_gdn_tpu_compile.py, a tpu_compile test.)
 
 Dimension letters: B batch, T tokens, G key heads, H value heads, K key dim, V value dim.
 """

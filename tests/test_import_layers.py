@@ -1,5 +1,5 @@
 """The package's folders are layers that import downwards only, read from every import statement;
-and no function or class is defined twice.
+no function or class is defined twice; and a config is refused in one place only.
 
 LAYERS is the one place the order is written (docs/architecture.md describes it). A module may
 import its own folder and folders of a lower layer; folders on one layer do not import each other;
@@ -209,3 +209,31 @@ def test_the_duplicate_check_sees_a_copied_helper():
     where, body = next((w, b) for w, b in defs if w.endswith(" matmul_highest"))
     assert duplicate_definitions([*defs, ("hybridmoe.kernels.gdn.copy:1 _matmul", body)]) == [
         f"{where} = hybridmoe.kernels.gdn.copy:1 _matmul"]
+
+
+# The modules that may raise ConfigError: the loaders (a recipe that cannot be read or parsed) and
+# the one validation pass. Every other module leaves refusals to them.
+CONFIG_ERROR_RAISERS = ("hybridmoe.recipe.load", "hybridmoe.recipe.validate")
+
+
+def config_error_raises(sources: dict[str, str]) -> list[str]:
+    """module:line of every `raise ConfigError...` in `sources` (module -> text)."""
+    found = []
+    for mod, text in sorted(sources.items()):
+        for node in ast.walk(ast.parse(text)):
+            exc = node.exc.func if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) else \
+                node.exc if isinstance(node, ast.Raise) else None
+            name = exc.id if isinstance(exc, ast.Name) else exc.attr if isinstance(exc, ast.Attribute) else None
+            if name == "ConfigError":
+                found.append(f"{mod}:{node.lineno}")
+    return found
+
+
+def test_configs_are_refused_by_the_loaders_and_the_validator_only():
+    sources = {mod: path.read_text() for mod, path in _modules().items()}
+    outside = [w for w in config_error_raises(sources) if w.split(":")[0] not in CONFIG_ERROR_RAISERS]
+    assert not outside, f"ConfigError raised outside {CONFIG_ERROR_RAISERS}: {outside}; make it a rule of recipe/validate.py"
+    # The check sees a raise added anywhere else.
+    sources["hybridmoe.parallel.mesh"] += "\n\ndef f():\n    raise ConfigError([('mesh', 'no')])\n"
+    assert [w.split(":")[0] for w in config_error_raises(sources)
+            if w.split(":")[0] not in CONFIG_ERROR_RAISERS] == ["hybridmoe.parallel.mesh"]

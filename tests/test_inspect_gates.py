@@ -1,5 +1,5 @@
 """The inspect and gates commands end to end on tiny shapes (the TPU-target inspect is in
-test_gmm_tpu_compile.py, where every libtpu user lives)."""
+test_gmm_tpu_compile.py with the other tpu_compile tests, which share one libtpu process)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from hybridmoe.tools import train_program as tp
 from hybridmoe.cli import main
 from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config
-from hybridmoe.recipe.validate import compile_target
 
 PALLAS_TPU = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "moe.wi_fused_swiglu=true",
               "model.d_model=128", "model.moe_intermediate_size=128", "kernels.gmm.tk=128"]
@@ -29,8 +28,7 @@ def test_validator_accepts_the_pallas_tpu_backend_for_a_tpu_target():
     cfg = ["mesh.cpu_devices=0", *PALLAS_TPU]
     with pytest.raises(ConfigError, match="cannot run on this platform"):
         load_config("tiny", cfg)
-    with compile_target("tpu"):
-        load_config("tiny", cfg)
+    load_config("tiny", cfg, platform="tpu")
 
 
 def test_inspect_cpu_side_by_side(tmp_path, capsys):

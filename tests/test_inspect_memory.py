@@ -115,13 +115,11 @@ def test_layers_must_be_whole_blocks_of_at_least_two():
 def test_layers_at_the_cell_recipe():
     """The 397B cell (60 layers, blocks of 4) takes --layers 8: its recipe loads at 8 and 12 layers
     for the TPU target (nothing compiled here)."""
-    from hybridmoe.recipe.validate import compile_target
-
-    with compile_target("tpu"):
-        cell = load_config("qwen3.5-397b-a17b-v7x-128", ["mesh.cpu_devices=0"])
-        assert cell.model.num_layers == 60 and depth.depths(cell, 8) == (8, 12)
-        for n in (8, 12):
-            assert load_config("qwen3.5-397b-a17b-v7x-128", ["mesh.cpu_devices=0", f"model.num_layers={n}"]).model.num_blocks == n // 4
+    cell = load_config("qwen3.5-397b-a17b-v7x-128", ["mesh.cpu_devices=0"], platform="tpu")
+    assert cell.model.num_layers == 60 and depth.depths(cell, 8) == (8, 12)
+    for n in (8, 12):
+        assert load_config("qwen3.5-397b-a17b-v7x-128", ["mesh.cpu_devices=0", f"model.num_layers={n}"],
+                           platform="tpu").model.num_blocks == n // 4
 
 
 def test_inspect_layers_compiles_two_depths_and_extrapolates(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The MoE levers' proofs that a sabotage must break (issue 7), and their broken variants.
+"""The MoE levers' proofs that a sabotage must break, and their broken variants.
 
 - moe.router_grad_from_wo_input on vs off through the whole model on the 8-device mesh: loss,
   logits and every gradient within float32 reassociation (relative L2 <= ROUTER_TOL).

@@ -1,4 +1,4 @@
-"""Prefill once per prompt, chunked prefill and early stop (issue 22), on 8 simulated CPU devices.
+"""Prefill once per prompt, chunked prefill and early stop, on 8 simulated CPU devices.
 
 One prompt set, three compiled samplers shared by every test of the module:
   shared    3 prompts x G = 8 rows: each prompt prefilled once (on 8 rows: 3 padded to the 8 batch

@@ -1,6 +1,6 @@
 """The on-chip memory model (kernels/vmem.py and each family's limits) and the per-kernel tiles.
 
-No compile here (tests/test_gmm_tpu_compile.py checks the model's verdicts against the Mosaic
+No compile here (tests/test_vmem_tpu_compile.py checks the model's verdicts against the Mosaic
 compiler): the model's blocks and scratch equal the BlockSpecs and scratch of the traced
 pallas_calls, every per-kernel tile key reaches its kernel and only it, and the validator refuses a
 tile set that does not fit at load.
@@ -22,7 +22,7 @@ from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.vmem import MIB
 from hybridmoe.model import moe
 from hybridmoe.recipe import load_config
-from hybridmoe.recipe.validate import compile_target, gmm_vmem_needs
+from hybridmoe.recipe.validate import gmm_vmem_needs
 
 from tests.broken_variants import BROKEN_TILE_PLUMBING
 
@@ -176,8 +176,7 @@ CELL = "qwen3.5-397b-a17b-v7x-128"
 
 
 def test_seed_cell_recipe_fits_at_load():
-    with compile_target("tpu"):
-        cfg = load_config(CELL, [])
+    cfg = load_config(CELL, [], platform="tpu")
     needs = gmm_vmem_needs(cfg)
     assert all(n.fits for n in needs.values()), {k: n.text() for k, n in needs.items()}
     assert needs["wi_fwd"].limit_bytes == int(57.6 * MIB)  # the kernel's vmem_limit_bytes
@@ -185,8 +184,8 @@ def test_seed_cell_recipe_fits_at_load():
 
 def test_seed_cell_recipe_refused_at_a_16_mib_limit_naming_the_kernel():
     start = time.perf_counter()
-    with compile_target("tpu"), pytest.raises(ConfigError) as err:
-        load_config(CELL, ["kernels.gmm.vmem_limit_mib=16"])
+    with pytest.raises(ConfigError) as err:
+        load_config(CELL, ["kernels.gmm.vmem_limit_mib=16"], platform="tpu")
     elapsed = time.perf_counter() - start
     msg = str(err.value)
     assert "kernels.gmm.vmem_limit_mib" in msg and "wi_fwd (wi_fused_swiglu_fwd) needs 53.00 MiB" in msg, msg
@@ -230,8 +229,7 @@ def test_vmem_limit_above_the_core_is_refused():
 def test_describe_lists_each_kernels_resolved_tiles_and_vmem():
     from hybridmoe.cli import kernel_rows
 
-    with compile_target("tpu"):
-        cfg = load_config(CELL, [])
+    cfg = load_config(CELL, [], platform="tpu")
     rows = {r["kernel"]: r for r in kernel_rows(cfg)}
     assert list(rows) == list(tiling.KERNELS)
     assert (rows["wi_fwd"]["pallas"], rows["wi_fwd"]["tk"], rows["wi_fwd"]["tn"]) == ("wi_fused_swiglu_fwd", 4096, 1024)
@@ -246,10 +244,9 @@ def test_triton_flash_blocks_checked_against_shared_memory():
     still: benchmarks/records/gmm_vmem.json); 32 x 32 fits."""
     base = ["model.head_dim=256", "kernels.attention.backend=pallas_gpu", "model.layer_pattern=[attention]",
             "model.num_layers=1", "model.compute_dtype=bfloat16"]
-    with compile_target("gpu"), pytest.raises(ConfigError) as err:
-        load_config("tiny", base + ["kernels.attention.block_q=64", "kernels.attention.block_k=64"])
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", base + ["kernels.attention.block_q=64", "kernels.attention.block_k=64"], platform="gpu")
     assert "kernels.attention.block_k" in str(err.value) and "shared memory" in str(err.value), str(err.value)
-    with compile_target("gpu"):
-        load_config("tiny", base + ["kernels.attention.block_q=32", "kernels.attention.block_k=32"])
+    load_config("tiny", base + ["kernels.attention.block_q=32", "kernels.attention.block_k=32"], platform="gpu")
     assert attention_limits.gpu_shared_bytes("flash_attention_forward", block_q=128, block_k=128, head_dim=256,
                                              num_stages=2) > 227 * 1024

@@ -1,5 +1,5 @@
 """Each Mosaic kernel alone at a tile, compiled for a compile-only TPU, against the VMEM model's verdict
-(shared by tests/test_gmm_tpu_compile.py and benchmarks/gmm_vmem.py).
+(shared by tests/test_vmem_tpu_compile.py and benchmarks/gmm_vmem.py).
 
 `POINTS` lists (kernel, tiles) on both sides of a small scoped limit (LIMIT_MIB, so the boundary lies
 at small tiles where a compile takes about a second). The operands are large (tens of MiB), so the

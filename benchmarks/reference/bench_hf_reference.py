@@ -37,7 +37,7 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from hybridmoe.tools.pinned import serve, thread_census  # noqa: E402  (standard library + numpy only)
+from benchmarks.pinned import serve, thread_census  # noqa: E402  (standard library + numpy only)
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
 
 # The project's `small` recipe (hybridmoe/config/recipes/small.yml), in Hugging Face field names.

@@ -27,7 +27,7 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_hf_reference import SMALL_SHAPE  # noqa: E402
-from hybridmoe.tools.pinned import serve, thread_census  # noqa: E402  (standard library + numpy only)
+from benchmarks.pinned import serve, thread_census  # noqa: E402  (standard library + numpy only)
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
 
 

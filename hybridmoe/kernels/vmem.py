@@ -13,7 +13,7 @@ loop; num_stages copies against the GPU's per-block shared-memory limit.
 
 Each family's limits module lists its kernels' buffers (`Buffer`) from the same tiles its kernels
 build their BlockSpecs from; `tests/test_vmem_model.py` checks the lists against the traced
-pallas_calls and `tests/test_gmm_tpu_compile.py` the totals against the Mosaic compiler.
+pallas_calls and `tests/test_vmem_tpu_compile.py` the totals against the Mosaic compiler.
 """
 
 from __future__ import annotations

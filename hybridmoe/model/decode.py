@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from hybridmoe.config.schema import Config
 from hybridmoe.kernels.attention import attention
 from hybridmoe.model.attention import gated_output, project_qkv
-from hybridmoe.quant.expert_fp8 import sampling_weights
+from hybridmoe.quant import LayerWeights
 from hybridmoe.model.forward import decoder_layer, embed_tokens, lm_head_at_use, routing_from_blocks
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.norms import rms_norm
@@ -105,11 +105,13 @@ def cached_hidden(params, cfg: Config, cache, tokens_BT, segment_ids_BT, positio
     dt = jnp.dtype(m.compute_dtype)
     x = embed_tokens(params, tokens_BT, dt)
 
+    weights = LayerWeights(cfg, layer_axes(m))
+
     def block(x_BTD, xs):
         block_params, block_cache = xs
         new_cache, routing = [], []
-        for kind, lp, lc, lp_axes in zip(m.layer_pattern, block_params, block_cache, layer_axes(m)):
-            lp = sampling_weights(lp, lp_axes, cfg)
+        for i, (kind, lp, lc) in enumerate(zip(m.layer_pattern, block_params, block_cache)):
+            lp = weights.for_sampling(lp, i)
             mix = lambda p, h, kind=kind, lc=lc: _cached_mixer(kind, p, h, lc, ctx, cfg)
             out = decoder_layer(lp, x_BTD, mix, cfg, with_routing=with_routing)
             x_BTD, lc = out[:2]

@@ -74,12 +74,3 @@ def sharding_problems(m: ModelConfig, rules: Mapping, mesh_sizes: Mapping[str, i
                     f"make it a multiple of {e['shards']} or change the mesh"))
     return out
 
-
-def known_mesh_sizes(mesh_cfg) -> dict[str, int]:
-    """Axis sizes known before JAX starts: all of them with simulated CPU devices, otherwise the
-    fixed ones (the -1 axis absorbs a device count known only at run time)."""
-    if mesh_cfg.cpu_devices:
-        sizes, problem = mesh_cfg.resolve(mesh_cfg.simulated_devices)
-        if problem is None:
-            return sizes
-    return {k: v for k, v in mesh_cfg.axis_sizes.items() if v > 0}

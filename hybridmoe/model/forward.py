@@ -14,7 +14,7 @@ from hybridmoe.config.schema import Config, ModelConfig
 from hybridmoe.kernels.logprobs import chunked_token_logprobs
 from hybridmoe.model import scopes
 from hybridmoe.model.attention import attention_layer
-from hybridmoe.quant.expert_fp8 import hoisted, layer_weights_at_use, scan_xs
+from hybridmoe.quant import LayerWeights
 from hybridmoe.model.gdn import gdn_layer
 from hybridmoe.model.moe import moe_layer
 from hybridmoe.model.norms import rms_norm
@@ -83,21 +83,20 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
              replay: bool = False, with_routing: bool = False):
     """One repeating block (every position of the layer pattern) as a function (x, block xs) -> x
     (with_moe_dropped: -> (x, the block's dropped MoE rows)). The xs are the block's params, or
-    (params, hoisted fp8 absmax) under quant.fp8_fake_quant_hoist (expert_fp8.scan_xs). Routing
+    (params, hoisted fp8 absmax) under quant.fp8_fake_quant_hoist (quant.LayerWeights). Routing
     replay: the xs are (those, expert ids [pattern, B, T, k]) and with_routing -> (x, the ids routed
     by, alike)."""
     m = cfg.model
-    axes = layer_axes(m)
-    with_absmax = hoisted(cfg)
+    weights = LayerWeights(cfg, layer_axes(m))
 
     def block(x_BTD, block_xs):
         dropped = jnp.int32(0)
         block_xs, replay_PBTk = block_xs if replay else (block_xs, None)
         routing = []
-        block_params, block_absmax = block_xs if with_absmax else (block_xs, [None] * len(axes))
-        for i, (kind, lp, lp_axes, amax) in enumerate(zip(m.layer_pattern, block_params, axes, block_absmax)):
+        block_params, block_absmax = weights.split(block_xs)
+        for i, (kind, lp, amax) in enumerate(zip(m.layer_pattern, block_params, block_absmax)):
             with jax.named_scope(scopes.LAYER_WEIGHTS):
-                lp = layer_weights_at_use(lp, lp_axes, cfg, amax)
+                lp = weights.at_use(lp, i, amax)
             mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)
             out = decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped, with_routing=with_routing,
                                 replay_BTk=None if replay_PBTk is None else replay_PBTk[i])
@@ -153,7 +152,7 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
     x = embed_tokens(params, tokens_BT, dt)
     block = block_fn(cfg, positions_BT, segment_ids_BT, with_moe_dropped=with_moe_dropped, packed=packed)
     block = checkpointed(block, cfg, tokens_BT.size)
-    xs = scan_xs(params, cfg, layer_axes(m))
+    xs = LayerWeights(cfg, layer_axes(m)).scan_xs(params)
     if with_moe_dropped:
         step = lambda carry, bp: ((lambda x, d: (x, carry[1] + d))(*block(carry[0], bp)), None)  # noqa: E731
         carry = (x, jnp.int32(0))
@@ -182,7 +181,7 @@ def _decoder_hidden_routed(params, cfg: Config, tokens_BT, segment_ids_BT, posit
     replay = routing_BTLk is not None
     block = block_fn(cfg, positions_BT, segment_ids_BT, packed=packed, replay=replay, with_routing=with_routing)
     block = checkpointed(block, cfg, tokens_BT.size)
-    xs = scan_xs(params, cfg, layer_axes(m))
+    xs = LayerWeights(cfg, layer_axes(m)).scan_xs(params)
     xs = (xs, routing_to_blocks(routing_BTLk, cfg)) if replay else xs
     step = (lambda x, bp: block(x, bp)) if with_routing else (lambda x, bp: (block(x, bp), None))  # noqa: E731
     with jax.named_scope(scopes.LAYERS):

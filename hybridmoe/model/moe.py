@@ -38,6 +38,7 @@ from hybridmoe.config.schema import GmmKernelConfig, KernelsConfig, ModelConfig,
 from hybridmoe.kernels import gmm as K
 from hybridmoe.model import scopes
 from hybridmoe.parallel.rules import logical_to_spec, mesh_axes_of
+from hybridmoe.quant.gmm_fp8 import gmm_fp8
 
 
 def route(router_DE, x_TD, m: ModelConfig, replay_idx_Tk=None):
@@ -273,7 +274,7 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
     wo_tiles = dict(tiling=t.wo_fwd, dlhs_tiling=t.wo_dlhs, drhs_tiling=t.wo_drhs) if t else {}
     row_scale_M = w_M if plan.router_grad_from_wo_input else None
     # quant.fp8_gmm: the unfused grouped matmuls in fp8 (the fused levers are refused with it).
-    mm = (functools.partial(K.gmm_fp8, group_offset=group_offset, backend=plan.backend) if plan.fp8
+    mm = (functools.partial(gmm_fp8, group_offset=group_offset, backend=plan.backend) if plan.fp8
           else functools.partial(K.gmm, **kw))
     if plan.wi_fused_swiglu:
         out = K.wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,

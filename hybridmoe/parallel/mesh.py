@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from hybridmoe.config.schema import MeshConfig
-from hybridmoe.config.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 
@@ -24,17 +25,10 @@ def configure_cpu_devices(mesh_cfg: MeshConfig) -> None:
             jax.config.update("jax_platforms", "cpu")
 
 
-def resolve_axis_sizes(mesh_cfg: MeshConfig, num_devices: int) -> dict[str, int]:
-    """Axis sizes with the -1 axis absorbing the rest; raises naming the mesh keys if they cannot fit."""
-    sizes, problem = mesh_cfg.resolve(num_devices)
-    if problem:
-        raise ConfigError([problem])
-    return sizes
-
-
-def make_mesh(mesh_cfg: MeshConfig, devices: list | None = None) -> Mesh:
+def make_mesh(sizes: Mapping[str, int], devices: list | None = None) -> Mesh:
+    """The mesh of the axis sizes given (every axis resolved: `MeshConfig.resolve` of a config the
+    validator passed for these devices) over `devices` (default: every device)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_axis_sizes(mesh_cfg, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
     if len(devices) == len(jax.devices()) and devices == list(jax.devices()):
         return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))

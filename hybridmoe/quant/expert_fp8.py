@@ -1,7 +1,11 @@
 """fp8 fake quantization of the routed-expert weights where they are used, and its hoist.
 
+The model reads its layer weights through one hook, `LayerWeights` (at the end): what the layer
+scan iterates over and each layer's weights where they are used. Unquantized, that is the FSDP
+gather at use; quant.fp8_moe_fake_quant adds the transform below.
+
 quant.fp8_moe_fake_quant rounds wi [E, D, 2F] and wo [E, F, D] to their per-output-channel
-float8_e4m3fn grid (hybridmoe.kernels.fp8; one scale per expert and output column, from the
+float8_e4m3fn grid (quant/fp8.py; one scale per expert and output column, from the
 absmax over the contracting axis 1) with the straight-through gradient, in every layer, in the
 forward and again in the remat replay. It is a transform of the weights before the MoE block, so
 every MoE path (default grouped matmul, the kernel family with its levers, expert parallelism,
@@ -28,6 +32,7 @@ Collectives of the absmax run under the name scope "fp8_absmax" (the program pro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -35,7 +40,7 @@ from jax.sharding import PartitionSpec
 
 from hybridmoe.config.schema import Config, QuantConfig
 from hybridmoe.parallel.rules import at_use_spec, constrain_at_use, gathered_at_use, logical_to_spec, mesh_axes_of
-from hybridmoe.kernels import fp8
+from hybridmoe.quant import fp8
 
 ROUTED = ("wi", "wo")
 CONTRACT = 1          # wi [E, D, 2F] contracts D, wo [E, F, D] contracts F
@@ -193,3 +198,27 @@ def sampling_weights(lp, lp_axes, cfg: Config):
     """The layer's weights for the sampler's cached forward: the routed experts fake-quantized as
     the trainer sees them (unchanged when fake quantization is off)."""
     return layer_weights_at_use(lp, lp_axes, cfg) if cfg.quant.fp8_moe_fake_quant else lp
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """The one hook through which quantization reaches the model: what the layer scan iterates
+    over (`scan_xs`), one scan step's xs taken apart (`split`), and each layer's weights where
+    they are used (`at_use`, the sampler's `for_sampling`).
+
+    block_axes: per position of the layer pattern, that layer's logical axes (model.params.layer_axes)."""
+    cfg: Config
+    block_axes: list
+
+    def scan_xs(self, params):
+        return scan_xs(params, self.cfg, self.block_axes)
+
+    def split(self, block_xs):
+        """(the block's params, per position its hoisted absmax or None) of one step's xs."""
+        return block_xs if hoisted(self.cfg) else (block_xs, [None] * len(self.block_axes))
+
+    def at_use(self, lp, position: int, amax=None):
+        return layer_weights_at_use(lp, self.block_axes[position], self.cfg, amax)
+
+    def for_sampling(self, lp, position: int):
+        return sampling_weights(lp, self.block_axes[position], self.cfg)

@@ -135,13 +135,17 @@ def _pydantic_errors(e: ValidationError) -> list[tuple[str, str]]:
     return out
 
 
-def load_config(recipe: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Resolve a recipe plus overrides into a validated Config, or raise one ConfigError."""
-    return config_with_overrides(_read_recipe(recipe), overrides)
+def load_config(recipe: str = "tiny", overrides: list[str] | tuple[str, ...] = (), *,
+                platform: str | None = None) -> Config:
+    """Resolve a recipe plus overrides into a Config validated for `platform` (None: the config's
+    own; "tpu" for a program compiled for a TPU target), or raise one ConfigError."""
+    return config_with_overrides(_read_recipe(recipe), overrides, platform=platform)
 
 
-def config_with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """`section.key=value` overrides applied to a config's sections (e.g. a run's saved config), validated."""
+def config_with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), *,
+                          platform: str | None = None) -> Config:
+    """`section.key=value` overrides applied to a config's sections (e.g. a run's saved config),
+    validated for `platform` (see load_config)."""
     data = _merge({}, data)
     for item in overrides:
         parts, value = _parse_override(item)
@@ -152,7 +156,7 @@ def config_with_overrides(data: dict[str, Any], overrides: list[str] | tuple[str
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_pydantic_errors(e)) from None
-    check_requirements(cfg)
+    check_requirements(cfg, platform=platform)
     return cfg
 
 

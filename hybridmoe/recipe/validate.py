@@ -7,10 +7,9 @@ Rules only read the config; they never compute values for later use or change it
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
-from collections.abc import Callable
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping
 
 from hybridmoe.config.errors import ConfigError, Problem
 from hybridmoe.config.schema import CHECKPOINT_NAMES, Config
@@ -19,7 +18,25 @@ from hybridmoe.kernels.gdn import limits as gdn_limits
 from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.platform import PALLAS_PLATFORMS
 
-Rule = Callable[[Config], list[Problem]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What a config is checked against that it does not hold itself, given by the caller.
+
+    platform: the platform the program runs on or is compiled for ("cpu", "gpu", "tpu"; a
+    compile-only TPU target is "tpu"); None: the config's own (cpu with simulated devices, else
+    JAX's default backend).
+    devices: how many devices the mesh spans; None: the simulated CPU count, or not known yet (the
+    rules that need the -1 axis's size decide on the built mesh, which passes it).
+    checkpoint_model: the model fields of the Hugging Face checkpoint the run starts from
+    (`--init-hf`), whose shape fields the config must match; None: no checkpoint."""
+    platform: str | None = None
+    devices: int | None = None
+    checkpoint_model: Mapping | None = None
+
+
+Rule = Callable[[Config, Facts], list[Problem]]
 RULES: list[Rule] = []
 
 
@@ -35,16 +52,21 @@ def rule(*keys: str) -> Callable[[Rule], Rule]:
     return register
 
 
-def check_requirements(cfg: Config) -> None:
+def check_requirements(cfg: Config, *, platform: str | None = None, devices: int | None = None,
+                       checkpoint_model: Mapping | None = None) -> None:
+    """The one validation pass: every rule, for the platform and device count given (see Facts);
+    one ConfigError naming every unmet requirement. The loaders run it with what the config fixes,
+    `run.setup.build` with the devices it builds the mesh on."""
+    facts = Facts(platform, devices, checkpoint_model)
     problems: list[Problem] = []
     for r in RULES:
-        problems.extend(r(cfg))
+        problems.extend(r(cfg, facts))
     if problems:
         raise ConfigError(problems)
 
 
 @rule("model.num_layers", "model.num_heads", "model.gdn_num_value_heads", "model.num_experts_per_tok", "model.partial_rotary_factor")
-def _model_shapes(cfg: Config) -> list[Problem]:
+def _model_shapes(cfg: Config, f: Facts) -> list[Problem]:
     m, out = cfg.model, []
     if m.layer_pattern and m.num_layers % len(m.layer_pattern):
         out.append(("model.num_layers", f"{m.num_layers} is not a multiple of the layer pattern's length {len(m.layer_pattern)}"))
@@ -61,20 +83,47 @@ def _model_shapes(cfg: Config) -> list[Problem]:
     return out
 
 
+# Model fields that decide a weight's shape: a checkpoint the run starts from must agree on these.
+CHECKPOINT_SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "layer_pattern", "num_heads", "num_kv_heads",
+                           "head_dim", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim", "gdn_value_dim",
+                           "gdn_conv_kernel", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                           "shared_expert_intermediate_size", "tie_word_embeddings")
+
+
+def _as_tuple(v) -> tuple:
+    return tuple(v) if isinstance(v, (list, tuple)) else (v,)
+
+
+@rule(*(f"model.{k}" for k in CHECKPOINT_SHAPE_FIELDS))
+def _model_matches_checkpoint(cfg: Config, f: Facts) -> list[Problem]:
+    """The shapes of the checkpoint the run starts from (--init-hf) are the model section's."""
+    if f.checkpoint_model is None:
+        return []
+    current, out = cfg.model.model_dump(), []
+    for k in CHECKPOINT_SHAPE_FIELDS:
+        theirs = f.checkpoint_model.get(k)
+        if theirs is None or _as_tuple(current[k]) == _as_tuple(theirs):
+            continue
+        fix = f"{list(theirs) if isinstance(theirs, (list, tuple)) else theirs}".replace(" ", "").replace("'", "")
+        out.append((f"model.{k}", f"the checkpoint's shapes disagree with the recipe's model section: recipe "
+                    f"{current[k]!r}, checkpoint {theirs!r}; use a recipe with this model, or pass: model.{k}={fix}"))
+    return out
+
+
 @rule("mesh", "mesh.data", "mesh.fsdp", "mesh.context", "mesh.expert", "mesh.tensor", "mesh.cpu_devices")
-def _mesh_axis_sizes(cfg: Config) -> list[Problem]:
-    # The device count is known at load only when simulating CPU devices; make_mesh checks the rest.
+def _mesh_axis_sizes(cfg: Config, f: Facts) -> list[Problem]:
+    # The device count is known at load only when simulating CPU devices; build passes the rest.
     m = cfg.mesh
-    n = m.simulated_devices or math.prod(abs(v) for v in m.axis_sizes.values())
+    n = f.devices or m.simulated_devices or math.prod(abs(v) for v in m.axis_sizes.values())
     _, problem = m.resolve(n)
-    if problem and m.simulated_devices:  # name where the device count comes from
+    if problem and m.simulated_devices and not f.devices:  # name where the device count comes from
         processes = f" x mesh.num_processes={m.num_processes}" if m.num_processes > 1 else ""
         problem = (problem[0], f"{problem[1]} (the devices are mesh.cpu_devices={m.cpu_devices}{processes})")
     return [problem] if problem else []
 
 
 @rule("mesh.distributed", "mesh.coordinator_address", "mesh.num_processes", "mesh.process_id")
-def _mesh_distributed(cfg: Config) -> list[Problem]:
+def _mesh_distributed(cfg: Config, f: Facts) -> list[Problem]:
     m, out = cfg.mesh, []
     explicit = [k for k in ("coordinator_address", "num_processes") if getattr(m, k)]
     if explicit and not m.distributed:
@@ -88,19 +137,54 @@ def _mesh_distributed(cfg: Config) -> list[Problem]:
 
 
 @rule("model", "mesh")
-def _model_weights_split_over_mesh(cfg: Config) -> list[Problem]:
+def _model_weights_split_over_mesh(cfg: Config, f: Facts) -> list[Problem]:
     """Every weight dimension the rules table shards must split evenly over its mesh axes (read from
-    the weight declarations and the rules table themselves; `build` repeats it with the real mesh)."""
-    if not cfg.model.layer_pattern or _mesh_axis_sizes(cfg):
+    the weight declarations and the rules table themselves), over the axes whose sizes are known."""
+    if not cfg.model.layer_pattern or _mesh_axis_sizes(cfg, f):
         return []
-    from hybridmoe.model.fit import known_mesh_sizes, sharding_problems
+    from hybridmoe.model.fit import sharding_problems
     from hybridmoe.parallel.rules import RULES_TABLES
 
-    return sharding_problems(cfg.model, RULES_TABLES[cfg.mesh.rules], known_mesh_sizes(cfg.mesh))
+    return sharding_problems(cfg.model, RULES_TABLES[cfg.mesh.rules], _mesh_sizes(cfg, f))
+
+
+def _mesh_sizes(cfg: Config, f: Facts) -> dict[str, int]:
+    """The mesh axis sizes known: all of them when the device count is (given, or simulated CPU
+    devices), otherwise the fixed ones (the -1 axis absorbs a device count known only on the mesh)."""
+    n = f.devices or cfg.mesh.simulated_devices
+    if n:
+        sizes, problem = cfg.mesh.resolve(n)
+        if problem is None:
+            return sizes
+    return {k: v for k, v in cfg.mesh.axis_sizes.items() if v > 0}
+
+
+def _full_mesh_sizes(cfg: Config, f: Facts) -> dict[str, int] | None:
+    """Every axis size, or None while the -1 axis's is not known."""
+    sizes = _mesh_sizes(cfg, f)
+    return sizes if len(sizes) == len(cfg.mesh.axis_sizes) else None
+
+
+@rule("train.batch_size")
+def _train_batch_size(cfg: Config, f: Facts) -> list[Problem]:
+    """The batch splits evenly over the mesh axes the rules give it (the sequence's split over
+    mesh.context is _attention_context_parallel's). Decided for the devices a run builds on only:
+    a recipe's batch may be meant for fewer devices than its simulated default (`small`, whose
+    benchmarks run it on one)."""
+    from hybridmoe.parallel.rules import RULES_TABLES, mesh_axes_of
+
+    sizes = _full_mesh_sizes(cfg, f)
+    if sizes is None or f.devices is None:
+        return []
+    names = mesh_axes_of(RULES_TABLES[cfg.mesh.rules]["batch"])
+    shards = math.prod(sizes[a] for a in names)
+    if cfg.train.batch_size % shards:
+        return [("train.batch_size", f"{cfg.train.batch_size} does not split over the {shards} shards of mesh axes {names}")]
+    return []
 
 
 @rule("train.seq_len")
-def _train_seq_len(cfg: Config) -> list[Problem]:
+def _train_seq_len(cfg: Config, f: Facts) -> list[Problem]:
     t, m, out = cfg.train, cfg.model, []
     if t.seq_len > m.max_seq_len:
         out.append(("train.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}"))
@@ -108,7 +192,7 @@ def _train_seq_len(cfg: Config) -> list[Problem]:
 
 
 @rule("remat.save", "remat.policy")
-def _remat_save(cfg: Config) -> list[Problem]:
+def _remat_save(cfg: Config, f: Facts) -> list[Problem]:
     r = cfg.remat
     out = []
     if r.save and r.policy != "custom":
@@ -121,7 +205,7 @@ def _remat_save(cfg: Config) -> list[Problem]:
 
 @rule("rl.max_new_tokens", "rl.updates_per_rollout", "rl.micro_batches", "rl.temperature", "rl.operators",
       "rl.prefill_chunk", "gdn.chunk_size")
-def _rl_shapes(cfg: Config) -> list[Problem]:
+def _rl_shapes(cfg: Config, f: Facts) -> list[Problem]:
     r, out = cfg.rl, []
     if r.sequence_len > cfg.model.max_seq_len:
         out.append(("rl.max_new_tokens", f"rl.max_prompt_len + rl.max_new_tokens = {r.sequence_len} exceeds "
@@ -147,13 +231,11 @@ def _rl_shapes(cfg: Config) -> list[Problem]:
 
 
 @rule("rl.prompts_per_step")
-def _rl_prompts_per_step(cfg: Config) -> list[Problem]:
+def _rl_prompts_per_step(cfg: Config, f: Facts) -> list[Problem]:
     # Rollout rows are sharded over the batch axes (data x fsdp x expert under either rules table at
-    # most); the device count is known at load only when simulating CPU devices.
-    if not cfg.mesh.cpu_devices:
-        return []
-    sizes, problem = cfg.mesh.resolve(cfg.mesh.simulated_devices)
-    if problem:
+    # most); decided once the device count is known.
+    sizes = _full_mesh_sizes(cfg, f)
+    if sizes is None:
         return []
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     r = cfg.rl
@@ -173,26 +255,11 @@ def _rl_prompts_per_step(cfg: Config) -> list[Problem]:
 MOE_GATE_UP_NAMES = ("moe_gate", "moe_up")
 
 
-# Set while validating a config for a program compiled for another platform than this host's
-# (`hybridmoe inspect --target tpu7x:2x2x1` compiles for compile-only TPU devices).
-_COMPILE_TARGET: ContextVar[str | None] = ContextVar("hybridmoe_compile_target", default=None)
-
-
-@contextlib.contextmanager
-def compile_target(platform: str):
-    """Validate the configs loaded inside for programs compiled for `platform` ("tpu", ...)."""
-    token = _COMPILE_TARGET.set(platform)
-    try:
-        yield
-    finally:
-        _COMPILE_TARGET.reset(token)
-
-
-def _run_platform(cfg: Config) -> str:
-    """The platform the program is for: the compile target if one is set, simulated CPU devices,
-    or JAX's default backend."""
-    if _COMPILE_TARGET.get():
-        return _COMPILE_TARGET.get()
+def _run_platform(cfg: Config, f: Facts) -> str:
+    """The platform the program is for: the one given (a compile target's, or the built mesh's
+    devices'), simulated CPU devices, or JAX's default backend."""
+    if f.platform:
+        return f.platform
     if cfg.mesh.cpu_devices:
         return "cpu"
     import jax  # only when asked: with simulated devices the backends must start later
@@ -232,7 +299,7 @@ def _quantized_gmm(cfg: Config) -> list[str]:
 
 
 @rule("moe.wi_fused_swiglu", "moe.wo_fused_dswiglu", "moe.router_grad_from_wo_input", "moe.capacity_factor", "moe.expert_parallel")
-def _moe_fused_levers(cfg: Config) -> list[Problem]:
+def _moe_fused_levers(cfg: Config, f: Facts) -> list[Problem]:
     moe, out = cfg.moe, []
     saved_halves = [n for n in cfg.remat.save if n in MOE_GATE_UP_NAMES] if cfg.remat.policy == "custom" else []
     tiles = _gmm_tile_problems(cfg)
@@ -259,11 +326,11 @@ def _moe_fused_levers(cfg: Config) -> list[Problem]:
 
 @rule("kernels.gmm.backend", "kernels.gmm.tiling", "kernels.gmm.wi_fwd_tile_n_per_half", "kernels.gmm.wi_fwd_rhs_buffer_count",
       *(f"kernels.gmm.{k}_{d}" for k in tiling.KERNELS for d in tiling.DIMS))
-def _kernels_gmm(cfg: Config) -> list[Problem]:
+def _kernels_gmm(cfg: Config, f: Facts) -> list[Problem]:
     g, moe, out = cfg.kernels.gmm, cfg.moe, []
     fused = moe.wi_fused_swiglu or moe.wo_fused_dswiglu
     if g.backend != "xla" and not cfg.kernels.interpret:
-        platform = _run_platform(cfg)
+        platform = _run_platform(cfg, f)
         if platform not in PALLAS_PLATFORMS[g.backend]:
             out.append(("kernels.gmm.backend", f"{g.backend} cannot run on this platform ({platform}); use xla, "
                         "or kernels.interpret=true to run the Pallas kernel interpreted"))
@@ -313,7 +380,7 @@ def _kernels_gmm(cfg: Config) -> list[Problem]:
 
 
 @rule("kernels.gmm.xla_impl")
-def _kernels_gmm_xla_impl(cfg: Config) -> list[Problem]:
+def _kernels_gmm_xla_impl(cfg: Config, f: Facts) -> list[Problem]:
     """An explicit xla grouped matmul needs the grouped path on the xla backend (auto always fits)."""
     g = cfg.kernels.gmm
     if g.xla_impl == "auto":
@@ -327,7 +394,7 @@ def _kernels_gmm_xla_impl(cfg: Config) -> list[Problem]:
 
 
 @rule("data.path", "data.prompts", "rl.reward", "rl.warmup_steps", "rl.reward_weights")
-def _data_sources(cfg: Config) -> list[Problem]:
+def _data_sources(cfg: Config, f: Facts) -> list[Problem]:
     out = []
     if cfg.train.data == "files" and not cfg.data.path:
         out.append(("data.path", "train.data=files reads a JSONL/Parquet file or folder: set data.path=FILE"))
@@ -350,21 +417,16 @@ def _data_sources(cfg: Config) -> list[Problem]:
 # id hoist. (Both rules tables map logical "seq" to the context axis.)
 
 
-def _context_size(cfg: Config) -> int | None:
-    """mesh.context, or the size it absorbs when it is -1 and the device count is known at load."""
-    if cfg.mesh.context != -1:
-        return cfg.mesh.context
-    if not cfg.mesh.cpu_devices:
-        return None
-    sizes, problem = cfg.mesh.resolve(cfg.mesh.cpu_devices)
-    return None if problem else sizes["context"]
+def _context_size(cfg: Config, f: Facts) -> int | None:
+    """mesh.context, or the size it absorbs when it is -1 and the device count is known."""
+    return _mesh_sizes(cfg, f).get("context")
 
 
 @rule("attention.cp_load_balance", "attention.cp_impl", "attention.cp_load_balance_hoist_ids", "mesh.context",
       "train.seq_len")
-def _attention_context_parallel(cfg: Config) -> list[Problem]:
+def _attention_context_parallel(cfg: Config, f: Facts) -> list[Problem]:
     a, r, out = cfg.attention, cfg.remat, []
-    P = _context_size(cfg)
+    P = _context_size(cfg, f)
     if P and P > 1:
         pieces = 2 * P if a.cp_load_balance else P
         what = f"the {pieces} half-chunks of load balancing over" if a.cp_load_balance else "the"
@@ -378,7 +440,7 @@ def _attention_context_parallel(cfg: Config) -> list[Problem]:
                          "set mesh.context or attention.cp_impl=all_gather")
         if "attention" not in cfg.model.layer_pattern:
             unmet.append("needs attention layers (model.layer_pattern has none)")
-        if _attention_backend(cfg) == "blocked":
+        if _attention_backend(cfg, f) == "blocked":
             unmet.append("needs a flash attention core (kernels.attention.backend=auto, xla or pallas_tpu): the "
                          "blocked core returns no log-sum-exp to merge the ring's partials by")
         if unmet:
@@ -406,21 +468,21 @@ def _attention_context_parallel(cfg: Config) -> list[Problem]:
 # The attention core (kernels.attention): a backend the platform runs, blocks that tile the rows.
 
 
-def _attention_backend(cfg: Config) -> str:
+def _attention_backend(cfg: Config, f: Facts) -> str:
     """kernels.attention.backend with `auto` resolved for the platform the program is for."""
     choice = cfg.kernels.attention.backend
-    return attention_limits.resolve(choice, _run_platform(cfg)) if choice == "auto" else choice
+    return attention_limits.resolve(choice, _run_platform(cfg, f)) if choice == "auto" else choice
 
 
-def attention_block_problems(cfg: Config, rows: int, rows_what: str) -> list[Problem]:
+def attention_block_problems(cfg: Config, rows: int, rows_what: str, f: Facts = Facts()) -> list[Problem]:
     """kernels.attention.block_q / block_k against rows of `rows` tokens (train.seq_len, or the rl
     rows): the query blocks tile each context rank's queries, the key blocks the keys it attends
     (every key of the row, all-gathered under context parallelism)."""
     a = cfg.kernels.attention
-    P = _context_size(cfg)
+    P = _context_size(cfg, f)
     if "attention" not in cfg.model.layer_pattern or P is None or rows % P:
-        return []  # unknown context size: decided again on the built mesh; rows % P: reported under the rows' key
-    backend, out = _attention_backend(cfg), []
+        return []  # unknown context size: decided on the built mesh; rows % P: reported under the rows' key
+    backend, out = _attention_backend(cfg, f), []
     t = rows // P
     if backend == "blocked":
         if a.block_k:
@@ -455,22 +517,22 @@ def attention_block_problems(cfg: Config, rows: int, rows_what: str) -> list[Pro
 
 
 @rule("kernels.attention.backend", "kernels.attention.block_q", "kernels.attention.block_k")
-def _kernels_attention(cfg: Config) -> list[Problem]:
+def _kernels_attention(cfg: Config, f: Facts) -> list[Problem]:
     a, out = cfg.kernels.attention, []
-    backend = _attention_backend(cfg)
+    backend = _attention_backend(cfg, f)
     if backend in PALLAS_PLATFORMS and not cfg.kernels.interpret:
-        platform = _run_platform(cfg)
+        platform = _run_platform(cfg, f)
         if platform not in PALLAS_PLATFORMS[backend]:
             out.append(("kernels.attention.backend", f"{backend} cannot run on this platform ({platform}); use auto or "
                         "xla, or kernels.interpret=true to run the Pallas kernels interpreted"))
         head = attention_limits.head_dim_problem(cfg.model.head_dim, backend, hardware=True)
         if head and "attention" in cfg.model.layer_pattern:
             out.append(("kernels.attention.backend", f"{backend}: {head}; use xla"))
-    return out + attention_block_problems(cfg, cfg.train.seq_len, f"train.seq_len={cfg.train.seq_len}")
+    return out + attention_block_problems(cfg, cfg.train.seq_len, f"train.seq_len={cfg.train.seq_len}", f)
 
 
 @rule("moe.routing_replay", "moe.wi_fused_swiglu", "moe.wo_fused_dswiglu", "moe.router_grad_from_wo_input", "moe.capacity_factor", "kernels.gmm.backend", "mesh.expert")
-def _moe_routing_replay(cfg: Config) -> list[Problem]:
+def _moe_routing_replay(cfg: Config, f: Facts) -> list[Problem]:
     # Replay feeds the sampler's expert ids into the trainer's default MoE program; the levers and
     # the ring of experts route inside their own kernels and shard_maps, which take no ids.
     moe, out = cfg.moe, []
@@ -497,12 +559,12 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def rl_sequence_problems(cfg: Config) -> list[Problem]:
+def rl_sequence_problems(cfg: Config, f: Facts = Facts()) -> list[Problem]:
     """The GRPO update's rows (rl.max_prompt_len + rl.max_new_tokens tokens) split over
     mesh.context like training rows, in whole GDN chunks per rank, and the sampler's prompt rows
     [B, rl.max_prompt_len] split over it as they are handed in; the attention blocks tile those rows."""
-    ranks, r = _context_size(cfg), cfg.rl
-    out = attention_block_problems(cfg, r.sequence_len, f"rl.max_prompt_len + rl.max_new_tokens = {r.sequence_len}")
+    ranks, r = _context_size(cfg, f), cfg.rl
+    out = attention_block_problems(cfg, r.sequence_len, f"rl.max_prompt_len + rl.max_new_tokens = {r.sequence_len}", f)
     if not ranks or ranks <= 1:
         return out
     if r.max_prompt_len % ranks:
@@ -521,9 +583,10 @@ def rl_sequence_problems(cfg: Config) -> list[Problem]:
     return out
 
 
-def check_rl_requirements(cfg: Config) -> None:
-    """What only the rl command needs of a config that passed check_requirements; one ConfigError."""
-    problems = rl_sequence_problems(cfg)
+def check_rl_requirements(cfg: Config, *, platform: str | None = None, devices: int | None = None) -> None:
+    """What only the rl command needs of a config that passed check_requirements (for the same
+    platform and device count); one ConfigError."""
+    problems = rl_sequence_problems(cfg, Facts(platform, devices))
     if cfg.moe.capacity_factor > 0:
         # The rollout and the policy update would drop different tokens, and the update does not
         # report its drops: refused rather than trained on a silently different model.
@@ -537,9 +600,9 @@ def check_rl_requirements(cfg: Config) -> None:
 
 
 @rule("gdn.chunk_size", "gdn.cp_m_scan", "gdn.cp_dh_scan", "mesh.context")
-def _gdn_context_parallel(cfg: Config) -> list[Problem]:
+def _gdn_context_parallel(cfg: Config, f: Facts) -> list[Problem]:
     has_gdn = "gdn" in cfg.model.layer_pattern
-    ranks = _context_size(cfg)
+    ranks = _context_size(cfg, f)
     chunk = cfg.gdn.chunk_size
     out = []
     if has_gdn and ranks and ranks > 1 and cfg.train.seq_len % (ranks * chunk):
@@ -570,13 +633,13 @@ def _gdn_pallas_gpu_dims(cfg: Config) -> list[str]:
 
 
 @rule("kernels.gdn.backend", "gdn.chunk_size", "model.gdn_key_dim", "model.gdn_value_dim")
-def _kernels_gdn_backend(cfg: Config) -> list[Problem]:
+def _kernels_gdn_backend(cfg: Config, f: Facts) -> list[Problem]:
     """The Pallas GDN core: a platform that runs it, and the sizes its compiler accepts there."""
     backend = cfg.kernels.gdn.backend
     if backend == "xla" or cfg.kernels.interpret:
         return []
     unmet = []
-    platform = _run_platform(cfg)
+    platform = _run_platform(cfg, f)
     if platform not in PALLAS_PLATFORMS[backend]:
         unmet.append(f"{backend} cannot run on this platform ({platform}); use xla, or kernels.interpret=true "
                      "to run the Pallas kernel interpreted")
@@ -591,23 +654,22 @@ def _kernels_gdn_backend(cfg: Config) -> list[Problem]:
 # fp8: fake quantization of the routed experts and its hoist (docs/levers.md, "fp8 experts").
 
 
-def _expert_fsdp_shards(cfg: Config) -> tuple[int | None, str]:
+def _expert_fsdp_shards(cfg: Config, f: Facts) -> tuple[int | None, str]:
     """(shards of the routed expert weights' FSDP dimension, or None where a -1 axis it uses is not
     known at load; the mesh axes, with their sizes where known, as text). Read from the weight declaration and the rules table."""
-    from hybridmoe.model.fit import known_mesh_sizes
     from hybridmoe.model.params import layer_axes
     from hybridmoe.parallel.rules import FSDP_AXIS, RULES_TABLES, logical_to_spec, mesh_axes_of
 
     wi_axes = layer_axes(cfg.model)[0]["moe"]["wi"]
     entry = logical_to_spec(wi_axes, RULES_TABLES[cfg.mesh.rules])[wi_axes.index(FSDP_AXIS)]
-    axes, sizes = mesh_axes_of(entry), known_mesh_sizes(cfg.mesh)
+    axes, sizes = mesh_axes_of(entry), _mesh_sizes(cfg, f)
     if any(a not in sizes for a in axes):
         return None, " x ".join(f"mesh.{a}" for a in axes)
     return math.prod(sizes[a] for a in axes), " x ".join(f"mesh.{a}={sizes[a]}" for a in axes) or "no mesh axis"
 
 
 @rule("quant.fp8_fake_quant_hoist")
-def _quant_fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
+def _quant_fp8_fake_quant_hoist(cfg: Config, f: Facts) -> list[Problem]:
     q, unmet = cfg.quant, []
     mode = q.fp8_fake_quant_hoist
     if mode == "off":
@@ -617,7 +679,7 @@ def _quant_fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
     if mode == "gather8":
         if cfg.moe.impl != "sparse":
             unmet.append("gather8 needs moe.impl=sparse (the grouped-matmul path)")
-        shards, axes = _expert_fsdp_shards(cfg)
+        shards, axes = _expert_fsdp_shards(cfg, f)
         if shards == 1:
             unmet.append(f"gather8 needs FSDP-sharded expert weights: their FSDP dimension is split over {axes}, "
                          "1 shard, so nothing is gathered (give one of those axes a size > 1)")
@@ -625,7 +687,7 @@ def _quant_fp8_fake_quant_hoist(cfg: Config) -> list[Problem]:
 
 
 @rule("quant.fp8_gmm")
-def _quant_fp8_gmm(cfg: Config) -> list[Problem]:
+def _quant_fp8_gmm(cfg: Config, f: Facts) -> list[Problem]:
     if not cfg.quant.fp8_gmm:
         return []
     moe, unmet = cfg.moe, []
@@ -668,10 +730,10 @@ def gmm_vmem_needs(cfg: Config) -> dict:
                              row_scale=moe.router_grad_from_wo_input, itemsize=_ITEMSIZE[m.compute_dtype])
 
 
-def attention_vmem_needs(cfg: Config) -> dict:
+def attention_vmem_needs(cfg: Config, f: Facts = Facts()) -> dict:
     """The flash kernels' VMEM needs at the blocks they run (the self-attention's, train.seq_len)."""
     a, m = cfg.kernels.attention, cfg.model
-    P = _context_size(cfg) or 1
+    P = _context_size(cfg, f) or 1
     rows = cfg.train.seq_len // P
     keys = rows if cfg.attention.cp_impl == "ring" or P == 1 else cfg.train.seq_len
     block_q, block_k = attention_limits.blocks("pallas_tpu", a.block_q, a.block_k, rows, keys, hardware=True)
@@ -694,7 +756,7 @@ def _over(key: str, needs: dict, fix: str) -> list[Problem]:
 
 
 @rule("kernels.gmm.vmem_limit_mib", "kernels.attention.vmem_limit_mib")
-def _kernels_vmem(cfg: Config) -> list[Problem]:
+def _kernels_vmem(cfg: Config, f: Facts) -> list[Problem]:
     k = cfg.kernels
     out = _limit_problem("kernels.gmm.vmem_limit_mib", k.gmm.vmem_limit_mib)
     out += _limit_problem("kernels.attention.vmem_limit_mib", k.attention.vmem_limit_mib)
@@ -705,24 +767,24 @@ def _kernels_vmem(cfg: Config) -> list[Problem]:
     if moe_kernels:
         out += _over("kernels.gmm.vmem_limit_mib", gmm_vmem_needs(cfg),
                      "lower that kernel's tiles (kernels.gmm.<kernel>_tm / _tk / _tn) or raise kernels.gmm.vmem_limit_mib")
-    if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "") \
-            and _attention_backend(cfg) == "pallas_tpu":
-        out += _over("kernels.attention.vmem_limit_mib", attention_vmem_needs(cfg),
+    if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "", f) \
+            and _attention_backend(cfg, f) == "pallas_tpu":
+        out += _over("kernels.attention.vmem_limit_mib", attention_vmem_needs(cfg, f),
                      "lower kernels.attention.block_q / block_k or raise kernels.attention.vmem_limit_mib")
-    if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "") \
-            and _attention_backend(cfg) == "pallas_gpu":
-        out += _gpu_attention_problems(cfg)
+    if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "", f) \
+            and _attention_backend(cfg, f) == "pallas_gpu":
+        out += _gpu_attention_problems(cfg, f)
     if "gdn" in cfg.model.layer_pattern and k.gdn.backend == "pallas_tpu":
         out += _over("kernels.gdn.backend", gdn_vmem_needs(cfg), "lower gdn.chunk_size or use kernels.gdn.backend=xla")
     return out
 
 
-def _gpu_attention_problems(cfg: Config) -> list[Problem]:
+def _gpu_attention_problems(cfg: Config, f: Facts) -> list[Problem]:
     """The Triton flash kernels' shared memory per program against the GPU's per-block limit."""
     from hybridmoe.kernels.vmem import GPU_SHARED_LIMIT_BYTES
 
     a, m = cfg.kernels.attention, cfg.model
-    P = _context_size(cfg) or 1
+    P = _context_size(cfg, f) or 1
     rows = cfg.train.seq_len // P
     block_q, block_k = attention_limits.blocks("pallas_gpu", a.block_q, a.block_k, rows, rows, hardware=True)
     over = [(kernel, need) for kernel in attention_limits.KERNELS

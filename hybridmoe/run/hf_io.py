@@ -9,43 +9,29 @@ import jax
 import numpy as np
 
 from hybridmoe.config.schema import Config
-from hybridmoe.config.errors import ConfigError
 from hybridmoe.run.run_dir import RunError
-from hybridmoe.recipe.validate import check_requirements
+from hybridmoe.recipe.validate import CHECKPOINT_SHAPE_FIELDS, check_requirements
 from hybridmoe.model.params import abstract_params
 from hybridmoe.parallel.host import put_global
 
 
-# Model fields that decide a weight's shape: an HF checkpoint must agree with the recipe on these.
-SHAPE_FIELDS = ("vocab_size", "d_model", "num_layers", "layer_pattern", "num_heads", "num_kv_heads", "head_dim",
-                "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_dim", "gdn_value_dim", "gdn_conv_kernel",
-                "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
-                "tie_word_embeddings")
-
-
 def config_with_hf_model(cfg: Config, hf_dir: Path) -> Config:
-    """The recipe's config with the model fields of an HF checkpoint's config.json; a RunError naming
-    every shape field where the recipe disagrees (and the overrides that would match)."""
+    """The recipe's config with the model fields of an HF checkpoint's config.json, validated against
+    the checkpoint (a ConfigError names every shape field where the recipe disagrees, and the
+    override that would match)."""
     from hybridmoe.hf import CheckpointError, model_fields_from_hf_config, read_hf_config
     try:
         fields = model_fields_from_hf_config(read_hf_config(str(hf_dir)))
     except CheckpointError as e:
         raise RunError(f"--init-hf: {e}") from None
     current = cfg.model.model_dump()
-    wrong = [(k, current[k], fields[k]) for k in SHAPE_FIELDS
-             if k in fields and tuple(np.atleast_1d(current[k])) != tuple(np.atleast_1d(fields[k]))]
-    if wrong:
-        lines = "\n".join(f"  model.{k}: recipe {a!r}, checkpoint {b!r}" for k, a, b in wrong)
-        fix = " ".join(f"model.{k}={list(b) if isinstance(b, (list, tuple)) else b}".replace(" ", "").replace("'", "")
-                       for k, _, b in wrong)
-        raise RunError(f"--init-hf {hf_dir}: the checkpoint's shapes disagree with the recipe's model section:\n{lines}\n"
-                       f"use a recipe with this model, or pass: {fix}")
-    known = {k: v for k, v in fields.items() if k in current}
+    # The recipe keeps its shape fields, which the validator compares with the checkpoint's.
+    taken = {k: v for k, v in fields.items() if k in current and k not in CHECKPOINT_SHAPE_FIELDS}
     try:
-        new = Config.model_validate({**cfg.model_dump(), "model": {**current, **known}})
-        check_requirements(new)
-    except (ConfigError, ValueError) as e:
+        new = Config.model_validate({**cfg.model_dump(), "model": {**current, **taken}})
+    except ValueError as e:
         raise RunError(f"--init-hf {hf_dir}: its model fields do not make a valid config: {e}") from None
+    check_requirements(new, checkpoint_model=fields)
     return new
 
 

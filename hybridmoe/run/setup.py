@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -13,12 +12,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridmoe.config.schema import Config
-from hybridmoe.config.errors import ConfigError
 from hybridmoe.model.params import abstract_params, declare_params, init_params, param_shardings
-from hybridmoe.model.fit import sharding_problems
 from hybridmoe.parallel.mesh import make_mesh
-from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, mesh_axes_of, use_rules
-from hybridmoe.recipe.validate import check_requirements, compile_target
+from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, use_rules
+from hybridmoe.recipe.validate import check_requirements
 from hybridmoe.run.step import make_optimizer, train_step
 
 
@@ -51,39 +48,15 @@ class RunSetup:
             yield
 
 
-def check_batch_fits(cfg: Config, mesh, rules) -> None:
-    """The batch and sequence must split evenly over the mesh axes the rules give them."""
-    problems = []
-    for key, size, axis in (("train.batch_size", cfg.train.batch_size, "batch"),
-                            ("train.seq_len", cfg.train.seq_len, "seq")):
-        mesh_axes = rules[axis]
-        names = mesh_axes_of(mesh_axes)
-        shards = math.prod(mesh.shape[a] for a in names)
-        if size % shards:
-            problems.append((key, f"{size} does not split over the {shards} shards of mesh axes {names}"))
-    if problems:
-        raise ConfigError(problems)
-
-
-def check_on_mesh(cfg: Config, mesh) -> None:
-    """The validation pass again on the mesh the run builds: its real axis sizes (the -1 axis
-    resolved), its device count (not the simulated one: a run may build on a subset of the devices)
-    and its devices' platform (a compile-only TPU target is validated as TPU). A rule that could
-    not decide at load, before the devices were known, decides now."""
-    sizes = {a: mesh.shape[a] for a in cfg.mesh.axis_sizes}
-    on_mesh = cfg.mesh.model_copy(update={**sizes, "cpu_devices": 0})
-    with compile_target(mesh.devices.flat[0].platform):
-        check_requirements(cfg.model_copy(update={"mesh": on_mesh}))
-
-
 def build(cfg: Config, devices=None) -> RunSetup:
-    mesh = make_mesh(cfg.mesh, devices)
-    check_on_mesh(cfg, mesh)
+    """The run's mesh over `devices` (default: every device), its sharded state and optimizer; the
+    config validated first for those devices (their platform and count: the -1 axis resolved, the
+    batch and every weight split over the real mesh)."""
+    devices = list(jax.devices() if devices is None else devices)
+    check_requirements(cfg, platform=devices[0].platform, devices=len(devices))
+    sizes, _ = cfg.mesh.resolve(len(devices))  # they fit: the validator checked it
+    mesh = make_mesh(sizes, devices)
     rules = RULES_TABLES[cfg.mesh.rules]
-    check_batch_fits(cfg, mesh, rules)
-    problems = sharding_problems(cfg.model, rules, dict(mesh.shape))
-    if problems:
-        raise ConfigError(problems)
     specs = declare_params(cfg.model)
     p_sh = param_shardings(specs, mesh, rules)
     optimizer = make_optimizer(cfg.train)

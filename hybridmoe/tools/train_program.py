@@ -191,7 +191,7 @@ def _jitted_program(cfg: Config, setup, program_name: str):
         from hybridmoe.recipe.validate import check_rl_requirements
         from hybridmoe.rl.grpo import jit_grpo_step, rl_optimizer
 
-        check_rl_requirements(cfg)
+        check_rl_requirements(cfg, platform=setup.mesh.devices.flat[0].platform, devices=setup.mesh.size)
         with_reference = cfg.rl.beta > 0
         ref = state["params"] if with_reference else None
         return (jit_grpo_step(setup, rl_optimizer(cfg), with_reference),
@@ -253,7 +253,7 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, pr
 def block_residuals(cfg: Config, setup) -> list[program.Residual]:
     """What one layer block's forward keeps for its backward under the config's remat policy
     (global shapes; the layer scan stacks one set per block)."""
-    from hybridmoe.quant.expert_fp8 import scan_xs
+    from hybridmoe.quant import LayerWeights
     from hybridmoe.model.forward import block_fn
     from hybridmoe.model.params import abstract_params, layer_axes
     from hybridmoe.model.remat import checkpointed
@@ -262,7 +262,7 @@ def block_residuals(cfg: Config, setup) -> list[program.Residual]:
     params = abstract_params(setup.specs, setup.param_shardings)
     # One iteration's xs of the layer scan: the block's params (and the hoisted fp8 absmax).
     with setup.context():
-        xs = jax.eval_shape(lambda p: scan_xs(p, cfg, layer_axes(m)), params)
+        xs = jax.eval_shape(LayerWeights(cfg, layer_axes(m)).scan_xs, params)
     block_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
     ids = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32)
     x = jax.ShapeDtypeStruct((t.batch_size, t.seq_len, m.d_model), jnp.dtype(m.compute_dtype))

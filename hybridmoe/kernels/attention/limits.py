@@ -29,7 +29,7 @@ _AUTO = {"tpu": "pallas_tpu"}  # pallas_gpu joins for GPUs once it has run and b
 # largest block below the default that does (fit_block). xla: the fastest block measured at the
 # `small` shape (the record above). pallas_tpu: 128 query tokens (times the query heads per kv
 # head: 2048 folded rows for Qwen3.5-397B's 16) by 512 keys, which Mosaic compiles for tpu7x at
-# 397B's heads (tests/test_gmm_tpu_compile.py). pallas_gpu: 64 x 64, the tile of jax's own Triton
+# 397B's heads (tests/test_attention_tpu_compile.py). pallas_gpu: 64 x 64, the tile of jax's own Triton
 # attention kernel (jax/experimental/pallas/ops/gpu/attention.py); not measured here (no GPU).
 DEFAULT_BLOCKS = {"xla": (256, 256), "pallas_tpu": (128, 512), "pallas_gpu": (64, 64)}
 # Mosaic's (8, 128) tiles: a block's token dim is a multiple of 8 or the whole length.
@@ -117,7 +117,7 @@ def head_dim_problem(head_dim: int, backend: str, hardware: bool) -> str | None:
 # kv head times block_q, folded; dq: the scores only). Against the compiler's smallest accepted
 # limit on tpu7x (head dim 128): the forward spills 1.44 to 1.52 x the scores' bytes (model 1.5), dq
 # 0.78 to 1.10 x (model 1), dk-dv 0.28 to 1.54 x (model 1.5); checked on a sweep of blocks in
-# tests/test_gmm_tpu_compile.py.
+# tests/test_vmem_tpu_compile.py.
 
 KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
 

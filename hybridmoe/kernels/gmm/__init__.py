@@ -5,7 +5,6 @@ tiling.py for the tile rules; epilogue.py for the epilogues and the pre-activati
 """
 
 from hybridmoe.kernels.gmm.epilogue import EPILOGUES, scale_rows, swiglu
-from hybridmoe.kernels.gmm.fp8 import gmm_fp8
 from hybridmoe.kernels.gmm.ops import (
     BACKENDS,
     XLA_IMPLS,
@@ -31,7 +30,6 @@ __all__ = [
     "contiguous_to_preact",
     "gmm",
     "wo_fused_dswiglu",
-    "gmm_fp8",
     "wi_fused_swiglu",
     "preact_to_contiguous",
     "ragged_dot",

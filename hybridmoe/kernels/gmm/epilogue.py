@@ -166,6 +166,20 @@ def tile_columns(f: int, tile_n_per_half: int):
     return [(slice(j * t, (j + 1) * t), 2 * t * j, 2 * t * j + t) for j in range(f // t)]
 
 
+def dswiglu_store(u_MF, pre_block, scale, h, *, mode: Epilogue, pre_dtype, f: int, tile_in: int, tile_out: int,
+                  store_d, store_dot):
+    """The fused down-projection DLHS epilogue of one row tile, as both Pallas backends run it: the
+    SwiGLU VJP of u = g @ wo^T against the stored pre-activation (layout of tile_in), written in
+    the layout of tile_out through store_d(values [rows, tile_out], first column) and
+    store_dot(row_dot [rows, 1])."""
+    gate, up = read_halves(pre_block, tile_in)
+    d_gate, d_up, dot = dswiglu(u_MF, gate, up, scale, mode, pre_dtype, h)
+    for cols, gate_at, up_at in tile_columns(f, tile_out):
+        store_d(d_gate[:, cols], gate_at)
+        store_d(d_up[:, cols], up_at)
+    store_dot(dot)
+
+
 def write_tiles(gate_MF, up_MF, tile_n_per_half: int | None):
     """Contiguous halves -> the per-tile layout [M, 2F] (inverse of read_halves)."""
     f = gate_MF.shape[-1]

@@ -15,10 +15,13 @@ with its predecessor, and an empty group's one step replaces that share.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from hybridmoe.kernels.gmm.tiling import DEFAULT, Tiling, resolve_tm
+from hybridmoe.kernels.gmm.tiling import DEFAULT, Tiling, pick, resolve_tm
 
 
 def group_metadata(group_sizes_E, *, m: int, tm: int, group_offset, num_local: int,
@@ -89,6 +92,41 @@ def dlhs_row_operands(row_scale_M, h_MF, m_pad: int) -> list:
     if h_MF is not None:
         out.append(pad_rows(h_MF, m_pad))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DlhsPlan:
+    """The fused down-projection DLHS (wo_fused_dswiglu_dlhs) as both Pallas backends set it up:
+    sizes, the row tile and K tile, which optional row operands are present, and the operands
+    padded to whole row tiles (g, wo, the pre-activations, then the row scale and h where given)."""
+    m: int
+    d: int
+    f: int
+    num_local: int
+    tiling: Tiling
+    tm: int
+    m_pad: int
+    tk: int
+    has_scale: bool
+    has_h: bool  # only the match_unfused stand-in reads the stored h
+    pre_dtype: Any
+    args: list
+
+    def optional_refs(self, refs: tuple) -> tuple[Any, Any, list]:
+        """(row scale ref or None, h ref or None, the refs after them) of a kernel's trailing refs."""
+        rest = list(refs)
+        s_ref = rest.pop(0) if self.has_scale else None
+        h_ref = rest.pop(0) if self.has_h else None
+        return s_ref, h_ref, rest
+
+
+def dlhs_plan(g_MD, wo_GFD, preact_M2F, row_scale_M, h_MF, tiling: Tiling | None) -> DlhsPlan:
+    m, d = g_MD.shape
+    num_local, f = wo_GFD.shape[0], wo_GFD.shape[1]
+    t, tm, m_pad = row_tiling(tiling, m)
+    args = [pad_rows(g_MD, m_pad), wo_GFD, pad_rows(preact_M2F, m_pad), *dlhs_row_operands(row_scale_M, h_MF, m_pad)]
+    return DlhsPlan(m, d, f, num_local, t, tm, m_pad, pick(d, t.tk), row_scale_M is not None, h_MF is not None,
+                    preact_M2F.dtype, args)
 
 
 def row_tiling(tiling: Tiling | None, m: int):

@@ -180,21 +180,13 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
                           interpret=False):
     """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
     del sharded
-    m, d = g_MD.shape
-    num_local, f = wo_GFD.shape[0], wo_GFD.shape[1]
-    t, tm, m_pad = metadata.row_tiling(tiling, m)
-    tk = pick(d, t.tk)
+    plan = metadata.dlhs_plan(g_MD, wo_GFD, preact_M2F, row_scale_M, h_MF, tiling)
+    m, d, f, num_local, tm, m_pad, tk = plan.m, plan.d, plan.f, plan.num_local, plan.tm, plan.m_pad, plan.tk
     meta, s_max = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, False)
-    has_scale = row_scale_M is not None
-    has_h = h_MF is not None  # only the match_unfused stand-in reads the stored h
-    t_in, t_out = preact_tile_n_per_half, out_tile_n_per_half
-    pre_dtype = preact_M2F.dtype
+    t_out = out_tile_n_per_half
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, g_ref, wo_ref, pre_ref, *rest):
-        rest = list(rest)
-        s_ref = rest.pop(0) if has_scale else None
-        h_ref = rest.pop(0) if has_h else None
-        d_ref, dot_ref = rest
+        s_ref, h_ref, (d_ref, dot_ref) = plan.optional_refs(rest)
         s = pl.program_id(0)
         start, g, mask = _step_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, ns_ref, tm)
         rows = pl.ds(start, tm)
@@ -205,25 +197,20 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
             return acc + jnp.dot(a, b.T, preferred_element_type=jnp.float32)
 
         u = jax.lax.fori_loop(0, d // tk, body, jnp.zeros((tm, f), jnp.float32))
-        gate, up = epilogue.read_halves(pre_ref[rows, :], t_in)
-        scale = s_ref[rows, :] if has_scale else None
-        h = h_ref[rows, :] if has_h else None
-        d_gate, d_up, dot = epilogue.dswiglu(u, gate, up, scale, mode, pre_dtype, h)
-        for cols, gate_at, up_at in epilogue.tile_columns(f, t_out):
-            _store_rows(d_ref.at[rows, pl.ds(gate_at, t_out)], d_gate[:, cols], mask)
-            _store_rows(d_ref.at[rows, pl.ds(up_at, t_out)], d_up[:, cols], mask)
-        _store_rows(dot_ref.at[rows, :], dot, mask)
+        epilogue.dswiglu_store(
+            u, pre_ref[rows, :], s_ref[rows, :] if plan.has_scale else None, h_ref[rows, :] if plan.has_h else None,
+            mode=mode, pre_dtype=plan.pre_dtype, f=f, tile_in=preact_tile_n_per_half, tile_out=t_out,
+            store_d=lambda v, at: _store_rows(d_ref.at[rows, pl.ds(at, t_out)], v, mask),
+            store_dot=lambda dot: _store_rows(dot_ref.at[rows, :], dot, mask))
 
-    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad),
-            *metadata.dlhs_row_operands(row_scale_M, h_MF, m_pad)]
     d_out, dot = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),
+        out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), plan.pre_dtype),
                    jax.ShapeDtypeStruct((m_pad, 1), jnp.float32)),
         grid=(s_max,),
         compiler_params=_params(),
         interpret=interpret,
         name="wo_fused_dswiglu_dlhs",
-    )(*meta, *args)
+    )(*meta, *plan.args)
     return (metadata.keep_local_rows(d_out, m, group_sizes_E, group_offset, num_local),
             metadata.keep_local_rows(dot, m, group_sizes_E, group_offset, num_local)[:, 0])

@@ -271,24 +271,16 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
                           interpret=False):
     """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
     del sharded
-    m, d = g_MD.shape
-    num_local, f = wo_GFD.shape[0], wo_GFD.shape[1]
-    t, tm, m_pad = metadata.row_tiling(tiling, m)
-    tk = pick(d, t.tk)
+    plan = metadata.dlhs_plan(g_MD, wo_GFD, preact_M2F, row_scale_M, h_MF, tiling)
+    m, d, f, num_local, t, tm, m_pad, tk = plan.m, plan.d, plan.f, plan.num_local, plan.tiling, plan.tm, plan.m_pad, plan.tk
+    has_scale, has_h, pre_dtype = plan.has_scale, plan.has_h, plan.pre_dtype
     tiles_k = d // tk
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
         visit_empty=False)
-    has_scale = row_scale_M is not None
-    has_h = h_MF is not None  # only the match_unfused stand-in reads the stored h
-    t_in, t_out = preact_tile_n_per_half, out_tile_n_per_half
-    pre_dtype = preact_M2F.dtype
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, g_ref, wo_ref, pre_ref, *rest):
-        rest = list(rest)
-        s_ref = rest.pop(0) if has_scale else None
-        h_ref = rest.pop(0) if has_h else None
-        d_ref, dot_ref, acc_ref = rest
+        s_ref, h_ref, (d_ref, dot_ref, acc_ref) = plan.optional_refs(rest)
         s, ki = pl.program_id(0), pl.program_id(1)
 
         @pl.when(ki == 0)
@@ -301,14 +293,11 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         @pl.when(ki == tiles_k - 1)
         def _():
             mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
-            gate, up = epilogue.read_halves(pre_ref[...], t_in)
-            scale = s_ref[...] if has_scale else None
-            h = h_ref[...] if has_h else None
-            d_gate, d_up, dot = epilogue.dswiglu(acc_ref[...], gate, up, scale, mode, pre_dtype, h)
-            for cols, gate_at, up_at in epilogue.tile_columns(f, t_out):
-                _merge(d_ref, mask, d_gate[:, cols], slice(gate_at, gate_at + t_out))
-                _merge(d_ref, mask, d_up[:, cols], slice(up_at, up_at + t_out))
-            _merge(dot_ref, mask, dot)
+            epilogue.dswiglu_store(
+                acc_ref[...], pre_ref[...], s_ref[...] if has_scale else None, h_ref[...] if has_h else None,
+                mode=mode, pre_dtype=pre_dtype, f=f, tile_in=preact_tile_n_per_half, tile_out=out_tile_n_per_half,
+                store_d=lambda v, at: _merge(d_ref, mask, v, slice(at, at + out_tile_n_per_half)),
+                store_dot=lambda dot: _merge(dot_ref, mask, dot))
 
     row_map = lambda s, ki, lo, hi, grp, tile: (tile[s], 0)  # noqa: E731
     in_specs = [
@@ -316,8 +305,7 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         pl.BlockSpec((None, f, tk), lambda s, ki, lo, hi, grp, tile: (grp[s], 0, ki)),
         pl.BlockSpec((tm, 2 * f), row_map),
     ]
-    args = [metadata.pad_rows(g_MD, m_pad), wo_GFD, metadata.pad_rows(preact_M2F, m_pad),
-            *metadata.dlhs_row_operands(row_scale_M, h_MF, m_pad)]
+    args = plan.args
     if has_scale:
         in_specs.append(pl.BlockSpec((tm, 1), row_map))
     if has_h:

@@ -193,7 +193,7 @@ def check(problems: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------
 # On-chip memory (kernels/vmem.py): each Mosaic TPU kernel's buffers at its resolved tiles, as
 # pallas_tpu.py builds its BlockSpecs and scratch (tests/test_vmem_model.py compares the two), and
-# the float32 values its body spills (tests/test_gmm_tpu_compile.py compares the total with the
+# the float32 values its body spills (tests/test_vmem_tpu_compile.py compares the total with the
 # compiler's verdict). Measured on tpu7x (the smallest scoped limit the compiler accepts, bisected
 # to 4 KiB): gmm and gmm_t need exactly their blocks and scratch; tgmm its transposed lhs; the fused
 # wi forward its epilogue's [tm, tn] values; the fused wo input gradient its epilogue's float32
@@ -244,7 +244,7 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
 def epilogue_values(tm: int, f: int) -> list[Buffer]:
     """The fused input gradient's epilogue spills its float32 [tm, F] values: gate and up read from
     the stored pre-activation, d_gate and d_up (the compiler's need exceeds the blocks by 3.2 to 3.9
-    times one [tm, F] float32 array at tm 128, F 1024 on tpu7x: tests/test_gmm_tpu_compile.py)."""
+    times one [tm, F] float32 array at tm 128, F 1024 on tpu7x: tests/test_vmem_tpu_compile.py)."""
     return [Buffer(what, (tm, f), 4, 1, "value") for what in ("gate", "up", "d_gate", "d_up")]
 
 

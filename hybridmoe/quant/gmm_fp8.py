@@ -1,6 +1,7 @@
-"""fp8 grouped matmul: out = lhs @ rhs[group] with the forward and both gradients in fp8.
+"""fp8 grouped matmul: out = lhs @ rhs[group] with the forward and both gradients in fp8
+(quant.fp8_gmm), over the grouped-matmul backends of kernels/gmm.
 
-Legend as in ops.py: M rows (sorted by group), K contraction, N output columns, E groups in
+Legend as in kernels/gmm/ops.py: M rows (sorted by group), K contraction, N output columns, E groups in
 group_sizes (global), G groups held locally.
 
 Every operand of each of the three matmuls is quantized with scales along its NON-contracting
@@ -16,7 +17,7 @@ ragged_dot does; here the weight gradient's scale is per expert and column, not 
 Products of fp8 codes are exact in float32 and the accumulation is float32 (codes are fed to
 the backend's grouped matmul as bfloat16, which holds every e4m3 and e5m2 value exactly; on fp8
 hardware a native kernel would take the codes as they are).
-Scales are powers of two (hybridmoe.kernels.fp8).
+Scales are powers of two (quant/fp8.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 
 from hybridmoe.kernels.gmm.metadata import row_mask
 from hybridmoe.kernels.gmm.ops import backend_module
-from hybridmoe.kernels import fp8
+from hybridmoe.quant import fp8
 
 CODES_COMPUTE = jnp.bfloat16  # exact for every fp8 code
 
