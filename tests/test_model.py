@@ -102,6 +102,8 @@ def test_sharded_on_8_devices_equals_one_device():
     ("remat.policy=none",),
     ("remat.policy=minimal",),
     ("remat.policy=custom", "remat.save=[gdn_core_out,moe_gate,moe_up,attn_out]"),
+    ("remat.policy=full", "remat.unit=layer"),
+    ("remat.policy=custom", "remat.save=[moe_gate]", "remat.unit=layer"),
 ])
 def test_scan_and_remat_variants_equal_the_scanned_full_remat(overrides):
     base = tiny_config("model.num_layers=8", "remat.policy=full")  # two blocks: the scan loops
@@ -112,3 +114,48 @@ def test_scan_and_remat_variants_equal_the_scanned_full_remat(overrides):
     # LLVM -O2, up to 2.3e-5 at the suite's -O0: tests/conftest.py), never the maths: a wrong save
     # or replay is O(1).
     assert_rel_l2(_loss_and_grads(base, params, batch), _loss_and_grads(cfg, params, batch), 1e-4)
+
+
+def _block_residuals(cfg, B=2, T=64):
+    """What one layer block's forward keeps for its backward, but for its arguments and constants (the
+    weights, the block's input, positions: the scan holds them anyway): (shape, jax's description) each."""
+    from hybridmoe.model.forward import block_fn
+    from hybridmoe.model.remat import checkpointed
+    from hybridmoe.tools import program
+
+    params = tiny_params(cfg)
+    bp = jax.tree.map(lambda a: a[0], params["blocks"])
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    seg = jnp.ones((B, T), jnp.int32)
+    x = jnp.ones((B, T, cfg.model.d_model), jnp.float32)
+    block = lambda x, bp: checkpointed(block_fn(cfg, pos, seg), cfg, B * T, unit="block")(x, bp)  # noqa: E731
+    return [(r.shape, r.source) for r in program.saved_residuals(block, x, bp) 
+            if "from the argument" not in r.source and "constant" not in r.source]
+
+
+def test_layer_remat_keeps_each_layers_input_and_nothing_else():
+    # remat.unit=block: the block's input (an argument) is all it keeps; unit=layer: also the input
+    # of every later layer of the pattern, one [B, T, D] each, and under a save list the names.
+    block = tiny_config("remat.policy=full")
+    layer = tiny_config("remat.policy=full", "remat.unit=layer")
+    P, D = len(layer.model.layer_pattern), layer.model.d_model
+    assert _block_residuals(block) == []
+    kept = _block_residuals(layer)
+    assert [shape for shape, _ in kept] == [(2, 64, D)] * (P - 1), kept
+    assert all("decoder_layer" in source for _, source in kept), kept
+
+
+def test_layer_remat_lowers_the_compiled_backwards_temporaries():
+    # The backward replays one layer at a time: less live at its peak than replaying the block (XLA's
+    # buffer assignment, exact). Two blocks so the scan loops.
+    from hybridmoe.tools import program
+
+    def temp(unit):
+        cfg = tiny_config("model.num_layers=8", "remat.policy=full", f"remat.unit={unit}")
+        params = tiny_params(cfg)
+        batch = packed_batch(0, 2, 256, cfg.model.vocab_size)
+        f = jax.jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0]))
+        return program.memory_figures(f.lower(params).compile())["temp"]
+
+    block, layer = temp("block"), temp("layer")
+    assert layer < 0.95 * block, (layer, block)

@@ -286,6 +286,11 @@ class RematConfig(Section):
         "auto: none when the estimated residuals fit a quarter of a device's memory, else full (model/remat.py)."
     )
     save: tuple[str, ...] = Field((), description="Checkpoint names saved under the custom policy.")
+    unit: Literal["block", "layer"] = Field(
+        "block", description="What one checkpoint spans: the repeating block of model.layer_pattern (its input is kept, "
+        "the backward replays the whole block and holds every layer's intermediates at once) or each layer (every "
+        "layer's input is kept, the backward replays one layer at a time: the peak holds one layer's intermediates)."
+    )
     scan_layers: bool = Field(True, description="Run the layer stack as a lax.scan over repeating blocks.")
 
 

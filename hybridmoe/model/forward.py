@@ -89,17 +89,27 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
     m = cfg.model
     weights = LayerWeights(cfg, layer_axes(m))
 
+    def layer_fn(i, kind):
+        # One layer from its stored weights, gathered (and fp8-prepared) at use inside the layer: under
+        # remat.unit=layer the backward gathers them again for this layer alone.
+        def layer(x_BTD, lp, amax, replay_BTk):
+            with jax.named_scope(scopes.LAYER_WEIGHTS):
+                lp = weights.at_use(lp, i, amax)
+            mix = lambda p, h: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)  # noqa: E731
+            return decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped, with_routing=with_routing,
+                                 replay_BTk=replay_BTk)
+
+        return checkpointed(layer, cfg, positions_BT.size, unit="layer")
+
+    layers = [layer_fn(i, kind) for i, kind in enumerate(m.layer_pattern)]
+
     def block(x_BTD, block_xs):
         dropped = jnp.int32(0)
         block_xs, replay_PBTk = block_xs if replay else (block_xs, None)
         routing = []
         block_params, block_absmax = weights.split(block_xs)
-        for i, (kind, lp, amax) in enumerate(zip(m.layer_pattern, block_params, block_absmax)):
-            with jax.named_scope(scopes.LAYER_WEIGHTS):
-                lp = weights.at_use(lp, i, amax)
-            mix = lambda p, h, kind=kind: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)
-            out = decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped, with_routing=with_routing,
-                                replay_BTk=None if replay_PBTk is None else replay_PBTk[i])
+        for i, (layer, lp, amax) in enumerate(zip(layers, block_params, block_absmax)):
+            out = layer(x_BTD, lp, amax, None if replay_PBTk is None else replay_PBTk[i])
             x_BTD = out[0]
             if with_moe_dropped:
                 dropped = dropped + out[2]
@@ -151,7 +161,7 @@ def decoder_hidden(params, cfg: Config, tokens_BT, segment_ids_BT=None, position
     dt = jnp.dtype(m.compute_dtype)
     x = embed_tokens(params, tokens_BT, dt)
     block = block_fn(cfg, positions_BT, segment_ids_BT, with_moe_dropped=with_moe_dropped, packed=packed)
-    block = checkpointed(block, cfg, tokens_BT.size)
+    block = checkpointed(block, cfg, tokens_BT.size, unit="block")
     xs = LayerWeights(cfg, layer_axes(m)).scan_xs(params)
     if with_moe_dropped:
         step = lambda carry, bp: ((lambda x, d: (x, carry[1] + d))(*block(carry[0], bp)), None)  # noqa: E731
@@ -180,7 +190,7 @@ def _decoder_hidden_routed(params, cfg: Config, tokens_BT, segment_ids_BT, posit
     x = embed_tokens(params, tokens_BT, jnp.dtype(m.compute_dtype))
     replay = routing_BTLk is not None
     block = block_fn(cfg, positions_BT, segment_ids_BT, packed=packed, replay=replay, with_routing=with_routing)
-    block = checkpointed(block, cfg, tokens_BT.size)
+    block = checkpointed(block, cfg, tokens_BT.size, unit="block")
     xs = LayerWeights(cfg, layer_axes(m)).scan_xs(params)
     xs = (xs, routing_to_blocks(routing_BTLk, cfg)) if replay else xs
     step = (lambda x, bp: block(x, bp)) if with_routing else (lambda x, bp: (block(x, bp), None))  # noqa: E731

@@ -6,6 +6,14 @@ minimal: weight-matmul outputs are kept, elementwise work and attention are reco
 custom: exactly the checkpoint names of `remat.save` are kept, and the names the levers add.
 auto (the default): none when the residuals it would keep fit, else full (`resolve_policy`).
 
+remat.unit says what one checkpoint spans. `block` (the default): the repeating block of
+model.layer_pattern, so the forward keeps one tensor per block and the backward replays the whole
+block, holding every layer's intermediates (gathered expert weights, MoE rows, GDN chunk states) at
+once. `layer`: each layer, so the forward keeps each layer's input (pattern-length times as many
+[B, T, D] tensors) and the backward replays one layer at a time; the forward still runs twice in
+all. At the 397B cell, one block's intermediates are tens of GiB and a layer input 128 MiB per
+device (docs/levers.md, "remat.unit").
+
 The auto rule: without remat the backward keeps, per layer and token, roughly the activations
 listed in `residual_elements_per_token` (the mixer's projections and score rows, the MoE rows of
 the token's k experts, norms and residuals). When that times the layers and the tokens one device
@@ -93,9 +101,12 @@ def tokens_per_device(num_tokens: int) -> int:
     return math.ceil(num_tokens / shards)
 
 
-def checkpointed(block, cfg: Config, num_tokens: int):
-    """The layer block under the resolved remat policy (itself when it resolves to none)."""
+def checkpointed(fn, cfg: Config, num_tokens: int, unit: str = "block"):
+    """`fn` (the layer block, or one layer of it: `unit`) under the resolved remat policy where
+    remat.unit is `unit`; itself where it is not, or where the policy resolves to none."""
+    if cfg.remat.unit != unit:
+        return fn
     policy = resolve_policy(cfg, tokens_per_device(num_tokens))
     if policy == "none":
-        return block
-    return jax.checkpoint(block, policy=remat_policy(cfg, policy), prevent_cse=not cfg.remat.scan_layers)
+        return fn
+    return jax.checkpoint(fn, policy=remat_policy(cfg, policy), prevent_cse=not cfg.remat.scan_layers)
