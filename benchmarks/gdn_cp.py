@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         config={"scan_geometry": {"tokens": args.tokens, "value_heads": args.heads, "dk": args.dim,
                                   "dv": args.dim, "chunk": 64}, "layer": "recipe=small", "rounds": args.rounds},
         method="every arm compiled first, then timed in interleaved rounds (order rotated per round), mean wall "
-               "time; compiled temporaries and collective bytes from hybridmoe.tools.program. Simulated CPU "
+               "time; compiled temporaries and collective bytes from hybridmoe.analysis.program. Simulated CPU "
                "devices share the host's cores: CP rows measure overhead on one host, not multi-device speed.",
         scans=scan_rows,
         layer=layer_rows,
