@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from hybridmoe.kernels.gdn import gated_delta_rule  # noqa: E402
 from hybridmoe.model.gdn import gdn_layer  # noqa: E402
-from hybridmoe.tools import program  # noqa: E402
+from hybridmoe.analysis import program  # noqa: E402
 
 # The last commit before the GDN speed work (its autodiff path).
 BEFORE_COMMIT = "0f414be"

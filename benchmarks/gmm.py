@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hybridmoe.recipe import load_config  # noqa: E402
-from hybridmoe.tools import program  # noqa: E402
+from hybridmoe.analysis import program  # noqa: E402
 from hybridmoe.model import moe as moe_mod  # noqa: E402
 
 ARMS = {
