@@ -39,7 +39,7 @@ from hybridmoe.model.attention import attention_layer  # noqa: E402
 from hybridmoe.model.params import declare_params, init_params  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.run.setup import build  # noqa: E402
-from hybridmoe.tools import program  # noqa: E402
+from hybridmoe.analysis import program  # noqa: E402
 
 RECIPE = "small"
 CONTEXTS = (2, 4, 8)

@@ -34,7 +34,7 @@ harness.configure(cpu_devices=8, cache=True,
 
 import jax  # noqa: E402
 
-from hybridmoe.tools.program import memory_figures, parse_hlo, parse_stablehlo  # noqa: E402
+from hybridmoe.analysis.program import memory_figures, parse_hlo, parse_stablehlo  # noqa: E402
 from hybridmoe.tools.record import machine_record, write_record  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.quant.expert_fp8 import ABSMAX_SCOPE  # noqa: E402

@@ -12,7 +12,7 @@ figures are the mean wall time and the mean process CPU time (all threads) over 
 ratios to the `before autodiff C64` arm of the same kind (on a shared machine the CPU time is the
 steadier measure of the work). For each arm: XLA's flop count, the compiled program's temporaries,
 and the residuals the core's forward saves for its backward (bytes, read from the linearised core
-by hybridmoe.tools.program.saved_residuals).
+by hybridmoe.analysis.program.saved_residuals).
 The Pallas cores (kernels.gdn.backend=pallas_tpu, pallas_gpu) are timed only on their platform
 (TPU, GPU): elsewhere they run interpreted, which is no speed measurement, so their arms record
 the residual bytes alone.
@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from hybridmoe.kernels.gdn import gated_delta_rule  # noqa: E402
 from hybridmoe.model.gdn import gdn_layer  # noqa: E402
-from hybridmoe.tools import program  # noqa: E402
+from hybridmoe.analysis import program  # noqa: E402
 
 # The last commit before the GDN speed work (its autodiff path).
 BEFORE_COMMIT = "0f414be"
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
                f"packed rows (two documents); 'before' arms run the layer and core of commit {BEFORE_COMMIT} "
                "(read from git history), 'now' arms this checkout; ratios to the before-autodiff chunk-64 "
                "arm of the same kind; XLA's flop count and compiled temporaries "
-               "(hybridmoe.tools.program); the core's saved residuals from jax's saved_residuals",
+               "(hybridmoe.analysis.program); the core's saved residuals from jax's saved_residuals",
         baselines=BASELINE,
         before_commit=BEFORE_COMMIT,
         rows=rows,

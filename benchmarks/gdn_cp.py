@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hybridmoe.tools import program  # noqa: E402
+from hybridmoe.analysis import program  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
 from hybridmoe.kernels.gdn import context_parallel as cp  # noqa: E402
 from hybridmoe.kernels.gdn.reference import document_starts  # noqa: E402
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         config={"scan_geometry": {"tokens": args.tokens, "value_heads": args.heads, "dk": args.dim,
                                   "dv": args.dim, "chunk": 64}, "layer": "recipe=small", "rounds": args.rounds},
         method="every arm compiled first, then timed in interleaved rounds (order rotated per round), mean wall "
-               "time; compiled temporaries and collective bytes from hybridmoe.tools.program. Simulated CPU "
+               "time; compiled temporaries and collective bytes from hybridmoe.analysis.program. Simulated CPU "
                "devices share the host's cores: CP rows measure overhead on one host, not multi-device speed.",
         scans=scan_rows,
         layer=layer_rows,

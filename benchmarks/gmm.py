@@ -5,7 +5,7 @@
 One process, one device, every arm compiled first, then the arms timed interleaved (arm order
 rotates each round, so drift in the machine's speed spreads over all arms); the figure is the
 mean over the timed rounds, reported as a ratio to the levers-off arm. For each arm the compiled
-forward + backward program's bytes accessed and temporaries come from hybridmoe.tools.program.
+forward + backward program's bytes accessed and temporaries come from hybridmoe.analysis.program.
 Writes benchmarks/records/gmm.json (machine, date, versions, commit, resolved config) and prints a table.
 
 The Pallas kernels (and kernels.gmm.wi_fwd_rhs_buffer_count, a Pallas-only lever) are not timed
@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hybridmoe.recipe import load_config  # noqa: E402
-from hybridmoe.tools import program  # noqa: E402
+from hybridmoe.analysis import program  # noqa: E402
 from hybridmoe.model import moe as moe_mod  # noqa: E402
 
 ARMS = {
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         config={"recipe": recipe, "overrides": overrides, "resolved": json.loads(base.model_dump_json())},
         method=f"one device; every arm compiled first, then {steps} rounds with the arms interleaved "
                "(order rotated per round); mean wall time of one jitted forward+backward; bytes accessed "
-               "and temporaries of the compiled program (hybridmoe.tools.program)",
+               "and temporaries of the compiled program (hybridmoe.analysis.program)",
         rows=rows,
         gpu="not measured here: grouped-matmul TFLOP/s of the Pallas kernels against jax.lax.ragged_dot, fused "
             "vs unfused backward and the fraction of bf16 peak need a GPU run",

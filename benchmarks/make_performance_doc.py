@@ -498,7 +498,7 @@ def _itemised_peaks(arms: dict, labels: dict) -> str:
                      f"{peak['share']:.0%}" if peak.get("share") is not None else "-"])
     return f"""
 The temporaries live at the peak by what made each buffer (GiB per device; `itemised` = their
-sum, `of temporaries` = its share of the compiler's figure; tools/peak_memory.py says what counts
+sum, `of temporaries` = its share of the compiler's figure; analysis/peak_memory.py says what counts
 where):
 
 {table(["arm", *cats, "itemised", "of temporaries"], rows)}
@@ -755,7 +755,7 @@ transformers {info.get('transformers')}), both pinned to cores {meth['cores']} w
 medians of rounds 1..; load average {_loads(rec['load_average_per_round'])}). Milliseconds of process CPU
 time for all of a component's instances in one step; the ratios are ours over the reference's
 (CPU time, and wall time); the last column is our useful GFLOP per CPU second
-(`hybridmoe/tools/flops.py`: matmul work only). The bracketed rows are our controls: a CPU choice
+(`hybridmoe/analysis/flops.py`: matmul work only). The bracketed rows are our controls: a CPU choice
 undone.
 
 {table(["component (instances per step)", "ours CPU ms", "reference CPU ms", "CPU-time ratio", "wall ratio",
@@ -835,7 +835,7 @@ def step_estimate() -> str:
     return f"""## Step time on the target, estimated from the compiled program
 
 `hybridmoe inspect` and `benchmarks/step_estimate.py` estimate a step's time on its target from
-the program the compiler made for it (`hybridmoe/tools/step_estimate.py`); nothing runs on the
+the program the compiler made for it (`hybridmoe/analysis/step_estimate.py`); nothing runs on the
 target. Each instruction of the optimised HLO costs the larger of its compute time (dot,
 convolution and ragged-dot FLOPs from their shapes; a float32 dot at HIGHEST precision as 6 MXU
 passes) and its memory time (operand and result bytes over HBM bandwidth), times the trip counts

@@ -12,7 +12,7 @@ the machine's speed (it is shared) lands on both; the figure is the median over 
 (round 0 warms up), with its spread (quartiles, min, max) in the record. Both wall time and
 process CPU time (all threads) are recorded, and the load average at every round.
 
-FLOPs are counted from the model shape with hybridmoe.tools.flops for both sides (matmul work
+FLOPs are counted from the model shape with hybridmoe.analysis.flops for both sides (matmul work
 only), so useful GFLOP/s compare directly; MFU is against the best float32 matmul rate measured
 in the same run (JAX's and torch's, the larger). Prints a table and writes
 benchmarks/records/step_anatomy.json.
@@ -41,7 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hybridmoe.tools.flops import component_flops, step_flops  # noqa: E402
+from hybridmoe.analysis.flops import component_flops, step_flops  # noqa: E402
 from hybridmoe.tools.bench import measure_peak_flops  # noqa: E402
 from benchmarks.pinned import parse_cores, pin, spread, thread_census  # noqa: E402
 from hybridmoe.recipe import load_config  # noqa: E402
@@ -57,7 +57,7 @@ from hybridmoe.run.setup import build, init_state, jit_train_step  # noqa: E402
 
 RECIPE, OVERRIDES = "small", ["mesh.cpu_devices=1", "mesh.data=1", "mesh.fsdp=-1"]
 
-# Component -> (instances per step in `small`, its FLOP kind in hybridmoe.tools.flops or None).
+# Component -> (instances per step in `small`, its FLOP kind in hybridmoe.analysis.flops or None).
 COMPONENTS = {
     "gdn": (3, "gdn"), "attention": (1, "attention"), "moe": (4, "moe"), "rmsnorm": (9, None),
     "embed_head_loss": (1, "embed_head"), "optimizer": (1, None), "step": (1, None),

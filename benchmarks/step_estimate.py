@@ -1,4 +1,4 @@
-"""The step time on its target, estimated from the compiled program (tools/step_estimate.py), arm by arm.
+"""The step time on its target, estimated from the compiled program (analysis/step_estimate.py), arm by arm.
 
 Each arm is a recipe plus overrides, compiled for the target (a TPU topology: compile-only devices,
 the Mosaic compiler runs for real) and read by the cost model: seconds per step by category
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
 
     from hybridmoe.cli import _inspect_config
     from hybridmoe.parallel.mesh import configure_cpu_devices
-    from hybridmoe.tools import step_estimate as se
+    from hybridmoe.analysis import step_estimate as se
     from hybridmoe.tools import train_program as tp
 
     kind, count = tp.parse_target(args.target)

@@ -298,13 +298,13 @@ def _inspect_config(words: list[str], target_kind: str | None, cpu_count: int | 
 
 def _step_estimate(step, recipe: str, args):
     """The step's estimated time on --estimate-for (default: the TPU target's generation)."""
-    from hybridmoe.tools import step_estimate
+    from hybridmoe.analysis import step_estimate
     grid_step_s = None if args.grid_step_us is None else args.grid_step_us * 1e-6
     return step_estimate.estimate_step(step, args.estimate_for, recipe=recipe, grid_step_s=grid_step_s)
 
 
 def cmd_inspect(args, words):
-    from hybridmoe.tools import step_estimate
+    from hybridmoe.analysis import step_estimate
     from hybridmoe.tools import train_program as tp
     from hybridmoe.parallel.mesh import configure_cpu_devices
     from hybridmoe.run.compile_cache import configure_compile_cache

@@ -132,7 +132,7 @@ def geometry_step(request, device):
 def test_step_holds_no_score_matrix(geometry_step):
     """No buffer of the compiled TPU step has two dimensions as long as the local queries (at the
     cell 16,384 against 65,536 keys): the attention core never materialises [heads, T, S] (nor T x T)."""
-    from hybridmoe.tools.program import _hlo_graph, _hlo_result
+    from hybridmoe.analysis.program import _hlo_graph, _hlo_result
 
     cfg, step = geometry_step
     local = cfg.train.seq_len // cfg.mesh.context

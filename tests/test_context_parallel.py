@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_rel_l2, packed_batch, tiny_config, tiny_params
-from hybridmoe.tools import program
+from hybridmoe.analysis import program
 from hybridmoe.model.attention import attention_layer
 from hybridmoe.parallel import context
 from hybridmoe.run.setup import build

@@ -22,7 +22,7 @@ from collections import Counter
 from jax.ad_checkpoint import checkpoint_name
 
 from helpers import packed_batch, tiny_config, tiny_params
-from hybridmoe.tools import program
+from hybridmoe.analysis import program
 from hybridmoe.model import attention as attn
 from hybridmoe.model import remat
 from hybridmoe.model.forward import logits

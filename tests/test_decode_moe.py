@@ -13,7 +13,7 @@ from helpers import tiny_config, tiny_params
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.rl import sampler
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts
-from hybridmoe.tools.program import ops_by_shape
+from hybridmoe.analysis.program import ops_by_shape
 
 TOL = 1e-5  # relative L2 against float64; the clean error is float32 rounding (~1e-7)
 

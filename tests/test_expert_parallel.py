@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import packed_batch, tiny_config, tiny_params
-from hybridmoe.tools import program
+from hybridmoe.analysis import program
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.run.setup import build
 from hybridmoe.run.step import nll_sum

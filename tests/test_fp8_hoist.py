@@ -23,7 +23,7 @@ import pytest
 
 from fp8_reference import bits, ref_fake_quant, spread_experts
 from helpers import packed_batch, tiny_config, tiny_params
-from hybridmoe.tools import program
+from hybridmoe.analysis import program
 from hybridmoe.config import ConfigError
 from hybridmoe.quant import expert_fp8
 from hybridmoe.model.params import layer_axes

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from helpers import tiny_config, tiny_params
-from hybridmoe.tools import program
+from hybridmoe.analysis import program
 from hybridmoe.config.errors import ConfigError
 from hybridmoe.kernels.gdn import context_parallel as cp
 from hybridmoe.kernels.gdn.reference import document_starts

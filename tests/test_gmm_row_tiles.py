@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_rel_l2, packed_batch, tiny_config, tiny_params
-from hybridmoe.tools.program import analyze, count, primitive_counts
+from hybridmoe.analysis.program import analyze, count, primitive_counts
 from hybridmoe.config import ConfigError
 from hybridmoe.kernels import gmm as K
 from hybridmoe.kernels.gmm import reference as R

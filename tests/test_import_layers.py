@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel", "kernels", "hf", "data"),
     ("quant",),
     ("model",),
-    ("recipe",),
+    ("analysis", "recipe"),
     ("run",),
     ("train", "rl"),
     ("tools",),

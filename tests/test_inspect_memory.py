@@ -9,7 +9,8 @@ import pytest
 
 from hybridmoe.cli import main
 from hybridmoe.recipe import load_config
-from hybridmoe.tools import depth, peak_memory
+from hybridmoe.analysis import peak_memory
+from hybridmoe.tools import depth
 from hybridmoe.tools import train_program as tp
 
 # Two planted programs. Rows: tiny (narrow experts, 128-row tiles): the MoE block's token-row
@@ -146,7 +147,7 @@ def test_a_stack_the_tpu_compiler_allocates_counts_to_the_layer_loop():
     """The TPU compiler allocates the layer loop's stacks itself (custom-calls named after the call
     around the loop, no model scope): a buffer led by the number of blocks counts to the saved
     residuals, or to the gradients when shaped like a stacked parameter; led by anything else, other."""
-    from hybridmoe.tools.program import LiveBuffer
+    from hybridmoe.analysis.program import LiveBuffer
 
     shapes = peak_memory.ModelShapes(256, 128, 16, frozenset({(2, 16, 256, 256)}), num_blocks=2)
     made = lambda shape: LiveBuffer("custom-call.1", 1, shape, "jit(step)/micro_batches/while/body/closed_call",  # noqa: E731

@@ -23,7 +23,7 @@ from hybridmoe.data import chat
 from hybridmoe.data.packing import pack_documents
 from hybridmoe.data.text import TextSource, tokenize_document
 from hybridmoe.data.tokenizer import load_tokenizer
-from hybridmoe.run.data import loss_mask
+from hybridmoe.run.loss_mask import loss_mask
 
 FIXTURES = Path(__file__).parent / "fixtures"
 HF_TINY = FIXTURES / "hf_tiny"

@@ -121,7 +121,7 @@ def _block_residuals(cfg, B=2, T=64):
     weights, the block's input, positions: the scan holds them anyway): (shape, jax's description) each."""
     from hybridmoe.model.forward import block_fn
     from hybridmoe.model.remat import checkpointed
-    from hybridmoe.tools import program
+    from hybridmoe.analysis import program
 
     params = tiny_params(cfg)
     bp = jax.tree.map(lambda a: a[0], params["blocks"])
@@ -148,7 +148,7 @@ def test_layer_remat_keeps_each_layers_input_and_nothing_else():
 def test_layer_remat_lowers_the_compiled_backwards_temporaries():
     # The backward replays one layer at a time: less live at its peak than replaying the block (XLA's
     # buffer assignment, exact). Two blocks so the scan loops.
-    from hybridmoe.tools import program
+    from hybridmoe.analysis import program
 
     def temp(unit):
         cfg = tiny_config("model.num_layers=8", "remat.policy=full", f"remat.unit={unit}")

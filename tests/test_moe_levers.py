@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec
 
 from broken_variants import BROKEN
 from helpers import packed_batch, tiny_config, tiny_params
-from hybridmoe.tools import program
+from hybridmoe.analysis import program
 from hybridmoe.config import ConfigError
 from hybridmoe.kernels.gmm import epilogue as epi
 from hybridmoe.model import forward

@@ -8,7 +8,7 @@
 - The real float32 epilogue (every fused lever, two forward tiles per half) against a float32
   evaluation of the unfused math, in float32 compute: the clean error is reassociation, every
   epilogue broken variant at least 10x above the bound the clean error must meet.
-- One program fact per MoE key, read with hybridmoe.tools.program from the traced layer.
+- One program fact per MoE key, read with hybridmoe.analysis.program from the traced layer.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from broken_variants import BROKEN, BROKEN_MOE
 # The lever override sets and the shared epilogue-variant fixture of the lever tests.
 from test_moe_levers import BF16, EP2, PALLAS, R, TILED, WI, WO, broken_epilogue  # noqa: F401
 from helpers import packed_batch, tiny_config, tiny_params
-from hybridmoe.tools import program
+from hybridmoe.analysis import program
 from hybridmoe.kernels.gmm import row_tiled_dot
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.model.forward import logits

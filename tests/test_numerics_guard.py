@@ -13,7 +13,7 @@ import hybridmoe.rl.grpo as grpo_module
 import hybridmoe.train.loop as loop
 import hybridmoe.run.step as step_module
 from helpers import tiny_config, tiny_params
-from hybridmoe.tools.program import primitive_counts
+from hybridmoe.analysis.program import primitive_counts
 from hybridmoe.cli import main
 from hybridmoe.config.schema import TrainConfig
 from hybridmoe.parallel.host import put_global

@@ -26,7 +26,7 @@ from hybridmoe.model import decode
 from hybridmoe.rl import sampler
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
 from hybridmoe.run.setup import build
-from hybridmoe.tools.program import ops_by_shape
+from hybridmoe.analysis.program import ops_by_shape
 
 PROMPT_SLOTS, NEW_TOKENS, G = 13, 6, 8
 # Prompt lengths: the full 13 slots, and padding that ends inside chunk 0, 2 and exactly at chunk 1's

@@ -1,11 +1,11 @@
-"""hybridmoe.tools.program on small programs whose collectives, loops and residuals are known."""
+"""hybridmoe.analysis.program on small programs whose collectives, loops and residuals are known."""
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from hybridmoe.tools import program
+from hybridmoe.analysis import program
 
 MESH = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
 RING = [(i, (i + 1) % 8) for i in range(8)]

@@ -33,7 +33,7 @@ from hybridmoe.kernels.attention.reference import (
 from hybridmoe.parallel.context import load_balanced_token_index
 from hybridmoe.parallel.rules import logical_to_spec
 from hybridmoe.run.setup import build
-from hybridmoe.tools import program
+from hybridmoe.analysis import program
 
 B, T, N, G, A = 8, 64, 4, 2, 8
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # max |error| / max |expected|, per output

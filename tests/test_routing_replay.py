@@ -118,7 +118,7 @@ def test_routing_replay_refuses_the_levers_it_does_not_run():
 def test_program_routes_from_the_replayed_ids_not_from_top_k():
     """Program proof: with replay the trainer's forward has no top_k at all (every MoE layer takes
     its experts from the input); without, one top_k per MoE layer of the scanned block."""
-    from hybridmoe.tools.program import primitive_counts
+    from hybridmoe.analysis.program import primitive_counts
     cfg = _config()
     setup = build(cfg)
     params = jax.eval_shape(lambda: tiny_params(cfg, perturb=False))

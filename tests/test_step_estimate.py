@@ -1,4 +1,4 @@
-"""The step-time cost model (tools/step_estimate.py) and the cost estimates our Pallas kernels state.
+"""The step-time cost model (analysis/step_estimate.py) and the cost estimates our Pallas kernels state.
 
 - Trip counts: a tiny jitted scan around a fori_loop; the count read from XLA's annotation and,
   with the annotation removed, from the loop condition's compare; FLOPs multiply through both.
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybridmoe.tools import step_estimate as se
-from hybridmoe.tools.program import iter_eqns
+from hybridmoe.analysis import step_estimate as se
+from hybridmoe.analysis.program import iter_eqns
 
 
 def _compiled_text(fn, *args) -> str:
@@ -237,7 +237,7 @@ def small_step():
 
 
 def _analytic(cfg) -> float:
-    from hybridmoe.tools.flops import designed_step_flops
+    from hybridmoe.analysis.flops import designed_step_flops
 
     t = cfg.train
     return designed_step_flops(cfg, 8, remat_policy=cfg.remat.policy, tokens_per_shard=t.batch_size * t.seq_len // 8)

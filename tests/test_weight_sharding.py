@@ -156,7 +156,7 @@ def test_the_lm_heads_chunk_loop_runs_on_each_devices_tokens(compiled_step):
     each device's own rows and sequence shard: no array of the compiled step holds the global batch's
     tokens in one dimension (traced over the global batch, GSPMD gathered every token's hidden state
     onto every device before the chunk loop: 2 x 32 GiB per device at the 397B cell)."""
-    from hybridmoe.tools.program import _HLO_SHAPE, _TRIP
+    from hybridmoe.analysis.program import _HLO_SHAPE, _TRIP
 
     cfg, step = compiled_step
     B, T, chunk = cfg.train.batch_size, cfg.train.seq_len, cfg.kernels.logprobs.chunk_tokens

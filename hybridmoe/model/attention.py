@@ -96,7 +96,7 @@ def attention_core(kc: KernelsConfig, *, self_attention: bool):
     return core
 
 
-# The scope names the attention core's ops in the compiled program (tools/step_estimate.py).
+# The scope names the attention core's ops in the compiled program (analysis/step_estimate.py).
 CORE_SCOPE = "attention_core"
 
 

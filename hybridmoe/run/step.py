@@ -15,7 +15,7 @@ import optax
 from hybridmoe.config.schema import Config, TrainConfig
 from hybridmoe.model import scopes
 from hybridmoe.model.forward import next_token_logprobs
-from hybridmoe.run.data import batch_loss_mask, loss_mask
+from hybridmoe.run.loss_mask import batch_loss_mask, loss_mask
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:

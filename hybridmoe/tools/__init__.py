@@ -1,1 +1,1 @@
-"""Tools over what is below: bench, inspect (compiled-program analysis), gates, score, eval and the records they write."""
+"""The commands' work over what is below: bench, inspect (compiles the programs; analysis/ reads them), gates, score, eval and the records they write."""

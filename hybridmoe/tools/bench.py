@@ -7,7 +7,7 @@ Program facts come from the compiled step: temporaries and collectives inside th
 MFU: the compiled step's FLOPs (XLA's count, per device) per second, over a peak measured on the
 same devices just before the arms run (a dense matmul on every device at once, best of a few).
 Useful MFU: the same with the step's useful FLOPs counted from the model shape
-(hybridmoe.tools.flops, as benchmarks/step_anatomy.py counts both frameworks), which do not
+(hybridmoe.analysis.flops, as benchmarks/step_anatomy.py counts both frameworks), which do not
 grow with work a kernel wastes (ragged_dot on CPU computes every expert for every row).
 An arm may name another recipe (`--arm tuned:recipe=tuned`).
 """
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe.tools.flops import step_flops
-from hybridmoe.tools.program import (cost_figures, count, memory_figures, parse_hlo, parse_stablehlo,
+from hybridmoe.analysis.flops import step_flops
+from hybridmoe.analysis.program import (cost_figures, count, memory_figures, parse_hlo, parse_stablehlo,
                                         per_iteration)
 from hybridmoe.recipe import load_config, split_args
 from hybridmoe.config.schema import Config

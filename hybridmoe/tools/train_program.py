@@ -28,7 +28,8 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 
-from hybridmoe.tools import peak_memory, program
+from hybridmoe.analysis import peak_memory, program
+from hybridmoe.analysis.flops import model_flops_per_device
 from hybridmoe.config.schema import Config
 
 GIB = 2**30
@@ -346,27 +347,11 @@ def buffer_rows(buffers: list[program.LiveBuffer], top: int = PEAK_BUFFERS_SHOWN
 
 
 def peak_by_category(step: CompiledStep) -> dict | None:
-    """The step's temporaries at the peak itemised by what made them (tools/peak_memory.py)."""
+    """The step's temporaries at the peak itemised by what made them (analysis/peak_memory.py)."""
     if step.shapes is None or not step.peak_buffers:
         return None
     temp = step.program.temp_bytes if step.program is not None else step.out_of_memory["temp"]
     return peak_memory.itemise(step.peak_buffers, step.shapes, temp)
-
-
-def model_flops_per_device(cfg: Config, devices: int, program_name: str = "train") -> float | None:
-    """The step's useful FLOPs from the model shape (tools/flops.py) over the devices: XLA's count
-    leaves out the Pallas kernels, this one counts the work whatever runs it. The GRPO update: its
-    rows' forward + backward (a reference policy adds a forward); the sampler: not counted."""
-    from hybridmoe.tools.flops import step_flops
-
-    if program_name == "train":
-        return step_flops(cfg) / devices
-    if program_name == "grpo":
-        r = cfg.rl
-        rows = r.rollouts_per_step // r.mini_batches
-        fwd_bwd = step_flops(cfg, batch=rows, seq_len=r.sequence_len)
-        return fwd_bwd * (1 + (1 / 3 if r.beta > 0 else 0)) / devices
-    return None
 
 
 def step_facts(step: CompiledStep) -> dict:

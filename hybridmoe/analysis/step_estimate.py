@@ -40,7 +40,8 @@ import math
 import re
 from collections import defaultdict
 
-from hybridmoe.tools.program import _HLO_SHAPE, _OPNAME, dtype_bytes, hlo_computations
+from hybridmoe.analysis.flops import model_flops_per_device
+from hybridmoe.analysis.program import _HLO_SHAPE, _OPNAME, dtype_bytes, hlo_computations
 
 # ---------------------------------------------------------------------------------------------
 # Hardware: per-chip figures as their makers publish them; per device = per chip / devices per chip.
@@ -650,8 +651,6 @@ def estimate_step(step, hardware: str | None = None, *, recipe: str | None = Non
     """The estimate of a compiled step (train_program.CompiledStep) on `hardware` (a HARDWARE key;
     default the target's generation). None when there is no program (refused for memory), no
     token count (the sampler) or no hardware row."""
-    from hybridmoe.tools.train_program import model_flops_per_device
-
     name = hardware or default_hardware(step.target.name)
     tokens = tokens_per_step(step.cfg, step.program_name)
     if step.program is None or tokens is None or name is None:

@@ -49,7 +49,7 @@ def step_flops(cfg: Config, batch: int | None = None, seq_len: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
-# The matmul work the compiled step is built to run (the check of tools/step_estimate.py's count)
+# The matmul work the compiled step is built to run (the check of analysis/step_estimate.py's count)
 
 
 def gdn_chunk_core_macs_per_token(m: ModelConfig, chunk_size: int) -> float:
@@ -103,3 +103,17 @@ def designed_step_flops(cfg: Config, devices: int, *, remat_policy: str, tokens_
         tiles = rows * tokens_per_shard / cfg.kernels.gmm.xla_tile_rows
         per_token += m.num_layers * 2.0 * E * tiles * 3 * D * F / tokens_per_shard
     return per_token * tokens / devices
+
+
+def model_flops_per_device(cfg: Config, devices: int, program_name: str = "train") -> float | None:
+    """The step's useful FLOPs from the model shape (step_flops) over the devices: XLA's count
+    leaves out the Pallas kernels, this one counts the work whatever runs it. The GRPO update: its
+    rows' forward + backward (a reference policy adds a forward); the sampler: not counted."""
+    if program_name == "train":
+        return step_flops(cfg) / devices
+    if program_name == "grpo":
+        r = cfg.rl
+        rows = r.rollouts_per_step // r.mini_batches
+        fwd_bwd = step_flops(cfg, batch=rows, seq_len=r.sequence_len)
+        return fwd_bwd * (1 + (1 / 3 if r.beta > 0 else 0)) / devices
+    return None

@@ -41,7 +41,7 @@ import re
 from collections import defaultdict
 
 from hybridmoe.model import scopes
-from hybridmoe.tools.program import LiveBuffer
+from hybridmoe.analysis.program import LiveBuffer
 
 MOE_ROWS = "MoE rows"
 EXPERT_WEIGHTS = "expert weights"
