@@ -357,3 +357,60 @@ def test_broken_variant_is_caught(broken_epilogue):
     on = layer_run_unsharded(*R, *WI, *WO, *TILED)
     with pytest.raises(AssertionError):  # else by the real epilogue's tolerance
         assert_rel_l2((on[0][1], on[1]), (off[0][1], off[1]), 1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# moe.token_chunks: the routed experts over the tokens in chunks, one replayed at a time
+
+CHUNKS = ("moe.token_chunks=4",)
+
+
+def test_token_chunks_refused_where_they_cannot_work():
+    assert "dropless" in _problems(*CHUNKS, "moe.capacity_factor=1.5")["moe.token_chunks"]
+    assert "moe.impl=sparse" in _problems(*CHUNKS, "moe.impl=dense")["moe.token_chunks"]
+    # 64-token rows over context 2: 32 tokens a rank, which 3 does not divide.
+    msg = _problems("moe.token_chunks=3", "mesh.context=2", "mesh.fsdp=2")["moe.token_chunks"]
+    assert "32 tokens" in msg and "mesh.context=2" in msg, msg
+
+
+def test_token_chunks_equal_one_pass():
+    # Against the same levers in one pass (the chunk scan is what differs): each token's output and
+    # input gradient are bit-identical (rows are independent); the weights' gradients are summed
+    # over the chunks in bfloat16 instead of inside one grouped matmul.
+    on, off = layer_run(*EP2, *WI, *WO, *R, *CHUNKS), layer_run(*EP2, *WI, *WO, *R)
+    assert_bits((on[0], on[1][1]), (off[0], off[1][1]))
+    assert_bits(on[1][0], off[1][0], skip=("'wi'", "'wo'"))
+    err = {k: np.linalg.norm(np.float32(on[1][0][k]) - np.float32(off[1][0][k])) / np.linalg.norm(np.float32(off[1][0][k]))
+           for k in ("wi", "wo")}
+    assert max(err.values()) < 1e-2, err
+    # And against the levers off (the default program, no grouped_experts at all).
+    ref = unfused(*EP2)
+    assert_rel_l2((on[0][1], on[1]), (ref[0][1], ref[1]), 2e-2)
+
+
+def _moe_jaxpr(*overrides):
+    cfg = tiny_config(*BF16, *EP2, *WI, *WO, *overrides)
+    x = jax.random.normal(jax.random.key(1), (8, 32, cfg.model.d_model)).astype(cfg.model.compute_dtype)
+    with build(cfg).context():
+        return jax.make_jaxpr(_layer(cfg))(_moe_params(cfg), x), cfg
+
+
+def test_token_chunks_hold_no_full_row_buffer():
+    # The program: a scan of 8 trips over a checkpointed chunk, and no array with one row per
+    # (token, expert) of the whole gathered batch, forward or backward. 8 x 32 tokens over the
+    # batch shards (data x fsdp x expert = 8): 32 a device, 64 after the ring's gather, 64 k rows.
+    chunked, cfg = _moe_jaxpr("moe.token_chunks=8")
+    whole, _ = _moe_jaxpr()
+    rows_all = 64 * cfg.model.num_experts_per_tok
+
+    def row_dims(jaxpr):  # leading dims of the [rows, d_model] arrays inside the layer's shard_map
+        bodies = [e.params["jaxpr"] for e in program.iter_eqns(jaxpr) if e.primitive.name == "shard_map"]
+        return {v.aval.shape[0] for body in bodies for e in program.iter_eqns(body) for v in e.outvars
+                if hasattr(v.aval, "shape") and len(v.aval.shape) == 2 and v.aval.shape[1] == cfg.model.d_model}
+
+    scans = [e.params["length"] for e in program.iter_eqns(chunked) if e.primitive.name == "scan"]
+    assert 8 in scans, scans
+    assert rows_all in row_dims(whole), row_dims(whole)
+    assert rows_all not in row_dims(chunked) and rows_all // 8 in row_dims(chunked), row_dims(chunked)
+    # The chunk is a checkpoint: its forward keeps nothing for the backward but its inputs.
+    assert any(e.primitive.name in ("checkpoint", "remat2") for e in program.iter_eqns(chunked))

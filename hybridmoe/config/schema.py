@@ -143,6 +143,11 @@ class MoEConfig(Section):
     capacity_factor: float = Field(
         0.0, ge=0, description="Per-expert buffer as a multiple of the even share (0 = dropless); overflow is dropped and counted."
     )
+    token_chunks: int = Field(
+        1, ge=1, description="The routed experts run over the tokens (after the ring's gather) in this many chunks, one "
+        "after another, each replayed alone in the backward: every [tokens x k, d_model] row buffer is this many times "
+        "smaller; the tokens a device's MoE sees in training must divide by it. 1 = one chunk."
+    )
     wi_fused_swiglu: bool = Field(
         False, description="Up projection as one grouped matmul over the prefused [gate | up] weight with SwiGLU in its epilogue."
     )

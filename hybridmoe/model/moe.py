@@ -151,6 +151,7 @@ class GroupedPlan:
     fp8: bool = False
     xla_impl: str = "ragged_dot"
     xla_tile_rows: int = 128
+    token_chunks: int = 1
 
     @classmethod
     def of(cls, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None,
@@ -166,13 +167,13 @@ class GroupedPlan:
             interpret=kern.interpret, epilogue=g.epilogue,
             tile_n_per_half=(g.wi_fwd_tile_n_per_half or None) if explicit else None,
             rhs_buffer_count=g.wi_fwd_rhs_buffer_count, fp8=bool(quant and quant.fp8_gmm),
-            xla_impl=K.xla_impl_for(g.xla_impl), xla_tile_rows=g.xla_tile_rows)
+            xla_impl=K.xla_impl_for(g.xla_impl), xla_tile_rows=g.xla_tile_rows, token_chunks=moe.token_chunks)
 
     @property
     def is_default(self) -> bool:
         """No lever, no buffer, the xla backend: the default program (`sparse_experts`)."""
         return not (self.capacity_factor or self.wi_fused_swiglu or self.wo_fused_dswiglu
-                    or self.router_grad_from_wo_input or self.backend != "xla" or self.fp8)
+                    or self.router_grad_from_wo_input or self.backend != "xla" or self.fp8 or self.token_chunks > 1)
 
 
 def default_grouped_dot(kernels: KernelsConfig | None):
@@ -207,7 +208,31 @@ def grouped_experts(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, grou
     dropped: int32, the (token, expert) rows of the local experts that overflowed their buffer
     (always 0 when dropless). Rows are sorted by expert with a stable sort, so within an expert
     the earlier tokens keep their place and the later ones are dropped.
+
+    moe.token_chunks = C > 1 (dropless; where C divides the tokens): the tokens run in C chunks, one
+    after another in a scan whose body is a checkpoint, so the forward keeps no row buffer and the
+    backward replays one chunk at a time: every [T k, D] buffer becomes [T k / C, D]. Tokens are
+    independent of each other, so only the weights' gradients change: summed over the chunks in the
+    scan's accumulator instead of inside one grouped matmul. A token count C does not divide (a
+    sampler's decode step: a few rows, no backward) runs as one chunk.
     """
+    T = idx_Tk.shape[0]
+    C = plan.token_chunks
+    if C == 1 or T % C:
+        return _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan, group_offset)
+
+    def chunk(_, xs):
+        return None, _grouped_rows(*xs, wi_GD2F, wo_GFD, plan, group_offset)
+
+    chunk = jax.checkpoint(chunk, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    xs = tuple(a.reshape(C, T // C, *a.shape[1:]) for a in (x_TD, w_Tk, idx_Tk))
+    _, (y_CtD, dropped_C) = jax.lax.scan(chunk, None, xs)
+    return y_CtD.reshape(T, -1), jnp.sum(dropped_C)
+
+
+def _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_offset):
+    """grouped_experts on one set of tokens: sort the (token, expert) rows by expert, run the
+    grouped MLP, combine each token's k rows."""
     T, k = idx_Tk.shape
     E, G = plan.num_experts, wi_GD2F.shape[0]
     M = T * k

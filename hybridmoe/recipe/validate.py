@@ -324,6 +324,29 @@ def _moe_fused_levers(cfg: Config, f: Facts) -> list[Problem]:
     return out
 
 
+def _token_chunk_problem(cfg: Config, f: Facts, seq_len: int, what: str, key: str) -> list[Problem]:
+    """moe.token_chunks must divide the tokens of one row on one context rank (then every device's)."""
+    C, ranks = cfg.moe.token_chunks, _context_size(cfg, f) or 1
+    if C == 1 or (seq_len // ranks) % C == 0:
+        return []
+    return [(key, f"moe.token_chunks={C} does not divide the {seq_len // ranks} tokens of a {what} on one of "
+             f"mesh.context={ranks} ranks; make moe.token_chunks a divisor of it (e.g. "
+             f"{math.gcd(C, seq_len // ranks)}) or the length a multiple of {C * ranks}")]
+
+
+@rule("moe.token_chunks")
+def _moe_token_chunks(cfg: Config, f: Facts) -> list[Problem]:
+    moe, out = cfg.moe, []
+    if moe.token_chunks == 1:
+        return out
+    if moe.impl != "sparse":
+        out.append(("moe.token_chunks", "needs moe.impl=sparse (the grouped-matmul path); the dense reference has no rows"))
+    if moe.capacity_factor > 0:
+        out.append(("moe.token_chunks", "needs a dropless MoE (moe.capacity_factor=0): each chunk would keep its own "
+                    "share of the expert buffers and drop other tokens than one pass does"))
+    return out + _token_chunk_problem(cfg, f, cfg.train.seq_len, "training row (train.seq_len)", "moe.token_chunks")
+
+
 @rule("kernels.gmm.backend", "kernels.gmm.tiling", "kernels.gmm.wi_fwd_tile_n_per_half", "kernels.gmm.wi_fwd_rhs_buffer_count",
       *(f"kernels.gmm.{k}_{d}" for k in tiling.KERNELS for d in tiling.DIMS))
 def _kernels_gmm(cfg: Config, f: Facts) -> list[Problem]:
@@ -565,6 +588,8 @@ def rl_sequence_problems(cfg: Config, f: Facts = Facts()) -> list[Problem]:
     [B, rl.max_prompt_len] split over it as they are handed in; the attention blocks tile those rows."""
     ranks, r = _context_size(cfg, f), cfg.rl
     out = attention_block_problems(cfg, r.sequence_len, f"rl.max_prompt_len + rl.max_new_tokens = {r.sequence_len}", f)
+    out += _token_chunk_problem(cfg, f, r.sequence_len, "GRPO row (rl.max_prompt_len + rl.max_new_tokens)",
+                                "rl.max_new_tokens")
     if not ranks or ranks <= 1:
         return out
     if r.max_prompt_len % ranks:
