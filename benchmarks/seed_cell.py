@@ -39,8 +39,10 @@ LEVERS = {
                    "remat.policy=full", "remat.save=[]"], []),
     "gdn": (["gdn.cp_m_scan=false", "gdn.cp_dh_scan=false", "kernels.gdn.backend=xla"], []),
     "wi_tile": (["kernels.gmm.wi_fwd_tile_n_per_half=0", "kernels.gmm.wi_fwd_rhs_buffer_count=0"], []),
-    # Not the seed's: a checkpoint per layer of the block (remat.unit), the last lever on.
+    # Not the seed's, last: a checkpoint per layer of the block (remat.unit), then the MoE over the
+    # tokens in chunks (moe.token_chunks).
     "remat_unit": (["remat.unit=block"], []),
+    "token_chunks": (["moe.token_chunks=1"], []),
 }
 ORDER = list(LEVERS)
 
