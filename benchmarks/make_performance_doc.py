@@ -505,22 +505,6 @@ where):
 """
 
 
-def hf_reload() -> str:
-    name = "hf_reload.json"
-    rec = load(name)
-    v = rec["versions"]
-    return f"""## Hugging Face round trip
-
-A checkpoint exported by `hybridmoe train --export-hf` after fine-tuning, reloaded by transformers {v['transformers']}
-(torch {v['torch']}, float32) and scored on the fixture's token ids {rec['tokens_shape']}: max |diff|
-{rec['max_abs_diff']:.2e}, mean {rec['mean_abs_diff']:.2e} (tolerance {rec['tolerance']}:
-{'passed' if rec['passed'] else 'FAILED'}); mean log-prob {rec['mean_logprob']['transformers']:.6f}
-(transformers) and {rec['mean_logprob']['hybridmoe']:.6f} (hybridmoe).
-
-{source(rec, name, "python scripts/check_hf_reload.py")}
-"""
-
-
 def hf_exports() -> str:
     name = "hf_exports.json"
     rec = load(name)
@@ -973,7 +957,7 @@ These records are kept but their figures are not shown until they are remeasured
 
 
 SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, attention_cpu_backend, gdn_core, gdn_cp,
-            gdn_pallas_tpu, bf16_gaps, seed_cell, step_estimate, inspect_depth, hf_reload, hf_exports, post_train_eval,
+            gdn_pallas_tpu, bf16_gaps, seed_cell, step_estimate, inspect_depth, hf_exports, post_train_eval,
             robustness, compile_cache, suite_time, pending]
 
 HEADER = """# Performance and measurements
