@@ -24,6 +24,13 @@ import harness  # noqa: E402
 from conftest import TEST_COMPILE_CACHE  # noqa: E402
 
 TALLY = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?)")
+DURATION = re.compile(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)$")
+
+
+def slowest(stdout: str) -> list[dict]:
+    """pytest's --durations table (make test asks for the 40 slowest): seconds, phase, test."""
+    return [{"s": float(m.group(1)), "phase": m.group(2), "test": m.group(3)}
+            for m in map(DURATION.match, stdout.splitlines()) if m]
 
 
 def run_suite() -> dict:
@@ -33,7 +40,7 @@ def run_suite() -> dict:
     last = [line for line in done.stdout.splitlines() if " in " in line and "passed" in line][-1:]
     tally = {kind: int(n) for n, kind in TALLY.findall(last[0])} if last else {}
     return {"wall_s": round(wall, 1), "wall_min": round(wall / 60, 2), "exit_code": done.returncode, **tally,
-            "summary": last[0].strip("= ") if last else done.stdout[-500:],
+            "summary": last[0].strip("= ") if last else done.stdout[-500:], "slowest": slowest(done.stdout),
             "load_average_1min": round(os.getloadavg()[0], 1)}
 
 

@@ -250,3 +250,21 @@ def test_triton_flash_blocks_checked_against_shared_memory():
     load_config("tiny", base + ["kernels.attention.block_q=32", "kernels.attention.block_k=32"], platform="gpu")
     assert attention_limits.gpu_shared_bytes("flash_attention_forward", block_q=128, block_k=128, head_dim=256,
                                              num_stages=2) > 227 * 1024
+
+
+def test_a_kernel_the_compiler_refuses_is_named_with_its_own_tile_keys():
+    # The compiler's refusal (its error text, as Mosaic words it) becomes an error naming the grouped
+    # matmul that runs the kernel, its own tile keys as resolved and the model's figure.
+    from hybridmoe.tools.train_program import _vmem_refusal
+
+    cfg = load_config(CELL, platform="tpu")
+    err = _vmem_refusal(RuntimeError("RESOURCE_EXHAUSTED: CompileTimeScopedVmemOom: ... in\n"
+                                     "  %wo_fused_dswiglu_dlhs.3 = bf16[...] custom-call(...)"), cfg)
+    msg = str(err)
+    assert "wo_fused_dswiglu_dlhs" in msg and "wo_dlhs (wo_fused_dswiglu_dlhs) needs" in msg, msg
+    assert "kernels.gmm.wo_dlhs_tk=2048" in msg and "kernels.gmm.wo_dlhs_tm=512" in msg, msg  # tk its own, tm shared
+    assert "wi_fwd" not in msg.split("(the compiler refused it)")[1].split("; lower")[0], msg
+    # The wi forward runs its own K tile (wi_fwd_tk 4096 beside the shared tk 2048).
+    msg = str(_vmem_refusal(RuntimeError("CompileTimeScopedVmemOom\n  %wi_fused_swiglu_fwd = ..."), cfg))
+    assert "kernels.gmm.wi_fwd_tk=4096" in msg and "wo_dlhs" not in msg, msg
+    assert _vmem_refusal(RuntimeError("some other error"), cfg) is None

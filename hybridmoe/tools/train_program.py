@@ -140,14 +140,25 @@ _VMEM_REFUSAL = re.compile(r"CompileTimeScopedVmemOom.*?%([A-Za-z_][\w]*?)(?:\.\
 
 def _vmem_refusal(error: Exception, cfg: Config) -> ValueError | None:
     """A Pallas kernel whose blocks do not fit the core's VMEM: a config problem (tile sizes), so
-    a clear error naming the kernel and the keys, not the compiler's trace."""
+    a clear error naming the kernel, the grouped matmuls that run it with their own tile keys and
+    the model's figure, not the compiler's trace."""
+    from hybridmoe.recipe.validate import gmm_vmem_needs
+
     m = _VMEM_REFUSAL.search(str(error))
     if not m:
         return None
-    g = cfg.kernels.gmm
-    return ValueError(f"the Pallas kernel {m.group(1)} does not fit the TPU core's VMEM at kernels.gmm.tm={g.tm} "
-                      f"tk={g.tk} tn={g.tn} wi_fwd_tile_n_per_half={g.wi_fwd_tile_n_per_half}: lower the tiles "
-                      "(or, for wi_fused_swiglu_fwd, kernels.gmm.wi_fwd_rhs_buffer_count=1)")
+    kernel, g = m.group(1), cfg.kernels.gmm
+    users = [(name, need) for name, need in gmm_vmem_needs(cfg).items() if f"({kernel})" in need.kernel]
+    if not users:
+        return ValueError(f"the Pallas kernel {kernel} does not fit the TPU core's VMEM under its limit; lower its "
+                          "blocks or raise its family's vmem_limit_mib (hybridmoe describe lists the kernels)")
+    which = "; ".join(f"{need.text()} by the model, at "
+                      + " ".join(f"kernels.gmm.{name}_{d}={getattr(g, f'{name}_{d}') or getattr(g, d)}"
+                                 for d in ("tm", "tk", "tn"))
+                      for name, need in users)
+    return ValueError(f"the Pallas kernel {kernel} does not fit the TPU core's VMEM (the compiler refused it): "
+                      f"{which}; lower those tiles (or, for wi_fused_swiglu_fwd, kernels.gmm.wi_fwd_rhs_buffer_count=1) "
+                      "or raise kernels.gmm.vmem_limit_mib")
 
 
 def shard_bytes(tree) -> int:
