@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "quant": 3,
     "model": 4,
     "recipe": 5,
+    "analysis": 5,
     "data": 5,
     "run": 6,
     "train": 7,

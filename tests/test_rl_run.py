@@ -133,7 +133,7 @@ def test_wrong_shape_checkpoints_are_clear_errors(cfg, finished_run, tmp_path):
     hf_dir.mkdir()
     fields = {**cfg.model.model_dump(), "d_model": 32, "num_experts": 4}
     (hf_dir / "config.json").write_text(json.dumps(hf_config_from_model_fields(fields)))
-    with pytest.raises(RunError, match=r"model\.d_model: recipe 64, checkpoint 32") as e:
+    with pytest.raises(ConfigError, match=r"model\.d_model: the checkpoint's shapes disagree .* recipe 64, checkpoint 32") as e:
         run_rl(cfg, tmp_path / "from_hf", init_hf=hf_dir, progress=False)
     assert "model.num_experts" in str(e.value)
 
