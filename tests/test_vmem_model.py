@@ -22,7 +22,7 @@ from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.vmem import MIB
 from hybridmoe.model import moe
 from hybridmoe.recipe import load_config
-from hybridmoe.recipe.validate import gmm_vmem_needs
+from hybridmoe.recipe.kernel_needs import gmm_vmem_needs
 
 from tests.broken_variants import BROKEN_TILE_PLUMBING
 

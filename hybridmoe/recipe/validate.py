@@ -17,6 +17,7 @@ from hybridmoe.kernels.attention import limits as attention_limits
 from hybridmoe.kernels.gdn import limits as gdn_limits
 from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.platform import PALLAS_PLATFORMS
+from hybridmoe.recipe.kernel_needs import ITEMSIZE, attention_vmem_needs, gdn_vmem_needs, gmm_tiles, gmm_vmem_needs
 
 
 
@@ -287,11 +288,6 @@ def _gmm_tile_problems(cfg: Config) -> list[str]:
                          hardware=_gmm_on_hardware(cfg))
 
 
-def gmm_tiles(cfg: Config) -> tiling.KernelTiles:
-    """Each grouped matmul's tiles as the MoE layer resolves them (explicit tiling)."""
-    return tiling.kernel_tiles(cfg.kernels.gmm.model_dump())
-
-
 def _quantized_gmm(cfg: Config) -> list[str]:
     """Quantization keys that rewrite the expert matmuls (the fused epilogues assume bf16/f32).
     fp8_moe_fake_quant is not one: it rounds the weights before any matmul sees them."""
@@ -541,7 +537,7 @@ def attention_block_problems(cfg: Config, rows: int, rows_what: str, f: Facts = 
 
 @rule("kernels.attention.backend", "kernels.attention.block_q", "kernels.attention.block_k")
 def _kernels_attention(cfg: Config, f: Facts) -> list[Problem]:
-    a, out = cfg.kernels.attention, []
+    out = []
     backend = _attention_backend(cfg, f)
     if backend in PALLAS_PLATFORMS and not cfg.kernels.interpret:
         platform = _run_platform(cfg, f)
@@ -735,42 +731,12 @@ def _quant_fp8_gmm(cfg: Config, f: Facts) -> list[Problem]:
 # configured tiles (the memory models beside each kernel family: kernels/vmem.py), refused here
 # instead of after a compile.
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def _limit_problem(key: str, limit_mib: float) -> list[Problem]:
     from hybridmoe.kernels.vmem import TPU_VMEM_MIB
 
     if limit_mib > TPU_VMEM_MIB:
         return [(key, f"{limit_mib} MiB is more than a TPU core's {TPU_VMEM_MIB:.0f} MiB of VMEM")]
     return []
-
-
-def gmm_vmem_needs(cfg: Config) -> dict:
-    """Each grouped matmul's VMEM need at its tiles (explicit tiling, Mosaic TPU), by kernel."""
-    g, m, moe = cfg.kernels.gmm, cfg.model, cfg.moe
-    return tiling.vmem_needs(g.vmem_limit_mib, d_model=m.d_model, hidden=m.moe_intermediate_size,
-                             tiles=gmm_tiles(cfg), wi_fused=moe.wi_fused_swiglu, wo_fused=moe.wo_fused_dswiglu,
-                             tile_n_per_half=g.wi_fwd_tile_n_per_half or None,
-                             row_scale=moe.router_grad_from_wo_input, itemsize=_ITEMSIZE[m.compute_dtype])
-
-
-def attention_vmem_needs(cfg: Config, f: Facts = Facts()) -> dict:
-    """The flash kernels' VMEM needs at the blocks they run (the self-attention's, train.seq_len)."""
-    a, m = cfg.kernels.attention, cfg.model
-    P = _context_size(cfg, f) or 1
-    rows = cfg.train.seq_len // P
-    keys = rows if cfg.attention.cp_impl == "ring" or P == 1 else cfg.train.seq_len
-    block_q, block_k = attention_limits.blocks("pallas_tpu", a.block_q, a.block_k, rows, keys, hardware=True)
-    return attention_limits.vmem_needs(a.vmem_limit_mib, block_q=block_q, block_k=block_k,
-                                       group=m.num_heads // m.num_kv_heads, head_dim=m.head_dim,
-                                       itemsize=_ITEMSIZE[m.compute_dtype])
-
-
-def gdn_vmem_needs(cfg: Config) -> dict:
-    m = cfg.model
-    return gdn_limits.vmem_needs(0.0, chunk_size=cfg.gdn.chunk_size, key_dim=m.gdn_key_dim,
-                                 value_dim=m.gdn_value_dim)
 
 
 def _over(key: str, needs: dict, fix: str) -> list[Problem]:
@@ -794,7 +760,7 @@ def _kernels_vmem(cfg: Config, f: Facts) -> list[Problem]:
                      "lower that kernel's tiles (kernels.gmm.<kernel>_tm / _tk / _tn) or raise kernels.gmm.vmem_limit_mib")
     if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "", f) \
             and _attention_backend(cfg, f) == "pallas_tpu":
-        out += _over("kernels.attention.vmem_limit_mib", attention_vmem_needs(cfg, f),
+        out += _over("kernels.attention.vmem_limit_mib", attention_vmem_needs(cfg, _context_size(cfg, f) or 1),
                      "lower kernels.attention.block_q / block_k or raise kernels.attention.vmem_limit_mib")
     if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "", f) \
             and _attention_backend(cfg, f) == "pallas_gpu":
@@ -814,7 +780,7 @@ def _gpu_attention_problems(cfg: Config, f: Facts) -> list[Problem]:
     block_q, block_k = attention_limits.blocks("pallas_gpu", a.block_q, a.block_k, rows, rows, hardware=True)
     over = [(kernel, need) for kernel in attention_limits.KERNELS
             for need in [attention_limits.gpu_shared_bytes(kernel, block_q=block_q, block_k=block_k, head_dim=m.head_dim,
-                                                           itemsize=_ITEMSIZE[m.compute_dtype])]
+                                                           itemsize=ITEMSIZE[m.compute_dtype])]
             if need > GPU_SHARED_LIMIT_BYTES]
     if not over:
         return []

@@ -142,7 +142,7 @@ def _vmem_refusal(error: Exception, cfg: Config) -> ValueError | None:
     """A Pallas kernel whose blocks do not fit the core's VMEM: a config problem (tile sizes), so
     a clear error naming the kernel, the grouped matmuls that run it with their own tile keys and
     the model's figure, not the compiler's trace."""
-    from hybridmoe.recipe.validate import gmm_vmem_needs
+    from hybridmoe.recipe.kernel_needs import gmm_vmem_needs
 
     m = _VMEM_REFUSAL.search(str(error))
     if not m:
