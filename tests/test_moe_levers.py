@@ -382,7 +382,7 @@ def test_token_chunks_equal_one_pass():
     assert_bits(on[1][0], off[1][0], skip=("'wi'", "'wo'"))
     err = {k: np.linalg.norm(np.float32(on[1][0][k]) - np.float32(off[1][0][k])) / np.linalg.norm(np.float32(off[1][0][k]))
            for k in ("wi", "wo")}
-    assert max(err.values()) < 1e-2, err
+    assert max(err.values()) < 1e-2, err  # clean 3.0e-3; a gradient lost in the scan: 1.0
     # And against the levers off (the default program, no grouped_experts at all).
     ref = unfused(*EP2)
     assert_rel_l2((on[0][1], on[1]), (ref[0][1], ref[1]), 2e-2)
