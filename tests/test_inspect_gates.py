@@ -115,8 +115,11 @@ def test_a_kernel_over_vmem_is_a_clear_error_naming_the_tiles(monkeypatch):
             "allocating on stack for %wi_fused_swiglu_fwd.8 = (bf16[327680,1024]{1,0}) custom-call(%bitcast.1)")
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", fail)
-    with pytest.raises(ValueError, match=r"wi_fused_swiglu_fwd does not fit .*VMEM at kernels.gmm.tm=.*lower the tiles"):
-        tp.compile_step(load_config("tiny", ["train.batch_size=8"]), tp.host_target(), with_residuals=False)
+    cfg = load_config("tiny", ["train.batch_size=8", "moe.wi_fused_swiglu=true"])
+    with pytest.raises(ValueError, match=r"wi_fused_swiglu_fwd does not fit the TPU core's VMEM .*wi_fwd .* at "
+                                         r"kernels.gmm.wi_fwd_tm=\d+ kernels.gmm.wi_fwd_tk=\d+ kernels.gmm.wi_fwd_tn=\d+; "
+                                         r"lower those tiles"):
+        tp.compile_step(cfg, tp.host_target(), with_residuals=False)
 
 
 GATE_SHAPES = ["rl.prompts_per_step=2", "rl.group_size=4", "rl.max_prompt_len=8", "rl.max_new_tokens=4"]
