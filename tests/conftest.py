@@ -4,8 +4,15 @@ Compiled programs persist across test processes and test runs in one directory o
 (TEST_COMPILE_CACHE), which child processes inherit through JAX's own environment variables: a rerun,
 another xdist worker, a kill/resume trial or a CI run on a machine that ran the tests before compiles
 only what changed. JAX keys each entry by the program, the compile options (optimisation level
-included), the backend and the versions, so a stale entry is never read; a size cap turns on JAX's
-file lock, so parallel workers read and write the directory safely.
+included), the backend and the versions, so a stale entry is never read.
+
+No size cap is given to JAX: with one, every write first lists the whole directory and reads each
+entry's access time to pick what to evict (0.66 s per write at the ~4,700 entries one run of the
+suite leaves, most of them the small programs of eager operations), a quarter of a cold run's test
+time. Without it JAX neither locks nor evicts: a reader that meets an entry another worker is still
+writing fails to decompress it and compiles instead (JAX warns; the result is the same). The
+directory is pruned here instead, once per session: past PRUNE_ABOVE bytes, the entries written
+longest ago go until PRUNE_TO remain.
 
 CPU programs compile with XLA's backend optimisations off (jax_disable_most_optimizations: LLVM at
 -O0, its expensive passes skipped): at the tests' tiny shapes code generation is most of a compile
@@ -13,7 +20,7 @@ and the programs run briefly (measured here: tests/test_train.py 224 -> 187 s, t
 tests/test_rl_run.py 245 -> 201 s). HLO passes are untouched, so the program facts a CPU test reads
 (the optimised HLO, its collectives and fusions) are a default compile's. Child processes
 (kill/resume, multi-host) inherit it through the environment. The TPU compiles (marked
-tpu_compile) run with the defaults, as `hybridmoe inspect` compiles.
+tpu_compile) run with the defaults, as `hybridmoe inspect` compiles, and outside the cache.
 """
 
 import os
@@ -27,8 +34,25 @@ os.environ.update({
     "JAX_COMPILATION_CACHE_DIR": str(TEST_COMPILE_CACHE),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 * 2**30),  # LRU eviction past 8 GiB; turns on the file lock
 })
+os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
+PRUNE_ABOVE, PRUNE_TO = 4 * 2**30, 2 * 2**30
+
+
+def _prune(folder: Path) -> None:
+    entries = sorted((e.stat().st_mtime, e.stat().st_size, e) for e in os.scandir(folder) if e.is_file())
+    total = sum(size for _, size, _ in entries)
+    if total <= PRUNE_ABOVE:
+        return
+    for _, size, entry in entries:
+        if total <= PRUNE_TO:
+            break
+        Path(entry.path).unlink(missing_ok=True)
+        total -= size
+
+
+if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without xdist), before any worker
+    _prune(TEST_COMPILE_CACHE)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -43,9 +67,13 @@ def _tpu_targets_compile_with_the_defaults(request):
     if request.node.get_closest_marker("tpu_compile") is None:
         yield
         return
+    from hybridmoe.analysis.program import without_persistent_cache
+
+    # A compile-only TPU client cannot load a cached executable: writing one would cost and never serve.
     jax.config.update("jax_disable_most_optimizations", False)
     try:
-        yield
+        with without_persistent_cache():
+            yield
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
 

@@ -477,7 +477,7 @@ def peak_buffers(live_range_text: str, buffer_assignment_text: str, hlo_text: st
 
 
 @contextlib.contextmanager
-def _without_persistent_cache():
+def without_persistent_cache():
     """The persistent compilation cache leaves the dump options out of its key, so an executable
     read from it comes without the dumps: compile past it. JAX decides whether to use the cache once
     per process; resetting it before and after makes it decide again (off inside, as configured
@@ -519,7 +519,7 @@ def compile_with_buffers(lowered, module_name: str | None = None):
 
     try:
         try:
-            with _without_persistent_cache():
+            with without_persistent_cache():
                 compiled = lowered.compile(compiler_options=options)
         except Exception as e:
             e.peak_buffers = buffers(read("after_optimizations.txt"))
