@@ -11,8 +11,7 @@ entry's access time to pick what to evict (0.66 s per write at the ~4,700 entrie
 suite leaves, most of them the small programs of eager operations), a quarter of a cold run's test
 time. Without it JAX neither locks nor evicts: a reader that meets an entry another worker is still
 writing fails to decompress it and compiles instead (JAX warns; the result is the same). The
-directory is pruned here instead, once per session: past PRUNE_ABOVE bytes, the entries written
-longest ago go until PRUNE_TO remain.
+directory is pruned once per session instead, as the CLI prunes its own (hybridmoe/run/compile_cache.py).
 
 CPU programs compile with XLA's backend optimisations off (jax_disable_most_optimizations: LLVM at
 -O0, its expensive passes skipped): at the tests' tiny shapes code generation is most of a compile
@@ -36,26 +35,14 @@ os.environ.update({
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 })
 os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
-PRUNE_ABOVE, PRUNE_TO = 4 * 2**30, 2 * 2**30
-
-
-def _prune(folder: Path) -> None:
-    entries = sorted((e.stat().st_mtime, e.stat().st_size, e) for e in os.scandir(folder) if e.is_file())
-    total = sum(size for _, size, _ in entries)
-    if total <= PRUNE_ABOVE:
-        return
-    for _, size, entry in entries:
-        if total <= PRUNE_TO:
-            break
-        Path(entry.path).unlink(missing_ok=True)
-        total -= size
-
-
-if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without xdist), before any worker
-    _prune(TEST_COMPILE_CACHE)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from hybridmoe.run.compile_cache import prune  # noqa: E402
+
+if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without xdist), before any worker
+    prune(TEST_COMPILE_CACHE)
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")

@@ -1,40 +1,56 @@
 """run.compile_cache_dir: a second run of the same program loads it from disk instead of compiling."""
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from hybridmoe.run.compile_cache import DEFAULT_DIR, cache_dir
+from hybridmoe.run.compile_cache import DEFAULT_DIR, cache_dir, prune
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ["train", "recipe=tiny", "train.steps=1", "train.batch_size=8", "train.seq_len=16", "gdn.chunk_size=8"]
 
 
-def _train(folder: Path, out: Path) -> None:
+def _train(folder: Path, out: Path) -> str:
+    """One training run into `folder`; its output, where JAX logs each program it read from the folder
+    (JAX_LOG_COMPILES)."""
+    # The suite's own cache (JAX_COMPILATION_CACHE_DIR, inherited) must not win over the key.
+    env = {**os.environ, "JAX_LOG_COMPILES": "1"}
     done = subprocess.run([sys.executable, "-m", "hybridmoe", *TRAIN, f"run.compile_cache_dir={folder}",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr
 
 
-def _entries(folder: Path) -> dict[str, bytes]:
-    """Each entry's last-read stamp (JAX rewrites it on every read of the entry)."""
-    return {p.name: (folder / p.name.replace("-cache", "-atime")).read_bytes() for p in folder.glob("*-cache")}
+HIT = re.compile(r"Persistent compilation cache hit for '([^']+)' with key '([^']+)'")
 
 
 def test_a_second_run_reads_every_program_the_first_compiled(tmp_path):
-    # The suite's own cache (JAX_COMPILATION_CACHE_DIR, inherited) must not win over the key.
     folder = tmp_path / "cache"
-    _train(folder, tmp_path / "first")
-    first = _entries(folder)
-    assert len(first) >= 2, "the first run stored its programs (the train step at least)"
-    _train(folder, tmp_path / "second")
-    second = _entries(folder)
-    assert second.keys() == first.keys(), "the second run compiled a program the first had stored"
-    # The training step and the state's initialisation were read back from the folder.
-    reread = {name.split("-")[0] for name in first if second[name] != first[name]}
-    assert {"jit_step", "jit_init"} <= reread, sorted(reread)
+    first_log = _train(folder, tmp_path / "first")
+    first = {p.name.removesuffix("-cache") for p in folder.glob("*-cache")}
+    assert len(first) >= 2 and not HIT.search(first_log), "the first run compiled and stored its programs"
+    assert not list(folder.glob("*-atime")), "JAX was given a size cap (it stamps each read only under one)"
+    second_log = _train(folder, tmp_path / "second")
+    hits = dict((key, name) for name, key in HIT.findall(second_log))
+    assert {p.name.removesuffix("-cache") for p in folder.glob("*-cache")} == first, \
+        "the second run compiled a program the first had not stored"
+    # Every program it read is one the first run stored, among them the training step and the
+    # state's initialisation.
+    assert hits.keys() <= first and {"jit_step", "jit_init"} <= set(hits.values()), sorted(hits.values())
+
+
+def test_prune_deletes_the_entries_written_longest_ago_past_the_limit(tmp_path):
+    sizes = {"a": 400, "b": 300, "c": 200, "d": 100}  # a written first, d last
+    for age, (name, size) in enumerate(sizes.items()):
+        (tmp_path / name).write_bytes(b"x" * size)
+        os.utime(tmp_path / name, (1000 + age, 1000 + age))
+    assert prune(tmp_path, above=1000, to=0) == 0 and len(list(tmp_path.iterdir())) == 4  # 1000 bytes: not past
+    assert prune(tmp_path, above=999, to=300) == 700  # a and b go; c and d (300 bytes) stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "d"]
 
 
 def test_the_setting_names_the_folder():
