@@ -29,9 +29,12 @@ def prune(folder: Path, above: int = PRUNE_ABOVE, to: int = PRUNE_TO) -> int:
     most `to` remain; the bytes deleted."""
     files = []
     for entry in os.scandir(folder):
-        if entry.is_file():
-            stat = entry.stat()
-            files.append((stat.st_mtime, stat.st_size, entry.path))
+        try:
+            if entry.is_file():
+                stat = entry.stat()
+                files.append((stat.st_mtime, stat.st_size, entry.path))
+        except FileNotFoundError:  # another process pruning the same folder
+            continue
     total = sum(size for _, size, _ in files)
     if total <= above:
         return 0
