@@ -50,8 +50,8 @@ def main(argv=None) -> None:
     p.add_argument("--runs", default="cold,warm", help="comma-separated: cold (cache emptied first), warm")
     args = p.parse_args(argv)
     harness.configure(cpu_only=True)
-    rows = []
-    for kind in args.runs.split(","):
+    rows, kinds = [], args.runs.split(",")
+    for i, kind in enumerate(kinds):
         if kind == "cold":
             shutil.rmtree(TEST_COMPILE_CACHE, ignore_errors=True)
         row = {"cache": kind, **run_suite()}
@@ -60,8 +60,7 @@ def main(argv=None) -> None:
         # In the temporary folder after each run (a cold run's figure survives a warm run that is
         # stopped), the record itself only after the last: a new record under benchmarks/ mid-way
         # would fail the next run's docs test (docs/performance.md renders the records).
-        last = kind == args.runs.split(",")[-1]
-        out = Path(args.out) if last else Path(tempfile.gettempdir()) / "suite_time.partial.json"
+        out = Path(args.out) if i == len(kinds) - 1 else Path(tempfile.gettempdir()) / "suite_time.partial.json"
         harness.write(out, "suite_time", runs=rows, cores=os.cpu_count(), command="make test",
                       cache_dir=str(TEST_COMPILE_CACHE).replace(str(Path.home()), "~"))
 

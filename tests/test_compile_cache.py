@@ -28,15 +28,19 @@ def _train(folder: Path, out: Path) -> str:
 HIT = re.compile(r"Persistent compilation cache hit for '([^']+)' with key '([^']+)'")
 
 
+def _stored(folder: Path) -> set[str]:
+    return {p.name.removesuffix("-cache") for p in folder.glob("*-cache")}
+
+
 def test_a_second_run_reads_every_program_the_first_compiled(tmp_path):
     folder = tmp_path / "cache"
     first_log = _train(folder, tmp_path / "first")
-    first = {p.name.removesuffix("-cache") for p in folder.glob("*-cache")}
+    first = _stored(folder)
     assert len(first) >= 2 and not HIT.search(first_log), "the first run compiled and stored its programs"
     assert not list(folder.glob("*-atime")), "JAX was given a size cap (it stamps each read only under one)"
     second_log = _train(folder, tmp_path / "second")
-    hits = dict((key, name) for name, key in HIT.findall(second_log))
-    assert {p.name.removesuffix("-cache") for p in folder.glob("*-cache")} == first, \
+    hits = {key: name for name, key in HIT.findall(second_log)}
+    assert _stored(folder) == first, \
         "the second run compiled a program the first had not stored"
     # Every program it read is one the first run stored, among them the training step and the
     # state's initialisation.
