@@ -346,6 +346,14 @@ def cmd_inspect(args, words):
                                             len(m.layer_pattern), m.num_layers, target.hbm_bytes_per_device)
         print()
         print(depth.format_depth(record["depth"]))
+        estimates = {cfg.model.num_layers: facts[name]["step_estimate"] for name, (_, _, cfg) in configs.items()}
+        if all(estimates.values()):
+            from hybridmoe.analysis.flops import model_flops_per_device
+            e = record["step_estimate"] = depth.extrapolate_estimate(
+                estimates, len(m.layer_pattern), m.num_layers,
+                model_flops_per_device(full_cfg, target.num_devices, args.program))
+            print(f"\nEXTRAPOLATED to {m.num_layers} layers from {' and '.join(map(str, sorted(estimates)))}: "
+                  + step_estimate.format_estimate(e, e.get("reference")))
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {

@@ -10,6 +10,7 @@ import pytest
 from hybridmoe.cli import main
 from hybridmoe.recipe import load_config
 from hybridmoe.analysis import peak_memory
+from hybridmoe.analysis.flops import model_flops_per_device
 from hybridmoe.tools import depth
 from hybridmoe.tools import train_program as tp
 
@@ -129,9 +130,10 @@ def test_inspect_layers_compiles_two_depths_and_extrapolates(tmp_path, capsys):
     blocks it stacks."""
     out = tmp_path / "depth.json"
     assert main(["inspect", "recipe=tiny", "model.num_layers=16", "train.batch_size=8", "--layers", "8",
-                 "--target", "cpu:8", "--out", str(out)]) == 0
+                 "--target", "cpu:8", "--estimate-for", "h200", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "memory against depth" in text and "EXTRAPOLATED" in text
+    assert "EXTRAPOLATED to 16 layers from 8 and 12: step time estimate on h200" in text
     rec = json.loads(out.read_text())
     d = rec["depth"]
     m8, m12 = (rec["programs"][f"{n} layers"]["memory"] for n in (8, 12))
@@ -141,6 +143,22 @@ def test_inspect_layers_compiles_two_depths_and_extrapolates(tmp_path, capsys):
     residuals = {n: {r["category"]: r["bytes"] for r in rec["programs"][f"{n} layers"]["peak_by_category"]["categories"]}
                  .get(peak_memory.RESIDUALS, 0) for n in (8, 12)}
     assert residuals[12] > residuals[8] > 0, residuals
+    # The step estimate along the same line: each category's seconds at 16 = at 8 + 2 x (12 - 8); the
+    # layers' categories grow by a block, the totals are the categories' sums, MFU at the 16-layer FLOPs.
+    e8, e12 = (rec["programs"][f"{n} layers"]["step_estimate"] for n in (8, 12))
+    e16 = rec["step_estimate"]
+    assert e16["layers"] == 16 and e16["extrapolated_from_layers"] == [8, 12]
+    for cat, row in e16["categories"].items():
+        for key in ("s", "flops", "bytes"):
+            want = e8["categories"][cat][key] + 2 * (e12["categories"][cat][key] - e8["categories"][cat][key])
+            assert row[key] == pytest.approx(want, rel=1e-12, abs=1e-15), (cat, key)
+    for cat in ("GDN", "attention"):
+        assert e16["categories"][cat]["s"] > e12["categories"][cat]["s"] > e8["categories"][cat]["s"] > 0, cat
+    assert e16["serial"]["step_s"] == pytest.approx(sum(r["s"] for r in e16["categories"].values()), rel=1e-12)
+    assert e16["model_flops_per_device"] == pytest.approx(
+        model_flops_per_device(load_config("tiny", ["model.num_layers=16", "train.batch_size=8",
+                                                    "mesh.cpu_devices=8"]), 8), rel=1e-12)
+    assert e16["model_flops_per_device"] > e12["model_flops_per_device"]
 
 
 def test_a_stack_the_tpu_compiler_allocates_counts_to_the_layer_loop():

@@ -566,23 +566,28 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
             kr["flops"] += c.flops * k
             if c.no_cost_estimate:
                 missing.add(c.kernel)
+    return {"hardware": dataclasses.asdict(hw), "categories": cats, "collectives": dict(by_kind),
+            "kernels": dict(kernels), "kernels_without_cost_estimate": sorted(missing),
+            "loops_with_unknown_trip_count": est.unknown_trips, "tokens_per_step": tokens_per_step,
+            "chips": chips, "devices": devices, **totals(cats, hw.bf16_flops, tokens_per_step, chips,
+                                                         model_flops_per_device)}
+
+
+def totals(cats: dict, bf16_flops: float, tokens_per_step: int, chips: int,
+           model_flops_per_device: float | None) -> dict:
+    """The step's totals from its categories: `serial` adds the collectives to the compute,
+    `overlapped` hides the shorter under the longer; each with tokens/s per chip and MFU."""
     collective_s = cats["collectives"]["s"]
     compute_s = sum(v["s"] for cat, v in cats.items() if cat != "collectives")
-    serial = compute_s + collective_s
-    overlapped = max(compute_s, collective_s)
-    flops = sum(v["flops"] for v in cats.values())
 
     def rates(step_s):
         return {"step_s": step_s, "tokens_per_s_per_chip": tokens_per_step / step_s / chips if step_s else None,
-                "mfu": (model_flops_per_device / (step_s * hw.bf16_flops)
+                "mfu": (model_flops_per_device / (step_s * bf16_flops)
                         if model_flops_per_device and step_s else None)}
 
-    return {"hardware": dataclasses.asdict(hw), "categories": cats, "collectives": dict(by_kind),
-            "kernels": dict(kernels), "kernels_without_cost_estimate": sorted(missing),
-            "loops_with_unknown_trip_count": est.unknown_trips, "hlo_flops_per_device": flops,
-            "model_flops_per_device": model_flops_per_device, "tokens_per_step": tokens_per_step,
-            "chips": chips, "devices": devices,
-            "serial": rates(serial), "overlapped": rates(overlapped)}
+    return {"hlo_flops_per_device": sum(v["flops"] for v in cats.values()),
+            "model_flops_per_device": model_flops_per_device,
+            "serial": rates(compute_s + collective_s), "overlapped": rates(max(compute_s, collective_s))}
 
 
 def format_estimate(e: dict, reference: dict | None = None) -> str:

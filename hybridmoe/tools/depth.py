@@ -9,6 +9,11 @@ compiles at b and b + 1 blocks give both terms (`extrapolate`). It is not exact 
 compiler schedules or packs the deeper program differently (a loop of one iteration is removed
 outright, so b >= 2 here); the error against a full compile is recorded in
 benchmarks/records/inspect_depth.json.
+
+The step-time estimate (analysis/step_estimate.py) extrapolates the same way and more closely:
+it sums each instruction's cost times the trip counts of the loops around it, so the layer loop's
+body counts once per block and everything outside it once, whatever the depth
+(`extrapolate_estimate`).
 """
 
 from __future__ import annotations
@@ -77,3 +82,33 @@ def format_depth(d: dict) -> str:
         verdict = "-" if d["fits"] is None else ("fits" if d["fits"] else "does NOT fit")
         lines.append(f"  HBM per device {d['hbm'] / 2**30:.2f} GiB: the extrapolated step {verdict}")
     return "\n".join(lines)
+
+
+def _along(v1, v2, t: float):
+    """v1 + t (v2 - v1) over the numbers of two nested records (a key one lacks counts as 0);
+    anything else is the second's."""
+    if isinstance(v1, dict) or isinstance(v2, dict):
+        v1, v2 = v1 or {}, v2 or {}
+        return {k: _along(v1.get(k, 0), v2.get(k, 0), t) for k in {**v1, **v2}}
+    if isinstance(v1, (int, float)) and isinstance(v2, (int, float)) and not isinstance(v2, bool):
+        return v1 + t * (v2 - v1)
+    return v2
+
+
+def extrapolate_estimate(estimates: dict[int, dict], block: int, num_layers: int,
+                         model_flops_per_device: float | None) -> dict:
+    """`estimates`: {layers: step_estimate.estimate(...)} at two depths one block apart. The
+    estimate at `num_layers`: each category's, collective kind's and Pallas kernel's seconds, bytes,
+    FLOPs, calls and grid steps along the line through the two, then the totals from the categories
+    with the model's FLOPs at full depth (`model_flops_per_device`)."""
+    from hybridmoe.analysis.step_estimate import totals
+
+    (l1, e1), (l2, e2) = sorted(estimates.items())
+    t = (num_layers // block - l1 // block) / (l2 // block - l1 // block)
+    out = {**e2, **{k: _along(e1[k], e2[k], t) for k in ("categories", "collectives", "kernels")}}
+    hw = e2["hardware"]
+    out.update(totals(out["categories"], hw["bf16_flops_chip"] / hw["devices_per_chip"], e2["tokens_per_step"],
+                      e2["chips"], model_flops_per_device))
+    out["extrapolated_from_layers"] = [l1, l2]
+    out["layers"] = num_layers
+    return out
