@@ -3,7 +3,7 @@
 `inspect --layers N` compiles the step at N layers and at N + one block and extrapolates memory to
 the model's depth along the line through them (tools/depth.py). This script compiles one geometry
 at several depths, each by `hybridmoe inspect` in a process of its own (a compile-only TPU
-topology on this host), and records every depth's memory and compile time, the extrapolation from
+topology on this host), and records every depth's memory, step-time estimate and compile time, the extrapolation of both from
 each pair of neighbouring depths (as `--layers` makes it) and its error against the full compile:
 
     python benchmarks/inspect_depth.py [--recipe small] [--target tpu7x:2x2x1] [--layers 8,12,16,20]
@@ -36,7 +36,7 @@ def compile_at(recipe: str, overrides: list[str], layers: int, target: str, fold
         raise SystemExit(f"{layers} layers failed ({done.returncode}):\n{done.stderr[-4000:]}")
     prog = json.loads(out.read_text())["programs"]["base"]
     row = {"layers": layers, "compile_s": prog["compile_s"],
-           **{k: prog["memory"][k] for k in ("argument", "temp", "total")}}
+           **{k: prog["memory"][k] for k in ("argument", "temp", "total")}, "step_estimate": prog["step_estimate"]}
     print(f"  {layers} layers: temps {row['temp'] / 2**20:.2f} MiB, total {row['total'] / 2**20:.2f} MiB, "
           f"{row['compile_s']:.0f} s", flush=True)
     return row
@@ -70,10 +70,25 @@ def main(argv=None) -> int:
         extrapolations.append({"layers_flag": n, "compiled": [n, n + block], "per_block": d["per_block"],
                                "extrapolated": d["extrapolated"], "relative_error": err,
                                "compile_s": rows[n]["compile_s"] + rows[n + block]["compile_s"]})
+        if full["step_estimate"] and rows[n]["step_estimate"] and rows[n + block]["step_estimate"]:
+            # The step-time estimate along the same line, against the full compile's own estimate.
+            e = depth.extrapolate_estimate({k: rows[k]["step_estimate"] for k in (n, n + block)}, block, args.full,
+                                           full["step_estimate"]["model_flops_per_device"])
+            want = full["step_estimate"]
+            extrapolations[-1]["step_estimate"] = {
+                "step_s": e["serial"]["step_s"], "full_step_s": want["serial"]["step_s"],
+                "relative_error": (e["serial"]["step_s"] - want["serial"]["step_s"]) / want["serial"]["step_s"],
+                "category_relative_error": {c: (r["s"] - want["categories"][c]["s"]) / want["categories"][c]["s"]
+                                            for c, r in e["categories"].items() if want["categories"][c]["s"]}}
+            print(f"  step estimate {e['serial']['step_s']:.4g} s vs {want['serial']['step_s']:.4g} s "
+                  f"({100 * extrapolations[-1]['step_estimate']['relative_error']:+.2f}%)")
         print(f"--layers {n}: total {d['extrapolated']['total'] / 2**20:.2f} MiB vs {full['total'] / 2**20:.2f} "
               f"({100 * err['total']:+.2f}%), temps {100 * err['temp']:+.2f}%")
     harness.write(args.out, "inspect_depth", recipe=args.recipe, overrides=overrides, target=args.target,
-                  block_layers=block, full_layers=args.full, depths=[rows[n] for n in sorted(rows)],
+                  block_layers=block, full_layers=args.full,
+                  depths=[{**{k: v for k, v in rows[n].items() if k != "step_estimate"},
+                           "step_s": (rows[n]["step_estimate"] or {}).get("serial", {}).get("step_s")}
+                          for n in sorted(rows)],
                   extrapolations=extrapolations)
     return 0
 

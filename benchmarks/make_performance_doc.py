@@ -389,11 +389,13 @@ def inspect_depth() -> str:
     name = "inspect_depth.json"
     rec = load(name)
     full = next(d for d in rec["depths"] if d["layers"] == rec["full_layers"])
+    ms = lambda s: "-" if s is None else f"{1e3 * s:.4g}"  # noqa: E731
     rows = [[d["layers"], d["layers"] // rec["block_layers"], mib(d["argument"]), mib(d["temp"]), mib(d["total"]),
-             f"{d['compile_s']:.0f}"] for d in rec["depths"]]
+             ms(d.get("step_s")), f"{d['compile_s']:.0f}"] for d in rec["depths"]]
     ext = [[f"`--layers {e['layers_flag']}` ({e['compiled'][0]} and {e['compiled'][1]})", mib(e["per_block"]["temp"]),
             mib(e["extrapolated"]["temp"]), mib(e["extrapolated"]["total"]), mib(full["total"]),
             f"{100 * e['relative_error']['temp']:+.1f}%", f"{100 * e['relative_error']['total']:+.1f}%",
+            "-" if "step_estimate" not in e else f"{100 * e['step_estimate']['relative_error']:+.1f}%",
             f"{e['compile_s']:.0f}"] for e in rec["extrapolations"]]
     overrides = " ".join(f"`{o}`" for o in rec["overrides"] if o != "mesh.cpu_devices=0")
     return f"""## Memory against depth: `inspect --layers`
@@ -406,15 +408,17 @@ backward. So per-device memory is affine in the number of blocks, and `hybridmoe
 N` compiles the step at N layers and at N + one block and extrapolates along that line to the
 model's depth (per block = the difference). It is not exact: the compiler schedules and packs the
 deeper program on its own (buffers of one block's body can overlap the stacks differently), and a
-loop of one iteration is removed outright, so N is at least two blocks. Below: `{rec['recipe']}`
+loop of one iteration is removed outright, so N is at least two blocks. The step-time estimate
+(the section above) extrapolates along the same line, and more closely: it counts the layer loop's body
+once per block. Below: `{rec['recipe']}`
 ({overrides}) for `{rec['target']}`, blocks of {rec['block_layers']} layers, compiled at each depth
 and whole at {rec['full_layers']} layers (MiB per device; compile seconds on this host).
 
-{table(["layers", "blocks", "arguments", "temporaries", "total", "compile s"], rows)}
+{table(["layers", "blocks", "arguments", "temporaries", "total", "step estimate (ms)", "compile s"], rows)}
 
 {table(["extrapolation", "temporaries per block", f"temporaries at {rec['full_layers']}",
         f"total at {rec['full_layers']}", "full compile's total", "error (temporaries)", "error (total)",
-        "compile s (both)"], ext)}
+        "error (step estimate)", "compile s (both)"], ext)}
 
 {_depth_reading(rec, full)}
 
@@ -810,7 +814,9 @@ def step_estimate() -> str:
         if "step_s" not in a:
             rows.append([f"`{arm}`", f"`{a['recipe']}` {' '.join(a['overrides'])}", a["target"], "refused"] + ["-"] * 10)
             continue
-        rows.append([f"`{arm}`", f"`{a['recipe']}` {' '.join(a['overrides'])}", a["target"], a["hardware"],
+        depths = a.get("extrapolated_from")
+        how = f" (extrapolated from {' and '.join(depths)} layers)" if depths else ""
+        rows.append([f"`{arm}`", f"`{a['recipe']}` {' '.join(a['overrides'])}{how}", a["target"], a["hardware"],
                      *(sec(a["category_s"][c]) for c in cats), sec(a["step_s"]), sec(a["overlapped_step_s"]),
                      f"{a['tokens_per_s_per_chip']:,.0f}", "-" if a["mfu"] is None else f"{a['mfu']:.1%}"])
         for k, r in sorted(a["kernels"].items(), key=lambda kv: -kv[1]["s"]):

@@ -12,6 +12,11 @@ later run of this script with the same record:
     python benchmarks/step_estimate.py --recipe small --target tpu7x:2x2x1 \\
         --arm default= --arm gmm_tiles_512=kernels.gmm.tiling=explicit,kernels.gmm.tm=512
     python benchmarks/step_estimate.py --recipe qwen3.5-397b-a17b-v7x-128 --target tpu7x:4x4x8 --arm cell=
+
+With --layers N each arm compiles at N layers and at one block more and extrapolates the estimate
+to the model's depth (tools/depth.extrapolate_estimate: the estimate counts the layer loop's body
+once per block, so it is affine in the blocks): a step too large to compile whole (or to fit)
+still gets its estimate, and each depth's own figure is recorded beside it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,25 @@ def _arm(text: str) -> tuple[str, list[str]]:
     return name, [o for o in overrides.split(",") if o]
 
 
+def _summary(est: dict) -> dict:
+    """What the record keeps of an estimate (analysis/step_estimate.estimate)."""
+    return {
+        "hardware": est["hardware"]["name"],
+        "step_s": est["serial"]["step_s"], "overlapped_step_s": est["overlapped"]["step_s"],
+        "tokens_per_s_per_chip": est["serial"]["tokens_per_s_per_chip"],
+        "overlapped_tokens_per_s_per_chip": est["overlapped"]["tokens_per_s_per_chip"],
+        "mfu": est["serial"]["mfu"], "overlapped_mfu": est["overlapped"]["mfu"],
+        "category_s": {c: r["s"] for c, r in est["categories"].items()},
+        "categories": est["categories"], "collectives": est["collectives"], "kernels": est["kernels"],
+        "kernels_without_cost_estimate": est["kernels_without_cost_estimate"],
+        "loops_with_unknown_trip_count": len(est["loops_with_unknown_trip_count"]),
+        "hlo_flops_per_device": est["hlo_flops_per_device"],
+        "model_flops_per_device": est["model_flops_per_device"],
+        "tokens_per_step": est["tokens_per_step"], "chips": est["chips"], "devices": est["devices"],
+        "grid_step_s": est["hardware"]["grid_step_s"],
+    }
+
+
 def main(argv=None) -> int:
     harness.configure()
     p = harness.parser(__doc__, __file__, raw=True)
@@ -40,12 +64,16 @@ def main(argv=None) -> int:
     p.add_argument("--arm", action="append", default=[], help="NAME=override,override,... (repeatable)")
     p.add_argument("--estimate-for", default=None, help="hardware row (default: the target's generation)")
     p.add_argument("--grid-step-us", type=float, default=None, help="fixed cost per Pallas grid step (us)")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="compile at N layers and one block more and extrapolate to the model's depth")
     args = p.parse_args(argv)
     arms = dict(_arm(a) for a in args.arm) or {"default": []}
 
     from hybridmoe.cli import _inspect_config
     from hybridmoe.parallel.mesh import configure_cpu_devices
     from hybridmoe.analysis import step_estimate as se
+    from hybridmoe.analysis.flops import model_flops_per_device
+    from hybridmoe.tools import depth
     from hybridmoe.tools import train_program as tp
 
     kind, count = tp.parse_target(args.target)
@@ -53,39 +81,38 @@ def main(argv=None) -> int:
     previous = json.loads(out.read_text()).get("arms", {}) if out.exists() else {}
     results = {}
     target = None
+    grid = None if args.grid_step_us is None else args.grid_step_us * 1e-6
     for name, overrides in arms.items():
         recipe, overrides, cfg = _inspect_config([f"recipe={args.recipe}", *overrides], kind, count)
         if target is None:
             if kind != "tpu":
                 configure_cpu_devices(cfg.mesh)
             target = tp.tpu_target(args.target) if kind == "tpu" else tp.host_target()
-        print(f"{name}: recipe={recipe} {' '.join(overrides)} (compiling for {target.name})", flush=True)
         t0 = time.perf_counter()
-        step = tp.compile_step(cfg, target, with_residuals=False)
-        grid = None if args.grid_step_us is None else args.grid_step_us * 1e-6
-        est = se.estimate_step(step, args.estimate_for, recipe=recipe, grid_step_s=grid)
-        if est is None:
+        layers = [None] if args.layers is None else list(depth.depths(cfg, args.layers))
+        estimates = {}
+        for n in layers:
+            words = [f"recipe={args.recipe}", *overrides, *([] if n is None else [f"model.num_layers={n}"])]
+            step_cfg = cfg if n is None else _inspect_config(words, kind, count)[2]
+            print(f"{name}: recipe={recipe} {' '.join(words[1:])} (compiling for {target.name})", flush=True)
+            step = tp.compile_step(step_cfg, target, with_residuals=False)
+            estimates[n] = se.estimate_step(step, args.estimate_for, recipe=recipe, grid_step_s=grid)
+        if not all(estimates.values()):
             print(f"{name}: no estimate (the compiler refused the step, or no hardware row for {target.name})")
             results[name] = {"recipe": recipe, "overrides": overrides, "target": target.name,
                              "refused": (step.out_of_memory or {}).get("message")}
             continue
+        if args.layers is None:
+            est = estimates[None]
+        else:
+            m = cfg.model
+            est = depth.extrapolate_estimate(estimates, len(m.layer_pattern), m.num_layers,
+                                             model_flops_per_device(cfg, target.num_devices))
         print(se.format_estimate(est, est.get("reference")), flush=True)
-        results[name] = {
-            "recipe": recipe, "overrides": overrides, "target": target.name, "hardware": est["hardware"]["name"],
-            "compile_s": round(time.perf_counter() - t0, 1),
-            "step_s": est["serial"]["step_s"], "overlapped_step_s": est["overlapped"]["step_s"],
-            "tokens_per_s_per_chip": est["serial"]["tokens_per_s_per_chip"],
-            "overlapped_tokens_per_s_per_chip": est["overlapped"]["tokens_per_s_per_chip"],
-            "mfu": est["serial"]["mfu"], "overlapped_mfu": est["overlapped"]["mfu"],
-            "category_s": {c: r["s"] for c, r in est["categories"].items()},
-            "categories": est["categories"], "collectives": est["collectives"], "kernels": est["kernels"],
-            "kernels_without_cost_estimate": est["kernels_without_cost_estimate"],
-            "loops_with_unknown_trip_count": len(est["loops_with_unknown_trip_count"]),
-            "hlo_flops_per_device": est["hlo_flops_per_device"],
-            "model_flops_per_device": est["model_flops_per_device"],
-            "tokens_per_step": est["tokens_per_step"], "chips": est["chips"], "devices": est["devices"],
-            "grid_step_s": est["hardware"]["grid_step_s"],
-        }
+        results[name] = {"recipe": recipe, "overrides": overrides, "target": target.name,
+                         "compile_s": round(time.perf_counter() - t0, 1), **_summary(est)}
+        if args.layers is not None:
+            results[name]["extrapolated_from"] = {str(n): _summary(e) for n, e in estimates.items()}
     harness.write(out, "step_estimate", arms={**previous, **results},
                   assumptions="per-op roofline (max of compute and HBM time) over the optimised HLO, loops' "
                   "trip counts applied, Pallas calls by their stated cost estimate plus a fixed cost per grid "
