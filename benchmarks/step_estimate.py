@@ -13,6 +13,14 @@ later run of this script with the same record:
         --arm default= --arm gmm_tiles_512=kernels.gmm.tiling=explicit,kernels.gmm.tm=512
     python benchmarks/step_estimate.py --recipe qwen3.5-397b-a17b-v7x-128 --target tpu7x:4x4x8 --arm cell=
 
+--from-inspect RECORD takes an arm's estimate from a `hybridmoe inspect --out RECORD` record instead
+of compiling again (its extrapolated estimate when inspect ran with --layers, else its base
+program's), so a cell compiled once by inspect is recorded without a second compile:
+
+    hybridmoe inspect recipe=qwen3.5-397b-a17b-v7x-128 --target tpu7x:4x4x8 --layers 8 \
+        --out benchmarks/records/inspect_cell_layers8.json
+    python benchmarks/step_estimate.py --from-inspect benchmarks/records/inspect_cell_layers8.json --arm cell=
+
 With --layers N each arm compiles at N layers and at one block more and extrapolates the estimate
 to the model's depth (tools/depth.extrapolate_estimate: the estimate counts the layer loop's body
 once per block, so it is affine in the blocks): a step too large to compile whole (or to fit)
@@ -66,8 +74,14 @@ def main(argv=None) -> int:
     p.add_argument("--grid-step-us", type=float, default=None, help="fixed cost per Pallas grid step (us)")
     p.add_argument("--layers", type=int, default=None, metavar="N",
                    help="compile at N layers and one block more and extrapolate to the model's depth")
+    p.add_argument("--from-inspect", default=None, metavar="RECORD",
+                   help="take the (one) arm's estimate from this `hybridmoe inspect --out` record")
     args = p.parse_args(argv)
     arms = dict(_arm(a) for a in args.arm) or {"default": []}
+    out = Path(args.out)
+    previous = json.loads(out.read_text()).get("arms", {}) if out.exists() else {}
+    if args.from_inspect:
+        return _from_inspect(Path(args.from_inspect), arms, out, previous)
 
     from hybridmoe.cli import _inspect_config
     from hybridmoe.parallel.mesh import configure_cpu_devices
@@ -77,8 +91,6 @@ def main(argv=None) -> int:
     from hybridmoe.tools import train_program as tp
 
     kind, count = tp.parse_target(args.target)
-    out = Path(args.out)
-    previous = json.loads(out.read_text()).get("arms", {}) if out.exists() else {}
     results = {}
     target = None
     grid = None if args.grid_step_us is None else args.grid_step_us * 1e-6
@@ -113,14 +125,43 @@ def main(argv=None) -> int:
                          "compile_s": round(time.perf_counter() - t0, 1), **_summary(est)}
         if args.layers is not None:
             results[name]["extrapolated_from"] = {str(n): _summary(e) for n, e in estimates.items()}
-    harness.write(out, "step_estimate", arms={**previous, **results},
+    _write(out, {**previous, **results})
+    return 0
+
+
+def _from_inspect(path: Path, arms: dict, out: Path, previous: dict) -> int:
+    from hybridmoe.analysis import step_estimate as se
+
+    if len(arms) != 1 or next(iter(arms.values())):
+        raise SystemExit("--from-inspect records one arm as inspect compiled it: --arm NAME= (no overrides)")
+    rec = json.loads(path.read_text())
+    name = next(iter(arms))
+    programs = rec["programs"]
+    first = programs[min(programs, key=lambda k: programs[k]["config"]["model"]["num_layers"])]
+    est = rec.get("step_estimate") or first["step_estimate"]
+    if est is None:
+        raise SystemExit(f"{path}: inspect made no step estimate (the compiler refused the step, or no hardware row)")
+    print(se.format_estimate(est, est.get("reference")), flush=True)
+    result = {"recipe": first["recipe"], "overrides": [o for o in first["overrides"] if not o.startswith("model.num_layers=")],
+              "target": rec["target"], "compile_s": round(sum(p["compile_s"] for p in programs.values()), 1),
+              "from_inspect": str(path.relative_to(harness.ROOT)) if path.resolve().is_relative_to(harness.ROOT) else str(path),
+              **_summary(est)}
+    if "step_estimate" in rec:
+        result["extrapolated_from"] = {str(p["config"]["model"]["num_layers"]): _summary(p["step_estimate"])
+                                       for p in programs.values()}
+    _write(out, {**previous, name: result})
+    return 0
+
+
+def _write(out: Path, arms: dict) -> None:
+    from hybridmoe.analysis import step_estimate as se
+
+    harness.write(out, "step_estimate", arms=arms,
                   assumptions="per-op roofline (max of compute and HBM time) over the optimised HLO, loops' "
                   "trip counts applied, Pallas calls by their stated cost estimate plus a fixed cost per grid "
                   "step, collectives' ring wire bytes over the link bandwidth; step_s adds the collectives to "
                   "the compute, overlapped_step_s hides them under it; a conditional costs its heaviest branch",
                   seed=se.SEED_CELL)
-    print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":
