@@ -828,7 +828,8 @@ def step_estimate() -> str:
 the program the compiler made for it (`hybridmoe/analysis/step_estimate.py`); nothing runs on the
 target. Each instruction of the optimised HLO costs the larger of its compute time (dot,
 convolution and ragged-dot FLOPs from their shapes; a float32 dot at HIGHEST precision as 6 MXU
-passes) and its memory time (operand and result bytes over HBM bandwidth), times the trip counts
+passes) and its memory time (operand and result bytes over HBM bandwidth; a slice, or an update
+in place such as a loop writing one row of a stack, at the bytes it touches), times the trip counts
 of the loops around it (XLA's own cost analysis counts a loop body once). A Pallas call costs what
 the kernel states in its `pl.CostEstimate` (each of our TPU kernels states one, checked against
 its reference in the default suite) plus a fixed cost per grid step (the grid read from the

@@ -2,6 +2,8 @@
 
 - Trip counts: a tiny jitted scan around a fori_loop; the count read from XLA's annotation and,
   with the annotation removed, from the loop condition's compare; FLOPs multiply through both.
+- Bytes: a loop filling a stack row by row moves a row per iteration (slices and in-place updates
+  at the bytes they touch), not the stack.
 - Kernels: each Pallas kernel's stated CostEstimate FLOPs equal the count of its reference
   (the dots XLA compiles for the same math, counted by the model's own HLO reader) at a small
   shape; a cost estimate off by 2x fails.
@@ -10,6 +12,8 @@
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +77,43 @@ def test_loop_flops_multiply_through_nested_loops(nested_text):
         got = se.hlo_flops(text)
         assert got == want, (got, want)
     assert se.hlo_flops(nested_text, apply_trip_counts=False) == one
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes of ops that touch part of a buffer
+
+ROWS, WIDTH = 256, 1024
+
+
+def _fill_rows(x):
+    """out[i] = 2 x[i], one row per iteration: each iteration slices one row of x and updates one
+    row of out in place."""
+    def body(i, out):
+        row = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(out, 2.0 * row, i, 0)
+
+    return jax.lax.fori_loop(0, x.shape[0], body, jnp.zeros_like(x))
+
+
+def test_a_loop_filling_a_stack_row_by_row_moves_rows_not_the_stack():
+    text = _compiled_text(_fill_rows, jnp.ones((ROWS, WIDTH), jnp.float32))
+    est = se.Estimator(text)
+    moved = sum(c.bytes * k for c, k in est.ops())
+    buffer = ROWS * WIDTH * 4
+    # the zeros written once, then per iteration one row read and one row written: 3 buffers' worth
+    assert moved == pytest.approx(3 * buffer, rel=0.01), moved / buffer
+    # Sabotage: every op charged its whole operands and result (the stack read and written each iteration).
+    whole = sum((sum(se.type_bytes(est.types[comp].get(o, "")) for o in i.operands) + se.type_bytes(i.type_text))
+                * est_k for comp, i, est_k in _walk_instrs(est))
+    assert whole > 100 * buffer, whole / buffer
+
+
+def _walk_instrs(est):
+    """(computation, instruction, times run) of the loop body's fusions and slices, by trip count."""
+    loop = next(i for i in est.comps[est.entry] if i.opcode == "while")
+    body = re.search(r"\bbody=%?([\w.\-]+)", loop.attrs).group(1)
+    n = se.trip_count(loop, est.comps, est.comps[est.entry])
+    return [(body, i, n) for i in est.comps[body] if i.opcode in ("fusion", "dynamic-slice", "dynamic-update-slice")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ class Instr:
     attrs: str
     op_name: str
     args: str = ""               # the operands' text (a constant's literal)
+    root: bool = False           # the computation's ROOT
 
 
 def _split_call(rest: str) -> tuple[str, str]:
@@ -152,7 +153,8 @@ def parse_module(text: str) -> tuple[dict[str, list[Instr]], str]:
             operands, attrs = _split_call(rest)
             opname = _OPNAME.search(attrs)
             comps[current].append(Instr(name, type_text, opcode, re.findall(r"%([\w.\-]+)", operands), attrs,
-                                        opname.group(1) if opname else "", operands))
+                                        opname.group(1) if opname else "", operands,
+                                        op.group(0).lstrip().startswith("ROOT ")))
     return comps, entry
 
 
@@ -311,6 +313,21 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragg
                "collective-permute")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "iota"}
+# Ops that touch part of a buffer: a slice reads what it returns; an in-place update reads and
+# writes its update (Estimator._accessed_bytes).
+_SLICES = {"dynamic-slice", "slice", "gather"}
+_IN_PLACE = {"dynamic-update-slice", "scatter"}
+
+
+def _update_bytes(i: Instr, types: dict[str, str]) -> int:
+    """Bytes an in-place update writes: a dynamic-update-slice's update, a scatter's updates
+    (scatter(operands..., indices, updates...): as many updates as operands)."""
+    if i.opcode == "dynamic-update-slice":
+        return type_bytes(types.get(i.operands[1], ""))
+    n = (len(i.operands) - 1) // 2
+    return sum(type_bytes(types.get(o, "")) for o in i.operands[n + 1:])
+
+
 _SCOPES = (("grouped matmuls", re.compile(r"grouped_matmul|\bgmm|tgmm|swiglu|ragged")),
            ("attention", re.compile(r"attention")),
            ("GDN", re.compile(r"gdn")))
@@ -454,6 +471,7 @@ class Estimator:
             return OpCost("collectives", collective=kind,
                           wire_bytes=wire_bytes(kind, result_bytes, _group_size(i.attrs)))
         operand_bytes = sum(type_bytes(types.get(o, "")) for o in i.operands)
+        accessed = self._accessed_bytes(i, comp)
         if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs:
             p = pallas_call_cost(i, types)
             flops = p["flops"] or 0.0
@@ -475,7 +493,68 @@ class Estimator:
                 name = n or name
         if not name:  # a compiler-made op (a fusion of its own): named by what feeds it, else its loop
             name = next((self.names[comp].get(o) for o in i.operands if self.names[comp].get(o)), "")
-        return OpCost(category_of(name or context, flops > 0), flops, useful, operand_bytes + result_bytes, fp8)
+        return OpCost(category_of(name or context, flops > 0), flops, useful, accessed, fp8)
+
+    def _accessed_bytes(self, i: Instr, comp: str) -> float:
+        """HBM bytes one instruction reads and writes: its operands and result, except that a slice
+        reads only what it returns, an in-place update (a dynamic-update-slice or scatter, alone or
+        as a fusion's output into a buffer the fusion is given) moves its update and not the buffer
+        around it, and a fusion reads of each parameter only the slices its body takes. A loop that
+        fills a stack one row per iteration moves a row per iteration, not the stack."""
+        types = self.types[comp]
+        if i.opcode in _SLICES:
+            return 2.0 * type_bytes(i.type_text)
+        if i.opcode in _IN_PLACE:
+            return 2.0 * _update_bytes(i, types)
+        callee = re.search(r"\bcalls=%?([\w.\-]+)", i.attrs) if i.opcode == "fusion" else None
+        if callee is None or callee.group(1) not in self.comps:
+            return sum(type_bytes(types.get(o, "")) for o in i.operands) + type_bytes(i.type_text)
+        body, inner = self.comps[callee.group(1)], self.types[callee.group(1)]
+        by_name = {j.name: j for j in body}
+        users: dict[str, list[Instr]] = defaultdict(list)
+        for j in body:
+            for o in set(j.operands):
+                users[o].append(j)
+
+        def source(name: str) -> Instr | None:  # through bitcasts
+            j = by_name.get(name)
+            while j is not None and j.opcode == "bitcast":
+                j = by_name.get(j.operands[0])
+            return j
+
+        def sliced_read(name: str) -> int | None:
+            """Bytes the body reads of `name` when it only slices it or updates it in place; else None."""
+            total = 0
+            for u in users.get(name, []):
+                if u.opcode == "bitcast":
+                    sub = sliced_read(u.name)
+                    if sub is None:
+                        return None
+                    total += sub
+                elif u.opcode in _SLICES and u.operands[0] == name and name not in u.operands[1:]:
+                    total += type_bytes(u.type_text)
+                elif u.opcode in _IN_PLACE and u.operands[0] == name and name not in u.operands[1:]:
+                    continue
+                else:
+                    return None
+            return total
+
+        read = 0
+        for j in body:
+            if j.opcode == "parameter" and j.args.strip().isdigit() and int(j.args) < len(i.operands):
+                sliced = sliced_read(j.name)
+                read += type_bytes(types.get(i.operands[int(j.args)], "")) if sliced is None else sliced
+        root = next((j for j in body if j.root), body[-1] if body else None)
+        outputs = root.operands if root is not None and root.opcode == "tuple" else [root.name] if root else []
+        written = 0
+        for name in outputs:
+            j = source(name)
+            buffer = source(j.operands[0]) if j is not None and j.opcode in _IN_PLACE else None
+            if buffer is not None and buffer.opcode == "parameter":
+                written += _update_bytes(j, inner)  # computed in the fusion, written once
+            else:
+                written += type_bytes(inner.get(name, ""))
+        return float(read + written)
 
     def _walk(self, comp: str, stack: tuple = (), context: str = "") -> list[tuple[OpCost, float]]:
         """The ops one execution of `comp` runs, each with how many times (loops applied)."""
