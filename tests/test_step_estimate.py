@@ -340,3 +340,19 @@ ENTRY %main (a: f32[{G},{K},{M}], b: f32[{G},{K},{N}]) -> f32[{G},{M},{N}] {{
 }}
 """
     assert se.hlo_flops(text) == 2 * G * M * N * K
+
+
+def test_a_dot_written_as_a_padded_convolution_counts_its_real_taps():
+    """XLA's TPU form of [B, K] x [K, W, O] (the GDN output projection's backward at the cell): the
+    lhs gets a unit spatial dim padded by W - 1 on each side and the weight's W is the window, so
+    each output takes the one tap that lands on the real point; the whole window counts W times."""
+    B, K, W, O = 32, 64, 16, 8
+    text = f"""HloModule padded_dot
+
+ENTRY %main (a: bf16[{B},{K},1], b: bf16[{W},{O},{K}]) -> bf16[{B},{W},{O}] {{
+  %a = bf16[{B},{K},1]{{1,0,2}} parameter(0)
+  %b = bf16[{W},{O},{K}]{{1,2,0}} parameter(1)
+  ROOT %conv = bf16[{B},{W},{O}]{{2,0,1}} convolution(%a, %b), window={{size={W} pad={W - 1}_{W - 1} rhs_reversal=1}}, dim_labels=bf0_0oi->b0f
+}}
+"""
+    assert se.hlo_flops(text) == 2 * B * K * W * O

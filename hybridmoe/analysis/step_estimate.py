@@ -40,6 +40,8 @@ import math
 import re
 from collections import defaultdict
 
+import numpy as np
+
 from hybridmoe.analysis.flops import model_flops_per_device
 from hybridmoe.analysis.program import _HLO_SHAPE, _OPNAME, dtype_bytes, hlo_computations
 
@@ -378,21 +380,43 @@ def dot_flops(instr: Instr, types: dict[str, str]) -> float:
         flops = 2.0 * result * contracted
     elif instr.opcode == "convolution":
         # Each output sums over the kernel's input features and the window taps that land on real
-        # input: a dilated lhs (XLA's TPU form of a batched dot: the batch as a spatial dim with
-        # window = lhs_dilate) leaves ceil(size / lhs_dilate) taps per spatial dim.
+        # input, not on padding or between the points of a dilated lhs: XLA's TPU forms of a batched
+        # dot (the batch as a spatial dim with window = lhs_dilate) and of a dot with a unit spatial
+        # dim padded to the window (window W, pad W-1 on each side) each take one real tap of W.
         rhs = _shapes(types.get(instr.operands[1], "")) if len(instr.operands) > 1 else []
-        labels = re.search(r"dim_labels=\w*_(\w+)->", instr.attrs)
-        if not rhs or not labels or "i" not in labels.group(1):
+        labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.attrs)
+        if not rhs or not lhs or not labels or "i" not in labels.group(2):
             return 0.0
-        kernel = rhs[0][1]
+        lhs_labels, kernel_labels, out_labels = labels.groups()
+        out_shape = _shapes(instr.type_text)[0][1]
         window = re.search(r"window=\{([^}]*)\}", instr.attrs)
-        sizes = _window_field(window.group(1), "size") if window else ()
-        dilate = _window_field(window.group(1), "lhs_dilate") if window else ()
-        taps = math.prod(-(-size // (dilate[d] if d < len(dilate) else 1)) for d, size in enumerate(sizes))
-        flops = 2.0 * result * kernel[labels.group(1).index("i")] * taps
+        field = lambda key, d, default: (_window_field(window.group(1), key) or (default,) * (d + 1))[d] if window else default
+        pairs = out_positions = 1
+        for d in range(sum(ch.isdigit() for ch in lhs_labels)):
+            out = out_shape[out_labels.index(str(d))]
+            pads = re.search(r"\bpad=([\d_x-]+)", window.group(1)) if window else None
+            pad_lo = int(pads.group(1).split("x")[d].split("_")[0]) if pads else 0
+            pairs *= real_taps(lhs[0][1][lhs_labels.index(str(d))], out, field("size", d, 1), field("stride", d, 1),
+                               pad_lo, field("lhs_dilate", d, 1), field("rhs_dilate", d, 1))
+            out_positions *= out
+        flops = 2.0 * result / max(out_positions, 1) * pairs * rhs[0][1][kernel_labels.index("i")]
     else:
         return 0.0
     return flops * mxu_passes(instr, types)
+
+
+def real_taps(n: int, out: int, size: int, stride: int, pad_lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """(output position, window tap) pairs of one spatial dim of a convolution whose tap lands on one
+    of the n real input points (at pad_lo + x * lhs_dilate of the padded, dilated input)."""
+    x = np.arange(n)
+    p = pad_lo + x * lhs_dilate
+    if stride == 1 and rhs_dilate == 1:  # output o takes tap t = p - o for 0 <= o < out, 0 <= t < size
+        return int(np.clip(np.minimum(p, size - 1) - np.maximum(0, p - out + 1) + 1, 0, None).sum())
+    if n * size > 1 << 24:  # too many pairs to list: the window's taps over the lhs dilation
+        return out * -(-size // lhs_dilate)
+    t = np.arange(size)[None, :]
+    q = p[:, None] - t * rhs_dilate  # the output position's window start, times the stride
+    return int(((q >= 0) & (q % stride == 0) & (q // stride < out)).sum())
 
 
 def _window_field(window: str, key: str) -> tuple[int, ...]:
@@ -431,6 +455,8 @@ class Estimator:
         self.apply_trip_counts = apply_trip_counts
         self.unknown_trips: list[str] = []
         self._fused: dict[str, tuple[float, float, str, bool]] = {}
+        self._users: dict[str, dict[str, list[Instr]]] = {}
+        self._sliced: dict[tuple[str, str], int | None] = {}
 
     def _fusion(self, comp: str) -> tuple[float, float, str, bool]:
         """(MXU flops, useful flops, op_name of its first dot, fp8 operands) of a fused computation."""
@@ -511,10 +537,6 @@ class Estimator:
             return sum(type_bytes(types.get(o, "")) for o in i.operands) + type_bytes(i.type_text)
         body, inner = self.comps[callee.group(1)], self.types[callee.group(1)]
         by_name = {j.name: j for j in body}
-        users: dict[str, list[Instr]] = defaultdict(list)
-        for j in body:
-            for o in set(j.operands):
-                users[o].append(j)
 
         def source(name: str) -> Instr | None:  # through bitcasts
             j = by_name.get(name)
@@ -522,28 +544,11 @@ class Estimator:
                 j = by_name.get(j.operands[0])
             return j
 
-        def sliced_read(name: str) -> int | None:
-            """Bytes the body reads of `name` when it only slices it or updates it in place; else None."""
-            total = 0
-            for u in users.get(name, []):
-                if u.opcode == "bitcast":
-                    sub = sliced_read(u.name)
-                    if sub is None:
-                        return None
-                    total += sub
-                elif u.opcode in _SLICES and u.operands[0] == name and name not in u.operands[1:]:
-                    total += type_bytes(u.type_text)
-                elif u.opcode in _IN_PLACE and u.operands[0] == name and name not in u.operands[1:]:
-                    continue
-                else:
-                    return None
-            return total
-
         read = 0
-        for j in body:
-            if j.opcode == "parameter" and j.args.strip().isdigit() and int(j.args) < len(i.operands):
-                sliced = sliced_read(j.name)
-                read += type_bytes(types.get(i.operands[int(j.args)], "")) if sliced is None else sliced
+        for index, j in self._parameters(callee.group(1)).items():
+            if index < len(i.operands):
+                sliced = self._sliced_read(callee.group(1), j.name)
+                read += type_bytes(types.get(i.operands[index], "")) if sliced is None else sliced
         root = next((j for j in body if j.root), body[-1] if body else None)
         outputs = root.operands if root is not None and root.opcode == "tuple" else [root.name] if root else []
         written = 0
@@ -555,6 +560,53 @@ class Estimator:
             else:
                 written += type_bytes(inner.get(name, ""))
         return float(read + written)
+
+    def _parameters(self, comp: str) -> dict[int, Instr]:
+        return {int(j.args): j for j in self.comps[comp] if j.opcode == "parameter" and j.args.strip().isdigit()}
+
+    def _relayout(self, u: Instr) -> bool:
+        """A copy or convert of one operand (a layout or dtype change), alone or as a nested fusion."""
+        if u.opcode in ("copy", "convert"):
+            return True
+        nested = re.search(r"\bcalls=%?([\w.\-]+)", u.attrs) if u.opcode == "fusion" else None
+        return (nested is not None and len(set(u.operands)) == 1 and
+                all(j.opcode in ("parameter", "copy", "convert", "bitcast") for j in self.comps.get(nested.group(1), [None])))
+
+    def _sliced_read(self, comp: str, name: str) -> int | None:
+        """Bytes a fused computation reads of its value `name` when it only slices it or updates it in
+        place (through bitcasts and nested fusions); None when some use reads it whole."""
+        key = (comp, name)
+        if key in self._sliced:
+            return self._sliced[key]
+        if comp not in self._users:
+            users: dict[str, list[Instr]] = defaultdict(list)
+            for j in self.comps[comp]:
+                for o in set(j.operands):
+                    users[o].append(j)
+            self._users[comp] = users
+        total: int | None = 0
+        for u in self._users[comp].get(name, []):
+            nested = re.search(r"\bcalls=%?([\w.\-]+)", u.attrs) if u.opcode == "fusion" else None
+            if u.opcode == "bitcast" or self._relayout(u):
+                # a relayout fused into its slices converts only what they take
+                sub = self._sliced_read(comp, u.name)
+            elif u.opcode in _SLICES and u.operands[0] == name and name not in u.operands[1:]:
+                sub = type_bytes(u.type_text)
+            elif u.opcode in _IN_PLACE and u.operands[0] == name and name not in u.operands[1:]:
+                sub = 0
+            elif nested is not None and nested.group(1) in self.comps:
+                params = self._parameters(nested.group(1))
+                subs = [self._sliced_read(nested.group(1), params[k].name) if k in params else None
+                        for k, o in enumerate(u.operands) if o == name]
+                sub = None if None in subs else sum(subs)
+            else:
+                sub = None
+            if sub is None:
+                total = None
+                break
+            total += sub
+        self._sliced[key] = total
+        return total
 
     def _walk(self, comp: str, stack: tuple = (), context: str = "") -> list[tuple[OpCost, float]]:
         """The ops one execution of `comp` runs, each with how many times (loops applied)."""
