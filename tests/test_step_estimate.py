@@ -123,28 +123,31 @@ M, K, NN, E = 256, 128, 256, 4
 SIZES = jnp.array([40, 0, 150, 66], jnp.int32)  # an empty group, groups straddling row tiles
 
 
-def _gmm_cases():
+def _gmm_cases(sizes=SIZES, num_local=E, group_offset=0):
+    """kernel: (its call, the reference: the local groups' rows through one dense matmul). With
+    num_local < E (expert parallelism) the local rows are the balanced share M num_local / E, which
+    `sizes` must then hold exactly."""
     from hybridmoe.kernels.gmm import pallas_tpu as gp
     from hybridmoe.kernels.gmm.tiling import Tiling
 
     t = Tiling(tm=128, tk=128, tn=128)
+    rows = M * num_local // E
     x = jnp.ones((M, K), jnp.bfloat16)
-    w = jnp.ones((E, K, NN), jnp.bfloat16)
+    w = jnp.ones((num_local, K, NN), jnp.bfloat16)
     g = jnp.ones((M, NN), jnp.bfloat16)
-    wo = jnp.ones((E, NN // 2, K), jnp.bfloat16)  # [G, F, D], F = NN / 2
+    wo = jnp.ones((num_local, NN // 2, K), jnp.bfloat16)  # [G, F, D], F = NN / 2
     pre = jnp.ones((M, NN), jnp.bfloat16)
-    common = dict(group_offset=0, sharded=False, tiling=t, interpret=True)
+    common = dict(group_offset=group_offset, sharded=False, tiling=t, interpret=True)
     return {
-        # kernel: (its call, the reference: the same rows through one dense matmul)
-        "gmm": (lambda: gp.gmm(x, w, SIZES, transpose_rhs=False, out_dtype=jnp.float32, **common),
-                lambda: _dense_flops((M, K), (K, NN))),
-        "tgmm": (lambda: gp.tgmm(x, g, SIZES, num_local=E, out_dtype=jnp.float32, **common),
-                 lambda: _dense_flops((K, M), (M, NN))),
-        "wi_fused_swiglu_fwd": (lambda: gp.wi_fused_swiglu(x, w, SIZES, tile_n_per_half=128, mode="float32", **common),
-                                lambda: _dense_flops((M, K), (K, NN))),
+        "gmm": (lambda: gp.gmm(x, w, sizes, transpose_rhs=False, out_dtype=jnp.float32, **common),
+                lambda: _dense_flops((rows, K), (K, NN))),
+        "tgmm": (lambda: gp.tgmm(x, g, sizes, num_local=num_local, out_dtype=jnp.float32, **common),
+                 lambda: _dense_flops((K, rows), (rows, NN))),
+        "wi_fused_swiglu_fwd": (lambda: gp.wi_fused_swiglu(x, w, sizes, tile_n_per_half=128, mode="float32", **common),
+                                lambda: _dense_flops((rows, K), (K, NN))),
         "wo_fused_dswiglu_dlhs": (lambda: gp.wo_fused_dswiglu_dlhs(
-            jnp.ones((M, K), jnp.bfloat16), wo, SIZES, pre, preact_tile_n_per_half=128, row_scale_M=None,
-            out_tile_n_per_half=128, mode="float32", **common), lambda: _dense_flops((M, K), (K, NN // 2))),
+            jnp.ones((M, K), jnp.bfloat16), wo, sizes, pre, preact_tile_n_per_half=128, row_scale_M=None,
+            out_tile_n_per_half=128, mode="float32", **common), lambda: _dense_flops((rows, K), (K, NN // 2))),
     }
 
 
@@ -157,6 +160,16 @@ def test_gmm_kernels_state_their_reference_flops(kernel):
     call, reference = _gmm_cases()[kernel]
     stated = _stated(call)
     assert set(stated) == {kernel}
+    assert stated[kernel] == reference(), (stated, reference())
+
+
+@pytest.mark.parametrize("kernel", ["gmm", "tgmm", "wi_fused_swiglu_fwd", "wo_fused_dswiglu_dlhs"])
+def test_gmm_kernels_state_only_their_local_groups_rows(kernel):
+    """Under expert parallelism (2 local groups of 4, balanced routing) a kernel visits only the
+    local groups' tiles: its stated FLOPs are those rows' (half of M), not every row's."""
+    balanced = jnp.full((E,), M // E, jnp.int32)
+    call, reference = _gmm_cases(balanced, num_local=2, group_offset=2)[kernel]
+    stated = _stated(call)
     assert stated[kernel] == reference(), (stated, reference())
 
 

@@ -32,6 +32,13 @@ def _cost(flops: float, nbytes: float, transcendentals: float = 0) -> pl.CostEst
     return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(nbytes))
 
 
+def _local_rows(m: int, num_local: int, group_sizes_E) -> float:
+    """The rows a kernel computes for its local groups, as the stated cost counts them: under
+    expert parallelism a shard's m rows hold every expert's, and the grid visits only the local
+    groups' tiles, so the balanced share m * num_local / E (the split itself is data)."""
+    return m * num_local / group_sizes_E.shape[0]
+
+
 def _itemsize(x) -> int:
     return jnp.dtype(x.dtype).itemsize
 
@@ -100,11 +107,12 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
         compiler_params=_params(t),
         interpret=interpret,
         name="gmm_t" if transpose_rhs else "gmm",
-        # Every row through its group's weight, 2 m k n (rows of a non-local group counted too);
+        # The local groups' rows through their weights, 2 m k n over the balanced local share;
         # bytes as the grid fetches blocks: the lhs row tile once per N tile, the group's weight
         # slab once per step, the output tile once per step (the step tables' length: a static upper
         # bound of the steps run).
-        cost_estimate=_cost(2 * m * k * n, (n // tn) * grp.shape[0] * tm * k * _itemsize(lhs_MK)
+        cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
+                            (n // tn) * grp.shape[0] * tm * k * _itemsize(lhs_MK)
                             + grp.shape[0] * k * n * _itemsize(rhs_GKN) + grp.shape[0] * tm * n * jnp.dtype(out_dtype).itemsize),
     )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
     return metadata.keep_local_rows(out, m, group_sizes_E, group_offset, num_local)
@@ -167,9 +175,10 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
         compiler_params=_params(t),
         interpret=interpret,
         name="tgmm",
-        # lhs^T @ grad over every row: 2 m k n; each step fetches a row tile of both operands per
+        # lhs^T @ grad over the local groups' rows: 2 m k n over the balanced local share; each step fetches a row tile of both operands per
         # (N tile, K tile); the [G, K, N] output is written once.
-        cost_estimate=_cost(2 * m * k * n, grp.shape[0] * tm * ((n // tn) * k * _itemsize(lhs_MK)
+        cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
+                            grp.shape[0] * tm * ((n // tn) * k * _itemsize(lhs_MK)
                                                          + (k // tk) * n * _itemsize(grad_MN))
                             + num_local * k * n * jnp.dtype(out_dtype).itemsize),
     )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad))
@@ -253,9 +262,11 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
         compiler_params=_params(t),
         interpret=interpret,
         name=name,
-        # x @ [gate | up]: 2 m d 2f, one sigmoid per h element; x's row tile once per N tile, the
-        # two weight slabs once per step, h and the pre-activations written per step.
-        cost_estimate=_cost(2 * m * d * 2 * f, nt * grp.shape[0] * tm * d * _itemsize(x_MD)
+        # x @ [gate | up]: 2 m d 2f over the local share of the rows, one sigmoid per h element;
+        # x's row tile once per N tile, the two weight slabs once per step, h and the
+        # pre-activations written per step.
+        cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * 2 * f,
+                            nt * grp.shape[0] * tm * d * _itemsize(x_MD)
                             + grp.shape[0] * d * 2 * f * _itemsize(wi_GD2F) + grp.shape[0] * tm * 3 * f * _itemsize(x_MD), m * f),
     )(lo, hi, grp, tile, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
     return (metadata.keep_local_rows(h, m, group_sizes_E, group_offset, num_local),
@@ -324,10 +335,11 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         compiler_params=_params(t, ("arbitrary", "arbitrary")),
         interpret=interpret,
         name="wo_fused_dswiglu_dlhs",
-        # g @ wo^T: 2 m d f (the SwiGLU VJP epilogue is elementwise, one sigmoid per gate element);
+        # g @ wo^T: 2 m d f over the local share of the rows (the SwiGLU VJP epilogue is elementwise, one sigmoid per gate element);
         # per step a row tile of g and the group's [F, D] weight; the pre-activations read and
         # their gradient written per step (plus the row scale and h where given).
-        cost_estimate=_cost(2 * m * d * f, grp.shape[0] * (tm * d * _itemsize(g_MD) + f * d * _itemsize(wo_GFD)
+        cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * f,
+                            grp.shape[0] * (tm * d * _itemsize(g_MD) + f * d * _itemsize(wo_GFD)
                                                      + 2 * tm * 2 * f * jnp.dtype(pre_dtype).itemsize
                                                      + tm * 4 * (1 + has_scale) + (tm * f * _itemsize(h_MF) if has_h else 0)),
                             m * f),
