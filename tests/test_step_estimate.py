@@ -221,6 +221,49 @@ def test_flash_attention_kernels_state_their_reference_flops(blocks):
     assert got == pytest.approx(ref_bwd + 1.5 * ref_fwd, rel=1e-9), (bwd, ref_bwd, ref_fwd)
 
 
+CP, CP_T, CP_BQ, CP_BK = 4, 64, 16, 32  # context ranks, queries per rank, blocks
+
+
+def _rank_positions(rank: int, load_balanced: bool) -> np.ndarray:
+    """A context rank's query positions among CP x CP_T keys: half-chunks r and 2P-1-r, or its shard."""
+    half = CP_T // 2
+    if load_balanced:
+        return np.concatenate([np.arange(rank * half, (rank + 1) * half),
+                               np.arange((2 * CP - 1 - rank) * half, (2 * CP - rank) * half)])
+    return np.arange(rank * CP_T, (rank + 1) * CP_T)
+
+
+@pytest.mark.parametrize("load_balanced", [True, False])
+def test_flash_kernels_under_context_parallelism_state_the_causal_blocks_of_their_layout(load_balanced):
+    """A rank's queries against every rank's keys (S = P t): the stated FLOPs count the blocks
+    holding a causal pair for the layout the model built (load-balanced: every rank the same;
+    natural order: the last rank's, the slowest), counted here from the positions themselves."""
+    from hybridmoe.kernels.attention import ops
+    from hybridmoe.model.attention import context_query_runs
+
+    S = CP * CP_T
+    per_block = 2 * 2 * CP_BQ * CP_BK * A  # forward: q k^T and p v per block, one head
+    counts = []
+    for rank in range(CP):
+        qp = _rank_positions(rank, load_balanced)
+        visible = qp[:, None] >= np.arange(S)[None, :]
+        counts.append(int(visible.reshape(CP_T // CP_BQ, CP_BQ, S // CP_BK, CP_BK).any(axis=(1, 3)).sum()))
+    expected = counts[0] if load_balanced else max(counts)
+    assert not load_balanced or len(set(counts)) == 1, counts
+
+    q = jnp.ones((1, CP_T, 1, A), jnp.float32)
+    k = jnp.ones((1, S, 1, A), jnp.float32)
+    qpos = jnp.asarray(_rank_positions(CP - 1, load_balanced), jnp.int32)[None]
+    kpos = jnp.arange(S, dtype=jnp.int32)[None]
+    opts = dict(q_pos=qpos, kv_pos=kpos, scale=0.1, backend="pallas_tpu", block_q=CP_BQ, block_k=CP_BK,
+                interpret=True, query_runs=context_query_runs(CP_T, S, load_balanced))
+    stated = _stated(lambda: ops.attention_fwd(q, k, k, **opts))["flash_attention_forward"]
+    assert stated == expected * per_block, (stated / per_block, expected)
+    # Without the layout every block counts (the static bound): 2x the load-balanced work here.
+    every = _stated(lambda: ops.attention_fwd(q, k, k, **{**opts, "query_runs": None}))["flash_attention_forward"]
+    assert every == (CP_T // CP_BQ) * (S // CP_BK) * per_block
+
+
 def _gdn_chunk_inputs(batch=1, chunks=3, heads=2, C=16, Kd=32, Vd=48):
     from hybridmoe.kernels.gdn.xla import ChunkInputs
 

@@ -100,16 +100,19 @@ def _ids(q, k, q_pos, kv_pos, q_seg, kv_seg):
     return as_i32(q_pos, q), as_i32(kv_pos, k), as_i32(q_seg, q), as_i32(kv_seg, k)
 
 
-def _limit(backend: str, vmem_limit_mib: float) -> dict:
-    """The Mosaic kernels' scoped VMEM limit (MiB, 0 = the compiler's default); Triton has none."""
-    return dict(vmem_limit_mib=vmem_limit_mib) if backend == "pallas_tpu" else {}
+def _limit(backend: str, vmem_limit_mib: float, query_runs=None) -> dict:
+    """The Mosaic kernels' scoped VMEM limit (MiB, 0 = the compiler's default) and the queries'
+    global runs their stated cost counts causal blocks by; Triton takes neither."""
+    return dict(vmem_limit_mib=vmem_limit_mib, query_runs=query_runs) if backend == "pallas_tpu" else {}
 
 
 def attention_fwd(q_BTNA, k_BSGA, v_BSGA, *, q_pos, kv_pos, q_seg=None, kv_seg=None, scale: float,
                   backend: str = "xla", block_q: int, block_k: int, interpret: bool = False,
-                  vmem_limit_mib: float = 0.0):
+                  vmem_limit_mib: float = 0.0, query_runs=None):
     """(o [B, T, N, A] in q's dtype, lse [B, N, T] float32): the attention of the queries to these
-    keys and the log-sum-exp of their visible scaled scores (-inf for a query with none)."""
+    keys and the log-sum-exp of their visible scaled scores (-inf for a query with none).
+    query_runs: ((start, length), ...) of the queries' global positions among the keys where the
+    layout fixes them (context parallelism), for the Mosaic kernels' stated cost only."""
     _check(q_BTNA, k_BSGA, v_BSGA, q_pos, kv_pos, q_seg, kv_seg, backend, block_q, block_k)
     q_pos, kv_pos, q_seg, kv_seg = _ids(q_BTNA, k_BSGA, q_pos, kv_pos, q_seg, kv_seg)
     G = k_BSGA.shape[2]
@@ -121,13 +124,13 @@ def attention_fwd(q_BTNA, k_BSGA, v_BSGA, *, q_pos, kv_pos, q_seg=None, kv_seg=N
         o_BGRTA, lse_BGRT = xla.flash_forward(q_BGRTA, k_BGSA, v_BGSA, q_pos, q_seg, kv_pos, kv_seg, **kw)
     else:
         o_BGRTA, lse_BGRT = driver.forward(q_BGRTA, k_BGSA, v_BGSA, q_pos, q_seg, kv_pos, kv_seg, **kw,
-                                           interpret=interpret, **_limit(backend, vmem_limit_mib))
+                                           interpret=interpret, **_limit(backend, vmem_limit_mib, query_runs))
     return fb.ungroup_heads(o_BGRTA), jnp.moveaxis(fb.ungroup_heads(lse_BGRT[..., None])[..., 0], 1, 2)
 
 
 def attention_bwd(q_BTNA, k_BSGA, v_BSGA, o_BTNA, lse_BNT, do_BTNA, *, q_pos, kv_pos, q_seg=None, kv_seg=None,
                   scale: float, backend: str = "xla", block_q: int, block_k: int, interpret: bool = False,
-                  grad_dtype=jnp.float32, vmem_limit_mib: float = 0.0):
+                  grad_dtype=jnp.float32, vmem_limit_mib: float = 0.0, query_runs=None):
     """(dq [B, T, N, A], dk [B, S, G, A], dv [B, S, G, A]): this key set's gradients given the
     GLOBAL output o and log-sum-exp lse of the queries (over every key set) and do = dL/do.
     grad_dtype: of all three (float32 by default, for a caller that sums dq over key sets); None
@@ -147,7 +150,7 @@ def attention_bwd(q_BTNA, k_BSGA, v_BSGA, o_BTNA, lse_BNT, do_BTNA, *, q_pos, kv
         dq_BGRTA, dk_BGSA, dv_BGSA = xla.flash_backward(*args, **kw)
     else:
         dq_BGRTA, dk_BGSA, dv_BGSA = driver.backward(*args, **kw, interpret=interpret,
-                                                     **_limit(backend, vmem_limit_mib))
+                                                     **_limit(backend, vmem_limit_mib, query_runs))
     return fb.ungroup_heads(dq_BGRTA), jnp.moveaxis(dk_BGSA, 1, 2), jnp.moveaxis(dv_BGSA, 1, 2)
 
 
@@ -173,11 +176,13 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q_BTNA, k_BSGA, v_BSGA, *, q_pos_BT, kv_pos_BS, q_seg_BT=None, kv_seg_BS=None, scale: float,
                     backend: str = "xla", block_q: int, block_k: int, interpret: bool = False,
-                    vmem_limit_mib: float = 0.0):
+                    vmem_limit_mib: float = 0.0, query_runs=None):
     """xla.attention's result (o [B, T, N, A] in q's dtype) by flash attention, differentiable
-    (custom VJP: the forward keeps o and lse, the backward runs attention_bwd)."""
+    (custom VJP: the forward keeps o and lse, the backward runs attention_bwd). query_runs: as
+    attention_fwd's."""
     _check(q_BTNA, k_BSGA, v_BSGA, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, backend, block_q, block_k)
     q_pos, kv_pos, q_seg, kv_seg = _ids(q_BTNA, k_BSGA, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS)
     options = (("scale", float(scale)), ("backend", backend), ("block_q", int(block_q)), ("block_k", int(block_k)),
-               ("interpret", bool(interpret)), ("vmem_limit_mib", float(vmem_limit_mib)))
+               ("interpret", bool(interpret)), ("vmem_limit_mib", float(vmem_limit_mib)),
+               ("query_runs", None if query_runs is None else tuple((int(a), int(n)) for a, n in query_runs)))
     return _flash(q_BTNA, k_BSGA, v_BSGA, q_pos, kv_pos, q_seg, kv_seg, options)

@@ -149,25 +149,30 @@ def _dkv_kernel(order_ref, count_ref, cls_ref, q_ref, k_ref, v_ref, do_ref, q_id
         dv_ref[...] = dv_scratch[...].astype(dv_ref.dtype)
 
 
-def visited_blocks(T: int, S: int, block_q: int, block_k: int) -> int:
-    """Query x key blocks the schedule visits, as the cost estimate counts them: with as many keys
-    as queries, the causal blocks of one document in position order (key block j for query block i
-    when its first key is at or before the block's last query); otherwise every block. The real
+def visited_blocks(T: int, S: int, block_q: int, block_k: int, query_runs=None) -> int:
+    """Query x key blocks the schedule visits, as the cost estimate counts them: causal blocks (key
+    block j for query block i when its first key is at or before the block's last query) where the
+    queries' global positions are known statically: with as many keys as queries, one document in
+    position order; under context parallelism, `query_runs` ((start, length) of each run of this
+    rank's queries among the S keys, the layout the caller built); otherwise every block. The real
     schedule is data (documents skip more blocks); this is the static count a compiler can see."""
     nq, nk = T // block_q, S // block_k
-    if T != S:
+    if query_runs is None and T == S:
+        query_runs = ((0, T),)
+    if query_runs is None or sum(n for _, n in query_runs) != T or any(n % block_q for _, n in query_runs):
         return nq * nk
-    return sum(min(nk, -(-((i + 1) * block_q) // block_k)) for i in range(nq))
+    return sum(min(nk, -(-(start + (i + 1) * block_q) // block_k))
+               for start, n in query_runs for i in range(n // block_q))
 
 
 def cost(kernel: str, B: int, G: int, R: int, T: int, S: int, A: int, block_q: int, block_k: int,
-         itemsize: int) -> pl.CostEstimate:
+         itemsize: int, query_runs=None) -> pl.CostEstimate:
     """The kernels' stated cost: per visited block of R x block_q query rows and block_k keys, the
     forward's 2 matmuls (q k^T, p v), dq's 3 (q k^T, do v^T, ds k), dk/dv's 4 (k q^T, p^T do,
     v do^T, ds^T q), 2 R block_q block_k A FLOPs each, one exp per score; bytes: the outer block's
     rows once, the inner operand's blocks once per visit, the outputs once."""
     matmuls = {"flash_attention_forward": 2, "flash_attention_dq": 3, "flash_attention_dkv": 4}[kernel]
-    blocks = B * G * visited_blocks(T, S, block_q, block_k)
+    blocks = B * G * visited_blocks(T, S, block_q, block_k, query_runs)
     flops = matmuls * 2 * R * block_q * block_k * A * blocks
     q_rows, kv_rows = B * G * R * T * A * itemsize, B * G * S * A * itemsize
     if kernel == "flash_attention_forward":  # q in, o out once; k, v per visit
@@ -199,8 +204,9 @@ def _check_blocks(block_q: int, block_k: int, T: int, S: int, interpret: bool):
 
 
 def forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *, scale: float, block_q: int,
-            block_k: int, interpret: bool = False, vmem_limit_mib: float = 0.0):
-    """(o [B, G, R, T, A] in q's dtype, lse [B, G, R, T] float32)."""
+            block_k: int, interpret: bool = False, vmem_limit_mib: float = 0.0, query_runs=None):
+    """(o [B, G, R, T, A] in q's dtype, lse [B, G, R, T] float32). query_runs: the queries' global
+    positions where the caller knows them (visited_blocks; the stated cost only)."""
     B, G, R, T, A = q_BGRTA.shape
     S = k_BGSA.shape[2]
     _check_blocks(block_q, block_k, T, S, interpret)
@@ -217,7 +223,8 @@ def forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *
     out_shape = [jax.ShapeDtypeStruct(q_BGRTA.shape, q_BGRTA.dtype), jax.ShapeDtypeStruct((B, G, nq, 1, rows), F32)]
     scratch = [pltpu.VMEM((rows, 1), F32), pltpu.VMEM((rows, 1), F32), pltpu.VMEM((rows, A), F32)]
     kernel = functools.partial(_forward_kernel, scale=scale, nq=nq, nk=nk)
-    estimate = cost(KERNEL_NAMES[0], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize)
+    estimate = cost(KERNEL_NAMES[0], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize,
+                    query_runs)
     o, lse = _call(kernel, KERNEL_NAMES[0], (B, G, nq, nk), in_specs, out_specs, out_shape, scratch, interpret,
                    estimate, vmem_limit_mib)(
         *fb.flat_schedule(by_q), q_BGRTA, k_BGSA, v_BGSA, q_ids, kv_ids)
@@ -226,7 +233,7 @@ def forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *
 
 def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *,
              scale: float, block_q: int, block_k: int, grad_dtypes=(F32, F32, F32), interpret: bool = False,
-             vmem_limit_mib: float = 0.0):
+             vmem_limit_mib: float = 0.0, query_runs=None):
     """(dq [B, G, R, T, A], dk [B, G, S, A], dv [B, G, S, A]) in grad_dtypes, given the global lse
     and delta = rowsum(do * o)."""
     B, G, R, T, A = q_BGRTA.shape
@@ -249,7 +256,8 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
                 pl.BlockSpec((None, None, None, 2, rows), lambda b, g, i, n, *_: (b, g, i, 0, 0))]
     dq = _call(functools.partial(_dq_kernel, scale=scale, nq=nq, nk=nk), KERNEL_NAMES[1], (B, G, nq, nk), in_specs,
                q_spec, jax.ShapeDtypeStruct(q_BGRTA.shape, dq_dtype), [pltpu.VMEM((rows, A), F32)], interpret,
-               cost(KERNEL_NAMES[1], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize),
+               cost(KERNEL_NAMES[1], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize,
+                    query_runs),
                vmem_limit_mib)(
         *fb.flat_schedule(by_q), *inputs)
 
@@ -265,7 +273,8 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
                    in_specs, [kv_spec, kv_spec],
                    [jax.ShapeDtypeStruct(k_BGSA.shape, dk_dtype), jax.ShapeDtypeStruct(v_BGSA.shape, dv_dtype)],
                    [pltpu.VMEM((block_k, A), F32), pltpu.VMEM((block_k, A), F32)], interpret,
-                   cost(KERNEL_NAMES[2], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize),
+                   cost(KERNEL_NAMES[2], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize,
+                    query_runs),
                    vmem_limit_mib)(
         *fb.flat_schedule(by_k), *inputs)
     return dq, dk, dv
