@@ -82,7 +82,7 @@ def reference(P, lb, packed):
     if key not in _REFERENCE:
         cfg = tiny_config(*mesh_overrides(P, lb))
         mp = pytest.MonkeyPatch()
-        mp.setattr(attn_model, "attention_core", lambda kc, *, self_attention: xla.attention)
+        mp.setattr(attn_model, "attention_core", lambda kc, **_: xla.attention)
         mp.setattr(attn_model, "self_attention", _masked_self_attention)
         try:
             _REFERENCE[key] = logits_and_grads(cfg, packed)
