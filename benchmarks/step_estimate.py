@@ -59,6 +59,7 @@ def _summary(est: dict) -> dict:
         "loops_with_unknown_trip_count": len(est["loops_with_unknown_trip_count"]),
         "hlo_flops_per_device": est["hlo_flops_per_device"],
         "model_flops_per_device": est["model_flops_per_device"],
+        "designed_flops_per_device": est.get("designed_flops_per_device"),
         "tokens_per_step": est["tokens_per_step"], "chips": est["chips"], "devices": est["devices"],
         "grid_step_s": est["hardware"]["grid_step_s"],
     }

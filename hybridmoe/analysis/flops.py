@@ -117,3 +117,22 @@ def model_flops_per_device(cfg: Config, devices: int, program_name: str = "train
         fwd_bwd = step_flops(cfg, batch=rows, seq_len=r.sequence_len)
         return fwd_bwd * (1 + (1 / 3 if r.beta > 0 else 0)) / devices
     return None
+
+
+# The remat policies whose backward replays the layer stack's forward matmuls: full saves nothing,
+# custom only the names it lists (the levers' ids by default, no matmul output); none and minimal
+# keep the matmul outputs. auto is resolved by memory at trace time, so it has no design count here.
+_REPLAYS_FORWARD = {"full": True, "custom": True, "none": False, "minimal": False}
+
+
+def designed_flops_per_device(cfg: Config, devices: int, platform: str) -> float | None:
+    """designed_step_flops of the training step as `cfg` builds it for `devices` devices of
+    `platform`: the check of a compiled step's FLOP count (analysis/step_estimate). None for an
+    auto remat policy (resolved at trace time)."""
+    replays = _REPLAYS_FORWARD.get(cfg.remat.policy)
+    if replays is None:
+        return None
+    t = cfg.train
+    return designed_step_flops(cfg, devices, remat_policy="full" if replays else "none",
+                               tokens_per_shard=t.batch_size * t.seq_len // devices, on_cpu=platform == "cpu")
+

@@ -42,7 +42,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from hybridmoe.analysis.flops import model_flops_per_device
+from hybridmoe.analysis.flops import designed_flops_per_device, model_flops_per_device
 from hybridmoe.analysis.program import _HLO_SHAPE, _OPNAME, dtype_bytes, hlo_computations
 
 # ---------------------------------------------------------------------------------------------
@@ -740,6 +740,10 @@ def format_estimate(e: dict, reference: dict | None = None) -> str:
     if reference:
         lines.append(f"  {reference['label']:<41}{reference['step_s']:>9.2f} s/step  "
                      f"{reference['tokens_per_s_per_chip']:>10,.0f} tokens/s per chip")
+    designed = e.get("designed_flops_per_device")
+    if designed:
+        lines.append(f"  FLOPs per device: {e['hlo_flops_per_device'] / 1e12:,.1f} TFLOP compiled (Pallas calls as they "
+                     f"state), {designed / 1e12:,.1f} designed ({e['hlo_flops_per_device'] / designed - 1:+.1%})")
     for kind, r in sorted(e["collectives"].items()):
         lines.append(f"  collective {kind:<20}{r['wire_bytes'] / 2**30:>9.3g} GiB sent per device  {r['s']:.4g} s")
     for name, r in sorted(e["kernels"].items(), key=lambda kv: -kv[1]["s"]):
@@ -797,6 +801,8 @@ def estimate_step(step, hardware: str | None = None, *, recipe: str | None = Non
                    chips=max(1, devices // hw.devices_per_chip), devices=devices,
                    model_flops_per_device=model_flops_per_device(step.cfg, devices, step.program_name),
                    grid_step_s=grid_step_s)
+    if step.program_name == "train":
+        out["designed_flops_per_device"] = designed_flops_per_device(step.cfg, devices, step.target.platform)
     if recipe == SEED_CELL["recipe"] and step.program_name == "train":
         out["reference"] = SEED_CELL
     return out

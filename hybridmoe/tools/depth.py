@@ -109,6 +109,8 @@ def extrapolate_estimate(estimates: dict[int, dict], block: int, num_layers: int
     hw = e2["hardware"]
     out.update(totals(out["categories"], hw["bf16_flops_chip"] / hw["devices_per_chip"], e2["tokens_per_step"],
                       e2["chips"], model_flops_per_device))
+    if e1.get("designed_flops_per_device") and e2.get("designed_flops_per_device"):
+        out["designed_flops_per_device"] = _along(e1["designed_flops_per_device"], e2["designed_flops_per_device"], t)
     out["extrapolated_from_layers"] = [l1, l2]
     out["layers"] = num_layers
     return out
