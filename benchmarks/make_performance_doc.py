@@ -812,16 +812,28 @@ def step_estimate() -> str:
     rows, kernels = [], []
     for arm, a in rec["arms"].items():
         if "step_s" not in a:
-            rows.append([f"`{arm}`", f"`{a['recipe']}` {' '.join(a['overrides'])}", a["target"], "refused"] + ["-"] * 10)
+            rows.append([f"`{arm}`", f"`{a['recipe']}` {' '.join(a['overrides'])}", a["target"], "refused"] + ["-"] * 12)
             continue
         depths = a.get("extrapolated_from")
         how = f" (extrapolated from {' and '.join(depths)} layers)" if depths else ""
+        designed = a.get("designed_flops_per_device")
         rows.append([f"`{arm}`", f"`{a['recipe']}` {' '.join(a['overrides'])}{how}", a["target"], a["hardware"],
                      *(sec(a["category_s"][c]) for c in cats), sec(a["step_s"]), sec(a["overlapped_step_s"]),
-                     f"{a['tokens_per_s_per_chip']:,.0f}", "-" if a["mfu"] is None else f"{a['mfu']:.1%}"])
+                     f"{a['tokens_per_s_per_chip']:,.0f}", "-" if a["mfu"] is None else f"{a['mfu']:.1%}",
+                     "-" if not designed else f"{a['hlo_flops_per_device'] / designed - 1:+.1%}",
+                     a.get("commit", "")[:7] or "-"])
         for k, r in sorted(a["kernels"].items(), key=lambda kv: -kv[1]["s"]):
             kernels.append([f"`{arm}`", f"`{k}`", f"{r['calls']:.0f}", f"{r['grid_steps']:,.0f}", sec(r["s"])])
     seed = rec["seed"]
+    levers = []
+    for arm, lever in rec.get("seed_lever_effects", {}).items():
+        on, off = rec["arms"].get("cell", {}), rec["arms"].get(arm, {})
+        if "step_s" in on and "step_s" in off:
+            lo, hi = lever["seed_s"]
+            levers.append([lever["lever"], f"`{arm}`", f"{on['step_s'] - off['step_s']:+.2f}",
+                           f"{lo:+.2f}" if lo == hi else f"{lo:+.2f} to {hi:+.2f}"])
+    lever_table = (table(["lever", "arm with it off", "estimated effect (s/step)", "seed, measured (s/step)"], levers)
+                   if levers else "(no lever arm recorded at the cell yet)")
     return f"""## Step time on the target, estimated from the compiled program
 
 `hybridmoe inspect` and `benchmarks/step_estimate.py` estimate a step's time on its target from
@@ -840,7 +852,18 @@ that module, each with its public source. Seconds per step by category; `serial`
 collectives to the compute, `overlapped` hides them under it; tokens/s per chip and MFU (the
 model's FLOPs over the bf16 peak) are the serial total's.
 
-{table(["arm", "config", "target", "on", *cats, "serial s", "overlapped s", "tokens/s/chip", "MFU"], rows)}
+{table(["arm", "config", "target", "on", *cats, "serial s", "overlapped s", "tokens/s/chip", "MFU",
+        "FLOPs vs design", "commit"], rows)}
+
+`FLOPs vs design`: the compiled step's FLOPs per device (loops' trip counts applied, each Pallas
+call at its stated count) against the count the implementation is designed to run
+(`analysis/flops.designed_step_flops`: the model's matmuls with the remat policy's replay, the
+chunked GDN core, the flash backward's recomputation); within 10% is the check.
+
+Each of the seed's levers at the cell, estimated (the `cell` arm's step minus the arm with the lever
+off) beside the seed's measurement (each against a control in the same pod):
+
+{lever_table}
 
 What these arms show, read from the programs: with the Pallas kernels at their default
 128 x 128 x 128 tiles the grouped matmuls' time is mostly the fixed cost of their many grid steps;

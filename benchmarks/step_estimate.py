@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     from hybridmoe.analysis.flops import model_flops_per_device
     from hybridmoe.tools import depth
     from hybridmoe.tools import train_program as tp
+    from hybridmoe.tools.record import source_commit
 
     kind, count = tp.parse_target(args.target)
     results = {}
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
             est = depth.extrapolate_estimate(estimates, len(m.layer_pattern), m.num_layers,
                                              model_flops_per_device(cfg, target.num_devices))
         print(se.format_estimate(est, est.get("reference")), flush=True)
-        results[name] = {"recipe": recipe, "overrides": overrides, "target": target.name,
+        results[name] = {"recipe": recipe, "overrides": overrides, "target": target.name, "commit": source_commit(),
                          "compile_s": round(time.perf_counter() - t0, 1), **_summary(est)}
         if args.layers is not None:
             results[name]["extrapolated_from"] = {str(n): _summary(e) for n, e in estimates.items()}
@@ -144,7 +145,8 @@ def _from_inspect(path: Path, arms: dict, out: Path, previous: dict) -> int:
         raise SystemExit(f"{path}: inspect made no step estimate (the compiler refused the step, or no hardware row)")
     print(se.format_estimate(est, est.get("reference")), flush=True)
     result = {"recipe": first["recipe"], "overrides": [o for o in first["overrides"] if not o.startswith("model.num_layers=")],
-              "target": rec["target"], "compile_s": round(sum(p["compile_s"] for p in programs.values()), 1),
+              "target": rec["target"], "commit": rec.get("commit", ""),
+              "compile_s": round(sum(p["compile_s"] for p in programs.values()), 1),
               "from_inspect": str(path.relative_to(harness.ROOT)) if path.resolve().is_relative_to(harness.ROOT) else str(path),
               **_summary(est)}
     if "step_estimate" in rec:
@@ -162,7 +164,18 @@ def _write(out: Path, arms: dict) -> None:
                   "trip counts applied, Pallas calls by their stated cost estimate plus a fixed cost per grid "
                   "step, collectives' ring wire bytes over the link bandwidth; step_s adds the collectives to "
                   "the compute, overlapped_step_s hides them under it; a conditional costs its heaviest branch",
-                  seed=se.SEED_CELL)
+                  seed=se.SEED_CELL, seed_lever_effects=SEED_LEVER_EFFECTS)
+
+
+# The seed's levers measured at its cell, each against a control in the same pod (seconds per step),
+# by the name of the arm that turns the lever off at the cell (its estimated effect: the cell arm's
+# step_s minus that arm's).
+SEED_LEVER_EFFECTS = {
+    "no_wi_fwd_tile": {"lever": "the wi forward's one N tile per half (1024) at weight pipeline depth 2",
+                       "overrides": ["kernels.gmm.wi_fwd_tile_n_per_half=512", "kernels.gmm.wi_fwd_rhs_buffer_count=0"],
+                       "seed_s": [-0.36, -0.32]},
+    "no_gdn_m_scan": {"lever": "gdn.cp_m_scan", "overrides": ["gdn.cp_m_scan=false"], "seed_s": [-0.66, -0.66]},
+}
 
 
 if __name__ == "__main__":
