@@ -39,6 +39,13 @@ def _local_rows(m: int, num_local: int, group_sizes_E) -> float:
     return m * num_local / group_sizes_E.shape[0]
 
 
+def _steps(m: int, tm: int, num_local: int, group_sizes_E, table_len: int) -> int:
+    """The grid steps the stated bytes count: the local groups' rows are contiguous (sorted by
+    group), so their tiles plus one boundary tile per group after the first, at the balanced
+    share of the rows; at most the step table's length (its static bound)."""
+    return min(table_len, -(-int(_local_rows(m, num_local, group_sizes_E)) // tm) + num_local - 1)
+
+
 def _itemsize(x) -> int:
     return jnp.dtype(x.dtype).itemsize
 
@@ -70,6 +77,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
         visit_empty=False)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
     tiles_k = k // tk
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, lhs_ref, rhs_ref, out_ref, acc_ref):
@@ -109,11 +117,11 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
         name="gmm_t" if transpose_rhs else "gmm",
         # The local groups' rows through their weights, 2 m k n over the balanced local share;
         # bytes as the grid fetches blocks: the lhs row tile once per N tile, the group's weight
-        # slab once per step, the output tile once per step (the step tables' length: a static upper
-        # bound of the steps run).
+        # slab once per step, the output tile once per step (steps at the balanced share: `_steps`).
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
-                            (n // tn) * grp.shape[0] * tm * k * _itemsize(lhs_MK)
-                            + grp.shape[0] * k * n * _itemsize(rhs_GKN) + grp.shape[0] * tm * n * jnp.dtype(out_dtype).itemsize),
+                            (n // tn) * stated_steps * tm * k * _itemsize(lhs_MK)
+                            + stated_steps * k * n * _itemsize(rhs_GKN)
+                            + stated_steps * tm * n * jnp.dtype(out_dtype).itemsize),
     )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
     return metadata.keep_local_rows(out, m, group_sizes_E, group_offset, num_local)
 
@@ -132,6 +140,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
         visit_empty=True)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
     in_dtype = jnp.promote_types(lhs_MK.dtype, grad_MN.dtype)
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, lhs_ref, grad_ref, out_ref, acc_ref):
@@ -178,7 +187,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
         # lhs^T @ grad over the local groups' rows: 2 m k n over the balanced local share; each step fetches a row tile of both operands per
         # (N tile, K tile); the [G, K, N] output is written once.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
-                            grp.shape[0] * tm * ((n // tn) * k * _itemsize(lhs_MK)
+                            stated_steps * tm * ((n // tn) * k * _itemsize(lhs_MK)
                                                          + (k // tk) * n * _itemsize(grad_MN))
                             + num_local * k * n * jnp.dtype(out_dtype).itemsize),
     )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad))
@@ -212,6 +221,7 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
         visit_empty=False)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
     out_dtype = x_MD.dtype
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, x_ref, wg_ref, wu_ref, h_ref, pre_ref,
@@ -266,8 +276,9 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
         # x's row tile once per N tile, the two weight slabs once per step, h and the
         # pre-activations written per step.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * 2 * f,
-                            nt * grp.shape[0] * tm * d * _itemsize(x_MD)
-                            + grp.shape[0] * d * 2 * f * _itemsize(wi_GD2F) + grp.shape[0] * tm * 3 * f * _itemsize(x_MD), m * f),
+                            nt * stated_steps * tm * d * _itemsize(x_MD)
+                            + stated_steps * d * 2 * f * _itemsize(wi_GD2F)
+                            + stated_steps * tm * 3 * f * _itemsize(x_MD), m * f),
     )(lo, hi, grp, tile, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
     return (metadata.keep_local_rows(h, m, group_sizes_E, group_offset, num_local),
             metadata.keep_local_rows(pre, m, group_sizes_E, group_offset, num_local))
@@ -289,6 +300,7 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
         visit_empty=False)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, g_ref, wo_ref, pre_ref, *rest):
         s_ref, h_ref, (d_ref, dot_ref, acc_ref) = plan.optional_refs(rest)
@@ -339,7 +351,7 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         # per step a row tile of g and the group's [F, D] weight; the pre-activations read and
         # their gradient written per step (plus the row scale and h where given).
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * f,
-                            grp.shape[0] * (tm * d * _itemsize(g_MD) + f * d * _itemsize(wo_GFD)
+                            stated_steps * (tm * d * _itemsize(g_MD) + f * d * _itemsize(wo_GFD)
                                                      + 2 * tm * 2 * f * jnp.dtype(pre_dtype).itemsize
                                                      + tm * 4 * (1 + has_scale) + (tm * f * _itemsize(h_MF) if has_h else 0)),
                             m * f),
