@@ -399,6 +399,30 @@ ENTRY %main (a: f32[{G},{K},{M}], b: f32[{G},{K},{N}]) -> f32[{G},{M},{N}] {{
     assert se.hlo_flops(text) == 2 * G * M * N * K
 
 
+def test_a_collective_offloaded_to_an_async_call_is_counted():
+    """The TPU7x compiler runs the weights' all-gathers and the gradients' reduce-scatters on the
+    SparseCore, each as an async call-start of a computation holding the collective: it is a
+    collective of the step (ring bytes over the links), not a memory op of its call's size."""
+    n, rows, width = 4, 1024, 512
+    text = f"""HloModule offloaded
+
+%gather (p: bf16[{rows},{width}]) -> bf16[{n * rows},{width}] {{
+  %p = bf16[{rows},{width}]{{1,0}} parameter(0)
+  ROOT %ag = bf16[{n * rows},{width}]{{1,0}} all-gather(%p), channel_id=1, replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}
+}}
+
+ENTRY %main (x: bf16[{rows},{width}]) -> bf16[{n * rows},{width}] {{
+  %x = bf16[{rows},{width}]{{1,0}} parameter(0)
+  %start = ((bf16[{rows},{width}]{{1,0}}), bf16[{n * rows},{width}]{{1,0}}, u32[]) call-start(%x), async_execution_thread="sparsecore", to_apply=%gather
+  ROOT %done = bf16[{n * rows},{width}]{{1,0}} call-done(%start)
+}}
+"""
+    est = se.estimate(text, se.HARDWARE["tpu7x"], tokens_per_step=1, chips=2, devices=n)
+    gathered = n * rows * width * 2
+    assert est["collectives"]["all-gather"]["wire_bytes"] == pytest.approx(gathered * (n - 1) / n)
+    assert est["categories"]["the rest"]["bytes"] == 0, est["categories"]["the rest"]
+
+
 def test_a_dot_written_as_a_padded_convolution_counts_its_real_taps():
     """XLA's TPU form of [B, K] x [K, W, O] (the GDN output projection's backward at the cell): the
     lhs gets a unit spatial dim padded by W - 1 on each side and the weight's W is the window, so

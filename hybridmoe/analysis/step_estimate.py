@@ -629,7 +629,7 @@ class Estimator:
                 walked = [self._walk(b, stack + (comp,), i.op_name or context) for b in names]
                 if walked:
                     out += max(walked, key=lambda ops: sum(_flat_time(c) * k for c, k in ops))
-            elif i.opcode in ("call", "async-start") or (i.opcode == "custom-call" and "called_computations" in i.attrs):
+            elif i.opcode in ("call", "call-start", "async-start") or (i.opcode == "custom-call" and "called_computations" in i.attrs):
                 for callee in re.findall(r"\b(?:to_apply|calls|called_computations)=\{?%?([\w.\-]+)", i.attrs):
                     out += self._walk(callee, stack + (comp,), i.op_name or context)
             else:
