@@ -801,6 +801,31 @@ CPU ms per call, the path the sampler's decode step takes (`every_expert_is_chea
 """
 
 
+def cell_reading(rec: dict) -> str:
+    """Where the `cell` arm's estimated time goes, category by category, from the record."""
+    a = rec["arms"].get("cell")
+    if not a or "step_s" not in a:
+        return "(the seed's cell is not in this record yet)"
+    seed = rec["seed"]
+    cats = sorted(((c, r) for c, r in a["categories"].items() if r["s"] > 0), key=lambda kv: -kv[1]["s"])
+    parts = []
+    for c, r in cats:
+        if c == "collectives":
+            parts.append(f"{c} {r['s']:.1f} s")
+            continue
+        split = max(("compute", r["compute_s"]), ("memory", r["memory_s"]), ("grid steps", r["grid_s"]),
+                    key=lambda kv: kv[1])
+        parts.append(f"{c} {r['s']:.1f} s (mostly {split[0]}: {split[1]:.1f} s)")
+    designed = a.get("designed_flops_per_device")
+    flops = ("" if not designed else
+             f" Its FLOPs per device, {a['hlo_flops_per_device'] / 1e12:,.0f} TFLOP as compiled (each Pallas call at "
+             f"its stated count), are {a['hlo_flops_per_device'] / designed - 1:+.1%} off the design count "
+             f"({designed / 1e12:,.0f} TFLOP).")
+    return (f"At the seed's cell with every lever (`cell`), the estimate is {a['step_s']:.1f} s per step with the "
+            f"collectives added to the compute and {a['overlapped_step_s']:.1f} s with them hidden under it, against "
+            f"the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}")
+
+
 def step_estimate() -> str:
     name = "step_estimate.json"
     rec = load(name)
@@ -809,7 +834,7 @@ def step_estimate() -> str:
     def sec(x):
         return "-" if x is None else (f"{x:.3g}" if x < 1 else f"{x:.2f}")
 
-    rows, kernels = [], []
+    rows, kernels, collectives = [], [], []
     for arm, a in rec["arms"].items():
         if "step_s" not in a:
             rows.append([f"`{arm}`", f"`{a['recipe']}` {' '.join(a['overrides'])}", a["target"], "refused"] + ["-"] * 12)
@@ -824,6 +849,8 @@ def step_estimate() -> str:
                      a.get("commit", "")[:7] or "-"])
         for k, r in sorted(a["kernels"].items(), key=lambda kv: -kv[1]["s"]):
             kernels.append([f"`{arm}`", f"`{k}`", f"{r['calls']:.0f}", f"{r['grid_steps']:,.0f}", sec(r["s"])])
+        for kind, r in sorted(a["collectives"].items(), key=lambda kv: -kv[1]["s"]):
+            collectives.append([f"`{arm}`", kind, f"{r['wire_bytes'] / 2**30:,.1f}", sec(r["s"])])
     seed = rec["seed"]
     levers = []
     for arm, lever in rec.get("seed_lever_effects", {}).items():
@@ -873,6 +900,12 @@ which the dense-matmul column holds where the compiler left it no name.
 
 The seed's measured step at its cell, for comparison: {seed['step_s']} s, {seed['tokens_per_s_per_chip']:,.0f}
 tokens/s per chip.
+
+{cell_reading(rec)}
+
+Collectives (GiB a device sends per step by a ring algorithm, estimated seconds at the link bandwidth):
+
+{table(["arm", "kind", "GiB sent", "s"], collectives) if collectives else "(none in these arms)"}
 
 Pallas calls (calls and grid steps per step, estimated seconds):
 
