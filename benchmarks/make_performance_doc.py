@@ -823,7 +823,30 @@ def cell_reading(rec: dict) -> str:
              f"({designed / 1e12:,.0f} TFLOP).")
     return (f"At the seed's cell with every lever (`cell`), the estimate is {a['step_s']:.1f} s per step with the "
             f"collectives added to the compute and {a['overlapped_step_s']:.1f} s with them hidden under it, against "
-            f"the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}")
+            f"the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}" + """
+
+What the program shows behind those figures (read op by op from the cell's compiled HLO), and so
+what stands between the estimate and the seed's step:
+- grouped matmuls: their stated bytes at the recipe's tiles (tm 512, tk 2048, tn 512; the wi
+  forward at tk 4096 with one N tile per half, the fused wo input gradient at one N tile): each
+  row tile is fetched once per N tile and each step fetches its group's weight slab, so the
+  weight-gradient kernels (`tgmm`) and the wi input gradient (`gmm_t`, d_model in 8 tiles of 512)
+  re-read their rows several times, and `tgmm`'s small output tiles make the largest grid. With 256 local experts of about 160 rows each per token chunk, a 512-row tile is mostly
+  padding: the MXU runs it whole, which the compute column (useful FLOPs) does not show. Tiles per
+  kernel chosen by a model that also counts the padded MXU work, and a `tgmm` that accumulates
+  into the carried gradient, are what remain;
+- the rest: mostly memory traffic of the MoE token-chunk scan's backward, which adds each chunk's
+  weight gradients (bf16 [256, 4096, 2048] and [256, 1024, 4096]) into the gradient the scan
+  carries (an in-place accumulation in `tgmm` would remove those adds), the row gathers and
+  scatters around the grouped matmuls, and the expert weights' dequantising converts;
+- collectives: the fp8 expert weights' all-gathers and the bf16 weight gradients' reduce-scatters,
+  once per layer per micro-batch and again for the remat replay's gathers, which the TPU7x compiler
+  runs on its SparseCores beside the compute (the overlapped total assumes they hide);
+- GDN: many small XLA ops of the sequence-sharded scans and the chunk layout (memory-bound), and
+  the Pallas core's grid of one 64-token chunk of one head per step (its fixed cost per step);
+  a core that runs many chunks and heads per step is what remains;
+- attention: the flash kernels' compute (the forward twice, for the replay), plus the fixed cost
+  of a static grid that visits every key block (a causally skipped block still costs a step).""")
 
 
 def step_estimate() -> str:
