@@ -409,8 +409,8 @@ N` compiles the step at N layers and at N + one block and extrapolates along tha
 model's depth (per block = the difference). It is not exact: the compiler schedules and packs the
 deeper program on its own (buffers of one block's body can overlap the stacks differently), and a
 loop of one iteration is removed outright, so N is at least two blocks. The step-time estimate
-(the section above) extrapolates along the same line, and more closely: it counts the layer loop's body
-once per block. Below: `{rec['recipe']}`
+(the section above) extrapolates along the same line: it counts the layer loop's body once per
+block, so it is affine while the compiler makes the same body at each depth. Below: `{rec['recipe']}`
 ({overrides}) for `{rec['target']}`, blocks of {rec['block_layers']} layers, compiled at each depth
 and whole at {rec['full_layers']} layers (MiB per device; compile seconds on this host).
 
@@ -436,9 +436,20 @@ def _depth_reading(rec: dict, full: dict) -> str:
             f"compiles took {slower[0]['compile_s']:.0f} s together against {full['compile_s']:.0f} s for the "
             f"whole model, so at this size `--layers` saves no time; it saves time only where the whole "
             f"model's compile takes longer than two shallow ones." if slower else "")
-    return (f"The extrapolation from {', '.join(f'`--layers {n}` ({100 * e:+.1f}%)' for n, e in errs.items())} "
-            f"is closest from `--layers {best}`: the temporaries per block still grow between the shallowest "
-            f"depths. {time}")
+    steps = {d["layers"]: d.get("step_s") for d in rec["depths"]}
+    shallow = sorted(n for n in steps if n != rec["full_layers"] and steps[n] is not None)
+    per_block = [(a, b, (steps[b] - steps[a]) * 1e3) for a, b in zip(shallow, shallow[1:])]
+    est_errs = {e["layers_flag"]: e["step_estimate"]["relative_error"] for e in rec["extrapolations"]
+                if "step_estimate" in e}
+    estimate = ("" if not est_errs else
+                f" The step estimate's extrapolation is off by "
+                f"{', '.join(f'{100 * e:+.1f}% from `--layers {n}`' for n, e in est_errs.items())}; per block it "
+                f"rises {', '.join(f'{ms:.3g} ms ({a} to {b} layers)' for a, b, ms in per_block)}, so where the "
+                f"compiler's program changes between two depths the line through them misses.")
+    return textwrap.fill(
+        f"The extrapolation from {', '.join(f'`--layers {n}` ({100 * e:+.1f}%)' for n, e in errs.items())} "
+        f"is closest from `--layers {best}`: the temporaries per block still grow between the shallowest "
+        f"depths.{estimate} {time}", 100)
 
 
 BEFORE_LM_HEAD_FIX = {"db17658", "557f88b"}  # seed-cell records compiled before f645318
@@ -821,9 +832,10 @@ def cell_reading(rec: dict) -> str:
              f" Its FLOPs per device, {a['hlo_flops_per_device'] / 1e12:,.0f} TFLOP as compiled (each Pallas call at "
              f"its stated count), are {a['hlo_flops_per_device'] / designed - 1:+.1%} off the design count "
              f"({designed / 1e12:,.0f} TFLOP).")
-    return (f"At the seed's cell with every lever (`cell`), the estimate is {a['step_s']:.1f} s per step with the "
-            f"collectives added to the compute and {a['overlapped_step_s']:.1f} s with them hidden under it, against "
-            f"the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}" + """
+    return textwrap.fill(
+        f"At the seed's cell with every lever (`cell`), the estimate is {a['step_s']:.1f} s per step with the "
+        f"collectives added to the compute and {a['overlapped_step_s']:.1f} s with them hidden under it, against "
+        f"the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}", 100) + """
 
 What the program shows behind those figures (read op by op from the cell's compiled HLO), and so
 what stands between the estimate and the seed's step:
@@ -831,8 +843,8 @@ what stands between the estimate and the seed's step:
   forward at tk 4096 with one N tile per half, the fused wo input gradient at one N tile): each
   row tile is fetched once per N tile and each step fetches its group's weight slab, so the
   weight-gradient kernels (`tgmm`) and the wi input gradient (`gmm_t`, d_model in 8 tiles of 512)
-  re-read their rows several times, and `tgmm`'s small output tiles make the largest grid. With 256 local experts of about 160 rows each per token chunk, a 512-row tile is mostly
-  padding: the MXU runs it whole, which the compute column (useful FLOPs) does not show. Tiles per
+  re-read their rows several times, and `tgmm`'s small output tiles make the largest grid. With
+  256 local experts of about 160 rows each per token chunk, a 512-row tile is mostly padding: the MXU runs it whole, which the compute column (useful FLOPs) does not show. Tiles per
   kernel chosen by a model that also counts the padded MXU work, and a `tgmm` that accumulates
   into the carried gradient, are what remain;
 - the rest: mostly memory traffic of the MoE token-chunk scan's backward, which adds each chunk's
@@ -846,7 +858,7 @@ what stands between the estimate and the seed's step:
   the Pallas core's grid of one 64-token chunk of one head per step (its fixed cost per step);
   a core that runs many chunks and heads per step is what remains;
 - attention: the flash kernels' compute (the forward twice, for the replay), plus the fixed cost
-  of a static grid that visits every key block (a causally skipped block still costs a step).""")
+  of a static grid that visits every key block (a causally skipped block still costs a step)."""
 
 
 def step_estimate() -> str:
@@ -908,7 +920,15 @@ model's FLOPs over the bf16 peak) are the serial total's.
 `FLOPs vs design`: the compiled step's FLOPs per device (loops' trip counts applied, each Pallas
 call at its stated count) against the count the implementation is designed to run
 (`analysis/flops.designed_step_flops`: the model's matmuls with the remat policy's replay, the
-chunked GDN core, the flash backward's recomputation); within 10% is the check.
+chunked GDN core, the flash backward's recomputation); within 10% is the check (`-`: a remat
+policy of `auto`, resolved at trace time, has no design count).
+
+Neither lever's estimate matches its measurement: the model gives the wi forward tile about ten
+times the gain the seed measured (the fixed cost of the grid steps and the re-read bytes it saves
+are charged at face value), and reads the GDN m scan as slightly slower than the tree it replaces
+(more memory time, less compute), where the seed measured it faster: our m scan is an XLA loop
+whose [heads, K, K] product goes through HBM at every chunk, the seed's a Pallas scan that keeps
+it in VMEM.
 
 Each of the seed's levers at the cell, estimated (the `cell` arm's step minus the arm with the lever
 off) beside the seed's measurement (each against a control in the same pod):

@@ -147,7 +147,8 @@ def _from_inspect(path: Path, arms: dict, out: Path, previous: dict) -> int:
     result = {"recipe": first["recipe"], "overrides": [o for o in first["overrides"] if not o.startswith("model.num_layers=")],
               "target": rec["target"], "commit": rec.get("commit", ""),
               "compile_s": round(sum(p["compile_s"] for p in programs.values()), 1),
-              "from_inspect": str(path.relative_to(harness.ROOT)) if path.resolve().is_relative_to(harness.ROOT) else str(path),
+              "from_inspect": (str(path.resolve().relative_to(harness.ROOT)) if path.resolve().is_relative_to(harness.ROOT)
+                               else str(path)),
               **_summary(est)}
     if "step_estimate" in rec:
         result["extrapolated_from"] = {str(p["config"]["model"]["num_layers"]): _summary(p["step_estimate"])
