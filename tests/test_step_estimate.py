@@ -351,6 +351,20 @@ def test_small_step_flops_match_the_analytic_count(small_step):
     assert broken_err > TOLERANCE, (ignored, analytic, broken_err)
 
 
+def test_the_design_count_follows_the_remat_policys_replay():
+    """full and custom (which saves only the names it lists: the levers' ids, no matmul output)
+    replay the layer stack's forward in the backward, none and minimal do not, auto has no count
+    (resolved at trace time): the cell's recipe is custom, so counting it as none would put its
+    FLOP check a quarter off."""
+    from hybridmoe.analysis.flops import designed_flops_per_device
+    from hybridmoe.recipe import load_config
+
+    count = {p: designed_flops_per_device(load_config("small", [f"remat.policy={p}"]), 8, "cpu")
+             for p in ("full", "custom", "none", "minimal", "auto")}
+    assert count["custom"] == count["full"] > count["none"] == count["minimal"], count
+    assert count["auto"] is None
+
+
 def test_small_step_estimate_prints_every_category(small_step):
     cfg, text = small_step
     est = se.estimate(text, se.HARDWARE["tpu7x"], tokens_per_step=8 * 512 * 2, chips=4, devices=8,
