@@ -426,6 +426,19 @@ and whole at {rec['full_layers']} layers (MiB per device; compile seconds on thi
 """
 
 
+def _estimate_error_by_category(rec: dict) -> str:
+    """Which categories carry the estimate's extrapolation error, and which extrapolate within 1%."""
+    errs = [e["step_estimate"].get("category_relative_error", {}) for e in rec["extrapolations"] if "step_estimate" in e]
+    if not errs:
+        return ""
+    worst = {c: max(abs(e.get(c, 0.0)) for e in errs) for c in errs[0]}
+    exact = [c for c, w in worst.items() if w < 0.01]
+    off = sorted((c for c in worst if c not in exact), key=lambda c: -worst[c])
+    return (f" By category, {', '.join(exact)} extrapolate within 1% from every pair"
+            + (f"; the error is in {' and '.join(off)} (up to {100 * worst[off[0]]:.0f}%: the ops outside the "
+               f"named scopes, which do not grow block by block)." if off else "."))
+
+
 def _depth_reading(rec: dict, full: dict) -> str:
     """What the depth record says, in words drawn from its figures."""
     errs = {e["layers_flag"]: e["relative_error"]["total"] for e in rec["extrapolations"]}
@@ -445,7 +458,8 @@ def _depth_reading(rec: dict, full: dict) -> str:
                 f" The step estimate's extrapolation is off by "
                 f"{', '.join(f'{100 * e:+.1f}% from `--layers {n}`' for n, e in est_errs.items())}; per block it "
                 f"rises {', '.join(f'{ms:.3g} ms ({a} to {b} layers)' for a, b, ms in per_block)}, so where the "
-                f"compiler's program changes between two depths the line through them misses.")
+                f"compiler's program changes between two depths the line through them misses."
+                + _estimate_error_by_category(rec))
     return textwrap.fill(
         f"The extrapolation from {', '.join(f'`--layers {n}` ({100 * e:+.1f}%)' for n, e in errs.items())} "
         f"is closest from `--layers {best}`: the temporaries per block still grow between the shallowest "
