@@ -858,9 +858,10 @@ what stands between the estimate and the seed's step:
   row tile is fetched once per N tile and each step fetches its group's weight slab, so the
   weight-gradient kernels (`tgmm`) and the wi input gradient (`gmm_t`, d_model in 8 tiles of 512)
   re-read their rows several times, and `tgmm`'s small output tiles make the largest grid. With
-  256 local experts of about 160 rows each per token chunk, a 512-row tile is mostly padding: the MXU runs it whole, which the compute column (useful FLOPs) does not show. Tiles per
-  kernel chosen by a model that also counts the padded MXU work, and a `tgmm` that accumulates
-  into the carried gradient, are what remain;
+  256 local experts of about 160 rows each per token chunk, a 512-row tile is mostly padding:
+  the MXU runs it whole, which the compute column (useful FLOPs) does not show. Tiles per kernel
+  chosen by a model that also counts the padded MXU work, and a `tgmm` that accumulates into the
+  carried gradient, are what remain;
 - the rest: mostly memory traffic of the MoE token-chunk scan's backward, which adds each chunk's
   weight gradients (bf16 [256, 4096, 2048] and [256, 1024, 4096]) into the gradient the scan
   carries (an in-place accumulation in `tgmm` would remove those adds), the row gathers and
@@ -913,7 +914,8 @@ def step_estimate() -> str:
     return f"""## Step time on the target, estimated from the compiled program
 
 `hybridmoe inspect` and `benchmarks/step_estimate.py` estimate a step's time on its target from
-the program the compiler made for it (`hybridmoe/analysis/step_estimate.py`); nothing runs on the
+the program the compiler made for it (`hybridmoe/analysis/hlo_cost.py` counts each op's work,
+`hybridmoe/analysis/step_estimate.py` prices it on the target); nothing runs on the
 target. Each instruction of the optimised HLO costs the larger of its compute time (dot,
 convolution and ragged-dot FLOPs from their shapes; a float32 dot at HIGHEST precision as 6 MXU
 passes) and its memory time (operand and result bytes over HBM bandwidth; a slice, or an update

@@ -1,4 +1,5 @@
-"""The step-time cost model (analysis/step_estimate.py) and the cost estimates our Pallas kernels state.
+"""The step-time cost model (analysis/hlo_cost.py per op, analysis/step_estimate.py per step) and
+the cost estimates our Pallas kernels state.
 
 - Trip counts: a tiny jitted scan around a fori_loop; the count read from XLA's annotation and,
   with the annotation removed, from the loop condition's compare; FLOPs multiply through both.
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hybridmoe.analysis import hlo_cost as hc
 from hybridmoe.analysis import step_estimate as se
 from hybridmoe.analysis.program import iter_eqns
 
@@ -63,20 +65,20 @@ def nested_text():
 
 
 def test_trip_counts_from_the_annotation_and_from_the_condition(nested_text):
-    assert sorted(n for n in se.while_trip_counts(nested_text).values()) == sorted([INNER, OUTER])
+    assert sorted(n for n in hc.while_trip_counts(nested_text).values()) == sorted([INNER, OUTER])
     # Without XLA's annotation (what a TPU compile prints), the condition's `i < N` says the same.
     bare = nested_text.replace('"known_trip_count"', '"unknown_trip_count"')
     assert '"known_trip_count"' not in bare
-    assert sorted(se.while_trip_counts(bare).values()) == sorted([INNER, OUTER])
+    assert sorted(hc.while_trip_counts(bare).values()) == sorted([INNER, OUTER])
 
 
 def test_loop_flops_multiply_through_nested_loops(nested_text):
     one = 2 * N**3
     want = one * INNER * OUTER
     for text in (nested_text, nested_text.replace('"known_trip_count"', '"unknown_trip_count"')):
-        got = se.hlo_flops(text)
+        got = hc.hlo_flops(text)
         assert got == want, (got, want)
-    assert se.hlo_flops(nested_text, apply_trip_counts=False) == one
+    assert hc.hlo_flops(nested_text, apply_trip_counts=False) == one
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,13 +99,13 @@ def _fill_rows(x):
 
 def test_a_loop_filling_a_stack_row_by_row_moves_rows_not_the_stack():
     text = _compiled_text(_fill_rows, jnp.ones((ROWS, WIDTH), jnp.float32))
-    est = se.Estimator(text)
+    est = hc.Estimator(text)
     moved = sum(c.bytes * k for c, k in est.ops())
     buffer = ROWS * WIDTH * 4
     # the zeros written once, then per iteration one row read and one row written: 3 buffers' worth
     assert moved == pytest.approx(3 * buffer, rel=0.01), moved / buffer
     # Sabotage: every op charged its whole operands and result (the stack read and written each iteration).
-    whole = sum((sum(se.type_bytes(est.types[comp].get(o, "")) for o in i.operands) + se.type_bytes(i.type_text))
+    whole = sum((sum(hc.type_bytes(est.types[comp].get(o, "")) for o in i.operands) + hc.type_bytes(i.type_text))
                 * est_k for comp, i, est_k in _walk_instrs(est))
     assert whole > 100 * buffer, whole / buffer
 
@@ -112,7 +114,7 @@ def _walk_instrs(est):
     """(computation, instruction, times run) of the loop body's fusions and slices, by trip count."""
     loop = next(i for i in est.comps[est.entry] if i.opcode == "while")
     body = re.search(r"\bbody=%?([\w.\-]+)", loop.attrs).group(1)
-    n = se.trip_count(loop, est.comps, est.comps[est.entry])
+    n = hc.trip_count(loop, est.comps, est.comps[est.entry])
     return [(body, i, n) for i in est.comps[body] if i.opcode in ("fusion", "dynamic-slice", "dynamic-update-slice")]
 
 
@@ -152,7 +154,7 @@ def _gmm_cases(sizes=SIZES, num_local=E, group_offset=0):
 
 
 def _dense_flops(a, b) -> float:
-    return se.hlo_flops(_compiled_text(lambda x, y: x @ y, jnp.ones(a, jnp.float32), jnp.ones(b, jnp.float32)))
+    return hc.hlo_flops(_compiled_text(lambda x, y: x @ y, jnp.ones(a, jnp.float32), jnp.ones(b, jnp.float32)))
 
 
 @pytest.mark.parametrize("kernel", ["gmm", "tgmm", "wi_fused_swiglu_fwd", "wo_fused_dswiglu_dlhs"])
@@ -191,8 +193,8 @@ def _reference_attention_flops(block_q: int, block_k: int):
 
     q, k, v, pos, seg = _attention_inputs()
     fwd = lambda q, k, v: attention(q, k, v, q_pos_BT=pos, kv_pos_BS=pos, q_seg_BT=seg, kv_seg_BS=seg, scale=0.1)  # noqa: E731
-    f = se.hlo_flops(_compiled_text(fwd, q, k, v))
-    both = se.hlo_flops(_compiled_text(lambda q, k, v: jax.vjp(fwd, q, k, v)[1](jnp.ones_like(q)), q, k, v))
+    f = hc.hlo_flops(_compiled_text(fwd, q, k, v))
+    both = hc.hlo_flops(_compiled_text(lambda q, k, v: jax.vjp(fwd, q, k, v)[1](jnp.ones_like(q)), q, k, v))
     mask = np.tril(np.ones((T, T), bool))
     blocks = mask.reshape(T // block_q, block_q, T // block_k, block_k).any(axis=(1, 3))
     share = blocks.sum() / blocks.size
@@ -239,7 +241,7 @@ def test_flash_kernels_under_context_parallelism_state_the_causal_blocks_of_thei
     holding a causal pair for the layout the model built (load-balanced: every rank the same;
     natural order: the last rank's, the slowest), counted here from the positions themselves."""
     from hybridmoe.kernels.attention import ops
-    from hybridmoe.model.attention import context_query_runs
+    from hybridmoe.parallel.context import rank_query_runs
 
     S = CP * CP_T
     per_block = 2 * 2 * CP_BQ * CP_BK * A  # forward: q k^T and p v per block, one head
@@ -256,7 +258,7 @@ def test_flash_kernels_under_context_parallelism_state_the_causal_blocks_of_thei
     qpos = jnp.asarray(_rank_positions(CP - 1, load_balanced), jnp.int32)[None]
     kpos = jnp.arange(S, dtype=jnp.int32)[None]
     opts = dict(q_pos=qpos, kv_pos=kpos, scale=0.1, backend="pallas_tpu", block_q=CP_BQ, block_k=CP_BK,
-                interpret=True, query_runs=context_query_runs(CP_T, S, load_balanced))
+                interpret=True, query_runs=rank_query_runs(CP_T, S, load_balanced))
     stated = _stated(lambda: ops.attention_fwd(q, k, k, **opts))["flash_attention_forward"]
     assert stated == expected * per_block, (stated / per_block, expected)
     # Without the layout every block counts (the static bound): 2x the load-balanced work here.
@@ -289,8 +291,8 @@ def test_gdn_kernels_state_the_flops_their_chunk_math_compiles_to():
     res = fwd(x)[1]
     stated_fwd = _stated(fwd, x)["gdn_chunk_forward"]
     stated_bwd = _stated(bwd, x, res)["gdn_chunk_backward"]
-    compiled_fwd = se.hlo_flops(_compiled_text(fwd, x))
-    compiled_bwd = se.hlo_flops(_compiled_text(bwd, x, res))
+    compiled_fwd = hc.hlo_flops(_compiled_text(fwd, x))
+    compiled_bwd = hc.hlo_flops(_compiled_text(bwd, x, res))
     assert stated_fwd == compiled_fwd, (stated_fwd, compiled_fwd)
     assert stated_bwd == compiled_bwd, (stated_bwd, compiled_bwd)
 
@@ -342,8 +344,8 @@ def _analytic(cfg) -> float:
 
 def test_small_step_flops_match_the_analytic_count(small_step):
     cfg, text = small_step
-    compiled, analytic = se.hlo_flops(text), _analytic(cfg)
-    ignored = se.hlo_flops(text, apply_trip_counts=False)
+    compiled, analytic = hc.hlo_flops(text), _analytic(cfg)
+    ignored = hc.hlo_flops(text, apply_trip_counts=False)
     err, broken_err = abs(compiled / analytic - 1), abs(ignored / analytic - 1)
     print(f"compiled {compiled:.4e} analytic {analytic:.4e}: off by {err:.3f}; trip counts ignored: {broken_err:.3f}")
     assert err < TOLERANCE, (compiled, analytic, err)
@@ -410,7 +412,7 @@ ENTRY %main (a: f32[{G},{K},{M}], b: f32[{G},{K},{N}]) -> f32[{G},{M},{N}] {{
   ROOT %conv = f32[{G},{M},{N}]{{2,1,0}} convolution(%a, %b), window={{size={G} stride={G - 1} lhs_dilate={G}}}, dim_labels=0fb_0io->0bf
 }}
 """
-    assert se.hlo_flops(text) == 2 * G * M * N * K
+    assert hc.hlo_flops(text) == 2 * G * M * N * K
 
 
 def test_a_collective_offloaded_to_an_async_call_is_counted():
@@ -450,4 +452,4 @@ ENTRY %main (a: bf16[{B},{K},1], b: bf16[{W},{O},{K}]) -> bf16[{B},{W},{O}] {{
   ROOT %conv = bf16[{B},{W},{O}]{{2,0,1}} convolution(%a, %b), window={{size={W} pad={W - 1}_{W - 1} rhs_reversal=1}}, dim_labels=bf0_0oi->b0f
 }}
 """
-    assert se.hlo_flops(text) == 2 * B * K * W * O
+    assert hc.hlo_flops(text) == 2 * B * K * W * O

@@ -49,7 +49,7 @@ def step_flops(cfg: Config, batch: int | None = None, seq_len: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
-# The matmul work the compiled step is built to run (the check of analysis/step_estimate.py's count)
+# The matmul work the compiled step is built to run (the check of analysis/hlo_cost.py's count)
 
 
 def gdn_chunk_core_macs_per_token(m: ModelConfig, chunk_size: int) -> float:

@@ -74,23 +74,11 @@ def load_balanced_ids(positions_BT, segment_ids_BT, a: AttentionConfig):
     return ids[0], (ids[1] if len(ids) > 1 else None)
 
 
-def context_query_runs(t: int, S: int, load_balanced: bool):
-    """Under context parallelism, ((start, length), ...) of a rank's t queries among the S
-    gathered keys, for the flash kernels' stated cost: load-balanced, half-chunks r and 2P-1-r
-    (every rank visits as many causal blocks as rank 0); in natural order, the last rank's shard
-    (the one that sees every key, so the slowest)."""
-    P = S // t
-    if load_balanced:
-        half = t // 2
-        return ((0, half), ((2 * P - 1) * half, half))
-    return ((S - t, t),)
-
-
 def attention_core(kc: KernelsConfig, *, self_attention: bool, load_balanced: bool | None = None):
     """The core kernels.attention names, as a function with xla.attention's signature (q [B, T, N,
     A], k and v [B, S, G, A], positions and segment ids, scale). `self_attention`: S = T over the
     same tokens (the blocked core needs it; under context parallelism it runs the masked core).
-    load_balanced: under context parallelism, the queries' layout (context_query_runs)."""
+    load_balanced: under context parallelism, the queries' layout (context.rank_query_runs)."""
     backend = limits.resolve(kc.attention.backend, trace_platform())
     block_q, block_k = kc.attention.block_q, kc.attention.block_k
     if backend == "blocked":
@@ -103,7 +91,7 @@ def attention_core(kc: KernelsConfig, *, self_attention: bool, load_balanced: bo
     def core(q_BTNA, k_BSGA, v_BSGA, *, q_pos_BT, kv_pos_BS, q_seg_BT, kv_seg_BS, scale):
         t, S = q_BTNA.shape[1], k_BSGA.shape[1]
         bq, bk = limits.blocks(backend, block_q, block_k, t, S, hardware)
-        runs = None if load_balanced is None or S % t else context_query_runs(t, S, load_balanced)
+        runs = None if load_balanced is None or S % t else context.rank_query_runs(t, S, load_balanced)
         return flash_attention(q_BTNA, k_BSGA, v_BSGA, q_pos_BT=q_pos_BT, kv_pos_BS=kv_pos_BS, q_seg_BT=q_seg_BT,
                                kv_seg_BS=kv_seg_BS, scale=scale, backend=backend, block_q=bq, block_k=bk,
                                interpret=kc.interpret, vmem_limit_mib=kc.attention.vmem_limit_mib,
@@ -112,7 +100,7 @@ def attention_core(kc: KernelsConfig, *, self_attention: bool, load_balanced: bo
     return core
 
 
-# The scope names the attention core's ops in the compiled program (analysis/step_estimate.py).
+# The scope names the attention core's ops in the compiled program (analysis/hlo_cost.py).
 CORE_SCOPE = "attention_core"
 
 

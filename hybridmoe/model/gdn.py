@@ -152,7 +152,7 @@ def _halo_from_previous_rank(x_BS, axis_name: str):
     return jax.lax.ppermute(x_BS, axis_name, [(i, i + 1) for i in range(ranks - 1)])
 
 
-# The scope names the GDN core's ops in the compiled program (analysis/step_estimate.py).
+# The scope names the GDN core's ops in the compiled program (analysis/hlo_cost.py).
 CORE_SCOPE = "gdn_core"
 
 

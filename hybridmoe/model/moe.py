@@ -334,7 +334,7 @@ def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | 
     w_Tk, idx_Tk, _ = route(p["router"], x_TD, m, replay_Tk)
     plan = GroupedPlan.of(m, moe, kernels, quant)
     dropped = jnp.int32(0)
-    # The scope names the routed experts' ops in the compiled program (analysis/step_estimate.py's
+    # The scope names the routed experts' ops in the compiled program (analysis/hlo_cost.py's
     # "grouped matmuls"); jax keeps it in the backward's op names too.
     with jax.named_scope(scopes.GROUPED_MATMUL):
         if moe.impl == "dense":

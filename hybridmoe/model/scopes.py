@@ -12,9 +12,9 @@ LAYER_WEIGHTS = "layer_weights"  # a layer's weights made ready for use (FSDP ga
 ATTENTION = "attention"        # the gated attention token mixer (the layer kind's name)
 GDN = "gdn"                    # the Gated DeltaNet token mixer (the layer kind's name)
 MOE = "moe"                    # the routed-expert block (router, row gather, grouped matmuls, combine)
-GROUPED_MATMUL = "grouped_matmul"  # inside MOE: the routed experts' matmuls (analysis/step_estimate.py's category)
+GROUPED_MATMUL = "grouped_matmul"  # inside MOE: the routed experts' matmuls (analysis/hlo_cost.py's category)
 # The attention and GDN cores open their own scopes (CORE_SCOPE in kernels/attention and kernels/gdn:
-# kernels import nothing from model/), read by analysis/step_estimate.py the same way.
+# kernels import nothing from model/), read by analysis/hlo_cost.py the same way.
 LM_HEAD = "lm_head"            # the output projection and the per-token log-probs
 MICRO_BATCHES = "micro_batches"  # the gradient accumulation loop over micro-batches
 OPTIMIZER = "optimizer"        # the optimizer's update of the parameters and its state

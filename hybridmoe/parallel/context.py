@@ -51,6 +51,18 @@ def load_balance_permutations(P: int) -> tuple[list[tuple[int, int]], list[tuple
     return [(r, owner(2 * r)) for r in range(P)], [(r, owner(2 * r + 1)) for r in range(P)]
 
 
+def rank_query_runs(t: int, S: int, load_balanced: bool) -> tuple[tuple[int, int], ...]:
+    """((start, length), ...) of a context rank's t queries among the S = P t positions of the
+    sequence, for a cost that counts causal blocks: load-balanced, half-chunks r and 2P-1-r (rank 0's;
+    every rank holds as many visible (query, key) blocks); in natural order, the last rank's shard
+    (the one that sees every key, so the slowest)."""
+    P = S // t
+    if load_balanced:
+        half = t // 2
+        return ((0, half), ((2 * P - 1) * half, half))
+    return ((S - t, t),)
+
+
 def _halves(x, axis):
     n = x.shape[axis]
     if n % 2:

@@ -184,8 +184,9 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
         compiler_params=_params(t),
         interpret=interpret,
         name="tgmm",
-        # lhs^T @ grad over the local groups' rows: 2 m k n over the balanced local share; each step fetches a row tile of both operands per
-        # (N tile, K tile); the [G, K, N] output is written once.
+        # lhs^T @ grad over the local groups' rows: 2 m k n over the balanced local share; each
+        # step fetches a row tile of both operands per (N tile, K tile); the [G, K, N] output is
+        # written once.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
                             stated_steps * tm * ((n // tn) * k * _itemsize(lhs_MK)
                                                          + (k // tk) * n * _itemsize(grad_MN))
@@ -347,7 +348,8 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         compiler_params=_params(t, ("arbitrary", "arbitrary")),
         interpret=interpret,
         name="wo_fused_dswiglu_dlhs",
-        # g @ wo^T: 2 m d f over the local share of the rows (the SwiGLU VJP epilogue is elementwise, one sigmoid per gate element);
+        # g @ wo^T: 2 m d f over the local share of the rows (the SwiGLU VJP epilogue is
+        # elementwise, one sigmoid per gate element);
         # per step a row tile of g and the group's [F, D] weight; the pre-activations read and
         # their gradient written per step (plus the row scale and h where given).
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * f,
