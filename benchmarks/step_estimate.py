@@ -136,9 +136,12 @@ def _from_inspect(path: Path, arms: dict, out: Path, previous: dict) -> int:
 
     if len(arms) != 1 or next(iter(arms.values())):
         raise SystemExit("--from-inspect records one arm as inspect compiled it: --arm NAME= (no overrides)")
-    rec = json.loads(path.read_text())
+    try:
+        rec = json.loads(path.read_text())
+        programs = rec["programs"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--from-inspect {path}: not a `hybridmoe inspect --out` record ({e!r})")
     name = next(iter(arms))
-    programs = rec["programs"]
     first = programs[min(programs, key=lambda k: programs[k]["config"]["model"]["num_layers"])]
     est = rec.get("step_estimate") or first["step_estimate"]
     if est is None:
