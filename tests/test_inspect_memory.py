@@ -17,8 +17,11 @@ from hybridmoe.tools import train_program as tp
 # Two planted programs. Rows: tiny (narrow experts, 128-row tiles): the MoE block's token-row
 # buffers fill the peak. Weights: experts 16x wider and 8-row tiles: the routed experts' weights
 # gathered per row tile [tiles, d_model, 2 x moe_intermediate] and their gradients fill it.
-PLANTED = {"rows": (["train.batch_size=8"], peak_memory.MOE_ROWS),
-           "weights": (["train.batch_size=8", "model.moe_intermediate_size=512", "kernels.gmm.xla_tile_rows=8"],
+# One layer of each mixer (tiny's four compiled in twice the time; the planted buffers are the MoE
+# block's, in every layer).
+TWO_LAYERS = ["model.layer_pattern=[gdn,attention]", "model.num_layers=2", "train.batch_size=8"]
+PLANTED = {"rows": (TWO_LAYERS, peak_memory.MOE_ROWS),
+           "weights": ([*TWO_LAYERS, "model.moe_intermediate_size=512", "kernels.gmm.xla_tile_rows=8"],
                        peak_memory.EXPERT_WEIGHTS)}
 # A planted buffer of each: a row tile [tiles, 128 rows, d_model 64]; a wi gathered per row tile
 # [tiles, d_model 64, 2 x 512].
@@ -124,41 +127,43 @@ def test_layers_at_the_cell_recipe():
                            platform="tpu").model.num_blocks == n // 4
 
 
+DEPTH_MODEL = ["model.layer_pattern=[gdn,attention]", "model.num_layers=8", "train.batch_size=8"]
+
+
 def test_inspect_layers_compiles_two_depths_and_extrapolates(tmp_path, capsys):
-    """`inspect --layers 8` of a 16-layer model: the step at 8 and 12 layers, per-block memory their
-    difference, the 16-layer figure extrapolated; the layer loop's saved residuals grow with the
-    blocks it stacks."""
+    """`inspect --layers 4` of an 8-layer model of two-layer blocks: the step at 4 and 6 layers,
+    per-block memory their difference, the 8-layer figure extrapolated; the layer loop's saved
+    residuals grow with the blocks it stacks."""
     out = tmp_path / "depth.json"
-    assert main(["inspect", "recipe=tiny", "model.num_layers=16", "train.batch_size=8", "--layers", "8",
+    assert main(["inspect", "recipe=tiny", *DEPTH_MODEL, "--layers", "4",
                  "--target", "cpu:8", "--estimate-for", "h200", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "memory against depth" in text and "EXTRAPOLATED" in text
-    assert "EXTRAPOLATED to 16 layers from 8 and 12: step time estimate on h200" in text
+    assert "EXTRAPOLATED to 8 layers from 4 and 6: step time estimate on h200" in text
     rec = json.loads(out.read_text())
     d = rec["depth"]
-    m8, m12 = (rec["programs"][f"{n} layers"]["memory"] for n in (8, 12))
-    assert [c["layers"] for c in d["compiled"]] == [8, 12] and d["extrapolated"]["layers"] == 16
-    assert d["per_block"]["temp"] == m12["temp"] - m8["temp"] > 0
-    assert d["extrapolated"]["temp"] == m8["temp"] + 2 * d["per_block"]["temp"]
+    m4, m6 = (rec["programs"][f"{n} layers"]["memory"] for n in (4, 6))
+    assert [c["layers"] for c in d["compiled"]] == [4, 6] and d["extrapolated"]["layers"] == 8
+    assert d["per_block"]["temp"] == m6["temp"] - m4["temp"] > 0
+    assert d["extrapolated"]["temp"] == m4["temp"] + 2 * d["per_block"]["temp"]
     residuals = {n: {r["category"]: r["bytes"] for r in rec["programs"][f"{n} layers"]["peak_by_category"]["categories"]}
-                 .get(peak_memory.RESIDUALS, 0) for n in (8, 12)}
-    assert residuals[12] > residuals[8] > 0, residuals
-    # The step estimate along the same line: each category's seconds at 16 = at 8 + 2 x (12 - 8); the
-    # layers' categories grow by a block, the totals are the categories' sums, MFU at the 16-layer FLOPs.
-    e8, e12 = (rec["programs"][f"{n} layers"]["step_estimate"] for n in (8, 12))
-    e16 = rec["step_estimate"]
-    assert e16["layers"] == 16 and e16["extrapolated_from_layers"] == [8, 12]
-    for cat, row in e16["categories"].items():
+                 .get(peak_memory.RESIDUALS, 0) for n in (4, 6)}
+    assert residuals[6] > residuals[4] > 0, residuals
+    # The step estimate along the same line: each category's seconds at 8 = at 4 + 2 x (6 - 4); the
+    # layers' categories grow by a block, the totals are the categories' sums, MFU at the 8-layer FLOPs.
+    e4, e6 = (rec["programs"][f"{n} layers"]["step_estimate"] for n in (4, 6))
+    e8 = rec["step_estimate"]
+    assert e8["layers"] == 8 and e8["extrapolated_from_layers"] == [4, 6]
+    for cat, row in e8["categories"].items():
         for key in ("s", "flops", "bytes"):
-            want = e8["categories"][cat][key] + 2 * (e12["categories"][cat][key] - e8["categories"][cat][key])
+            want = e4["categories"][cat][key] + 2 * (e6["categories"][cat][key] - e4["categories"][cat][key])
             assert row[key] == pytest.approx(want, rel=1e-12, abs=1e-15), (cat, key)
     for cat in ("GDN", "attention"):
-        assert e16["categories"][cat]["s"] > e12["categories"][cat]["s"] > e8["categories"][cat]["s"] > 0, cat
-    assert e16["serial"]["step_s"] == pytest.approx(sum(r["s"] for r in e16["categories"].values()), rel=1e-12)
-    assert e16["model_flops_per_device"] == pytest.approx(
-        model_flops_per_device(load_config("tiny", ["model.num_layers=16", "train.batch_size=8",
-                                                    "mesh.cpu_devices=8"]), 8), rel=1e-12)
-    assert e16["model_flops_per_device"] > e12["model_flops_per_device"]
+        assert e8["categories"][cat]["s"] > e6["categories"][cat]["s"] > e4["categories"][cat]["s"] > 0, cat
+    assert e8["serial"]["step_s"] == pytest.approx(sum(r["s"] for r in e8["categories"].values()), rel=1e-12)
+    assert e8["model_flops_per_device"] == pytest.approx(
+        model_flops_per_device(load_config("tiny", [*DEPTH_MODEL, "mesh.cpu_devices=8"]), 8), rel=1e-12)
+    assert e8["model_flops_per_device"] > e6["model_flops_per_device"]
 
 
 def test_a_stack_the_tpu_compiler_allocates_counts_to_the_layer_loop():
