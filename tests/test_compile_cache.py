@@ -11,7 +11,9 @@ import pytest
 from hybridmoe.run.compile_cache import DEFAULT_DIR, cache_dir, prune
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN = ["train", "recipe=tiny", "train.steps=1", "train.batch_size=8", "train.seq_len=16", "gdn.chunk_size=8"]
+# One attention layer: any program shows the cache, and the first run compiles everything it runs.
+TRAIN = ["train", "recipe=tiny", "model.layer_pattern=[attention]", "model.num_layers=1", "train.steps=1",
+         "train.batch_size=8", "train.seq_len=16"]
 
 
 def _train(folder: Path, out: Path) -> str:
