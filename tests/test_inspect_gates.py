@@ -12,6 +12,9 @@ from hybridmoe.cli import main
 from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config
 
+# One layer of each mixer: the CPU inspect and gates runs below compile and trace it in about half
+# of tiny's four layers' time.
+TWO_LAYERS = ["model.layer_pattern=[gdn,attention]", "model.num_layers=2"]
 PALLAS_TPU = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "moe.wi_fused_swiglu=true",
               "model.d_model=128", "model.moe_intermediate_size=128", "kernels.gmm.tk=128"]
 
@@ -33,7 +36,7 @@ def test_validator_accepts_the_pallas_tpu_backend_for_a_tpu_target():
 
 def test_inspect_cpu_side_by_side(tmp_path, capsys):
     out = tmp_path / "inspect.json"
-    rc = main(["inspect", "recipe=tiny", "train.batch_size=8", "--target", "cpu:8",
+    rc = main(["inspect", "recipe=tiny", *TWO_LAYERS, "train.batch_size=8", "--target", "cpu:8",
                "--compare", "moe.capacity_factor=0.5", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -83,7 +86,7 @@ def test_inspect_reports_a_step_the_compiler_refuses_for_memory(tmp_path, capsys
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile_then_refuse)
     out = tmp_path / "inspect.json"
-    rc = main(["inspect", "recipe=tiny", "train.batch_size=8", "--target", "cpu:8",
+    rc = main(["inspect", "recipe=tiny", *TWO_LAYERS, "train.batch_size=8", "--target", "cpu:8",
                "--compare", "train.seed=1", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -122,7 +125,7 @@ def test_a_kernel_over_vmem_is_a_clear_error_naming_the_tiles(monkeypatch):
         tp.compile_step(cfg, tp.host_target(), with_residuals=False)
 
 
-GATE_SHAPES = ["rl.prompts_per_step=2", "rl.group_size=4", "rl.max_prompt_len=8", "rl.max_new_tokens=4"]
+GATE_SHAPES = [*TWO_LAYERS, "rl.prompts_per_step=2", "rl.group_size=4", "rl.max_prompt_len=8", "rl.max_new_tokens=4"]
 
 
 def test_gates_fail_a_perturbed_candidate(tmp_path, capsys):
