@@ -11,6 +11,11 @@ from hybridmoe.model.params import declare_params, init_params
 from hybridmoe.data.packing import pack_documents
 
 
+# One layer of each mixer: tests of the run around the model (resume, guards, outputs) trace and
+# compile it in about half of tiny's four layers' time.
+TWO_LAYERS = ("model.layer_pattern=[gdn,attention]", "model.num_layers=2")
+
+
 def tiny_config(*overrides: str, platform: str | None = None):
     return load_config("tiny", list(overrides), platform=platform)
 

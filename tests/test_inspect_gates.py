@@ -7,14 +7,12 @@ import json
 
 import pytest
 
+from helpers import TWO_LAYERS
 from hybridmoe.tools import train_program as tp
 from hybridmoe.cli import main
 from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config
 
-# One layer of each mixer: the CPU inspect and gates runs below compile and trace it in about half
-# of tiny's four layers' time.
-TWO_LAYERS = ["model.layer_pattern=[gdn,attention]", "model.num_layers=2"]
 PALLAS_TPU = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "moe.wi_fused_swiglu=true",
               "model.d_model=128", "model.moe_intermediate_size=128", "kernels.gmm.tk=128"]
 

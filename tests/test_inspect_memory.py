@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from helpers import TWO_LAYERS
 from hybridmoe.cli import main
 from hybridmoe.recipe import load_config
 from hybridmoe.analysis import peak_memory
@@ -19,9 +20,8 @@ from hybridmoe.tools import train_program as tp
 # gathered per row tile [tiles, d_model, 2 x moe_intermediate] and their gradients fill it.
 # One layer of each mixer (tiny's four compiled in twice the time; the planted buffers are the MoE
 # block's, in every layer).
-TWO_LAYERS = ["model.layer_pattern=[gdn,attention]", "model.num_layers=2", "train.batch_size=8"]
-PLANTED = {"rows": (TWO_LAYERS, peak_memory.MOE_ROWS),
-           "weights": ([*TWO_LAYERS, "model.moe_intermediate_size=512", "kernels.gmm.xla_tile_rows=8"],
+PLANTED = {"rows": ([*TWO_LAYERS, "train.batch_size=8"], peak_memory.MOE_ROWS),
+           "weights": ([*TWO_LAYERS, "train.batch_size=8", "model.moe_intermediate_size=512", "kernels.gmm.xla_tile_rows=8"],
                        peak_memory.EXPERT_WEIGHTS)}
 # A planted buffer of each: a row tile [tiles, 128 rows, d_model 64]; a wi gathered per row tile
 # [tiles, d_model 64, 2 x 512].

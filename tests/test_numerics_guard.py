@@ -12,7 +12,7 @@ import pytest
 import hybridmoe.rl.grpo as grpo_module
 import hybridmoe.train.loop as loop
 import hybridmoe.run.step as step_module
-from helpers import tiny_config, tiny_params
+from helpers import TWO_LAYERS, tiny_config, tiny_params
 from hybridmoe.analysis.program import primitive_counts
 from hybridmoe.cli import main
 from hybridmoe.config.schema import TrainConfig
@@ -24,7 +24,7 @@ from hybridmoe.run.guard import NonFiniteGuard, NonFiniteStop
 from hybridmoe.run.metrics import read_metrics
 from test_grpo import _advantages, _config as grpo_config, _rollout
 
-OVER = ("train.batch_size=8", "train.seq_len=16", "train.checkpoint_every=0", "train.warmup_steps=0")
+OVER = ("train.batch_size=8", "train.seq_len=16", "train.checkpoint_every=0", "train.warmup_steps=0", *TWO_LAYERS)
 MARK = 0  # a first token of 0 (padding) never starts a real batch: it marks a poisoned step
 
 

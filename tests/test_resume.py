@@ -4,14 +4,14 @@ overwrites it when asked), and metrics.jsonl and TensorBoard keep one record per
 
 import pytest
 
-from helpers import tiny_config
+from helpers import TWO_LAYERS, tiny_config
 from hybridmoe.run.checkpoint import finished_steps
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.train.loop import train
 from hybridmoe.run.metrics import read_metrics
 from run_checks import assert_tensorboard_matches_jsonl, comparable
 
-OVER = ("train.steps=4", "train.checkpoint_every=2", "train.batch_size=8", "train.seq_len=16")
+OVER = ("train.steps=4", "train.checkpoint_every=2", "train.batch_size=8", "train.seq_len=16", *TWO_LAYERS)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers import TWO_LAYERS, tiny_config
 from hybridmoe.config import ConfigError
 from hybridmoe.model.params import abstract_params
 from hybridmoe.rl.loop import run_rl
@@ -23,7 +23,7 @@ TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s",
 # 2 warm-up steps then 4 GRPO steps; checkpoints after steps 2 and 5 (done = 3, 6).
 OVERRIDES = ("rl.warmup_steps=2", "rl.steps=4", "rl.checkpoint_every=3", "rl.prompts_per_step=2", "rl.group_size=4",
              "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05", "train.batch_size=8", "train.seq_len=32",
-             "gdn.chunk_size=8")
+             "gdn.chunk_size=8", *TWO_LAYERS)
 
 
 class OneLongPrompt(ArithmeticTask):

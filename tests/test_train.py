@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_rel_l2, tiny_config, tiny_params
+from helpers import TWO_LAYERS, assert_rel_l2, tiny_config, tiny_params
 from hybridmoe.data.synthetic import synthetic_batch
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.train.loop import train
@@ -22,7 +22,7 @@ def test_loss_falls_on_8_devices():
 
 
 def test_resume_after_a_stop_continues_exactly(tmp_path):
-    over = ("train.steps=6", "train.checkpoint_every=3", "train.batch_size=8", "train.seq_len=32")
+    over = ("train.steps=6", "train.checkpoint_every=3", "train.batch_size=8", "train.seq_len=32", *TWO_LAYERS)
     straight = train(tiny_config(*over), tmp_path / "a", progress=False)
     # A run that stops after step 3 (as if killed after its checkpoint), then resumes.
     train(tiny_config(*over[:1], "train.steps=3", *over[1:]), tmp_path / "b", progress=False)
@@ -35,7 +35,7 @@ def test_resume_after_a_stop_continues_exactly(tmp_path):
 
 
 def test_existing_run_is_not_overwritten(tmp_path):
-    over = ("train.steps=1", "train.batch_size=8", "train.seq_len=16")
+    over = ("train.steps=1", "train.batch_size=8", "train.seq_len=16", *TWO_LAYERS)
     train(tiny_config(*over), tmp_path / "a", progress=False)
     before = (tmp_path / "a" / "metrics.jsonl").read_text()
     with pytest.raises(RunError, match="--resume"):
