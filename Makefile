@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/hybridmoe demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=40
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
 
 # The tests a change touches (scripts/affected_tests.py): those importing a module changed since BASE
 # (default HEAD: the uncommitted change), directly or through the package. `make test` before submitting.
@@ -25,7 +25,7 @@ BASE ?= HEAD
 test-quick: $(STAMP)
 	@files="$$($(BIN)/python scripts/affected_tests.py $(BASE))"; \
 	if [ -z "$$files" ]; then echo "no test imports what changed since $(BASE)"; \
-	else $(BIN)/python -m pytest -q -n 2 --dist loadgroup $$files; fi
+	else $(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder $$files; fi
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -79,10 +79,43 @@ def device():
     return tpu_target(TOPOLOGY).devices[0]
 
 
+SUITE_TIME_RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "records" / "suite_time.json"
+
+
+def _group_seconds() -> dict[str, float]:
+    """Seconds per xdist group in the last recorded `make test` (its slowest tests, warm run first);
+    empty without the record."""
+    import json
+
+    try:
+        runs = json.loads(SUITE_TIME_RECORD.read_text())["runs"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    seconds: dict[str, float] = {}
+    for run in sorted(runs, key=lambda r: r.get("cache") != "warm")[:1]:
+        for row in run.get("slowest", []):
+            nodeid, _, group = row["test"].partition("@")
+            group = group or nodeid.split("::")[0]
+            seconds[group] = seconds.get(group, 0.0) + row["s"]
+    return seconds
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
     """Under `--dist loadgroup` (make test) a file runs on one worker, as under loadfile, except that
-    every tpu_compile test joins one group: libtpu lets one process per host hold it."""
+    every tpu_compile test joins one group: libtpu lets one process per host hold it.
+
+    The groups are handed out longest first (by the last record of the suite's time; the Makefile
+    turns off xdist's own order, which is by test count): a long group of few tests (the kill
+    trials, 2 tests and 2 minutes) handed out last ran alone while the other worker idled."""
+    groups = {}
     for item in items:
         group = "tpu_compile" if item.get_closest_marker("tpu_compile") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, len(groups))
+    seconds = _group_seconds()
+    items.sort(key=lambda item: (-seconds.get(_group_of(item), 0.0), groups[_group_of(item)]))
+
+
+def _group_of(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
