@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import TWO_LAYERS
 from hybridmoe.analysis import hlo_cost as hc
 from hybridmoe.analysis import step_estimate as se
 from hybridmoe.analysis.program import iter_eqns
@@ -388,8 +389,8 @@ def test_inspect_prints_and_records_the_estimate(tmp_path, capsys):
     from hybridmoe.cli import main
 
     out = tmp_path / "inspect.json"
-    rc = main(["inspect", "recipe=tiny", "train.batch_size=8", "--target", "cpu:8", "--estimate-for", "h200",
-               "--out", str(out)])
+    rc = main(["inspect", "recipe=tiny", *TWO_LAYERS, "train.batch_size=8", "--target", "cpu:8",
+               "--estimate-for", "h200", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "step time estimate on h200" in text and "tokens/s per chip" in text
