@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
+from helpers import TWO_LAYERS
 from hybridmoe.cli import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_tiny"
@@ -54,7 +55,7 @@ def test_bench_times_every_arm_interleaved_and_records_program_facts(tmp_path, c
         parse_arm(":remat.policy=none")
     assert parse_arm("lever:moe.impl=dense,remat.policy=none") == ("lever", ["moe.impl=dense", "remat.policy=none"])
     out = tmp_path / "bench.json"
-    assert main(["bench", "recipe=tiny", "bench.steps=2", "train.seq_len=16", "--arm", "control",
+    assert main(["bench", "recipe=tiny", *TWO_LAYERS, "bench.steps=2", "train.seq_len=16", "--arm", "control",
                  "--arm", "no_remat:remat.policy=none", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert set(rec["arms"]) == {"control", "no_remat"}

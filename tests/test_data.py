@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import TWO_LAYERS
 from hybridmoe.recipe import load_config
 from hybridmoe.data.records import DataError, prompt_or_messages, read_records, text_or_messages
 from hybridmoe.data.text import TextSource
@@ -154,7 +155,7 @@ def test_train_on_jsonl_from_a_checkpoint_resumes_at_the_exact_document(tmp_path
 
 
 RESUME_OVER = ("train.data=files", "train.batch_size=8", "train.seq_len=16", "train.checkpoint_every=2",
-               "train.warmup_steps=0")
+               "train.warmup_steps=0", *TWO_LAYERS)
 
 
 @pytest.fixture(scope="module")
