@@ -30,7 +30,7 @@ import hybridmoe.rl.grpo as grpo_module
 import hybridmoe.rl.loop as rl_loop
 import hybridmoe.run.session as run_session
 from broken_variants import mutated
-from helpers import tiny_config
+from helpers import TWO_LAYERS, tiny_config
 from hybridmoe.data.arithmetic import Example
 from hybridmoe.data.tokenizer import CharTokenizer
 from hybridmoe.run.setup import build
@@ -98,7 +98,7 @@ def flat_rows(batch):
 
 RUN_OVERRIDES = ("rl.warmup_steps=0", "rl.steps=2", "rl.checkpoint_every=0", "rl.prompts_per_step=2",
                  "rl.group_size=4", "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05",
-                 "train.batch_size=8", "train.seq_len=32", "gdn.chunk_size=8", "rl.task=prompts")
+                 "train.batch_size=8", "train.seq_len=32", "gdn.chunk_size=8", "rl.task=prompts", *TWO_LAYERS)
 # Eight prompts, each with an answer no other prompt has.
 PROMPT_SET = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
               ((1, 2), (7, 5), (3, 3), (9, 8), (4, 0), (2, 9), (6, 7), (5, 5))]
