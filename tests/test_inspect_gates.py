@@ -44,6 +44,12 @@ def test_inspect_cpu_side_by_side(tmp_path, capsys):
     assert rec["target"] == "cpu:8" and base["devices"] == 8
     assert base["memory"]["argument"] > 0 and base["memory"]["temp"] > 0 and base["flops"] > 0
     assert base["memory"]["fits"] is None  # no HBM figure for a CPU host
+    # XLA's memory-usage report: on CPU its default memory space is memory_analysis' figures
+    # (arguments, outputs not donated, temporaries) within 1%, where the TPU cell's temporaries
+    # count 41 GiB more than the report's heap.
+    m = base["memory"]
+    assert abs(m["default_space"] - m["total"]) <= 0.01 * m["total"], m
+    assert "default space (XLA report)" in text
     assert any(r["kind"] == "all-gather" for r in base["collectives"])
     # The capacity buffer halves the routed rows the grouped matmuls run: fewer FLOPs.
     assert other["flops"] < base["flops"]

@@ -94,3 +94,22 @@ def test_jaxpr_walk_counts_nested_primitives():
 
     counts = program.primitive_counts(jax.make_jaxpr(f)(jnp.ones(3)))
     assert counts["logistic"] == 1 and counts["scan"] == 1
+
+
+MEMORY_USAGE_REPORT = """Memory Space: vmem (color=1)
+Total bytes: 67108864 (64.00MiB)
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+Memory Space: default (color=0)
+Total bytes: 97050166368 (90.38GiB)
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+    4.00GiB(  1%);    4.00GiB;  83156582400;                4; bf16[256,4096,2048]
+"""
+
+
+def test_the_default_memory_space_is_read_from_the_usage_report():
+    """The default space's total, not the first space's (here VMEM) nor a table row; None without one."""
+    from hybridmoe.analysis.program import default_space_bytes
+
+    assert default_space_bytes(MEMORY_USAGE_REPORT) == 97050166368
+    assert default_space_bytes(MEMORY_USAGE_REPORT.replace("default (color=0)", "color_6 (color=6)")) is None
+    assert default_space_bytes("") is None

@@ -493,11 +493,22 @@ def without_persistent_cache():
             compilation_cache.reset_cache()
 
 
+_DEFAULT_SPACE = re.compile(r"^Memory Space: default \(color=0\)\s*\nTotal bytes: (\d+)", re.M)
+
+
+def default_space_bytes(memory_usage_report: str) -> int | None:
+    """The bytes XLA's memory-usage report places in the default memory space (HBM on a TPU: the
+    arguments and the temporaries' heap as buffer assignment packed them), or None without one."""
+    m = _DEFAULT_SPACE.search(memory_usage_report)
+    return int(m.group(1)) if m else None
+
+
 def compile_with_buffers(lowered, module_name: str | None = None):
-    """(compiled, the buffers live at its peak): compiles with XLA's dumps into a temporary folder
-    (removed after) and reads them. `module_name`: a regex of the module to dump (default all). A
-    compile that fails re-raises with the error's `peak_buffers` set: the compiler writes the buffer
-    assignment before it refuses a program for memory, so a refusal says what filled memory too."""
+    """(compiled, the buffers live at its peak, the default memory space's bytes from XLA's
+    memory-usage report or None): compiles with XLA's dumps into a temporary folder (removed after)
+    and reads them. `module_name`: a regex of the module to dump (default all). A compile that fails
+    re-raises with the error's `peak_buffers` set: the compiler writes the buffer assignment before it
+    refuses a program for memory, so a refusal says what filled memory too."""
     import glob
     import os
     import shutil
@@ -524,7 +535,7 @@ def compile_with_buffers(lowered, module_name: str | None = None):
         except Exception as e:
             e.peak_buffers = buffers(read("after_optimizations.txt"))
             raise
-        return compiled, buffers(compiled.as_text())
+        return compiled, buffers(compiled.as_text()), default_space_bytes(read("after_optimizations-memory-usage-report.txt"))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
