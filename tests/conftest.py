@@ -91,12 +91,12 @@ def _group_seconds() -> dict[str, float]:
         runs = json.loads(SUITE_TIME_RECORD.read_text())["runs"]
     except (OSError, ValueError, KeyError):
         return {}
+    run = min(runs, key=lambda r: r.get("cache") != "warm", default={})
     seconds: dict[str, float] = {}
-    for run in sorted(runs, key=lambda r: r.get("cache") != "warm")[:1]:
-        for row in run.get("slowest", []):
-            nodeid, _, group = row["test"].partition("@")
-            group = group or nodeid.split("::")[0]
-            seconds[group] = seconds.get(group, 0.0) + row["s"]
+    for row in run.get("slowest", []):
+        nodeid, _, group = row["test"].partition("@")  # pytest-xdist prints "nodeid@group"
+        group = group or nodeid.split("::")[0]
+        seconds[group] = seconds.get(group, 0.0) + row["s"]
     return seconds
 
 
@@ -108,14 +108,11 @@ def pytest_collection_modifyitems(items):
     The groups are handed out longest first (by the last record of the suite's time; the Makefile
     turns off xdist's own order, which is by test count): a long group of few tests (the kill
     trials, 2 tests and 2 minutes) handed out last ran alone while the other worker idled."""
-    groups = {}
+    group_of, first_seen = {}, {}
     for item in items:
         group = "tpu_compile" if item.get_closest_marker("tpu_compile") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
-        groups.setdefault(group, len(groups))
+        group_of[item.nodeid] = group
+        first_seen.setdefault(group, len(first_seen))
     seconds = _group_seconds()
-    items.sort(key=lambda item: (-seconds.get(_group_of(item), 0.0), groups[_group_of(item)]))
-
-
-def _group_of(item) -> str:
-    return item.get_closest_marker("xdist_group").args[0]
+    items.sort(key=lambda item: (-seconds.get(group_of[item.nodeid], 0.0), first_seen[group_of[item.nodeid]]))

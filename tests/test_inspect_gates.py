@@ -45,8 +45,7 @@ def test_inspect_cpu_side_by_side(tmp_path, capsys):
     assert base["memory"]["argument"] > 0 and base["memory"]["temp"] > 0 and base["flops"] > 0
     assert base["memory"]["fits"] is None  # no HBM figure for a CPU host
     # XLA's memory-usage report: on CPU its default memory space is memory_analysis' figures
-    # (arguments, outputs not donated, temporaries) within 1%, where the TPU cell's temporaries
-    # count 41 GiB more than the report's heap.
+    # (arguments, outputs not donated, temporaries) within 1%; a wrong space or table row is not.
     m = base["memory"]
     assert abs(m["default_space"] - m["total"]) <= 0.01 * m["total"], m
     assert "default space (XLA report)" in text

@@ -127,7 +127,7 @@ def test_layers_at_the_cell_recipe():
                            platform="tpu").model.num_blocks == n // 4
 
 
-DEPTH_MODEL = ["model.layer_pattern=[gdn,attention]", "model.num_layers=8", "train.batch_size=8"]
+DEPTH_MODEL = [*TWO_LAYERS, "model.num_layers=8", "train.batch_size=8"]  # four blocks of two layers
 
 
 def test_inspect_layers_compiles_two_depths_and_extrapolates(tmp_path, capsys):

@@ -535,7 +535,8 @@ def compile_with_buffers(lowered, module_name: str | None = None):
         except Exception as e:
             e.peak_buffers = buffers(read("after_optimizations.txt"))
             raise
-        return compiled, buffers(compiled.as_text()), default_space_bytes(read("after_optimizations-memory-usage-report.txt"))
+        default_space = default_space_bytes(read("after_optimizations-memory-usage-report.txt"))
+        return compiled, buffers(compiled.as_text()), default_space
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -298,8 +298,8 @@ def memory_facts(prog: program.Program, hbm_bytes: int | None) -> dict:
     out = {k: m.get(k, 0) for k in ("argument", "output", "alias", "temp", "generated_code")}
     out["total"] = total
     # XLA's memory-usage report: the default memory space as buffer assignment packed it (arguments
-    # and the temporaries' heap); at the 397B cell 41 GiB below `temp`, which counts more than the
-    # heap the dumps place.
+    # and the temporaries' heap). On CPU it agrees with `total`; a TPU compile's `temp` can count
+    # more than the heap the dumps place.
     out["default_space"] = m.get("default_space")
     out["hbm"] = hbm_bytes
     out["fits"] = None if hbm_bytes is None else total <= hbm_bytes
