@@ -121,6 +121,19 @@ def test_every_split_dimension_is_checked_at_load(logical, overrides, key):
     assert named and f"'{logical}'" in named[0], e.value.problems
 
 
+def test_experts_split_over_the_fsdp_axes_must_divide():
+    """mesh.expert_fsdp_dim=exp splits E over expert x fsdp x context: 6 experts over 2 x 2 x 2
+    is refused at load naming the key, its split and both ways out; 8 experts load."""
+    mesh = ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.expert=2", "gdn.chunk_size=32",
+            "mesh.expert_fsdp_dim=exp"]
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [*mesh, "model.num_experts=6"])
+    named = dict(e.value.problems).get("mesh.expert_fsdp_dim", "")
+    assert "model.num_experts=6" in named and "mesh.expert=2 x mesh.fsdp=2 x mesh.context=2" in named, e.value.problems
+    assert "mesh.expert_fsdp_dim=embed" in named
+    assert load_config("tiny", [*mesh, "model.num_experts=8"]).mesh.expert_fsdp_dim == "exp"
+
+
 def test_the_check_follows_the_rules_table_not_a_list_of_known_axes(monkeypatch):
     """A rule for a logical axis nobody listed is checked the moment it exists."""
     cfg = load_config("tiny", ["mesh.tensor=2"])

@@ -94,16 +94,23 @@ def test_a_broken_attribution_is_caught(planted, variant, monkeypatch):
 
 
 def test_extrapolation_is_the_line_through_two_depths():
-    """Memory affine in blocks (100 + 10 per block of 4 layers, arguments 7 per block): compiled at 8
-    and 12 layers, the 60-layer value is 100 + 10 x 15 (an extrapolation in layers instead of
-    blocks, or from the wrong point, misses it)."""
+    """Memory affine in blocks (100 + 10 per block of 4 layers, arguments 7 per block, XLA's default
+    space 90 + 12 per block): compiled at 8 and 12 layers, the 60-layer value is 100 + 10 x 15 (an
+    extrapolation in layers instead of blocks, or from the wrong point, misses it). The verdict reads
+    the default space where the compile reported one (270 fits 300, where total's 355 would not),
+    else total."""
     mem = {layers: {"argument": 7 * (layers // 4), "temp": 100 + 10 * (layers // 4),
-                    "total": 100 + 17 * (layers // 4)} for layers in (8, 12)}
+                    "total": 100 + 17 * (layers // 4), "default_space": 90 + 12 * (layers // 4)}
+           for layers in (8, 12)}
     d = depth.extrapolate(mem, 4, 60, hbm=260)
-    assert d["per_block"] == {"argument": 7, "temp": 10, "total": 17}
-    assert d["extrapolated"] == {"layers": 60, "blocks": 15, "argument": 105, "temp": 250, "total": 355}
-    assert d["fits"] is False and depth.extrapolate(mem, 4, 60, hbm=355)["fits"] is True
-    assert "EXTRAPOLATED" in depth.format_depth(d)
+    assert d["per_block"] == {"argument": 7, "temp": 10, "total": 17, "default_space": 12}
+    assert d["extrapolated"] == {"layers": 60, "blocks": 15, "argument": 105, "temp": 250, "total": 355,
+                                 "default_space": 270}
+    assert d["fits"] is False and depth.extrapolate(mem, 4, 60, hbm=300)["fits"] is True
+    unreported = {k: {**m, "default_space": None} for k, m in mem.items()}
+    assert depth.extrapolate(unreported, 4, 60, hbm=300)["fits"] is False
+    assert depth.extrapolate(unreported, 4, 60, hbm=355)["fits"] is True
+    assert "EXTRAPOLATED" in depth.format_depth(d) and "default space" in depth.format_depth(d)
 
 
 def test_layers_must_be_whole_blocks_of_at_least_two():
@@ -179,3 +186,17 @@ def test_a_stack_the_tpu_compiler_allocates_counts_to_the_layer_loop():
     assert peak_memory.category(made("f32[2,1,512,4,64]"), shapes) == peak_memory.RESIDUALS
     assert peak_memory.category(made("f32[2,16,256,256]"), shapes) == peak_memory.GRADIENTS
     assert peak_memory.category(made("f32[3,2048,256]"), shapes) == peak_memory.OTHER
+
+
+def test_the_fit_verdict_reads_the_default_space_where_reported():
+    """A TPU step whose memory_analysis temporaries over-count the heap (the 397B cell's: 122.68 GiB
+    against the 90.38 GiB XLA's report gives the default space): fits by the report, as the compiler
+    judged it; without a report the verdict falls back to args + outs - aliased + temps."""
+    from types import SimpleNamespace
+
+    gib = 2**30
+    memory = {"argument": 9 * gib, "output": 9 * gib, "alias": 9 * gib, "temp": 123 * gib}
+    reported = tp.memory_facts(SimpleNamespace(memory={**memory, "default_space": 90 * gib}), 96 * gib)
+    assert reported["total"] == 132 * gib and reported["fits"] is True
+    assert tp.memory_facts(SimpleNamespace(memory=memory), 96 * gib)["fits"] is False
+    assert tp.memory_facts(SimpleNamespace(memory={**memory, "default_space": 97 * gib}), 96 * gib)["fits"] is False

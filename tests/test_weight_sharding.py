@@ -50,6 +50,24 @@ def test_the_layout_of_dense_expert_and_activation_arrays():
         assert logical_to_spec(("vocab", "embed")) == P("tensor", ("fsdp", "context", "expert"))
 
 
+def test_the_routed_experts_fsdp_split_on_their_expert_dimension():
+    """mesh.expert_fsdp_dim=exp: wi and wo split E over expert, then the FSDP axes it leaves (minor,
+    so the gather at use is over them); D stays whole; every other array is placed as before."""
+    table = rules.rules_table("default", "exp")
+    with rules.use_rules(table):
+        assert logical_to_spec(("exp", "embed", "mlp")) == P(("expert", "fsdp", "context"), None, "tensor")
+        assert logical_to_spec(("layers", "exp", "mlp", "embed")) == P(None, ("expert", "fsdp", "context"), "tensor", None)
+        assert at_use_spec(("exp", "mlp", "embed")) == P("expert", "tensor", None)
+        assert rules.gathered_at_use(("exp", "mlp", "embed")) == (("fsdp", "context"), (), ())
+        assert logical_to_spec(("exp",)) == P("expert")  # the MoE layer's expert ranks
+        assert logical_to_spec(("embed", "heads", None)) == P(("fsdp", "context", "expert"), "tensor", None)
+        assert logical_to_spec(("embed", None)) == P(("fsdp", "context", "expert"), None)  # the router
+        assert logical_to_spec(("batch", "seq", None)) == P(("data", "fsdp", "expert"), "context", None)
+    with rules.use_rules(rules.rules_table("cp_as_ep", "exp")):
+        assert logical_to_spec(("exp", "embed", "mlp")) == P(("context", "expert", "fsdp"), None, "tensor")
+    assert rules.rules_table("default") is rules.DEFAULT_RULES
+
+
 @contextlib.contextmanager
 def _default_rules(table):
     saved = rules.RULES_TABLES["default"]
@@ -82,15 +100,32 @@ def batch():
     return packed_batch(3, cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size, doc_lengths=(32, 7, 25))
 
 
+_ARMS: dict = {}  # one file runs on one worker: each arm is computed once and shared by the tests
+
+
+def _arm(batch, extra=(), expert_fsdp_dim="embed", spread=False, table=None):
+    """(loss, token count, gradients) of the tiny model on MESH with `extra` overrides; spread: the
+    routed experts' channels and shards many binades apart (fp8_reference.spread_experts)."""
+    from fp8_reference import spread_experts
+
+    key = (extra, expert_fsdp_dim, spread, None if table is None else tuple(sorted(table.items())))
+    if key not in _ARMS:
+        cfg = tiny_config(*MESH, *extra, f"mesh.expert_fsdp_dim={expert_fsdp_dim}")
+        params = spread_experts(tiny_params(cfg), blocks=4) if spread else tiny_params(cfg)
+        _ARMS[key] = _loss_and_grads(cfg, params, batch, rules.DEFAULT_RULES if table is None else table)
+    return _ARMS[key]
+
+
+GATHER8 = ("quant.fp8_moe_fake_quant=true", "quant.fp8_fake_quant_hoist=gather8")
+
+
 def test_loss_and_gradients_equal_the_fsdp_only_layout(batch):
     """The same model on the same mesh with weights over fsdp x context x expert and over fsdp
     alone. Only where partial gradients are summed differs (one reduce-scatter over the 8 ranks
     instead of an all-reduce over context x expert and a reduce-scatter over fsdp): float32 sums in
     another order, so within 1e-5 of each leaf's largest entry, not bit for bit."""
-    cfg = tiny_config(*MESH)
-    params = tiny_params(cfg)
-    loss, count, grads = _loss_and_grads(cfg, params, batch)
-    loss_old, count_old, grads_old = _loss_and_grads(cfg, params, batch, FSDP_ONLY)
+    loss, count, grads = _arm(batch)
+    loss_old, count_old, grads_old = _arm(batch, table=FSDP_ONLY)
     assert count == count_old > 0
     assert abs(loss - loss_old) <= 1e-6 * abs(loss_old), (loss, loss_old)
     err = _max_rel_err(grads, grads_old)
@@ -104,16 +139,44 @@ def test_fp8_gather8_over_fsdp_and_context_is_bit_identical(batch):
     routed weights' output channels span 12 binades and their FSDP shards sit 12 binades apart
     (fp8_reference.spread_experts, one block per shard of the 4): a scale not reduced over both
     axes gives other bits."""
-    from fp8_reference import spread_experts
-
-    cfg_off = tiny_config(*MESH, "quant.fp8_moe_fake_quant=true")
-    cfg_g8 = tiny_config(*MESH, "quant.fp8_moe_fake_quant=true", "quant.fp8_fake_quant_hoist=gather8")
-    params = spread_experts(tiny_params(cfg_off), blocks=4)
-    loss_off, _, grads_off = _loss_and_grads(cfg_off, params, batch)
-    loss_g8, _, grads_g8 = _loss_and_grads(cfg_g8, params, batch)
+    loss_off, _, grads_off = _arm(batch, GATHER8[:1], spread=True)
+    loss_g8, _, grads_g8 = _arm(batch, GATHER8, spread=True)
     assert loss_g8 == loss_off
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads_g8)[0], jax.tree.leaves(grads_off)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+def test_experts_split_on_their_expert_dimension_give_the_same_loss_and_gradients(batch):
+    """mesh.expert_fsdp_dim=exp against the lever off (embed), plain and with the 1-byte fp8 gather
+    (whose all-gather then runs over the expert dimension): the same loss and the same gradient bits
+    (the expert weights' partial gradients are reduce-scattered over E instead of D, and on this mesh
+    the sums keep their order). A gather of the experts in the wrong mesh-axis order (context before
+    fsdp: each rank's experts in another rank's slots) changes the gradients by 3.9 of a leaf's max."""
+    from hybridmoe.quant import expert_fp8
+
+    for extra, spread in [((), False), (GATHER8, True)]:
+        loss_off, count_off, grads_off = _arm(batch, extra, spread=spread)
+        loss_on, count_on, grads_on = _arm(batch, extra, "exp", spread=spread)
+        assert count_on == count_off > 0 and loss_on == loss_off, (extra, loss_on, loss_off)
+        err = _max_rel_err(grads_on, grads_off)
+        assert err == 0.0, f"{extra}: gradients differ from the lever off's by {err:.2e} of the leaf max"
+
+    def reversed_axes(x, stored, gathered):
+        for dim, axes in enumerate(gathered):
+            if axes:
+                x = jax.lax.all_gather(x, axes[::-1], axis=dim, tiled=True, to="invarying")
+        return x
+
+    real_gather, expert_fp8._gather = expert_fp8._gather, reversed_axes
+    try:
+        cfg = tiny_config(*MESH, *GATHER8, "mesh.expert_fsdp_dim=exp")
+        from fp8_reference import spread_experts
+
+        _, _, grads_bad = _loss_and_grads(cfg, spread_experts(tiny_params(cfg), blocks=4), batch)
+    finally:
+        expert_fp8._gather = real_gather
+    bad = _max_rel_err(grads_bad, grads_off)
+    assert bad > 1e-3, f"a gather in the wrong axis order is not caught: {bad:.2e} of the leaf max"
 
 
 @pytest.fixture(scope="module")

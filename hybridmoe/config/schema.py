@@ -84,6 +84,13 @@ class MeshConfig(Section):
     rules: Literal["default", "cp_as_ep"] = Field(
         "default", description="Logical-axis rules table: default, or experts sharded over context x expert."
     )
+    expert_fsdp_dim: Literal["embed", "exp"] = Field(
+        "embed", description="The dimension of the routed expert weights (wi, wo) that FSDP splits: the model "
+        "width (embed), or the experts (exp: E over the expert axis and then the FSDP axes; needs "
+        "model.num_experts to split over them). exp keeps each shard's minor dimension whole, where a split D "
+        "pads to the TPU's 128 lanes (wo [E, F, D] at 128 FSDP ranks and D 4096: 4x its bytes). The same "
+        "numbers either way (docs/levers.md)."
+    )
     cpu_devices: int = Field(
         0, ge=0, description="Simulated devices when running on CPU (0 = the platform's own count)."
     )

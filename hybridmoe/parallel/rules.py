@@ -28,6 +28,15 @@ MeshAxes = str | tuple[str, ...] | None
 # mesh.data is the replica axis: weights are whole on each of its ranks.
 FSDP_AXIS = "embed"
 
+# A rules table may name, under this key, a logical axis that takes a weight's FSDP split in place of
+# its FSDP_AXIS dimension when the weight has both (the split then follows that axis's own mesh axes,
+# minor to them). mesh.expert_fsdp_dim="exp" names "exp": the routed expert weights wi [E, D, 2F] and
+# wo [E, F, D] split their experts over fsdp x context beside the expert axis, and keep D whole. For
+# wo that keeps a shard's minor dimension whole: split over 128 ranks, D = 4096 leaves 32 columns,
+# which a TPU lays out padded to 128 lanes (4x the bytes of every wo shard, its gradients and its
+# optimizer state).
+FSDP_TO = "fsdp_to"
+
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp", "expert"),
     "seq": "context",
@@ -45,6 +54,13 @@ CP_AS_EP_RULES: dict[str, MeshAxes] = {**DEFAULT_RULES, "exp": ("context", "expe
                                        "batch": ("data", "fsdp")}
 
 RULES_TABLES = {"default": DEFAULT_RULES, "cp_as_ep": CP_AS_EP_RULES}
+
+
+def rules_table(name: str, expert_fsdp_dim: str = FSDP_AXIS) -> dict[str, MeshAxes]:
+    """The rules table of mesh.rules=`name` with the routed experts' FSDP dimension of
+    mesh.expert_fsdp_dim (FSDP_AXIS: as the table has it; "exp": see FSDP_TO)."""
+    table = RULES_TABLES[name]
+    return table if expert_fsdp_dim == FSDP_AXIS else {**table, FSDP_TO: expert_fsdp_dim}
 
 _active_rules: contextvars.ContextVar[Mapping[str, MeshAxes]] = contextvars.ContextVar(
     "active_rules", default=DEFAULT_RULES)
@@ -69,7 +85,8 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, MeshAxes] | 
     """Map logical axes to a PartitionSpec; a mesh axis used twice raises (a rules collision).
 
     The FSDP dimension (FSDP_AXIS) takes the mesh axes of its rule that no other dimension of the
-    same array uses, so it never collides."""
+    same array uses, so it never collides; where the table's FSDP_TO names another dimension of the
+    array, that dimension takes them after its own."""
     rules = _active_rules.get() if rules is None else rules
     used: dict[str, str] = {}
     out: list[MeshAxes] = [None] * len(axes)
@@ -88,7 +105,10 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, MeshAxes] | 
     if len(fsdp_dims) > 1:
         raise AxisRuleError(f"logical axis {FSDP_AXIS!r} names two dimensions of {tuple(axes)}")
     if fsdp_dims:
-        out[fsdp_dims[0]] = _entry(tuple(m for m in mesh_axes_of(rules.get(FSDP_AXIS)) if m not in used))
+        free = tuple(m for m in mesh_axes_of(rules.get(FSDP_AXIS)) if m not in used)
+        host = rules.get(FSDP_TO)
+        dim = list(axes).index(host) if host is not None and host in axes else fsdp_dims[0]
+        out[dim] = _entry(mesh_axes_of(out[dim]) + free)
     return PartitionSpec(*out)
 
 
@@ -124,15 +144,15 @@ def constrain(x: jax.Array, *axes: str | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
 
 
-def at_use_spec(axes) -> PartitionSpec:
-    """A weight's stored sharding with its FSDP dimension gathered (its layout where it is used)."""
-    return logical_to_spec(tuple(None if a == FSDP_AXIS else a for a in axes))
+def at_use_spec(axes, rules: Mapping[str, MeshAxes] | None = None) -> PartitionSpec:
+    """A weight's stored sharding with its FSDP split gathered (its layout where it is used)."""
+    return logical_to_spec(tuple(None if a == FSDP_AXIS else a for a in axes), rules)
 
 
-def gathered_at_use(axes) -> tuple[tuple[str, ...], ...]:
+def gathered_at_use(axes, rules: Mapping[str, MeshAxes] | None = None) -> tuple[tuple[str, ...], ...]:
     """Per dimension, the mesh axes a weight gathers where it is used (stored minus at-use)."""
     return tuple(tuple(m for m in mesh_axes_of(s) if m not in mesh_axes_of(u))
-                 for s, u in zip(logical_to_spec(axes), at_use_spec(axes)))
+                 for s, u in zip(logical_to_spec(axes, rules), at_use_spec(axes, rules)))
 
 
 def constrain_at_use(w: jax.Array, axes) -> jax.Array:

@@ -144,9 +144,34 @@ def _model_weights_split_over_mesh(cfg: Config, f: Facts) -> list[Problem]:
     if not cfg.model.layer_pattern or _mesh_axis_sizes(cfg, f):
         return []
     from hybridmoe.model.fit import sharding_problems
-    from hybridmoe.parallel.rules import RULES_TABLES
 
-    return sharding_problems(cfg.model, RULES_TABLES[cfg.mesh.rules], _mesh_sizes(cfg, f))
+    return sharding_problems(cfg.model, _rules(cfg), _mesh_sizes(cfg, f))
+
+
+def _rules(cfg: Config) -> dict:
+    from hybridmoe.parallel.rules import rules_table
+
+    return rules_table(cfg.mesh.rules, cfg.mesh.expert_fsdp_dim)
+
+
+@rule("mesh.expert_fsdp_dim")
+def _mesh_expert_fsdp_dim(cfg: Config, f: Facts) -> list[Problem]:
+    """exp splits the routed experts over the expert axis and the FSDP axes it leaves: E must divide."""
+    if cfg.mesh.expert_fsdp_dim != "exp" or not cfg.model.layer_pattern:
+        return []
+    from hybridmoe.model.params import layer_axes
+    from hybridmoe.parallel.rules import logical_to_spec, mesh_axes_of
+
+    wi_axes = layer_axes(cfg.model)[0]["moe"]["wi"]
+    axes, sizes = mesh_axes_of(logical_to_spec(wi_axes, _rules(cfg))[0]), _mesh_sizes(cfg, f)
+    if any(a not in sizes for a in axes):
+        return []  # a -1 axis: decided on the real mesh, by the same rule
+    shards, E = math.prod(sizes[a] for a in axes), cfg.model.num_experts
+    if E % shards:
+        split = " x ".join(f"mesh.{a}={sizes[a]}" for a in axes)
+        return [("mesh.expert_fsdp_dim", f"exp splits model.num_experts={E} over {split} = {shards} shards, "
+                 f"which it does not divide; use mesh.expert_fsdp_dim=embed, or a mesh whose product divides {E}")]
+    return []
 
 
 def _mesh_sizes(cfg: Config, f: Facts) -> dict[str, int]:
@@ -172,12 +197,12 @@ def _train_batch_size(cfg: Config, f: Facts) -> list[Problem]:
     mesh.context is _attention_context_parallel's). Decided for the devices a run builds on only:
     a recipe's batch may be meant for fewer devices than its simulated default (`small`, whose
     benchmarks run it on one)."""
-    from hybridmoe.parallel.rules import RULES_TABLES, mesh_axes_of
+    from hybridmoe.parallel.rules import mesh_axes_of
 
     sizes = _full_mesh_sizes(cfg, f)
     if sizes is None or f.devices is None:
         return []
-    names = mesh_axes_of(RULES_TABLES[cfg.mesh.rules]["batch"])
+    names = mesh_axes_of(_rules(cfg)["batch"])
     shards = math.prod(sizes[a] for a in names)
     if cfg.train.batch_size % shards:
         return [("train.batch_size", f"{cfg.train.batch_size} does not split over the {shards} shards of mesh axes {names}")]
@@ -676,14 +701,14 @@ def _kernels_gdn_backend(cfg: Config, f: Facts) -> list[Problem]:
 
 
 def _expert_fsdp_shards(cfg: Config, f: Facts) -> tuple[int | None, str]:
-    """(shards of the routed expert weights' FSDP dimension, or None where a -1 axis it uses is not
-    known at load; the mesh axes, with their sizes where known, as text). Read from the weight declaration and the rules table."""
+    """(shards of the routed expert weights' FSDP split, or None where a -1 axis it uses is not known
+    at load; the mesh axes, with their sizes where known, as text). Read from the weight declaration
+    and the rules table: the axes a weight gathers where it is used, on whichever dimension."""
     from hybridmoe.model.params import layer_axes
-    from hybridmoe.parallel.rules import FSDP_AXIS, RULES_TABLES, logical_to_spec, mesh_axes_of
+    from hybridmoe.parallel.rules import gathered_at_use
 
     wi_axes = layer_axes(cfg.model)[0]["moe"]["wi"]
-    entry = logical_to_spec(wi_axes, RULES_TABLES[cfg.mesh.rules])[wi_axes.index(FSDP_AXIS)]
-    axes, sizes = mesh_axes_of(entry), _mesh_sizes(cfg, f)
+    axes, sizes = tuple(a for dim in gathered_at_use(wi_axes, _rules(cfg)) for a in dim), _mesh_sizes(cfg, f)
     if any(a not in sizes for a in axes):
         return None, " x ".join(f"mesh.{a}" for a in axes)
     return math.prod(sizes[a] for a in axes), " x ".join(f"mesh.{a}={sizes[a]}" for a in axes) or "no mesh axis"

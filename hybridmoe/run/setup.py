@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hybridmoe.config.schema import Config
 from hybridmoe.model.params import abstract_params, declare_params, init_params, param_shardings
 from hybridmoe.parallel.mesh import make_mesh
-from hybridmoe.parallel.rules import RULES_TABLES, logical_to_spec, use_rules
+from hybridmoe.parallel.rules import logical_to_spec, rules_table, use_rules
 from hybridmoe.recipe.validate import check_requirements
 from hybridmoe.run.step import make_optimizer, train_step
 
@@ -56,7 +56,7 @@ def build(cfg: Config, devices=None) -> RunSetup:
     check_requirements(cfg, platform=devices[0].platform, devices=len(devices))
     sizes, _ = cfg.mesh.resolve(len(devices))  # they fit: the validator checked it
     mesh = make_mesh(sizes, devices)
-    rules = RULES_TABLES[cfg.mesh.rules]
+    rules = rules_table(cfg.mesh.rules, cfg.mesh.expert_fsdp_dim)
     specs = declare_params(cfg.model)
     p_sh = param_shardings(specs, mesh, rules)
     optimizer = make_optimizer(cfg.train)

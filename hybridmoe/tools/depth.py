@@ -18,7 +18,7 @@ body counts once per block and everything outside it once, whatever the depth
 
 from __future__ import annotations
 
-KEYS = ("argument", "temp", "total")
+KEYS = ("argument", "temp", "total", "default_space")
 
 
 def depths(cfg, layers: int) -> tuple[int, int]:
@@ -54,7 +54,8 @@ def extrapolate(memory: dict[int, dict], block: int, num_layers: int, hbm: int |
         slope = (m2[k] - m1[k]) / (b2 - b1)
         per_block[k] = round(slope)
         at_full[k] = round(m1[k] + slope * (full - b1))
-    fits = None if hbm is None or at_full["total"] is None else at_full["total"] <= hbm
+    need = at_full["total"] if at_full["default_space"] is None else at_full["default_space"]  # fit_bytes
+    fits = None if hbm is None or need is None else need <= hbm
     return {"block_layers": block, "compiled": [{"layers": l1, "blocks": b1, **{k: m1.get(k) for k in KEYS}},
                                                 {"layers": l2, "blocks": b2, **{k: m2.get(k) for k in KEYS}}],
             "per_block": per_block, "extrapolated": {"layers": num_layers, "blocks": full, **at_full},
@@ -68,16 +69,16 @@ def format_depth(d: dict) -> str:
     lines = [f"memory against depth (per device, {name}): compiled at {d['compiled'][0]['layers']} and "
              f"{d['compiled'][1]['layers']} layers (blocks of {d['block_layers']}), extrapolated to "
              f"{d['extrapolated']['layers']}",
-             f"  {'':<24}{'blocks':>7}{'layers':>8}{'arguments':>11}{'temporaries':>13}{'total':>9}"]
+             f"  {'':<24}{'blocks':>7}{'layers':>8}{'arguments':>11}{'temporaries':>13}{'total':>9}"
+             f"{'default space':>15}"]
+    row_text = lambda label, blocks, layers, r: (  # noqa: E731
+        f"  {label:<24}{blocks:>7}{layers:>8}{cell(r['argument']):>11}{cell(r['temp']):>13}{cell(r['total']):>9}"
+        f"{cell(r.get('default_space')):>15}")
     for row in d["compiled"]:
-        lines.append(f"  {'compiled':<24}{row['blocks']:>7}{row['layers']:>8}{cell(row['argument']):>11}"
-                     f"{cell(row['temp']):>13}{cell(row['total']):>9}")
-    p = d["per_block"]
-    lines.append(f"  {'per block (difference)':<24}{1:>7}{d['block_layers']:>8}{cell(p['argument']):>11}"
-                 f"{cell(p['temp']):>13}{cell(p['total']):>9}")
+        lines.append(row_text("compiled", row["blocks"], row["layers"], row))
+    lines.append(row_text("per block (difference)", 1, d["block_layers"], d["per_block"]))
     e = d["extrapolated"]
-    lines.append(f"  {'EXTRAPOLATED':<24}{e['blocks']:>7}{e['layers']:>8}{cell(e['argument']):>11}"
-                 f"{cell(e['temp']):>13}{cell(e['total']):>9}")
+    lines.append(row_text("EXTRAPOLATED", e["blocks"], e["layers"], e))
     if d["hbm"] is not None:
         verdict = "-" if d["fits"] is None else ("fits" if d["fits"] else "does NOT fit")
         lines.append(f"  HBM per device {d['hbm'] / 2**30:.2f} GiB: the extrapolated step {verdict}")
