@@ -479,10 +479,11 @@ def seed_cell() -> str:
     rows = []
     for arm in [a for a in labels if a in arms]:
         m = arms[arm]["memory"]
+        need = m["total"] if m.get("default_space") is None else m["default_space"]  # train_program.fit_bytes
         rows.append([f"`{arm}`", labels[arm], arms[arm]["program"], gib(m["argument"]), gib(m["temp"]),
-                     gib(m["total"]), f"{m['total'] / m['hbm']:.0%}",
-                     f"{m['total'] / 2**30 - rec['seed_total_gib']:+.2f}", "yes" if m["fits"] else "NO",
-                     f"`{arms[arm]['commit'][:7]}`"])
+                     gib(m["total"]), "-" if m.get("default_space") is None else gib(m["default_space"]),
+                     f"{need / m['hbm']:.0%}", f"{need / 2**30 - rec['seed_total_gib']:+.2f}",
+                     "yes" if m["fits"] else "NO", f"`{arms[arm]['commit'][:7]}`"])
     peaks = []
     for arm in [a for a in labels if a in arms]:
         for b in arms[arm]["peak_buffers"][:3]:
@@ -498,11 +499,18 @@ def seed_cell() -> str:
 expert 2; one 65,536-token sequence per context group, 16,384 tokens per device per micro-batch,
 9 micro-batches). `every lever` is the recipe; each lever arm turns the levers after it in the
 seed's order ({", ".join(rec["order"])}) off (the arms' overrides are in the record). GiB per
-device (total = arguments + outputs - donated + temporaries, of the 96 GiB of a v7x device; a
-refused compile: the compiler's temporaries figure); `vs seed` against the seed's own build,
-{rec['seed_total_gib']:.2f} GiB; each arm's commit.
+device: total = arguments + outputs - donated + temporaries, by the compiler's memory analysis (a
+refused compile: the compiler's temporaries figure); `default space` = XLA's memory-usage report of
+the same compile, the arguments and the heap its buffer assignment packed, which is what the TPU
+compiler allocates and checks against HBM, and what the seed states its build in ("78.00 GiB in
+the default memory space"). On TPU the analysis' temporaries count more than that heap (at the
+cell, 41 GiB that no allocation of the buffer-assignment dump holds; the compiler accepted that
+program for 94.75 GiB of HBM), so `of HBM`, `vs seed` (against the seed's
+{rec['seed_total_gib']:.2f} GiB) and `fits` read the default space where an arm has it, total
+otherwise (arms recorded before inspect read the report). Each arm's commit.
 
-{table(["arm", "what", "program", "arguments", "temporaries", "total", "of HBM", "vs seed", "fits", "commit"], rows)}
+{table(["arm", "what", "program", "arguments", "temporaries", "total", "default space", "of HBM", "vs seed",
+        "fits", "commit"], rows)}
 {stale}
 The largest buffers live at the peak (XLA's buffer assignment, per device):
 

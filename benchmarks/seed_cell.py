@@ -39,10 +39,12 @@ LEVERS = {
                    "remat.policy=full", "remat.save=[]"], []),
     "gdn": (["gdn.cp_m_scan=false", "gdn.cp_dh_scan=false", "kernels.gdn.backend=xla"], []),
     "wi_tile": (["kernels.gmm.wi_fwd_tile_n_per_half=0", "kernels.gmm.wi_fwd_rhs_buffer_count=0"], []),
-    # Not the seed's, last: a checkpoint per layer of the block (remat.unit), then the MoE over the
-    # tokens in chunks (moe.token_chunks).
+    # Not the seed's, last: a checkpoint per layer of the block (remat.unit), the MoE over the
+    # tokens in chunks (moe.token_chunks), the expert weights' FSDP split on their experts
+    # (mesh.expert_fsdp_dim).
     "remat_unit": (["remat.unit=block"], []),
     "token_chunks": (["moe.token_chunks=1"], []),
+    "expert_fsdp": (["mesh.expert_fsdp_dim=embed"], []),
 }
 ORDER = list(LEVERS)
 
@@ -109,8 +111,9 @@ def main(argv=None) -> int:
                   order=ORDER, arms=rows)
     for r in rows:
         m = r["memory"]
+        space = "-" if m.get("default_space") is None else f"{m['default_space'] / 2**30:7.2f}"
         print(f"{r['arm']:<12} {r['program']:<7} args {m['argument'] / 2**30:7.2f}  temps {m['temp'] / 2**30:7.2f}  "
-              f"total {m['total'] / 2**30:7.2f} GiB  fits {m['fits']}")
+              f"total {m['total'] / 2**30:7.2f}  default space {space} GiB  fits {m['fits']}")
     return 0
 
 
