@@ -101,6 +101,26 @@ def test_inspect_reports_a_step_the_compiler_refuses_for_memory(tmp_path, capsys
     assert refused["total"] == refused["argument"] + refused["temp"]
 
 
+def test_a_refused_sampler_counts_its_prng_key_among_the_arguments(tmp_path, capsys, monkeypatch):
+    """The sampler's inputs hold a PRNG key (a key<fry> array, which numpy cannot size): refused for
+    memory, as the 397B cell's sampler is, inspect still records the compiler's figure, the
+    arguments with the key's two uint32 words, and fits NO (it raised a TypeError there before)."""
+    import jax
+
+    def refuse(self, *a, **k):
+        raise jax.errors.JaxRuntimeError(REFUSAL)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+    key = jax.ShapeDtypeStruct((3,), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+    assert tp.shard_bytes([key]) == 3 * 2 * 4
+    out = tmp_path / "inspect.json"
+    rc = main(["inspect", "recipe=tiny", *TWO_LAYERS, "train.batch_size=8", "--target", "cpu:8",
+               "--program", "sample", "--out", str(out)])
+    assert rc == 0 and "132.47G" in capsys.readouterr().out
+    refused = json.loads(out.read_text())["programs"]["base"]["memory"]
+    assert refused["fits"] is False and refused["temp"] == round(132.47 * 2**30) and refused["argument"] > 0
+
+
 def test_other_compile_errors_are_not_taken_for_a_memory_refusal(monkeypatch):
     import jax
 

@@ -162,11 +162,16 @@ def _vmem_refusal(error: Exception, cfg: Config) -> ValueError | None:
 
 
 def shard_bytes(tree) -> int:
-    """Bytes one device holds of abstract arrays with shardings (the largest shard of each)."""
+    """Bytes one device holds of abstract arrays with shardings (the largest shard of each). A PRNG
+    key (the sampler's) counts the words of its key data."""
     total = 0
     for leaf in jax.tree.leaves(tree):
         shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), leaf.dtype))
+            total += math.prod(shape) * math.prod(data.shape) * data.dtype.itemsize
+        else:
+            total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
     return total
 
 
