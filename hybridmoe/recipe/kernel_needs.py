@@ -1,8 +1,10 @@
 """Each Pallas kernel's tiles and on-chip memory at a config, as the kernels resolve them: the
-figures the validator's VMEM rules (recipe/validate.py) and `hybridmoe describe` read."""
+figures the validator's VMEM rule (recipe/validate.py) and `hybridmoe describe` read, and the
+problems that rule reports from them."""
 
 from __future__ import annotations
 
+from hybridmoe.config.errors import Problem
 from hybridmoe.config.schema import Config
 from hybridmoe.kernels.attention import limits as attention_limits
 from hybridmoe.kernels.gdn import limits as gdn_limits
@@ -42,3 +44,40 @@ def gdn_vmem_needs(cfg: Config) -> dict:
     m = cfg.model
     return gdn_limits.vmem_needs(0.0, chunk_size=cfg.gdn.chunk_size, key_dim=m.gdn_key_dim,
                                  value_dim=m.gdn_value_dim)
+
+
+# The validator's problems from those figures (recipe/validate.py's on-chip memory rule).
+
+def limit_problems(key: str, limit_mib: float) -> list[Problem]:
+    """A VMEM limit key set above what a TPU core has."""
+    from hybridmoe.kernels.vmem import TPU_VMEM_MIB
+
+    if limit_mib > TPU_VMEM_MIB:
+        return [(key, f"{limit_mib} MiB is more than a TPU core's {TPU_VMEM_MIB:.0f} MiB of VMEM")]
+    return []
+
+
+def over_problems(key: str, needs: dict, fix: str) -> list[Problem]:
+    """One problem naming every kernel of `needs` over its limit, and the fix."""
+    over = [n for n in needs.values() if not n.fits]
+    if not over:
+        return []
+    return [(key, "; ".join(n.text() for n in over) + f" (Mosaic TPU VMEM): {fix}")]
+
+
+def gpu_attention_problems(cfg: Config, context_ranks: int) -> list[Problem]:
+    """The Triton flash kernels' shared memory per program against the GPU's per-block limit."""
+    from hybridmoe.kernels.vmem import GPU_SHARED_LIMIT_BYTES
+
+    a, m = cfg.kernels.attention, cfg.model
+    rows = cfg.train.seq_len // context_ranks
+    block_q, block_k = attention_limits.blocks("pallas_gpu", a.block_q, a.block_k, rows, rows, hardware=True)
+    over = [(kernel, need) for kernel in attention_limits.KERNELS
+            for need in [attention_limits.gpu_shared_bytes(kernel, block_q=block_q, block_k=block_k, head_dim=m.head_dim,
+                                                           itemsize=ITEMSIZE[m.compute_dtype])]
+            if need > GPU_SHARED_LIMIT_BYTES]
+    if not over:
+        return []
+    text = "; ".join(f"{k} needs {n / 1024:.0f} KiB of shared memory" for k, n in over)
+    return [("kernels.attention.block_k", f"{text} at block_q={block_q} block_k={block_k}, over the GPU's "
+             f"{GPU_SHARED_LIMIT_BYTES // 1024} KiB per block (Triton, {attention_limits.GPU_NUM_STAGES} stages): lower the blocks")]

@@ -17,7 +17,8 @@ from hybridmoe.kernels.attention import limits as attention_limits
 from hybridmoe.kernels.gdn import limits as gdn_limits
 from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.platform import PALLAS_PLATFORMS
-from hybridmoe.recipe.kernel_needs import ITEMSIZE, attention_vmem_needs, gdn_vmem_needs, gmm_tiles, gmm_vmem_needs
+from hybridmoe.recipe.kernel_needs import (attention_vmem_needs, gdn_vmem_needs, gmm_tiles, gmm_vmem_needs,
+                                           gpu_attention_problems, limit_problems, over_problems)
 
 
 
@@ -756,59 +757,25 @@ def _quant_fp8_gmm(cfg: Config, f: Facts) -> list[Problem]:
 # configured tiles (the memory models beside each kernel family: kernels/vmem.py), refused here
 # instead of after a compile.
 
-def _limit_problem(key: str, limit_mib: float) -> list[Problem]:
-    from hybridmoe.kernels.vmem import TPU_VMEM_MIB
-
-    if limit_mib > TPU_VMEM_MIB:
-        return [(key, f"{limit_mib} MiB is more than a TPU core's {TPU_VMEM_MIB:.0f} MiB of VMEM")]
-    return []
-
-
-def _over(key: str, needs: dict, fix: str) -> list[Problem]:
-    over = [n for n in needs.values() if not n.fits]
-    if not over:
-        return []
-    return [(key, "; ".join(n.text() for n in over) + f" (Mosaic TPU VMEM): {fix}")]
-
-
 @rule("kernels.gmm.vmem_limit_mib", "kernels.attention.vmem_limit_mib")
 def _kernels_vmem(cfg: Config, f: Facts) -> list[Problem]:
     k = cfg.kernels
-    out = _limit_problem("kernels.gmm.vmem_limit_mib", k.gmm.vmem_limit_mib)
-    out += _limit_problem("kernels.attention.vmem_limit_mib", k.attention.vmem_limit_mib)
+    out = limit_problems("kernels.gmm.vmem_limit_mib", k.gmm.vmem_limit_mib)
+    out += limit_problems("kernels.attention.vmem_limit_mib", k.attention.vmem_limit_mib)
     if out or k.interpret:
         return out
     moe_kernels = (cfg.moe.impl == "sparse" and k.gmm.backend == "pallas_tpu" and k.gmm.tiling == "explicit"
                    and not _gmm_tile_problems(cfg))
     if moe_kernels:
-        out += _over("kernels.gmm.vmem_limit_mib", gmm_vmem_needs(cfg),
+        out += over_problems("kernels.gmm.vmem_limit_mib", gmm_vmem_needs(cfg),
                      "lower that kernel's tiles (kernels.gmm.<kernel>_tm / _tk / _tn) or raise kernels.gmm.vmem_limit_mib")
     if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "", f) \
             and _attention_backend(cfg, f) == "pallas_tpu":
-        out += _over("kernels.attention.vmem_limit_mib", attention_vmem_needs(cfg, _context_size(cfg, f) or 1),
+        out += over_problems("kernels.attention.vmem_limit_mib", attention_vmem_needs(cfg, _context_size(cfg, f) or 1),
                      "lower kernels.attention.block_q / block_k or raise kernels.attention.vmem_limit_mib")
     if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "", f) \
             and _attention_backend(cfg, f) == "pallas_gpu":
-        out += _gpu_attention_problems(cfg, f)
+        out += gpu_attention_problems(cfg, _context_size(cfg, f) or 1)
     if "gdn" in cfg.model.layer_pattern and k.gdn.backend == "pallas_tpu":
-        out += _over("kernels.gdn.backend", gdn_vmem_needs(cfg), "lower gdn.chunk_size or use kernels.gdn.backend=xla")
+        out += over_problems("kernels.gdn.backend", gdn_vmem_needs(cfg), "lower gdn.chunk_size or use kernels.gdn.backend=xla")
     return out
-
-
-def _gpu_attention_problems(cfg: Config, f: Facts) -> list[Problem]:
-    """The Triton flash kernels' shared memory per program against the GPU's per-block limit."""
-    from hybridmoe.kernels.vmem import GPU_SHARED_LIMIT_BYTES
-
-    a, m = cfg.kernels.attention, cfg.model
-    P = _context_size(cfg, f) or 1
-    rows = cfg.train.seq_len // P
-    block_q, block_k = attention_limits.blocks("pallas_gpu", a.block_q, a.block_k, rows, rows, hardware=True)
-    over = [(kernel, need) for kernel in attention_limits.KERNELS
-            for need in [attention_limits.gpu_shared_bytes(kernel, block_q=block_q, block_k=block_k, head_dim=m.head_dim,
-                                                           itemsize=ITEMSIZE[m.compute_dtype])]
-            if need > GPU_SHARED_LIMIT_BYTES]
-    if not over:
-        return []
-    text = "; ".join(f"{k} needs {n / 1024:.0f} KiB of shared memory" for k, n in over)
-    return [("kernels.attention.block_k", f"{text} at block_q={block_q} block_k={block_k}, over the GPU's "
-             f"{GPU_SHARED_LIMIT_BYTES // 1024} KiB per block (Triton, {attention_limits.GPU_NUM_STAGES} stages): lower the blocks")]
