@@ -66,6 +66,13 @@ def test_the_routed_experts_fsdp_split_on_their_expert_dimension():
     with rules.use_rules(rules.rules_table("cp_as_ep", "exp")):
         assert logical_to_spec(("exp", "embed", "mlp")) == P(("context", "expert", "fsdp"), None, "tensor")
     assert rules.rules_table("default") is rules.DEFAULT_RULES
+    # Each device's shard of a stacked wo [L, E, F, D] is whole experts with D whole (where the
+    # default splits D, the TPU pads a narrow D shard to 128 lanes).
+    cfg = tiny_config(*MESH, "mesh.expert_fsdp_dim=exp")
+    setup = build(cfg)
+    wo_spec, wo_sharding = setup.specs["blocks"][0]["moe"]["wo"], setup.param_shardings["blocks"][0]["moe"]["wo"]
+    L, E, F, D = wo_spec.shape
+    assert wo_sharding.shard_shape(wo_spec.shape) == (L, E // 8, F, D)
 
 
 @contextlib.contextmanager
