@@ -81,15 +81,12 @@ def kernel_rows(cfg) -> list[dict]:
     """Each grouped matmul of the MoE layer at its resolved tiles (explicit tiling), with its VMEM
     need by the model on pallas_tpu."""
     from hybridmoe.kernels.gmm import tiling
-    from hybridmoe.recipe.kernel_needs import ITEMSIZE, gmm_tiles, gmm_vmem_needs
+    from hybridmoe.recipe.kernel_needs import gmm_layer, gmm_vmem_needs
 
-    g, m, moe = cfg.kernels.gmm, cfg.model, cfg.moe
+    g = cfg.kernels.gmm
     if g.tiling != "explicit" or g.backend == "xla":
         return []
-    kernels = tiling.layer_kernels(d_model=m.d_model, hidden=m.moe_intermediate_size, tiles=gmm_tiles(cfg),
-                                   wi_fused=moe.wi_fused_swiglu, wo_fused=moe.wo_fused_dswiglu,
-                                   tile_n_per_half=g.wi_fwd_tile_n_per_half or None,
-                                   row_scale=moe.router_grad_from_wo_input, itemsize=ITEMSIZE[m.compute_dtype])
+    kernels = tiling.layer_kernels(**gmm_layer(cfg))
     needs = gmm_vmem_needs(cfg) if g.backend == "pallas_tpu" else {}
     rows = []
     for name, (pallas, buffers) in kernels.items():

@@ -9,6 +9,8 @@ hypothesis-drawn group sizes.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -289,6 +291,60 @@ def test_fused_equals_unfused(backend):
         rel = np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32)) / max(
             np.linalg.norm(np.asarray(b, np.float32)), 1e-30)
         assert rel <= 1e-2, rel
+
+
+# ---------------------------------------------------------------------------------------------
+# weight_out: the weight passed through, its gradient added into the cotangent given for it
+
+
+def _binades(shape, seed):
+    """float32 values whose channels (last dim) span 2^-8 .. 2^8."""
+    r = np.random.default_rng(seed)
+    return jnp.asarray(r.normal(size=shape) * 2.0 ** r.integers(-8, 9, size=shape[-1]), jnp.float32)
+
+
+@pytest.mark.parametrize("backend", ["xla", "xla_row_tiles", *PALLAS])
+def test_weight_out_adds_the_weight_gradient_into_its_cotangent(backend, add_weight_grad=None):
+    """Every grouped matmul with a weight (gmm plain and transposed, the fused pair): with
+    weight_out and a cotangent acc for the passed weight, the weight's gradient is acc plus the
+    gradient without weight_out (float32), the inputs' gradients unchanged; on expert-sharded groups
+    with an empty local group, which keeps acc exactly."""
+    x, wi, wo, s, cot = _pair_data(jnp.float32, e=2)
+    gs = jnp.asarray([3, 7, 0, 6], jnp.int32)  # local groups 1 (7 rows) and 2 (empty)
+    kw = dict(group_offset=1, **_kw(backend))
+
+    def pair(x, wi, wo, weight_out):
+        h, pre, *wi_out = K.wi_fused_swiglu(x, wi, gs, return_preact=True, tile_n_per_half=T,
+                                            weight_out=weight_out, **kw)
+        y, *wo_out = (K.wo_fused_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=T, row_scale=s,
+                                         weight_out=weight_out, **kw),)
+        return (y[0], (wi_out[0], y[1])) if weight_out else (y, ())
+
+    def plain(x, rhs, weight_out, transpose=False):
+        out = K.gmm(x, rhs, gs, transpose_rhs=transpose, weight_out=weight_out, **kw)
+        return (out[0], (out[1],)) if weight_out else (out, ())
+
+    cases = {"fused pair": (pair, (x, wi, wo), (1, 2)), "gmm": (plain, (x, wo[:, :, :D]), (1,)),
+             "gmm transposed": (functools.partial(plain, transpose=True), (x, jnp.swapaxes(wo, 1, 2)), (1,))}
+    for name, (fn, args, weights) in cases.items():
+        y, vjp = jax.vjp(lambda *a: fn(*a, weight_out=False)[0], *args)
+        (y_out, passed), vjp_out = jax.vjp(lambda *a: fn(*a, weight_out=True), *args)
+        assert np.array_equal(y, y_out), name
+        assert [p.shape for p in passed] == [args[i].shape for i in weights], name
+        cot_y = cot[:, :y.shape[1]]
+        accs = tuple(_binades(p.shape, seed) for seed, p in enumerate(passed))
+        base = vjp(cot_y)
+        with_acc = vjp_out((cot_y, accs))
+        for i, (a, b) in enumerate(zip(with_acc, base)):
+            if i not in weights:
+                assert np.array_equal(a, b), (name, i)
+        for (i, acc) in zip(weights, accs):
+            got = np.asarray(with_acc[i])
+            want = np.asarray(acc) + np.asarray(base[i])
+            # acc's own rows where the gradient is zero; a lost or doubled gradient shows elsewhere
+            _close(got, want, jnp.float32, f"{name}: weight {i}")
+            assert np.array_equal(got[1], np.asarray(acc)[1]), f"{name}: the empty local group lost acc"
+            assert np.abs(np.asarray(base[i])[0]).max() > 0.1, name
 
 
 # ---------------------------------------------------------------------------------------------

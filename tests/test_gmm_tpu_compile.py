@@ -34,6 +34,25 @@ def test_gmm_compiles(device, transpose):
     compile_abstract(jax.grad(loss, (0, 1)), x, w, gs)  # gmm, gmm_t and tgmm
 
 
+def test_accumulating_weight_gradient_compiles_in_place(device):
+    # moe.token_chunks' backward: the weight gradient added into a carried [G, K, N] by the tgmm
+    # kernel. Mosaic takes the accumulator's block, and the compiled kernel call writes its output
+    # into the accumulator operand (the loop's carry) instead of a buffer of its own.
+    x = spec((M, D), jnp.bfloat16, device)
+    g = spec((4, M, F), jnp.bfloat16, device)
+    gs = spec((E,), jnp.int32, device)
+
+    def summed(x, g, gs):
+        def trip(acc, g_MF):
+            return K.tgmm(x, g_MF, gs, backend="pallas_tpu", tiling=TILING, acc=acc), None
+
+        return jax.lax.scan(trip, jnp.zeros((E, D, F), jnp.bfloat16), g)[0]
+
+    calls = [line for line in compile_abstract(summed, x, g, gs).as_text().splitlines()
+             if "custom-call(" in line and "tgmm" in line.split("=")[0]]
+    assert len(calls) == 1 and "output_to_operand_aliasing={{}: (7, {})}" in calls[0], calls
+
+
 @pytest.mark.parametrize("depth", [0, 2])
 def test_fused_pair_compiles(device, depth):
     x = spec((M, D), jnp.bfloat16, device)

@@ -388,6 +388,25 @@ def test_token_chunks_equal_one_pass():
     assert_rel_l2((on[0][1], on[1]), (ref[0][1], ref[1]), 2e-2)
 
 
+def test_token_chunks_add_weight_gradients_in_place():
+    # On the Pallas kernels: the backward scan's two carried weight gradients each go into a
+    # weight-gradient kernel as the operand its output aliases, and that output is the carry the
+    # trip hands on. No add, no per-chunk [G, K, N] gradient beside the carried one.
+    cfg = tiny_config(*BF16, *EP2, *WI, *WO, *R, *PALLAS, "moe.token_chunks=4")
+    x = jax.random.normal(jax.random.key(1), (8, 32, cfg.model.d_model)).astype(cfg.model.compute_dtype)
+    with build(cfg).context():
+        jaxpr = jax.make_jaxpr(_layer(cfg))(_moe_params(cfg), x)
+    backward = [e for e in program.iter_eqns(jaxpr)
+                if e.primitive.name == "scan" and e.params["length"] == 4 and e.params["num_carry"] == 2]
+    assert len(backward) == 1, [e.params["num_carry"] for e in program.iter_eqns(jaxpr) if e.primitive.name == "scan"]
+    e = backward[0]
+    body, consts = e.params["jaxpr"].jaxpr, e.params["num_consts"]
+    carries = list(zip(body.invars[consts:consts + 2], body.outvars[:2]))
+    in_place = {(str(v), str(w)) for b in program.iter_eqns(body) if b.primitive.name == "pallas_call"
+                and b.params["input_output_aliases"] for v in b.invars for w in b.outvars}
+    assert {(str(i), str(o)) for i, o in carries} <= in_place, (carries, in_place)
+
+
 def _moe_jaxpr(*overrides):
     cfg = tiny_config(*BF16, *EP2, *WI, *WO, *overrides)
     x = jax.random.normal(jax.random.key(1), (8, 32, cfg.model.d_model)).astype(cfg.model.compute_dtype)
@@ -396,7 +415,7 @@ def _moe_jaxpr(*overrides):
 
 
 def test_token_chunks_hold_no_full_row_buffer():
-    # The program: a scan of 8 trips over a checkpointed chunk, and no array with one row per
+    # The program: scans of 8 trips over the chunks, and no array with one row per
     # (token, expert) of the whole gathered batch, forward or backward. 8 x 32 tokens over the
     # batch shards (data x fsdp x expert = 8): 32 a device, 64 after the ring's gather, 64 k rows.
     chunked, cfg = _moe_jaxpr("moe.token_chunks=8")
@@ -408,9 +427,19 @@ def test_token_chunks_hold_no_full_row_buffer():
         return {v.aval.shape[0] for body in bodies for e in program.iter_eqns(body) for v in e.outvars
                 if hasattr(v.aval, "shape") and len(v.aval.shape) == 2 and v.aval.shape[1] == cfg.model.d_model}
 
-    scans = [e.params["length"] for e in program.iter_eqns(chunked) if e.primitive.name == "scan"]
-    assert 8 in scans, scans
+    scans = [e for e in program.iter_eqns(chunked) if e.primitive.name == "scan" and e.params["length"] == 8]
     assert rows_all in row_dims(whole), row_dims(whole)
     assert rows_all not in row_dims(chunked) and rows_all // 8 in row_dims(chunked), row_dims(chunked)
-    # The chunk is a checkpoint: its forward keeps nothing for the backward but its inputs.
-    assert any(e.primitive.name in ("checkpoint", "remat2") for e in program.iter_eqns(chunked))
+    # Two scans of the 8 chunks: the forward, which stacks nothing but each chunk's output and drop
+    # count (no residual for the backward: that replays), and the backward, which carries the two
+    # expert weights' gradients (the local experts' [G, D, 2F] and [G, F, D]) and stacks each
+    # chunk's token and routing-weight gradients.
+    m = cfg.model
+    G = m.num_experts // 2
+    weights = {(G, m.d_model, 2 * m.moe_intermediate_size), (G, m.moe_intermediate_size, m.d_model)}
+    shapes = sorted(([tuple(v.aval.shape) for v in e.outvars[:e.params["num_carry"]]],
+                     [tuple(v.aval.shape) for v in e.outvars[e.params["num_carry"]:]]) for e in scans)
+    assert len(scans) == 2, shapes
+    forward, backward = sorted(shapes, key=lambda s: len(s[0]))
+    assert forward[0] == [] and len(forward[1]) == 2 and forward[1][0][-1] == m.d_model, forward
+    assert set(backward[0]) == weights and len(backward[1]) == 2, backward

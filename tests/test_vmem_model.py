@@ -74,22 +74,39 @@ OWN = {"tm": 64, "tk": 256, "tn": 256}
 KEYS = [f"{k}_{d}" for k in tiling.KERNELS for d in tiling.DIMS]
 
 
-def _layer_kernels(values: dict, fused: bool):
+def _layer_kernels(values: dict, fused: bool, chunks: int = 1):
     tiles = tiling.kernel_tiles({"tm": SHARED.tm, "tk": SHARED.tk, "tn": SHARED.tn, **values})
     plan = moe.GroupedPlan(num_experts=E, wi_fused_swiglu=fused, wo_fused_dswiglu=fused,
                            router_grad_from_wo_input=fused, backend="pallas_tpu", tiles=tiles,
-                           tile_n_per_half=128 if fused else None)
+                           tile_n_per_half=128 if fused else None, token_chunks=chunks)
     x, w = jnp.zeros((M, D), jnp.bfloat16), jnp.zeros((M,), jnp.float32)
     wi, wo = jnp.zeros((E, D, 2 * F), jnp.bfloat16), jnp.zeros((E, F, D), jnp.bfloat16)
     sizes = jnp.full((E,), M // E, jnp.int32)
 
     def loss(x, w, wi, wo):
-        return jnp.sum(moe._expert_mlp(x, w, wi, wo, sizes, plan, 0).astype(jnp.float32))
+        if chunks == 1:
+            return jnp.sum(moe._expert_mlp(x, w, wi, wo, sizes, plan, 0).astype(jnp.float32))
+        # M tokens, each routed to one expert (k = 1), in `chunks` chunks: M / chunks rows a chunk.
+        idx = (jnp.arange(M, dtype=jnp.int32) % E)[:, None]
+        return jnp.sum(moe.token_chunked_experts(x, w[:, None], idx, wi, wo, plan)[0].astype(jnp.float32))
 
     traced = traced_kernels(jax.grad(loss, (0, 1, 2, 3)), x, w, wi, wo)
     model = tiling.layer_kernels(d_model=D, hidden=F, tiles=tiles, wi_fused=fused, wo_fused=fused,
-                                 tile_n_per_half=128 if fused else None, row_scale=fused, rows=M)
+                                 tile_n_per_half=128 if fused else None, row_scale=fused, rows=M // chunks,
+                                 accumulate_weight_grads=chunks > 1)
     return traced, {role: modelled(name, bufs) for role, (name, bufs) in model.items()}
+
+
+def test_chunked_weight_gradients_read_their_accumulator_block():
+    """Under moe.token_chunks the two weight-gradient kernels add into the carried gradient: one more
+    [tk, tn] block each, which the model counts (gmm_vmem_needs passes token_chunks > 1)."""
+    traced, model = _layer_kernels({}, True, chunks=2)
+    # The forward runs twice (the chunk scan, then its replay in the backward): count kernels once.
+    assert set(traced) == set(model.values()), (traced, model)
+    _, one_pass = _layer_kernels({}, True)
+    for role in ("wi_drhs", "wo_drhs"):
+        extra = collections.Counter(model[role][1]) - collections.Counter(one_pass[role][1])
+        assert list(extra.elements()) == [((SHARED.tk, SHARED.tn), 2, 2)], (role, extra)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])

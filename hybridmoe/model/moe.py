@@ -209,30 +209,82 @@ def grouped_experts(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, grou
     (always 0 when dropless). Rows are sorted by expert with a stable sort, so within an expert
     the earlier tokens keep their place and the later ones are dropped.
 
-    moe.token_chunks = C > 1 (dropless; where C divides the tokens): the tokens run in C chunks, one
-    after another in a scan whose body is a checkpoint, so the forward keeps no row buffer and the
-    backward replays one chunk at a time: every [T k, D] buffer becomes [T k / C, D]. Tokens are
-    independent of each other, so only the weights' gradients change: summed over the chunks in the
-    scan's accumulator instead of inside one grouped matmul. A token count C does not divide (a
-    sampler's decode step: a few rows, no backward) runs as one chunk.
+    moe.token_chunks = C > 1 (dropless; where C divides the tokens): `token_chunked_experts`. A token
+    count C does not divide (a sampler's decode step: a few rows, no backward) runs as one chunk.
     """
     T = idx_Tk.shape[0]
     C = plan.token_chunks
     if C == 1 or T % C:
         return _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan, group_offset)
-
-    def chunk(_, xs):
-        return None, _grouped_rows(*xs, wi_GD2F, wo_GFD, plan, group_offset)
-
-    chunk = jax.checkpoint(chunk, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-    xs = tuple(a.reshape(C, T // C, *a.shape[1:]) for a in (x_TD, w_Tk, idx_Tk))
-    _, (y_CtD, dropped_C) = jax.lax.scan(chunk, None, xs)
-    return y_CtD.reshape(T, -1), jnp.sum(dropped_C)
+    return token_chunked_experts(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan, group_offset)
 
 
-def _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_offset):
+def token_chunked_experts(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_offset=0):
+    """grouped_experts over the tokens in C = plan.token_chunks chunks, one after another.
+
+    Forward: a scan over the chunks that keeps nothing but its inputs. Backward (a custom VJP): a
+    scan over the chunks that replays each chunk's forward and its VJP, so every [T k, D] row buffer
+    is [T k / C, D]. Tokens are independent of each other, so outputs and the tokens' and routing
+    weights' gradients are each chunk's own. The expert weights' gradients are carried through the
+    backward scan and each chunk's weight-gradient kernel adds into them (the grouped matmuls'
+    weight_out): one [G, K, N] accumulator per weight, no per-chunk gradient beside it, summed in the
+    kernel's float32 accumulator and rounded once per chunk. The weights enter in the activation
+    dtype, marked varying like the tokens, so what the scans carry keeps one type and the reduction
+    of the weights' gradient over the mesh runs once, after the backward scan.
+    """
+    T = idx_Tk.shape[0]
+    C = plan.token_chunks
+    dt = x_TD.dtype
+    wi_GD2F, wo_GFD = wi_GD2F.astype(dt), wo_GFD.astype(dt)
+    static_offset = isinstance(group_offset, int)
+    if static_offset:
+        x_TD, w_Tk, wi_GD2F, wo_GFD = _vary_alike(x_TD, w_Tk, wi_GD2F, wo_GFD)
+        off = jnp.int32(group_offset)
+    else:
+        x_TD, w_Tk, wi_GD2F, wo_GFD, off = _vary_alike(x_TD, w_Tk, wi_GD2F, wo_GFD,
+                                                       jnp.asarray(group_offset, jnp.int32))
+    chunks = lambda a: a.reshape(C, T // C, *a.shape[1:])  # noqa: E731
+
+    def one(x_tD, w_tk, idx_tk, wi, wo, off, weights_out=False):
+        return _grouped_rows(x_tD, w_tk, idx_tk, wi, wo, plan, group_offset if static_offset else off,
+                             weights_out=weights_out)
+
+    @jax.custom_vjp
+    def run(x_TD, w_Tk, idx_Tk, wi, wo, off):
+        def chunk(_, xs):
+            return None, one(*xs, wi, wo, off)
+
+        _, (y_CtD, dropped_C) = jax.lax.scan(chunk, None, tuple(map(chunks, (x_TD, w_Tk, idx_Tk))))
+        return y_CtD.reshape(T, -1), jnp.sum(dropped_C)
+
+    def fwd(x_TD, w_Tk, idx_Tk, wi, wo, off):
+        return run(x_TD, w_Tk, idx_Tk, wi, wo, off), (x_TD, w_Tk, idx_Tk, wi, wo, off)
+
+    def bwd(res, cts):
+        x_TD, w_Tk, idx_Tk, wi, wo, off = res
+        ct_TD = cts[0]
+
+        def chunk(acc, xs):
+            x_tD, w_tk, idx_tk, ct_tD = xs
+            replay = lambda x, w, wi, wo: one(x, w, idx_tk, wi, wo, off, weights_out=True)[::2]  # noqa: E731
+            _, vjp = jax.vjp(replay, x_tD, w_tk, wi, wo)
+            # The weights' cotangent is the carried sum: the chunk's weight gradients are added into it.
+            dx, dw, dwi, dwo = vjp((ct_tD, acc))
+            return (dwi, dwo), (dx, dw)
+
+        # Last chunk first, as autodiff of a scan would run it.
+        (dwi, dwo), (dx, dw) = jax.lax.scan(chunk, (jnp.zeros_like(wi), jnp.zeros_like(wo)),
+                                            tuple(map(chunks, (x_TD, w_Tk, idx_Tk, ct_TD))), reverse=True)
+        return dx.reshape(x_TD.shape), dw.reshape(w_Tk.shape), None, dwi, dwo, None
+
+    run.defvjp(fwd, bwd)
+    return run(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, off)
+
+
+def _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_offset, weights_out=False):
     """grouped_experts on one set of tokens: sort the (token, expert) rows by expert, run the
-    grouped MLP, combine each token's k rows."""
+    grouped MLP, combine each token's k rows. weights_out: (y, dropped, (wi, wo)), the weights
+    passed through the grouped matmuls that use them (ops.py's weight_out)."""
     T, k = idx_Tk.shape
     E, G = plan.num_experts, wi_GD2F.shape[0]
     M = T * k
@@ -260,12 +312,14 @@ def _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_
     x_RD = x_TD[buffer_R // k]
     w_R = w_Tk.reshape(-1)[buffer_R]
     y_RD = _expert_mlp(x_RD, w_R, wi_GD2F.astype(dt), wo_GFD.astype(dt), group_sizes_E, plan,
-                       group_offset)
+                       group_offset, weights_out=weights_out)
+    if weights_out:
+        y_RD, weights = y_RD
     if rows < M:
         y_RD = jnp.concatenate([y_RD, jnp.zeros((M - rows, y_RD.shape[1]), dt)])
     inverse_M = jnp.argsort(order_M)
     y_TD = jnp.sum(y_RD[inverse_M].reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
-    return y_TD, dropped
+    return (y_TD, dropped, weights) if weights_out else (y_TD, dropped)
 
 
 def _vary_alike(*arrays):
@@ -284,8 +338,12 @@ def _vary_alike(*arrays):
     return out
 
 
-def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, group_offset):
-    """Routed rows through their experts: (w * swiglu(x @ wi)) @ wo, per the plan's levers."""
+def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, group_offset,
+                weights_out: bool = False):
+    """Routed rows through their experts: (w * swiglu(x @ wi)) @ wo, per the plan's levers.
+    weights_out: (y, (wi, wo)), each weight passed through the grouped matmul that uses it, so its
+    gradient is added into the cotangent given for it (ops.py's weight_out; fp8_gmm's matmuls have
+    none: there autodiff adds the two)."""
     if isinstance(group_offset, int):
         # A literal offset (every expert local) keeps the kernels' unsharded path.
         x_MD, w_M, wi_GD2F, wo_GFD = _vary_alike(x_MD, w_M, wi_GD2F, wo_GFD)
@@ -299,28 +357,40 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
     wo_tiles = dict(tiling=t.wo_fwd, dlhs_tiling=t.wo_dlhs, drhs_tiling=t.wo_drhs) if t else {}
     row_scale_M = w_M if plan.router_grad_from_wo_input else None
     # quant.fp8_gmm: the unfused grouped matmuls in fp8 (the fused levers are refused with it).
-    mm = (functools.partial(gmm_fp8, group_offset=group_offset, backend=plan.backend) if plan.fp8
-          else functools.partial(K.gmm, **kw))
+    if plan.fp8:
+        fp8_mm = functools.partial(gmm_fp8, group_offset=group_offset, backend=plan.backend)
+        mm = lambda lhs, rhs, sizes, **_: (fp8_mm(lhs, rhs, sizes), rhs) if weights_out else fp8_mm(lhs, rhs, sizes)  # noqa: E731
+    else:
+        mm = functools.partial(K.gmm, **kw, weight_out=weights_out)
+    passed = []  # the weights as the grouped matmuls pass them through (weights_out)
+
+    def take_weight(out):
+        if not weights_out:
+            return out
+        passed.append(out[-1])
+        return out[:-1] if len(out) > 2 else out[0]
+
     if plan.wi_fused_swiglu:
-        out = K.wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,
-                           tile_n_per_half=plan.tile_n_per_half, epilogue=plan.epilogue,
-                           rhs_buffer_count=plan.rhs_buffer_count, **kw, **wi_tiles)
+        out = take_weight(K.wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,
+                                            tile_n_per_half=plan.tile_n_per_half, epilogue=plan.epilogue,
+                                            rhs_buffer_count=plan.rhs_buffer_count, weight_out=weights_out,
+                                            **kw, **wi_tiles))
         h_MF, preact_M2F = out if plan.wo_fused_dswiglu else (out, None)
         preact_tile = plan.tile_n_per_half
     else:
-        preact_M2F = mm(x_MD, wi_GD2F, group_sizes_E, **({} if plan.fp8 else wi_tiles))
+        preact_M2F = take_weight(mm(x_MD, wi_GD2F, group_sizes_E, **wi_tiles))
         h_MF = swiglu(preact_M2F)
         preact_tile = None  # the unfused matmul stores contiguous [gate | up]
     if plan.wo_fused_dswiglu:
-        y_MD = K.wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, preact=preact_M2F,
-                             preact_tile_n_per_half=preact_tile, row_scale=row_scale_M,
-                             epilogue=plan.epilogue, **kw, **wo_tiles)
+        y_MD = take_weight(K.wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, preact=preact_M2F,
+                                              preact_tile_n_per_half=preact_tile, row_scale=row_scale_M,
+                                              epilogue=plan.epilogue, weight_out=weights_out, **kw, **wo_tiles))
     else:
         lhs_MF = h_MF if row_scale_M is None else K.scale_rows(h_MF, row_scale_M)
-        y_MD = mm(lhs_MF, wo_GFD, group_sizes_E, **({} if plan.fp8 else wo_tiles))
+        y_MD = take_weight(mm(lhs_MF, wo_GFD, group_sizes_E, **wo_tiles))
     if row_scale_M is None:
         y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(y_MD.dtype)
-    return y_MD
+    return (y_MD, tuple(passed)) if weights_out else y_MD
 
 
 def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None = None, *,

@@ -18,13 +18,18 @@ def gmm_tiles(cfg: Config) -> tiling.KernelTiles:
     return tiling.kernel_tiles(cfg.kernels.gmm.model_dump())
 
 
+def gmm_layer(cfg: Config) -> dict:
+    """tiling.layer_kernels' arguments for the config's MoE layer."""
+    g, m, moe = cfg.kernels.gmm, cfg.model, cfg.moe
+    return dict(d_model=m.d_model, hidden=m.moe_intermediate_size, tiles=gmm_tiles(cfg),
+                wi_fused=moe.wi_fused_swiglu, wo_fused=moe.wo_fused_dswiglu,
+                tile_n_per_half=g.wi_fwd_tile_n_per_half or None, row_scale=moe.router_grad_from_wo_input,
+                itemsize=ITEMSIZE[m.compute_dtype], accumulate_weight_grads=moe.token_chunks > 1)
+
+
 def gmm_vmem_needs(cfg: Config) -> dict:
     """Each grouped matmul's VMEM need at its tiles (explicit tiling, Mosaic TPU), by kernel."""
-    g, m, moe = cfg.kernels.gmm, cfg.model, cfg.moe
-    return tiling.vmem_needs(g.vmem_limit_mib, d_model=m.d_model, hidden=m.moe_intermediate_size,
-                             tiles=gmm_tiles(cfg), wi_fused=moe.wi_fused_swiglu, wo_fused=moe.wo_fused_dswiglu,
-                             tile_n_per_half=g.wi_fwd_tile_n_per_half or None,
-                             row_scale=moe.router_grad_from_wo_input, itemsize=ITEMSIZE[m.compute_dtype])
+    return tiling.vmem_needs(cfg.kernels.gmm.vmem_limit_mib, **gmm_layer(cfg))
 
 
 def attention_vmem_needs(cfg: Config, context_ranks: int = 1) -> dict:

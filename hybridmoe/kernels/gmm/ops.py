@@ -17,6 +17,11 @@ Common contract:
 - tiling / dlhs_tiling / drhs_tiling (Pallas backends): the tiles of the forward kernel, of the input
   gradient's and of the weight gradient's (None = the forward's): each grouped matmul of the MoE
   layer has its own (tiling.KernelTiles).
+- weight_out (gmm, wi_fused_swiglu, wo_fused_dswiglu): also return the weight itself, as the last
+  output. The weight's gradient is then added into that output's cotangent (the weight-gradient
+  kernel's accumulator starts from it, in place on the Pallas backends), so a loop that carries the
+  cotangent (moe.token_chunks' backward) sums the weight's gradient over its trips with no
+  per-trip [G, K, N] buffer besides the carried one.
 - xla_impl (xla backend): "ragged_dot" (jax.lax.ragged_dot) or "row_tiles" (one batched matmul
   over group-aligned tiles of xla_tile_rows rows; row_tiles.py). `xla_impl_for` is the one place
   that picks it per platform.
@@ -99,21 +104,31 @@ def _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl, xl
 
 def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local: int | None = None, group_offset=0,
          backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
-         preferred_element_type=None, xla_impl: str = "ragged_dot", xla_tile_rows: int = 128):
-    """[G, K, N]: out[g] = lhs[rows of group offset+g]^T @ grad[same rows] (no VJP: a gradient)."""
+         preferred_element_type=None, xla_impl: str = "ragged_dot", xla_tile_rows: int = 128, acc=None):
+    """[G, K, N]: out[g] = lhs[rows of group offset+g]^T @ grad[same rows] (no VJP: a gradient).
+    acc [G, K, N]: return acc + that instead, summed in the float32 accumulator and rounded once
+    (the Pallas kernels write it into acc's buffer)."""
     num_local = group_sizes_E.shape[0] if num_local is None else num_local
     sharded = _sharded(group_sizes_E, num_local, group_offset)
-    return backend_module(backend).tgmm(
-        lhs_MK, grad_MN, group_sizes_E, num_local=num_local, group_offset=group_offset,
-        sharded=sharded, out_dtype=preferred_element_type or lhs_MK.dtype,
-        **_kw(backend, tiling, interpret, xla_impl, xla_tile_rows))
+    return _weight_grad(backend_module(backend), lhs_MK, grad_MN, group_sizes_E, num_local=num_local,
+                        off=group_offset, sharded=sharded, out_dtype=preferred_element_type or lhs_MK.dtype,
+                        kw=_kw(backend, tiling, interpret, xla_impl, xla_tile_rows), acc=acc)
+
+
+def _weight_grad(be, lhs, grad, sizes, *, num_local, off, sharded, out_dtype, kw, acc=None):
+    """The backend's tgmm(lhs, grad), added into acc (None or a symbolic zero: nothing to add)."""
+    if isinstance(acc, SymbolicZero):
+        acc = None
+    return be.tgmm(lhs, grad, sizes, num_local=num_local, group_offset=off, sharded=sharded,
+                   out_dtype=out_dtype, acc_GKN=acc, **kw)
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs: bool = False, group_offset=0,
         backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
         preferred_element_type=None, xla_impl: str = "ragged_dot", xla_tile_rows: int = 128,
-        dlhs_tiling: Tiling | None = None, drhs_tiling: Tiling | None = None):
-    """[M, N]: out[r] = lhs[r] @ rhs[group(r) - offset]  (rhs [G, N, K] with transpose_rhs).
+        dlhs_tiling: Tiling | None = None, drhs_tiling: Tiling | None = None, weight_out: bool = False):
+    """[M, N]: out[r] = lhs[r] @ rhs[group(r) - offset]  (rhs [G, N, K] with transpose_rhs);
+    with weight_out, (out, rhs) (module docstring).
 
     Differentiable in lhs and rhs: DLHS = gmm(g, rhs, transpose_rhs=not transpose_rhs),
     DRHS = tgmm(lhs, g) (or tgmm(g, lhs) with transpose_rhs).
@@ -131,21 +146,19 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs: bool = False, group_of
 
     @jax.custom_vjp
     def f(lhs, rhs, sizes, off):
-        return run(lhs, rhs, sizes, off, transpose_rhs, out_dtype, kw)
+        out = run(lhs, rhs, sizes, off, transpose_rhs, out_dtype, kw)
+        return (out, rhs) if weight_out else out
 
     def fwd(lhs, rhs, sizes, off):
         return f(lhs, rhs, sizes, off), (lhs, rhs, sizes, off)
 
-    def bwd(res, g_MN):
+    def bwd(res, cts):
         lhs, rhs, sizes, off = res
+        g_MN, acc = cts if weight_out else (cts, None)
         dlhs = run(g_MN, rhs, sizes, off, not transpose_rhs, lhs.dtype, dlhs_kw)
-        g_local = rhs.shape[0]
-        if transpose_rhs:
-            drhs = be.tgmm(g_MN, lhs, sizes, num_local=g_local, group_offset=off,
-                           sharded=sharded, out_dtype=rhs.dtype, **drhs_kw)
-        else:
-            drhs = be.tgmm(lhs, g_MN, sizes, num_local=g_local, group_offset=off,
-                           sharded=sharded, out_dtype=rhs.dtype, **drhs_kw)
+        a, b = (g_MN, lhs) if transpose_rhs else (lhs, g_MN)
+        drhs = _weight_grad(be, a, b, sizes, num_local=rhs.shape[0], off=off, sharded=sharded,
+                            out_dtype=rhs.dtype, kw=drhs_kw, acc=acc)
         return dlhs, drhs, None, None
 
     f.defvjp(fwd, bwd)
@@ -188,8 +201,10 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False
                     tiling: Tiling | None = None, interpret: bool = False,
                     epilogue: epi.Epilogue = "float32", rhs_buffer_count: int = 0,
                     xla_impl: str = "ragged_dot", xla_tile_rows: int = 128,
-                    dlhs_tiling: Tiling | None = None, drhs_tiling: Tiling | None = None):
+                    dlhs_tiling: Tiling | None = None, drhs_tiling: Tiling | None = None,
+                    weight_out: bool = False):
     """The up projection with SwiGLU in its epilogue: h = silu(gate) * up, gate|up = x @ wi.
+    Returns h, (h, preact) with return_preact, and wi last with weight_out (module docstring).
 
     wi [G, D, 2F] is the prefused [gate | up] weight (gate = columns [:F], up = [F:]). Math in
     float32 on the accumulator; h (and preact) in x's dtype.
@@ -220,17 +235,18 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False
 
     @jax.custom_vjp
     def f_(x, wi, sizes, off):
-        return be.wi_fused_swiglu(x, wi, sizes, group_offset=off, sharded=sharded, tile_n_per_half=t,
-                             mode=epilogue, **fwd_kw)
+        h, preact = be.wi_fused_swiglu(x, wi, sizes, group_offset=off, sharded=sharded, tile_n_per_half=t,
+                                       mode=epilogue, **fwd_kw)
+        return (h, preact, wi) if weight_out else (h, preact)
 
     def fwd(x, wi, sizes, off):
         x, wi, sizes, off = (a.value for a in (x, wi, sizes, off))
-        h, preact = f_(x, wi, sizes, off)
-        return (h, preact), (x, wi, preact, sizes, off)
+        out = f_(x, wi, sizes, off)
+        return out, (x, wi, out[1], sizes, off)
 
     def bwd(res, cts):
         x, wi, preact, sizes, off = res
-        ct_h, ct_pre = cts
+        ct_h, ct_pre, acc = cts if weight_out else (*cts, None)
         parts = []
         if not isinstance(ct_h, SymbolicZero):
             # The activation's VJP, only when h itself is consumed by something differentiable.
@@ -241,18 +257,18 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False
         if not isinstance(ct_pre, SymbolicZero):
             parts.append(preact_to_contiguous(ct_pre, f, t).astype(preact.dtype))
         if not parts:
-            return None, None, None, None
+            return None, (None if isinstance(acc, SymbolicZero) else acc), None, None
         d = parts[0] if len(parts) == 1 else (parts[0].astype(jnp.float32) + parts[1]).astype(
             preact.dtype)
         dx = be.gmm(d, wi, sizes, transpose_rhs=True, group_offset=off, sharded=sharded,
                     out_dtype=x.dtype, **dlhs_kw)
-        dwi = be.tgmm(x, d, sizes, num_local=wi.shape[0], group_offset=off, sharded=sharded,
-                      out_dtype=wi.dtype, **drhs_kw)
+        dwi = _weight_grad(be, x, d, sizes, num_local=wi.shape[0], off=off, sharded=sharded,
+                           out_dtype=wi.dtype, kw=drhs_kw, acc=acc)
         return dx, dwi, None, None
 
     f_.defvjp(fwd, bwd, symbolic_zeros=True)
-    h, preact = f_(x_MD, wi_GD2F, group_sizes_E, jnp.asarray(group_offset, jnp.int32))
-    return (h, preact) if return_preact else h
+    h, preact, *wi_out = f_(x_MD, wi_GD2F, group_sizes_E, jnp.asarray(group_offset, jnp.int32))
+    return (h, preact, *wi_out) if return_preact else (h, *wi_out) if weight_out else h
 
 
 def wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_half: int | None,
@@ -260,8 +276,9 @@ def wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_h
                      backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
                      epilogue: epi.Epilogue = "float32", xla_impl: str = "ragged_dot",
                      xla_tile_rows: int = 128, dlhs_tiling: Tiling | None = None,
-                     drhs_tiling: Tiling | None = None):
-    """The down projection y = (s * h) @ wo per group, whose backward fuses the SwiGLU VJP.
+                     drhs_tiling: Tiling | None = None, weight_out: bool = False):
+    """The down projection y = (s * h) @ wo per group, whose backward fuses the SwiGLU VJP;
+    with weight_out, (y, wo) (module docstring).
 
     Forward: y = gmm(scale_rows(h, s), wo) with scale_rows(h, s) = round_to_h_dtype(h * s)
     (float32 multiply), exactly as the unfused path computes it; s = row_scale [M] (float32,
@@ -297,29 +314,32 @@ def wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_h
     kw, dlhs_kw, drhs_kw = _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl,
                                      xla_tile_rows)
 
-    @jax.custom_vjp
-    def f_(h, wo, pre, s, sizes, off):
-        del pre
-        lhs = h if s is None else epi.scale_rows(h, s)
-        return be.gmm(lhs, wo, sizes, transpose_rhs=False, group_offset=off, sharded=sharded,
-                      out_dtype=h.dtype, **kw)
-
-    def fwd(h, wo, pre, s, sizes, off):
+    def forward(h, wo, s, sizes, off):
         lhs = h if s is None else epi.scale_rows(h, s)
         y = be.gmm(lhs, wo, sizes, transpose_rhs=False, group_offset=off, sharded=sharded,
                    out_dtype=h.dtype, **kw)
+        return lhs, ((y, wo) if weight_out else y)
+
+    @jax.custom_vjp
+    def f_(h, wo, pre, s, sizes, off):
+        del pre
+        return forward(h, wo, s, sizes, off)[1]
+
+    def fwd(h, wo, pre, s, sizes, off):
+        lhs, out = forward(h, wo, s, sizes, off)
         # Only the match_unfused stand-in keeps h: its row dot uses the stored h, as unfused does.
         h_res = h if (epilogue == "match_unfused" and s is not None) else None
-        return y, (lhs, wo, pre, s, h_res, sizes, off)
+        return out, (lhs, wo, pre, s, h_res, sizes, off)
 
-    def bwd(res, g_MD):
+    def bwd(res, cts):
         lhs, wo, pre, s, h_res, sizes, off = res
+        g_MD, acc = cts if weight_out else (cts, None)
         d, row_dot = be.wo_fused_dswiglu_dlhs(
             g_MD, wo, sizes, pre, preact_tile_n_per_half=t, row_scale_M=s,
             out_tile_n_per_half=t, group_offset=off, sharded=sharded, mode=epilogue,
             h_MF=h_res, **dlhs_kw)
-        dwo = be.tgmm(lhs, g_MD, sizes, num_local=wo.shape[0], group_offset=off,
-                      sharded=sharded, out_dtype=wo.dtype, **drhs_kw)
+        dwo = _weight_grad(be, lhs, g_MD, sizes, num_local=wo.shape[0], off=off, sharded=sharded,
+                           out_dtype=wo.dtype, kw=drhs_kw, acc=acc)
         ds = None
         if s is not None:
             ds = row_dot.astype(s.dtype) if with_row_dot else jnp.zeros_like(s)

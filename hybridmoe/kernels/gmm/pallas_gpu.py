@@ -91,7 +91,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, out_dtype,
-         tiling=None, interpret=False):
+         tiling=None, interpret=False, acc_GKN=None):
+    """acc_GKN: add the result into this [G, K, N] array in place (its buffer is the output's)."""
     del sharded
     m, k = lhs_MK.shape
     n = grad_MN.shape[1]
@@ -100,7 +101,10 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     (lo, hi, *_), _ = _meta(group_sizes_E, m_pad, tm, group_offset, num_local, True)
     in_dtype = jnp.promote_types(lhs_MK.dtype, grad_MN.dtype)
 
-    def kernel(lo_ref, hi_ref, lhs_ref, grad_ref, out_ref):
+    accumulate = acc_GKN is not None
+
+    def kernel(lo_ref, hi_ref, lhs_ref, grad_ref, *refs):
+        init_ref, out_ref = refs if accumulate else (None, *refs)
         ni, ki, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         lo_r, hi_r = lo_ref[g], hi_ref[g]
 
@@ -115,8 +119,10 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
 
         first = lo_r // tm
         last = jnp.where(hi_r > lo_r, (hi_r + tm - 1) // tm, first)
-        acc = jax.lax.fori_loop(first, last, body, jnp.zeros((tk, tn), jnp.float32))
-        out_ref[g, pl.ds(ki * tk, tk), pl.ds(ni * tn, tn)] = acc.astype(out_ref.dtype)
+        block = (g, pl.ds(ki * tk, tk), pl.ds(ni * tn, tn))
+        acc0 = init_ref[block].astype(jnp.float32) if accumulate else jnp.zeros((tk, tn), jnp.float32)
+        acc = jax.lax.fori_loop(first, last, body, acc0)
+        out_ref[block] = acc.astype(out_ref.dtype)
 
     return pl.pallas_call(
         kernel,
@@ -125,7 +131,9 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
         compiler_params=_params(),
         interpret=interpret,
         name="tgmm",
-    )(lo, hi, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad))
+        input_output_aliases={4: 0} if accumulate else {},  # the accumulator (after lo, hi, lhs, grad)
+    )(lo, hi, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad),
+      *([acc_GKN.astype(out_dtype)] if accumulate else []))
 
 
 def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,

@@ -131,7 +131,10 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, out_dtype,
-         tiling=None, interpret=False):
+         tiling=None, interpret=False, acc_GKN=None):
+    """acc_GKN: add the result into this [G, K, N] array in place (its buffer is the output's):
+    each output block's float32 accumulator starts from the block's value instead of zero, so a
+    group with no rows keeps it."""
     del sharded
     m, k = lhs_MK.shape
     n = grad_MN.shape[1]
@@ -142,8 +145,12 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
         visit_empty=True)
     stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
     in_dtype = jnp.promote_types(lhs_MK.dtype, grad_MN.dtype)
+    out_block = pl.BlockSpec((None, tk, tn), lambda ni, ki, s, lo, hi, grp, tile: (grp[s], ki, ni))
 
-    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, lhs_ref, grad_ref, out_ref, acc_ref):
+    accumulate = acc_GKN is not None
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, lhs_ref, grad_ref, *refs):
+        init_ref, out_ref, acc_ref = refs if accumulate else (None, *refs)
         s = pl.program_id(2)
         last = pl.num_programs(2) - 1
         g = grp_ref[s]
@@ -152,7 +159,10 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
 
         @pl.when(new_group)
         def _():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
+            if accumulate:
+                acc_ref[...] = init_ref[...].astype(jnp.float32)
+            else:
+                acc_ref[...] = jnp.zeros_like(acc_ref)
 
         @pl.when(hi_ref[g] > lo_ref[g])
         def _():
@@ -176,22 +186,25 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
             in_specs=[
                 pl.BlockSpec((tm, tk), lambda ni, ki, s, lo, hi, grp, tile: (tile[s], ki)),
                 pl.BlockSpec((tm, tn), lambda ni, ki, s, lo, hi, grp, tile: (tile[s], ni)),
-            ],
-            out_specs=pl.BlockSpec((None, tk, tn),
-                                   lambda ni, ki, s, lo, hi, grp, tile: (grp[s], ki, ni)),
+            ] + [out_block] * accumulate,
+            out_specs=out_block,
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
         compiler_params=_params(t),
         interpret=interpret,
         name="tgmm",
+        # The accumulator (operand 6, after the four scalar-prefetch arrays and the two row operands)
+        # is the output's buffer.
+        input_output_aliases={6: 0} if accumulate else {},
         # lhs^T @ grad over the local groups' rows: 2 m k n over the balanced local share; each
         # step fetches a row tile of both operands per (N tile, K tile); the [G, K, N] output is
         # written once.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
                             stated_steps * tm * ((n // tn) * k * _itemsize(lhs_MK)
                                                          + (k // tk) * n * _itemsize(grad_MN))
-                            + num_local * k * n * jnp.dtype(out_dtype).itemsize),
-    )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad))
+                            + (1 + accumulate) * num_local * k * n * jnp.dtype(out_dtype).itemsize),
+    )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad),
+      *([acc_GKN.astype(out_dtype)] if accumulate else []))
     return out
 
 

@@ -204,10 +204,12 @@ PALLAS_NAMES = {"gmm": "gmm", "gmm_t": "gmm_t", "tgmm": "tgmm", "wi_fused": "wi_
 
 
 def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_itemsize: int | None = None,
-                depth: int = 0, f: int = 0, row_scale: bool = False, with_h: bool = False) -> list[Buffer]:
+                depth: int = 0, f: int = 0, row_scale: bool = False, with_h: bool = False,
+                accumulate: bool = False) -> list[Buffer]:
     """The VMEM buffers of one Mosaic kernel (kind: a PALLAS_NAMES key) at resolved tiles: tm rows,
     tk contraction, tn output columns (per half for wi_fused; f = F for wo_fused_dlhs, whose one N
-    tile spans it). depth: wi_fused's weight pipeline depth (0 = Mosaic's 2)."""
+    tile spans it). depth: wi_fused's weight pipeline depth (0 = Mosaic's 2). accumulate: tgmm adds
+    into the output's previous value, read as one more block (moe.token_chunks' backward)."""
     out_itemsize = out_itemsize or itemsize
     F32 = 4
     if kind in ("gmm", "gmm_t"):
@@ -216,6 +218,7 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
                 Buffer("out", (tm, tn), out_itemsize), Buffer("acc", (tm, tn), F32, 1, "scratch")]
     if kind == "tgmm":
         return [Buffer("lhs", (tm, tk), itemsize), Buffer("grad", (tm, tn), itemsize),
+                *[Buffer("acc_in", (tk, tn), out_itemsize)] * accumulate,
                 Buffer("out", (tk, tn), out_itemsize), Buffer("acc", (tk, tn), F32, 1, "scratch"),
                 # the masked lhs, transposed for the MXU (tpu7x: 0 / 48 / 184 KiB over the blocks at
                 # (tm, tk, tn) = (128, 256, 128) / (256, 256, 512) / (256, 512, 256); this is 64 / 128 / 256)
@@ -250,9 +253,10 @@ def epilogue_values(tm: int, f: int) -> list[Buffer]:
 
 def layer_kernels(*, d_model: int, hidden: int, tiles: KernelTiles, wi_fused: bool, wo_fused: bool,
                   tile_n_per_half: int | None, row_scale: bool, itemsize: int = 2,
-                  rows: int | None = None) -> dict[str, tuple[str, list[Buffer]]]:
+                  rows: int | None = None, accumulate_weight_grads: bool = False) -> dict[str, tuple[str, list[Buffer]]]:
     """Per grouped matmul of the MoE layer (KERNELS): (its Mosaic kernel's name, its buffers) at
-    its own tiles, resolved as the kernels resolve them (rows: the routed rows, when known, cap tm)."""
+    its own tiles, resolved as the kernels resolve them (rows: the routed rows, when known, cap tm).
+    accumulate_weight_grads: the weight gradients add into a carried one (moe.token_chunks > 1)."""
     D, F = d_model, hidden
 
     def tm_of(t: Tiling) -> int:
@@ -260,7 +264,8 @@ def layer_kernels(*, d_model: int, hidden: int, tiles: KernelTiles, wi_fused: bo
 
     def plain(kind: str, t: Tiling, k: int, n: int):
         return PALLAS_NAMES[kind], tpu_buffers(kind, tm=tm_of(t), tk=pick(k, t.tk), tn=pick(n, t.tn),
-                                               itemsize=itemsize)
+                                               itemsize=itemsize,
+                                               **({"accumulate": accumulate_weight_grads} if kind == "tgmm" else {}))
 
     out = {}
     t = tiles.wi_fwd

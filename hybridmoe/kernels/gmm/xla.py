@@ -106,15 +106,22 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, out_dtype,
-         impl="ragged_dot", tile_rows=128):
-    """[G, K, N]: per local group, lhs[rows]^T @ grad[rows] (float32 accumulation)."""
+         impl="ragged_dot", tile_rows=128, acc_GKN=None):
+    """[G, K, N]: per local group, lhs[rows]^T @ grad[rows] (float32 accumulation); with acc_GKN,
+    that plus acc_GKN, added in float32 and rounded once (as the Pallas kernels accumulate)."""
+    def finish(out_f32):
+        if acc_GKN is not None:
+            out_f32 = out_f32 + acc_GKN.astype(jnp.float32)
+        return out_f32.astype(out_dtype)
+
     if impl == "row_tiles":
         lay = _tiles(group_sizes_E, lhs_MK.shape[0], group_offset, num_local, tile_rows)
-        return rt.tgmm_f32(lhs_MK, grad_MN, lay, num_local=num_local).astype(out_dtype)
+        return finish(rt.tgmm_f32(lhs_MK, grad_MN, lay, num_local=num_local))
     chunks = ragged_group_chunks(num_local, sharded)
     if len(chunks) > 1:
         return jnp.concatenate([tgmm(lhs_MK, grad_MN, group_sizes_E, num_local=n, group_offset=group_offset + a,
-                                     sharded=True, out_dtype=out_dtype) for a, n in chunks])
+                                     sharded=True, out_dtype=out_dtype,
+                                     acc_GKN=None if acc_GKN is None else acc_GKN[a:a + n]) for a, n in chunks])
     sizes = _ragged_sizes(group_sizes_E, group_offset, num_local, sharded)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())),
@@ -126,7 +133,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     )
     if sharded:
         out = out[1:]  # drop the group of rows before the local ones
-    return out.astype(out_dtype)
+    return finish(out)
 
 
 def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
