@@ -143,15 +143,33 @@ def test_chunked_prefill_equals_one_piece(chunked, shared):
     assert gap < LOGP_TOL
 
 
-def _float_ops_over_prompt(jaxpr) -> int:
-    return sum(n for (prim, shape, dtype), n in ops_by_shape(jaxpr).items() if "float" in dtype and PROMPT_SLOTS in shape)
+def _float_ops_over_prompt(jaxpr, d_model: int) -> int:
+    """Float ops whose output has a row per prompt token: 13 beside d_model (activations) or 13
+    twice (scores of 13 queries over the 13 cache slots). The prompt cache's own [13, G, A] slots
+    and a chunk's [4, 13] scores over them are not."""
+    return sum(n for (prim, shape, dtype), n in ops_by_shape(jaxpr).items()
+               if "float" in dtype and (shape.count(PROMPT_SLOTS) > 1 or PROMPT_SLOTS in shape and d_model in shape))
 
 
 def test_chunked_prefill_never_holds_the_whole_prompt(chunked, shared):
-    """Program fact (jaxpr): with chunks of 4, no float array has the prompt's 13 slots as a
-    dimension (no [13, 13 + N] attention scores, no [13, D] activations); one-piece, many do."""
-    assert _float_ops_over_prompt(chunked[1]) == 0
-    assert _float_ops_over_prompt(shared[1]) > 10
+    """Program fact (jaxpr): with chunks of 4, no float array has a row per prompt token (no
+    [13, 13] attention scores, no [13, D] activations); one-piece, many do."""
+    d_model = _config().model.d_model
+    assert d_model != PROMPT_SLOTS
+    assert _float_ops_over_prompt(chunked[1], d_model) == 0
+    assert _float_ops_over_prompt(shared[1], d_model) > 10
+
+
+def test_group_rows_copy_the_prompts_cache_before_it_grows(shared):
+    """Program fact (jaxpr): the copies of each prompt's attention cache to its group's rows (the
+    gathers) read the prompt's 13 slots, not the 13 + N of the rollout (at the 397B cell the
+    full-length copy needed 120 GiB a device); the cache grows to 13 + N after them."""
+    gathers = {shape for (prim, shape, dtype), n in ops_by_shape(shared[1]).items()
+               if prim == "gather" and "float" in dtype and len(shape) == 5}
+    slots = {shape[2] for shape in gathers}  # [L, B, slots, heads, head dim] (GDN: conv tail, state rows)
+    assert PROMPT_SLOTS in slots and PROMPT_SLOTS + NEW_TOKENS not in slots, gathers
+    assert any(prim == "pad" and PROMPT_SLOTS + NEW_TOKENS in shape
+               for (prim, shape, dtype), n in ops_by_shape(shared[1]).items()), "the cache never grows"
 
 
 CHUNK_VARIANTS = {

@@ -21,7 +21,8 @@ A prompt is prefilled (`prefill`) in chunks of at most `chunk_tokens` through th
 decode step runs (`cached_hidden`): each chunk appends its keys/values to the cache and carries the
 GDN conv tails and delta-rule state on, so attention scores are [chunk, cache slots], never
 [prompt, prompt]. `cache_rows` copies each prompt's state to the rows that continue it (the G
-completions of a GRPO group share one prefill).
+completions of a GRPO group share one prefill); `grow_cache` then makes room for the completion, so
+a sampler prefills and copies caches of the prompt's length only.
 """
 
 from __future__ import annotations
@@ -170,6 +171,19 @@ def cache_rows(cache, rows_R):
     take = lambda a, axis: jnp.take(a, rows_R, axis=axis)  # noqa: E731
     return {"layers": jax.tree.map(lambda a: take(a, 1), cache["layers"]),  # [L, B, ...]
             "kv_pos": take(cache["kv_pos"], 0), "kv_seg": take(cache["kv_seg"], 0), "slot": cache["slot"]}
+
+
+def grow_cache(cache, num_slots: int):
+    """The cache with room for `num_slots` slots: the attention layers' keys and values and the
+    slots' positions and segments padded with unwritten slots (GDN states have no slot axis)."""
+    more = num_slots - cache["kv_pos"].shape[1]
+    if more < 0:
+        raise ValueError(f"cannot shrink a cache of {cache['kv_pos'].shape[1]} slots to {num_slots}")
+    pad = lambda a, axis, value=0: jnp.pad(a, [(0, more if i == axis else 0) for i in range(a.ndim)],  # noqa: E731
+                                           constant_values=value)
+    layers = [{k: pad(a, 2) for k, a in lc.items()} if "k" in lc else lc for lc in cache["layers"]]
+    return {"layers": layers, "kv_pos": pad(cache["kv_pos"], 1),
+            "kv_seg": pad(cache["kv_seg"], 1, UNWRITTEN_SEGMENT), "slot": cache["slot"]}
 
 
 def next_token_logits(params, hidden_BD):

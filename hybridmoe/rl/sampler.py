@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybridmoe.config.schema import Config
-from hybridmoe.model.decode import cache_rows, cached_hidden, init_cache, next_token_logits, prefill
+from hybridmoe.model.decode import cache_rows, cached_hidden, grow_cache, init_cache, next_token_logits, prefill
 from hybridmoe.parallel.context import sequence_unsharded
 from hybridmoe.parallel.rules import active_rules, mesh_axes_of, use_rules
 
@@ -145,7 +145,10 @@ def _generate(params, cfg: Config, opts: SamplingOptions, tokens_QP, segment_ids
     prefill_rows = -(-Q // shards) * shards
     rows_B = np.arange(B) // G
     prompt = lambda a_QP: a_QP if prefill_rows == Q else a_QP[np.minimum(np.arange(prefill_rows), Q - 1)]  # noqa: E731
-    cache = init_cache(cfg, prefill_rows, P + N)
+    # The prompts' cache holds their P slots only: the copies to each group's rows read P slots,
+    # and the completion's N slots are added after them (a prefill cache of P + N slots copied
+    # across the batch shards is what made the 397B cell's sampler need 120 GiB a device).
+    cache = init_cache(cfg, prefill_rows, P)
     hidden_QD, cache, routing_QPLk = prefill(params, cfg, cache, prompt(tokens_QP), prompt(segment_ids_QP),
                                              prompt(positions_QP), chunk_tokens=cfg.rl.prefill_chunk,
                                              with_routing=replay)
@@ -155,6 +158,7 @@ def _generate(params, cfg: Config, opts: SamplingOptions, tokens_QP, segment_ids
     if G > 1 or prefill_rows != Q:
         cache, logits_BV, routing_BPLk = share_prompts(cache, logits_BV, routing_QPLk, rows_B)
         tokens_BP, segment_ids_BP, positions_BP = (a[rows_B] for a in (tokens_QP, segment_ids_QP, positions_QP))
+    cache = grow_cache(cache, P + N)
     next_pos_B = positions_BP[:, -1] + 1
     # Routing replay: the experts of every token in every layer, [B, P + N, layers, k].
     k = cfg.model.num_experts_per_tok
