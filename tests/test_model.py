@@ -104,6 +104,7 @@ def test_sharded_on_8_devices_equals_one_device():
     ("remat.policy=custom", "remat.save=[gdn_core_out,moe_gate,moe_up,attn_out]"),
     ("remat.policy=full", "remat.unit=layer"),
     ("remat.policy=custom", "remat.save=[moe_gate]", "remat.unit=layer"),
+    ("remat.policy=full", "remat.unit=sublayer"),
 ])
 def test_scan_and_remat_variants_equal_the_scanned_full_remat(overrides):
     base = tiny_config("model.num_layers=8", "remat.policy=full")  # two blocks: the scan loops
@@ -142,7 +143,18 @@ def test_layer_remat_keeps_each_layers_input_and_nothing_else():
     assert _block_residuals(block) == []
     kept = _block_residuals(layer)
     assert [shape for shape, _ in kept] == [(2, 64, D)] * (P - 1), kept
-    assert all("decoder_layer" in source for _, source in kept), kept
+    assert all("moe_sublayer" in source for _, source in kept), kept  # each layer's output
+
+
+def test_sublayer_remat_keeps_each_sublayers_input_and_nothing_else():
+    # remat.unit=sublayer: also the input of every layer's MoE block (the mixer's residual output),
+    # so two [B, T, D] per layer but the block's first; nothing of the mixer or the MoE block inside.
+    cfg = tiny_config("remat.policy=full", "remat.unit=sublayer")
+    P, D = len(cfg.model.layer_pattern), cfg.model.d_model
+    kept = _block_residuals(cfg)
+    assert [shape for shape, _ in kept] == [(2, 64, D)] * (2 * P - 1), kept
+    sources = [source.split("(")[-1] for _, source in kept]
+    assert sorted(set(sources)) == ["mixer_sublayer)", "moe_sublayer)"], kept
 
 
 def test_layer_remat_lowers_the_compiled_backwards_temporaries():

@@ -298,10 +298,12 @@ class RematConfig(Section):
         "auto: none when the estimated residuals fit a quarter of a device's memory, else full (model/remat.py)."
     )
     save: tuple[str, ...] = Field((), description="Checkpoint names saved under the custom policy.")
-    unit: Literal["block", "layer"] = Field(
+    unit: Literal["block", "layer", "sublayer"] = Field(
         "block", description="What one checkpoint spans: the repeating block of model.layer_pattern (its input is kept, "
-        "the backward replays the whole block and holds every layer's intermediates at once) or each layer (every "
-        "layer's input is kept, the backward replays one layer at a time: the peak holds one layer's intermediates)."
+        "the backward replays the whole block and holds every layer's intermediates at once), each layer (every "
+        "layer's input is kept, the backward replays one layer at a time: the peak holds one layer's intermediates) "
+        "or each residual sublayer (the token mixer, the MoE block: both inputs of every layer are kept, the backward "
+        "replays one sublayer at a time: the MoE block's backward never holds the mixer's intermediates)."
     )
     scan_layers: bool = Field(True, description="Run the layer stack as a lax.scan over repeating blocks.")
 

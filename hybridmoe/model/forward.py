@@ -65,10 +65,27 @@ def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False
     dropped (token, expert) rows (int32; see moe.capacity_factor), or with_routing the expert ids
     it routed by (int32 [B, T, k]). replay_BTk: route by these experts (moe.routing_replay).
     """
-    m = cfg.model
-    h = rms_norm(x_BTD, lp["input_norm"], m.rms_norm_eps)
+    x_BTD, aux = mixer_sublayer(lp, x_BTD, mix, cfg)
+    out = moe_sublayer(lp, x_BTD, cfg, with_moe_dropped=with_moe_dropped, replay_BTk=replay_BTk,
+                       with_routing=with_routing)
+    return (out[0], aux, *out[1:])
+
+
+MIXER_KEYS, MOE_KEYS = ("input_norm", "mixer"), ("post_norm", "moe")  # a layer's weights, by sublayer
+
+
+def mixer_sublayer(lp, x_BTD, mix, cfg: Config):
+    """The layer's first residual sublayer: (x + mix(norm x), the mixer's aux). Reads MIXER_KEYS."""
+    h = rms_norm(x_BTD, lp["input_norm"], cfg.model.rms_norm_eps)
     y_BTD, aux = mix(lp["mixer"], h)
-    x_BTD = x_BTD + y_BTD
+    return x_BTD + y_BTD, aux
+
+
+def moe_sublayer(lp, x_BTD, cfg: Config, *, with_moe_dropped: bool = False, replay_BTk=None,
+                 with_routing: bool = False):
+    """The layer's second residual sublayer: (x + moe(norm x),) and decoder_layer's extra output.
+    Reads MOE_KEYS."""
+    m = cfg.model
     h = rms_norm(x_BTD, lp["post_norm"], m.rms_norm_eps)
     with jax.named_scope(scopes.MOE):
         y_BTD = moe_layer(lp["moe"], h, m, cfg.moe, cfg.kernels, return_dropped=with_moe_dropped,
@@ -76,7 +93,7 @@ def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False
     if with_moe_dropped or with_routing:
         y_BTD, extra = y_BTD
     x_BTD = constrain(x_BTD + y_BTD, "batch", "seq", None)
-    return (x_BTD, aux, extra) if with_moe_dropped or with_routing else (x_BTD, aux)
+    return (x_BTD, extra) if with_moe_dropped or with_routing else (x_BTD,)
 
 
 def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: bool = False, packed: bool = True,
@@ -91,15 +108,38 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
 
     def layer_fn(i, kind):
         # One layer from its stored weights, gathered (and fp8-prepared) at use inside the layer: under
-        # remat.unit=layer the backward gathers them again for this layer alone.
+        # remat.unit=layer the backward gathers them again for this layer alone (sublayer: for each
+        # of its two residual sublayers alone).
+        mix = lambda p, h: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)  # noqa: E731
+
         def layer(x_BTD, lp, amax, replay_BTk):
             with jax.named_scope(scopes.LAYER_WEIGHTS):
                 lp = weights.at_use(lp, i, amax)
-            mix = lambda p, h: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)  # noqa: E731
             return decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped, with_routing=with_routing,
                                  replay_BTk=replay_BTk)
 
-        return checkpointed(layer, cfg, positions_BT.size, unit="layer")
+        if cfg.remat.unit != "sublayer":
+            return checkpointed(layer, cfg, positions_BT.size, unit="layer")
+
+        def mixer_half(x_BTD, lp):
+            with jax.named_scope(scopes.LAYER_WEIGHTS):
+                lp = weights.at_use(lp, i)
+            return mixer_sublayer(lp, x_BTD, mix, cfg)
+
+        def moe_half(x_BTD, lp, amax, replay_BTk):
+            with jax.named_scope(scopes.LAYER_WEIGHTS):
+                lp = weights.at_use(lp, i, amax)
+            return moe_sublayer(lp, x_BTD, cfg, with_moe_dropped=with_moe_dropped, with_routing=with_routing,
+                                replay_BTk=replay_BTk)
+
+        mixer_half, moe_half = (checkpointed(f, cfg, positions_BT.size, unit="sublayer") for f in (mixer_half, moe_half))
+
+        def sublayers(x_BTD, lp, amax, replay_BTk):
+            x_BTD, aux = mixer_half(x_BTD, {k: lp[k] for k in MIXER_KEYS})
+            out = moe_half(x_BTD, {k: lp[k] for k in MOE_KEYS}, amax, replay_BTk)
+            return (out[0], aux, *out[1:])
+
+        return sublayers
 
     layers = [layer_fn(i, kind) for i, kind in enumerate(m.layer_pattern)]
 

@@ -183,7 +183,8 @@ def layer_weights_at_use(lp, lp_axes, cfg: Config, amax=None):
     """A layer's weights where they are used: gathered over FSDP; the routed experts fake-quantized
     (with the hoisted absmax `amax` when given, else computed here: the same bits)."""
     is_arr = lambda a: isinstance(a, jax.Array)  # noqa: E731
-    if not cfg.quant.fp8_moe_fake_quant:
+    lp_axes = {k: lp_axes[k] for k in lp}  # lp may be one sublayer's part of the layer (remat.unit=sublayer)
+    if not cfg.quant.fp8_moe_fake_quant or "moe" not in lp:
         return jax.tree.map(constrain_at_use, lp, lp_axes, is_leaf=is_arr)
     moe_axes = lp_axes["moe"]
     rest = {k: v for k, v in lp.items() if k != "moe"}
