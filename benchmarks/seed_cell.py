@@ -41,23 +41,25 @@ LEVERS = {
     "wi_tile": (["kernels.gmm.wi_fwd_tile_n_per_half=0", "kernels.gmm.wi_fwd_rhs_buffer_count=0"], []),
     # Not the seed's, last: a checkpoint per layer of the block (remat.unit), the MoE over the
     # tokens in chunks (moe.token_chunks), the expert weights' FSDP split on their experts
-    # (mesh.expert_fsdp_dim).
+    # (mesh.expert_fsdp_dim), a checkpoint per residual sublayer (remat.unit=sublayer).
     "remat_unit": (["remat.unit=block"], []),
     "token_chunks": (["moe.token_chunks=1"], []),
     "expert_fsdp": (["mesh.expert_fsdp_dim=embed"], []),
+    "sublayer": (["remat.unit=layer"], []),
 }
 ORDER = list(LEVERS)
 
 
 def arm_overrides(arm: str) -> list[str]:
-    """The overrides of an arm: every lever after it in the seed's order off ("default": all off)."""
+    """The overrides of an arm: every lever after it in the seed's order off ("default": all off),
+    the last lever's first, so where two set one key (remat.unit) the earlier lever's off wins."""
     if arm == "before":
         return arm_overrides("default") + ["kernels.attention.backend=xla"]
     if arm == "default":
         on = 0
     else:
         on = ORDER.index(arm) + 1
-    return [w for lever in ORDER[on:] for w in LEVERS[lever][0]]
+    return [w for lever in reversed(ORDER[on:]) for w in LEVERS[lever][0]]
 
 
 ARMS = ["before", "default", *ORDER]
