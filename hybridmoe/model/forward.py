@@ -65,9 +65,15 @@ def decoder_layer(lp, x_BTD, mix, cfg: Config, *, with_moe_dropped: bool = False
     dropped (token, expert) rows (int32; see moe.capacity_factor), or with_routing the expert ids
     it routed by (int32 [B, T, k]). replay_BTk: route by these experts (moe.routing_replay).
     """
-    x_BTD, aux = mixer_sublayer(lp, x_BTD, mix, cfg)
-    out = moe_sublayer(lp, x_BTD, cfg, with_moe_dropped=with_moe_dropped, replay_BTk=replay_BTk,
-                       with_routing=with_routing)
+    return one_after_the_other(lambda x: mixer_sublayer(lp, x, mix, cfg),
+                               lambda x: moe_sublayer(lp, x, cfg, with_moe_dropped=with_moe_dropped,
+                                                      replay_BTk=replay_BTk, with_routing=with_routing), x_BTD)
+
+
+def one_after_the_other(mixer, moe, x_BTD):
+    """A layer from its two sublayers: mixer(x) -> (x, aux), moe(x) -> (x, *extra); (x, aux, *extra)."""
+    x_BTD, aux = mixer(x_BTD)
+    out = moe(x_BTD)
     return (out[0], aux, *out[1:])
 
 
@@ -112,32 +118,29 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
         # of its two residual sublayers alone).
         mix = lambda p, h: (_mixer(kind, p, h, positions_BT, segment_ids_BT, cfg, packed), None)  # noqa: E731
 
-        def layer(x_BTD, lp, amax, replay_BTk):
+        def at_use(lp, amax=None):
             with jax.named_scope(scopes.LAYER_WEIGHTS):
-                lp = weights.at_use(lp, i, amax)
-            return decoder_layer(lp, x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped, with_routing=with_routing,
-                                 replay_BTk=replay_BTk)
+                return weights.at_use(lp, i, amax)
+
+        def layer(x_BTD, lp, amax, replay_BTk):
+            return decoder_layer(at_use(lp, amax), x_BTD, mix, cfg, with_moe_dropped=with_moe_dropped,
+                                 with_routing=with_routing, replay_BTk=replay_BTk)
 
         if cfg.remat.unit != "sublayer":
             return checkpointed(layer, cfg, positions_BT.size, unit="layer")
 
         def mixer_half(x_BTD, lp):
-            with jax.named_scope(scopes.LAYER_WEIGHTS):
-                lp = weights.at_use(lp, i)
-            return mixer_sublayer(lp, x_BTD, mix, cfg)
+            return mixer_sublayer(at_use(lp), x_BTD, mix, cfg)
 
         def moe_half(x_BTD, lp, amax, replay_BTk):
-            with jax.named_scope(scopes.LAYER_WEIGHTS):
-                lp = weights.at_use(lp, i, amax)
-            return moe_sublayer(lp, x_BTD, cfg, with_moe_dropped=with_moe_dropped, with_routing=with_routing,
-                                replay_BTk=replay_BTk)
+            return moe_sublayer(at_use(lp, amax), x_BTD, cfg, with_moe_dropped=with_moe_dropped,
+                                with_routing=with_routing, replay_BTk=replay_BTk)
 
         mixer_half, moe_half = (checkpointed(f, cfg, positions_BT.size, unit="sublayer") for f in (mixer_half, moe_half))
 
         def sublayers(x_BTD, lp, amax, replay_BTk):
-            x_BTD, aux = mixer_half(x_BTD, {k: lp[k] for k in MIXER_KEYS})
-            out = moe_half(x_BTD, {k: lp[k] for k in MOE_KEYS}, amax, replay_BTk)
-            return (out[0], aux, *out[1:])
+            return one_after_the_other(lambda x: mixer_half(x, {k: lp[k] for k in MIXER_KEYS}),
+                                       lambda x: moe_half(x, {k: lp[k] for k in MOE_KEYS}, amax, replay_BTk), x_BTD)
 
         return sublayers
 

@@ -236,13 +236,8 @@ def token_chunked_experts(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan
     C = plan.token_chunks
     dt = x_TD.dtype
     wi_GD2F, wo_GFD = wi_GD2F.astype(dt), wo_GFD.astype(dt)
-    static_offset = isinstance(group_offset, int)
-    if static_offset:
-        x_TD, w_Tk, wi_GD2F, wo_GFD = _vary_alike(x_TD, w_Tk, wi_GD2F, wo_GFD)
-        off = jnp.int32(group_offset)
-    else:
-        x_TD, w_Tk, wi_GD2F, wo_GFD, off = _vary_alike(x_TD, w_Tk, wi_GD2F, wo_GFD,
-                                                       jnp.asarray(group_offset, jnp.int32))
+    static_offset = isinstance(group_offset, int)  # a literal offset reaches the chunks as itself
+    x_TD, w_Tk, wi_GD2F, wo_GFD, off = _vary_alike(x_TD, w_Tk, wi_GD2F, wo_GFD, jnp.asarray(group_offset, jnp.int32))
     chunks = lambda a: a.reshape(C, T // C, *a.shape[1:])  # noqa: E731
 
     def one(x_tD, w_tk, idx_tk, wi, wo, off, weights_out=False):
@@ -359,38 +354,38 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
     # quant.fp8_gmm: the unfused grouped matmuls in fp8 (the fused levers are refused with it).
     if plan.fp8:
         fp8_mm = functools.partial(gmm_fp8, group_offset=group_offset, backend=plan.backend)
-        mm = lambda lhs, rhs, sizes, **_: (fp8_mm(lhs, rhs, sizes), rhs) if weights_out else fp8_mm(lhs, rhs, sizes)  # noqa: E731
+        # No weight_out of its own: the weight passed on unchanged, autodiff adds the two cotangents.
+        mm = lambda lhs, rhs, sizes: (fp8_mm(lhs, rhs, sizes), rhs) if weights_out else fp8_mm(lhs, rhs, sizes)  # noqa: E731
     else:
         mm = functools.partial(K.gmm, **kw, weight_out=weights_out)
-    passed = []  # the weights as the grouped matmuls pass them through (weights_out)
 
-    def take_weight(out):
+    def unpack(out):
+        """(the op's own outputs, the weight it passed through; None without weights_out)."""
         if not weights_out:
-            return out
-        passed.append(out[-1])
-        return out[:-1] if len(out) > 2 else out[0]
+            return out, None
+        return (out[:-1] if len(out) > 2 else out[0]), out[-1]
 
     if plan.wi_fused_swiglu:
-        out = take_weight(K.wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,
-                                            tile_n_per_half=plan.tile_n_per_half, epilogue=plan.epilogue,
-                                            rhs_buffer_count=plan.rhs_buffer_count, weight_out=weights_out,
-                                            **kw, **wi_tiles))
+        out, wi_out = unpack(K.wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, return_preact=plan.wo_fused_dswiglu,
+                                               tile_n_per_half=plan.tile_n_per_half, epilogue=plan.epilogue,
+                                               rhs_buffer_count=plan.rhs_buffer_count, weight_out=weights_out,
+                                               **kw, **wi_tiles))
         h_MF, preact_M2F = out if plan.wo_fused_dswiglu else (out, None)
         preact_tile = plan.tile_n_per_half
     else:
-        preact_M2F = take_weight(mm(x_MD, wi_GD2F, group_sizes_E, **wi_tiles))
+        preact_M2F, wi_out = unpack(mm(x_MD, wi_GD2F, group_sizes_E, **({} if plan.fp8 else wi_tiles)))
         h_MF = swiglu(preact_M2F)
         preact_tile = None  # the unfused matmul stores contiguous [gate | up]
     if plan.wo_fused_dswiglu:
-        y_MD = take_weight(K.wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, preact=preact_M2F,
-                                              preact_tile_n_per_half=preact_tile, row_scale=row_scale_M,
-                                              epilogue=plan.epilogue, weight_out=weights_out, **kw, **wo_tiles))
+        y_MD, wo_out = unpack(K.wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, preact=preact_M2F,
+                                                 preact_tile_n_per_half=preact_tile, row_scale=row_scale_M,
+                                                 epilogue=plan.epilogue, weight_out=weights_out, **kw, **wo_tiles))
     else:
         lhs_MF = h_MF if row_scale_M is None else K.scale_rows(h_MF, row_scale_M)
-        y_MD = take_weight(mm(lhs_MF, wo_GFD, group_sizes_E, **wo_tiles))
+        y_MD, wo_out = unpack(mm(lhs_MF, wo_GFD, group_sizes_E, **({} if plan.fp8 else wo_tiles)))
     if row_scale_M is None:
         y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(y_MD.dtype)
-    return (y_MD, tuple(passed)) if weights_out else y_MD
+    return (y_MD, (wi_out, wo_out)) if weights_out else y_MD
 
 
 def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None = None, *,

@@ -14,8 +14,9 @@ once. `layer`: each layer, so the forward keeps each layer's input (pattern-leng
 all. `sublayer`: each of a layer's two residual sublayers (the token mixer, then the MoE block), so
 the forward keeps both of every layer's inputs and the backward replays the MoE block, runs its
 backward, then replays the mixer: the MoE block's backward (the gathered expert weights and their
-gradients) never holds the mixer's intermediates (GDN chunk states), at the same compute. At the 397B cell, one block's intermediates are tens of GiB and a layer input 128 MiB per
-device (docs/levers.md, "remat.unit").
+gradients) never holds the mixer's intermediates (GDN chunk states), at the same compute. At the
+397B cell, one block's intermediates are tens of GiB and a layer input 128 MiB per device
+(docs/levers.md, "remat.unit").
 
 The auto rule: without remat the backward keeps, per layer and token, roughly the activations
 listed in `residual_elements_per_token` (the mixer's projections and score rows, the MoE rows of

@@ -262,10 +262,9 @@ def layer_kernels(*, d_model: int, hidden: int, tiles: KernelTiles, wi_fused: bo
     def tm_of(t: Tiling) -> int:
         return resolve_tm(rows, t.tm) if rows else t.tm
 
-    def plain(kind: str, t: Tiling, k: int, n: int):
+    def plain(kind: str, t: Tiling, k: int, n: int, **extra):
         return PALLAS_NAMES[kind], tpu_buffers(kind, tm=tm_of(t), tk=pick(k, t.tk), tn=pick(n, t.tn),
-                                               itemsize=itemsize,
-                                               **({"accumulate": accumulate_weight_grads} if kind == "tgmm" else {}))
+                                               itemsize=itemsize, **extra)
 
     out = {}
     t = tiles.wi_fwd
@@ -277,7 +276,7 @@ def layer_kernels(*, d_model: int, hidden: int, tiles: KernelTiles, wi_fused: bo
     else:
         out["wi_fwd"] = plain("gmm", t, D, 2 * F)
     out["wi_dlhs"] = plain("gmm_t", tiles.wi_dlhs, 2 * F, D)
-    out["wi_drhs"] = plain("tgmm", tiles.wi_drhs, D, 2 * F)
+    out["wi_drhs"] = plain("tgmm", tiles.wi_drhs, D, 2 * F, accumulate=accumulate_weight_grads)
     out["wo_fwd"] = plain("gmm", tiles.wo_fwd, F, D)
     t = tiles.wo_dlhs
     if wo_fused:
@@ -285,7 +284,7 @@ def layer_kernels(*, d_model: int, hidden: int, tiles: KernelTiles, wi_fused: bo
             "wo_fused_dlhs", tm=tm_of(t), tk=pick(D, t.tk), tn=F, f=F, itemsize=itemsize, row_scale=row_scale)
     else:
         out["wo_dlhs"] = plain("gmm_t", t, D, F)
-    out["wo_drhs"] = plain("tgmm", tiles.wo_drhs, F, D)
+    out["wo_drhs"] = plain("tgmm", tiles.wo_drhs, F, D, accumulate=accumulate_weight_grads)
     return out
 
 
