@@ -41,11 +41,13 @@ LEVERS = {
     "wi_tile": (["kernels.gmm.wi_fwd_tile_n_per_half=0", "kernels.gmm.wi_fwd_rhs_buffer_count=0"], []),
     # Not the seed's, last: a checkpoint per layer of the block (remat.unit), the MoE over the
     # tokens in chunks (moe.token_chunks), the expert weights' FSDP split on their experts
-    # (mesh.expert_fsdp_dim), a checkpoint per residual sublayer (remat.unit=sublayer).
+    # (mesh.expert_fsdp_dim), a checkpoint per residual sublayer (remat.unit=sublayer), each layer's
+    # expert-weight gradient reduced before the layers below run (remat.expert_grad_barrier).
     "remat_unit": (["remat.unit=block"], []),
     "token_chunks": (["moe.token_chunks=1"], []),
     "expert_fsdp": (["mesh.expert_fsdp_dim=embed"], []),
     "sublayer": (["remat.unit=layer"], []),
+    "expert_grad_barrier": (["remat.expert_grad_barrier=false"], []),
 }
 ORDER = list(LEVERS)
 

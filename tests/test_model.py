@@ -157,6 +157,36 @@ def test_sublayer_remat_keeps_each_sublayers_input_and_nothing_else():
     assert sorted(set(sources)) == ["mixer_sublayer)", "moe_sublayer)"], kept
 
 
+@pytest.mark.parametrize("unit", ["sublayer", "layer"])
+def test_expert_grad_barrier_ties_each_layers_input_cotangent_to_its_moe_gradient(unit):
+    # remat.expert_grad_barrier: the values are the lever off's (up to XLA's fusion, as the remat
+    # family), and the backward of every layer of the block holds one barrier over its MoE weights'
+    # gradient (wi [E, D, 2F] among it) and a scalar that the layer input's cotangent [B, T, D] adds,
+    # so the layers below cannot start before that gradient is reduced.
+    from hybridmoe.analysis.program import iter_eqns
+
+    overrides = ("model.num_layers=8", "remat.policy=full", f"remat.unit={unit}")
+    off, on = tiny_config(*overrides), tiny_config(*overrides, "remat.expert_grad_barrier=true")
+    params = tiny_params(off)
+    batch = packed_batch(0, 2, 64, off.model.vocab_size)
+    assert_rel_l2(_loss_and_grads(off, params, batch), _loss_and_grads(on, params, batch), 1e-4)
+
+    m = on.model
+    wi = params["blocks"][0]["moe"]["wi"].shape[1:]
+    grad = lambda cfg: list(iter_eqns(jax.make_jaxpr(jax.grad(lambda p: nll_sum(p, cfg, batch)[0]))(params)))  # noqa: E731
+    barriers = lambda eqns: [e for e in eqns if e.primitive.name == "optimization_barrier"]  # noqa: E731
+    assert barriers(grad(off)) == []
+    eqns = grad(on)
+    found = barriers(eqns)
+    assert len(found) == len(m.layer_pattern), found  # once per layer, in the scan's body
+    for barrier in found:
+        assert wi in [tuple(v.aval.shape) for v in barrier.invars], barrier
+        token = barrier.outvars[-1]
+        assert token.aval.shape == ()
+        users = [e for e in eqns if any(v is token for v in e.invars)]
+        assert [(e.primitive.name, e.outvars[0].aval.shape) for e in users] == [("add", (2, 64, m.d_model))], users
+
+
 def test_layer_remat_lowers_the_compiled_backwards_temporaries():
     # The backward replays one layer at a time: less live at its peak than replaying the block (XLA's
     # buffer assignment, exact). Two blocks so the scan loops.

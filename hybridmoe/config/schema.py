@@ -305,6 +305,13 @@ class RematConfig(Section):
         "or each residual sublayer (the token mixer, the MoE block: both inputs of every layer are kept, the backward "
         "replays one sublayer at a time: the MoE block's backward never holds the mixer's intermediates)."
     )
+    expert_grad_barrier: bool = Field(
+        False, description="Each layer's backward hands its input's cotangent on only together with its MoE "
+        "weights' gradient reduced to their shards (an optimization barrier): the gathered-size expert gradients of "
+        "at most one layer are alive at once, and their reduction overlaps that layer's token-mixer backward only "
+        "(off: the compiler may hold several layers' until the end of the block's backward). The values are "
+        "unchanged."
+    )
     scan_layers: bool = Field(True, description="Run the layer stack as a lax.scan over repeating blocks.")
 
 

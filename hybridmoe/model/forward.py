@@ -80,6 +80,32 @@ def one_after_the_other(mixer, moe, x_BTD):
 MIXER_KEYS, MOE_KEYS = ("input_norm", "mixer"), ("post_norm", "moe")  # a layer's weights, by sublayer
 
 
+@jax.custom_vjp
+def gradients_leave_together(x_BTD, weights):
+    """The identity on (x, weights); in the backward, x's cotangent is handed on only after the
+    weights' (remat.expert_grad_barrier): whatever needs x's cotangent (the layers below) waits for
+    the weights' gradient, reduced to its shards, to be done.
+
+    The barrier holds the weights' gradient and a float zero; x's cotangent plus that zero (exact)
+    depends on it. x's cotangent itself is kept out of the barrier: a barrier operand takes the
+    default layout, and at the 397B cell that made the compiler convert the layout of six of the
+    layer loop's saved stacks (11.25 GiB of copies at the peak; docs/levers.md)."""
+    return x_BTD, weights
+
+
+def _leave_together_fwd(x_BTD, weights):
+    return (x_BTD, weights), None
+
+
+def _leave_together_bwd(_, cotangents):
+    dx_BTD, d_weights = cotangents
+    d_weights, zero = jax.lax.optimization_barrier((d_weights, jnp.zeros((), dx_BTD.dtype)))
+    return dx_BTD + zero, d_weights
+
+
+gradients_leave_together.defvjp(_leave_together_fwd, _leave_together_bwd)
+
+
 def mixer_sublayer(lp, x_BTD, mix, cfg: Config):
     """The layer's first residual sublayer: (x + mix(norm x), the mixer's aux). Reads MIXER_KEYS."""
     h = rms_norm(x_BTD, lp["input_norm"], cfg.model.rms_norm_eps)
@@ -152,6 +178,9 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
         routing = []
         block_params, block_absmax = weights.split(block_xs)
         for i, (layer, lp, amax) in enumerate(zip(layers, block_params, block_absmax)):
+            if cfg.remat.expert_grad_barrier:
+                x_BTD, moe_lp = gradients_leave_together(x_BTD, lp["moe"])
+                lp = {**lp, "moe": moe_lp}
             out = layer(x_BTD, lp, amax, None if replay_PBTk is None else replay_PBTk[i])
             x_BTD = out[0]
             if with_moe_dropped:
