@@ -18,6 +18,9 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from hybridmoe.analysis import peak_memory  # noqa: E402
+
 RECORDS = ROOT / "benchmarks" / "records"
 DOC = ROOT / "docs" / "performance.md"
 MiB, GiB = 2**20, 2**30
@@ -489,6 +492,14 @@ def seed_cell() -> str:
         for b in arms[arm]["peak_buffers"][:3]:
             peaks.append([f"`{arm}`", gib(b["bytes"]), f"`{b['shape']}`", b["where"], f"`{b['op_name'][-80:]}`"])
     itemised = _itemised_peaks(arms, labels)
+    full = arms.get(rec["order"][-1], {}).get("memory", {})
+    if full.get("default_space") is not None:
+        beyond = full["temp"] - (full["default_space"] - full["argument"])
+        uncounted = (f"at the recipe's arm, {gib(beyond)} GiB that no allocation of the buffer-assignment dump "
+                     f"holds; the compiler accepted that program, {gib(full['total'])} GiB by the analysis, for "
+                     f"{gib(full['hbm'])} GiB of HBM")
+    else:
+        uncounted = "the recipe's arm is not recorded with the report"
     # Arms recorded before a fix that changes their program, and what the fix removes.
     before_fix = [f"`{a}` ({arms[a]['commit'][:7]})" for a in arms if arms[a]["commit"][:7] in BEFORE_LM_HEAD_FIX]
     stale = (f"\n{', '.join(before_fix)} predates f645318 (the LM head's chunk loop on each device's own tokens), which "
@@ -503,9 +514,8 @@ device: total = arguments + outputs - donated + temporaries, by the compiler's m
 refused compile: the compiler's temporaries figure); `default space` = XLA's memory-usage report of
 the same compile, the arguments and the heap its buffer assignment packed, which is what the TPU
 compiler allocates and checks against HBM, and what the seed states its build in ("78.00 GiB in
-the default memory space"). On TPU the analysis' temporaries count more than that heap (at the
-cell, 41 GiB that no allocation of the buffer-assignment dump holds; the compiler accepted that
-program for 94.75 GiB of HBM), so `of HBM`, `vs seed` (against the seed's
+the default memory space"). On TPU the analysis' temporaries count more than that heap ({uncounted}),
+so `of HBM`, `vs seed` (against the seed's
 {rec['seed_total_gib']:.2f} GiB) and `fits` read the default space where an arm has it, total
 otherwise (arms recorded before inspect read the report). Each arm's commit.
 
@@ -531,14 +541,17 @@ def _itemised_peaks(arms: dict, labels: dict) -> str:
     for a in have:
         peak = arms[a]["peak_by_category"]
         by = {r["category"]: r["bytes"] for r in peak["categories"]}
+        heap = peak_memory.heap_share(peak, arms[a]["memory"])
         rows.append([f"`{a}`", *(gib(by[c]) if c in by else "-" for c in cats), gib(peak["itemised"]),
-                     f"{peak['share']:.0%}" if peak.get("share") is not None else "-"])
+                     f"{peak['share']:.0%}" if peak.get("share") is not None else "-",
+                     "-" if heap is None else f"{heap:.0%}"])
     return f"""
 The temporaries live at the peak by what made each buffer (GiB per device; `itemised` = their
-sum, `of temporaries` = its share of the compiler's figure; analysis/peak_memory.py says what counts
-where):
+sum, `of temporaries` = its share of the compiler's temporaries figure, `of heap` = its share of the
+default memory space less the arguments, the heap buffer assignment packed; analysis/peak_memory.py
+says what counts where):
 
-{table(["arm", *cats, "itemised", "of temporaries"], rows)}
+{table(["arm", *cats, "itemised", "of temporaries", "of heap"], rows)}
 """
 
 

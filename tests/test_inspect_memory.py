@@ -38,10 +38,12 @@ def problems(steps: dict) -> list[str]:
     """What is wrong with the itemised peaks of the planted programs (empty when right)."""
     out = []
     for name, step in steps.items():
-        peak = tp.peak_by_category(step)
+        peak = tp.peak_by_category(step, tp.memory_facts(step.program, None))
         cats = {r["category"]: r["bytes"] for r in peak["categories"]}
         if not 0.9 <= peak["share"] <= 1.0:
             out.append(f"{name}: the categories sum to {peak['share']:.3f} of the temporaries' figure")
+        if peak["heap_share"] is None or not 0.9 <= peak["heap_share"] <= 1.0:
+            out.append(f"{name}: the categories sum to {peak['heap_share']} of the default space's heap")
         expected = PLANTED[name][1]
         largest = max(cats, key=cats.get)
         if largest != expected:
@@ -78,13 +80,21 @@ BROKEN_CATEGORY = {"everything_other": _everything_other, "rows_and_weights_swap
 
 
 def test_the_peak_is_itemised_by_what_made_each_buffer(planted):
-    """Each planted program's temporaries at the peak sum to the compiler's figure within 10%, the
+    """Each planted program's temporaries at the peak sum to the compiler's figure and to the default
+    memory space's heap within 10%, the
     planted part is the largest category, 'other' holds under 10%, and the gathered expert weights
     count to the expert weights."""
     found = problems(planted)
     assert not found, found
     for name, step in planted.items():
-        print(name, {r["category"]: r["bytes"] for r in tp.peak_by_category(step)["categories"]})
+        print(name, {r["category"]: r["bytes"] for r in tp.peak_by_category(step, tp.memory_facts(step.program, None))["categories"]})
+
+
+def test_heap_share_divides_by_the_default_space_less_the_arguments():
+    """The share of the default memory space's heap: the itemised bytes over the report's default
+    space without the arguments (the arguments left in: 0.3, not 0.5); None without the report."""
+    assert peak_memory.heap_share({"itemised": 3}, {"default_space": 10, "argument": 4}) == 0.5
+    assert peak_memory.heap_share({"itemised": 3}, {"default_space": None, "argument": 4}) is None
 
 
 @pytest.mark.parametrize("variant", sorted(BROKEN_CATEGORY))

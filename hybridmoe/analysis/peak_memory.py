@@ -185,11 +185,26 @@ def itemise(buffers: list[LiveBuffer], shapes: ModelShapes, temp_bytes: int | No
             "share": None if share is None else round(share, 4)}
 
 
+def heap_share(peak: dict | None, memory: dict) -> float | None:
+    """The itemised temporaries' share of the default memory space's heap: XLA's memory-usage report
+    of the default space (`memory["default_space"]`) less the arguments, the temporaries as buffer
+    assignment packed them and what the TPU compiler checks against HBM. None without the report.
+    On a TPU target the compiler's temporaries figure also counts what no allocation of the
+    default space holds (on-chip scratch, reserves), so this share is the one that says how much of
+    the device's memory the categories explain."""
+    if not peak or memory.get("default_space") is None:
+        return None
+    heap = memory["default_space"] - memory.get("argument", 0)
+    return round(peak["itemised"] / heap, 4) if heap > 0 else None
+
+
 def format_itemised(name: str, peak: dict, unit: int, unit_name: str) -> list[str]:
     """Lines of text: one per category, with its largest shapes."""
     if not peak or not peak["categories"]:
         return []
     share = "" if peak["share"] is None else f", {100 * peak['share']:.1f}% of the temporaries' figure"
+    if peak.get("heap_share") is not None:
+        share += f", {100 * peak['heap_share']:.1f}% of the default memory space's heap"
     lines = [f"{name}: the temporaries live at the peak by what made them (per device; "
              f"{peak['itemised'] / unit:.2f} {unit_name} itemised{share})"]
     for r in peak["categories"]:

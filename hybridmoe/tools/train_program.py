@@ -377,31 +377,34 @@ def buffer_rows(buffers: list[program.LiveBuffer], top: int = PEAK_BUFFERS_SHOWN
             for b in buffers[:top]]
 
 
-def peak_by_category(step: CompiledStep) -> dict | None:
-    """The step's temporaries at the peak itemised by what made them (analysis/peak_memory.py)."""
+def peak_by_category(step: CompiledStep, memory: dict) -> dict | None:
+    """The step's temporaries at the peak itemised by what made them, with their share of the
+    compiler's temporaries figure and of the default memory space's heap (analysis/peak_memory.py).
+    `memory`: the step's memory facts."""
     if step.shapes is None or not step.peak_buffers:
         return None
     temp = step.program.temp_bytes if step.program is not None else step.out_of_memory["temp"]
-    return peak_memory.itemise(step.peak_buffers, step.shapes, temp)
+    peak = peak_memory.itemise(step.peak_buffers, step.shapes, temp)
+    return peak | {"heap_share": peak_memory.heap_share(peak, memory)}
 
 
 def step_facts(step: CompiledStep) -> dict:
     prog = step.program
     model_flops = model_flops_per_device(step.cfg, step.target.num_devices, step.program_name)
     if prog is None:
+        memory = refused_memory_facts(step.out_of_memory, step.target.hbm_bytes_per_device)
         return {"target": step.target.name, "devices": step.target.num_devices,
-                "compile_s": round(step.compile_s, 1),
-                "memory": refused_memory_facts(step.out_of_memory, step.target.hbm_bytes_per_device),
+                "compile_s": round(step.compile_s, 1), "memory": memory,
                 "flops": None, "model_flops": model_flops, "collectives": [], "saved_residuals": [],
                 "saved_residual_bytes_per_block": None,
                 "peak_buffers": buffer_rows(step.peak_buffers, shapes=step.shapes) or step.out_of_memory.get("largest", []),
-                "peak_by_category": peak_by_category(step)}
+                "peak_by_category": peak_by_category(step, memory)}
+    memory = memory_facts(prog, step.target.hbm_bytes_per_device)
     return {"target": step.target.name, "devices": step.target.num_devices,
-            "compile_s": round(step.compile_s, 1),
-            "memory": memory_facts(prog, step.target.hbm_bytes_per_device),
+            "compile_s": round(step.compile_s, 1), "memory": memory,
             "flops": prog.cost.get("flops"), "model_flops": model_flops,
             "peak_buffers": buffer_rows(step.peak_buffers, shapes=step.shapes),
-            "peak_by_category": peak_by_category(step),
+            "peak_by_category": peak_by_category(step, memory),
             "collectives": collective_rows(prog.compiled_collectives),
             "saved_residuals": residual_rows(step.residuals),
             "saved_residual_bytes_per_block": residual_bytes(step.residuals)}
