@@ -429,6 +429,42 @@ and whole at {rec['full_layers']} layers (MiB per device; compile seconds on thi
 """
 
 
+def inspect_memory_only() -> str:
+    name = "inspect_memory_only.json"
+    rec = load(name)
+    labels = {"default_space": "XLA's default memory space", "argument": "arguments",
+              "peak_buffers": "the largest buffers at the peak", "peak_categories": "the peak itemised by category",
+              "collectives": "collectives", "step_estimate_s": "step estimate (collectives not overlapped)"}
+    value = lambda k, v: "-" if v is None else (f"{v / GiB:.2f} GiB" if k in ("default_space", "argument")  # noqa: E731
+                                                 else f"{v:.2f} s")
+    rows = [[labels[k], "equal" if f["equal"] else "different",
+             *((value(k, f["memory_only"]), value(k, f["whole"])) if "whole" in f else ("", ""))]
+            for k, f in rec["figures"].items()]
+    est = rec["figures"]["step_estimate_s"]
+    est_note = ("" if est["equal"] or est["whole"] is None else
+                f" The step estimate differs by {100 * (est['memory_only'] / est['whole'] - 1):+.2f}%: it is read "
+                "from the optimised HLO as XLA dumped it at buffer assignment, the whole compile's from the "
+                "executable's HLO, which the compiler's later passes still change.")
+    return f"""## The fastest answer to "does it fit": `inspect --memory-only`
+
+`hybridmoe inspect --memory-only` reads the compile at its buffer assignment, when XLA has written the
+optimised HLO, the buffers live at the peak and its memory-usage report, and ends the process before
+code generation (analysis/program.py, `read_buffer_assignment`). At `{rec['recipe']}` for
+`{rec['target']}` ({rec['program']} program, the recipe's arm of the seed cell) it answered in
+{rec['wall_s']:.0f} s of wall time ({rec['read_s']:.0f} s from lowering to the read), against
+{rec['whole_compile_s']:.0f} s for the whole compile, and its figures against the whole compile's record
+(`{rec['against']}`, commit {rec['against_commit'][:7]}):
+
+{table(["figure", "against the whole compile", "memory-only", "whole compile"], rows)}
+
+What it does not give: the compiler's memory analysis (temporaries, total, generated code), XLA's
+FLOP count, and code generation's own checks (the Pallas kernels' on-chip memory, which the
+validator's VMEM model refuses at load).{est_note}
+
+{source(rec, name, "python benchmarks/inspect_memory_only.py --against " + rec["against"])}
+"""
+
+
 def _estimate_error_by_category(rec: dict) -> str:
     """Which categories carry the estimate's extrapolation error, and which extrapolate within 1%."""
     errs = [e["step_estimate"].get("category_relative_error", {}) for e in rec["extrapolations"] if "step_estimate" in e]
@@ -1100,7 +1136,7 @@ These records are kept but their figures are not shown until they are remeasured
 
 
 SECTIONS = [demo_curves, cpu_step_vs_reference, rollout_vs_reference, step_anatomy, gmm_levers, row_tiles, moe_tiles, decode_moe, gmm_vmem, tuned, fp8, cp_attention, attention_cpu_backend, gdn_core, gdn_cp,
-            gdn_pallas_tpu, bf16_gaps, seed_cell, step_estimate, inspect_depth, hf_exports, post_train_eval,
+            gdn_pallas_tpu, bf16_gaps, seed_cell, step_estimate, inspect_depth, inspect_memory_only, hf_exports, post_train_eval,
             robustness, compile_cache, suite_time, pending]
 
 HEADER = """# Performance and measurements

@@ -1,7 +1,5 @@
 """`python -m hybridmoe <command>`: the same entry point as the `hybridmoe` script."""
 
-import sys
+from hybridmoe.cli import entry
 
-from hybridmoe.cli import main
-
-sys.exit(main())
+entry()

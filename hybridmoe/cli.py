@@ -314,6 +314,9 @@ def cmd_inspect(args, words):
         arms["compare"] = [*words, *args.compare]
     configs = {name: _inspect_config(w, kind, count) for name, w in arms.items()}
     full_cfg = configs["base"][2]
+    if args.memory_only and (args.layers is not None or args.compare is not None):
+        raise ValueError("--memory-only reads one program's buffer assignment and leaves its compile running "
+                         "until the command exits; it takes no --layers or --compare (run one command per arm)")
     if args.layers is not None:
         from hybridmoe.tools import depth
         if args.compare is not None:
@@ -328,7 +331,7 @@ def cmd_inspect(args, words):
     for name, (recipe, overrides, cfg) in configs.items():
         print(f"{name}: recipe={recipe} {' '.join(overrides)}  (compiling the {args.program} program for "
               f"{target.name}, {target.num_devices} devices)", flush=True)
-        step = tp.compile_step(cfg, target, program_name=args.program)
+        step = tp.compile_step(cfg, target, program_name=args.program, memory_only=args.memory_only)
         facts[name] = tp.step_facts(step)
         facts[name]["step_estimate"] = _step_estimate(step, recipe, args)
     print(tp.format_facts(facts))
@@ -355,6 +358,7 @@ def cmd_inspect(args, words):
         from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {
             "benchmark": "inspect", **machine_record(), "target": target.name, "program": args.program,
+            "memory_only": args.memory_only,
             "programs": {name: {"recipe": configs[name][0], "overrides": configs[name][1], **facts[name],
                                 "config": json.loads(configs[name][2].model_dump_json())}
                          for name in facts}, **record})
@@ -460,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
                            help="a fast answer to 'does it fit': compile the step with N layers and with one "
                            "block more (N a whole number of blocks of model.layer_pattern, at least two) and "
                            "extrapolate memory to the model's depth (memory is affine in the blocks)")
+            p.add_argument("--memory-only", action="store_true",
+                           help="the fastest answer to 'does it fit': read the compile at its buffer assignment "
+                           "(XLA's default memory space, the peak itemised, collectives, the step estimate from "
+                           "the optimised HLO) and stop before code generation (at the 397B cell about 1.5 "
+                           "of 12 minutes); no memory analysis or XLA cost figures")
             p.add_argument("--out", help="write the JSON record here")
         if name == "gates":
             p.add_argument("--candidate", nargs="*", metavar="OVERRIDE",
@@ -510,5 +519,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The `hybridmoe` program: main(), then exit. A compile `inspect --memory-only` left running
+    (analysis/program.read_buffer_assignment) cannot be stopped and would hold the interpreter's
+    exit for the rest of its code generation: with one alive, the process ends at once, its
+    output flushed and its records already written."""
+    import os
+    import threading
+    import traceback
+
+    from hybridmoe.analysis.program import COMPILE_THREAD
+
+    try:
+        code = main()
+    except BaseException as e:
+        if isinstance(e, SystemExit):
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        else:
+            traceback.print_exc()
+            code = 1
+    if any(t.name == COMPILE_THREAD and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -119,26 +119,84 @@ def test_wi_fwd_rhs_buffer_count_decides_the_fit(device):
     assert "wi_fused_swiglu_fwd_rhsbuf1" in _fused_forward(device, 1, **DECIDING).as_text()
 
 
-def test_inspect_compiles_the_training_step_for_a_tpu_target(device):
-    """`hybridmoe inspect --target tpu7x:2x2x1`'s path: the validator accepts the Pallas TPU
-    kernels for a TPU target, the whole training step (fused levers on Mosaic kernels) compiles
-    for the topology's 8 devices, and the memory facts come against the v7x's 96 GiB per device.
-    One attention layer with its MoE (the kernels under test; tiny's four layers took 29 s to
-    compile here, this 7.5 s)."""
+ONE_LAYER_STEP = ["mesh.cpu_devices=0", "model.layer_pattern=[attention]", "model.num_layers=1", "model.d_model=128",
+                  "model.moe_intermediate_size=128", "kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit",
+                  "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"]
+
+
+@pytest.fixture(scope="module")
+def one_layer_step(device):
+    """(config, compiled step, facts) of the training step `inspect --target tpu7x:2x2x1` compiles: one attention
+    layer with its MoE on the fused Mosaic kernels (tiny's four layers took 29 s to compile here,
+    this 7.5 s)."""
     from hybridmoe.tools import train_program as tp
     from hybridmoe.recipe import load_config
 
-    cfg = load_config("tiny", ["mesh.cpu_devices=0", "model.layer_pattern=[attention]", "model.num_layers=1",
-                               "model.d_model=128", "model.moe_intermediate_size=128",
-                               "kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit",
-                               "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"], platform="tpu")
-    facts = tp.step_facts(tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False))
+    cfg = load_config("tiny", ONE_LAYER_STEP, platform="tpu")
+    step = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False)
+    return cfg, step, tp.step_facts(step)
+
+
+def test_inspect_compiles_the_training_step_for_a_tpu_target(one_layer_step):
+    """`hybridmoe inspect --target tpu7x:2x2x1`'s path: the validator accepts the Pallas TPU
+    kernels for a TPU target, the whole training step (fused levers on Mosaic kernels) compiles
+    for the topology's 8 devices, and the memory facts come against the v7x's 96 GiB per device."""
+    _, _, facts = one_layer_step
     mem = facts["memory"]
     assert facts["devices"] == 8 and mem["hbm"] == 96 * 2**30 and mem["fits"] is True
     assert 0 < mem["argument"] < mem["total"] and facts["flops"] > 0
     assert any(r["kind"] == "all-gather" for r in facts["collectives"])
 
 
+def test_memory_only_reads_what_the_whole_compile_reports(one_layer_step):
+    """`inspect --memory-only`: the compile read at its buffer assignment while code generation goes
+    on in its thread gives the whole compile's default memory space, peak buffers (each with its
+    category), itemised peak, collectives and step estimate, and no memory analysis."""
+    from hybridmoe.analysis.program import COMPILE_THREAD
+    import threading
+
+    from hybridmoe.tools import train_program as tp
+
+    cfg, whole_step, full = one_layer_step
+    step = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False, memory_only=True)
+    going_on = [t for t in threading.enumerate() if t.name == COMPILE_THREAD]
+    for t in going_on:  # a compile thread alive at the interpreter's exit aborts it (cli.entry exits at once)
+        t.join()
+    assert step.program.memory.get("memory_only") is True and going_on, \
+        "the compile finished before its buffer assignment was read"
+    facts = tp.step_facts(step)
+    mem, whole = facts["memory"], full["memory"]
+    assert mem["default_space"] == whole["default_space"] and mem["argument"] == whole["argument"]
+    assert mem["temp"] is None and mem["total"] is None and mem["fits"] is True and facts["flops"] is None
+    for key in ("peak_buffers", "collectives"):
+        assert facts[key] == full[key], key
+    peak, whole_peak = facts["peak_by_category"], full["peak_by_category"]
+    assert peak["categories"] == whole_peak["categories"] and peak["heap_share"] == whole_peak["heap_share"]
+    assert peak["share"] is None and peak["heap_gaps"] is None
+    from hybridmoe.analysis.step_estimate import estimate_step
+
+    assert estimate_step(step, "tpu7x") == estimate_step(whole_step, "tpu7x")
+
+
+def test_inspect_memory_only_writes_its_record_and_exits(one_layer_step, tmp_path):
+    """The command, in a process of its own: `hybridmoe inspect --memory-only` prints the memory
+    table, writes its record (the whole compile's default space, no memory analysis) and exits 0
+    (that a compile still going on ends with the process: tests/test_inspect_memory.py)."""
+    import json
+    import subprocess
+    import sys
+
+    _, _, full = one_layer_step
+    out = tmp_path / "memory_only.json"
+    done = subprocess.run([sys.executable, "-m", "hybridmoe", "inspect", "recipe=tiny", *ONE_LAYER_STEP,
+                           "--target", TOPOLOGY, "--memory-only", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    mem = record["programs"]["base"]["memory"]
+    assert record["memory_only"] is True and mem["memory_only"] is True and mem["temp"] is None
+    assert mem["default_space"] == full["memory"]["default_space"]
+    assert "default space (XLA report)" in done.stdout
 
 
 def test_grouped_matmul_auto_is_the_traced_programs_platforms(device):

@@ -123,6 +123,47 @@ def test_extrapolation_is_the_line_through_two_depths():
     assert "EXTRAPOLATED" in depth.format_depth(d) and "default space" in depth.format_depth(d)
 
 
+@pytest.mark.parametrize("flag", [["--layers", "4"], ["--compare", "train.batch_size=4"]])
+def test_memory_only_takes_one_program(flag, capsys):
+    """--memory-only leaves its compile running until the command exits, so it reads one program:
+    with --layers or --compare it is refused before anything compiles, naming both flags."""
+    assert main(["inspect", "recipe=tiny", "--memory-only", *flag]) == 2
+    err = capsys.readouterr().err
+    assert "--memory-only" in err and "--layers or --compare" in err
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_the_program_ends_at_once_while_a_compile_goes_on(alive, monkeypatch):
+    """cli.entry: with a compile thread still alive after the command (inspect --memory-only), the
+    process ends by os._exit with the command's code, stdout flushed (a thread inside XLA at the
+    interpreter's exit aborts it); without one, by sys.exit."""
+    import os
+    import threading
+
+    from hybridmoe import cli
+    from hybridmoe.analysis.program import COMPILE_THREAD
+
+    release = threading.Event()
+    compile_thread = threading.Thread(target=release.wait, name=COMPILE_THREAD, daemon=True)
+    exits = []
+
+    def command():
+        if alive:
+            compile_thread.start()
+        return 3
+
+    monkeypatch.setattr(cli, "main", command)
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(("os._exit", code)))
+    try:
+        with pytest.raises(SystemExit) as stopped:  # (the patched os._exit returns: sys.exit follows)
+            cli.entry()
+        assert exits == ([("os._exit", 3)] if alive else []) and stopped.value.code == 3
+    finally:
+        release.set()
+        if alive:
+            compile_thread.join()
+
+
 def test_layers_must_be_whole_blocks_of_at_least_two():
     cfg = load_config("tiny", ["model.num_layers=16"])
     assert depth.depths(cfg, 8) == (8, 12)

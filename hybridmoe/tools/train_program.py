@@ -231,13 +231,19 @@ def _jitted_program(cfg: Config, setup, program_name: str):
     raise ValueError(f"unknown program {program_name!r}; choices: {', '.join(PROGRAMS)}")
 
 
-def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, program_name: str = "train") -> CompiledStep:
+def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, program_name: str = "train",
+                 memory_only: bool = False) -> CompiledStep:
     """Lower and compile one program for the target's devices (nothing is run): the supervised
     training step ("train"), one GRPO update ("grpo": rl.* rows, micro-batches, pi_old and the
     reference policy where the config holds them) or the sampler ("sample": one rollout batch's
     prefill and its decode loop, KV cache and GDN state included). A TPU compile refused for HBM
     comes back as a step without a program whose `out_of_memory` holds the compiler's figure and
-    the arguments' per-device bytes."""
+    the arguments' per-device bytes.
+
+    `memory_only`: read the compile at its buffer assignment, before code generation
+    (program.read_buffer_assignment): the program's HLO, its peak and XLA's default memory space,
+    without the compiler's memory analysis or cost figures (the memory facts say `memory_only`);
+    the compile goes on in a background thread unless it finished first."""
     from hybridmoe.run.setup import build
 
     setup = build(cfg, list(target.devices))
@@ -247,7 +253,11 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, pr
         t0 = time.perf_counter()
         lowered = fn.lower(*inputs)
         try:
-            compiled, buffers, default_space = program.compile_with_buffers(lowered, module_name=module)
+            if memory_only:
+                read = program.read_buffer_assignment(lowered, module_name=module)
+                compiled, buffers, default_space = read.compiled, read.buffers, read.default_space
+            else:
+                compiled, buffers, default_space = program.compile_with_buffers(lowered, module_name=module)
         except jax.errors.JaxRuntimeError as e:
             refusal = _out_of_hbm(e)
             if refusal is None:
@@ -261,9 +271,12 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, pr
                                 shapes=shapes)
         compile_s = time.perf_counter() - t0
         residuals = block_residuals(cfg, setup) if with_residuals and program_name == "train" else []
-    memory = program.memory_figures(compiled) | ({} if default_space is None else {"default_space": default_space})
-    prog = program.Program(lowered.as_text(), compiled.as_text(), memory,
-                           program.cost_figures(compiled))
+    if compiled is None:  # read before code generation: the report's figures only
+        memory = {"argument": read.argument, "default_space": default_space, "memory_only": True}
+        prog = program.Program(lowered.as_text(), read.hlo_text, memory, {})
+    else:
+        memory = program.memory_figures(compiled) | ({} if default_space is None else {"default_space": default_space})
+        prog = program.Program(lowered.as_text(), compiled.as_text(), memory, program.cost_figures(compiled))
     return CompiledStep(cfg, target, prog, compile_s, residuals, peak_buffers=buffers, program_name=program_name,
                         shapes=shapes)
 
@@ -299,6 +312,11 @@ def memory_facts(prog: program.Program, hbm_bytes: int | None) -> dict:
     """Per-device bytes. `total` = arguments + outputs - aliased (donated) + temporaries: every
     buffer of the step live at once, an upper bound of the step's HBM need."""
     m = prog.memory
+    if m.get("memory_only"):  # read at buffer assignment (compile_step's memory_only): no analysis
+        out = {"argument": m["argument"], "output": None, "alias": None, "temp": None, "generated_code": None,
+               "total": None, "default_space": m["default_space"], "hbm": hbm_bytes, "memory_only": True}
+        out["fits"] = None if hbm_bytes is None or m["default_space"] is None else m["default_space"] <= hbm_bytes
+        return out
     total = m.get("argument", 0) + m.get("output", 0) - m.get("alias", 0) + m.get("temp", 0)
     out = {k: m.get(k, 0) for k in ("argument", "output", "alias", "temp", "generated_code")}
     out["total"] = total
@@ -315,9 +333,9 @@ def fit_bytes(memory: dict) -> int:
     """What a step needs of the device's HBM: the default memory space of XLA's report where the
     compile wrote one (arguments and the heap its buffer assignment packed: what the TPU compiler
     allocates and checks against HBM, refusing a step whose heap does not fit), else `total`.
-    On TPU, memory_analysis' temporaries can count far more than that heap (the 397B cell: 122.68
-    GiB against an 81.72 GiB heap, a program the compiler accepted for 94.75 GiB of HBM;
-    docs/performance.md), so `total` over-states the need there."""
+    On TPU, memory_analysis' temporaries can count far more than that heap (the 397B cell's recipe:
+    89.80 GiB against a 59.92 GiB heap, 98.47 GiB in all, a program the compiler accepted for 94.75
+    GiB of HBM; docs/performance.md), so `total` over-states the need there."""
     return memory["total"] if memory.get("default_space") is None else memory["default_space"]
 
 
@@ -383,7 +401,7 @@ def peak_by_category(step: CompiledStep, memory: dict) -> dict | None:
     `memory`: the step's memory facts."""
     if step.shapes is None or not step.peak_buffers:
         return None
-    temp = step.program.temp_bytes if step.program is not None else step.out_of_memory["temp"]
+    temp = step.program.memory.get("temp") if step.program is not None else step.out_of_memory["temp"]
     peak = peak_memory.itemise(step.peak_buffers, step.shapes, temp)
     return peak | {"heap_share": peak_memory.heap_share(peak, memory)}
 
@@ -425,7 +443,7 @@ def format_facts(columns: dict[str, dict]) -> str:
     head = lambda title: f"{title:<34}" + "".join(f"{n:>{width + 2}}" for n in names)  # noqa: E731
     lines = [head("per device")]
     mem = {n: c["memory"] for n, c in columns.items()}
-    big = max(m["total"] for m in mem.values()) >= GIB
+    big = max(fit_bytes(m) or 0 for m in mem.values()) >= GIB
     unit, fmt = ("GiB", _in(GIB)) if big else ("MiB", _in(2**20))
     for key, label in (("argument", "arguments"), ("output", "outputs"), ("alias", "aliased (donated)"),
                        ("temp", "temporaries"), ("total", "total (args+outs-aliased+temps)"),
