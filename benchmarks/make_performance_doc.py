@@ -450,9 +450,10 @@ def inspect_memory_only() -> str:
 `hybridmoe inspect --memory-only` reads the compile at its buffer assignment, when XLA has written the
 optimised HLO, the buffers live at the peak and its memory-usage report, and ends the process before
 code generation (analysis/program.py, `read_buffer_assignment`). At `{rec['recipe']}` for
-`{rec['target']}` ({rec['program']} program, the recipe's arm of the seed cell) it answered in
-{rec['wall_s']:.0f} s of wall time ({rec['read_s']:.0f} s from lowering to the read), against
-{rec['whole_compile_s']:.0f} s for the whole compile, and its figures against the whole compile's record
+`{rec['target']}` ({rec['program']} program, the recipe's arm of the seed cell) the read came
+{rec['read_s']:.0f} s into the call (mesh, tracing, lowering and the compiler's HLO passes) and the same
+compile, left to finish, ended at {rec['whole_s']:.0f} s: {rec['read_s'] / rec['whole_s']:.0%} of the time (one compile, one
+machine load; the machine was shared). Its figures against the whole compile's record
 (`{rec['against']}`, commit {rec['against_commit'][:7]}):
 
 {table(["figure", "against the whole compile", "memory-only", "whole compile"], rows)}

@@ -467,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--memory-only", action="store_true",
                            help="the fastest answer to 'does it fit': read the compile at its buffer assignment "
                            "(XLA's default memory space, the peak itemised, collectives, the step estimate from "
-                           "the optimised HLO) and stop before code generation (at the 397B cell about 1.5 "
-                           "of 12 minutes); no memory analysis or XLA cost figures")
+                           "the optimised HLO) and stop before code generation (at the 397B cell under a tenth "
+                           "of the whole compile); no memory analysis or XLA cost figures")
             p.add_argument("--out", help="write the JSON record here")
         if name == "gates":
             p.add_argument("--candidate", nargs="*", metavar="OVERRIDE",
