@@ -33,7 +33,8 @@ SEED_TOTAL_GIB = 78.00  # the seed's build with every key on (seed 000, "78.00 G
 # Each lever's keys as (off, on) overrides; the recipe itself turns every one of them on.
 LEVERS = {
     "moe": (["moe.wi_fused_swiglu=false", "moe.wo_fused_dswiglu=false", "moe.router_grad_from_wo_input=false",
-             "kernels.gmm.backend=xla", "kernels.gmm.tiling=heuristic"], []),
+             "kernels.gmm.backend=xla", "kernels.gmm.tiling=heuristic", "kernels.gmm.wi_fwd_tk=0",
+             "kernels.gmm.wo_dlhs_tk=0"], []),  # the per-kernel tiles need explicit tiling
     "fp8_gather8": (["quant.fp8_moe_fake_quant=false", "quant.fp8_fake_quant_hoist=off"], []),
     "attention": (["attention.cp_load_balance=false", "attention.cp_load_balance_hoist_ids=false",
                    "remat.policy=full", "remat.save=[]"], []),

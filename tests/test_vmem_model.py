@@ -212,6 +212,27 @@ def test_seed_cell_recipe_refused_at_a_16_mib_limit_naming_the_kernel(monkeypatc
     assert "16.00 MiB limit" in msg and "wo_dlhs (wo_fused_dswiglu_dlhs)" in msg, msg
 
 
+def test_every_seed_cell_arm_validates_at_load():
+    """benchmarks/seed_cell.py's arms (each lever's keys off after it, the programs' arm): every one
+    is a config the validator accepts for TPU, so no arm fails at load after the others compiled
+    (the MoE lever's off once left the recipe's per-kernel tiles under heuristic tiling)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "seed_cell.py"
+    spec = importlib.util.spec_from_file_location("seed_cell", script)
+    seed_cell = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seed_cell)
+    assert seed_cell.RECIPE == CELL
+    refused = {}
+    for arm in [*seed_cell.ARMS, *seed_cell.PROGRAMS.values()]:
+        try:
+            load_config(CELL, seed_cell.arm_overrides(arm), platform="tpu")
+        except ConfigError as e:
+            refused[arm] = str(e)
+    assert not refused, refused
+
+
 def test_seed_wi_forward_tile_against_the_seeds_figure():
     """The seed's wi forward (tm 512, tk 4096, tn 1024 per half, weight depth 2) needs 50.95 MiB of its
     57.60 MiB limit. Blocks and scratch are the same in ours: 50.00 MiB (x 2 x 4 MiB, gate and up weights
