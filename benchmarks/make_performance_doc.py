@@ -554,7 +554,7 @@ compiler allocates and checks against HBM, and what the seed states its build in
 the default memory space"). On TPU the analysis' temporaries count more than that heap ({uncounted}),
 so `of HBM`, `vs seed` (against the seed's
 {rec['seed_total_gib']:.2f} GiB) and `fits` read the default space where an arm has it, total
-otherwise (arms recorded before inspect read the report). Each arm's commit.
+otherwise (the refused arms: inspect reads no report from a compile the compiler refused). Each arm's commit.
 
 {table(["arm", "what", "program", "arguments", "temporaries", "total", "default space", "of HBM", "vs seed",
         "fits", "commit"], rows)}
