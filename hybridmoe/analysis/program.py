@@ -526,7 +526,6 @@ class _Dumps:
         import tempfile
 
         self.folder = tempfile.mkdtemp(prefix="hybridmoe-xla-dump-")
-        self.module_name = module_name
         self.options = {"xla_dump_to": self.folder, "xla_dump_hlo_as_text": True}
         if module_name:
             self.options["xla_dump_hlo_module_re"] = module_name
@@ -603,13 +602,12 @@ class BufferAssignment:
     the buffers live at its peak, the default memory space's bytes and the arguments' (as the
     compiler's memory analysis counts them). `compiled` is the
     executable when the compile finished before the dumps were read (small programs), else None:
-    the compile goes on in `thread` (see `read_buffer_assignment`)."""
+    the compile goes on in the thread named COMPILE_THREAD (see `read_buffer_assignment`)."""
     hlo_text: str
     buffers: list[LiveBuffer]
     default_space: int | None
     argument: int
     compiled: object | None
-    thread: object | None
 
 
 def read_buffer_assignment(lowered, module_name: str, poll_s: float = 0.25) -> BufferAssignment:
@@ -644,7 +642,7 @@ def read_buffer_assignment(lowered, module_name: str, poll_s: float = 0.25) -> B
         sizes = dumps.sizes()
         if sizes is not None and sizes == last:
             hlo = dumps.read("after_optimizations.txt")
-            read = BufferAssignment(hlo, dumps.buffers(hlo), dumps.default_space(), dumps.arguments(), None, thread)
+            read = BufferAssignment(hlo, dumps.buffers(hlo), dumps.default_space(), dumps.arguments(), None)
             outcome["read"] = True
             if outcome.get("done"):  # finished while being read: the folder is this thread's to remove
                 dumps.remove()
@@ -657,7 +655,7 @@ def read_buffer_assignment(lowered, module_name: str, poll_s: float = 0.25) -> B
             raise outcome["error"]
         compiled = outcome["compiled"]
         return BufferAssignment(compiled.as_text(), dumps.buffers(compiled.as_text()), dumps.default_space(),
-                                dumps.arguments(), compiled, None)
+                                dumps.arguments(), compiled)
     finally:
         dumps.remove()
 
