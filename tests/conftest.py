@@ -19,7 +19,7 @@ and the programs run briefly (measured here: tests/test_train.py 224 -> 187 s, t
 tests/test_rl_run.py 245 -> 201 s). HLO passes are untouched, so the program facts a CPU test reads
 (the optimised HLO, its collectives and fusions) are a default compile's. Child processes
 (kill/resume, multi-host) inherit it through the environment. The TPU compiles (marked
-tpu_compile) run with the defaults, as `hybridmoe inspect` compiles, and outside the cache.
+tpu_compile) run with the defaults, as `hybridmoe inspect` compiles, and outside JAX's cache.
 """
 
 import os
@@ -39,11 +39,14 @@ os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from hybridmoe.analysis import compiled_facts  # noqa: E402
 from hybridmoe.run.compile_cache import prune  # noqa: E402
 
 if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without xdist), before any worker
     prune(TEST_COMPILE_CACHE)
 
+# What inspect and the program proofs read from a compile (TPU targets' included), as the CLI keeps it.
+compiled_facts.use_folder(TEST_COMPILE_CACHE / compiled_facts.SUBFOLDER)
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_disable_most_optimizations", True)

@@ -117,8 +117,9 @@ def trial(command: str, index: int, work: Path, cache_dir: Path, straight: Path,
     return event
 
 
-def run_trials(command: str, trials: int, work: Path, seed: int = 0) -> dict:
-    """`trials` kill-and-resume trials of one command; a summary (raises on the first failure)."""
+def run_trials(command: str, trials: int, work: Path, seed: int = 0, first: int = 0) -> dict:
+    """`trials` kill-and-resume trials of one command, from the `first`-th of its cycle of moments on;
+    a summary (raises on the first failure)."""
     # The suite's compile cache (tests/conftest.py) when there is one, so trials reuse the programs
     # every earlier run compiled.
     cache_dir = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or work / "xla-cache")
@@ -126,7 +127,7 @@ def run_trials(command: str, trials: int, work: Path, seed: int = 0) -> dict:
     # the compile cache this one fills, so they reach their steps sooner).
     straight, straight_s = uninterrupted(command, work, cache_dir)
     rng = random.Random(seed)
-    events = [trial(command, i, work, cache_dir, straight, straight_s, rng) for i in range(trials)]
+    events = [trial(command, i, work, cache_dir, straight, straight_s, rng) for i in range(first, first + trials)]
     return {"command": command, "trials": trials, "passed": len(events), "uninterrupted_s": round(straight_s, 2),
             "killed": sum(e["killed"] for e in events), "hit_moment": sum(e["hit"] for e in events),
             "events": events}

@@ -41,12 +41,12 @@ def test_flash_attention_pallas_kernels_compile(device, T, S, N, G, head_dim, bl
         return jnp.sum(o.astype(jnp.float32))
 
     compiled = compile_abstract(jax.grad(loss, (0, 1, 2)), *args)
-    text = compiled.as_text()
+    text = compiled.hlo_text
     assert text.count("tpu_custom_call") == 3
     for name in KERNEL_NAMES:
         assert name in text, name
     # No [heads, T, S] buffer: the temporaries stay within twice the float32 dq, dk and dv.
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    temp = compiled.memory["temp"]
     grads = 4 * (T * N + 2 * S * G) * head_dim
     assert temp < 2 * grads, (temp, grads)
 

@@ -74,3 +74,123 @@ def test_an_unwritable_folder_is_refused_naming_the_key(tmp_path):
     blocker.write_text("")
     with pytest.raises(RunError, match="run.compile_cache_dir"):
         configure_compile_cache(str(blocker / "cache"))
+
+
+# ---------------------------------------------------------------------------------------------
+# What inspect reads from a compile, kept beside JAX's entries (analysis/compiled_facts.py)
+
+ONE_LAYER = ["mesh.data=2", "mesh.fsdp=4", "model.layer_pattern=[attention]", "model.num_layers=1",
+             "train.batch_size=8", "train.seq_len=16"]
+
+
+@pytest.fixture
+def facts_folder(tmp_path):
+    from hybridmoe.analysis import compiled_facts
+
+    kept = compiled_facts.folder()
+    compiled_facts.use_folder(tmp_path / "program-facts")
+    yield tmp_path / "program-facts"
+    compiled_facts.use_folder(kept)
+
+
+def _step(*overrides):
+    from hybridmoe.recipe import load_config
+    from hybridmoe.tools import train_program as tp
+
+    cfg = load_config("tiny", [*ONE_LAYER, *overrides])
+    return tp.compile_step(cfg, tp.host_target(), with_residuals=False)
+
+
+def _no_compile(monkeypatch):
+    from hybridmoe.analysis import program
+
+    def refuse(*_, **__):
+        raise AssertionError("compiled a program whose facts the folder holds")
+    monkeypatch.setattr(program, "compile_with_buffers", refuse)
+    monkeypatch.setattr(program, "read_buffer_assignment", refuse)
+
+
+def test_a_second_inspect_reads_the_compiles_facts_and_compiles_nothing(facts_folder, monkeypatch):
+    first = _step()
+    assert not first.cached and len(list(facts_folder.glob("*.json.gz"))) == 1
+    _no_compile(monkeypatch)
+    second = _step()
+    assert second.cached and second.compile_s == first.compile_s  # the compile's own time, kept
+    assert second.program == first.program and second.peak_buffers == first.peak_buffers
+    assert first.peak_buffers and first.program.memory["default_space"] > 0
+
+
+def test_another_program_or_compiler_setting_is_another_entry(facts_folder, monkeypatch):
+    import jax
+
+    from hybridmoe.analysis import compiled_facts
+
+    _step()
+    _no_compile(monkeypatch)
+    with pytest.raises(AssertionError, match="compiled a program"):
+        _step("train.seq_len=32")  # another lowered program
+    with pytest.raises(AssertionError, match="compiled a program"):
+        _step("mesh.data=4", "mesh.fsdp=2")  # the same shapes over another mesh
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        with pytest.raises(AssertionError, match="compiled a program"):
+            _step()  # the same program under other compiler options
+    finally:
+        jax.config.update("jax_disable_most_optimizations", True)
+    # The key's other ingredients: the devices a program is assigned to and what was read.
+    on = lambda d: jax.ShapeDtypeStruct((8,), jax.numpy.float32, sharding=jax.sharding.SingleDeviceSharding(d))  # noqa: E731
+    lowered = jax.jit(lambda x: x * 2).lower(on(jax.devices()[0]))
+    on_another = jax.jit(lambda x: x * 2).lower(on(jax.devices()[1]))
+    assert lowered.as_text() == on_another.as_text()
+    assert compiled_facts.key(lowered, False) != compiled_facts.key(on_another, False)
+    assert compiled_facts.key(lowered, False) != compiled_facts.key(lowered, True)
+
+
+def test_a_refusal_for_memory_is_kept_and_raised_again(facts_folder, monkeypatch):
+    import jax
+
+    from hybridmoe.analysis import compiled_facts, program
+
+    peak = [program.LiveBuffer("fusion.1", 2**30, "f32[16384,16384]", "jit(step)/dot", "main", None)]
+    refusal = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+               "(132.47G) exceeds available HBM (94.75G).")
+
+    def refuse(*_, **__):
+        error = jax.errors.JaxRuntimeError(refusal)
+        error.peak_buffers = peak
+        raise error
+    monkeypatch.setattr(program, "compile_with_buffers", refuse)
+    first = _step()
+    assert first.program is None and first.out_of_memory["temp"] > 0 and not first.cached
+    _no_compile(monkeypatch)
+    second = _step()
+    assert second.cached and second.out_of_memory == first.out_of_memory and second.peak_buffers == peak
+    # Another compile error is not kept: the next compile runs.
+    lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((4,), jax.numpy.float32))
+
+    def fail(*_, **__):
+        raise jax.errors.JaxRuntimeError("INTERNAL: the compiler crashed")
+    monkeypatch.setattr(program, "compile_with_buffers", fail)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="crashed"):
+        compiled_facts.compile(lowered)
+    assert compiled_facts._load(compiled_facts.key(lowered, False)) is None
+
+
+def test_an_unreadable_entry_is_compiled_again_and_off_keeps_nothing(facts_folder, tmp_path):
+    from hybridmoe.analysis import compiled_facts
+    from hybridmoe.run.compile_cache import configure_compile_cache
+
+    first = _step()
+    (entry,) = facts_folder.glob("*.json.gz")
+    entry.write_bytes(entry.read_bytes()[:100])  # cut short, as a full disk would leave it
+    again = _step()
+    # compiled again: the same figures (its text differs in the caller's source line, kept as metadata)
+    assert not again.cached and (again.program.memory, again.program.cost) == (first.program.memory, first.program.cost)
+    assert _step().cached  # written whole again
+    try:
+        configure_compile_cache("off")
+        assert compiled_facts.folder() is None and not _step().cached
+        assert configure_compile_cache(str(tmp_path / "mine")) == tmp_path / "mine"
+        assert compiled_facts.folder() == tmp_path / "mine" / compiled_facts.SUBFOLDER
+    finally:
+        configure_compile_cache(os.environ["JAX_COMPILATION_CACHE_DIR"])

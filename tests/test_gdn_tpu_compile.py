@@ -35,7 +35,7 @@ def test_gdn_pallas_core_compiles(device, chunk_size, key_dim, value_dim):
     inputs): Qwen3.5's head dims at chunk 64, the small dims the CPU tests run, and the smallest
     chunk the validator lets through on TPU."""
     compiled = _gdn_pallas_grad(device, chunk_size, key_dim, value_dim)
-    assert compiled.as_text().count("tpu_custom_call") == 2  # the forward and the backward kernel
+    assert compiled.hlo_text.count("tpu_custom_call") == 2  # the forward and the backward kernel
 
 
 def test_gdn_pallas_core_chunk_one_is_refused_by_mosaic(device):

@@ -48,7 +48,7 @@ def test_accumulating_weight_gradient_compiles_in_place(device):
 
         return jax.lax.scan(trip, jnp.zeros((E, D, F), jnp.bfloat16), g)[0]
 
-    calls = [line for line in compile_abstract(summed, x, g, gs).as_text().splitlines()
+    calls = [line for line in compile_abstract(summed, x, g, gs).hlo_text.splitlines()
              if "custom-call(" in line and "tgmm" in line.split("=")[0]]
     assert len(calls) == 1 and "output_to_operand_aliasing={{}: (7, {})}" in calls[0], calls
 
@@ -72,7 +72,7 @@ def test_fused_pair_compiles(device, depth):
         return jnp.sum(y.astype(jnp.float32))
 
     compiled = compile_abstract(jax.grad(loss, (0, 1, 2, 3)), x, wi, wo, s, gs)
-    text = compiled.as_text()
+    text = compiled.hlo_text
     assert "wi_fused_swiglu_fwd" in text and "wo_fused_dswiglu_dlhs" in text
     assert ("wi_fused_swiglu_fwd_rhsbuf2" in text) == (depth == 2)
 
@@ -116,7 +116,7 @@ def test_wi_fwd_rhs_buffer_count_decides_the_fit(device):
         _fused_forward(device, 0, **DECIDING)
     with pytest.raises(Exception, match="(?i)vmem"):
         _fused_forward(device, 2, **DECIDING)
-    assert "wi_fused_swiglu_fwd_rhsbuf1" in _fused_forward(device, 1, **DECIDING).as_text()
+    assert "wi_fused_swiglu_fwd_rhsbuf1" in _fused_forward(device, 1, **DECIDING).hlo_text
 
 
 ONE_LAYER_STEP = ["mesh.cpu_devices=0", "model.layer_pattern=[attention]", "model.num_layers=1", "model.d_model=128",

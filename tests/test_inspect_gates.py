@@ -79,6 +79,11 @@ def test_inspect_reports_a_step_the_compiler_refuses_for_memory(tmp_path, capsys
     program of the same step reports), fits NO; no traceback, the record written."""
     import jax
 
+    from hybridmoe.analysis import compiled_facts
+
+    # Both arms compile (the CLI's facts cache kept out; a refusal it keeps: tests/test_compile_cache.py).
+    monkeypatch.setattr(compiled_facts, "_folder", None)
+    monkeypatch.setattr(compiled_facts, "use_folder", lambda folder: None)
     real_compile, calls = jax.stages.Lowered.compile, []
 
     def compile_then_refuse(self, *a, **k):

@@ -1,5 +1,7 @@
 """The model's invariances and its blocks against references (8 simulated CPU devices)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,6 +85,20 @@ def _loss_and_grads(cfg, params, batch):
     return jax.jit(f)(params)
 
 
+EIGHT_LAYERS = ("model.num_layers=8",)  # two blocks of tiny's pattern: the layer scan loops
+
+
+@functools.cache
+def _eight_layers(*overrides: str):
+    """(loss and gradients, the program's jaxpr) of tiny at eight layers under `overrides`, on one set
+    of params and one batch (remat settings do not change either): traced once per config for the
+    remat family's tests, which compare many arms against the same reference."""
+    cfg = tiny_config(*EIGHT_LAYERS, *overrides)
+    params, batch = tiny_params(cfg), packed_batch(0, 2, 64, cfg.model.vocab_size)
+    traced = jax.jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0])).trace(params)
+    return jax.device_get(traced.lower().compile()(params)), traced.jaxpr
+
+
 def test_sharded_on_8_devices_equals_one_device():
     cfg = tiny_config("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     params = tiny_params(cfg)
@@ -107,14 +123,10 @@ def test_sharded_on_8_devices_equals_one_device():
     ("remat.policy=full", "remat.unit=sublayer"),
 ])
 def test_scan_and_remat_variants_equal_the_scanned_full_remat(overrides):
-    base = tiny_config("model.num_layers=8", "remat.policy=full")  # two blocks: the scan loops
-    cfg = tiny_config("model.num_layers=8", *overrides)
-    params = tiny_params(base)
-    batch = packed_batch(0, 2, 64, base.model.vocab_size)
     # Remat changes what is recomputed, hence XLA's fusion and float32 summation order (~5e-6 at
     # LLVM -O2, up to 2.3e-5 at the suite's -O0: tests/conftest.py), never the maths: a wrong save
     # or replay is O(1).
-    assert_rel_l2(_loss_and_grads(base, params, batch), _loss_and_grads(cfg, params, batch), 1e-4)
+    assert_rel_l2(_eight_layers("remat.policy=full")[0], _eight_layers(*overrides)[0], 1e-4)
 
 
 def _block_residuals(cfg, B=2, T=64):
@@ -165,18 +177,15 @@ def test_expert_grad_barrier_ties_each_layers_input_cotangent_to_its_moe_gradien
     # so the layers below cannot start before that gradient is reduced.
     from hybridmoe.analysis.program import iter_eqns
 
-    overrides = ("model.num_layers=8", "remat.policy=full", f"remat.unit={unit}")
-    off, on = tiny_config(*overrides), tiny_config(*overrides, "remat.expert_grad_barrier=true")
-    params = tiny_params(off)
-    batch = packed_batch(0, 2, 64, off.model.vocab_size)
-    assert_rel_l2(_loss_and_grads(off, params, batch), _loss_and_grads(on, params, batch), 1e-4)
+    overrides = ("remat.policy=full", f"remat.unit={unit}")
+    (off, off_jaxpr), (on, on_jaxpr) = _eight_layers(*overrides), _eight_layers(*overrides, "remat.expert_grad_barrier=true")
+    assert_rel_l2(off, on, 1e-4)
 
-    m = on.model
-    wi = params["blocks"][0]["moe"]["wi"].shape[1:]
-    grad = lambda cfg: list(iter_eqns(jax.make_jaxpr(jax.grad(lambda p: nll_sum(p, cfg, batch)[0]))(params)))  # noqa: E731
+    m = tiny_config(*EIGHT_LAYERS).model
+    wi = off[1]["blocks"][0]["moe"]["wi"].shape[1:]
     barriers = lambda eqns: [e for e in eqns if e.primitive.name == "optimization_barrier"]  # noqa: E731
-    assert barriers(grad(off)) == []
-    eqns = grad(on)
+    assert barriers(iter_eqns(off_jaxpr)) == []
+    eqns = list(iter_eqns(on_jaxpr))
     found = barriers(eqns)
     assert len(found) == len(m.layer_pattern), found  # once per layer, in the scan's body
     for barrier in found:

@@ -2,7 +2,10 @@
 
 A compiled program is stored under a key of its HLO, the compile options, the backend and the
 versions, so a changed program or another JAX never reads a stale entry; a later run of the same
-program (a second demo, a --resume, inspect of the same recipe) loads it instead of compiling.
+program (a second demo, a --resume) loads it instead of compiling. What `inspect` reads from a
+compile (its HLO, memory figures and peak, or the compiler's refusal) is kept beside them, in the
+folder's `program-facts` subfolder (analysis/compiled_facts.py), so inspecting the same program again
+compiles nothing.
 """
 
 from __future__ import annotations
@@ -25,16 +28,17 @@ PRUNE_ABOVE, PRUNE_TO = 8 * 2**30, 4 * 2**30
 
 
 def prune(folder: Path, above: int = PRUNE_ABOVE, to: int = PRUNE_TO) -> int:
-    """While `folder` holds more than `above` bytes, delete the files written longest ago until at
-    most `to` remain; the bytes deleted."""
+    """While `folder` (its subfolders included) holds more than `above` bytes, delete the files
+    written longest ago until at most `to` remain; the bytes deleted."""
     files = []
-    for entry in os.scandir(folder):
-        try:
-            if entry.is_file():
-                stat = entry.stat()
-                files.append((stat.st_mtime, stat.st_size, entry.path))
-        except FileNotFoundError:  # another process pruning the same folder
-            continue
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:  # another process pruning the same folder
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
     total = sum(size for _, size, _ in files)
     if total <= above:
         return 0
@@ -59,7 +63,10 @@ def cache_dir(setting: str) -> Path | None:
 
 def configure_compile_cache(setting: str) -> Path | None:
     """Point JAX's persistent cache at `setting`'s folder (created here); the folder, or None when off."""
+    from hybridmoe.analysis import compiled_facts
+
     folder = cache_dir(setting)
+    compiled_facts.use_folder(None if folder is None else folder / compiled_facts.SUBFOLDER)
     if folder is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None

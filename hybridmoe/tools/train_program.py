@@ -28,7 +28,7 @@ from collections import defaultdict
 import jax
 import jax.numpy as jnp
 
-from hybridmoe.analysis import peak_memory, program
+from hybridmoe.analysis import compiled_facts, peak_memory, program
 from hybridmoe.analysis.flops import model_flops_per_device
 from hybridmoe.config.schema import Config
 
@@ -115,6 +115,7 @@ class CompiledStep:
     peak_buffers: list = dataclasses.field(default_factory=list)  # program.LiveBuffer, largest first
     program_name: str = "train"
     shapes: peak_memory.ModelShapes | None = None  # what attributes the peak's buffers to the model's parts
+    cached: bool = False  # the facts (or the refusal) came from the compile cache (analysis/compiled_facts.py)
 
 
 # The TPU compiler refuses a program whose buffers exceed the device's HBM (after buffer
@@ -250,14 +251,11 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, pr
     with setup.context():
         fn, inputs, module = _jitted_program(cfg, setup, program_name)
         shapes = peak_memory.model_shapes(cfg, setup.abstract_state())
-        t0 = time.perf_counter()
         lowered = fn.lower(*inputs)
+        lowered_text = lowered.as_text()
         try:
-            if memory_only:
-                read = program.read_buffer_assignment(lowered, module_name=module)
-                compiled, buffers, default_space = read.compiled, read.buffers, read.default_space
-            else:
-                compiled, buffers, default_space = program.compile_with_buffers(lowered, module_name=module)
+            facts = compiled_facts.compile(lowered, module_name=module, memory_only=memory_only,
+                                           lowered_text=lowered_text)
         except jax.errors.JaxRuntimeError as e:
             refusal = _out_of_hbm(e)
             if refusal is None:
@@ -266,19 +264,13 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, pr
                     raise vmem from None
                 raise
             refusal["argument"] = shard_bytes(inputs)
-            return CompiledStep(cfg, target, None, time.perf_counter() - t0, [], refusal,
+            return CompiledStep(cfg, target, None, e.compile_s, [], refusal,
                                 peak_buffers=getattr(e, "peak_buffers", []), program_name=program_name,
-                                shapes=shapes)
-        compile_s = time.perf_counter() - t0
+                                shapes=shapes, cached=e.cached)
         residuals = block_residuals(cfg, setup) if with_residuals and program_name == "train" else []
-    if compiled is None:  # read before code generation: the report's figures only
-        memory = {"argument": read.argument, "default_space": default_space, "memory_only": True}
-        prog = program.Program(lowered.as_text(), read.hlo_text, memory, {})
-    else:
-        memory = program.memory_figures(compiled) | ({} if default_space is None else {"default_space": default_space})
-        prog = program.Program(lowered.as_text(), compiled.as_text(), memory, program.cost_figures(compiled))
-    return CompiledStep(cfg, target, prog, compile_s, residuals, peak_buffers=buffers, program_name=program_name,
-                        shapes=shapes)
+    prog = program.Program(lowered_text, facts.hlo_text, facts.memory, facts.cost)
+    return CompiledStep(cfg, target, prog, facts.compile_s, residuals, peak_buffers=facts.buffers,
+                        program_name=program_name, shapes=shapes, cached=facts.cached)
 
 
 def block_residuals(cfg: Config, setup) -> list[program.Residual]:
@@ -412,14 +404,14 @@ def step_facts(step: CompiledStep) -> dict:
     if prog is None:
         memory = refused_memory_facts(step.out_of_memory, step.target.hbm_bytes_per_device)
         return {"target": step.target.name, "devices": step.target.num_devices,
-                "compile_s": round(step.compile_s, 1), "memory": memory,
+                "compile_s": round(step.compile_s, 1), "compile_cached": step.cached, "memory": memory,
                 "flops": None, "model_flops": model_flops, "collectives": [], "saved_residuals": [],
                 "saved_residual_bytes_per_block": None,
                 "peak_buffers": buffer_rows(step.peak_buffers, shapes=step.shapes) or step.out_of_memory.get("largest", []),
                 "peak_by_category": peak_by_category(step, memory)}
     memory = memory_facts(prog, step.target.hbm_bytes_per_device)
     return {"target": step.target.name, "devices": step.target.num_devices,
-            "compile_s": round(step.compile_s, 1), "memory": memory,
+            "compile_s": round(step.compile_s, 1), "compile_cached": step.cached, "memory": memory,
             "flops": prog.cost.get("flops"), "model_flops": model_flops,
             "peak_buffers": buffer_rows(step.peak_buffers, shapes=step.shapes),
             "peak_by_category": peak_by_category(step, memory),
@@ -457,6 +449,8 @@ def format_facts(columns: dict[str, dict]) -> str:
             f"{'-' if columns[n].get(key) is None else format(columns[n][key] / 1e12, '.4f'):>{width + 2}}"
             for n in names))
     lines.append(f"{'compile s':<34}" + "".join(f"{columns[n]['compile_s']:>{width + 2}.1f}" for n in names))
+    lines.append(f"{'  read from the compile cache':<34}" + "".join(
+        f"{'yes' if columns[n].get('compile_cached') else 'no':>{width + 2}}" for n in names))
     lines.append("")
     lines.append("collectives (compiled; ops and MiB per execution of the place, per device)")
     keys = sorted({(r["where"], r["kind"], r["dtype"]) for c in columns.values() for r in c["collectives"]})
