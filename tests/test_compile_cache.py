@@ -120,30 +120,53 @@ def test_a_second_inspect_reads_the_compiles_facts_and_compiles_nothing(facts_fo
     assert first.peak_buffers and first.program.memory["default_space"] > 0
 
 
+def _lowered(fn=lambda x: x * 2, device=0):
+    import jax
+
+    arg = jax.ShapeDtypeStruct((8,), jax.numpy.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[device]))
+    return jax.jit(fn).lower(arg)
+
+
 def test_another_program_or_compiler_setting_is_another_entry(facts_folder, monkeypatch):
+    _step()
+    _no_compile(monkeypatch)
+    with pytest.raises(AssertionError, match="compiled a program"):
+        _step("mesh.data=4", "mesh.fsdp=2")  # the same shapes over another mesh: another program
+    _each_ingredient_changes_the_key(monkeypatch)
+
+
+def _each_ingredient_changes_the_key(monkeypatch):
+    """The key's ingredients one at a time, on a program of one multiply."""
     import jax
 
     from hybridmoe.analysis import compiled_facts
 
-    _step()
-    _no_compile(monkeypatch)
-    with pytest.raises(AssertionError, match="compiled a program"):
-        _step("train.seq_len=32")  # another lowered program
-    with pytest.raises(AssertionError, match="compiled a program"):
-        _step("mesh.data=4", "mesh.fsdp=2")  # the same shapes over another mesh
+    key = compiled_facts.key(_lowered(), False)
+    assert key == compiled_facts.key(_lowered(), False)
+    assert key != compiled_facts.key(_lowered(lambda x: x * 3), False)  # another program
+    assert _lowered().as_text() == _lowered(device=1).as_text()
+    assert key != compiled_facts.key(_lowered(device=1), False)  # the same text on another device
+    assert key != compiled_facts.key(_lowered(), True)  # the buffer assignment only
     jax.config.update("jax_disable_most_optimizations", False)
     try:
-        with pytest.raises(AssertionError, match="compiled a program"):
-            _step()  # the same program under other compiler options
+        assert key != compiled_facts.key(_lowered(), False)  # other compiler options
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
-    # The key's other ingredients: the devices a program is assigned to and what was read.
-    on = lambda d: jax.ShapeDtypeStruct((8,), jax.numpy.float32, sharding=jax.sharding.SingleDeviceSharding(d))  # noqa: E731
-    lowered = jax.jit(lambda x: x * 2).lower(on(jax.devices()[0]))
-    on_another = jax.jit(lambda x: x * 2).lower(on(jax.devices()[1]))
-    assert lowered.as_text() == on_another.as_text()
-    assert compiled_facts.key(lowered, False) != compiled_facts.key(on_another, False)
-    assert compiled_facts.key(lowered, False) != compiled_facts.key(lowered, True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert key != compiled_facts.key(_lowered(), False)
+
+
+@pytest.mark.parametrize("dropped", ["program", "devices", "memory_only", "options", "environment"])
+def test_a_key_without_one_of_its_ingredients_is_caught(dropped, monkeypatch):
+    """Broken variants of the key, each made of all but one ingredient: the test above finds two
+    programs (or settings) that must not share an entry sharing one."""
+    from hybridmoe.analysis import compiled_facts
+
+    whole = compiled_facts.ingredients
+    monkeypatch.setattr(compiled_facts, "ingredients",
+                        lambda *a, **k: {n: v for n, v in whole(*a, **k).items() if n != dropped})
+    with pytest.raises(AssertionError):
+        _each_ingredient_changes_the_key(monkeypatch)
 
 
 def test_a_refusal_for_memory_is_kept_and_raised_again(facts_folder, monkeypatch):
@@ -160,36 +183,35 @@ def test_a_refusal_for_memory_is_kept_and_raised_again(facts_folder, monkeypatch
         error.peak_buffers = peak
         raise error
     monkeypatch.setattr(program, "compile_with_buffers", refuse)
-    first = _step()
-    assert first.program is None and first.out_of_memory["temp"] > 0 and not first.cached
+    with pytest.raises(jax.errors.JaxRuntimeError) as first:
+        compiled_facts.compile(_lowered())
+    assert not first.value.cached
     _no_compile(monkeypatch)
-    second = _step()
-    assert second.cached and second.out_of_memory == first.out_of_memory and second.peak_buffers == peak
+    with pytest.raises(jax.errors.JaxRuntimeError) as second:
+        compiled_facts.compile(_lowered())
+    assert second.value.cached and str(second.value) == refusal and second.value.peak_buffers == peak
     # Another compile error is not kept: the next compile runs.
-    lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((4,), jax.numpy.float32))
-
     def fail(*_, **__):
         raise jax.errors.JaxRuntimeError("INTERNAL: the compiler crashed")
     monkeypatch.setattr(program, "compile_with_buffers", fail)
     with pytest.raises(jax.errors.JaxRuntimeError, match="crashed"):
-        compiled_facts.compile(lowered)
-    assert compiled_facts._load(compiled_facts.key(lowered, False)) is None
+        compiled_facts.compile(_lowered(lambda x: x + 1))
+    assert compiled_facts._load(compiled_facts.key(_lowered(lambda x: x + 1), False)) is None
 
 
 def test_an_unreadable_entry_is_compiled_again_and_off_keeps_nothing(facts_folder, tmp_path):
     from hybridmoe.analysis import compiled_facts
     from hybridmoe.run.compile_cache import configure_compile_cache
 
-    first = _step()
+    first = compiled_facts.compile(_lowered())
     (entry,) = facts_folder.glob("*.json.gz")
     entry.write_bytes(entry.read_bytes()[:100])  # cut short, as a full disk would leave it
-    again = _step()
-    # compiled again: the same figures (its text differs in the caller's source line, kept as metadata)
-    assert not again.cached and (again.program.memory, again.program.cost) == (first.program.memory, first.program.cost)
-    assert _step().cached  # written whole again
+    again = compiled_facts.compile(_lowered())
+    assert not again.cached and (again.memory, again.cost) == (first.memory, first.cost)
+    assert compiled_facts.compile(_lowered()).cached  # written whole again
     try:
         configure_compile_cache("off")
-        assert compiled_facts.folder() is None and not _step().cached
+        assert compiled_facts.folder() is None and not compiled_facts.compile(_lowered()).cached
         assert configure_compile_cache(str(tmp_path / "mine")) == tmp_path / "mine"
         assert compiled_facts.folder() == tmp_path / "mine" / compiled_facts.SUBFOLDER
     finally:

@@ -148,15 +148,17 @@ def test_inspect_compiles_the_training_step_for_a_tpu_target(one_layer_step):
     assert any(r["kind"] == "all-gather" for r in facts["collectives"])
 
 
-def test_memory_only_reads_what_the_whole_compile_reports(one_layer_step):
+def test_memory_only_reads_what_the_whole_compile_reports(one_layer_step, monkeypatch):
     """`inspect --memory-only`: the compile read at its buffer assignment while code generation goes
     on in its thread gives the whole compile's default memory space, peak buffers (each with its
     category), itemised peak, collectives and step estimate, and no memory analysis."""
     from hybridmoe.analysis.program import COMPILE_THREAD
     import threading
 
+    from hybridmoe.analysis import compiled_facts
     from hybridmoe.tools import train_program as tp
 
+    monkeypatch.setattr(compiled_facts, "_folder", None)  # the read itself, not the facts a rerun keeps
     cfg, whole_step, full = one_layer_step
     step = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False, memory_only=True)
     going_on = [t for t in threading.enumerate() if t.name == COMPILE_THREAD]

@@ -82,16 +82,17 @@ def _refusal(error: Exception) -> bool:
     return isinstance(error, jax.errors.JaxRuntimeError) and bool(_REFUSAL.search(str(error)))
 
 
-def key(lowered, memory_only: bool, lowered_text: str | None = None) -> str | None:
-    """The entry's key (module docstring; `lowered_text`: lowered.as_text() where the caller has it); None where this JAX does not say which devices a lowered
-    program is assigned to (then nothing is cached)."""
-    lowering = getattr(lowered, "_lowering", None)
-    devices = getattr(lowering, "_device_list", None)
+def ingredients(lowered, memory_only: bool, lowered_text: str | None = None) -> dict | None:
+    """What the key is made of (module docstring; `lowered_text`: lowered.as_text() where the caller
+    has it); None where this JAX does not say which devices a lowered program is assigned to (then
+    nothing is cached)."""
+    devices = getattr(getattr(lowered, "_lowering", None), "_device_list", None)
     if devices is None:
         return None
     devices = list(devices)
-    ingredients = {
+    return {
         "format": FORMAT,
+        "program": lowered.as_text() if lowered_text is None else lowered_text,
         "memory_only": memory_only,
         "devices": [(d.platform, d.device_kind, d.id, list(getattr(d, "coords", None) or [])) for d in devices],
         "backend": devices[0].client.platform_version,
@@ -100,9 +101,12 @@ def key(lowered, memory_only: bool, lowered_text: str | None = None) -> str | No
         "environment": {name: os.environ.get(name, "") for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
         "parsers": [hashlib.sha256(p.read_bytes()).hexdigest() for p in _PARSERS],
     }
-    digest = hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode())
-    digest.update((lowered.as_text() if lowered_text is None else lowered_text).encode())
-    return digest.hexdigest()
+
+
+def key(lowered, memory_only: bool, lowered_text: str | None = None) -> str | None:
+    """The entry's key: a digest of its `ingredients`, or None without them."""
+    made_of = ingredients(lowered, memory_only, lowered_text)
+    return None if made_of is None else hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()
 
 
 def _path(entry: str) -> Path:
