@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import packed_batch, tiny_config, tiny_params
+from helpers import TWO_LAYERS, packed_batch, tiny_config, tiny_params
 from hybridmoe.analysis import program
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.run.setup import build
@@ -54,11 +54,11 @@ EP_MESHES = {
 
 @pytest.mark.parametrize("mesh", list(EP_MESHES))
 def test_expert_parallel_layer_equals_replicated(mesh):
-    base = tiny_config()
+    base = tiny_config(*TWO_LAYERS, *TWO_LAYERS)
     p = _moe_params(base)
     x = jax.random.normal(jax.random.key(1), (8, 16, base.model.d_model))
     (loss_r, (y_r, _)), g_r = _layer_value_and_grads(base)(p, x)  # no mesh: every expert here
-    cfg = tiny_config(*EP_MESHES[mesh])
+    cfg = tiny_config(*TWO_LAYERS, *EP_MESHES[mesh])
     (loss, (y, dropped)), g = _on_mesh(cfg, _layer_value_and_grads(cfg), p, x)
     assert int(dropped) == 0
     _rel_l2((loss, y, g), (loss_r, y_r, g_r), 1e-5)
@@ -67,7 +67,7 @@ def test_expert_parallel_layer_equals_replicated(mesh):
 def test_ring_program_gathers_tokens_and_scatters_outputs():
     """The ring's collectives over the expert axis: tokens (and routing) all-gathered, the
     outputs reduce-scattered; the replicated layer has neither in its forward."""
-    cfg = tiny_config("mesh.expert=2")
+    cfg = tiny_config(*TWO_LAYERS, "mesh.expert=2")
     p = _moe_params(cfg)
     x = jax.random.normal(jax.random.key(1), (8, 16, cfg.model.d_model))
     fwd = lambda p, x: moe_mod.moe_layer(p, x, cfg.model, cfg.moe, cfg.kernels)  # noqa: E731
@@ -75,14 +75,14 @@ def test_ring_program_gathers_tokens_and_scatters_outputs():
     colls = prog.lowered_collectives
     assert program.count(colls, kind="all-gather") == 3  # tokens, routing weights, expert ids
     assert program.count(colls, kind="reduce-scatter", dtype="f32") == 1
-    base = tiny_config()
+    base = tiny_config(*TWO_LAYERS, *TWO_LAYERS)
     plain = _on_mesh(base, program.analyze, jax.jit(
         lambda p, x: moe_mod.moe_layer(p, x, base.model, base.moe, base.kernels)), p, x)
     assert program.count(plain.lowered_collectives, kind="reduce-scatter") == 0
 
 
 def test_model_with_expert_parallelism_equals_one_device():
-    cfg = tiny_config("mesh.expert=2", "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true",
+    cfg = tiny_config(*TWO_LAYERS, "mesh.expert=2", "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true",
                       "moe.router_grad_from_wo_input=true")
     params = tiny_params(cfg)
     batch = packed_batch(0, 8, 64, cfg.model.vocab_size)
@@ -123,7 +123,7 @@ def _expected_drops(token_sets: int, tokens_per_set: int, k: int, experts: int, 
 def test_dropped_rows_exact_count(mesh):
     cf = 1.0
     over = {"none": (), "replicated": (), "expert2": ("mesh.expert=2",)}[mesh]
-    cfg = tiny_config(f"moe.capacity_factor={cf}", *over)
+    cfg = tiny_config(*TWO_LAYERS, f"moe.capacity_factor={cf}", *over)
     m = cfg.model
     p, x = _constructed_routing(cfg, 128)
     _, idx, _ = moe_mod.route(p["router"], x.reshape(-1, m.d_model), m)
@@ -142,8 +142,8 @@ def test_dropped_rows_exact_count(mesh):
 
 
 def test_generous_buffer_drops_nothing_and_equals_dropless():
-    cfg = tiny_config("moe.capacity_factor=8.0")  # cap >= every row: nothing can overflow
-    base = tiny_config()
+    cfg = tiny_config(*TWO_LAYERS, "moe.capacity_factor=8.0")  # cap >= every row: nothing can overflow
+    base = tiny_config(*TWO_LAYERS, *TWO_LAYERS)
     p = _moe_params(base)
     x = jax.random.normal(jax.random.key(1), (8, 16, base.model.d_model))
     (_, (y, dropped)), g = _on_mesh(cfg, _layer_value_and_grads(cfg), p, x)
@@ -156,11 +156,11 @@ def test_train_step_reports_dropped_rows():
     from hybridmoe.train.loop import train
     from hybridmoe.run.step import make_optimizer, train_step
 
-    hist = train(tiny_config("moe.capacity_factor=0.5", "train.steps=1", "train.seq_len=32"),
+    hist = train(tiny_config(*TWO_LAYERS, "moe.capacity_factor=0.5", "train.steps=1", "train.seq_len=32"),
                  None, progress=False)
     assert hist[0]["moe_dropped"] > 0 and math.isfinite(hist[0]["loss"])
     # Dropless: no such metric (and no count threaded through the layer scan).
-    cfg = tiny_config("train.seq_len=32")
+    cfg = tiny_config(*TWO_LAYERS, "train.seq_len=32")
     setup = build(cfg)
     state = setup.abstract_state()
     batch = {k: jax.ShapeDtypeStruct((1, 8, 32), jnp.int32) for k in ("tokens", "segment_ids", "positions")}

@@ -25,7 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from broken_variants import BROKEN
-from helpers import packed_batch, tiny_config, tiny_params
+from helpers import TWO_LAYERS, packed_batch, tiny_config, tiny_params
 from hybridmoe.analysis import program
 from hybridmoe.config import ConfigError
 from hybridmoe.kernels.gmm import epilogue as epi
@@ -65,7 +65,7 @@ def _layer(cfg):
 
 def layer_run(*overrides):
     """((loss, y), (param grads, x grad)) of the production MoE layer on the 8-device mesh."""
-    cfg = tiny_config(*BF16, *overrides)
+    cfg = tiny_config(*TWO_LAYERS, *BF16, *overrides)
     p, x = _moe_params(cfg), _tokens(cfg)
     setup = build(cfg)
     with setup.context():
@@ -74,7 +74,7 @@ def layer_run(*overrides):
 
 def layer_run_unsharded(*overrides):
     """The same without a mesh (one device, every expert)."""
-    cfg = tiny_config(*BF16, *overrides)
+    cfg = tiny_config(*TWO_LAYERS, *BF16, *overrides)
     return jax.jit(_layer(cfg))(_moe_params(cfg), _tokens(cfg))
 
 
@@ -107,15 +107,15 @@ def assert_rel_l2(a, b, tol=1e-2):
 
 
 def test_levers_accepted_where_they_can_work():
-    tiny_config(*WI, *WO, *R)
-    tiny_config(*WI, *WO, *R, *TILED, *MATCH)
-    tiny_config(*WI, *WO, *PALLAS, "kernels.gmm.wi_fwd_rhs_buffer_count=2")
-    tiny_config(*WO, "remat.policy=custom", "remat.save=[attn_out,gdn_core_out]")
+    tiny_config(*TWO_LAYERS, *WI, *WO, *R)
+    tiny_config(*TWO_LAYERS, *WI, *WO, *R, *TILED, *MATCH)
+    tiny_config(*TWO_LAYERS, *WI, *WO, *PALLAS, "kernels.gmm.wi_fwd_rhs_buffer_count=2")
+    tiny_config(*TWO_LAYERS, *WO, "remat.policy=custom", "remat.save=[attn_out,gdn_core_out]")
 
 
 def _problems(*overrides) -> dict[str, str]:
     with pytest.raises(ConfigError) as e:
-        tiny_config(*overrides)
+        tiny_config(*TWO_LAYERS, *overrides)
     return dict(e.value.problems)
 
 
@@ -164,9 +164,9 @@ def test_all_to_all_is_not_offered():
 
 def test_the_rl_trainer_refuses_expert_buffers_naming_the_key():
     from hybridmoe.recipe.validate import check_rl_requirements
-    check_rl_requirements(tiny_config())  # dropless: accepted
+    check_rl_requirements(tiny_config(*TWO_LAYERS, *TWO_LAYERS))  # dropless: accepted
     with pytest.raises(ConfigError) as e:
-        check_rl_requirements(tiny_config("moe.capacity_factor=1.0"))
+        check_rl_requirements(tiny_config(*TWO_LAYERS, "moe.capacity_factor=1.0"))
     assert "dropless" in dict(e.value.problems)["moe.capacity_factor"]
 
 
@@ -204,7 +204,7 @@ def test_off_is_the_program_without_levers(monkeypatch):
     """The whole training loss's jaxpr with every key off equals the one built on the MoE layer
     as it was before the levers (remat scan, 8-device mesh). The grouped matmul is pinned to
     ragged_dot, the GPU/TPU choice (on CPU the default program runs row tiles instead)."""
-    cfg = tiny_config(*BF16, "moe.wi_fused_swiglu=false", "moe.wo_fused_dswiglu=false",
+    cfg = tiny_config(*TWO_LAYERS, *BF16, "moe.wi_fused_swiglu=false", "moe.wo_fused_dswiglu=false",
                       "moe.router_grad_from_wo_input=false", "kernels.gmm.wi_fwd_rhs_buffer_count=0",
                       "kernels.gmm.xla_impl=ragged_dot", "remat.policy=full")
     params = tiny_params(cfg)
@@ -259,7 +259,7 @@ def test_float32_epilogue_within_bf16_rounding():
 
 def test_model_path_bit_identical_on_the_mesh():
     def run(*overrides):
-        cfg = tiny_config(*BF16, *EP2, *overrides)
+        cfg = tiny_config(*TWO_LAYERS, *BF16, *EP2, *overrides)
         params = tiny_params(cfg)
         batch = packed_batch(0, 8, 64, cfg.model.vocab_size)
         setup = build(cfg)
@@ -279,7 +279,7 @@ def test_activation_vjp_never_built():
     """With both fused levers, the backward adds exactly one logistic (the fused DLHS epilogue
     recomputing silu from the stored [gate | up]); the activation's own VJP (a second one, in
     wi_fused_swiglu's backward) is never built."""
-    cfg = tiny_config(*BF16, *WI, *WO)
+    cfg = tiny_config(*TWO_LAYERS, *BF16, *WI, *WO)
     p, x = _moe_params(cfg), _tokens(cfg)
 
     def fwd(p, x):
@@ -293,7 +293,7 @@ def test_activation_vjp_never_built():
 
 
 def _pallas_kernels(depth: int, *levers):
-    cfg = tiny_config(*PALLAS, *levers, f"kernels.gmm.wi_fwd_rhs_buffer_count={depth}")
+    cfg = tiny_config(*TWO_LAYERS, *PALLAS, *levers, f"kernels.gmm.wi_fwd_rhs_buffer_count={depth}")
     p, x = _moe_params(cfg), _tokens(cfg)
     setup = build(cfg)
     with setup.context():
@@ -327,7 +327,7 @@ def test_wi_fwd_rhs_buffer_count_keeps_the_bits():
 def test_tiny_recipe_trains_with_all_four_levers():
     from hybridmoe.train.loop import train
 
-    cfg = tiny_config(*WI, *WO, *R, *PALLAS, "kernels.gmm.wi_fwd_rhs_buffer_count=2",
+    cfg = tiny_config(*TWO_LAYERS, *WI, *WO, *R, *PALLAS, "kernels.gmm.wi_fwd_rhs_buffer_count=2",
                       "train.steps=4", "train.seq_len=32", "train.warmup_steps=0")
     hist = train(cfg, None, progress=False)
     losses = [h["loss"] for h in hist]
@@ -392,7 +392,7 @@ def test_token_chunks_add_weight_gradients_in_place():
     # On the Pallas kernels: the backward scan's two carried weight gradients each go into a
     # weight-gradient kernel as the operand its output aliases, and that output is the carry the
     # trip hands on. No add, no per-chunk [G, K, N] gradient beside the carried one.
-    cfg = tiny_config(*BF16, *EP2, *WI, *WO, *R, *PALLAS, "moe.token_chunks=4")
+    cfg = tiny_config(*TWO_LAYERS, *BF16, *EP2, *WI, *WO, *R, *PALLAS, "moe.token_chunks=4")
     x = jax.random.normal(jax.random.key(1), (8, 32, cfg.model.d_model)).astype(cfg.model.compute_dtype)
     with build(cfg).context():
         jaxpr = jax.make_jaxpr(_layer(cfg))(_moe_params(cfg), x)
@@ -408,7 +408,7 @@ def test_token_chunks_add_weight_gradients_in_place():
 
 
 def _moe_jaxpr(*overrides):
-    cfg = tiny_config(*BF16, *EP2, *WI, *WO, *overrides)
+    cfg = tiny_config(*TWO_LAYERS, *BF16, *EP2, *WI, *WO, *overrides)
     x = jax.random.normal(jax.random.key(1), (8, 32, cfg.model.d_model)).astype(cfg.model.compute_dtype)
     with build(cfg).context():
         return jax.make_jaxpr(_layer(cfg))(_moe_params(cfg), x), cfg

@@ -24,7 +24,7 @@ import pytest
 from broken_variants import BROKEN, BROKEN_MOE
 # The lever override sets and the shared epilogue-variant fixture of the lever tests.
 from test_moe_levers import BF16, EP2, PALLAS, R, TILED, WI, WO, broken_epilogue  # noqa: F401
-from helpers import packed_batch, tiny_config, tiny_params
+from helpers import TWO_LAYERS, packed_batch, tiny_config, tiny_params
 from hybridmoe.analysis import program
 from hybridmoe.kernels.gmm import row_tiled_dot
 from hybridmoe.model import moe as moe_mod
@@ -68,7 +68,7 @@ def _tokens(cfg):
 
 def model_run(*overrides):
     """Loss, logits and every gradient of the training loss on the 8-device mesh (float32)."""
-    cfg = tiny_config(*overrides)
+    cfg = tiny_config(*TWO_LAYERS, *overrides)
     params = tiny_params(cfg)
     batch = packed_batch(0, 8, 64, cfg.model.vocab_size)
     setup = build(cfg)
@@ -144,7 +144,7 @@ CAPACITY = 0.5
 
 def check_drops(ep: bool):
     """Production layer with capacity_factor=0.5 vs the reference, on the 8-device mesh."""
-    cfg = tiny_config(f"moe.capacity_factor={CAPACITY}", *(EP2 if ep else ()))
+    cfg = tiny_config(*TWO_LAYERS, f"moe.capacity_factor={CAPACITY}", *(EP2 if ep else ()))
     p, x = _moe_params(cfg), _tokens(cfg)
     setup = build(cfg)
     # Batch rows are sharded over data x fsdp x expert (one row each here); the ring gathers
@@ -172,7 +172,7 @@ def test_capacity_factor_dropped_tokens_match_the_reference(ep):
 
 
 def _layer_unsharded(*overrides):
-    cfg = tiny_config(*overrides)
+    cfg = tiny_config(*TWO_LAYERS, *overrides)
     p, x = _moe_params(cfg), _tokens(cfg)
     out, _ = _sin_loss_and_grads(lambda p, x: (moe_mod.moe_layer(p, x, cfg.model, cfg.moe, cfg.kernels),
                                                jnp.int32(0)), p, x)
@@ -217,7 +217,7 @@ def test_float32_epilogue_check_catches(clean_epilogue, broken_epilogue):
 def layer_program(*levers):
     """(forward kernels, backward-only kernels, ops outside kernels fwd / grad, residual bytes,
     kernel operand shapes) of the MoE layer with these levers."""
-    cfg = tiny_config(*BF16, *PALLAS, *levers)
+    cfg = tiny_config(*TWO_LAYERS, *BF16, *PALLAS, *levers)
     p, x = _moe_params(cfg), _tokens(cfg)
 
     def fwd(p, x):

@@ -44,7 +44,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
 
 
 def test_micro_batch_accumulation_equals_one_big_batch():
-    cfg = tiny_config()
+    cfg = tiny_config(*TWO_LAYERS)  # accumulation is the model's business only through its loss
     params = tiny_params(cfg)
     two = synthetic_batch(0, 0, 2, 2, 32, cfg.model.vocab_size)
     one = {k: v.reshape(1, 4, 32) for k, v in two.items()}

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import packed_batch, tiny_config, tiny_params
+from helpers import TWO_LAYERS, packed_batch, tiny_config, tiny_params
 from hybridmoe.model.params import is_spec
 from hybridmoe.parallel import rules
 from hybridmoe.parallel.rules import AxisRuleError, at_use_spec, logical_to_spec
@@ -68,7 +68,7 @@ def test_the_routed_experts_fsdp_split_on_their_expert_dimension():
     assert rules.rules_table("default") is rules.DEFAULT_RULES
     # Each device's shard of a stacked wo [L, E, F, D] is whole experts with D whole (where the
     # default splits D, the TPU pads a narrow D shard to 128 lanes).
-    cfg = tiny_config(*MESH, "mesh.expert_fsdp_dim=exp")
+    cfg = tiny_config(*TWO_LAYERS, *MESH, "mesh.expert_fsdp_dim=exp")
     setup = build(cfg)
     wo_spec, wo_sharding = setup.specs["blocks"][0]["moe"]["wo"], setup.param_shardings["blocks"][0]["moe"]["wo"]
     L, E, F, D = wo_spec.shape
@@ -103,7 +103,7 @@ def _max_rel_err(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def batch():
-    cfg = tiny_config(*MESH)
+    cfg = tiny_config(*TWO_LAYERS, *MESH)
     return packed_batch(3, cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size, doc_lengths=(32, 7, 25))
 
 
@@ -117,7 +117,7 @@ def _arm(batch, extra=(), expert_fsdp_dim="embed", spread=False, table=None):
 
     key = (extra, expert_fsdp_dim, spread, None if table is None else tuple(sorted(table.items())))
     if key not in _ARMS:
-        cfg = tiny_config(*MESH, *extra, f"mesh.expert_fsdp_dim={expert_fsdp_dim}")
+        cfg = tiny_config(*TWO_LAYERS, *MESH, *extra, f"mesh.expert_fsdp_dim={expert_fsdp_dim}")
         params = spread_experts(tiny_params(cfg), blocks=4) if spread else tiny_params(cfg)
         _ARMS[key] = _loss_and_grads(cfg, params, batch, rules.DEFAULT_RULES if table is None else table)
     return _ARMS[key]
@@ -176,7 +176,7 @@ def test_experts_split_on_their_expert_dimension_give_the_same_loss_and_gradient
 
     real_gather, expert_fp8._gather = expert_fp8._gather, reversed_axes
     try:
-        cfg = tiny_config(*MESH, *GATHER8, "mesh.expert_fsdp_dim=exp")
+        cfg = tiny_config(*TWO_LAYERS, *MESH, *GATHER8, "mesh.expert_fsdp_dim=exp")
         from fp8_reference import spread_experts
 
         _, _, grads_bad = _loss_and_grads(cfg, spread_experts(tiny_params(cfg), blocks=4), batch)
@@ -190,7 +190,7 @@ def test_experts_split_on_their_expert_dimension_give_the_same_loss_and_gradient
 def compiled_step():
     from hybridmoe.tools import train_program as tp
 
-    cfg = tiny_config(*MESH, "kernels.logprobs.chunk_tokens=16")  # 4 chunks of each device's 64 tokens
+    cfg = tiny_config(*TWO_LAYERS, *MESH, "kernels.logprobs.chunk_tokens=16")  # 4 chunks of each device's 64 tokens
     return cfg, tp.compile_step(cfg, tp.host_target(), with_residuals=False)
 
 
