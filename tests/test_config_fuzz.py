@@ -9,7 +9,8 @@ from config_fuzz import check, override_sets
 FUZZ = dict(deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
-@settings(max_examples=120, **FUZZ)
+# 60 draws in the default suite (each valid one traces the step's shapes); the slow test repeats with 3,000.
+@settings(max_examples=60, **FUZZ)
 @given(override_sets())
 def test_random_overrides_validate_or_name_the_key(overrides):
     check(overrides)

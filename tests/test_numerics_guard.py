@@ -149,7 +149,7 @@ def _train_steps(policy: str):
             batch = put_global(rows, setup.batch_sharding(1))
             state, m = step_fn(state, batch)
             history.append(m)
-        prims = primitive_counts(jax.make_jaxpr(step_module.train_step(cfg, setup.optimizer))(state, batch))
+        prims = primitive_counts(step_fn.trace(state, batch).jaxpr)  # the program it ran (traced once)
         return jax.device_get((state, history)), prims
 
 
