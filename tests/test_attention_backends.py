@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import packed_batch, tiny_config, tiny_params
+from helpers import TWO_LAYERS, packed_batch, tiny_config, tiny_params
 from hybridmoe.config.errors import ConfigError
 from hybridmoe.kernels.attention import flash_block as fb
 from hybridmoe.kernels.attention import xla
@@ -80,7 +80,7 @@ def reference(P, lb, packed):
     parallelism on the global arrays (GSPMD splits its einsums: no shard_map of ours)."""
     key = (P, lb, packed)
     if key not in _REFERENCE:
-        cfg = tiny_config(*mesh_overrides(P, lb))
+        cfg = tiny_config(*TWO_LAYERS, *mesh_overrides(P, lb))
         mp = pytest.MonkeyPatch()
         mp.setattr(attn_model, "attention_core", lambda kc, **_: xla.attention)
         mp.setattr(attn_model, "self_attention", _masked_self_attention)
@@ -94,7 +94,7 @@ def reference(P, lb, packed):
 def run_backend(backend, P, lb, packed, impl="all_gather"):
     more = ("kernels.interpret=true",) if backend.startswith("pallas") else ()
     blocks = BLOCKS if backend != "blocked" else ()
-    cfg = tiny_config(*mesh_overrides(P, lb, impl), f"kernels.attention.backend={backend}", *blocks, *more)
+    cfg = tiny_config(*TWO_LAYERS, *mesh_overrides(P, lb, impl), f"kernels.attention.backend={backend}", *blocks, *more)
     return logits_and_grads(cfg, packed)
 
 
@@ -137,7 +137,7 @@ def test_auto_on_cpu_is_flash_xla(monkeypatch):
     original = attn_model.flash_attention
     monkeypatch.setattr(attn_model, "flash_attention", lambda *a, **kw: seen.append(kw["backend"]) or original(*a, **kw))
     for P in (1, 2):
-        cfg = tiny_config(*mesh_overrides(P, False))
+        cfg = tiny_config(*TWO_LAYERS, *mesh_overrides(P, False))
         assert cfg.kernels.attention.backend == "auto"
         setup = build(cfg)
         params = tiny_params(cfg)
@@ -175,7 +175,7 @@ def test_broken_block_math_is_caught_through_the_model(variant, monkeypatch):
 
 def problems(*overrides, target=None):
     with pytest.raises(ConfigError) as e:
-        tiny_config(*overrides, platform=target)
+        tiny_config(*TWO_LAYERS, *overrides, platform=target)
     return dict(e.value.problems)
 
 
@@ -193,7 +193,7 @@ def test_a_backend_the_platform_cannot_run_is_refused():
     assert "must be a power of two >= 16 (Triton)" in probs["kernels.attention.block_q"], probs
     assert "kernels.attention.block_q=16" in probs["kernels.attention.block_q"], probs
     # auto on a GPU is xla (the Triton kernels have not run on one yet): no Triton rule applies.
-    tiny_config("kernels.attention.block_q=8", "model.head_dim=24", "model.partial_rotary_factor=0.5", platform="gpu")
+    tiny_config(*TWO_LAYERS, "kernels.attention.block_q=8", "model.head_dim=24", "model.partial_rotary_factor=0.5", platform="gpu")
 
 
 def test_blocks_that_do_not_tile_the_rows_are_refused():
@@ -209,7 +209,7 @@ def test_blocks_that_do_not_tile_the_rows_are_refused():
     # The GRPO rows (rl.max_prompt_len + rl.max_new_tokens) are checked by the rl command.
     from hybridmoe.recipe.validate import rl_sequence_problems
 
-    cfg = tiny_config("kernels.attention.block_q=32", "rl.max_prompt_len=16", "rl.max_new_tokens=32")
+    cfg = tiny_config(*TWO_LAYERS, "kernels.attention.block_q=32", "rl.max_prompt_len=16", "rl.max_new_tokens=32")
     probs = dict(rl_sequence_problems(cfg))
     assert "32 does not divide the 48 queries (rl.max_prompt_len + rl.max_new_tokens = 48)" in probs[
         "kernels.attention.block_q"], probs
@@ -217,7 +217,7 @@ def test_blocks_that_do_not_tile_the_rows_are_refused():
 
 def test_a_compile_only_tpu_target_validates_as_tpu():
     """`inspect --target tpu7x:...` validates for TPU: pallas_tpu accepted, its blocks in multiples of 8."""
-    cfg = tiny_config("mesh.cpu_devices=0", "kernels.attention.backend=pallas_tpu", "kernels.attention.block_q=16",
+    cfg = tiny_config(*TWO_LAYERS, "mesh.cpu_devices=0", "kernels.attention.backend=pallas_tpu", "kernels.attention.block_q=16",
                       platform="tpu")
     assert cfg.kernels.attention.backend == "pallas_tpu"
     msg = problems("mesh.cpu_devices=0", "kernels.attention.block_q=4", target="tpu")["kernels.attention.block_q"]

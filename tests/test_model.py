@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_rel_l2, packed_batch, tiny_config, tiny_params
+from helpers import TWO_LAYERS, assert_rel_l2, packed_batch, tiny_config, tiny_params
 from hybridmoe.kernels.attention import attention
 from hybridmoe.kernels.attention.reference import attention_reference
 from hybridmoe.model import moe as moe_mod
@@ -100,7 +100,7 @@ def _eight_layers(*overrides: str):
 
 
 def test_sharded_on_8_devices_equals_one_device():
-    cfg = tiny_config("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    cfg = tiny_config("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", *TWO_LAYERS)
     params = tiny_params(cfg)
     batch = packed_batch(0, 8, 64, cfg.model.vocab_size)
     single = _loss_and_grads(cfg, params, batch)
