@@ -14,10 +14,11 @@ from hybridmoe.run.step import accumulate_grads, nll_sum
 
 
 def test_loss_falls_on_8_devices():
-    cfg = tiny_config("train.steps=40", "train.learning_rate=3e-3")
+    cfg = tiny_config("train.steps=40", "train.learning_rate=3e-3", *TWO_LAYERS)
     hist = train(cfg, None, progress=False)
     first = np.mean([h["loss"] for h in hist[:5]])
     last = np.mean([h["loss"] for h in hist[-5:]])
+    print(f"loss over the first 5 steps {first:.3f}, the last 5 {last:.3f}")
     assert last < first - 0.5, (first, last)
 
 
