@@ -20,6 +20,7 @@ from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config
 from hybridmoe.kernels.gdn import gated_delta_rule, pallas, pallas_chunk, pallas_gpu, pallas_tpu
 from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
+from helpers import TWO_LAYERS
 from tests.test_gdn_context_parallel import _layer_loss, _on_context_mesh, _rel_max, layer_case, single_device  # noqa: F401
 from tests.test_gdn_kernel import (
     BF16_TOLERANCE,
@@ -220,7 +221,7 @@ def test_interpreted_backend_is_accepted_with_any_chunk_and_context_parallelism(
 # ---------------------------------------------------------------------------------------------
 # The production path: the whole tiny model on the 8-device CPU mesh, Pallas core vs XLA core.
 
-MODEL_OVERRIDES = ("gdn.chunk_size=16", "train.seq_len=64")
+MODEL_OVERRIDES = ("gdn.chunk_size=16", "train.seq_len=64", *TWO_LAYERS)  # its GDN layer is what it compares
 
 
 def _model_loss_and_grads(cfg, params, batch):

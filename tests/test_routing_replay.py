@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import tiny_config, tiny_params
+from helpers import TWO_LAYERS, tiny_config, tiny_params
 from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config
 from hybridmoe.model.forward import decoder_hidden
