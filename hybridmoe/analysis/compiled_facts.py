@@ -76,10 +76,14 @@ class Facts:
 _REFUSAL = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|VmemOom")
 
 
-def _refusal(error: Exception) -> bool:
+def _refusal(error: jax.errors.JaxRuntimeError) -> bool:
     """A compiler's refusal of the program for memory (the device's, or a kernel's on-chip): the
     same program is refused the same way."""
-    return isinstance(error, jax.errors.JaxRuntimeError) and bool(_REFUSAL.search(str(error)))
+    return bool(_REFUSAL.search(str(error)))
+
+
+def _rows(buffers: list[program.LiveBuffer]) -> list[dict]:
+    return [dataclasses.asdict(b) for b in buffers]
 
 
 def ingredients(lowered, memory_only: bool, lowered_text: str | None = None) -> dict | None:
@@ -159,11 +163,10 @@ def compile(lowered, module_name: str | None = None, *, memory_only: bool = Fals
             compiled, buffers, default_space = read.compiled, read.buffers, read.default_space
         else:
             compiled, buffers, default_space = program.compile_with_buffers(lowered, module_name=module_name)
-    except Exception as e:
+    except jax.errors.JaxRuntimeError as e:  # the compiler's error; any other passes through untouched
         e.compile_s, e.cached = time.perf_counter() - t0, False
         if entry is not None and _refusal(e):
-            _store(entry, {"refusal": str(e), "buffers": [dataclasses.asdict(b) for b in getattr(e, "peak_buffers", [])],
-                           "compile_s": e.compile_s})
+            _store(entry, {"refusal": str(e), "buffers": _rows(getattr(e, "peak_buffers", [])), "compile_s": e.compile_s})
         raise
     compile_s = time.perf_counter() - t0
     if compiled is None:  # read before code generation: the report's figures only
@@ -174,5 +177,5 @@ def compile(lowered, module_name: str | None = None, *, memory_only: bool = Fals
         facts = Facts(compiled.as_text(), memory, program.cost_figures(compiled), buffers, compile_s)
     if entry is not None:
         _store(entry, {"hlo_text": facts.hlo_text, "memory": facts.memory, "cost": facts.cost,
-                       "buffers": [dataclasses.asdict(b) for b in facts.buffers], "compile_s": compile_s})
+                       "buffers": _rows(facts.buffers), "compile_s": compile_s})
     return facts
