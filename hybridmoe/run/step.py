@@ -46,31 +46,40 @@ def accumulate_grads(loss_sum_fn, params, micro_batches, reducers=None):
     RL step sums its metric numerators there), each summed in its own dtype. `reducers` maps a key
     of a dict `count` to (combine, initial value) for metrics that do not add up (a max is the max
     of the micro-batches' maxima, not their sum).
+
+    The counts leave the scan as its per-micro-batch outputs and are folded after it, in micro-batch
+    order from zero (or the reducer's initial value): the sums a carried count would make, without a
+    carry whose structure must be known before the body is traced (finding it by tracing the loss
+    and its gradient once more doubled the step's tracing time).
     """
     grad_fn = jax.value_and_grad(loss_sum_fn, has_aux=True)
     reducers = reducers or {}
 
-    def combine(acc_count, count):
-        if not reducers:
-            return jax.tree.map(jnp.add, acc_count, count)
-        return {k: reducers[k][0](acc_count[k], v) if k in reducers else jax.tree.map(jnp.add, acc_count[k], v)
-                for k, v in count.items()}
-
     def body(acc, mb):
         (loss, count), g = grad_fn(params, mb)
-        acc_loss, acc_count, acc_g = acc
-        return (acc_loss + loss, combine(acc_count, count),
-                jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)), None
+        acc_loss, acc_g = acc
+        return (acc_loss + loss, jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc_g, g)), count
 
-    first = jax.tree.map(lambda x: x[0], micro_batches)
-    (_, count_shape), _ = jax.eval_shape(grad_fn, params, first)
-    zero_count = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), count_shape)
-    for k, (_, init) in reducers.items():
-        zero_count[k] = jnp.full(count_shape[k].shape, init, count_shape[k].dtype)
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     with jax.named_scope(scopes.MICRO_BATCHES):
-        (loss, count, grads), _ = jax.lax.scan(body, (jnp.float32(0), zero_count, zeros), micro_batches)
+        (loss, grads), counts = jax.lax.scan(body, (jnp.float32(0), zeros), micro_batches)
+        count = _fold_counts(counts, reducers)
     return loss, count, grads
+
+
+def _fold_counts(counts, reducers):
+    """The per-micro-batch counts [M, ...] folded in micro-batch order: added from zero, or a
+    reducer's combine from its initial value."""
+    def fold(stacked, combine, init):
+        acc = jnp.full(stacked.shape[1:], init, stacked.dtype)
+        for i in range(stacked.shape[0]):
+            acc = combine(acc, stacked[i])
+        return acc
+
+    if not reducers:
+        return jax.tree.map(lambda c: fold(c, jnp.add, 0), counts)
+    return {k: fold(v, *reducers[k]) if k in reducers else jax.tree.map(lambda c: fold(c, jnp.add, 0), v)
+            for k, v in counts.items()}
 
 
 def guarded(t: TrainConfig) -> bool:
