@@ -52,6 +52,17 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_disable_most_optimizations", True)
 
 
+@pytest.fixture(autouse=True)
+def _set_ups_kept_within_one_test():
+    """run.setup keeps the last set-ups and their jitted programs for an equal config (a resume in
+    the same process traces nothing again); a test that patches model or loop code must not meet a
+    program another test traced, so what is kept ends with each test."""
+    from hybridmoe.run.setup import forget_setups
+
+    yield
+    forget_setups()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _tpu_targets_compile_with_the_defaults(request):
     if request.node.get_closest_marker("tpu_compile") is None:

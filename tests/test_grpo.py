@@ -69,7 +69,7 @@ def _run_step(cfg, params, ref_params, batch):
         setup, opt = build(cfg), rl_optimizer(cfg)
         init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
                        out_shardings=setup.state_shardings)
-        _COMPILED[key] = setup, init, jit_grpo_step(setup, opt, with_reference=ref_params is not None)
+        _COMPILED[key] = setup, init, jit_grpo_step(setup, with_reference=ref_params is not None)
     setup, init, step = _COMPILED[key]
     with setup.context():
         return step(init(params), ref_params, batch)
@@ -241,7 +241,7 @@ def multi_update():
     setup, opt = build(cfg), rl_optimizer(cfg)
     init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
                    out_shardings=setup.state_shardings)
-    step, old = jit_grpo_step(setup, opt, with_reference=False), jit_old_logprobs(setup)
+    step, old = jit_grpo_step(setup, with_reference=False), jit_old_logprobs(setup)
     put = lambda b, with_old: jax.device_put(b, update_batch_shardings(setup, with_old))  # noqa: E731
     rows = update_rows(cfg, rollout, adv, keep)
     per_update = []

@@ -156,7 +156,7 @@ def _train_steps(policy: str):
 def _grpo_steps(policy: str):
     cfg = grpo_config(f"train.on_nonfinite={policy}")
     setup, opt = build(cfg), rl_optimizer(cfg)
-    step_fn = jit_grpo_step(setup, opt, with_reference=False)
+    step_fn = jit_grpo_step(setup, with_reference=False)
     init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
                    out_shardings=setup.state_shardings)
     with setup.context():
@@ -259,7 +259,7 @@ def test_grpo_step_with_a_nonfinite_gradient_keeps_params_and_optimizer_state(va
         monkeypatch.setattr(grpo_module, "skip_if_nonfinite", GRPO_BROKEN_GUARDS[variant])
     cfg = grpo_config("rl.micro_batches=2")
     setup, opt = build(cfg), rl_optimizer(cfg)
-    step_fn = jit_grpo_step(setup, opt, with_reference=False)
+    step_fn = jit_grpo_step(setup, with_reference=False)
     init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
                    out_shardings=setup.state_shardings)
 

@@ -3,8 +3,9 @@
 The supervised loop (and the RL run's supervised warm-up) steps with train.* (learning rate,
 linear warm-up over train.warmup_steps, betas, weight decay, global-norm clip); the GRPO phase with
 rl.learning_rate and rl.lr_warmup_steps and the same betas, clip and decay. The optimizers are
-taken where each loop hands them to its jitted step (a spy in place of the step builder), so a
-loop that builds the right optimizer and passes another shows. The reference below is the AdamW update in
+taken where each loop hands them to its jitted step (a spy in place of the step builder; for GRPO,
+where jit_grpo_step hands its optimizer to the step function), so a loop that builds the right
+optimizer and passes another shows. The reference below is the AdamW update in
 float64 numpy from those numbers alone (not optax), run for several steps of known gradients that
 differ step to step (so the betas show) on the tiny model's parameter tree (so the decay of every
 leaf shows). Adam's update is ~1 per element whatever the gradient's scale, so each step's size
@@ -116,9 +117,9 @@ BROKEN = {
         "weight_decay=t.weight_decay, mask=lambda p: jax.tree_util.tree_map_with_path("
         "lambda k, x: 'norm' not in jax.tree_util.keystr(k), p)"),
     "clip_dropped": (step_mod, "make_optimizer", "if t.grad_clip > 0 else []", "if False else []"),
-    # the GRPO phase handed the supervised optimizer by its loop
-    "grpo_loop_given_the_supervised_optimizer": (rl_loop, "_build_run", "jit_grpo_step(setup, rl_opt, with_reference)",
-                                                 "jit_grpo_step(setup, setup.optimizer, with_reference)"),
+    # the GRPO step handed the supervised optimizer of its set-up
+    "grpo_step_given_the_supervised_optimizer": (grpo_mod, "jit_grpo_step", "grpo_step(setup.cfg, rl_optimizer(setup.cfg))",
+                                                 "grpo_step(setup.cfg, setup.optimizer)"),
 }
 
 
@@ -139,15 +140,16 @@ def loop_optimizers(cfg, monkeypatch, patch=None) -> dict:
     def warmup_step(setup):
         got["rl_warmup"] = setup.optimizer
 
-    def grpo_step(setup, optimizer, with_reference):
+    def grpo_step(cfg, optimizer):
         got["grpo"] = optimizer
         raise _Captured
 
     monkeypatch.setattr(train_loop, "jit_train_step", sft_step)
     monkeypatch.setattr(rl_loop, "jit_train_step", warmup_step)
-    monkeypatch.setattr(rl_loop, "jit_grpo_step", grpo_step)
+    monkeypatch.setattr(grpo_mod, "grpo_step", grpo_step)
     if patch is not None:
         patch()
+    setup_mod.forget_setups()  # set-ups built with the code as it is now (a patched make_optimizer)
     with pytest.raises(_Captured):
         train_loop.train(cfg, None, progress=False)
     with pytest.raises(_Captured):
@@ -171,6 +173,8 @@ def _patch(monkeypatch, variant):
         monkeypatch.setattr(grpo_mod, "make_optimizer", fn)
     if name == "rl_optimizer":
         monkeypatch.setattr(rl_loop, "rl_optimizer", fn)
+    if name == "jit_grpo_step":
+        monkeypatch.setattr(rl_loop, "jit_grpo_step", fn)
 
 
 @pytest.mark.parametrize("variant", [None, *BROKEN])

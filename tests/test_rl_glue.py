@@ -145,7 +145,7 @@ def share_programs(monkeypatch):
     memo("init_state", lambda setup, key: (id(setup), str(jax.random.key_data(key))),
          lambda state: jax.tree.map(jnp.copy, state))
     memo("make_generate", lambda cfg, opts, **kw: (cfg.model_dump_json(), opts, kw.get("group_size")))
-    memo("jit_grpo_step", lambda setup, opt, with_reference: (id(setup), with_reference))
+    memo("jit_grpo_step", lambda setup, with_reference: (id(setup), with_reference))
 
 
 def recorded_run(cfg, monkeypatch, broken: tuple[str, str, str] | None = None) -> tuple[list[dict], list[dict]]:

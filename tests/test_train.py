@@ -35,6 +35,27 @@ def test_resume_after_a_stop_continues_exactly(tmp_path):
     assert [r["step"] for r in records] == list(range(6))
 
 
+def test_a_run_of_an_equal_config_in_the_same_process_reuses_its_programs(tmp_path, monkeypatch):
+    """build() keeps the last set-ups by config and devices, and the loop keeps its jitted step on
+    the set-up: a second run of an equal config makes no step (nothing traced or compiled again)
+    and gives the same bits; another config, or a forgotten set-up, makes its own."""
+    from hybridmoe.run.setup import forget_setups
+    from hybridmoe.train import loop as train_loop
+
+    made, real = [], train_loop.jit_train_step
+    monkeypatch.setattr(train_loop, "jit_train_step", lambda setup: made.append(setup.cfg) or real(setup))
+    over = ("train.steps=2", "train.batch_size=8", "train.seq_len=16", *TWO_LAYERS)
+    first = train(tiny_config(*over), tmp_path / "a", progress=False)
+    second = train(tiny_config(*over), tmp_path / "b", progress=False)
+    assert len(made) == 1, made
+    assert [(r["loss"], r["grad_norm"]) for r in first] == [(r["loss"], r["grad_norm"]) for r in second]
+    other = train(tiny_config(*over, "train.seed=1"), None, progress=False)
+    assert len(made) == 2 and made[1].train.seed == 1 and other[0]["loss"] != first[0]["loss"], made
+    forget_setups()
+    train(tiny_config(*over), None, progress=False)
+    assert len(made) == 3, made
+
+
 def test_existing_run_is_not_overwritten(tmp_path):
     over = ("train.steps=1", "train.batch_size=8", "train.seq_len=16", *TWO_LAYERS)
     train(tiny_config(*over), tmp_path / "a", progress=False)

@@ -253,14 +253,14 @@ def update_batch_shardings(setup, with_old_logprobs: bool = False) -> dict:
     return {**out, "logp_old": per_row, "on_policy": replicated} if with_old_logprobs else out
 
 
-def jit_grpo_step(setup, optimizer: optax.GradientTransformation, with_reference: bool):
-    """The compiled step; the reference params (when held) use the policy's shardings and are not
-    donated. Above one update per rollout the batch carries the recomputed pi_old (logp_old) and
-    the rollout's-first-update flag (on_policy)."""
+def jit_grpo_step(setup, with_reference: bool):
+    """The compiled step, with rl_optimizer(setup.cfg); the reference params (when held) use the
+    policy's shardings and are not donated. Above one update per rollout the batch carries the
+    recomputed pi_old (logp_old) and the rollout's-first-update flag (on_policy)."""
     replicated = NamedSharding(setup.mesh, PartitionSpec())
     ref_sh = setup.param_shardings if with_reference else None
     batch_sh = update_batch_shardings(setup, with_old_logprobs=setup.cfg.rl.updates_per_rollout > 1)
-    return jax.jit(grpo_step(setup.cfg, optimizer),
+    return jax.jit(grpo_step(setup.cfg, rl_optimizer(setup.cfg)),
                    in_shardings=(setup.state_shardings, ref_sh, batch_sh),
                    out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
 

@@ -341,17 +341,22 @@ def _task_and_rewards(cfg: Config, init_hf: Path | None, task: Task | None, rewa
 
 
 def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns, with_reference: bool) -> _Run:
-    """The compiled step functions of the warm-up, the sampler and the GRPO update."""
+    """The compiled step functions of the warm-up, the sampler and the GRPO update (kept on the
+    set-up: a resume in this process reuses them)."""
     r = cfg.rl
     rl_opt = rl_optimizer(cfg)
     replicated = NamedSharding(setup.mesh, PartitionSpec())
+    opts = SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id, r.top_k,
+                           stop_ids=tokenizer.stop_ids)
     return _Run(
-        cfg, task, tokenizer, reward_fns, setup, jit_train_step(setup) if r.warmup_steps else None,
-        jit_grpo_step(setup, rl_opt, with_reference) if r.steps else None,
-        make_generate(cfg, SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id,
-                                           r.top_k, stop_ids=tokenizer.stop_ids), group_size=r.group_size,
-                      in_shardings=(setup.param_shardings, replicated, replicated, replicated, replicated)),
+        cfg, task, tokenizer, reward_fns, setup,
+        setup.kept("train_step", lambda: jit_train_step(setup)) if r.warmup_steps else None,
+        setup.kept(("grpo_step", with_reference), lambda: jit_grpo_step(setup, with_reference)) if r.steps else None,
+        setup.kept(("generate", opts), lambda: make_generate(
+            cfg, opts, group_size=r.group_size,
+            in_shardings=(setup.param_shardings, replicated, replicated, replicated, replicated))),
         # The GRPO phase starts from the warmed-up policy with a fresh optimizer state.
-        jax.jit(lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
-                in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings),
-        jit_old_logprobs(setup) if r.steps and r.updates_per_rollout > 1 else None)
+        setup.kept("rl_optimizer_init", lambda: jax.jit(
+            lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
+            in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings)),
+        setup.kept("old_logprobs", lambda: jit_old_logprobs(setup)) if r.steps and r.updates_per_rollout > 1 else None)

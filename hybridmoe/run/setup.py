@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from hybridmoe.recipe.validate import check_requirements
 from hybridmoe.run.step import make_optimizer, train_step
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class RunSetup:
     cfg: Config
     mesh: jax.sharding.Mesh
@@ -28,6 +29,17 @@ class RunSetup:
     param_shardings: Any
     state_shardings: Any
     optimizer: optax.GradientTransformation
+    # What kept() made: the loops' jitted programs (not a constructor field, so dataclasses.replace,
+    # which may change what they are made of, starts an empty one).
+    _kept: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def kept(self, key, make: Callable[[], Any]):
+        """make() once per set-up and key: a loop's jitted program, so that a run started again in
+        this process with the same config and devices (a resume, a reference arm run twice) traces
+        and compiles nothing again. The key names the program and whatever else it depends on."""
+        if key not in self._kept:
+            self._kept[key] = make()
+        return self._kept[key]
 
     def batch_sharding(self, leading: int = 1) -> NamedSharding:
         """Sharding of [micro_batches?, B, T] batch arrays (leading unsharded dims first)."""
@@ -48,11 +60,22 @@ class RunSetup:
             yield
 
 
+# The last few set-ups, by config and devices: build() of an equal config on the same devices gives
+# the same set-up, with the programs it keeps.
+_SETUPS: collections.OrderedDict = collections.OrderedDict()
+SETUPS_KEPT = 4
+
+
 def build(cfg: Config, devices=None) -> RunSetup:
     """The run's mesh over `devices` (default: every device), its sharded state and optimizer; the
     config validated first for those devices (their platform and count: the -1 axis resolved, the
-    batch and every weight split over the real mesh)."""
+    batch and every weight split over the real mesh). One of the last SETUPS_KEPT set-ups when
+    config and devices are equal (forget_setups() drops them)."""
     devices = list(jax.devices() if devices is None else devices)
+    key = (cfg.model_dump_json(), tuple(devices))
+    if key in _SETUPS:
+        _SETUPS.move_to_end(key)
+        return _SETUPS[key]
     check_requirements(cfg, platform=devices[0].platform, devices=len(devices))
     sizes, _ = cfg.mesh.resolve(len(devices))  # they fit: the validator checked it
     mesh = make_mesh(sizes, devices)
@@ -65,16 +88,27 @@ def build(cfg: Config, devices=None) -> RunSetup:
     opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, opt_abstract, p_sh,
                                    transform_non_params=lambda _: replicated)
     state_sh = {"params": p_sh, "opt_state": opt_sh, "step": replicated}
-    return RunSetup(cfg, mesh, rules, specs, p_sh, state_sh, optimizer)
+    _SETUPS[key] = setup = RunSetup(cfg, mesh, rules, specs, p_sh, state_sh, optimizer)
+    if len(_SETUPS) > SETUPS_KEPT:
+        _SETUPS.popitem(last=False)
+    return setup
+
+
+def forget_setups() -> None:
+    """Drop the kept set-ups and their programs: the next build() builds, and its programs trace
+    the code as it is now (a test that patches model code in calls it)."""
+    _SETUPS.clear()
 
 
 def init_state(setup: RunSetup, key: jax.Array):
-    def init(key):
-        params = init_params(setup.specs, key)
-        return {"params": params, "opt_state": setup.optimizer.init(params), "step": jnp.int32(0)}
+    def make():
+        def init(key):
+            params = init_params(setup.specs, key)
+            return {"params": params, "opt_state": setup.optimizer.init(params), "step": jnp.int32(0)}
+        return jax.jit(init, out_shardings=setup.state_shardings)
 
     with setup.context():
-        return jax.jit(init, out_shardings=setup.state_shardings)(key)
+        return setup.kept("init_state", make)(key)
 
 
 def jit_train_step(setup: RunSetup):

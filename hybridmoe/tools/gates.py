@@ -99,14 +99,16 @@ def run_arm(cfg: Config, steps: int, with_sampler_gap: bool = True) -> dict:
     """{"steps": the arm's per-step metrics over `steps` GRPO updates on the gate batches,
     "logp_tokens": step 0's per-token log-probs of the completion tokens [B, N], "sampler_gap": its
     sampler_gap_mean / max (None without with_sampler_gap)}."""
+    # The reference arm runs twice (the reference pair): the second reads the first's programs.
     setup = build(cfg)
-    optimizer = rl_optimizer(cfg)
-    state = init_state(dataclasses.replace(setup, optimizer=optimizer), jax.random.key(cfg.train.seed))
-    step_fn = jit_grpo_step(setup, optimizer, with_reference=False)
+    rl_setup = setup.kept("rl_setup", lambda: dataclasses.replace(setup, optimizer=rl_optimizer(cfg)))
+    state = init_state(rl_setup, jax.random.key(cfg.train.seed))
+    step_fn = setup.kept("grpo_step", lambda: jit_grpo_step(setup, with_reference=False))
     rows_sh = setup.batch_sharding(0)
 
     with setup.context():
-        logprobs = jax.jit(lambda p, t, s, q, *routing: sequence_logprobs(p, cfg, t, s, q, *routing)[0])
+        logprobs = setup.kept("logprobs", lambda: jax.jit(
+            lambda p, t, s, q, *routing: sequence_logprobs(p, cfg, t, s, q, *routing)[0]))
         gap = sampler_gap(cfg, state["params"], logprobs) if with_sampler_gap else None
         out, logp_tokens = [], None
         for step in range(steps):

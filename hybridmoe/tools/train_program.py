@@ -207,12 +207,12 @@ def _jitted_program(cfg: Config, setup, program_name: str):
         return jit_train_step(setup), (state, abstract_batch(cfg, setup)), "jit_step"
     if program_name == "grpo":
         from hybridmoe.recipe.validate import check_rl_requirements
-        from hybridmoe.rl.grpo import jit_grpo_step, rl_optimizer
+        from hybridmoe.rl.grpo import jit_grpo_step
 
         check_rl_requirements(cfg, platform=setup.mesh.devices.flat[0].platform, devices=setup.mesh.size)
         with_reference = cfg.rl.beta > 0
         ref = state["params"] if with_reference else None
-        return (jit_grpo_step(setup, rl_optimizer(cfg), with_reference),
+        return (jit_grpo_step(setup, with_reference),
                 (state, ref, abstract_grpo_batch(cfg, setup)), "jit_step")
     if program_name == "sample":
         from jax.sharding import NamedSharding, PartitionSpec

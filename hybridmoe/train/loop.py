@@ -32,7 +32,7 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, overwri
                            abstract_tree=lambda setup: setup.abstract_state(), fresh_tree=fresh)
     position = start_position(session.saved_meta)
     data_counts = long_document_metrics(source)  # documents longer than train.seq_len: in the first record
-    step_fn = jit_train_step(session.setup)
+    step_fn = session.setup.kept("train_step", lambda: jit_train_step(session.setup))
 
     def step(state, i: int):
         nonlocal position
