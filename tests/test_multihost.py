@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridmoe.cli import main
 from hybridmoe.run.checkpoint import finished_steps
 from hybridmoe.run.metrics import read_metrics
 from kill_harness import COMMANDS, ROOT, _env
@@ -23,10 +24,10 @@ COMPARED = {"train": ("loss", "grad_norm", "tokens"), "rl": ("warmup_loss", "rew
 REL_TOL = 1e-5
 
 
-def _one_process(command, out, cache):
-    argv = [sys.executable, "-m", "hybridmoe", *COMMANDS[command], "mesh.cpu_devices=8", "--out", str(out)]
-    done = subprocess.run(argv, env=_env(cache), cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+def _one_process(command, out):
+    """1 process x 8 devices: the CLI's main() in this process (the session's 8 CPU devices, JAX
+    settings and compile cache, as the launched processes inherit them)."""
+    assert main([*COMMANDS[command], "mesh.cpu_devices=8", "--out", str(out)]) == 0
 
 
 def _launch_argv(command, out, *extra):
@@ -54,7 +55,7 @@ def cache(tmp_path_factory):
 
 @pytest.mark.parametrize("command", ["train", pytest.param("rl", marks=pytest.mark.slow)])
 def test_two_processes_equal_one_step_for_step(command, tmp_path, cache):
-    _one_process(command, tmp_path / "one", cache)
+    _one_process(command, tmp_path / "one")
     done = subprocess.run(_launch_argv(command, tmp_path / "two"), env=_env(cache), cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
