@@ -16,15 +16,10 @@ directory is pruned once per session instead, as the CLI prunes its own (hybridm
 CPU programs compile with XLA's backend optimisations off (jax_disable_most_optimizations: LLVM at
 -O0, its expensive passes skipped): at the tests' tiny shapes code generation is most of a compile
 and the programs run briefly (measured here: tests/test_train.py 224 -> 187 s, two tests of
-tests/test_rl_run.py 245 -> 201 s). And with XLA's CPU fusion emitters off
-(--xla_cpu_use_fusion_emitters=false, the elemental emitters instead): two layers' training step
-compiles in 2.4 s instead of 4.4, and a cold run of the suite is mostly such compiles. That flag
-also changes which CPU ops fuse (that step: 618 fusions instead of 756, temporaries within 0.02%);
-the collectives, dots and layouts a CPU test reads are those of a default compile, and no test
-reads a CPU fusion count as a figure (the tests that read fusions compare arms compiled alike).
-Child processes (kill/resume, multi-host) inherit both through the environment. The TPU compiles
-(marked tpu_compile) run with the defaults (the flag is XLA's CPU backend's only), as `hybridmoe
-inspect` compiles, and outside JAX's cache.
+tests/test_rl_run.py 245 -> 201 s). HLO passes are untouched, so the program facts a CPU test reads
+(the optimised HLO, its collectives and fusions) are a default compile's. Child processes
+(kill/resume, multi-host) inherit it through the environment. The TPU compiles (marked
+tpu_compile) run with the defaults, as `hybridmoe inspect` compiles, and outside JAX's cache.
 """
 
 import os
@@ -40,9 +35,6 @@ os.environ.update({
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 })
 os.environ.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
-CPU_CODEGEN_FLAG = "--xla_cpu_use_fusion_emitters=false"
-if CPU_CODEGEN_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_CODEGEN_FLAG}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
