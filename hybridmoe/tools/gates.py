@@ -103,7 +103,7 @@ def run_arm(cfg: Config, steps: int, with_sampler_gap: bool = True) -> dict:
     setup = build(cfg)
     rl_setup = setup.kept("rl_setup", lambda: dataclasses.replace(setup, optimizer=rl_optimizer(cfg)))
     state = init_state(rl_setup, jax.random.key(cfg.train.seed))
-    step_fn = setup.kept("grpo_step", lambda: jit_grpo_step(setup, with_reference=False))
+    step_fn = setup.kept(("grpo_step", False), lambda: jit_grpo_step(setup, with_reference=False))
     rows_sh = setup.batch_sharding(0)
 
     with setup.context():
