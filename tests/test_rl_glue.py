@@ -128,8 +128,9 @@ _PROGRAMS: dict = {}
 
 
 def share_programs(monkeypatch):
-    """run_rl's setup, initial state, sampler and GRPO step built once per config and reused by the
-    later runs of this module (each run_rl otherwise traces and loads them again: ~20 s a run)."""
+    """run_rl's setup and initial state built once per config and reused by the later runs of this
+    module; the set-up keeps the loop's programs (RunSetup.kept), so its sampler and GRPO step are
+    traced once too (each run_rl otherwise traces and loads them again: ~20 s a run)."""
     def memo(name, key_of, fresh=lambda x: x, module=rl_loop):
         real = getattr(module, name)
 
@@ -144,8 +145,6 @@ def share_programs(monkeypatch):
     # The GRPO step donates its state: every run starts from its own copy.
     memo("init_state", lambda setup, key: (id(setup), str(jax.random.key_data(key))),
          lambda state: jax.tree.map(jnp.copy, state))
-    memo("make_generate", lambda cfg, opts, **kw: (cfg.model_dump_json(), opts, kw.get("group_size")))
-    memo("jit_grpo_step", lambda setup, with_reference: (id(setup), with_reference))
 
 
 def recorded_run(cfg, monkeypatch, broken: tuple[str, str, str] | None = None) -> tuple[list[dict], list[dict]]:

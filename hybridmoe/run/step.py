@@ -76,10 +76,10 @@ def _fold_counts(counts, reducers):
             acc = combine(acc, stacked[i])
         return acc
 
+    summed = lambda tree: jax.tree.map(lambda c: fold(c, jnp.add, 0), tree)  # noqa: E731
     if not reducers:
-        return jax.tree.map(lambda c: fold(c, jnp.add, 0), counts)
-    return {k: fold(v, *reducers[k]) if k in reducers else jax.tree.map(lambda c: fold(c, jnp.add, 0), v)
-            for k, v in counts.items()}
+        return summed(counts)
+    return {k: fold(v, *reducers[k]) if k in reducers else summed(v) for k, v in counts.items()}
 
 
 def guarded(t: TrainConfig) -> bool:
