@@ -85,7 +85,7 @@ def test_every_validator_rule_names_the_keys_it_checks():
     """A search for a key finds its rule: each rule declares the config keys it states requirements
     of (real fields or sections of the schema), and a rule of one key is named after it."""
     from hybridmoe.config.schema import Config
-    from hybridmoe.recipe.validate import RULES
+    from hybridmoe.recipe.validate import RL_RULES, RULES
 
     def exists(key):
         node = Config
@@ -96,8 +96,8 @@ def test_every_validator_rule_names_the_keys_it_checks():
             node = fields[part].annotation
         return True
 
-    assert len(RULES) >= 18
-    for fn in RULES:
+    assert len(RULES) >= 18 and len(RL_RULES) >= 2
+    for fn in (*RULES, *RL_RULES):
         assert fn.keys, f"{fn.__name__} declares no keys"
         missing = [k for k in fn.keys if not exists(k)]
         assert not missing, f"{fn.__name__} declares keys not in the schema: {missing}"

@@ -39,19 +39,28 @@ class Facts:
 
 
 Rule = Callable[[Config, Facts], list[Problem]]
+# Every rule of the validation pass (check_requirements), and those only the rl command runs
+# (check_rl_requirements). Both lists are the whole validator: tests/test_refusals.py holds a
+# refusal case for each rule and reaches every problem each one can report.
 RULES: list[Rule] = []
+RL_RULES: list[Rule] = []
 
 
-def rule(*keys: str) -> Callable[[Rule], Rule]:
+def rule(*keys: str, rules: list[Rule] = RULES) -> Callable[[Rule], Rule]:
     """Register a rule that states the requirements of `keys` (dotted config keys, or a section).
 
     A rule is named after the key it checks (`_quant_fp8_gmm` checks `quant.fp8_gmm`); one that
     checks several lists them here, so a search for a key finds its rule. `rule.keys` holds them."""
     def register(fn: Rule) -> Rule:
         fn.keys = keys
-        RULES.append(fn)
+        rules.append(fn)
         return fn
     return register
+
+
+def rl_rule(*keys: str) -> Callable[[Rule], Rule]:
+    """Register a rule of the rl command only (check_rl_requirements), as `rule` does."""
+    return rule(*keys, rules=RL_RULES)
 
 
 def check_requirements(cfg: Config, *, platform: str | None = None, devices: int | None = None,
@@ -630,14 +639,25 @@ def rl_sequence_problems(cfg: Config, f: Facts = Facts()) -> list[Problem]:
     return out
 
 
+@rl_rule("rl.max_prompt_len", "rl.max_new_tokens", "kernels.attention.block_q", "kernels.attention.block_k")
+def _rl_sequences(cfg: Config, f: Facts) -> list[Problem]:
+    return rl_sequence_problems(cfg, f)
+
+
+@rl_rule("moe.capacity_factor")
+def _moe_capacity_factor(cfg: Config, f: Facts) -> list[Problem]:
+    # The rollout and the policy update would drop different tokens, and the update does not
+    # report its drops: refused rather than trained on a silently different model.
+    if cfg.moe.capacity_factor > 0:
+        return [("moe.capacity_factor", "the RL trainer runs dropless MoE only; set it to 0")]
+    return []
+
+
 def check_rl_requirements(cfg: Config, *, platform: str | None = None, devices: int | None = None) -> None:
     """What only the rl command needs of a config that passed check_requirements (for the same
-    platform and device count); one ConfigError."""
-    problems = rl_sequence_problems(cfg, Facts(platform, devices))
-    if cfg.moe.capacity_factor > 0:
-        # The rollout and the policy update would drop different tokens, and the update does not
-        # report its drops: refused rather than trained on a silently different model.
-        problems.append(("moe.capacity_factor", "the RL trainer runs dropless MoE only; set it to 0"))
+    platform and device count): every rule of RL_RULES; one ConfigError."""
+    facts = Facts(platform, devices)
+    problems = [p for r in RL_RULES for p in r(cfg, facts)]
     if problems:
         raise ConfigError(problems)
 

@@ -1,0 +1,385 @@
+"""Refusals at load: every rule of the validator (recipe/validate.py: RULES, and RL_RULES of the rl
+command) has a case here that breaks it alone, and the error names the key(s) with the fix.
+
+- The table (CASES): each case is the tiny recipe with overrides (and the facts a caller gives: a
+  platform, the device count a run builds on, an --init-hf checkpoint's model fields) that break
+  one requirement. The rule it names must be the only rule that reports a problem, with exactly
+  the keys listed, each message holding the fragment listed; the loader (or set-up, or the rl
+  command's check) raises one ConfigError with the same problems.
+- The enumeration: every registered rule has a case, and every case's rule is registered (a rule
+  deleted from validate.py fails here and in its refusal case); and every statement of
+  validate.py that reports a problem (`out.append(...)`, `unmet.append(...)`, a returned problem
+  list) is reached by some case, so a check added to a rule without a refusal case fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from hybridmoe.config import ConfigError
+from hybridmoe.recipe import load as load_module
+from hybridmoe.recipe import validate
+from hybridmoe.recipe.load import load_config
+
+
+class Case(NamedTuple):
+    rules: tuple[str, ...]             # the rule(s) that must report (others must not)
+    overrides: tuple[str, ...]
+    problems: tuple[tuple[str, str], ...]  # (key, a fragment of its message), one per problem
+    facts: dict = {}                   # validate.Facts fields: platform, devices, checkpoint_model
+
+
+def case(rules, overrides, *problems, **facts) -> Case:
+    return Case((rules,) if isinstance(rules, str) else tuple(rules), tuple(overrides), problems, facts)
+
+
+# Two context ranks (fsdp absorbs 4 of the 8 devices), with GRPO rows of 32 + 96 = 128 tokens that
+# split into whole GDN chunks (up to 64) on each rank, so the rl command's rules pass.
+CP2 = ("mesh.context=2", "mesh.data=1", "rl.max_prompt_len=32", "rl.max_new_tokens=96")
+ATTENTION_ONLY = ("model.layer_pattern=[attention]",)
+TPU = {"platform": "tpu"}
+GPU = {"platform": "gpu"}
+BUILT = {"devices": 8}  # set-up's pass: the devices the mesh is built on
+
+CASES: dict[str, Case] = {
+    # model shapes
+    "layers_vs_pattern": case("_model_shapes", ["model.num_layers=6"],
+                              ("model.num_layers", "multiple of the layer pattern's length 4")),
+    "heads_vs_kv_heads": case("_model_shapes", ["model.num_heads=3"],
+                              ("model.num_heads", "not a multiple of model.num_kv_heads=2")),
+    "gdn_value_vs_key_heads": case("_model_shapes", ["model.gdn_num_value_heads=3"],
+                                   ("model.gdn_num_value_heads", "not a multiple of model.gdn_num_key_heads=2")),
+    "top_k_over_experts": case("_model_shapes", ["model.num_experts_per_tok=9"],
+                               ("model.num_experts_per_tok", "exceeds model.num_experts=8")),
+    "rotary_dim_odd": case("_model_shapes", ["model.partial_rotary_factor=0.3"],
+                           ("model.partial_rotary_factor", "must be an even integer")),
+    "checkpoint_shapes": case("_model_matches_checkpoint", [],
+                              ("model.d_model", "pass: model.d_model=32"), checkpoint_model={"d_model": 32}),
+    # the mesh
+    "mesh_product_vs_devices": case("_mesh_axis_sizes", ["mesh.fsdp=2"],
+                                    ("mesh", "axis sizes multiply to 4 but 8 devices")),
+    "mesh_two_free_axes": case("_mesh_axis_sizes", ["mesh.data=-1"], ("mesh", "at most one axis may be -1")),
+    "mesh_free_axis_cannot_absorb": case("_mesh_axis_sizes", ["mesh.data=3"],
+                                         ("mesh.fsdp", "(the devices are mesh.cpu_devices=8)")),
+    "coordinator_without_distributed": case("_mesh_distributed", ["mesh.coordinator_address=localhost:1"],
+                                            ("mesh.coordinator_address", "set mesh.distributed=true"),
+                                            ("mesh.coordinator_address", "give mesh.coordinator_address and mesh.num_processes together")),
+    "process_id_past_processes": case("_mesh_distributed", ["mesh.distributed=true", "mesh.num_processes=2",
+                                                            "mesh.coordinator_address=localhost:1", "mesh.process_id=2"],
+                                      ("mesh.process_id", "not below mesh.num_processes=2")),
+    "width_vs_fsdp": case("_model_weights_split_over_mesh", ["model.d_model=30"],  # dense and expert weights
+                          ("model.d_model", "mesh.fsdp=4 x mesh.context=1 x mesh.expert=1, which the rules give "
+                           "logical axis 'embed'"),
+                          ("model.d_model", "mesh.fsdp=4 x mesh.context=1, which the rules give logical axis 'embed'")),
+    # The weights' split names the experts, the rule of the key that asked for it the way out.
+    "experts_vs_expert_fsdp_split": case(("_mesh_expert_fsdp_dim", "_model_weights_split_over_mesh"),
+                                         ["mesh.expert_fsdp_dim=exp", "model.num_experts=6"],
+                                         ("mesh.expert_fsdp_dim", "use mesh.expert_fsdp_dim=embed"),
+                                         ("model.num_experts", "logical axis 'exp'")),
+    "batch_vs_built_mesh": case("_train_batch_size", ["train.batch_size=12"],
+                                ("train.batch_size", "12 does not split over the 8 shards"), **BUILT),
+    "seq_len_over_max": case("_train_seq_len", ["train.seq_len=512"], ("train.seq_len", "exceeds model.max_seq_len=256")),
+    # remat
+    "save_list_without_custom": case("_remat_save", ["remat.save=[attn_q]"], ("remat.save", "needs remat.policy=custom")),
+    "save_list_unknown_name": case("_remat_save", ["remat.policy=custom", "remat.save=[nope]"],
+                                   ("remat.save", "unknown checkpoint names ['nope']")),
+    # rl shapes (every load)
+    "rl_rows_over_max_seq_len": case("_rl_shapes", ["rl.max_new_tokens=250"],
+                                     ("rl.max_new_tokens", "exceeds model.max_seq_len=256")),
+    "updates_vs_epochs": case("_rl_shapes", ["rl.updates_per_rollout=3", "rl.epochs_per_rollout=2"],
+                              ("rl.updates_per_rollout", "rl.epochs_per_rollout=2 must divide it")),
+    "micro_batches_vs_rollouts": case("_rl_shapes", ["rl.micro_batches=128"],
+                                      ("rl.micro_batches", "do not divide the 64 rollouts")),
+    "greedy_grpo": case("_rl_shapes", ["rl.temperature=0"], ("rl.temperature", "0 (greedy)")),
+    "repeated_operator": case("_rl_shapes", ["rl.operators=++"], ("rl.operators", "repeats an operator")),
+    "prefill_chunk_vs_gdn_chunk": case("_rl_shapes", ["rl.prefill_chunk=100"],
+                                       ("rl.prefill_chunk", "e.g. rl.prefill_chunk=128")),
+    "rollout_rows_vs_batch_shards": case("_rl_prompts_per_step", ["rl.prompts_per_step=4", "rl.group_size=3"],
+                                         ("rl.prompts_per_step", "a micro-batch of 12 rollouts")),
+    # MoE levers
+    "fused_lever_on_dense": case("_moe_fused_levers", ["moe.wi_fused_swiglu=true", "moe.impl=dense"],
+                                 ("moe.wi_fused_swiglu", "needs moe.impl=sparse")),
+    "fused_lever_saves_a_half": case("_moe_fused_levers", ["moe.wo_fused_dswiglu=true", "remat.policy=custom",
+                                                          "remat.save=[moe_gate]"],
+                                     ("moe.wo_fused_dswiglu", "the gate and up halves cannot be saved")),
+    "fused_lever_on_fp8": case(("_moe_fused_levers", "_quant_fp8_gmm"), ["moe.wi_fused_swiglu=true", "quant.fp8_gmm=true"],
+                               ("moe.wi_fused_swiglu", "needs unquantized grouped matmuls (quant.fp8_gmm is on)"),
+                               ("quant.fp8_gmm", "the fused SwiGLU epilogues (moe.wi_fused_swiglu)")),
+    "fused_lever_tile_rule": case("_moe_fused_levers", ["moe.wi_fused_swiglu=true", "kernels.gmm.tiling=explicit",
+                                                       "kernels.gmm.wi_fwd_tile_n_per_half=12"],
+                                  ("moe.wi_fused_swiglu", "kernel tile rule: tile_n_per_half=12 must divide F=32")),
+    # (Expert buffers are refused by the rl command's rule too: its rollouts and updates would drop
+    # different tokens.)
+    "buffers_on_dense": case(("_moe_fused_levers", "_moe_capacity_factor"), ["moe.impl=dense", "moe.capacity_factor=1.0"],
+                             ("moe.capacity_factor", "no expert buffers"), ("moe.capacity_factor", "dropless MoE only")),
+    "token_chunks_on_dense": case("_moe_token_chunks", ["moe.token_chunks=2", "moe.impl=dense"],
+                                  ("moe.token_chunks", "needs moe.impl=sparse")),
+    "token_chunks_with_buffers": case(("_moe_token_chunks", "_moe_capacity_factor"),
+                                      ["moe.token_chunks=2", "moe.capacity_factor=1.0"],
+                                      ("moe.token_chunks", "needs a dropless MoE"),
+                                      ("moe.capacity_factor", "dropless MoE only")),
+    "token_chunks_vs_row": case("_moe_token_chunks", ["moe.token_chunks=3"],
+                                ("moe.token_chunks", "does not divide the 64 tokens of a training row")),
+    # grouped matmul kernels
+    "gmm_backend_vs_platform": case("_kernels_gmm", ["kernels.gmm.backend=pallas_tpu"],
+                                    ("kernels.gmm.backend", "cannot run on this platform (cpu)")),
+    "gmm_tiles": case("_kernels_gmm", ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit",
+                                       "kernels.gmm.tk=32", "model.moe_intermediate_size=128",
+                                       "kernels.attention.backend=xla"],
+                      ("kernels.gmm.tiling", "tk (over D)=32 must be a multiple of 128 (TPU lanes) or span 64"), **TPU),
+    "tile_per_half_without_fused": case("_kernels_gmm", ["kernels.gmm.wi_fwd_tile_n_per_half=16"],
+                                        ("kernels.gmm.wi_fwd_tile_n_per_half",
+                                         "needs moe.wi_fused_swiglu (it tiles the fused up-projection forward); "
+                                         "needs kernels.gmm.tiling=explicit")),
+    "buffer_depth_everything_unmet": case("_kernels_gmm", ["kernels.gmm.wi_fwd_rhs_buffer_count=-1"],
+                                          ("kernels.gmm.wi_fwd_rhs_buffer_count",
+                                           "-1 must be 0 (the kernel default) or a depth >= 1; needs moe.wi_fused_swiglu "
+                                           "(only the fused up-projection forward takes the depth); needs "
+                                           "kernels.gmm.tiling=explicit (heuristic tiles may split K, where the depth is "
+                                           "not applied); needs a Pallas backend")),
+    "buffer_depth_over_split_k": case("_kernels_gmm", ["moe.wi_fused_swiglu=true", "kernels.gmm.tiling=explicit",
+                                                      "kernels.gmm.tk=32", "kernels.gmm.wi_fwd_rhs_buffer_count=1"],
+                                      ("kernels.gmm.wi_fwd_rhs_buffer_count", "kernels.gmm.tk=32 must span model.d_model=64")),
+    # (The tile rules of the fused lever say it too.)
+    "buffer_depth_over_mosaic": case(("_kernels_gmm", "_moe_fused_levers"), ["model.d_model=128", "moe.wi_fused_swiglu=true",
+                                                     "kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit",
+                                                     "kernels.gmm.wi_fwd_rhs_buffer_count=3",
+                                                     "model.moe_intermediate_size=128",
+                                                     "kernels.gmm.wi_fwd_tile_n_per_half=128",
+                                                     "kernels.attention.backend=xla"],
+                                     ("kernels.gmm.wi_fwd_rhs_buffer_count", "Mosaic TPU (JAX 0.10.2) accepts 1 or 2"),
+                                     ("moe.wi_fused_swiglu", "rhs_buffer_count=3: Mosaic TPU takes at most 2"),
+                                     **TPU),
+    "fused_wo_dlhs_tile": case("_kernels_gmm", ["moe.wo_fused_dswiglu=true", "kernels.gmm.tiling=explicit",
+                                               "kernels.gmm.wo_dlhs_tn=16"],
+                               ("kernels.gmm.wo_dlhs_tn", "leave it 0 or set 32")),
+    "unfused_wi_tile_on_fused": case("_kernels_gmm", ["moe.wi_fused_swiglu=true", "kernels.gmm.tiling=explicit",
+                                                     "kernels.gmm.wi_fwd_tn=32"],
+                                     ("kernels.gmm.wi_fwd_tn", "takes kernels.gmm.wi_fwd_tile_n_per_half")),
+    "per_kernel_tile_without_explicit": case("_kernels_gmm", ["kernels.gmm.wo_fwd_tm=64"],
+                                             ("kernels.gmm.wo_fwd_tm", "needs kernels.gmm.tiling=explicit")),
+    "xla_impl_on_dense": case("_kernels_gmm_xla_impl", ["kernels.gmm.xla_impl=ragged_dot", "moe.impl=dense"],
+                              ("kernels.gmm.xla_impl", "needs moe.impl=sparse")),
+    "xla_impl_on_pallas": case("_kernels_gmm_xla_impl", ["kernels.gmm.xla_impl=row_tiles",
+                                                         "kernels.gmm.backend=pallas_tpu", "kernels.interpret=true"],
+                               ("kernels.gmm.xla_impl", "applies to the xla backend only")),
+    # data
+    "files_without_path": case("_data_sources", ["train.data=files"], ("data.path", "set data.path=FILE")),
+    "prompt_set_without_its_inputs": case("_data_sources", ["rl.task=prompts"],
+                                          ("data.prompts", "set data.prompts=FILE"), ("rl.reward", "needs reward functions"),
+                                          ("rl.warmup_steps", "set rl.warmup_steps=0")),
+    "reward_weights_vs_rewards": case("_data_sources", ["rl.reward_weights=[1.0]"],
+                                      ("rl.reward_weights", "1 weights for 0 rl.reward functions")),
+    # context-parallel attention
+    "seq_vs_load_balanced_halves": case("_attention_context_parallel", [*CP2, *ATTENTION_ONLY, "train.seq_len=66",
+                                                                       "attention.cp_load_balance=true"],
+                                        ("train.seq_len", "make it a multiple of 4")),
+    "ring_without_ranks": case("_attention_context_parallel", ["attention.cp_impl=ring"],
+                               ("attention.cp_impl", "with one rank there is no ring")),
+    "ring_without_attention": case("_attention_context_parallel", [*CP2, "model.layer_pattern=[gdn]",
+                                                                   "gdn.chunk_size=32", "attention.cp_impl=ring"],
+                                   ("attention.cp_impl", "needs attention layers")),
+    "ring_on_blocked": case("_attention_context_parallel", [*CP2, "gdn.chunk_size=32", "attention.cp_impl=ring",
+                                                            "kernels.attention.backend=blocked"],
+                            ("attention.cp_impl", "returns no log-sum-exp")),
+    "load_balance_without_ranks": case("_attention_context_parallel", ["attention.cp_load_balance=true"],
+                                       ("attention.cp_load_balance", "needs an even mesh.context >= 2 (got 1)")),
+    "hoist_ids_everything_unmet": case("_attention_context_parallel", ["attention.cp_load_balance_hoist_ids=true",
+                                                                       "remat.scan_layers=false"],
+                                       ("attention.cp_load_balance_hoist_ids",
+                                        "needs attention.cp_load_balance=true (without it there are no reordered ids "
+                                        "to hoist); needs an even mesh.context >= 2 (got 1); needs remat.policy=custom")),
+    "hoist_ids_without_the_scan": case("_attention_context_parallel", [*CP2, "gdn.chunk_size=32",
+                                                                       "attention.cp_load_balance=true",
+                                                                       "attention.cp_load_balance_hoist_ids=true",
+                                                                       "remat.policy=custom", "remat.scan_layers=false"],
+                                       ("attention.cp_load_balance_hoist_ids", "needs remat.scan_layers=true")),
+    # the attention core
+    # (The rl command's rule says it of the GRPO rows too.)
+    "blocked_key_blocks": case(("_kernels_attention", "_rl_sequences"),
+                               ["kernels.attention.backend=blocked", "kernels.attention.block_k=16",
+                                "rl.max_new_tokens=16"],
+                               ("kernels.attention.block_k", "has no key blocks"),
+                               ("kernels.attention.block_k", "has no key blocks")),
+    "blocked_query_blocks_under_cp": case(("_kernels_attention", "_rl_sequences"), [*CP2, "gdn.chunk_size=32",
+                                                                 "kernels.attention.backend=blocked",
+                                                                 "kernels.attention.block_q=16"],
+                                          ("kernels.attention.block_q", "under context parallelism (mesh.context=2)"),
+                                          ("kernels.attention.block_q", "under context parallelism (mesh.context=2)")),
+    "query_block_vs_rows": case("_kernels_attention", ["kernels.attention.block_q=48", "rl.max_new_tokens=32"],
+                                ("kernels.attention.block_q", "e.g. kernels.attention.block_q=")),
+    "no_default_block_fits": case("_kernels_attention", ["kernels.attention.backend=pallas_gpu", "train.seq_len=200",
+                                                         "rl.max_new_tokens=16"],
+                                  ("kernels.attention.backend", "pallas_gpu has no block_q that tiles the 200"),
+                                  ("kernels.attention.backend", "pallas_gpu has no block_k that tiles the 200"), **GPU),
+    "attention_backend_vs_platform": case("_kernels_attention", ["kernels.attention.backend=pallas_tpu"],
+                                          ("kernels.attention.backend", "cannot run on this platform (cpu)")),
+    "attention_head_dim_on_gpu": case("_kernels_attention", ["kernels.attention.backend=pallas_gpu", "model.head_dim=24",
+                                                                "rl.max_new_tokens=16"],
+                                      ("kernels.attention.backend", "model.head_dim=24 must be a power of two"), **GPU),
+    # routing replay
+    "replay_with_a_lever": case("_moe_routing_replay", ["moe.routing_replay=true", "moe.router_grad_from_wo_input=true"],
+                                ("moe.router_grad_from_wo_input", "turn this lever off")),
+    "replay_with_buffers": case(("_moe_routing_replay", "_moe_capacity_factor"),
+                                ["moe.routing_replay=true", "moe.capacity_factor=1.0"],
+                                ("moe.capacity_factor", "is dropless only"), ("moe.capacity_factor", "dropless MoE only")),
+    "replay_on_pallas": case("_moe_routing_replay", ["moe.routing_replay=true", "kernels.gmm.backend=pallas_tpu",
+                                                     "kernels.interpret=true"],
+                             ("kernels.gmm.backend", "runs the xla grouped matmul")),
+    "replay_with_the_ring": case("_moe_routing_replay", ["moe.routing_replay=true", "mesh.expert=2"],
+                                 ("mesh.expert", "does not run the ring of experts")),
+    # GDN
+    "gdn_chunks_vs_context_ranks": case("_gdn_context_parallel", [*CP2], ("gdn.chunk_size", "whole chunks on every "
+                                                                          "context rank")),
+    "cp_scan_everything_unmet": case("_gdn_context_parallel", [*ATTENTION_ONLY, "gdn.chunk_size=32", "gdn.cp_m_scan=true"],
+                                     ("gdn.cp_m_scan", "needs GDN layers (model.layer_pattern has none); needs "
+                                      "sequence-sharded GDN context parallelism (mesh.context > 1); needs "
+                                      "gdn.chunk_size=64 (got 32)")),
+    "gdn_pallas_gpu_on_cpu": case("_kernels_gdn_backend", ["kernels.gdn.backend=pallas_gpu", "gdn.chunk_size=8"],
+                                  ("kernels.gdn.backend", "cannot run on this platform (cpu); use xla, or "
+                                   "kernels.interpret=true to run the Pallas kernel interpreted; needs gdn.chunk_size "
+                                   "a power of two >= 16 on GPU (got 8)")),
+    "gdn_pallas_tpu_chunk_1": case("_kernels_gdn_backend", ["kernels.gdn.backend=pallas_tpu", "gdn.chunk_size=1",
+                                                            "kernels.attention.backend=xla"],
+                                   ("kernels.gdn.backend", "needs gdn.chunk_size >= 2 on TPU"), **TPU),
+    # fp8
+    "fp8_hoist_everything_unmet": case("_quant_fp8_fake_quant_hoist", ["quant.fp8_fake_quant_hoist=gather8",
+                                                                       "moe.impl=dense", "mesh.fsdp=1", "mesh.data=-1"],
+                                       ("quant.fp8_fake_quant_hoist", "needs quant.fp8_moe_fake_quant=true (it hoists "
+                                        "the fake quantization's absmax); gather8 needs moe.impl=sparse (the "
+                                        "grouped-matmul path); gather8 needs FSDP-sharded expert weights")),
+    "fp8_gmm_on_dense": case("_quant_fp8_gmm", ["quant.fp8_gmm=true", "moe.impl=dense"],
+                             ("quant.fp8_gmm", "needs moe.impl=sparse")),
+    "fp8_gmm_with_replay": case("_quant_fp8_gmm", ["quant.fp8_gmm=true", "moe.routing_replay=true"],
+                                ("quant.fp8_gmm", "moe.routing_replay runs the default (unquantized) MoE program")),
+    "fp8_gmm_on_pallas": case("_quant_fp8_gmm", ["quant.fp8_gmm=true", "kernels.gmm.backend=pallas_tpu",
+                                                 "kernels.interpret=true"],
+                              ("quant.fp8_gmm", "kernels.gmm.backend=pallas_tpu has no fp8 grouped matmul")),
+    # on-chip memory
+    "vmem_limit_over_a_core": case("_kernels_vmem", ["kernels.gmm.vmem_limit_mib=1000"],
+                                   ("kernels.gmm.vmem_limit_mib", "1000.0 MiB is more than a TPU core's")),
+    # the rl command's own rules (check_rl_requirements)
+    "prompt_len_vs_context_ranks": case("_rl_sequences", [*CP2, "gdn.chunk_size=4", "rl.max_prompt_len=7",
+                                                          "rl.max_new_tokens=9"],
+                                        ("rl.max_prompt_len", "e.g. rl.max_prompt_len=8")),
+    "rl_rows_vs_context_chunks": case("_rl_sequences", [*CP2, "gdn.chunk_size=4", "rl.max_prompt_len=8",
+                                                        "rl.max_new_tokens=3"],
+                                      ("rl.max_new_tokens", "must be a multiple of 8")),
+    "rl_rows_vs_token_chunks": case("_rl_sequences", ["moe.token_chunks=2", "rl.max_new_tokens=7"],
+                                    ("rl.max_new_tokens", "moe.token_chunks=2 does not divide the 23 tokens of a GRPO row")),
+    "rl_rows_vs_query_block": case("_rl_sequences", ["kernels.attention.block_q=16"],
+                                   ("kernels.attention.block_q", "rl.max_prompt_len + rl.max_new_tokens = 24")),
+    "rl_buffers": case("_moe_capacity_factor", ["moe.capacity_factor=1.0"], ("moe.capacity_factor", "dropless MoE only")),
+}
+
+
+def unchecked_config(overrides) -> object:
+    """The tiny recipe with `overrides`, field checks applied but no rule run."""
+    real = load_module.check_requirements
+    load_module.check_requirements = lambda cfg, **kw: None
+    try:
+        return load_config("tiny", list(overrides))
+    finally:
+        load_module.check_requirements = real
+
+
+def problems_by_rule(cfg, facts: dict) -> dict[str, list]:
+    f = validate.Facts(**facts)
+    return {r.__name__: r(cfg, f) for r in (*validate.RULES, *validate.RL_RULES)}
+
+
+def _assert_problems(got: list, want: tuple) -> None:
+    assert len(got) == len(want), (got, want)
+    for key, fragment in want:
+        assert any(k == key and fragment in m for k, m in got), f"no problem ({key}, ...{fragment}...) in {got}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_rule_refuses_its_case_naming_the_keys(name):
+    c = CASES[name]
+    cfg = unchecked_config(c.overrides)
+    fired = {rule: p for rule, p in problems_by_rule(cfg, c.facts).items() if p}
+    assert sorted(fired) == sorted(c.rules), f"rules that reported: {fired}"
+    _assert_problems([p for rule in c.rules for p in fired[rule]], c.problems)
+    # The callers raise one ConfigError with those problems: the loaders and set-up (every rule of
+    # RULES), the rl command (RL_RULES, after them).
+    load = [p for r in validate.RULES if r.__name__ in fired for p in fired[r.__name__]]
+    rl = [p for r in validate.RL_RULES if r.__name__ in fired for p in fired[r.__name__]]
+    if load:
+        with pytest.raises(ConfigError) as e:
+            if c.facts.get("devices") or c.facts.get("checkpoint_model"):
+                validate.check_requirements(cfg, **c.facts)  # set-up's pass, --init-hf's
+            else:
+                load_config("tiny", list(c.overrides), platform=c.facts.get("platform"))
+        assert e.value.problems == load
+    else:
+        validate.check_requirements(cfg, **c.facts)
+    if rl:
+        with pytest.raises(ConfigError) as e:
+            validate.check_rl_requirements(cfg, **{k: v for k, v in c.facts.items() if k != "checkpoint_model"})
+        assert e.value.problems == rl
+    else:
+        validate.check_rl_requirements(cfg, **{k: v for k, v in c.facts.items() if k != "checkpoint_model"})
+
+
+def test_every_rule_has_a_refusal_case():
+    """A rule registered without a case here fails; so does a case whose rule is gone."""
+    registered = {r.__name__ for r in (*validate.RULES, *validate.RL_RULES)}
+    covered = {rule for c in CASES.values() for rule in c.rules}
+    assert registered - covered == set(), f"rules without a refusal case: {sorted(registered - covered)}"
+    assert covered - registered == set(), f"cases of rules no longer registered: {sorted(covered - registered)}"
+
+
+def _problem_sites() -> dict[int, str]:
+    """{line: source} of every statement of validate.py that reports a problem: an append to the
+    problem lists the rules build (out, unmet, problems) and a returned non-empty list."""
+    path = Path(inspect.getsourcefile(validate))
+    source = path.read_text()
+    lines = source.splitlines()
+    sites = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            f = node.value.func
+            if isinstance(f, ast.Attribute) and f.attr == "append" and isinstance(f.value, ast.Name) \
+                    and f.value.id in ("out", "unmet", "problems"):
+                sites[node.lineno] = lines[node.lineno - 1].strip()
+        elif isinstance(node, ast.Return) and node.value is not None:
+            value = node.value.body if isinstance(node.value, ast.IfExp) else node.value
+            if (isinstance(value, ast.List) and value.elts) or isinstance(value, ast.ListComp):
+                sites[node.lineno] = lines[node.lineno - 1].strip()
+    return sites
+
+
+def test_every_problem_a_rule_can_report_has_a_refusal_case():
+    """Each statement of validate.py that reports a problem runs in some case of the table: a
+    check added to a rule without its refusal case fails here."""
+    sites = _problem_sites()
+    assert len(sites) > 80, len(sites)  # the walk finds the statements (94 when written)
+    path = inspect.getsourcefile(validate)
+    reached: set[int] = set()
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != path:
+            return None
+        if event == "line":
+            reached.add(frame.f_lineno)
+        return tracer
+
+    rules = {r.__name__: r for r in (*validate.RULES, *validate.RL_RULES)}
+    for c in CASES.values():
+        cfg = unchecked_config(c.overrides)
+        f = validate.Facts(**c.facts)
+        sys.settrace(tracer)
+        try:
+            for name in c.rules:
+                rules[name](cfg, f)
+        finally:
+            sys.settrace(None)
+    missing = {line: text for line, text in sorted(sites.items()) if line not in reached}
+    assert not missing, "problems no case reaches:\n" + "\n".join(f"  validate.py:{k}: {v}" for k, v in missing.items())
