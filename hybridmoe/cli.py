@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from hybridmoe.analysis.hardware import MAKERS
 from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config, split_args
 
@@ -191,7 +192,7 @@ def cmd_bench(args, words):
     cfg = _config(words)
     from hybridmoe.tools.bench import format_table, parse_arm, run_bench
     arms = [parse_arm(a) for a in (args.arm or ["control"])]
-    results = run_bench(recipe, overrides, arms, max(cfg.bench.steps, 2))
+    results = run_bench(recipe, overrides, arms, cfg.bench.steps, estimate_for=args.estimate_for)
     print(format_table(results))
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record
@@ -446,17 +447,21 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- train recipe=tiny ...")
         if name == "bench":
             p.add_argument("--arm", action="append", help="NAME or NAME:section.key=value,... (repeatable)")
+            p.add_argument("--estimate-for", choices=tuple(MAKERS), default=None,
+                           help="the step-time model's estimate of each arm on this hardware, beside its measured time "
+                           "(default: the device's own generation; none on a CPU unless named)")
             p.add_argument("--out", help="write the JSON record here")
         if name == "inspect":
             p.add_argument("--target", help="cpu:N (simulated CPU devices) or a TPU topology, e.g. tpu7x:2x2x1, "
                            "v5p:4x4x4 (compile-only devices; needs libtpu)")
             p.add_argument("--compare", nargs="*", metavar="OVERRIDE",
                            help="a second program: the same words plus these overrides, shown side by side")
-            p.add_argument("--estimate-for", choices=("tpu7x", "h100", "h200"), default=None,
+            p.add_argument("--estimate-for", choices=tuple(MAKERS), default=None,
                            help="estimate the step's time on this hardware from the compiled program (default: "
-                           "the TPU target's generation; none for a CPU target unless named)")
+                           "the TPU target's generation, or this host's own accelerator; none for a CPU unless named)")
             p.add_argument("--grid-step-us", type=float, default=None,
-                           help="the estimate's fixed cost per Pallas grid step in microseconds (default 0.35)")
+                           help="the estimate's fixed cost per Pallas grid step in microseconds (default: the "
+                           "chip's measured one where `hybridmoe calibrate` ran on its generation, else 0.35)")
             p.add_argument("--program", choices=("train", "grpo", "sample"), default="train",
                            help="train: the supervised step; grpo: one GRPO update (rl.* rows and micro-batches, "
                            "pi_old, the reference policy); sample: the rollout sampler (prefill + decode loop)")

@@ -4,8 +4,10 @@ Nothing here runs the step. The model reads the program the compiler made (`comp
 takes each instruction's FLOPs, bytes, Pallas grid steps and collective wire bytes as
 analysis/hlo_cost.py counts them (loops' trip counts applied), and charges it the larger of its
 compute time (FLOPs over the bf16 or fp8 peak) and its memory time (bytes over HBM bandwidth), plus
-a fixed cost per Pallas grid step; a collective costs its wire bytes over the device's link
-bandwidth.
+a fixed cost per Pallas grid step and per launched op; a collective costs its wire bytes over the
+device's link bandwidth. On a generation a chip has calibrated (analysis/hardware.py), the rates and
+fixed costs are the chip's measured ones, and each Pallas kernel's time is scaled by the ratio of its
+measured time to the model's at the calibration shapes.
 
 Totals: `serial_s` adds the collectives to the compute; `overlapped_s` assumes every collective
 hides under compute (the larger of the two sums). Both are printed; the truth lies between them
@@ -18,76 +20,13 @@ import dataclasses
 from collections import defaultdict
 
 from hybridmoe.analysis.flops import designed_flops_per_device, model_flops_per_device
+from hybridmoe.analysis.hardware import (ASSUMED_GRID_STEP_S, MAKERS, Hardware, generation_of_device,  # noqa: F401
+                                         hardware_for)
 from hybridmoe.analysis.hlo_cost import CATEGORIES, Estimator
 
-# ---------------------------------------------------------------------------------------------
-# Hardware: per-chip figures as their makers publish them; per device = per chip / devices per chip.
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    name: str
-    devices_per_chip: int        # JAX devices on one chip (a TPU7x chip shows two)
-    bf16_flops_chip: float       # dense peak, FLOP/s
-    fp8_flops_chip: float
-    hbm_bytes_per_s_chip: float
-    hbm_bytes_chip: float
-    vmem_bytes_device: float     # on-core scratchpad per device (GPU: shared memory per SM)
-    link_bytes_per_s_chip: float  # chip-to-chip interconnect, all links, one direction
-    grid_step_s: float           # fixed cost of one Pallas grid step (see below)
-
-    def per_device(self, value: float) -> float:
-        return value / self.devices_per_chip
-
-    @property
-    def bf16_flops(self) -> float:
-        return self.per_device(self.bf16_flops_chip)
-
-    @property
-    def fp8_flops(self) -> float:
-        return self.per_device(self.fp8_flops_chip)
-
-    @property
-    def hbm_bytes_per_s(self) -> float:
-        return self.per_device(self.hbm_bytes_per_s_chip)
-
-    @property
-    def link_bytes_per_s(self) -> float:
-        return self.per_device(self.link_bytes_per_s_chip)
-
-
-T, G = 1e12, 1e9
-# The fixed cost of one Pallas TPU grid step (the pipeline's DMA issue and bookkeeping, with no work
-# in the step): an assumed constant, not measured (no TPU here). The Pallas TPU guides say each
-# step has a fixed cost that small blocks cannot amortise but give no figure we could check;
-# 0.35 us is the figure Pallas kernel authors quote. `estimate(..., grid_step_s=)` and
-# `--grid-step-us` take another. Triton launches whole programs: no per-step cost on the GPUs.
-PALLAS_TPU_GRID_STEP_S = 0.35e-6
-
-HARDWARE = {
-    # Google Cloud TPU documentation, "TPU7x (Ironwood)", system architecture table: per chip 2,307
-    # TFLOP/s bf16, 4,614 fp8, 192 GiB HBM at 7,380 GB/s, bidirectional ICI 1,200 GB/s (600 each
-    # way), two TensorCores per chip (two JAX devices). VMEM 64 MiB per TensorCore: JAX's Pallas
-    # TPU hardware table (pltpu.TpuInfo for TPU7x).
-    "tpu7x": Hardware("tpu7x", 2, 2307 * T, 4614 * T, 7380 * G, 192 * 2**30, 64 * 2**20, 600 * G,
-                      PALLAS_TPU_GRID_STEP_S),
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s bf16 dense (1,979 with sparsity),
-    # 1,979 fp8 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional (450 each way);
-    # 228 KB shared memory per SM (NVIDIA Hopper tuning guide) in the VMEM column.
-    "h100": Hardware("h100", 1, 989 * T, 1979 * T, 3350 * G, 80e9, 228 * 1024, 450 * G, 0.0),
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM): the H100's compute (same GH100 die), 141 GB HBM3e
-    # at 4.8 TB/s, NVLink 900 GB/s bidirectional.
-    "h200": Hardware("h200", 1, 989 * T, 1979 * T, 4800 * G, 141e9, 228 * 1024, 450 * G, 0.0),
-}
-
-
-def hardware_for(target: str) -> Hardware:
-    """The table's row of a target name: "tpu7x:2x2x1" -> tpu7x, "h200" / "gpu:h200" -> h200."""
-    gen = target.split(":")[-1] if target.startswith("gpu:") else target.split(":")[0]
-    if gen not in HARDWARE:
-        raise ValueError(f"no hardware figures for target {target!r}; known: {', '.join(HARDWARE)} "
-                         "(estimate a CPU compile against one with --estimate-for NAME)")
-    return HARDWARE[gen]
+# Hardware rows (the makers' figures, a chip's measurements over them): analysis/hardware.py.
+HARDWARE = MAKERS
+PALLAS_TPU_GRID_STEP_S = ASSUMED_GRID_STEP_S
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +57,7 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
         compute = c.flops / (hw.fp8_flops if c.fp8 else hw.bf16_flops)
         memory = c.bytes / hw.hbm_bytes_per_s
         grid = c.grid_steps * hw.grid_step_s
-        s = max(compute, memory) + grid
+        s = (max(compute, memory) + grid) * (hw.kernel_factor(c.kernel) if c.kernel else 1.0) + hw.op_overhead_s
         row["s"] += s * k
         row["compute_s"] += compute * k
         row["memory_s"] += memory * k
@@ -184,11 +123,15 @@ def format_estimate(e: dict, reference: dict | None = None) -> str:
         lines.append(f"  collective {kind:<20}{r['wire_bytes'] / 2**30:>9.3g} GiB sent per device  {r['s']:.4g} s")
     for name, r in sorted(e["kernels"].items(), key=lambda kv: -kv[1]["s"]):
         lines.append(f"  Pallas {name:<28}{r['calls']:>8.0f} calls {r['grid_steps']:>12,.0f} grid steps  {r['s']:.4g} s")
-    lines.append(f"  assumptions: peak bf16 {hw['bf16_flops_chip'] / hw['devices_per_chip'] / 1e12:.0f} TFLOP/s, "
+    measured = hw.get("measured")
+    source = (f"measured on {measured['device']} at {measured['commit'][:10]} (hybridmoe calibrate)" if measured
+              else "the maker's figures")
+    lines.append(f"  assumptions ({source}): bf16 {hw['bf16_flops_chip'] / hw['devices_per_chip'] / 1e12:.0f} TFLOP/s, "
                  f"HBM {hw['hbm_bytes_per_s_chip'] / hw['devices_per_chip'] / 1e9:.0f} GB/s, links "
                  f"{hw['link_bytes_per_s_chip'] / hw['devices_per_chip'] / 1e9:.0f} GB/s per device; "
-                 f"{hw['grid_step_s'] * 1e6:.2f} us per Pallas grid step; a conditional costs its heaviest branch; "
-                 "elementwise work hides under memory time")
+                 f"{hw['grid_step_s'] * 1e6:.2f} us per Pallas grid step, {hw['op_overhead_s'] * 1e6:.2f} us per op"
+                 f"{'; Pallas kernels scaled by their measured/modelled time' if hw['kernel_factors'] else ''}; "
+                 "a conditional costs its heaviest branch; elementwise work hides under memory time")
     if e["kernels_without_cost_estimate"]:
         lines.append(f"  Pallas kernels without a cost estimate (counted as memory only): "
                      f"{', '.join(e['kernels_without_cost_estimate'])}")
@@ -216,10 +159,13 @@ def tokens_per_step(cfg, program_name: str) -> int | None:
     return None
 
 
-def default_hardware(target_name: str) -> str | None:
-    """The table's row for a target ("tpu7x:4x4x8" -> tpu7x); None for one the table lacks (cpu:N)."""
-    gen = target_name.split(":")[0]
-    return gen if gen in HARDWARE else None
+def default_hardware(target) -> str | None:
+    """The table's row for a target: a TPU topology's generation ("tpu7x:4x4x8" -> tpu7x), or the
+    host's own accelerator by its device kind ("tpu:1" on a v5e host -> v5e); None for a CPU."""
+    gen = target.name.split(":")[0]
+    if gen in HARDWARE:
+        return gen
+    return generation_of_device(target.devices[0]) if target.devices else None
 
 
 def estimate_step(step, hardware: str | None = None, *, recipe: str | None = None,
@@ -227,7 +173,7 @@ def estimate_step(step, hardware: str | None = None, *, recipe: str | None = Non
     """The estimate of a compiled step (train_program.CompiledStep) on `hardware` (a HARDWARE key;
     default the target's generation). None when there is no program (refused for memory), no
     token count (the sampler) or no hardware row."""
-    name = hardware or default_hardware(step.target.name)
+    name = hardware or default_hardware(step.target)
     tokens = tokens_per_step(step.cfg, step.program_name)
     if step.program is None or tokens is None or name is None:
         return None

@@ -37,7 +37,12 @@ GIB = 2**30
 # HBM per chip in GiB (Google Cloud TPU documentation, "TPU7x (Ironwood)" system architecture
 # table: v5p 95, v6e 32, TPU7x 192; v5e 16, v4 32 from the v5e and v4 pages). A chip's HBM is
 # shared by the JAX devices on it (a TPU7x chip shows two); per device = chip / devices per chip.
-HBM_GIB_PER_CHIP = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32, "tpu7x": 192}
+HBM_GIB_PER_CHIP = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "tpu7x": 192}
+# What a topology name looks like: libtpu describes whole hosts of 2x2x1 chips, so one chip alone
+# ("v5e:1x1") is no topology it compiles for; a one-chip program is inspected on that chip's host.
+TOPOLOGY_FORMS = ("use GEN:AxB for v5e and v6e or GEN:AxBxC for v4, v5p and tpu7x, whole hosts of 2x2x1 chips "
+                  "(e.g. v5e:2x2, v5e:4x4, v6e:2x2, v5p:2x2x1, tpu7x:2x2x1); for one chip, run inspect without "
+                  "--target on its host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +70,8 @@ def parse_target(name: str) -> tuple[str, int | None]:
         return "cpu", int(n)
     m = _TOPOLOGY.match(name)
     if not m or m.group(1) not in HBM_GIB_PER_CHIP:
-        raise ValueError(f"target {name!r}: use cpu:N or a TPU topology GEN:AxBxC with GEN one of "
-                         f"{', '.join(sorted(HBM_GIB_PER_CHIP))} (e.g. tpu7x:2x2x1, v5p:4x4x4)")
+        raise ValueError(f"target {name!r}: use cpu:N, or a TPU topology with GEN one of "
+                         f"{', '.join(sorted(HBM_GIB_PER_CHIP))}: {TOPOLOGY_FORMS}")
     return "tpu", None
 
 
@@ -83,7 +88,11 @@ def tpu_target(name: str) -> Target:
     # that probes for a TPU backend takes it. Compile-only devices never touch a chip, so this
     # process shares libtpu instead of failing on that lock.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    topo = topologies.get_topology_desc(name, platform="tpu")
+    try:
+        topo = topologies.get_topology_desc(name, platform="tpu")
+    except jax.errors.JaxRuntimeError as e:
+        reason = str(e).strip().splitlines()[0].removeprefix("INVALID_ARGUMENT: ")
+        raise ValueError(f"target {name!r}: the TPU compiler refuses this topology ({reason}); {TOPOLOGY_FORMS}") from None
     gen, shape = _TOPOLOGY.match(name).groups()
     chips = math.prod(int(s) for s in shape.split("x"))
     per_chip = len(topo.devices) // chips or 1
