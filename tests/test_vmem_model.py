@@ -262,8 +262,9 @@ def test_per_kernel_keys_need_explicit_tiling_and_fused_rules():
 
 def test_vmem_limit_above_the_core_is_refused():
     with pytest.raises(ConfigError) as err:
-        load_config("tiny", ["kernels.attention.vmem_limit_mib=100"])
-    assert "kernels.attention.vmem_limit_mib" in str(err.value) and "64 MiB" in str(err.value)
+        load_config("tiny", ["kernels.attention.vmem_limit_mib=129"])
+    assert "kernels.attention.vmem_limit_mib" in str(err.value) and "v5e 128" in str(err.value)
+    load_config("tiny", ["kernels.attention.vmem_limit_mib=128"])  # a v5e or v6e core holds it
 
 
 def test_describe_lists_each_kernels_resolved_tiles_and_vmem():
@@ -308,3 +309,16 @@ def test_a_kernel_the_compiler_refuses_is_named_with_its_own_tile_keys():
     msg = str(_vmem_refusal(RuntimeError("CompileTimeScopedVmemOom\n  %wi_fused_swiglu_fwd = ..."), cfg))
     assert "kernels.gmm.wi_fwd_tk=4096" in msg and "wo_dlhs" not in msg, msg
     assert _vmem_refusal(RuntimeError("some other error"), cfg) is None
+
+
+def test_auto_limit_asks_for_a_need_past_the_smallest_default():
+    from hybridmoe.kernels.vmem import auto_limit_mib, tpu_limit_bytes
+
+    # Within v5e's 16 MiB default: the compiler's default (0, no limit asked).
+    assert auto_limit_mib(16 * MIB) == 0.0 and tpu_limit_bytes(0.0, 10 * MIB) is None
+    # Past it: need x 1.25 + 4 MiB, rounded up to a whole MiB: 16 MiB + 1 byte -> 24; 30 -> 41.5 -> 42.
+    assert auto_limit_mib(16 * MIB + 1) == 25.0 - 1.0 and auto_limit_mib(30 * MIB) == 42.0
+    # At most 48 MiB (three quarters of a 64 MiB core): 40 MiB -> 54 -> 48.
+    assert auto_limit_mib(40 * MIB) == 48.0
+    assert tpu_limit_bytes(0.0, 30 * MIB) == 42 * MIB and tpu_limit_bytes(20.0, 30 * MIB) == 20 * MIB
+    assert tpu_limit_bytes(0.0) is None  # a kernel that states no need keeps the compiler's default

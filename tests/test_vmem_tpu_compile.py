@@ -49,3 +49,40 @@ def test_broken_vmem_model_disagrees_with_the_compiler(device, monkeypatch, vari
     wrong = [(k, t) for k, t in vmem_sweep.POINTS
              if _compiler_verdict(k, t)[0] != vmem_sweep.model_verdict(k, t, vmem_sweep.LIMIT_MIB)]
     assert wrong, variant
+
+
+def test_auto_limit_raises_v5e_default_for_large_flash_blocks():
+    """A v5e's compiler gives a kernel 16 MiB of scoped VMEM unless it asks for more. Qwen3.5's attention
+    (8 query heads per kv head, head dim 256) at 512 x 512 blocks needs about twice that: under `auto`
+    (vmem_limit_mib 0) each flash kernel asks for its need and the forward and backward compile for a
+    v5e; at a limit of 16 set by hand the compiler refuses, and the validator refuses it first, at load,
+    naming the key."""
+    import jax
+    import jax.numpy as jnp
+
+    from hybridmoe.config import ConfigError
+    from hybridmoe.kernels.attention import ops
+    from hybridmoe.recipe import load_config
+    from hybridmoe.tools.train_program import tpu_target
+    from tests.tpu_target import compile_abstract, spec
+
+    dev = tpu_target("v5e:2x2").devices[0]
+    T = 1024
+    q, kv = spec((1, T, 16, 256), jnp.bfloat16, dev), spec((1, T, 2, 256), jnp.bfloat16, dev)
+    pos = spec((1, T), jnp.int32, dev)
+
+    def grads(limit_mib):
+        def loss(q, k, v, p):
+            o = ops.flash_attention(q, k, v, q_pos_BT=p, kv_pos_BS=p, scale=0.0625, backend="pallas_tpu",
+                                    block_q=512, block_k=512, vmem_limit_mib=limit_mib)
+            return o.astype(jnp.float32).sum()
+        return compile_abstract(jax.grad(loss, (0, 1, 2)), q, kv, kv, pos)
+
+    assert "flash_attention_dq" in grads(0.0).hlo_text
+    with pytest.raises(Exception, match="(?i)vmem"):
+        grads(16.0)
+    blocks = ["kernels.attention.block_q=512", "kernels.attention.block_k=512"]
+    load_config("qwen3.5-35b-a3b-v5e-1", blocks, platform="tpu")
+    with pytest.raises(ConfigError, match="kernels.attention.vmem_limit_mib") as err:
+        load_config("qwen3.5-35b-a3b-v5e-1", [*blocks, "kernels.attention.vmem_limit_mib=16"], platform="tpu")
+    assert "flash_attention_forward needs 29.53 MiB" in str(err.value), str(err.value)

@@ -192,7 +192,7 @@ class GmmKernelConfig(Section):
         0, description="Fused up-projection forward: the weight operand's pipeline depth (0 = kernel default, "
         "2 on Mosaic TPU; 1 frees the VMEM of one weight block)."
     )
-    vmem_limit_mib: float = Field(0.0, ge=0, description="Mosaic TPU scoped VMEM limit of the grouped matmuls in MiB (0 = the compiler's 32).")
+    vmem_limit_mib: float = Field(0.0, ge=0, description="Mosaic TPU scoped VMEM limit of the grouped matmuls in MiB (0 = auto: the compiler's default where the kernel fits it, else its need, up to 48; kernels/vmem.py).")
     epilogue: Literal["float32", "match_unfused"] = Field(
         "float32", description="Fused epilogues: float32 (real), or match_unfused (rounds where the unfused path does; exactness proofs)."
     )
@@ -234,7 +234,7 @@ class AttentionKernelConfig(Section):
                          "length); 0 = the backend's default (xla 256, pallas_tpu 128, pallas_gpu 64) fitted to the local length.")
     block_k: int = Field(0, ge=0, description="Key tokens per block (flash backends); 0 = the backend's default "
                          "(xla 256, pallas_tpu 512, pallas_gpu 64) fitted to the key length.")
-    vmem_limit_mib: float = Field(0.0, ge=0, description="Mosaic TPU scoped VMEM limit of the flash kernels in MiB (0 = the compiler's 32).")
+    vmem_limit_mib: float = Field(0.0, ge=0, description="Mosaic TPU scoped VMEM limit of the flash kernels in MiB (0 = auto: the compiler's default where the kernel fits it, else its need, up to 48; kernels/vmem.py).")
 
 
 class LogprobsKernelConfig(Section):
@@ -459,7 +459,7 @@ class RunConfig(Section):
 
 
 class BenchConfig(Section):
-    steps: int = Field(5, ge=2, description="Timed steps per arm (the first compiles and is not averaged).")
+    steps: int = Field(5, ge=2, description="Timed steps per arm, split over two visits of the arm (each visit runs one untimed step first).")
 
 
 class Config(Section):

@@ -6,7 +6,14 @@ or the pipeline depth where a BlockSpec sets one), its scratch (once), and the f
 body spills (the compiler keeps what does not fit the vector registers in the same scoped stack).
 Blocks are laid out in (sublane, 128-lane) tiles: the last dim rounds up to 128 and the one before
 to 8 x (4 / itemsize) rows (8 for 32-bit, 16 for bf16, 32 for 8-bit). The compiler's limit is the
-kernel's vmem_limit_bytes, or its default of 32 MiB on tpu7x (of a core's 64 MiB).
+kernel's vmem_limit_bytes, or its default, which depends on the generation: 16 MiB on v5e and v5p,
+32 on v6e and tpu7x (of a core's 128, 64, 128 and 64 MiB). A v5e refused flash attention at
+512 x 512 blocks (32 MiB) under its default, where a tpu7x compiled it.
+
+A kernel's limit key at 0 (`auto`) therefore asks for its need when the need passes the smallest
+default: the need plus a margin for what the model does not count, up to AUTO_LIMIT_CAP_MIB, which
+every supported generation's core holds. A need past that cap is refused at load (recipe/validate.py)
+naming the key; a limit set by hand is the kernel's, checked against the need the same way.
 
 Triton (GPU shared memory): each pipeline stage holds one copy of the blocks a program loads in its
 loop; num_stages copies against the GPU's per-block shared-memory limit.
@@ -23,9 +30,25 @@ import math
 
 MIB = 2**20
 LANE = 128
-# Mosaic's scoped VMEM limit when a kernel sets none (tpu7x: 32 MiB of the core's 64 MiB).
-TPU_DEFAULT_LIMIT_MIB = 32.0
-TPU_VMEM_MIB = 64.0
+# Mosaic's scoped VMEM limit when a kernel sets none, and a core's VMEM, per generation (the
+# defaults: JAX's Pallas TPU guide; the VMEM: its hardware table, pallas/mosaic/tpu_info.py).
+TPU_DEFAULT_LIMIT_MIB_BY_GENERATION = {"v5e": 16.0, "v5p": 16.0, "v6e": 32.0, "tpu7x": 32.0}
+TPU_VMEM_MIB_BY_GENERATION = {"v5e": 128.0, "v5p": 64.0, "v6e": 128.0, "tpu7x": 64.0}
+# A kernel without a limit of its own fits every generation's default only within the smallest one.
+TPU_DEFAULT_LIMIT_MIB = min(TPU_DEFAULT_LIMIT_MIB_BY_GENERATION.values())
+# The most a limit may ask for: the largest core (a v5e or v6e); a generation's own is checked where
+# the generation is known.
+TPU_VMEM_MIB = max(TPU_VMEM_MIB_BY_GENERATION.values())
+# `auto` asks for at most this much: three quarters of the smallest core (v5p, tpu7x: 64 MiB), the
+# rest left to the compiler's internal scratch.
+AUTO_LIMIT_CAP_MIB = 0.75 * min(TPU_VMEM_MIB_BY_GENERATION.values())
+# What `auto` adds to a need (need x AUTO_MARGIN + AUTO_MARGIN_MIB): the model counts blocks, scratch
+# and the body's values as a sweep of small blocks on tpu7x measured them, but at large blocks the
+# compiler keeps more: flash attention's dq at 4,096 folded rows x 512 keys, head dim 256 (Qwen3.5's
+# attention at 512 x 512 blocks) needs 31.5 MiB on v5e where the model says 25.5
+# (tests/test_vmem_tpu_compile.py compiles it under auto's limit).
+AUTO_MARGIN = 1.25
+AUTO_MARGIN_MIB = 4.0
 # Shared memory one Triton program may use (H100 / H200: 227 KiB of the SM's 228).
 GPU_SHARED_LIMIT_BYTES = 227 * 1024
 
@@ -64,14 +87,27 @@ def tpu_bytes(buffers: list[Buffer]) -> int:
     return sum(b.tpu_bytes for b in buffers)
 
 
-def tpu_limit_mib(limit_mib: float) -> float:
-    """The scoped VMEM limit a kernel compiles under: the configured one, or the compiler's default."""
-    return limit_mib or TPU_DEFAULT_LIMIT_MIB
+def auto_limit_mib(need_bytes: int) -> float:
+    """`auto`'s limit for a need: 0 (the compiler's default) within the smallest default, else the
+    need with its margin in whole MiB, at most AUTO_LIMIT_CAP_MIB."""
+    if need_bytes <= TPU_DEFAULT_LIMIT_MIB * MIB:
+        return 0.0
+    return min(float(math.ceil(need_bytes * AUTO_MARGIN / MIB + AUTO_MARGIN_MIB)), AUTO_LIMIT_CAP_MIB)
 
 
-def tpu_limit_bytes(limit_mib: float) -> int | None:
-    """A kernel's vmem_limit_bytes compiler parameter (None = the compiler's default)."""
-    return int(limit_mib * MIB) or None
+def tpu_limit_mib(limit_mib: float, need_bytes: int | None = None) -> float:
+    """The scoped VMEM limit (MiB) a kernel compiles under: the configured one; at 0, `auto`'s for
+    its need (need_bytes), which is the smallest generation's default when the need fits it."""
+    if limit_mib:
+        return limit_mib
+    return (need_bytes is not None and auto_limit_mib(need_bytes)) or TPU_DEFAULT_LIMIT_MIB
+
+
+def tpu_limit_bytes(limit_mib: float, need_bytes: int | None = None) -> int | None:
+    """A kernel's vmem_limit_bytes compiler parameter: the configured limit, else `auto`'s for its
+    need (None: the compiler's default, where the need fits the smallest one)."""
+    mib_ = limit_mib or (auto_limit_mib(need_bytes) if need_bytes is not None else 0.0)
+    return int(mib_ * MIB) or None
 
 
 def mib(n_bytes: int) -> float:

@@ -54,11 +54,14 @@ def gdn_vmem_needs(cfg: Config) -> dict:
 # The validator's problems from those figures (recipe/validate.py's on-chip memory rule).
 
 def limit_problems(key: str, limit_mib: float) -> list[Problem]:
-    """A VMEM limit key set above what a TPU core has."""
-    from hybridmoe.kernels.vmem import TPU_VMEM_MIB
+    """A VMEM limit key set above what the largest TPU core has (v5e, v6e: 128 MiB; a v5p or tpu7x core
+    has 64, which its compiler enforces)."""
+    from hybridmoe.kernels.vmem import TPU_VMEM_MIB, TPU_VMEM_MIB_BY_GENERATION
 
     if limit_mib > TPU_VMEM_MIB:
-        return [(key, f"{limit_mib} MiB is more than a TPU core's {TPU_VMEM_MIB:.0f} MiB of VMEM")]
+        cores = ", ".join(f"{g} {m:.0f}" for g, m in TPU_VMEM_MIB_BY_GENERATION.items())
+        return [(key, f"{limit_mib} MiB is more than any TPU core's VMEM (MiB per core: {cores}); "
+                 "0 (auto) asks for what the kernel needs")]
     return []
 
 

@@ -155,8 +155,8 @@ def vmem_needs(limit_mib: float, **blocks) -> dict:
     default); blocks: tpu_buffers' keywords."""
     from hybridmoe.kernels.vmem import MIB, Need, tpu_bytes, tpu_limit_mib
 
-    limit = int(tpu_limit_mib(limit_mib) * MIB)
-    return {k: Need(k, tpu_bytes(tpu_buffers(k, **blocks)), limit) for k in KERNELS}
+    needs = {k: tpu_bytes(tpu_buffers(k, **blocks)) for k in KERNELS}
+    return {k: Need(k, need, int(tpu_limit_mib(limit_mib, need) * MIB)) for k, need in needs.items()}
 
 
 # Triton (pallas_gpu.py): a program loops over the blocks of its schedule, and the software pipeline

@@ -32,7 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.attention import flash_block as fb
 from hybridmoe.kernels.attention import limits
-from hybridmoe.kernels.vmem import tpu_limit_bytes
+from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 
 F32 = jnp.float32
 KERNEL_NAMES = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
@@ -186,13 +186,21 @@ def cost(kernel: str, B: int, G: int, R: int, T: int, S: int, A: int, block_q: i
 
 
 def _call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, interpret, cost_estimate=None,
-          vmem_limit_mib: float = 0.0):
+          vmem_limit_mib: float = 0.0, vmem_need_bytes: int | None = None):
     return pl.pallas_call(
         kernel, name=name, out_shape=out_shape, interpret=interpret, cost_estimate=cost_estimate,
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
                                                out_specs=out_specs, scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-                                             vmem_limit_bytes=tpu_limit_bytes(vmem_limit_mib)))
+                                             vmem_limit_bytes=tpu_limit_bytes(vmem_limit_mib, vmem_need_bytes)))
+
+
+def _vmem_need(name: str, q_BGRTA, block_q: int, block_k: int, grad_dtype=None) -> int:
+    """The kernel's VMEM need at its blocks (limits.tpu_buffers), which `auto` asks for."""
+    _, _, R, _, A = q_BGRTA.shape
+    return tpu_bytes(limits.tpu_buffers(name, block_q=block_q, block_k=block_k, group=R, head_dim=A,
+                                        itemsize=jnp.dtype(q_BGRTA.dtype).itemsize,
+                                        grad_itemsize=grad_dtype and jnp.dtype(grad_dtype).itemsize))
 
 
 def _check_blocks(block_q: int, block_k: int, T: int, S: int, interpret: bool):
@@ -226,7 +234,7 @@ def forward(q_BGRTA, k_BGSA, v_BGSA, q_pos_BT, q_seg_BT, kv_pos_BS, kv_seg_BS, *
     estimate = cost(KERNEL_NAMES[0], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize,
                     query_runs)
     o, lse = _call(kernel, KERNEL_NAMES[0], (B, G, nq, nk), in_specs, out_specs, out_shape, scratch, interpret,
-                   estimate, vmem_limit_mib)(
+                   estimate, vmem_limit_mib, _vmem_need(KERNEL_NAMES[0], q_BGRTA, block_q, block_k))(
         *fb.flat_schedule(by_q), q_BGRTA, k_BGSA, v_BGSA, q_ids, kv_ids)
     return o, fb.blocks_to_rows(lse[:, :, :, 0], R)
 
@@ -258,7 +266,7 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
                q_spec, jax.ShapeDtypeStruct(q_BGRTA.shape, dq_dtype), [pltpu.VMEM((rows, A), F32)], interpret,
                cost(KERNEL_NAMES[1], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize,
                     query_runs),
-               vmem_limit_mib)(
+               vmem_limit_mib, _vmem_need(KERNEL_NAMES[1], q_BGRTA, block_q, block_k, dq_dtype))(
         *fb.flat_schedule(by_q), *inputs)
 
     # dk, dv: outer key block j, inner the n-th query block of its schedule.
@@ -275,6 +283,6 @@ def backward(q_BGRTA, k_BGSA, v_BGSA, do_BGRTA, lse_BGRT, delta_BGRT, q_pos_BT, 
                    [pltpu.VMEM((block_k, A), F32), pltpu.VMEM((block_k, A), F32)], interpret,
                    cost(KERNEL_NAMES[2], B, G, R, T, S, A, block_q, block_k, jnp.dtype(q_BGRTA.dtype).itemsize,
                         query_runs),
-                   vmem_limit_mib)(
+                   vmem_limit_mib, _vmem_need(KERNEL_NAMES[2], q_BGRTA, block_q, block_k, dk_dtype))(
         *fb.flat_schedule(by_k), *inputs)
     return dq, dk, dv

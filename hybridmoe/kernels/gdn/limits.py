@@ -46,5 +46,5 @@ def vmem_needs(limit_mib: float = 0.0, **dims) -> dict:
     """Per GDN kernel, its VMEM need against the scoped limit (0 = the compiler's default)."""
     from hybridmoe.kernels.vmem import MIB, Need, tpu_bytes, tpu_limit_mib
 
-    limit = int(tpu_limit_mib(limit_mib) * MIB)
-    return {k: Need(k, tpu_bytes(tpu_buffers(k, **dims)), limit) for k in KERNELS}
+    needs = {k: tpu_bytes(tpu_buffers(k, **dims)) for k in KERNELS}
+    return {k: Need(k, need, int(tpu_limit_mib(limit_mib, need) * MIB)) for k, need in needs.items()}

@@ -18,14 +18,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gmm import epilogue, metadata
-from hybridmoe.kernels.gmm.tiling import Tiling, pick
+from hybridmoe.kernels.gmm.tiling import Tiling, pick, tpu_buffers
+from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 
 _ROW_TILED = ("parallel", "arbitrary", "arbitrary")
 
 
-def _params(t: Tiling, semantics=_ROW_TILED):
-    limit = int(t.vmem_limit_mib * 2**20) or None
-    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
+def _params(t: Tiling, buffers: list, semantics=_ROW_TILED):
+    """The kernel's compiler parameters: its VMEM limit is the configured one, or at 0 what its
+    buffers (tiling.tpu_buffers) need where that passes the compiler's default (kernels/vmem.py)."""
+    return pltpu.CompilerParams(dimension_semantics=semantics,
+                                vmem_limit_bytes=tpu_limit_bytes(t.vmem_limit_mib, tpu_bytes(buffers)))
 
 
 def _cost(flops: float, nbytes: float, transcendentals: float = 0) -> pl.CostEstimate:
@@ -112,7 +115,8 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
             out_specs=pl.BlockSpec((tm, tn), lambda ni, s, ki, lo, hi, grp, tile: (tile[s], ni)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
-        compiler_params=_params(t),
+        compiler_params=_params(t, tpu_buffers("gmm_t" if transpose_rhs else "gmm", tm=tm, tk=tk, tn=tn,
+                                               itemsize=_itemsize(lhs_MK), out_itemsize=jnp.dtype(out_dtype).itemsize)),
         interpret=interpret,
         name="gmm_t" if transpose_rhs else "gmm",
         # The local groups' rows through their weights, 2 m k n over the balanced local share;
@@ -190,7 +194,8 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
             out_specs=out_block,
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
-        compiler_params=_params(t),
+        compiler_params=_params(t, tpu_buffers("tgmm", tm=tm, tk=tk, tn=tn, itemsize=jnp.dtype(in_dtype).itemsize,
+                                               out_itemsize=jnp.dtype(out_dtype).itemsize, accumulate=accumulate)),
         interpret=interpret,
         name="tgmm",
         # The accumulator (operand 6, after the four scalar-prefetch arrays and the two row operands)
@@ -283,7 +288,8 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
             ),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tm, tn), jnp.float32)],
         ),
-        compiler_params=_params(t),
+        compiler_params=_params(t, tpu_buffers("wi_fused", tm=tm, tk=tk, tn=tn, itemsize=_itemsize(x_MD),
+                                               depth=rhs_buffer_count)),
         interpret=interpret,
         name=name,
         # x @ [gate | up]: 2 m d 2f over the local share of the rows, one sigmoid per h element;
@@ -358,7 +364,8 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
             out_specs=(pl.BlockSpec((tm, 2 * f), row_map), pl.BlockSpec((tm, 1), row_map)),
             scratch_shapes=[pltpu.VMEM((tm, f), jnp.float32)],
         ),
-        compiler_params=_params(t, ("arbitrary", "arbitrary")),
+        compiler_params=_params(t, tpu_buffers("wo_fused_dlhs", tm=tm, tk=tk, tn=f, f=f, itemsize=_itemsize(g_MD),
+                                               row_scale=has_scale, with_h=has_h), ("arbitrary", "arbitrary")),
         interpret=interpret,
         name="wo_fused_dswiglu_dlhs",
         # g @ wo^T: 2 m d f over the local share of the rows (the SwiGLU VJP epilogue is

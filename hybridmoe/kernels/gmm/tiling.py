@@ -44,8 +44,9 @@ class Tiling:
     kernel (TPU: BlockSpec buffer count; GPU: the pipeline's stage count). 0 = kernel default.
     The TPU grid pipeline of JAX 0.10.2 accepts only 1 or 2 buffers (depth 3 is refused at
     lowering; benchmarks/records/gmm_vmem.json).
-    vmem_limit_mib: the Mosaic kernels' scoped VMEM limit; 0 = the compiler default (32 MiB on
-    tpu7x, which the upstream tile does not fit).
+    vmem_limit_mib: the Mosaic kernels' scoped VMEM limit; 0 = auto (kernels/vmem.py: the
+    compiler's default where a kernel fits it, else its need up to 48 MiB, which the upstream tile
+    does not fit).
     """
 
     tm: int = 128
@@ -303,7 +304,7 @@ def resolved_tiles(buffers: list[Buffer]) -> tuple[int, int, int]:
 
 def vmem_needs(limit_mib: float, **layer) -> dict[str, Need]:
     """Per grouped matmul of the MoE layer, its VMEM need (bytes) against the scoped limit it
-    compiles under (limit_mib, 0 = the compiler's default); layer: layer_kernels' arguments."""
-    limit = int(tpu_limit_mib(limit_mib) * MIB)
-    return {name: Need(f"{name} ({pallas})", tpu_bytes(buffers), limit)
-            for name, (pallas, buffers) in layer_kernels(**layer).items()}
+    compiles under (limit_mib; 0 = auto: kernels/vmem.py); layer: layer_kernels' arguments."""
+    needs = {name: (pallas, tpu_bytes(buffers)) for name, (pallas, buffers) in layer_kernels(**layer).items()}
+    return {name: Need(f"{name} ({pallas})", need, int(tpu_limit_mib(limit_mib, need) * MIB))
+            for name, (pallas, need) in needs.items()}
