@@ -56,13 +56,18 @@ def test_bench_times_every_arm_interleaved_and_records_program_facts(tmp_path, c
     assert parse_arm("lever:moe.impl=dense,remat.policy=none") == ("lever", ["moe.impl=dense", "remat.policy=none"])
     out = tmp_path / "bench.json"
     assert main(["bench", "recipe=tiny", *TWO_LAYERS, "bench.steps=2", "train.seq_len=16", "--arm", "control",
-                 "--arm", "no_remat:remat.policy=none", "--out", str(out)]) == 0
+                 "--arm", "no_remat:remat.policy=none", "--estimate-for", "v5e", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert set(rec["arms"]) == {"control", "no_remat"}
     for arm in rec["arms"].values():
+        # two visits of the arm, one timed step each after an untimed one
         assert len(arm["step_times_s"]) == 2 and arm["seconds_per_step"] > 0 and arm["program"]["temp"] > 0
         # MFU: the step's XLA FLOPs per second over the matmul peak measured on the same devices.
         assert arm["peak_flops_per_device"] > 0 and 0 < arm["mfu"] < 1
+        # the step-time model's estimate of the same program on the named chip, beside the time
+        est = arm["estimate"]
+        assert est["hardware"] == "v5e" and est["step_s"] > 0 and "GDN" in est["category_s"]
+        assert arm["measured_over_estimated"] == pytest.approx(arm["seconds_per_step"] / est["step_s"])
     assert rec["arms"]["no_remat"]["config"]["remat"]["policy"] == "none"
     text = capsys.readouterr().out
     assert "control" in text and "MFU" in text

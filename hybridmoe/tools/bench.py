@@ -1,8 +1,12 @@
 """The step-time bench: named arms (sets of overrides) of one recipe, timed in one process.
 
-Every arm is built and compiled first; then the arms take turns, one training step each per round
-(the order rotates every round), so drift in the machine's speed spreads over all arms. Seconds
-per step is the mean of rounds 1.. (round 0 runs the freshly compiled program and is left out).
+Every arm is built and compiled first, and an arm whose step cannot fit the device's free memory
+is refused before anything runs. Then the arms take turns in two visits each (A B C, then B C A):
+a visit makes the arm's state on the device, runs one untimed step and then its timed ones, and
+frees the state, so only one arm's state is on the device at a time (a chip's 16 GiB holds one
+arm of a large model, not two). Seconds per step is the mean of the timed steps. Beside it, the
+step-time model's estimate of the same compiled program on the device's own generation
+(analysis/step_estimate.py; calibrated where `hybridmoe calibrate` ran on that generation).
 Program facts come from the compiled step: temporaries and collectives inside the layer loop.
 MFU: the compiled step's FLOPs (XLA's count, per device) per second, over a peak measured on the
 same devices just before the arms run (a dense matmul on every device at once, best of a few).
@@ -41,6 +45,7 @@ class Arm:
     times: list[float] = dataclasses.field(default_factory=list)
     compile_s: float = 0.0
     program: dict = dataclasses.field(default_factory=dict)
+    estimate: dict | None = None
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -74,11 +79,80 @@ def _arm_config(recipe: str, words: list[str]) -> Config:
     return load_config(name, overrides)
 
 
-def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]], rounds: int) -> dict:
+def device_free_bytes(device) -> int | None:
+    """What the device can still give one arm: its allocator's limit less what is in use (None where
+    the runtime keeps no figures: the CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def program_bytes(figures: dict) -> int:
+    """The device memory one run of a compiled step holds at its peak: its arguments (the state and
+    the batch), temporaries and outputs, less the outputs that reuse a donated argument's buffer."""
+    return figures.get("argument", 0) + figures.get("temp", 0) + figures.get("output", 0) - figures.get("alias", 0)
+
+
+def fit_problems(arms: list[Arm], free_bytes: int | None) -> list[str]:
+    """One line per arm whose step needs more device memory than is free (each arm's state is on the
+    device alone, so each is checked against all of it)."""
+    if free_bytes is None:
+        return []
+    gib = 2**30
+    return [f"--arm {a.name}: its step needs {program_bytes(a.program) / gib:.2f} GiB per device (arguments "
+            f"{a.program.get('argument', 0) / gib:.2f}, temporaries {a.program.get('temp', 0) / gib:.2f}, outputs not "
+            f"aliased {(a.program.get('output', 0) - a.program.get('alias', 0)) / gib:.2f}) and the device has "
+            f"{free_bytes / gib:.2f} GiB free: shorten train.seq_len or train.batch_size, or remat more "
+            "(remat.policy=full)" for a in arms if program_bytes(a.program) > free_bytes]
+
+
+def _estimate(compiled, cfg: Config, devices, hardware: str | None) -> dict | None:
+    """The step-time model's estimate of the compiled step on `hardware` (default: the device's own
+    generation; None on a CPU unless named), beside the measured time."""
+    from hybridmoe.analysis.flops import model_flops_per_device
+    from hybridmoe.analysis.step_estimate import default_hardware, estimate, hardware_for, tokens_per_step
+    from hybridmoe.tools.train_program import host_target
+
+    name = hardware or default_hardware(host_target())
+    if name is None:
+        return None
+    hw = hardware_for(name)
+    e = estimate(compiled.as_text(), hw, tokens_per_step=tokens_per_step(cfg, "train"),
+                 chips=max(1, len(devices) // hw.devices_per_chip), devices=len(devices),
+                 model_flops_per_device=model_flops_per_device(cfg, len(devices), "train"))
+    return {"hardware": name, "calibrated": hw.measured is not None, "step_s": e["serial"]["step_s"],
+            "overlapped_step_s": e["overlapped"]["step_s"],
+            "category_s": {c: v["s"] for c, v in e["categories"].items()}}
+
+
+def _timed_visit(arm: Arm, setup, compiled, visit: int, steps: int) -> None:
+    """One visit of an arm: its state made on the device, one untimed step, then `steps` timed ones;
+    the state is freed before the next arm's visit, so one arm's state is on the device at a time."""
+    t = arm.cfg.train
+    with setup.context():
+        state = init_state(setup, jax.random.key(t.seed + visit))
+        for i in range(steps + 1):
+            batch = put_global(synthetic_batch(t.seed, visit * (steps + 1) + i, t.micro_batches, t.batch_size,
+                                               t.seq_len, arm.cfg.model.vocab_size), setup.batch_sharding(1))
+            t0 = time.perf_counter()
+            state, m = compiled(state, batch)
+            fetch_global(m)
+            if i:
+                arm.times.append(time.perf_counter() - t0)
+    del state, batch, m
+
+
+def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]], steps: int, *,
+              estimate_for: str | None = None, free_bytes: int | None = -1) -> dict:
+    """Every arm compiled first (a program that cannot fit is refused before anything runs), then
+    timed in visits that alternate the arms (A B C A B C: drift in the machine's speed spreads over
+    all of them), `steps` timed steps per arm in all, split over two visits. free_bytes: the device
+    memory an arm may use (-1: what the first device reports free; None: unchecked)."""
     if len({n for n, _ in arms}) != len(arms):
         raise ValueError("--arm names must be distinct")
     built = [Arm(n, o, _arm_config(recipe, [*common, *o])) for n, o in arms]
-    runs, states = [], []
+    runs = []
     for arm in built:
         setup = build(arm.cfg)
         t = arm.cfg.train
@@ -102,24 +176,24 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                        "compiled_collectives": dict(Counter(f"{c.kind} {c.dtype}" for c in colls)),
                        "collectives_in_loop": count(colls, in_loop=True),
                        "collectives_outside_loop": count(colls, in_loop=False)}
+        arm.estimate = _estimate(compiled, arm.cfg, setup.mesh.devices.flat, estimate_for)
         runs.append((arm, setup, compiled))
-        states.append(init_state(setup, jax.random.key(t.seed)))
+        del batch0
+    if free_bytes == -1:
+        free_bytes = device_free_bytes(runs[0][1].mesh.devices.flat[0])
+    refused = fit_problems(built, free_bytes)
+    if refused:
+        raise ValueError("arms that cannot fit the device (nothing was timed):\n  " + "\n  ".join(refused))
     peak = measure_peak_flops(runs[0][1].mesh, jnp.dtype(built[0].cfg.model.compute_dtype))
-    for r in range(rounds):
-        for i in np.roll(np.arange(len(runs)), -r):
-            arm, setup, compiled = runs[i]
-            t = arm.cfg.train
-            with setup.context():
-                batch = put_global(synthetic_batch(t.seed, r, t.micro_batches, t.batch_size, t.seq_len,
-                                                   arm.cfg.model.vocab_size), setup.batch_sharding(1))
-                t0 = time.perf_counter()
-                states[i], m = compiled(states[i], batch)
-                fetch_global(m)
-                arm.times.append(time.perf_counter() - t0)
+    visits = 2
+    per_visit = -(-steps // visits)
+    for visit in range(visits):
+        for i in np.roll(np.arange(len(runs)), -visit):
+            _timed_visit(*runs[i], visit, per_visit)
     out = {}
     for arm, setup, _ in runs:
         t = arm.cfg.train
-        sec = float(np.mean(arm.times[1:]))
+        sec = float(np.mean(arm.times))
         tokens = t.micro_batches * t.batch_size * t.seq_len
         out[arm.name] = {"overrides": arm.overrides, "seconds_per_step": sec, "step_times_s": arm.times,
                          "tokens_per_step": tokens, "tokens_per_s_per_device": tokens / sec / setup.mesh.size,
@@ -128,6 +202,8 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                          "mfu": arm.program["flops_per_device"] / sec / peak,
                          "useful_flops_per_step": step_flops(arm.cfg),
                          "useful_mfu": step_flops(arm.cfg) / setup.mesh.size / sec / peak,
+                         "estimate": arm.estimate,
+                         "measured_over_estimated": sec / arm.estimate["step_s"] if arm.estimate else None,
                          "config": json.loads(arm.cfg.model_dump_json())}
     return out
 
@@ -135,12 +211,17 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
 def format_table(results: dict) -> str:
     first = next(iter(results.values()))["seconds_per_step"]
     lines = [f"{'arm':<16} {'s/step':>8} {'ratio':>6} {'tok/s/dev':>10} {'compile s':>9} {'temp MiB':>9} "
-             f"{'loop colls':>10} {'MFU':>6} {'useful':>6}"]
+             f"{'loop colls':>10} {'MFU':>6} {'useful':>6} {'est. s':>8} {'meas/est':>8}"]
     for name, a in results.items():
+        est = a.get("estimate")
         lines.append(f"{name:<16} {a['seconds_per_step']:>8.4f} {a['seconds_per_step'] / first:>6.3f} "
                      f"{a['tokens_per_s_per_device']:>10.1f} {a['compile_s']:>9.1f} "
                      f"{a['program'].get('temp', 0) / 2**20:>9.2f} {a['program']['collectives_in_loop']:>10} "
-                     f"{a['mfu']:>6.1%} {a['useful_mfu']:>6.1%}")
+                     f"{a['mfu']:>6.1%} {a['useful_mfu']:>6.1%} "
+                     + (f"{est['step_s']:>8.4f} {a['measured_over_estimated']:>8.2f}" if est else f"{'-':>8} {'-':>8}"))
+    if est:
+        lines.append(f"est.: the step-time model on {est['hardware']} "
+                     f"({'calibrated on a chip' if est['calibrated'] else 'the maker' + chr(39) + 's figures'}), collectives not overlapped")
     lines.append(f"MFU: XLA's FLOPs of the step per device per second over a measured peak of "
                  f"{next(iter(results.values()))['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device (dense matmul on every "
                  "device at once); useful: the model's FLOPs counted from its shape")

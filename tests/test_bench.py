@@ -1,0 +1,39 @@
+"""`hybridmoe bench` on the chip's terms: one arm's state on the device at a time, an arm that cannot
+fit refused before anything runs, and the step-time model's estimate beside each measured time."""
+
+import pytest
+
+from hybridmoe.tools.bench import Arm, fit_problems, program_bytes, run_bench
+from tests.helpers import TWO_LAYERS
+
+GIB = 2**30
+
+
+def test_program_bytes_is_arguments_temporaries_and_unaliased_outputs():
+    # 3 GiB of arguments (the state and batch), 2 of temporaries, 3 of outputs of which 2.5 reuse a
+    # donated argument's buffer: 3 + 2 + 3 - 2.5 = 5.5 GiB at the peak.
+    figures = {"argument": 3 * GIB, "temp": 2 * GIB, "output": 3 * GIB, "alias": int(2.5 * GIB)}
+    assert program_bytes(figures) == int(5.5 * GIB)
+
+
+def test_each_arm_is_checked_alone_against_the_free_memory():
+    small = Arm("small", [], None, program={"argument": 4 * GIB, "temp": 4 * GIB, "output": 4 * GIB, "alias": 4 * GIB})
+    large = Arm("large", [], None, program={"argument": 8 * GIB, "temp": 6 * GIB, "output": 8 * GIB, "alias": 8 * GIB})
+    # 8 and 14 GiB against 10.4 free (the chip after another program's arrays): only `large` is refused,
+    # though the two together (22) would not fit: one arm's state is on the device at a time.
+    problems = fit_problems([small, large], int(10.4 * GIB))
+    assert len(problems) == 1 and problems[0].startswith("--arm large:")
+    assert "14.00 GiB" in problems[0] and "10.40 GiB free" in problems[0] and "remat" in problems[0]
+    assert fit_problems([small, large], None) == []  # a CPU keeps no figures: unchecked
+
+
+def test_bench_refuses_arms_that_cannot_fit_before_timing(monkeypatch):
+    """The arms of tests/test_cli.py's bench (their programs in the compile cache) on a device with
+    one byte free: both named, and no step runs."""
+    from hybridmoe.tools import bench
+
+    monkeypatch.setattr(bench, "_timed_visit", lambda *a: pytest.fail("an arm was timed"))
+    with pytest.raises(ValueError, match="nothing was timed") as e:
+        run_bench("tiny", [*TWO_LAYERS, "bench.steps=2", "train.seq_len=16"],
+                  [("control", []), ("no_remat", ["remat.policy=none"])], 2, free_bytes=1)
+    assert "--arm control:" in str(e.value) and "--arm no_remat:" in str(e.value)
