@@ -23,6 +23,7 @@ from typing import NamedTuple
 import pytest
 
 from hybridmoe.config import ConfigError
+from hybridmoe.data.tokenizer import load_tokenizer
 from hybridmoe.recipe import load as load_module
 from hybridmoe.recipe import validate
 from hybridmoe.recipe.load import load_config
@@ -32,7 +33,7 @@ class Case(NamedTuple):
     rules: tuple[str, ...]             # the rule(s) that must report (others must not)
     overrides: tuple[str, ...]
     problems: tuple[tuple[str, str], ...]  # (key, a fragment of its message), one per problem
-    facts: dict = {}                   # validate.Facts fields: platform, devices, checkpoint_model
+    facts: dict = {}                   # validate.Facts fields: platform, devices, checkpoint_model, tokenizer
 
 
 def case(rules, overrides, *problems, **facts) -> Case:
@@ -43,6 +44,7 @@ def case(rules, overrides, *problems, **facts) -> Case:
 # split into whole GDN chunks (up to 64) on each rank, so the rl command's rules pass.
 CP2 = ("mesh.context=2", "mesh.data=1", "rl.max_prompt_len=32", "rl.max_new_tokens=96")
 ATTENTION_ONLY = ("model.layer_pattern=[attention]",)
+CHARACTERS = load_tokenizer()  # the built-in tokenizer: one id a character, and BOS
 TPU = {"platform": "tpu"}
 GPU = {"platform": "gpu"}
 BUILT = {"devices": 8}  # set-up's pass: the devices the mesh is built on
@@ -234,6 +236,9 @@ CASES: dict[str, Case] = {
                              ("kernels.gmm.backend", "runs the xla grouped matmul")),
     "replay_with_the_ring": case("_moe_routing_replay", ["moe.routing_replay=true", "mesh.expert=2"],
                                  ("mesh.expert", "does not run the ring of experts")),
+    # Accepted before, it ran the whole warm-up and then raised NotImplementedError in the sampler.
+    "replay_with_token_chunks": case("_moe_routing_replay", ["moe.routing_replay=true", "moe.token_chunks=2"],
+                                     ("moe.token_chunks", "one pass over the tokens; set it to 1")),
     # GDN
     "gdn_chunks_vs_context_ranks": case("_gdn_context_parallel", [*CP2], ("gdn.chunk_size", "whole chunks on every "
                                                                           "context rank")),
@@ -263,7 +268,7 @@ CASES: dict[str, Case] = {
                               ("quant.fp8_gmm", "kernels.gmm.backend=pallas_tpu has no fp8 grouped matmul")),
     # on-chip memory
     "vmem_limit_over_a_core": case("_kernels_vmem", ["kernels.gmm.vmem_limit_mib=1000"],
-                                   ("kernels.gmm.vmem_limit_mib", "1000.0 MiB is more than a TPU core's")),
+                                   ("kernels.gmm.vmem_limit_mib", "1000.0 MiB is more than")),
     # the rl command's own rules (check_rl_requirements)
     "prompt_len_vs_context_ranks": case("_rl_sequences", [*CP2, "gdn.chunk_size=4", "rl.max_prompt_len=7",
                                                           "rl.max_new_tokens=9"],
@@ -276,6 +281,10 @@ CASES: dict[str, Case] = {
     "rl_rows_vs_query_block": case("_rl_sequences", ["kernels.attention.block_q=16"],
                                    ("kernels.attention.block_q", "rl.max_prompt_len + rl.max_new_tokens = 24")),
     "rl_buffers": case("_moe_capacity_factor", ["moe.capacity_factor=1.0"], ("moe.capacity_factor", "dropless MoE only")),
+    # Accepted before, every prompt was a counted skip and the run stopped after the warm-up.
+    "no_prompt_fits": case("_rl_max_prompt_len", ["rl.task=format"],
+                           ("rl.max_prompt_len", "its shortest, 'answer only: 0+0=', is 18 tokens with BOS"),
+                           tokenizer=CHARACTERS),
 }
 
 
@@ -311,21 +320,23 @@ def test_each_rule_refuses_its_case_naming_the_keys(name):
     # RULES), the rl command (RL_RULES, after them).
     load = [p for r in validate.RULES if r.__name__ in fired for p in fired[r.__name__]]
     rl = [p for r in validate.RL_RULES if r.__name__ in fired for p in fired[r.__name__]]
+    load_facts = {k: v for k, v in c.facts.items() if k != "tokenizer"}
+    rl_facts = {k: v for k, v in c.facts.items() if k != "checkpoint_model"}
     if load:
         with pytest.raises(ConfigError) as e:
-            if c.facts.get("devices") or c.facts.get("checkpoint_model"):
-                validate.check_requirements(cfg, **c.facts)  # set-up's pass, --init-hf's
+            if load_facts.get("devices") or load_facts.get("checkpoint_model"):
+                validate.check_requirements(cfg, **load_facts)  # set-up's pass, --init-hf's
             else:
                 load_config("tiny", list(c.overrides), platform=c.facts.get("platform"))
         assert e.value.problems == load
     else:
-        validate.check_requirements(cfg, **c.facts)
+        validate.check_requirements(cfg, **load_facts)
     if rl:
         with pytest.raises(ConfigError) as e:
-            validate.check_rl_requirements(cfg, **{k: v for k, v in c.facts.items() if k != "checkpoint_model"})
+            validate.check_rl_requirements(cfg, **rl_facts)
         assert e.value.problems == rl
     else:
-        validate.check_rl_requirements(cfg, **{k: v for k, v in c.facts.items() if k != "checkpoint_model"})
+        validate.check_rl_requirements(cfg, **rl_facts)
 
 
 def test_every_rule_has_a_refusal_case():
@@ -383,3 +394,48 @@ def test_every_problem_a_rule_can_report_has_a_refusal_case():
             sys.settrace(None)
     missing = {line: text for line, text in sorted(sites.items()) if line not in reached}
     assert not missing, "problems no case reaches:\n" + "\n".join(f"  validate.py:{k}: {v}" for k, v in missing.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# The rl command runs its rules before anything is built, for the devices it builds on and with
+# the tokenizer of its task (both unknown to a plain load).
+
+class _Built(Exception):
+    """open_session was reached: the run would build its set-up and start the warm-up."""
+
+
+@pytest.fixture
+def rl_loop(monkeypatch):
+    from hybridmoe.rl import loop
+
+    def reached(*args, **kwargs):
+        raise _Built()
+
+    monkeypatch.setattr(loop, "open_session", reached)
+    return loop
+
+
+def test_the_rl_command_decides_its_rows_on_the_devices_it_builds_on(rl_loop):
+    """mesh.context=-1 on real devices: the load cannot know the context ranks, so the GRPO rows'
+    split (24 tokens over 8 ranks, in whole 8-token GDN chunks) went unchecked until the rows were
+    placed at the first GRPO step, after the warm-up. The rl command decides it on the 8 devices."""
+    cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.data=1", "mesh.fsdp=1", "mesh.context=-1",
+                               "gdn.chunk_size=8"])
+    validate.check_rl_requirements(cfg)  # undecided without the device count
+    with pytest.raises(ConfigError) as e:
+        rl_loop.run_rl(cfg, None, progress=False)
+    assert [k for k, _ in e.value.problems] == ["rl.max_new_tokens"], e.value.problems
+    assert "mesh.context=8" in e.value.problems[0][1]
+
+
+def test_the_rl_command_measures_its_own_tasks_prompts(rl_loop):
+    """The demo's 8 prompt tokens hold no prompt of the format task (18 with BOS): refused before
+    the 100 warm-up steps. A task the caller hands in is the caller's to size: no refusal."""
+    from hybridmoe.data.arithmetic import ArithmeticTask
+
+    with pytest.raises(ConfigError) as e:
+        rl_loop.run_rl(load_config("demo", ["rl.task=format"]), None, progress=False)
+    assert [k for k, _ in e.value.problems] == ["rl.max_prompt_len"]
+    with pytest.raises(_Built):
+        rl_loop.run_rl(load_config("demo", ["rl.task=format"]), None, progress=False,
+                       task=ArithmeticTask(digits=1, prefix="answer only: "))

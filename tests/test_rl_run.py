@@ -157,12 +157,16 @@ def test_prompt_and_completion_longer_than_the_context_is_a_config_error():
 
 
 def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_error(tmp_path, caplog):
-    # rl.max_prompt_len=2 is shorter than every arithmetic prompt: nothing can be scored, ever.
+    # rl.max_prompt_len=2 is shorter than every arithmetic prompt: nothing can be scored, ever. The
+    # config's own task is refused for it before the run starts (tests/test_refusals.py); handed in
+    # as the caller's task, the run meets it step by step.
+    from hybridmoe.data.arithmetic import task_from_config
+
     cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=1", "rl.steps=5", "rl.checkpoint_every=0", "rl.max_prompt_len=2",
                       "rl.beta=0")
     out = tmp_path / "run"
     with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample \(last: step 3;.*raise rl.max_prompt_len"):
-        run_rl(cfg, out, progress=False)
+        run_rl(cfg, out, progress=False, task=task_from_config(cfg))
     # The warning names the same step as the error, and the checkpoint it saved.
     assert "stopped by an error in step 3; checkpointed the state after step 2 (checkpoint 3)" in caplog.text
     records = read_metrics(out / "metrics.jsonl")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from hybridmoe.config.errors import ConfigError, Problem
 from hybridmoe.config.schema import CHECKPOINT_NAMES, Config
@@ -32,10 +33,13 @@ class Facts:
     devices: how many devices the mesh spans; None: the simulated CPU count, or not known yet (the
     rules that need the -1 axis's size decide on the built mesh, which passes it).
     checkpoint_model: the model fields of the Hugging Face checkpoint the run starts from
-    (`--init-hf`), whose shape fields the config must match; None: no checkpoint."""
+    (`--init-hf`), whose shape fields the config must match; None: no checkpoint.
+    tokenizer: the tokenizer the rl command encodes the config's own task's prompts with (its
+    rules measure them); None: not known, or the task is the caller's."""
     platform: str | None = None
     devices: int | None = None
     checkpoint_model: Mapping | None = None
+    tokenizer: Any = None
 
 
 Rule = Callable[[Config, Facts], list[Problem]]
@@ -585,7 +589,8 @@ def _kernels_attention(cfg: Config, f: Facts) -> list[Problem]:
     return out + attention_block_problems(cfg, cfg.train.seq_len, f"train.seq_len={cfg.train.seq_len}", f)
 
 
-@rule("moe.routing_replay", "moe.wi_fused_swiglu", "moe.wo_fused_dswiglu", "moe.router_grad_from_wo_input", "moe.capacity_factor", "kernels.gmm.backend", "mesh.expert")
+@rule("moe.routing_replay", "moe.wi_fused_swiglu", "moe.wo_fused_dswiglu", "moe.router_grad_from_wo_input", "moe.capacity_factor", "kernels.gmm.backend", "mesh.expert",
+      "moe.token_chunks")
 def _moe_routing_replay(cfg: Config, f: Facts) -> list[Problem]:
     # Replay feeds the sampler's expert ids into the trainer's default MoE program; the levers and
     # the ring of experts route inside their own kernels and shard_maps, which take no ids.
@@ -601,6 +606,11 @@ def _moe_routing_replay(cfg: Config, f: Facts) -> list[Problem]:
         out.append(("kernels.gmm.backend", "moe.routing_replay runs the xla grouped matmul; set it to xla"))
     if cfg.mesh.expert != 1 and moe.impl == "sparse":
         out.append(("mesh.expert", "moe.routing_replay does not run the ring of experts; set mesh.expert=1"))
+    if moe.token_chunks > 1:
+        # The token-chunked experts are not the default program: the sampler's first replayed
+        # layer (after the whole supervised warm-up) would raise NotImplementedError.
+        out.append(("moe.token_chunks", "moe.routing_replay runs the default MoE program, one pass over the tokens; "
+                    "set it to 1"))
     return out
 
 
@@ -653,10 +663,46 @@ def _moe_capacity_factor(cfg: Config, f: Facts) -> list[Problem]:
     return []
 
 
-def check_rl_requirements(cfg: Config, *, platform: str | None = None, devices: int | None = None) -> None:
+class _ZeroDraws:
+    """A numpy Generator stand-in whose integer draws are all 0: a built-in task's prompt of
+    operands 0 and 0 (its shortest)."""
+
+    def integers(self, low, high=None, size=None):
+        import numpy as np
+
+        return np.zeros(size, np.int64)
+
+
+@rl_rule("rl.max_prompt_len", "rl.task", "rl.digits")
+def _rl_max_prompt_len(cfg: Config, f: Facts) -> list[Problem]:
+    """Some prompt of the built-in task fits rl.max_prompt_len (as the loop encodes it: [BOS]
+    prompt). Otherwise every prompt is a counted skip, no GRPO step scores a sample and the run
+    stops after the whole warm-up. (A prompt set is measured when it is read: data/prompts.py.)"""
+    r, tok = cfg.rl, f.tokenizer
+    if tok is None or r.task == "prompts":
+        return []
+    from hybridmoe.data.arithmetic import task_from_config
+
+    def tokens(prompt: str) -> int:
+        return len(tok.encode(prompt)) + (tok.bos_id is not None)
+
+    task = task_from_config(cfg)
+    shortest = task.sample(_ZeroDraws(), 1)[0].prompt
+    if tokens(shortest) <= r.max_prompt_len:
+        return []
+    largest = str(10**r.digits - 1)
+    longest = max(tokens(shortest.replace("0", largest)), tokens(shortest))
+    return [("rl.max_prompt_len", f"{r.max_prompt_len} tokens hold no prompt of rl.task={r.task}: its shortest, "
+             f"{shortest!r}, is {tokens(shortest)} tokens with BOS, so every GRPO step would score nothing and the run "
+             f"stop after the warm-up; set rl.max_prompt_len={longest} (the longest prompt at rl.digits={r.digits})")]
+
+
+def check_rl_requirements(cfg: Config, *, platform: str | None = None, devices: int | None = None,
+                          tokenizer: Any = None) -> None:
     """What only the rl command needs of a config that passed check_requirements (for the same
-    platform and device count): every rule of RL_RULES; one ConfigError."""
-    facts = Facts(platform, devices)
+    platform and device count): every rule of RL_RULES; one ConfigError. run_rl passes the devices
+    its mesh is built on (a -1 axis resolved) and the tokenizer of the config's own task."""
+    facts = Facts(platform, devices, tokenizer=tokenizer)
     problems = [p for r in RL_RULES for p in r(cfg, facts)]
     if problems:
         raise ConfigError(problems)

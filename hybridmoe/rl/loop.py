@@ -269,8 +269,13 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
     """
     out = Path(out) if out is not None else None
     cfg = start_config(cfg, out, resume=resume, overwrite=overwrite, init_hf=init_hf, export_hf=export_hf)
-    check_rl_requirements(cfg)  # after the model section is final, before anything is built
+    own_task = task is None  # the config's task: the rules measure its prompts
     tokenizer, task, reward_fns = _task_and_rewards(cfg, init_hf, task, reward_fns)
+    # After the model section is final, before anything is built; for the devices build() meshes
+    # (a -1 axis resolved: the GRPO rows' split over mesh.context decided now, not at their first step).
+    devices = jax.devices()
+    check_rl_requirements(cfg, platform=devices[0].platform, devices=len(devices),
+                          tokenizer=tokenizer if own_task else None)
     r, with_reference = cfg.rl, cfg.rl.beta > 0
 
     def abstract(setup):
