@@ -1,0 +1,91 @@
+"""The step-time model's hardware (analysis/hardware.py): the makers' rows, a chip's measurements
+over them, how an estimate charges them, and which row a device or target takes."""
+
+import json
+
+import pytest
+
+from hybridmoe.analysis import hardware as hwmod
+from hybridmoe.analysis import step_estimate as se
+from hybridmoe.analysis.hlo_cost import OpCost
+
+ROW = {"bf16_flops_chip": 160e12, "hbm_bytes_per_s_chip": 800e9, "grid_step_s": 1e-6, "op_overhead_s": 2e-6,
+       "kernel_factors": {"gdn_chunk_forward": 3.0},
+       "measured": {"device": "TPU v5 lite", "commit": "0123456789abcdef", "date": "2026-12-05"}}
+
+
+class _Ops:
+    """An Estimator that yields the hand-made ops below instead of walking a program."""
+
+    def __init__(self, text, apply_trip_counts=True):
+        self.unknown_trips = []
+
+    def ops(self):
+        return [(OpCost("dense matmuls", flops=1.6e9, useful_flops=1.6e9, bytes=4e6), 10.0),
+                (OpCost("GDN", flops=0.8e9, useful_flops=0.8e9, bytes=8e6, grid_steps=20, kernel="gdn_chunk_forward"), 1.0),
+                (OpCost("collectives", collective="all-gather", wire_bytes=1e6), 1.0)]
+
+
+def test_an_estimate_charges_the_measured_rates_fixed_costs_and_kernel_factor(monkeypatch):
+    monkeypatch.setattr(se, "Estimator", _Ops)
+    hw = hwmod.calibrated(hwmod.MAKERS["v5e"], ROW)
+    e = se.estimate("", hw, tokens_per_step=1000, chips=1, devices=1)
+    # the dot: max(1.6e9 / 160e12 = 10 us, 4e6 / 800e9 = 5 us) + 2 us per launch, 10 times = 120 us
+    assert e["categories"]["dense matmuls"]["s"] == pytest.approx(120e-6)
+    # the kernel: (max(5 us, 10 us) + 20 grid steps x 1 us) x its measured/modelled 3 + 2 us = 92 us
+    assert e["categories"]["GDN"]["s"] == pytest.approx(92e-6)
+    # the gather: 1e6 wire bytes over v5e's links (the maker's 100 GB/s one way; not measured) = 10 us
+    assert e["categories"]["collectives"]["s"] == pytest.approx(10e-6)
+    assert e["serial"]["step_s"] == pytest.approx(222e-6) and e["overlapped"]["step_s"] == pytest.approx(212e-6)
+    assert "measured on TPU v5 lite at 0123456789" in se.format_estimate(e)
+    # the maker's row charges neither fixed cost per op nor a kernel factor: 10 x 10 us + (10 + 20 x 0.35) us
+    maker = se.estimate("", hwmod.MAKERS["v5e"], tokens_per_step=1000, chips=1, devices=1)
+    assert maker["categories"]["GDN"]["s"] == pytest.approx(max(0.8e9 / 197e12, 8e6 / 819e9) + 20 * 0.35e-6)
+    assert maker["categories"]["dense matmuls"]["s"] == pytest.approx(10 * max(1.6e9 / 197e12, 4e6 / 819e9))
+
+
+def test_the_calibration_table_is_written_whole_and_keeps_other_generations(tmp_path):
+    path = tmp_path / "chip_calibration.json"
+    hwmod.write_calibration("v6e", {**ROW, "bf16_flops_chip": 800e12}, path)
+    hwmod.write_calibration("v5e", ROW, path)
+    table = json.loads(path.read_text())
+    assert set(table) == {"v5e", "v6e"} and table["v6e"]["bf16_flops_chip"] == 800e12
+    assert [p.name for p in tmp_path.iterdir()] == ["chip_calibration.json"]  # no temporary left behind
+    with pytest.raises(ValueError, match="op_overhead_s"):
+        hwmod.write_calibration("v5e", {k: v for k, v in ROW.items() if k != "op_overhead_s"}, path)
+    with pytest.raises(ValueError, match="no maker's row"):
+        hwmod.write_calibration("v9", ROW, path)
+    assert json.loads(path.read_text()) == table  # a refused row leaves the table as it was
+    hw = hwmod.hardware_for("v5e:2x2", table=table)
+    assert (hw.bf16_flops_chip, hw.hbm_bytes_per_s_chip, hw.op_overhead_s) == (160e12, 800e9, 2e-6)
+    assert hw.kernel_factor("gdn_chunk_forward") == 3.0 and hw.kernel_factor("gmm") == 1.0
+    assert hw.hbm_bytes_chip == hwmod.MAKERS["v5e"].hbm_bytes_chip  # what was not measured stays the maker's
+    assert hwmod.hardware_for("v5e:2x2", table=table, use_calibration=False) == hwmod.MAKERS["v5e"]
+    assert hwmod.hardware_for("tpu7x:2x2x1", table=table) == hwmod.MAKERS["tpu7x"]
+
+
+def test_a_device_and_a_target_take_their_generations_row():
+    class Device:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    assert [hwmod.generation_of_device(Device(k)) for k in ("TPU v5 lite", "TPU v5", "TPU v6 lite", "TPU7x", "cpu")] \
+        == ["v5e", "v5p", "v6e", "tpu7x", None]
+    from hybridmoe.tools.train_program import Target
+
+    on_a_v5e_host = Target("tpu:1", "tpu", (Device("TPU v5 lite"),), None)
+    assert se.default_hardware(on_a_v5e_host) == "v5e"
+    assert se.default_hardware(Target("v6e:2x2", "tpu", (Device("TPU v6 lite"),) * 4, None)) == "v6e"
+    assert se.default_hardware(Target("cpu:8", "cpu", (Device("cpu"),) * 8, None)) is None
+    for gen in ("v5e", "v5p", "v6e"):  # every TPU row states a full set of figures
+        row = hwmod.MAKERS[gen]
+        assert row.bf16_flops_chip > 0 and row.hbm_bytes_per_s_chip > 0 and row.link_bytes_per_s_chip > 0
+
+
+@pytest.mark.tpu_compile
+def test_inspect_names_a_topology_the_compiler_refuses_in_one_line(capsys):
+    from hybridmoe.cli import main
+
+    assert main(["inspect", "recipe=tiny", "--target", "v5e:1x1"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hybridmoe")]
+    assert len(err) == 1 and "'v5e:1x1'" in err[0] and "v5e:2x2" in err[0], err
