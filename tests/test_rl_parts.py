@@ -486,6 +486,78 @@ def test_importance_weights_tis_caps_and_mis_masks_whole_sequences():
         importance_weights("is", 2.0, logp_old, logp_sampler, mask)
 
 
+# MIS judges a sequence by the product of its tokens' ratios w = pi_old / pi_sampler over its
+# completion tokens (rl/objective.py: 1 if prod_t w <= C else 0). Hand case, C = 2, four slots per
+# row (slot 0 a prompt slot, mask 0); each row's ratios and what MIS keeps:
+#   row 0: 1.5, 1.5, 1.5         no token over C, product 3.375 > C       masked
+#   row 1: 4, 0.25, 1.5          one token over C, product 1.5 <= C        kept
+#   row 2: 1.25, 1.25, pad       product 1.5625; the prompt slot (w = 50) and the padding slot
+#                                (log-ratio 100, clipped to 20) are not in the sequence       kept
+#   row 3: 2, 1, 1               product exactly C (the same float32 log 2)                  kept
+MIS_CAP = 2.0
+MIS_KEPT = [0.0, 1.0, 1.0, 1.0]
+
+
+def _mis_case():
+    log = math.log
+    logp_sampler = np.log(np.full((4, 4), 0.3))
+    log_w = np.asarray([[0.0, log(1.5), log(1.5), log(1.5)],
+                        [0.0, log(4.0), log(0.25), log(1.5)],
+                        [log(50.0), log(1.25), log(1.25), 100.0],
+                        [0.0, 0.0, 0.0, 0.0]])
+    mask = np.asarray([[0, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 1, 1]], np.float32)
+    logp_old = jnp.asarray(logp_sampler + log_w, jnp.float32)
+    logp_sampler = jnp.asarray(logp_sampler, jnp.float32)
+    # Row 3 at exactly the cap: pi_sampler 1 and pi_old 2 on its first token, in float32, so that
+    # its log-ratio is bit for bit the log C the rule compares with.
+    logp_old = logp_old.at[3].set(jnp.asarray([0.0, jnp.log(jnp.float32(MIS_CAP)), 0.0, 0.0]))
+    logp_sampler = logp_sampler.at[3].set(0.0)
+    return logp_old, logp_sampler, jnp.asarray(mask)
+
+
+def mis_errors() -> dict:
+    """The MIS weights of the hand case against MIS_KEPT: the rows judged wrong, and the largest
+    error of d loss / d logp (on policy, ratio 1: -A w / kept tokens on every completion token)."""
+    from hybridmoe.rl import objective
+
+    logp_old, logp_sampler, mask = _mis_case()
+    w = np.asarray(objective.importance_weights("mis", MIS_CAP, logp_old, logp_sampler, mask))
+    wrong_rows = int(sum(not np.all(w[b] == MIS_KEPT[b]) for b in range(4)))
+    adv = jnp.asarray([1.0, -1.0, 2.0, 0.5])
+    grad = jax.grad(lambda lp: objective.clipped_policy_loss(
+        lp, jax.lax.stop_gradient(lp), adv, mask, is_weight_BT=jnp.asarray(w))[0])(logp_old)
+    want = -np.asarray(adv)[:, None] * np.asarray(MIS_KEPT)[:, None] * np.asarray(mask) / float(np.sum(mask))
+    return {"wrong_rows": wrong_rows, "grad": float(np.abs(np.asarray(grad) - want).max() / np.abs(want).max())}
+
+
+def test_mis_masks_a_sequence_by_its_product_of_ratios_not_its_worst_token():
+    errors = mis_errors()
+    assert errors["wrong_rows"] == 0 and errors["grad"] < 1e-6, errors
+
+
+# One-line bugs in the MIS rule, each patched into rl/objective.py: the hand case must catch it.
+MIS_BROKEN = {
+    "judged_by_the_worst_token": ("keep_B = log_w_BT.sum(axis=1) <= jnp.log(cap)",
+                                  "keep_B = log_w_BT.max(axis=1) <= jnp.log(cap)"),
+    "judged_by_the_mean_log_ratio": ("keep_B = log_w_BT.sum(axis=1) <= jnp.log(cap)",
+                                     "keep_B = log_w_BT.mean(axis=1) <= jnp.log(cap)"),
+    "prompt_and_padding_slots_counted": ("-LOG_RATIO_CLIP, LOG_RATIO_CLIP)) * mask_BT",
+                                         "-LOG_RATIO_CLIP, LOG_RATIO_CLIP))"),
+    "masked_at_the_cap": ("keep_B = log_w_BT.sum(axis=1) <= jnp.log(cap)",
+                          "keep_B = log_w_BT.sum(axis=1) < jnp.log(cap)"),
+}
+
+
+@pytest.mark.parametrize("variant", list(MIS_BROKEN))
+def test_broken_mis_is_caught(variant, monkeypatch):
+    from broken_variants import mutated
+    from hybridmoe.rl import objective
+    monkeypatch.setattr(objective, "importance_weights", mutated(objective, "importance_weights",
+                                                                 *MIS_BROKEN[variant]))
+    errors = mis_errors()
+    assert errors["wrong_rows"] >= 1 and errors["grad"] > 0.1, f"{variant}: {errors}"
+
+
 def test_dynamic_sampling_keeps_groups_with_reward_variance_and_fills_the_batch(monkeypatch):
     import types
 
