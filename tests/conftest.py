@@ -47,9 +47,24 @@ if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without 
 
 # What inspect and the program proofs read from a compile (TPU targets' included), as the CLI keeps it.
 compiled_facts.use_folder(TEST_COMPILE_CACHE / compiled_facts.SUBFOLDER)
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_disable_most_optimizations", True)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--chip", action="store_true",
+                     help="run the tests marked tpu, and only those, on this host's TPU chip (JAX sees the chip, "
+                     "not 8 simulated CPU devices; one process: no -n). Without it they are skipped.")
+
+
+def pytest_configure(config):
+    """JAX's devices before any backend starts: the chip for `--chip`, else 8 simulated CPU devices
+    compiled with XLA's backend optimisations off (the module docstring)."""
+    if config.getoption("--chip"):
+        jax.config.update("jax_disable_most_optimizations", False)
+        os.environ.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+        return
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_disable_most_optimizations", True)
 
 
 @pytest.fixture(autouse=True)
@@ -119,14 +134,31 @@ def _group_seconds() -> dict[str, float]:
     return seconds
 
 
+def _select_for_the_chip(config, items):
+    """--chip: the tests marked tpu, the others deselected; without it the tpu tests skip."""
+    chip = config.getoption("--chip")
+    if chip:
+        if jax.default_backend() != "tpu":
+            raise pytest.UsageError(f"--chip runs the tpu tests on a TPU chip; this host's JAX sees {jax.default_backend()}")
+        kept = [i for i in items if i.get_closest_marker("tpu")]
+        config.hook.pytest_deselected(items=[i for i in items if not i.get_closest_marker("tpu")])
+        items[:] = kept
+        return
+    skip = pytest.mark.skip(reason="needs a TPU chip: `python3 -m pytest --chip` on a TPU host (docs/tpu.md)")
+    for item in items:
+        if item.get_closest_marker("tpu"):
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` (make test) a file runs on one worker, as under loadfile, except that
     every tpu_compile test joins one group: libtpu lets one process per host hold it.
 
     The groups are handed out longest first (by the last record of the suite's time; the Makefile
     turns off xdist's own order, which is by test count): a long group of few tests (the kill
     trials, 2 tests and 2 minutes) handed out last ran alone while the other worker idled."""
+    _select_for_the_chip(config, items)
     group_of, first_seen = {}, {}
     for item in items:
         group = "tpu_compile" if item.get_closest_marker("tpu_compile") else item.nodeid.split("::")[0]

@@ -25,8 +25,23 @@ def source_commit() -> str:
         changed = subprocess.run(["git", "status", "--porcelain", "--", "."], capture_output=True, text=True,
                                  cwd=here).stdout.strip()
     except OSError:
-        return ""
+        head = changed = ""
+    if not head:  # a copy of the tree without its history (sent to an accelerator host): its stamp
+        stamp = here.parent / COMMIT_STAMP
+        return stamp.read_text().strip() if stamp.is_file() else ""
     return head + ("+modified" if head and changed else "")
+
+
+# The commit a copy of the checkout was made from, for a host that gets the files without the
+# history (scripts/tpu_session.sh writes it from `git describe` before sending the tree).
+COMMIT_STAMP = ".source-commit"
+
+
+def write_commit_stamp(root: Path) -> str:
+    """Write this checkout's commit (as source_commit reads it) to root/COMMIT_STAMP; return it."""
+    commit = source_commit()
+    (root / COMMIT_STAMP).write_text(commit + "\n")
+    return commit
 
 
 def machine_record() -> dict:
@@ -40,10 +55,12 @@ def machine_record() -> dict:
                 break
     except OSError:
         pass
+    device = jax.devices()[0]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit, "machine": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()},
             "versions": {"python": platform.python_version(), "jax": jax.__version__},
-            "backend": jax.default_backend()}
+            "backend": jax.default_backend(),
+            "device": f"{device.device_kind} x {jax.device_count()}" if device.platform != "cpu" else "cpu"}
 
 
 def write_record(path: Path, record: dict) -> None:
