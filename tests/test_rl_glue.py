@@ -15,6 +15,7 @@ rollout holds (never from the code under test), with the one-line bugs each chec
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import types
@@ -33,7 +34,7 @@ from broken_variants import mutated
 from helpers import TWO_LAYERS, tiny_config
 from hybridmoe.data.arithmetic import Example
 from hybridmoe.data.tokenizer import CharTokenizer
-from hybridmoe.run.setup import build
+from hybridmoe.run.setup import build, init_state
 
 TOK = CharTokenizer()
 
@@ -94,11 +95,13 @@ def flat_rows(batch):
 # ---------------------------------------------------------------------------------------------
 # 1. Rewards and rows: a run on a prompt set (a user reward file, rl.task=prompts) whose reward
 # depends on the prompt, the example's answer and the completion. The shapes are
-# tests/test_rl_run.py's (its compiled programs serve): 2 prompts x 4 completions, 3 new tokens.
+# tests/test_rl_run.py's (its compiled programs serve: keep the keys its programs read equal, the
+# GRPO learning-rate ramp included): 2 prompts x 4 completions, 3 new tokens.
 
 RUN_OVERRIDES = ("rl.warmup_steps=0", "rl.steps=2", "rl.checkpoint_every=0", "rl.prompts_per_step=2",
                  "rl.group_size=4", "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05",
-                 "train.batch_size=8", "train.seq_len=32", "gdn.chunk_size=8", "rl.task=prompts", *TWO_LAYERS)
+                 "rl.lr_warmup_steps=2", "train.batch_size=8", "train.seq_len=32", "gdn.chunk_size=8",
+                 "rl.task=prompts", *TWO_LAYERS)
 # Eight prompts, each with an answer no other prompt has.
 PROMPT_SET = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
               ((1, 2), (7, 5), (3, 3), (9, 8), (4, 0), (2, 9), (6, 7), (5, 5))]
@@ -572,3 +575,222 @@ def test_broken_normalisers_are_caught(variant, monkeypatch):
     monkeypatch.setattr(rl_loop if module is advantages_module else module, name, broken)
     errors = normaliser_errors(monkeypatch)
     assert max(errors.values()) >= 10 * NORM_TOL, f"{variant}: {errors}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Dynamic sampling (rl.dynamic_sampling) with the real sampler, the real scoring and a real
+# update: one GRPO step (loop._grpo_step) on section 1's prompt set, set-up and programs (the
+# sampler and the GRPO step read no dynamic-sampling key: a run with them compiles these same
+# programs), scored by a reward that teaches on the prompts a case names only (a graded value of
+# the completion there; 0.5 elsewhere, so such a group has no reward variance). Step DS_STEP's
+# first three rounds draw six distinct prompts of the eight (asserted: each round is a draw of its
+# own); round r's two prompts are named a<r> and b<r>, in the order drawn. Every figure the step
+# logs about rewards, advantages, lengths and rounds is re-derived from the rows it should come
+# from: the reward figures from round 0 as sampled (the policy, docs/rl.md), the advantage, length
+# and token figures from the batch the update trains on, the rollout tokens from every round.
+
+DS_STEP = 12
+DS_TOL = 1e-5  # float32 figures against float64 (measured clean: ~1e-7)
+# name: (rl.dynamic_sampling_rounds, the prompts that teach, the rounds sampled, the batch's groups
+# in order, ds_informative_frac). P = 2 groups are held when a batch is full.
+DS_CASES = {
+    "nothing_teaches": (3, (), 3, ("a0", "b0"), 0.0),
+    "held_at_the_threshold_in_round_0": (3, ("a0", "b0"), 1, ("a0", "b0"), 1.0),
+    "held_at_the_threshold_in_round_1": (3, ("b0", "a1"), 2, ("b0", "a1"), 1.0),
+    "one_below_the_threshold_to_the_last_round": (3, ("b0",), 3, ("b0", "a0"), 0.5),
+    "one_below_the_threshold_at_a_cap_of_2": (2, ("b0",), 2, ("b0", "a0"), 0.5),
+}
+
+
+def teaching_value(prompt: str, completion: str) -> float:
+    return zlib.crc32(f"{prompt}|{completion}".encode()) % 1000 / 1000
+
+
+def completion_lengths(tokens_BT, prompt_len):
+    """Each row's completion tokens through its first EOS (all of them when it has none), and
+    whether it has none (truncated), from the sampled tokens alone."""
+    lengths = trained_positions(tokens_BT, prompt_len, TOK.stop_ids).sum(axis=1)
+    truncated = ~np.isin(tokens_BT[:, prompt_len:], TOK.stop_ids).any(axis=1)
+    return lengths, truncated
+
+
+def eos_often(lm_head):
+    """The head with EOS's logit ten times the sum of 24 other tokens' logits: far above the others
+    at some positions and far below at others, so that rows end at several lengths (the initial
+    policy's logits spread by ~0.16: it samples EOS at 1 in 256, and every row would run to the
+    same length)."""
+    column = 10 * lm_head[:, 3:27].sum(axis=1)
+    return jax.device_put(lm_head.at[:, TOK.eos_id].set(column), lm_head.sharding)
+
+
+@pytest.fixture(scope="module")
+def ds_base(prompt_run_cfg):
+    """(the set-up of section 1's runs, the dynamic-sampling config of a case)."""
+    key = ("build", prompt_run_cfg.model_dump_json())  # share_programs' memo: section 1's set-up
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = build(prompt_run_cfg)
+    words = (*RUN_OVERRIDES, f"data.prompts={prompt_run_cfg.data.prompts}", f"rl.reward={prompt_run_cfg.rl.reward[0]}",
+             "rl.dynamic_sampling=true")
+    return _PROGRAMS[key], lambda rounds: tiny_config(*words, f"rl.dynamic_sampling_rounds={rounds}")
+
+
+def ds_step(ds_base, case, names, broken=None) -> dict:
+    """One GRPO step of a case (names: the survey's prompt of each name; broken: one of DS_BROKEN
+    patched in): every round as sampled, the batch's rows as the update received them, the record."""
+    setup, ds_config = ds_base
+    max_rounds, teaching, *_ = DS_CASES[case]
+    cfg = ds_config(max_rounds)
+    teaching_prompts = {names[n] for n in teaching}
+
+    def reward(prompt, completion):
+        return teaching_value(prompt, completion) if prompt in teaching_prompts else 0.5
+
+    rounds, batches = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        def spy():
+            sample_groups = rl_loop._sample_groups  # a broken one when the variant breaks it
+
+            def recording(*args):
+                sample = sample_groups(*args)
+                rounds.append({k: np.copy(v) for k, v in sample.items()})
+                return sample
+            mp.setattr(rl_loop, "_sample_groups", recording)
+
+        def patch():
+            name, old, new, _ = DS_BROKEN[broken]
+            mp.setattr(rl_loop, name, mutated(rl_loop, name, old, new))
+
+        if broken is None:
+            spy()
+        elif DS_BROKEN[broken][0] == "_sample_groups":
+            patch(), spy()  # the spy wraps the broken round
+        else:
+            spy(), patch()  # the broken caller, recompiled from its source, calls the spy
+        tokenizer, task, reward_fns = rl_loop._task_and_rewards(cfg, None, None, [(reward, 1.0)])
+        run = rl_loop._build_run(cfg, setup, task, tokenizer, reward_fns, True)
+        update = run.grpo_step
+
+        def recording_update(state, ref_params, batch):
+            batches.append(flat_rows(batch))
+            return update(state, ref_params, batch)
+
+        run = dataclasses.replace(run, grpo_step=recording_update)
+        with setup.context():
+            state = init_state(setup, jax.random.key(cfg.train.seed))
+            state["params"]["lm_head"] = eos_often(state["params"]["lm_head"])
+            ref = jax.tree.map(jnp.copy, state["params"])
+            _, record = rl_loop._grpo_step(run, state, ref, DS_STEP, jax.random.key(DS_STEP))
+    return {"cfg": cfg, "rounds": rounds, "batch": batches[0], "record": record, "reward": reward}
+
+
+def round_prompts(cfg, sample) -> list[str]:
+    """The prompt of each group of a round, read from its rows' own tokens."""
+    G, P = cfg.rl.group_size, cfg.rl.max_prompt_len
+    prompts = [TOK.decode(t) for t in sample["tokens"][:, :P]]
+    assert all(len(set(prompts[g * G:(g + 1) * G])) == 1 for g in range(len(prompts) // G))
+    return prompts[::G]
+
+
+@pytest.fixture(scope="module")
+def ds_survey(ds_base):
+    """(the prompt of each name, the step where nothing teaches): every round runs there, so its
+    rounds name every prompt."""
+    seen = ds_step(ds_base, "nothing_teaches", {})
+    drawn = [round_prompts(seen["cfg"], s) for s in seen["rounds"]]
+    return {f"{ab}{r}": prompts[i] for r, prompts in enumerate(drawn) for i, ab in enumerate("ab")}, seen
+
+
+def ds_errors(case, names, seen) -> dict:
+    """A case's step against its table row and the re-derivations (above): counts of wrong
+    rounds, prompts, groups and rows, and the largest error of every logged figure."""
+    cfg, rec, batch = seen["cfg"], seen["record"], seen["batch"]
+    _, _, want_rounds, want_groups, want_frac = DS_CASES[case]
+    G, P, rows = cfg.rl.group_size, cfg.rl.max_prompt_len, cfg.rl.rollouts_per_step
+    drawn = [round_prompts(cfg, s) for s in seen["rounds"]]
+    errors = {"rounds": abs(len(drawn) - want_rounds),
+              "prompts": sum(p != names.get(f"{ab}{r}") for r, ps in enumerate(drawn) for ab, p in zip("ab", ps))}
+    # The batch: the named groups' rows as their round sampled them.
+    sampled = {f"{ab}{r}": s["tokens"][i * G:(i + 1) * G]
+               for r, s in enumerate(seen["rounds"]) for i, ab in enumerate("ab")}
+    batch_groups = batch["tokens"].reshape(-1, G, batch["tokens"].shape[-1])
+    errors["batch_rows"] = sum(int(n not in sampled or not np.array_equal(rows_g, sampled[n]))
+                               for rows_g, n in zip(batch_groups, want_groups, strict=True))
+    # Advantages and keep of the batch re-derived from its rows' own text.
+    texts = [(TOK.decode(t[:P]), TOK.decode(t[P:])) for t in batch["tokens"]]
+    rewards = np.asarray([seen["reward"](p, c) for p, c in texts])
+    lengths, truncated = completion_lengths(batch["tokens"], P)
+    adv, keep = reference_advantages(rewards, np.zeros(rows, bool), truncated, G)
+    errors["advantages"] = float(np.abs(batch["advantages"] - adv).max())
+    errors["keep"] = int(np.sum(batch["keep"] != keep))
+    # Round 0 as sampled: the reward figures.
+    first = seen["rounds"][0]
+    r0 = np.asarray([seen["reward"](TOK.decode(t[:P]), TOK.decode(t[P:])) for t in first["tokens"]])
+    kept_adv = adv[keep]
+    every_round = sum(completion_lengths(s["tokens"], P)[0].sum() for s in seen["rounds"])
+    prompt_tokens = sum(len(TOK.encode(p)) + 1 for p, _ in texts)  # BOS and the prompt
+    want = {"reward_mean": r0.mean(), "reward_max": r0.max(), "reward_min": r0.min(), "reward_std": r0.std(),
+            "scored_samples": rows, "kept_frac": keep.mean(),
+            "adv_mean": kept_adv.mean() if keep.any() else 0.0, "adv_std": kept_adv.std() if keep.any() else 0.0,
+            "adv_min": kept_adv.min() if keep.any() else 0.0, "adv_max": kept_adv.max() if keep.any() else 0.0,
+            "completion_len_mean": lengths.mean(), "completion_len_min": lengths.min(),
+            "completion_len_max": lengths.max(), "truncated_frac": truncated.mean(),
+            "tokens": prompt_tokens + lengths.sum(), "rollout_tokens": every_round, "ds_rounds": want_rounds,
+            "ds_rollouts": want_rounds * rows, "ds_informative_frac": want_frac}
+    for k, v in want.items():
+        errors[k] = abs(rec[k] - float(v)) / max(abs(float(v)), 1.0)
+    return errors
+
+
+DS_COUNTS = ("rounds", "prompts", "batch_rows", "keep")
+
+
+def within_tolerance(errors: dict) -> bool:
+    return all(v == 0 if k in DS_COUNTS else v < DS_TOL for k, v in errors.items())
+
+
+def test_dynamic_sampling_rounds_stop_at_the_threshold_and_each_figure_comes_from_its_rows(ds_base, ds_survey):
+    names, nothing_teaches = ds_survey
+    # Each round is a draw of its own: the three rounds drew six distinct prompts of the eight.
+    assert len(set(names.values())) == 6, names
+    errors = {case: ds_errors(case, names, nothing_teaches if case == "nothing_teaches" else
+                              ds_step(ds_base, case, names)) for case in DS_CASES}
+    assert all(within_tolerance(e) for e in errors.values()), errors
+
+
+# One-line bugs in the dynamic sampler's rounds and in which rows each logged figure is taken from,
+# each with the case that shows it (the cases above run them all; one each keeps the table cheap).
+DS_BROKEN = {
+    "rounds_redraw_round_0s_prompts": ("_sample_groups", " + ([round_index] if round_index else [])", "",
+                                       "nothing_teaches"),
+    "held_threshold_off_by_one": ("_fill_batch", "if held >= r.prompts_per_step or", "if held > r.prompts_per_step or",
+                                  "held_at_the_threshold_in_round_0"),
+    "stops_one_group_short": ("_fill_batch", "if held >= r.prompts_per_step or",
+                              "if held >= r.prompts_per_step - 1 or", "one_below_the_threshold_at_a_cap_of_2"),
+    "round_cap_off_by_one": ("_fill_batch", "rounds >= r.dynamic_sampling_rounds", "rounds > r.dynamic_sampling_rounds",
+                             "one_below_the_threshold_at_a_cap_of_2"),
+    "filler_from_the_last_round": ("_fill_batch", "filler = pick(first,", "filler = pick(sample,",
+                                   "one_below_the_threshold_at_a_cap_of_2"),
+    "rollout_tokens_of_the_last_round": ("_fill_batch", 'new_tokens += sample["new_tokens"]',
+                                         'new_tokens = sample["new_tokens"]', "held_at_the_threshold_in_round_1"),
+    "reward_figures_from_the_trained_batch": ("_grpo_step", 'scored = first["rewards"][~first["skipped"]]',
+                                              'scored = rollout["rewards"][~rollout["skipped"]]',
+                                              "held_at_the_threshold_in_round_1"),
+    "reward_figures_from_the_kept_rows": ("_grpo_step", 'scored = first["rewards"][~first["skipped"]]',
+                                          'scored = first["rewards"][keep_PG.reshape(-1)]',
+                                          "one_below_the_threshold_at_a_cap_of_2"),
+    "advantage_figures_over_every_row": ("_grpo_step", "advantage_stats(jnp.asarray(adv_PG), jnp.asarray(keep_PG))",
+                                         "advantage_stats(jnp.asarray(adv_PG), jnp.ones_like(jnp.asarray(keep_PG)))",
+                                         "one_below_the_threshold_at_a_cap_of_2"),
+    "completion_lengths_of_round_0": ("_grpo_step", 'lengths = rollout["lengths"].astype(np.float64)',
+                                      'lengths = first["lengths"].astype(np.float64)',
+                                      "held_at_the_threshold_in_round_1"),
+}
+
+
+@pytest.mark.parametrize("variant", list(DS_BROKEN))
+def test_broken_dynamic_sampling_is_caught(variant, ds_base, ds_survey):
+    names, _ = ds_survey
+    case = DS_BROKEN[variant][3]
+    errors = ds_errors(case, names, ds_step(ds_base, case, names, variant))
+    worst = max(v if k in DS_COUNTS else v / (10 * DS_TOL) for k, v in errors.items())
+    assert worst >= 1, f"{variant}: {errors}"

@@ -1,13 +1,19 @@
-"""The RL run end to end on the 8-device CPU mesh: outputs, exact resume after a kill, bad input."""
+"""The RL run end to end on the 8-device CPU mesh: outputs, exact resume after a kill, bad input, and
+the state handed from the supervised warm-up to GRPO."""
 
+import dataclasses
 import json
 import math
+import types
 import zlib
 
 import jax
 import numpy as np
+import optax
 import pytest
 
+import hybridmoe.rl.loop as rl_loop
+import hybridmoe.run.session as run_session
 from helpers import TWO_LAYERS, tiny_config
 from hybridmoe.config import ConfigError
 from hybridmoe.model.params import abstract_params
@@ -20,10 +26,12 @@ from hybridmoe.run.setup import build
 
 TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "old_logprobs_time_s",
                "rollout_tokens_per_s"}
-# 2 warm-up steps then 4 GRPO steps; checkpoints after steps 2 and 5 (done = 3, 6).
+# 2 warm-up steps then 4 GRPO steps; checkpoints after steps 2 and 5 (done = 3, 6). The GRPO phase
+# ramps its learning rate over its first 2 updates (0, then half, then the peak), so the phase
+# boundary shows where its schedule starts. tests/test_rl_glue.py runs the same programs.
 OVERRIDES = ("rl.warmup_steps=2", "rl.steps=4", "rl.checkpoint_every=3", "rl.prompts_per_step=2", "rl.group_size=4",
-             "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05", "train.batch_size=8", "train.seq_len=32",
-             "gdn.chunk_size=8", *TWO_LAYERS)
+             "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05", "rl.lr_warmup_steps=2", "train.batch_size=8",
+             "train.seq_len=32", "gdn.chunk_size=8", *TWO_LAYERS)
 
 
 class OneLongPrompt(ArithmeticTask):
@@ -37,11 +45,12 @@ class OneLongPrompt(ArithmeticTask):
 
 
 def flaky_reward(prompt: str, completion: str) -> float:
-    """Deterministic in its input: raises on about a fifth of the samples, NaN on another fifth."""
-    h = zlib.crc32((prompt + "|" + completion).encode()) % 5
-    if h == 0:
+    """Deterministic in its input: raises on about a fifth of the samples, NaN on another fifth, and
+    a value in [0, 1) on the rest (a group with two of those has reward variance: an update)."""
+    h = zlib.crc32((prompt + "|" + completion).encode())
+    if h % 5 == 0:
         raise ValueError("flaky reward")
-    return float("nan") if h == 1 else 0.0
+    return float("nan") if h % 5 == 1 else h % 997 / 997
 
 
 class HardKill(BaseException):
@@ -78,16 +87,61 @@ def cfg():
     return tiny_config(*OVERRIDES)
 
 
+class StepRecorder:
+    """What run_rl's step programs receive and return, as host copies: per step (phase, the train
+    state handed in, the reference policy handed in (GRPO), the state returned). Installed around
+    rl.loop._build_run, so the run's own programs run; `setup` is the run's set-up."""
+
+    def __init__(self):
+        self.steps, self.setup = [], None
+
+    def install(self, mp):
+        real_build_run = rl_loop._build_run
+
+        def recording_build_run(cfg, setup, *rest):
+            run = real_build_run(cfg, setup, *rest)
+            self.setup, warm, grpo = setup, run.warmup_step, run.grpo_step
+
+            def warmup_step(state, batch):
+                before = jax.device_get(state)  # the step donates its input
+                state, m = warm(state, batch)
+                self.steps.append(("warmup", before, None, jax.device_get(state)))
+                return state, m
+
+            def grpo_step(state, ref_params, batch):
+                before, ref = jax.device_get((state, ref_params))
+                state, m = grpo(state, ref_params, batch)
+                self.steps.append(("grpo", before, ref, jax.device_get(state)))
+                return state, m
+
+            return dataclasses.replace(run, warmup_step=warm and warmup_step, grpo_step=grpo and grpo_step)
+
+        mp.setattr(rl_loop, "_build_run", recording_build_run)
+
+
+def reuse_setup(mp, setup):
+    """run_rl builds no set-up for setup's config but takes this one, whose programs are kept on it
+    (RunSetup.kept): a run of the same config in this process traces and compiles nothing again, as
+    when build() still holds the set-up (conftest forgets it after each test)."""
+    real_build = run_session.build
+    same = setup.cfg.model_dump_json()
+    mp.setattr(run_session, "build", lambda cfg, *a, **k: setup if cfg.model_dump_json() == same and not (a or k)
+               else real_build(cfg, *a, **k))
+
+
 @pytest.fixture(scope="module")
 def finished_run(cfg, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl") / "run"
     task = OneLongPrompt(digits=1)
-    history = run_rl(cfg, out, progress=False, task=task, reward_fns=_rewards(task))
-    return out, history
+    recorder = StepRecorder()
+    with pytest.MonkeyPatch.context() as mp:
+        recorder.install(mp)
+        history = run_rl(cfg, out, progress=False, task=task, reward_fns=_rewards(task))
+    return types.SimpleNamespace(out=out, history=history, steps=recorder.steps, setup=recorder.setup)
 
 
 def test_run_writes_metrics_plot_tensorboard_checkpoints_and_counts_bad_samples(finished_run):
-    out, history = finished_run
+    out, history = finished_run.out, finished_run.history
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(6)) == [h["step"] for h in history]
     assert [r["phase"] for r in records] == [0, 0, 1, 1, 1, 1]
@@ -103,8 +157,9 @@ def test_run_writes_metrics_plot_tensorboard_checkpoints_and_counts_bad_samples(
     assert Checkpoints(out / "checkpoints").latest_step() == 6
 
 
-def test_resume_after_a_kill_continues_exactly(cfg, finished_run, tmp_path):
-    out_full, _ = finished_run
+def test_resume_after_a_kill_continues_exactly(cfg, finished_run, tmp_path, monkeypatch):
+    out_full = finished_run.out
+    reuse_setup(monkeypatch, finished_run.setup)
     out = tmp_path / "killed"
     task = OneLongPrompt(digits=1)
     # Killed inside step 5 (the 4th GRPO step; 4 scored rows per step, the long prompt's group is
@@ -122,8 +177,131 @@ def test_resume_after_a_kill_continues_exactly(cfg, finished_run, tmp_path):
     assert meta_resumed["rng_key"] == meta_full["rng_key"] and meta_resumed["phase"] == 1
 
 
+# ---------------------------------------------------------------------------------------------
+# The phase boundary. What the config says (rl/loop.py, rl.* and train.* in config/schema.py):
+# steps are counted globally (the train state's step goes on from the warm-up); the warm-up steps
+# with train.* (train.learning_rate, ramped over train.warmup_steps from 0); GRPO starts from the
+# warmed-up policy with a fresh optimizer (Adam's count and moments 0) at rl.learning_rate,
+# ramped over rl.lr_warmup_steps counted from its own first update; the frozen reference (rl.beta
+# > 0) is the policy GRPO starts from. Every figure below comes from the config and the states
+# the step programs were handed and returned, never from the run's optimizer:
+# AdamW written out: update k of a phase (k = Adam's count before it) moves each parameter by
+#   -lr_k (m / (1 - b1^(k+1)) / (sqrt(v / (1 - b2^(k+1))) + 1e-8) + weight_decay p),
+#   lr_k = peak * min(k, ramp) / ramp (peak when ramp = 0),
+# with m and v the moments it leaves. An update the step did not apply (nothing kept) leaves the
+# parameters and the optimizer state as they were.
+
+BOUNDARY_TOL = 1e-3  # a parameter's move against AdamW written out, in the phase's peak learning rate (clean: 1.3e-4)
+ADAM_EPS = 1e-8
+FIGURES = ("move", "fresh_moments")  # the errors that are float figures; every other one is a count
+
+
+def bitwise_equal(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def adam_state(opt_state) -> dict:
+    """Adam's count, moments and the learning-rate schedule's count of a host optimizer state."""
+    kinds = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+    (adam,), (schedule,) = ([n for n in nodes if isinstance(n, k)] for k in kinds)
+    return {"count": int(adam.count), "schedule_count": int(schedule.count), "mu": jax.tree.leaves(adam.mu),
+            "nu": jax.tree.leaves(adam.nu)}
+
+
+def boundary_errors(cfg, steps, history) -> dict:
+    """The recorded steps of a run against what the config says (above). Each entry is 0 on a
+    correct run, except "move" (float32 rounding: < BOUNDARY_TOL)."""
+    t, r, W = cfg.train, cfg.rl, cfg.rl.warmup_steps
+    phases = {"warmup": (t.learning_rate, t.warmup_steps), "grpo": (r.learning_rate, r.lr_warmup_steps)}
+    errors = {"phases": int([p for p, *_ in steps] != ["warmup"] * W + ["grpo"] * r.steps), "step_counter": 0,
+              "fresh_optimizer": 0, "count": 0, "warmed_up_policy": 0, "reference": 0, "fresh_moments": 0.0,
+              "move": 0.0, "not_applied_moved": 0}
+    applied = {"warmup": 0, "grpo": 0}  # updates applied so far in each phase: Adam's count
+    warmed_up = None
+    for i, (phase, before, ref, after) in enumerate(steps):
+        peak, ramp = phases[phase]
+        a_in, a_out = adam_state(before["opt_state"]), adam_state(after["opt_state"])
+        k = applied[phase]
+        errors["step_counter"] += int(before["step"] != i) + int(after["step"] != i + 1)
+        errors["count"] += int((a_in["count"], a_in["schedule_count"]) != (k, k))
+        if k == 0:  # the phase's first step: Adam's moments start at 0
+            errors["fresh_optimizer"] += sum(int(np.any(x != 0)) for x in a_in["mu"] + a_in["nu"])
+        if phase == "grpo":
+            # The policy GRPO starts from, and its frozen reference: the warmed-up policy, bit for bit.
+            if i == W:
+                warmed_up = steps[W - 1][3]["params"] if W else before["params"]
+                errors["warmed_up_policy"] += int(not bitwise_equal(before["params"], warmed_up))
+            if r.beta > 0:
+                errors["reference"] += int(not bitwise_equal(ref, warmed_up))
+        p_in, p_out = jax.tree.leaves(before["params"]), jax.tree.leaves(after["params"])
+        if history[i]["update_skipped"] or history[i].get("update_applied", 1.0) == 0.0:
+            errors["not_applied_moved"] += int(a_out["count"] != k) + sum(
+                int(not np.array_equal(x, y)) for x, y in zip(p_in, p_out))
+            continue
+        applied[phase] = k + 1
+        errors["count"] += int((a_out["count"], a_out["schedule_count"]) != (k + 1, k + 1))
+        if k == 0:  # after one gradient g from zero moments: m = (1 - b1) g, v = (1 - b2) g^2
+            for m, v in zip(a_out["mu"], a_out["nu"]):
+                m, v = np.asarray(m, np.float64), np.asarray(v, np.float64)
+                want = (1 - t.b2) / (1 - t.b1) ** 2 * m * m
+                worst = float(np.abs(v - want).max() / max(v.max(), 1e-30))
+                errors["fresh_moments"] = max(errors["fresh_moments"], worst)
+        lr = peak * min(k, ramp) / ramp if ramp else peak
+        c = k + 1
+        for p0, p1, m, v in zip(p_in, p_out, a_out["mu"], a_out["nu"]):
+            p0, p1, m, v = (np.asarray(x, np.float64) for x in (p0, p1, m, v))
+            want = -lr * (m / (1 - t.b1 ** c) / (np.sqrt(v / (1 - t.b2 ** c)) + ADAM_EPS) + t.weight_decay * p0)
+            errors["move"] = max(errors["move"], float(np.abs(p1 - p0 - want).max() / peak))
+    return errors
+
+
+def test_grpo_starts_from_the_warmed_up_policy_with_a_fresh_optimizer_on_its_own_schedule(cfg, finished_run):
+    steps, history = finished_run.steps, finished_run.history
+    grpo_applied = [h["update_applied"] for h in history[cfg.rl.warmup_steps:]]
+    # The run shows what it claims: GRPO updates at the ramp's 0 and half rates, after a warm-up
+    # whose second step moved the weights.
+    assert grpo_applied[:2] == [1.0, 1.0], grpo_applied
+    errors = boundary_errors(cfg, steps, history)
+    assert not any(v for k, v in errors.items() if k not in FIGURES), errors
+    assert errors["move"] < BOUNDARY_TOL and errors["fresh_moments"] < 1e-5, errors  # measured 1.3e-4, 1.7e-7
+
+
+# One-line bugs at the phase boundary, each patched into the loop: boundary_errors must catch it.
+BOUNDARY_BROKEN = {
+    "warmup_optimizer_state_carried_into_grpo": ("_build_run", '"opt_state": rl_opt.init(s["params"])',
+                                                 '"opt_state": s["opt_state"]'),
+    "step_counter_restarted_at_grpo": ("_build_run", '"step": s["step"]}', '"step": 0 * s["step"]}'),
+    "grpo_optimizer_fresh_one_step_late": ("run_rl", "if i == r.warmup_steps:", "if i == r.warmup_steps + 1:"),
+    "reference_is_the_initial_policy": ("run_rl", 'ref_params = jax.tree.map(jnp.copy, state["params"])',
+                                        "ref_params = ref_params"),
+}
+
+
+@pytest.mark.parametrize("variant", list(BOUNDARY_BROKEN))
+def test_broken_phase_boundaries_are_caught(variant, cfg, finished_run, monkeypatch):
+    from broken_variants import mutated
+    name, old, new = BOUNDARY_BROKEN[variant]
+    # The run's programs serve, but for the GRPO optimizer's init where the variant changes it.
+    reuse_setup(monkeypatch, finished_run.setup)
+    if name == "_build_run":
+        monkeypatch.delitem(finished_run.setup._kept, "rl_optimizer_init")
+    recorder = StepRecorder()
+    patches = [lambda: monkeypatch.setattr(rl_loop, name, mutated(rl_loop, name, old, new)),
+               lambda: recorder.install(monkeypatch)]
+    # The recorder wraps a broken _build_run; a broken run_rl, recompiled, must see the recorder's.
+    for patch in (patches if name == "_build_run" else patches[::-1]):
+        patch()
+    task = OneLongPrompt(digits=1)
+    history = rl_loop.run_rl(cfg, None, progress=False, task=task, reward_fns=_rewards(task))
+    assert len(recorder.steps) == len(history) == cfg.rl.warmup_steps + cfg.rl.steps  # the recorder saw the run
+    errors = boundary_errors(cfg, recorder.steps, history)
+    assert errors["move"] >= 10 * BOUNDARY_TOL or any(v for k, v in errors.items() if k not in FIGURES), (
+        f"{variant}: {errors}")
+
+
 def test_wrong_shape_checkpoints_are_clear_errors(cfg, finished_run, tmp_path):
-    out, _ = finished_run
+    out = finished_run.out
     with pytest.raises(RunError, match="another shape"):
         run_rl(tiny_config(*OVERRIDES, "model.d_model=32"), out, resume=True, progress=False)
     with pytest.raises(RunError, match="already holds a run"):
