@@ -75,6 +75,9 @@ CASES: dict[str, Case] = {
     "process_id_past_processes": case("_mesh_distributed", ["mesh.distributed=true", "mesh.num_processes=2",
                                                             "mesh.coordinator_address=localhost:1", "mesh.process_id=2"],
                                       ("mesh.process_id", "not below mesh.num_processes=2")),
+    # Accepted before, the first training step failed in the ring's shard_map.
+    "experts_over_context_alone": case("_mesh_rules", [*CP2, "gdn.chunk_size=32", "mesh.rules=cp_as_ep"],
+                                       ("mesh.rules", "over mesh.context=2 alone (mesh.expert=1)")),
     "width_vs_fsdp": case("_model_weights_split_over_mesh", ["model.d_model=30"],  # dense and expert weights
                           ("model.d_model", "mesh.fsdp=4 x mesh.context=1 x mesh.expert=1, which the rules give "
                            "logical axis 'embed'"),
