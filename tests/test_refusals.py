@@ -442,3 +442,44 @@ def test_the_rl_command_measures_its_own_tasks_prompts(rl_loop):
     with pytest.raises(_Built):
         rl_loop.run_rl(load_config("demo", ["rl.task=format"]), None, progress=False,
                        task=ArithmeticTask(digits=1, prefix="answer only: "))
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken validators: each (the RULES list to patch in, the tests here that must fail under it).
+
+def _without(name: str) -> list:
+    return [r for r in validate.RULES if r.__name__ != name]
+
+
+def _dropping(name: str, key: str) -> list:
+    """RULES with rule `name` no longer reporting its problems of `key` (one check deleted)."""
+    def broken(cfg, f):
+        return [p for p in original(cfg, f) if p[0] != key]
+
+    original = next(r for r in validate.RULES if r.__name__ == name)
+    broken.__name__, broken.keys = name, original.keys
+    return [broken if r is original else r for r in validate.RULES]
+
+
+BROKEN_VALIDATORS = {
+    # a rule deleted (its registration lost)
+    "remat_save_unregistered": (lambda: _without("_remat_save"),
+                                ["enumeration", "save_list_without_custom", "save_list_unknown_name"]),
+    "replay_rule_unregistered": (lambda: _without("_moe_routing_replay"),
+                                 ["enumeration", "replay_with_token_chunks", "replay_with_the_ring"]),
+    # one check of a rule deleted
+    "greedy_check_dropped": (lambda: _dropping("_rl_shapes", "rl.temperature"), ["greedy_grpo"]),
+    "cp_as_ep_check_dropped": (lambda: _dropping("_mesh_rules", "mesh.rules"), ["experts_over_context_alone"]),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN_VALIDATORS))
+def test_the_broken_validators_are_caught(variant, monkeypatch):
+    rules, caught_by = BROKEN_VALIDATORS[variant]
+    monkeypatch.setattr(validate, "RULES", rules())
+    for name in caught_by:
+        with pytest.raises(AssertionError):
+            if name == "enumeration":
+                test_every_rule_has_a_refusal_case()
+            else:
+                test_each_rule_refuses_its_case_naming_the_keys(name)
