@@ -37,3 +37,14 @@ def test_bench_refuses_arms_that_cannot_fit_before_timing(monkeypatch):
         run_bench("tiny", [*TWO_LAYERS, "bench.steps=2", "train.seq_len=16"],
                   [("control", []), ("no_remat", ["remat.policy=none"])], 2, free_bytes=1)
     assert "--arm control:" in str(e.value) and "--arm no_remat:" in str(e.value)
+
+
+def test_bench_can_leave_out_an_arm_that_cannot_fit():
+    """skip_unfit (the chip's step benchmark): the refused arm says why and nothing of it is timed;
+    the table prints it as refused."""
+    from hybridmoe.tools.bench import format_table
+
+    out = run_bench("tiny", [*TWO_LAYERS, "bench.steps=2", "train.seq_len=16"],
+                    [("control", []), ("no_remat", ["remat.policy=none"])], 2, free_bytes=1, skip_unfit=True)
+    assert set(out) == {"control", "no_remat"} and all("refused" in a and "step_times_s" not in a for a in out.values())
+    assert "refused: its step needs" in format_table(out)

@@ -144,11 +144,12 @@ def _timed_visit(arm: Arm, setup, compiled, visit: int, steps: int) -> None:
 
 
 def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]], steps: int, *,
-              estimate_for: str | None = None, free_bytes: int | None = -1) -> dict:
+              estimate_for: str | None = None, free_bytes: int | None = -1, skip_unfit: bool = False) -> dict:
     """Every arm compiled first (a program that cannot fit is refused before anything runs), then
     timed in visits that alternate the arms (A B C A B C: drift in the machine's speed spreads over
     all of them), `steps` timed steps per arm in all, split over two visits. free_bytes: the device
-    memory an arm may use (-1: what the first device reports free; None: unchecked)."""
+    memory an arm may use (-1: what the first device reports free; None: unchecked). skip_unfit: an
+    arm that cannot fit is left out and its entry says why ({"refused": ...}) instead."""
     if len({n for n, _ in arms}) != len(arms):
         raise ValueError("--arm names must be distinct")
     built = [Arm(n, o, _arm_config(recipe, [*common, *o])) for n, o in arms]
@@ -182,8 +183,12 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
     if free_bytes == -1:
         free_bytes = device_free_bytes(runs[0][1].mesh.devices.flat[0])
     refused = fit_problems(built, free_bytes)
-    if refused:
+    if refused and not skip_unfit:
         raise ValueError("arms that cannot fit the device (nothing was timed):\n  " + "\n  ".join(refused))
+    unfit = {line.split(":", 1)[0].removeprefix("--arm "): line for line in refused}
+    runs = [r for r in runs if r[0].name not in unfit]
+    if not runs:
+        return {a.name: {"overrides": a.overrides, "refused": unfit[a.name]} for a in built}
     peak = measure_peak_flops(runs[0][1].mesh, jnp.dtype(built[0].cfg.model.compute_dtype))
     visits = 2
     per_visit = -(-steps // visits)
@@ -205,24 +210,35 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                          "estimate": arm.estimate,
                          "measured_over_estimated": sec / arm.estimate["step_s"] if arm.estimate else None,
                          "config": json.loads(arm.cfg.model_dump_json())}
+    for arm in built:
+        if arm.name in unfit:
+            out[arm.name] = {"overrides": arm.overrides, "refused": unfit[arm.name], "program": arm.program,
+                             "estimate": arm.estimate}
     return out
 
 
 def format_table(results: dict) -> str:
-    first = next(iter(results.values()))["seconds_per_step"]
+    timed = {n: a for n, a in results.items() if "refused" not in a}
+    first = next(iter(timed.values()))["seconds_per_step"] if timed else None
     lines = [f"{'arm':<16} {'s/step':>8} {'ratio':>6} {'tok/s/dev':>10} {'compile s':>9} {'temp MiB':>9} "
              f"{'loop colls':>10} {'MFU':>6} {'useful':>6} {'est. s':>8} {'meas/est':>8}"]
+    estimated = None
     for name, a in results.items():
+        if "refused" in a:
+            lines.append(f"{name:<16} refused: {a['refused'].split(': ', 1)[1]}")
+            continue
         est = a.get("estimate")
+        estimated = estimated or est
         lines.append(f"{name:<16} {a['seconds_per_step']:>8.4f} {a['seconds_per_step'] / first:>6.3f} "
                      f"{a['tokens_per_s_per_device']:>10.1f} {a['compile_s']:>9.1f} "
                      f"{a['program'].get('temp', 0) / 2**20:>9.2f} {a['program']['collectives_in_loop']:>10} "
                      f"{a['mfu']:>6.1%} {a['useful_mfu']:>6.1%} "
                      + (f"{est['step_s']:>8.4f} {a['measured_over_estimated']:>8.2f}" if est else f"{'-':>8} {'-':>8}"))
-    if est:
-        lines.append(f"est.: the step-time model on {est['hardware']} "
-                     f"({'calibrated on a chip' if est['calibrated'] else 'the maker' + chr(39) + 's figures'}), collectives not overlapped")
-    lines.append(f"MFU: XLA's FLOPs of the step per device per second over a measured peak of "
-                 f"{next(iter(results.values()))['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device (dense matmul on every "
-                 "device at once); useful: the model's FLOPs counted from its shape")
+    if timed:
+        lines.append(f"MFU: XLA's FLOPs of the step per device per second over a measured peak of "
+                     f"{next(iter(timed.values()))['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device (dense matmul "
+                     "on every device at once); useful: the model's FLOPs counted from its shape")
+    if estimated:
+        source = "calibrated on a chip" if estimated["calibrated"] else "the maker's figures"
+        lines.append(f"est.: the step-time model on {estimated['hardware']} ({source}), collectives not overlapped")
     return "\n".join(lines)
