@@ -26,10 +26,10 @@ from hybridmoe.run.setup import build
 
 TIMING_KEYS = {"tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "old_logprobs_time_s",
                "rollout_tokens_per_s"}
-# 2 warm-up steps then 4 GRPO steps; checkpoints after steps 2 and 5 (done = 3, 6). The GRPO phase
+# 2 warm-up steps then 4 GRPO steps; checkpoints after steps 1, 3 and 5 (done = 2, 4, 6). The GRPO phase
 # ramps its learning rate over its first 2 updates (0, then half, then the peak), so the phase
 # boundary shows where its schedule starts. tests/test_rl_glue.py runs the same programs.
-OVERRIDES = ("rl.warmup_steps=2", "rl.steps=4", "rl.checkpoint_every=3", "rl.prompts_per_step=2", "rl.group_size=4",
+OVERRIDES = ("rl.warmup_steps=2", "rl.steps=4", "rl.checkpoint_every=2", "rl.prompts_per_step=2", "rl.group_size=4",
              "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05", "rl.lr_warmup_steps=2", "train.batch_size=8",
              "train.seq_len=32", "gdn.chunk_size=8", *TWO_LAYERS)
 
@@ -158,18 +158,26 @@ def test_run_writes_metrics_plot_tensorboard_checkpoints_and_counts_bad_samples(
 
 
 def test_resume_after_a_kill_continues_exactly(cfg, finished_run, tmp_path, monkeypatch):
+    """Killed twice and resumed each time: first from the checkpoint at the phase boundary (the
+    warm-up done, GRPO's optimizer not made yet), then from one inside GRPO; the run ends as the
+    uninterrupted one did, bit for bit."""
     out_full = finished_run.out
     reuse_setup(monkeypatch, finished_run.setup)
     out = tmp_path / "killed"
     task = OneLongPrompt(digits=1)
-    # Killed inside step 5 (the 4th GRPO step; 4 scored rows per step, the long prompt's group is
-    # not scored): the last checkpoint is after step 2.
+    # 4 scored rows per GRPO step (the long prompt's group is not scored); checkpoints every 2 steps.
+    # Killed inside step 3 (the 2nd GRPO step): the last checkpoint is the warm-up's (done = 2).
     with pytest.raises(HardKill):
-        run_rl(cfg, out, progress=False, task=task, reward_fns=_rewards(task, kill_at_call=3 * 4))
+        run_rl(cfg, out, progress=False, task=task, reward_fns=_rewards(task, kill_at_call=1 * 4))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+    assert Checkpoints(out / "checkpoints").latest_step() == cfg.rl.warmup_steps == 2
+    # Resumed there, killed again inside step 5: the last checkpoint is after step 3 (done = 4).
+    with pytest.raises(HardKill):
+        run_rl(cfg, out, resume=True, progress=False, task=task, reward_fns=_rewards(task, kill_at_call=3 * 4))
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3, 4]
-    assert Checkpoints(out / "checkpoints").latest_step() == 3
+    assert Checkpoints(out / "checkpoints").latest_step() == 4
     resumed = run_rl(cfg, out, resume=True, progress=False, task=task, reward_fns=_rewards(task))
-    assert [h["step"] for h in resumed] == [3, 4, 5]
+    assert [h["step"] for h in resumed] == [4, 5]
     assert _comparable(read_metrics(out / "metrics.jsonl")) == _comparable(read_metrics(out_full / "metrics.jsonl"))
     params_full, meta_full = _final_params(cfg, out_full)
     params_resumed, meta_resumed = _final_params(cfg, out)
