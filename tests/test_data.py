@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from broken_variants import mutated
 from helpers import TWO_LAYERS
 from hybridmoe.recipe import load_config
 from hybridmoe.data.records import DataError, prompt_or_messages, read_records, text_or_messages
@@ -202,7 +203,8 @@ def test_a_resume_at_another_document_is_caught(variant, file_runs, tmp_path, mo
     import hybridmoe.train.loop as train_loop
     real = train_loop.start_position
     shift = {"one_document_late": 1, "from_the_first_document": None}[variant]
-    monkeypatch.setattr(train_loop, "start_position", lambda meta: 0 if shift is None else real(meta) + shift)
+    monkeypatch.setattr(train_loop, "start_position",
+                        lambda meta, *rest: 0 if shift is None else real(meta, *rest) + shift)
     _, _, straight = file_runs
     assert _resumed(file_runs, tmp_path)[0]["loss"] != straight[2]["loss"], variant
 
@@ -210,7 +212,135 @@ def test_a_resume_at_another_document_is_caught(variant, file_runs, tmp_path, mo
 def test_cursor_round_trips_through_checkpoint_metadata():
     from hybridmoe.data.sources import position_record, start_position
     assert start_position({"data_position": position_record(17)}) == 17
-    assert start_position(None) == 0 and start_position({}) == 0  # a fresh run; step-derived sources
+    assert start_position(None) == 0 and start_position({}) == 0  # a fresh run
+    assert start_position({"data_position": [17, 4]}, host_local=False) == 0  # step-derived rows: no cursor
+
+
+# Broken variants of where a host's cursor comes from (hybridmoe/data/sources.py start_position).
+CURSOR_BROKEN = {
+    # Every host resumes at host 0's cursor.
+    "every_host_at_the_first_cursor": ("int(positions[jax.process_index()])", "int(positions[0])"),
+    # Every host resumes at the last host's cursor.
+    "every_host_at_the_last_cursor": ("int(positions[jax.process_index()])", "int(positions[-1])"),
+    # The host count not checked: a checkpoint of 2 hosts resumes on 1 at host 0's cursor, into another share.
+    "host_count_unchecked": ("if len(positions) != jax.process_count():", "if len(positions) < jax.process_count():"),
+}
+
+
+def resume_cursors(start_position, monkeypatch) -> dict[str, object]:
+    """What start_position gives each host of a 2-host checkpoint (cursors 5 and 9, as
+    position_record writes them: index = process index) on 2 hosts, and on 1 host (refused)."""
+    import jax
+    from hybridmoe.data.records import DataError
+    meta, out = {"data_position": [5, 9]}, {}
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for host in range(2):
+        monkeypatch.setattr(jax, "process_index", lambda: host)
+        out[f"host {host} of 2"] = start_position(meta, True)
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    try:
+        out["host 0 of 1"] = start_position(meta, True)
+    except DataError as e:
+        out["host 0 of 1"] = str(e)
+    return out
+
+
+def test_each_host_resumes_at_its_own_cursor_and_another_host_count_is_refused(monkeypatch):
+    from hybridmoe.data import sources
+    got = resume_cursors(sources.start_position, monkeypatch)
+    assert got["host 0 of 2"] == 5 and got["host 1 of 2"] == 9, got
+    refusal = got["host 0 of 1"]
+    assert isinstance(refusal, str) and "data_position [5, 9]" in refusal and "2 host(s)" in refusal, refusal
+    assert "this run has 1 process(es)" in refusal and "data.path" in refusal, refusal
+
+
+@pytest.mark.parametrize("variant", list(CURSOR_BROKEN))
+def test_broken_cursors_are_caught(variant, monkeypatch):
+    from hybridmoe.data import sources
+    got = resume_cursors(mutated(sources, "start_position", *CURSOR_BROKEN[variant]), monkeypatch)
+    assert (got["host 0 of 2"], got["host 1 of 2"]) != (5, 9) or not isinstance(got["host 0 of 1"], str), got
+
+
+# ---------------------------------------------------------------------------------------------
+# The stream across epochs: epoch e visits the host's documents in an order drawn from
+# (train.seed, e), each a permutation of the host's share of the file (lines h, h + n, ...). The
+# expectations are read from the file here (json, the tokenizer's decode), not from the source.
+
+EPOCH_TEXTS = [str(10 ** 3 + 37 * i) * (1 + i % 3) for i in range(16)]  # 16 distinct documents, 4-12 characters
+EPOCHS = 4
+
+
+@pytest.fixture(scope="module")
+def epoch_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("epochs") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in EPOCH_TEXTS))
+    return path
+
+
+def epoch_orders(source_class, path, *over, hosts=2, start_epoch=0) -> dict[int, list[list[str]]]:
+    """{host: [the texts epoch e visits, for e from start_epoch]}, read through document(cursor)."""
+    cfg = load_config("tiny", ["train.data=files", f"data.path={path}", "train.batch_size=8", "train.seq_len=16",
+                               *over])
+    tok = load_tokenizer()
+    out = {}
+    for h in range(hosts):
+        src = source_class(cfg, tok, h, hosts)
+        n = len(src.docs)
+        out[h] = [[tok.decode(src.document(e * n + i)) for i in range(n)] for e in range(start_epoch, EPOCHS)]
+    return out
+
+
+def epoch_problems(source_class, path) -> list[str]:
+    lines = [json.loads(x)["text"] for x in path.read_text().splitlines()]
+    orders, problems = epoch_orders(source_class, path), []
+    for h, epochs in orders.items():
+        share = lines[h::2]
+        if any(sorted(e) != sorted(share) for e in epochs):
+            problems.append(f"host {h}: an epoch does not visit each of its documents once")
+        if len({tuple(e) for e in epochs}) != EPOCHS or share in epochs:
+            problems.append(f"host {h}: two epochs in one order, or one in the file's order")
+    # A pure function of (seed, epoch): a source started in a later epoch (a resumed process) visits
+    # the same orders; another seed visits others; data.shuffle=false visits the file's order.
+    later = epoch_orders(source_class, path, start_epoch=2)
+    if any(later[h] != orders[h][2:] for h in orders):
+        problems.append("a source started in epoch 2 visits other orders")
+    reseeded = epoch_orders(source_class, path, "train.seed=1")
+    if any(reseeded[h][e] == orders[h][e] for h in orders for e in range(EPOCHS)):
+        problems.append("another train.seed visits an epoch in the same order")
+    in_order = epoch_orders(source_class, path, "data.shuffle=false")
+    if any(e != lines[h::2] for h in in_order for e in in_order[h]):
+        problems.append("data.shuffle=false does not visit the file's order")
+    return problems
+
+
+def test_each_epoch_visits_every_document_once_in_an_order_of_its_own(epoch_file):
+    assert epoch_problems(TextSource, epoch_file) == []
+
+
+# Broken variants of the epoch order (hybridmoe/data/text.py TextSource): the fragment, its
+# replacement, and the problem epoch_problems must report.
+EPOCH_BROKEN = {
+    # Every epoch reuses the first epoch's order.
+    "every_epoch_in_the_first_order": ("[self.seed, DATA_STREAM, epoch]", "[self.seed, DATA_STREAM, 0]",
+                                       "two epochs in one order"),
+    # The order ignores train.seed.
+    "order_without_the_seed": ("[self.seed, DATA_STREAM, epoch]", "[DATA_STREAM, epoch]", "another train.seed"),
+    # An epoch one document short: its last document is never visited.
+    "epoch_one_document_short": ("epoch, i = divmod(cursor, len(self.docs))",
+                                 "epoch, i = divmod(cursor, len(self.docs) - 1)", "each of its documents once"),
+    # Every host reads host 0's share.
+    "every_host_reads_the_first_share": ("records[host_index::host_count]", "records[0::host_count]",
+                                         "host 1: an epoch does not visit each of its documents once"),
+}
+
+
+@pytest.mark.parametrize("variant", list(EPOCH_BROKEN))
+def test_broken_epoch_orders_are_caught(variant, epoch_file):
+    from hybridmoe.data import text
+    old, new, expected = EPOCH_BROKEN[variant]
+    problems = epoch_problems(mutated(text, "TextSource", old, new), epoch_file)
+    assert any(expected in p for p in problems), (variant, problems)
 
 
 def test_fine_tune_a_checkpoint_on_jsonl_and_export_it(tmp_path):

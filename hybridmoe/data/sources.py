@@ -82,7 +82,17 @@ def position_record(position: int) -> list[int]:
     return [int(p) for p in np.asarray(multihost_utils.process_allgather(np.int64(position)))]
 
 
-def start_position(meta: dict | None) -> int:
-    """This host's cursor from a checkpoint's metadata (0 for a fresh run or a step-derived source)."""
+def start_position(meta: dict | None, host_local: bool = True) -> int:
+    """This host's cursor from a checkpoint's metadata (0 for a fresh run or a step-derived source,
+    host_local False). A file's cursors count documents of each host's own share (records h, h + n,
+    ...), so they resume on as many hosts as wrote them: on any other count a cursor would point
+    into another share (or none), and the run would silently train on other documents."""
     positions = (meta or {}).get("data_position") or []
-    return int(positions[jax.process_index()]) if isinstance(positions, list) and positions else 0
+    if not host_local or not isinstance(positions, list) or not positions:
+        return 0
+    if len(positions) != jax.process_count():
+        from hybridmoe.data.records import DataError
+        raise DataError(f"--resume: the checkpoint's data cursors (data_position {positions}) are those of "
+                        f"{len(positions)} host(s), each reading its own share of data.path, but this run has "
+                        f"{jax.process_count()} process(es); resume it on {len(positions)} host(s)")
+    return int(positions[jax.process_index()])

@@ -28,9 +28,11 @@ def train(cfg: Config, out: Path | None = None, *, resume: bool = False, overwri
         state = init_state(setup, jax.random.key(cfg.train.seed))
         return {**state, "params": params_from_hf(setup, init_hf, hf_tree)} if hf_tree is not None else state
 
+    # A checkpoint whose file cursors are not this host count's is refused before its restore.
     session = open_session(cfg, out, resume=resume, overwrite=overwrite, init_hf=init_hf,
-                           abstract_tree=lambda setup: setup.abstract_state(), fresh_tree=fresh)
-    position = start_position(session.saved_meta)
+                           abstract_tree=lambda setup: setup.abstract_state(), fresh_tree=fresh,
+                           check_saved=lambda saved: start_position(saved, source.host_local))
+    position = start_position(session.saved_meta, source.host_local)
     data_counts = long_document_metrics(source)  # documents longer than train.seq_len: in the first record
     step_fn = session.setup.kept("train_step", lambda: jit_train_step(session.setup))
 
