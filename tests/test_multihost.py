@@ -122,7 +122,7 @@ def _data_position(run: Path, step: int) -> list[int]:
 RESUME_AT = 2  # the checkpoint the 2-process run resumes from (COMMANDS["train"]: 6 steps, one every 2)
 
 
-def test_two_processes_on_file_data_resume_each_host_at_its_own_cursor(tmp_path, cache, monkeypatch):
+def test_two_processes_on_file_data_resume_each_host_at_its_own_cursor(tmp_path, cache, monkeypatch, capsys):
     """The uninterrupted run: 1 process x 8 devices fed both hosts' rows (TwoHostsOfFiles), to step
     6. Its checkpoint after step 2, whose cursors differ, resumes as `launch --processes 2`: each
     host must continue at its own cursor, through its share's epoch boundaries, to the uninterrupted
@@ -156,7 +156,11 @@ def test_two_processes_on_file_data_resume_each_host_at_its_own_cursor(tmp_path,
 
     # One process cannot continue two hosts' cursors: refused before anything is restored or written.
     before = (two / "metrics.jsonl").read_text()
+    capsys.readouterr()
     assert main([*COMMANDS["train"], *files, "mesh.cpu_devices=8", "--out", str(two), "--resume"]) == 2
+    err = capsys.readouterr().err
+    cursors = _data_position(two, 6)
+    assert f"data_position {cursors}" in err and "this run has 1 process(es)" in err and "Traceback" not in err, err
     assert (two / "metrics.jsonl").read_text() == before
 
 
