@@ -127,7 +127,8 @@ def test_a_change_in_one_section_gives_its_own_set_up_and_programs(section):
     both, change = SECTION_CHANGES[section]
     base, changed = tiny_config(*both), tiny_config(*both, change)
     # The row changes its own section and nothing else (a deeper section with a row of its own aside).
-    owners = {k: max((s for s in SECTION_CHANGES if k.startswith(s + ".")), key=len) for k in changed_keys(base, changed)}
+    owners = {k: max((s for s in SECTION_CHANGES if k.startswith(s + ".")), key=len)
+              for k in changed_keys(base, changed)}
     assert owners and set(owners.values()) == {section}, owners
     assert section_problems(setup_mod.build, section) == []
 
