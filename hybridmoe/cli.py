@@ -366,6 +366,22 @@ def cmd_inspect(args, words):
     return 0
 
 
+def cmd_calibrate(args, words):
+    if words:
+        raise ValueError(f"calibrate takes no config overrides; got {words}")
+    from hybridmoe.tools import calibrate
+
+    result = calibrate.calibrate(geometry=args.geometry)
+    print(calibrate.format_calibration(result))
+    if not args.dry_run:
+        calibrate.write(result)
+        print(f"wrote the {result['generation']} row of hybridmoe/analysis/chip_calibration.json")
+    if args.out:
+        from hybridmoe.tools.record import machine_record, write_record
+        write_record(Path(args.out), {"benchmark": "calibrate", **machine_record(), **result})
+    return 0
+
+
 def cmd_gates(args, words):
     if not args.candidate:
         raise ValueError("gates needs --candidate section.key=value ... (or recipe=NAME): the candidate's overrides")
@@ -411,9 +427,11 @@ COMMANDS = {
     "gates": (cmd_gates, "the six numerics gates: a candidate's GRPO steps against the reference run twice"),
     "demo": (cmd_demo, "the embedded default: GRPO on one-digit addition with the tiny model, into runs/demo"),
     "launch": (cmd_launch, "N processes of one distributed run on this machine (as one per host on a cluster)"),
+    "calibrate": (cmd_calibrate, "measure this host's TPU for the step-time model (matmul and HBM rates, fixed costs, "
+                  "each Pallas kernel's measured/modelled time) and write its generation's row of the model's table"),
 }
 # The commands whose --out is a JSON record (machine, date, commit, versions).
-RECORD_COMMANDS = ("bench", "eval", "inspect", "gates")
+RECORD_COMMANDS = ("bench", "eval", "inspect", "gates", "calibrate")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -474,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
                            "(XLA's default memory space, the peak itemised, collectives, the step estimate from "
                            "the optimised HLO) and stop before code generation (at the 397B cell under a tenth "
                            "of the whole compile); no memory analysis or XLA cost figures")
+            p.add_argument("--out", help="write the JSON record here")
+        if name == "calibrate":
+            p.add_argument("--geometry", default="one_chip", choices=("one_chip", "cell"),
+                           help="the kernel cases' shapes the Pallas kernels are timed at (tools/chip_cases.py)")
+            p.add_argument("--dry-run", action="store_true", help="measure and print; leave the table as it is")
             p.add_argument("--out", help="write the JSON record here")
         if name == "gates":
             p.add_argument("--candidate", nargs="*", metavar="OVERRIDE",

@@ -1,0 +1,105 @@
+"""The whole training step on a TPU chip, arm by arm, beside the step-time model's estimate; and the
+GRPO loop (rollouts and updates) on the same chip.
+
+Run on a TPU host (docs/tpu.md), one process holding the chip:
+
+    python3 benchmarks/tpu_step.py                 # every arm below, then the GRPO loop
+    python3 benchmarks/tpu_step.py --only default,pallas_gdn --no-grpo
+
+The arms are `hybridmoe bench` arms of the one-chip recipe (qwen3.5-35b-a3b-v5e-1): each compiled
+first, an arm that cannot fit the chip's free memory left out and recorded as refused, then timed in
+two alternating visits with one arm's state on the chip at a time (tools/bench.py), each beside the
+model's estimate of the same compiled program on the chip's generation (calibrated where
+`hybridmoe calibrate` wrote its row). The GRPO loop is `hybridmoe rl` of the same recipe with no
+warm-up: rollout tokens/s, the rollout, old-log-prob and update times from its metrics, the first
+step (which compiles) left out.
+
+Writes benchmarks/records/tpu_step.json: device, commit, arms (name -> measured_s, estimated_s,
+measured_over_estimated, overrides, or refused), the fastest arm, grpo.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+RECIPE = "qwen3.5-35b-a3b-v5e-1"
+# The Pallas grouped matmuls at the tile the chip measured fastest in isolation at the seed's width
+# (512 x 2048 x 512: 131 TFLOP/s against ragged_dot's 85); the one-chip recipe's d_model is 2048.
+TILED = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "kernels.gmm.tm=512",
+         "kernels.gmm.tk=2048", "kernels.gmm.tn=512"]
+ARMS = {
+    "default": [],
+    "pallas_gmm_heuristic": ["kernels.gmm.backend=pallas_tpu"],
+    "pallas_gmm_tiled": TILED,
+    "pallas_gdn": ["kernels.gdn.backend=pallas_tpu"],
+    "fused_swiglu": [*TILED, "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"],
+    "remat_minimal": ["remat.policy=minimal"],
+    "remat_sublayer": ["remat.unit=sublayer"],
+}
+# The GRPO loop: 8 prompts x 8 completions of up to 256 new tokens, three steps (the first compiles).
+GRPO = ["rl.warmup_steps=0", "rl.steps=3", "rl.prompts_per_step=8", "rl.group_size=8", "rl.max_new_tokens=256",
+        "rl.checkpoint_every=0"]
+
+
+def time_grpo(common: list[str]) -> dict:
+    from hybridmoe.cli import main
+
+    with tempfile.TemporaryDirectory() as out:
+        if main(["rl", f"recipe={RECIPE}", *GRPO, *common, "--out", out]) != 0:
+            raise SystemExit("hybridmoe rl failed on the chip")
+        rows = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout_time_s" in r][1:]  # the first compiles
+    mean = lambda key: sum(r[key] for r in steps) / len(steps)  # noqa: E731
+    return {"overrides": [*GRPO, *common], "steps_timed": len(steps),
+            **{k: mean(k) for k in ("rollout_tokens_per_s", "rollout_time_s", "old_logprobs_time_s", "update_time_s",
+                                    "step_time_s")}}
+
+
+def main(argv=None) -> int:
+    harness.configure()
+    p = harness.parser(__doc__, __file__)
+    p.add_argument("--only", help="comma-separated arm names (default: all)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per arm (two visits)")
+    p.add_argument("--no-grpo", action="store_true", help="leave out the GRPO loop")
+    p.add_argument("overrides", nargs="*", help="section.key=value for every arm (e.g. a smaller model.num_layers)")
+    args = p.parse_args(argv)
+    from hybridmoe.tools.bench import format_table, run_bench
+
+    names = args.only.split(",") if args.only else list(ARMS)
+    unknown = sorted(set(names) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"--only: unknown arms {unknown}; known: {', '.join(ARMS)}")
+    results = run_bench(RECIPE, list(args.overrides), [(n, ARMS[n]) for n in names], args.steps, skip_unfit=True)
+    print(format_table(results))
+    arms = {}
+    for name, a in results.items():
+        if "refused" in a:
+            arms[name] = {"overrides": a["overrides"], "refused": a["refused"]}
+            continue
+        est = a["estimate"] or {}
+        arms[name] = {"overrides": a["overrides"], "measured_s": a["seconds_per_step"],
+                      "estimated_s": est.get("step_s"), "measured_over_estimated": a["measured_over_estimated"],
+                      "step_times_s": a["step_times_s"], "compile_s": a["compile_s"], "useful_mfu": a["useful_mfu"],
+                      "tokens_per_s": a["tokens_per_step"] / a["seconds_per_step"], "estimate": est,
+                      "memory": {k: a["program"].get(k) for k in ("argument", "temp", "output", "alias")}}
+    timed = {n: a for n, a in arms.items() if "measured_s" in a}
+    record = {"recipe": RECIPE, "overrides": list(args.overrides), "arms": arms,
+              "fastest": min(timed, key=lambda n: timed[n]["measured_s"]) if timed else None,
+              "peak_flops_per_device": next((a["peak_flops_per_device"] for a in results.values()
+                                             if "peak_flops_per_device" in a), None)}
+    if not args.no_grpo:
+        record["grpo"] = time_grpo(list(args.overrides))
+        print(f"GRPO: rollout {record['grpo']['rollout_tokens_per_s']:,.0f} tokens/s, update "
+              f"{record['grpo']['update_time_s']:.3f} s per step")
+    harness.write(args.out, "tpu_step", **record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

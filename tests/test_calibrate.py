@@ -1,0 +1,36 @@
+"""`hybridmoe calibrate`'s arithmetic and measurements (the chip runs them; here the CPU, at small
+sizes, shows they run and what they compute)."""
+
+import math
+
+import pytest
+
+from hybridmoe.tools import calibrate
+
+
+def test_a_kernels_factor_is_what_is_left_of_the_measured_time_over_its_modelled_time():
+    # The model: two kernels (2 and 1 ms) and 2 ms of other ops, 5 ms in all. Measured 8 ms: the other
+    # ops are taken as modelled, so the kernels took 6 ms where the model said 3: a factor of 2 for both.
+    estimate = {"kernels": {"gdn_fwd": {"s": 2e-3}, "gdn_bwd": {"s": 1e-3}}, "serial": {"step_s": 5e-3}}
+    assert calibrate.kernel_factor(8e-3, estimate) == pytest.approx({"gdn_fwd": 2.0, "gdn_bwd": 2.0})
+    # faster than the model's other ops alone: the kernels cost nothing measurable, not a negative time
+    assert calibrate.kernel_factor(1e-3, estimate) == {"gdn_fwd": 0.0, "gdn_bwd": 0.0}
+    assert calibrate.kernel_factor(8e-3, {"kernels": {}, "serial": {"step_s": 5e-3}}) == {}
+
+
+def test_the_measurements_run_and_give_rates_and_costs():
+    flops = calibrate.matmul_flops_per_s(256, repeats=3)
+    hbm = calibrate.hbm_bytes_per_s(2**22, repeats=3)
+    per_op = calibrate.op_overhead_s(40, repeats=3)
+    per_step = calibrate.grid_step_s(64, hbm, interpret=True, repeats=3)
+    assert all(math.isfinite(v) and v >= 0 for v in (flops, hbm, per_op, per_step))
+    assert flops > 1e8 and hbm > 1e7  # any CPU multiplies 256^3 and streams 4 MiB faster than this
+    # an interpreted grid step is a Python loop iteration: far more than a chip's, and positive
+    assert per_step > 1e-6
+
+
+def test_calibrate_refuses_a_host_without_an_accelerator_row(capsys):
+    from hybridmoe.cli import main
+
+    assert main(["calibrate", "--dry-run"]) == 2
+    assert "calibrate measures a TPU" in capsys.readouterr().err
