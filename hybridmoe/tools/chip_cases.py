@@ -1,0 +1,628 @@
+"""The kernel cases a TPU chip times and checks: each kernel family at named geometries, each of its
+backends ready to run, time and compile, with its useful FLOPs and a float32 reference.
+
+Used by benchmarks/tpu_kernels.py (times every backend on the chip), tests/test_chip.py (checks
+every Pallas kernel on the chip against the XLA path and the reference) and `hybridmoe calibrate`
+(the kernels' measured / modelled time).
+
+    for case in cases("cell").values():
+        ref = case.reference()                   # host float32: (forward, forward + backward)
+        built = case.backends["pallas_tpu"]()    # its arrays on the device now, nothing before
+        fn, args = built.fwd_bwd or built.fwd
+        out = fn(*args); fn.lower(*args).compile().as_text()
+        relative_error(case.view(out, backward=built.fwd_bwd is not None), ref.fwd_bwd)
+
+Families (one case per family and geometry, named `<family>_<geometry>`):
+  gmm         a grouped matmul lhs [M, K] x rhs [G, K, N] over G groups of sorted rows:
+              `ragged_dot` (kernels.gmm, backend xla, xla_impl ragged_dot: jax.lax.ragged_dot),
+              `pallas_tpu` at the geometry's tiles, `pallas_tpu_128` (the kernels' default 128^3
+              tiles), `tokamax` (tokamax.ragged_dot, where the package imports);
+  moe_mlp     the routed experts' MLP y = (s * swiglu(x @ wi)) @ wo per group, s the routing weight
+              (model/moe.py's _expert_mlp with router_grad_from_wo_input): `xla`, `pallas_tpu`
+              (unfused) and `pallas_tpu_fused` (wi_fused_swiglu + wo_fused_dswiglu), both Pallas
+              arms at the seed's tiles (recipe qwen3.5-397b-a17b-v7x-128) where the geometry says
+              "seed";
+  gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
+              `xla`, `pallas_tpu`;
+  attention   causal flash attention over packed documents, positions restarting per document:
+              `xla` (flash in XLA ops), `pallas_tpu` (default blocks), `pallas_tpu_256x512`,
+              `splash` (jax's splash attention: causal by token index with segment ids, the same
+              mask here), `tokamax` (where the package imports);
+  cp_m_scan   a context shard's transition product M_r (kernels/gdn/context_parallel.py): `tree`
+              (gdn.cp_m_scan=false) and `scan`;
+  cp_dh_scan  its local state cotangent dS_loc: `tree` and `scan` (gdn.cp_dh_scan).
+
+Forward + backward is the value and the gradients of sum(out * cot), cot a fixed random cotangent
+in the output's dtype (no gradient is trivially zero, and XLA removes nothing: the output is
+returned too). The CP scans have no backward.
+
+References (float32, on the device, then kept on the host): gmm and moe_mlp by the family's
+reference.py (a loop over groups at HIGHEST precision) on the rows and weights of the first
+SAMPLE_GROUPS groups (a row's output depends only on its group: the sample is an independent
+problem; an empty group is among them); gdn by the token-by-token recurrence (reference.py's step,
+scanned in segments that the backward replays, so its memory is not one state per token); attention
+by reference.py (the loop over queries and the masked core's autodiff) where the score work is
+small, else the XLA flash path in float32 at HIGHEST precision; the CP scans by the recurrence:
+M_r is the end state from the identity with v = 0 (S_end = M_r S_in + S_ext, S_ext = 0), dS_loc
+the gradient of sum(o * do) with respect to the start state.
+
+Useful FLOPs per call: gmm 2 M K N; moe_mlp 2 M (D 2F + F D); gdn the recurrence's 3 K V
+multiply-adds per token and value head (analysis/flops.py); attention 4 N A per visible (query,
+key) pair; forward + backward 3x the forward. CP: the scan form's matmuls (M: 2 C K^2 multiply-adds
+per chunk and head; dS_loc: C^2 V + 3 C K V).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SEED_RECIPE = "qwen3.5-397b-a17b-v7x-128"
+SAMPLE_GROUPS = 8  # groups of gmm / moe_mlp the float32 reference covers
+RECURRENCE_SEGMENT = 128  # tokens per rematerialised segment of the reference recurrence
+SMALL_ATTENTION_WORK = 32768  # queries x query heads up to which attention's reference is reference.py's loop
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+# Per geometry, per family section, the shapes. cell: the seed cell's per-device shapes
+# (Qwen3.5-397B-A17B on 128 v7x chips: 16,384 tokens per device, 128 local experts x top-10 rows);
+# one_chip: recipe qwen3.5-35b-a3b-v5e-1 (8,192 tokens, 16 experts, top-8); edges: tests/test_chip.py's
+# (every tile and block edge crossed, compiles in seconds); tiny: CPU, interpret mode.
+GEOMETRIES: dict[str, dict[str, dict]] = {
+    "cell": {
+        "gmm": dict(rows=65536, k=4096, n=2048, groups=128, tiles=(512, 2048, 512)),
+        "moe_mlp": dict(rows=65536, d=4096, f=1024, groups=128, tiles="seed"),
+        "gdn": dict(tokens=16384, key_heads=16, value_heads=64, key_dim=128, value_dim=128, chunk=64, documents=4),
+        "attention": dict(tokens=16384, heads=32, kv_heads=2, head_dim=256, documents=4),
+        "cp": dict(tokens=16384, key_heads=16, value_heads=64, key_dim=128, value_dim=128, chunk=64),
+    },
+    "one_chip": {
+        "gmm": dict(rows=65536, k=2048, n=1024, groups=16, tiles=(512, 2048, 512)),
+        "moe_mlp": dict(rows=65536, d=2048, f=512, groups=16, tiles="seed"),
+        "gdn": dict(tokens=8192, key_heads=16, value_heads=32, key_dim=128, value_dim=128, chunk=64, documents=4),
+        "attention": dict(tokens=8192, heads=16, kv_heads=2, head_dim=256, documents=4),
+        "cp": dict(tokens=8192, key_heads=16, value_heads=32, key_dim=128, value_dim=128, chunk=64),
+    },
+    "edges": {
+        "gmm": dict(rows=1000, k=512, n=384, groups=6, tiles=(128, 256, 128)),
+        "moe_mlp": dict(rows=1500, d=4096, f=1024, groups=4, tiles="seed"),
+        "gdn": dict(tokens=1024, key_heads=2, value_heads=8, key_dim=128, value_dim=128, chunk=64, documents=3),
+        "attention": dict(tokens=2048, heads=8, kv_heads=2, head_dim=256, documents=3),
+        "cp": dict(tokens=1024, key_heads=2, value_heads=8, key_dim=128, value_dim=128, chunk=64),
+    },
+    "tiny": {
+        "gmm": dict(rows=200, k=256, n=256, groups=5, tiles=(64, 128, 128)),
+        "moe_mlp": dict(rows=200, d=256, f=128, groups=5,
+                        tiles=dict(tm=64, tk=128, tn=128, wi_fwd_tile_n_per_half=64, wi_fwd_rhs_buffer_count=0)),
+        "gdn": dict(tokens=96, key_heads=1, value_heads=2, key_dim=16, value_dim=16, chunk=16, documents=3),
+        "attention": dict(tokens=256, heads=4, kv_heads=2, head_dim=128, documents=3),
+        "cp": dict(tokens=128, key_heads=1, value_heads=2, key_dim=16, value_dim=16, chunk=16),
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """One backend's jitted programs and their arguments (on the device): (fn, args) each."""
+
+    fwd: tuple[Callable, tuple]
+    fwd_bwd: tuple[Callable, tuple] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """Host float32 results: the forward's output, and (output, gradients) of forward + backward."""
+
+    fwd: Any
+    fwd_bwd: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One family at one geometry. backends: name -> build(inputs=None) -> Built (its arrays made on
+    the device when called; pass make_inputs()'s result to share one set among backends);
+    skipped: backend -> why it is not offered here; view(out, backward): the part of a backend's
+    output the reference covers."""
+
+    name: str
+    family: str
+    geometry: str
+    shape: dict
+    flops: tuple[float, float | None]
+    make_inputs: Callable[[], tuple[tuple, Any]]
+    backends: dict[str, Callable[..., Built]]
+    skipped: dict[str, str]
+    reference: Callable[[], Reference]
+    view: Callable[..., Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def _normal(seed: int, shape, dtype, scale: float = 1.0):
+    return (scale * jax.random.normal(jax.random.key(seed), shape, F32)).astype(dtype)
+
+
+def _uniform(seed: int, shape, low: float, high: float):
+    return jax.random.uniform(jax.random.key(seed), shape, F32, low, high)
+
+
+def group_sizes(rows: int, groups: int) -> np.ndarray:
+    """Uneven sizes summing to rows, group 1 empty (none a multiple of a tile, in general)."""
+    weights = np.random.default_rng(groups).uniform(0.2, 1.8, groups)
+    weights[1 % groups] = 0.0
+    sizes = np.floor(weights / weights.sum() * rows).astype(np.int32)
+    sizes[-1] += rows - sizes.sum()
+    return sizes
+
+
+def document_lengths(tokens: int, documents: int) -> list[int]:
+    """Uneven document lengths summing to tokens (cuts off every chunk and block edge in general)."""
+    cuts = np.sort(np.random.default_rng(tokens + documents).choice(np.arange(1, tokens), documents - 1, replace=False))
+    return np.diff(np.concatenate([[0], cuts, [tokens]])).tolist()
+
+
+def packed_ids(tokens: int, documents: int) -> tuple[np.ndarray, np.ndarray]:
+    """[1, T] positions restarting at each document and segment ids 1, 2, ..."""
+    pos, seg, start = np.zeros((1, tokens), np.int32), np.zeros((1, tokens), np.int32), 0
+    for d, n in enumerate(document_lengths(tokens, documents)):
+        pos[0, start:start + n], seg[0, start:start + n] = np.arange(n), d + 1
+        start += n
+    return pos, seg
+
+
+def _sample(sizes: np.ndarray) -> tuple[int, int]:
+    """(groups, rows) the reference covers: the first SAMPLE_GROUPS groups and their rows."""
+    s = min(SAMPLE_GROUPS, len(sizes))
+    return s, int(sizes[:s].sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Families: inputs (args, cot), backends (name -> forward fn or the reason it is skipped), the
+# differentiated arguments, useful forward FLOPs, the reference and the view it covers.
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    section: str  # the geometry's section
+    make: Callable[[dict], tuple[tuple, Any]]
+    backends: Callable[[dict, bool], dict[str, Callable | str]]
+    argnums: tuple[int, ...] | None
+    flops: Callable[[dict], float]
+    reference: Callable[[dict], Reference]
+    view: Callable[[dict, Any, bool], Any] = lambda g, out, backward: out
+
+
+def _tokamax():
+    return importlib.import_module("tokamax") if importlib.util.find_spec("tokamax") else None
+
+
+def _f32(tree):
+    return jax.tree.map(lambda a: a.astype(F32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _reference_of(fn, args, cot, argnums) -> Reference:
+    """Host float32 forward and (output, gradients) of fn on float32 copies of the arguments."""
+    f32_args = _f32(args)
+    out = jax.jit(fn)(*f32_args)
+    if argnums is None:
+        return Reference(jax.device_get(out), None)
+    both = jax.jit(with_gradients(fn, argnums))(*f32_args, _f32(cot))
+    return Reference(jax.device_get(out), jax.device_get(both))
+
+
+def with_gradients(fn, argnums):
+    """(*args, cot) -> (fn(*args), the gradients of sum(fn(*args) * cot) for args[argnums])."""
+    def run(*args_and_cot):
+        *args, cot = args_and_cot
+
+        def of_diff(*diff):
+            full = list(args)
+            for i, d in zip(argnums, diff):
+                full[i] = d
+            return fn(*full)
+
+        out, vjp = jax.vjp(of_diff, *(args[i] for i in argnums))
+        return out, vjp(cot)
+    return run
+
+
+# gmm ----------------------------------------------------------------------------------------
+
+
+def _gmm_make(g):
+    m, k, n, groups = g["rows"], g["k"], g["n"], g["groups"]
+    args = (_normal(1, (m, k), BF16), _normal(2, (groups, k, n), BF16, k ** -0.5), jnp.asarray(group_sizes(m, groups)))
+    return args, _normal(3, (m, n), BF16)
+
+
+def _gmm_backends(g, interpret):
+    from hybridmoe.kernels import gmm as K
+
+    tm, tk, tn = g["tiles"]
+    out: dict[str, Callable | str] = {
+        "ragged_dot": functools.partial(K.gmm, backend="xla", xla_impl="ragged_dot"),
+        "pallas_tpu": functools.partial(K.gmm, backend="pallas_tpu", tiling=K.Tiling(tm, tk, tn), interpret=interpret),
+        "pallas_tpu_128": functools.partial(K.gmm, backend="pallas_tpu", interpret=interpret),
+    }
+    tokamax = _tokamax()
+    if tokamax is None:
+        out["tokamax"] = "tokamax does not import on this host"
+    else:
+        impl = None if interpret else "mosaic"  # its Mosaic TPU kernel on the chip; its default elsewhere
+        out["tokamax"] = lambda x, w, s: tokamax.ragged_dot(x, w, s, implementation=impl)
+    return out
+
+
+def _gmm_reference(g):
+    from hybridmoe.kernels.gmm import reference as R
+
+    (x, w, sizes), cot = _gmm_make(g)
+    s, rows = _sample(np.asarray(sizes))
+    fn = lambda x, w, sizes: R.gmm(x, w, sizes, out_dtype=F32)  # noqa: E731
+    return _reference_of(fn, (x[:rows], w[:s], sizes[:s]), cot[:rows], (0, 1))
+
+
+def _gmm_view(g, out, backward):
+    s, rows = _sample(group_sizes(g["rows"], g["groups"]))
+    if not backward:
+        return out[:rows]
+    y, (dx, dw) = out
+    return y[:rows], (dx[:rows], dw[:s])
+
+
+# moe_mlp -------------------------------------------------------------------------------------
+
+
+def _moe_make(g):
+    m, d, f, groups = g["rows"], g["d"], g["f"], g["groups"]
+    args = (_normal(11, (m, d), BF16), _uniform(12, (m,), 0.05, 1.0), _normal(13, (groups, d, 2 * f), BF16, d ** -0.5),
+            _normal(14, (groups, f, d), BF16, f ** -0.5), jnp.asarray(group_sizes(m, groups)))
+    return args, _normal(15, (m, d), BF16)
+
+
+@functools.cache
+def seed_gmm_keys() -> dict:
+    """The seed recipe's kernels.gmm keys (its tiles, per-kernel tiles and VMEM limit)."""
+    from hybridmoe.recipe import load_config
+
+    return load_config(SEED_RECIPE, [], platform="tpu").kernels.gmm.model_dump()
+
+
+def moe_plans(g, interpret: bool) -> dict:
+    """The MoE MLP's arms as model/moe.py's GroupedPlan: xla, pallas_tpu (unfused), pallas_tpu_fused,
+    the Pallas ones at the geometry's tiles ("seed": the seed recipe's; its tile per half clamped to F)."""
+    from hybridmoe.kernels.gmm import kernel_tiles
+    from hybridmoe.model.moe import GroupedPlan
+
+    keys = seed_gmm_keys() if g["tiles"] == "seed" else g["tiles"]
+    tiles = kernel_tiles(keys)
+    per_half = min(int(keys.get("wi_fwd_tile_n_per_half") or g["f"]), g["f"])
+    common = dict(num_experts=g["groups"], router_grad_from_wo_input=True, xla_impl="ragged_dot")
+    pallas = dict(common, backend="pallas_tpu", tiles=tiles, interpret=interpret)
+    return {"xla": GroupedPlan(**common, backend="xla"),
+            "pallas_tpu": GroupedPlan(**pallas),
+            "pallas_tpu_fused": GroupedPlan(**pallas, wi_fused_swiglu=True, wo_fused_dswiglu=True,
+                                            tile_n_per_half=per_half,
+                                            rhs_buffer_count=int(keys.get("wi_fwd_rhs_buffer_count", 0)))}
+
+
+def _moe_backends(g, interpret):
+    from hybridmoe.model.moe import _expert_mlp
+
+    return {name: functools.partial(lambda x, w, wi, wo, sizes, plan: _expert_mlp(x, w, wi, wo, sizes, plan, 0), plan=plan)
+            for name, plan in moe_plans(g, interpret).items()}
+
+
+def _moe_reference(g):
+    from hybridmoe.kernels.gmm import reference as R
+
+    (x, w, wi, wo, sizes), cot = _moe_make(g)
+    s, rows = _sample(np.asarray(sizes))
+    fn = lambda x, w, wi, wo, sizes: R.moe_mlp(x, wi, wo, sizes, row_scale_M=w)  # noqa: E731
+    return _reference_of(fn, (x[:rows], w[:rows], wi[:s], wo[:s], sizes[:s]), cot[:rows], (0, 1, 2, 3))
+
+
+def _moe_view(g, out, backward):
+    s, rows = _sample(group_sizes(g["rows"], g["groups"]))
+    if not backward:
+        return out[:rows]
+    y, (dx, dw, dwi, dwo) = out
+    return y[:rows], (dx[:rows], dw[:rows], dwi[:s], dwo[:s])
+
+
+# gdn -----------------------------------------------------------------------------------------
+
+
+def _gdn_raw(g, seed: int = 21):
+    t, hk, hv, kd, vd = g["tokens"], g["key_heads"], g["value_heads"], g["key_dim"], g["value_dim"]
+    # Gates that keep a memory of tens of tokens, so chunks really interact (tests/test_gdn_kernel.py's).
+    return (_normal(seed, (1, t, hk, kd), BF16), _normal(seed + 1, (1, t, hk, kd), BF16),
+            _normal(seed + 2, (1, t, hv, vd), BF16), jnp.log(_uniform(seed + 3, (1, t, hv), 0.7, 1.0)),
+            _uniform(seed + 4, (1, t, hv), 0.05, 1.0))
+
+
+def _gdn_make(g):
+    segment_ids = jnp.asarray(packed_ids(g["tokens"], g["documents"])[1])
+    return (*_gdn_raw(g), segment_ids), _normal(26, (1, g["tokens"], g["value_heads"], g["value_dim"]), BF16)
+
+
+def _gdn_backends(g, interpret):
+    from hybridmoe.kernels.gdn import gated_delta_rule
+
+    def rule(backend):
+        return lambda q, k, v, gate, beta, seg: gated_delta_rule(
+            q, k, v, gate, beta, segment_ids=seg, chunk_size=g["chunk"], backend=backend, interpret=interpret)[0]
+
+    return {"xla": rule("xla"), "pallas_tpu": rule("pallas_tpu")}
+
+
+def recurrence(q, k, v, gate, beta, *, segment_ids=None, initial_state=None, segment: int = RECURRENCE_SEGMENT):
+    """(o, final state): the token-by-token recurrence of kernels/gdn/reference.py (its input
+    preparation and step), scanned in segments of `segment` tokens, each replayed by the backward
+    (jax.checkpoint): it keeps one state per segment, not one per token. float32."""
+    from hybridmoe.kernels.gdn.reference import document_starts, prepare_query_key, recurrence_step
+
+    batch, tokens, heads, vd = v.shape
+    kd = q.shape[-1]
+    q, k = prepare_query_key(q, k, heads, True, F32)
+    starts = jnp.zeros((batch, tokens), bool) if segment_ids is None else document_starts(segment_ids)
+    state = jnp.zeros((batch, heads, kd, vd), F32) if initial_state is None else initial_state.astype(F32)
+    size = segment if tokens % segment == 0 else tokens
+
+    def step(state, token):
+        q_t, k_t, v_t, g_t, b_t, start = token
+        state = jnp.where(start[:, None, None, None], 0.0, state)
+        o_t, state = recurrence_step(state, q_t, k_t, v_t, g_t, b_t)
+        return state, o_t
+
+    @jax.checkpoint
+    def one_segment(state, tokens_of_segment):
+        return jax.lax.scan(step, state, tokens_of_segment)
+
+    def segments(a):  # [B, T, ...] -> [T / size, size, B, ...]
+        a = jnp.moveaxis(a, 1, 0)
+        return a.reshape(tokens // size, size, *a.shape[1:])
+
+    xs = jax.tree.map(segments, (q, k, v.astype(F32), gate.astype(F32), beta.astype(F32), starts))
+    state, o = jax.lax.scan(one_segment, state, xs)
+    return jnp.moveaxis(o.reshape(tokens, *o.shape[2:]), 0, 1), state
+
+
+def _gdn_reference(g):
+    args, cot = _gdn_make(g)
+    fn = lambda q, k, v, gate, beta, seg: recurrence(q, k, v, gate, beta, segment_ids=seg)[0]  # noqa: E731
+    return _reference_of(fn, args, cot, (0, 1, 2, 3, 4))
+
+
+# attention -----------------------------------------------------------------------------------
+
+
+def _attention_make(g):
+    t, n, kv, a = g["tokens"], g["heads"], g["kv_heads"], g["head_dim"]
+    pos, seg = packed_ids(t, g["documents"])
+    args = (_normal(31, (1, t, n, a), BF16), _normal(32, (1, t, kv, a), BF16), _normal(33, (1, t, kv, a), BF16),
+            jnp.asarray(pos), jnp.asarray(seg))
+    return args, _normal(34, (1, t, n, a), BF16)
+
+
+def flash(backend: str, block_q: int = 0, block_k: int = 0, *, interpret: bool = False):
+    """(q, k, v, pos, seg) -> o: kernels/attention's flash attention, blocks fitted to the length
+    (0: the backend's default)."""
+    from hybridmoe.kernels.attention import flash_attention, limits
+
+    def run(q, k, v, pos, seg):
+        rule, (dq, dk) = limits.block_rule(backend, not interpret), limits.DEFAULT_BLOCKS[backend]
+        bq, bk = limits.fit_block(block_q or dq, q.shape[1], rule), limits.fit_block(block_k or dk, k.shape[1], rule)
+        return flash_attention(q, k, v, q_pos_BT=pos, kv_pos_BS=pos, q_seg_BT=seg, kv_seg_BS=seg,
+                               scale=q.shape[-1] ** -0.5, backend=backend, block_q=bq, block_k=bk, interpret=interpret)
+    return run
+
+
+def _splash(g, interpret):
+    """jax's splash attention (causal by token index, segment ids: within a document that is
+    causality by position): one MQA kernel per kv head (vmapped), q scaled first."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    t, n, kv = g["tokens"], g["heads"], g["kv_heads"]
+    b = min(512, t)
+    kernel = sa.make_splash_mqa_single_device(
+        sa.MultiHeadMask([sa.CausalMask((t, t))] * (n // kv)),
+        block_sizes=sa.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                                  block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b),
+        interpret=interpret)
+
+    def run(q, k, v, pos, seg):
+        del pos
+        batch, _, _, a = q.shape
+        q_BGRTA = (q * a ** -0.5).astype(q.dtype).reshape(batch, t, kv, n // kv, a).transpose(0, 2, 3, 1, 4)
+        k_BGTA, v_BGTA = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        per_head = jax.vmap(lambda q_, k_, v_, s: kernel(q_, k_, v_, segment_ids=sa.SegmentIds(s, s)),
+                            in_axes=(0, 0, 0, None))
+        o = jax.vmap(per_head)(q_BGRTA, k_BGTA, v_BGTA, seg)
+        return o.transpose(0, 3, 1, 2, 4).reshape(q.shape)
+    return run
+
+
+def _attention_backends(g, interpret):
+    out: dict[str, Callable | str] = {
+        "xla": flash("xla"), "pallas_tpu": flash("pallas_tpu", interpret=interpret),
+        "pallas_tpu_256x512": flash("pallas_tpu", 256, 512, interpret=interpret),
+        "splash": _splash(g, interpret)}
+    tokamax = _tokamax()
+    if tokamax is None:
+        out["tokamax"] = "tokamax does not import on this host"
+    else:
+        def run(q, k, v, pos, seg):
+            same_document = (seg[:, :, None] == seg[:, None, :])[:, None]
+            return tokamax.dot_product_attention(q, k, v, mask=same_document, is_causal=True,
+                                                 scale=q.shape[-1] ** -0.5,
+                                                 implementation=None if interpret else "mosaic")
+        out["tokamax"] = run
+    return out
+
+
+def _attention_reference(g):
+    args, cot = _attention_make(g)
+    if g["tokens"] * g["heads"] > SMALL_ATTENTION_WORK:
+        with jax.default_matmul_precision("highest"):
+            return _reference_of(flash("xla"), args, cot, (0, 1, 2))
+    from hybridmoe.kernels.attention.reference import attention_reference, attention_reference_grads
+
+    q, k, v, pos, seg = jax.device_get(_f32(args))
+    scale = q.shape[-1] ** -0.5
+    o = np.asarray(attention_reference(q, k, v, pos, pos, seg, seg, scale))
+    grads = attention_reference_grads(q, k, v, np.asarray(cot, np.float32), pos, pos, seg, seg, scale)
+    return Reference(o, (o, tuple(np.asarray(d) for d in grads)))
+
+
+def visible_pairs(tokens: int, documents: int) -> int:
+    return sum(n * (n + 1) // 2 for n in document_lengths(tokens, documents))
+
+
+# context-parallel scans ------------------------------------------------------------------------
+
+
+def _cp_raw(g):
+    """float32 inputs of one shard (one document) whose transition product stays well inside float32:
+    total decay about e^-1 and each key direction shrunk by about e^-4 over the shard."""
+    t, hk, hv, kd, vd = g["tokens"], g["key_heads"], g["value_heads"], g["key_dim"], g["value_dim"]
+    if kd != vd:
+        raise ValueError(f"cp cases: the reference needs key_dim == value_dim (M_r from the identity state); got {g}")
+    beta_max = min(1.0, 8.0 * kd / t)
+    return (_normal(41, (1, t, hk, kd), F32), _normal(42, (1, t, hk, kd), F32), _normal(43, (1, t, hv, vd), F32),
+            -_uniform(44, (1, t, hv), 0.0, 2.0 / t), _uniform(45, (1, t, hv), 0.0, beta_max),
+            _normal(46, (1, t, hv, vd), F32))
+
+
+def _cp_terms(q, k, v, gate, beta, chunk):
+    from hybridmoe.kernels.gdn.xla import chunk_terms, prepare_chunks
+
+    x, starts = prepare_chunks(q, k, v, gate, beta, jnp.zeros(q.shape[:2], bool), chunk, True)
+    return chunk_terms(x, starts)
+
+
+def _cp_make(with_do: bool):
+    def make(g):
+        from hybridmoe.kernels.gdn.xla import to_chunks
+
+        q, k, v, gate, beta, do = _cp_raw(g)
+        terms = _cp_terms(q, k, v, gate, beta, g["chunk"])
+        return ((terms, to_chunks(do, g["chunk"])) if with_do else (terms,)), None
+    return make
+
+
+def _cp_backends(kind):
+    def backends(g, interpret):
+        from hybridmoe.kernels.gdn import context_parallel as cp
+
+        if kind == "m":
+            return {"tree": cp.cp_m_tree_product, "scan": cp.cp_m_scan_product}
+        return {"tree": cp.cp_dh_tree_cotangent, "scan": cp.cp_dh_scan_cotangent}
+    return backends
+
+
+def _cp_reference(kind):
+    def reference(g):
+        q, k, v, gate, beta, do = _cp_raw(g)
+        with jax.default_matmul_precision("highest"):
+            if kind == "m":  # S_end = M S_in when v = 0: M from the identity start state
+                eye = jnp.broadcast_to(jnp.eye(g["key_dim"], dtype=F32), (1, g["value_heads"], g["key_dim"], g["key_dim"]))
+                m = jax.jit(lambda *a: recurrence(*a, initial_state=eye)[1])(q, k, jnp.zeros_like(v), gate, beta)
+                return Reference(jax.device_get(m), None)
+            start = jnp.zeros((1, g["value_heads"], g["key_dim"], g["value_dim"]), F32)
+            loss = lambda s: jnp.sum(recurrence(q, k, v, gate, beta, initial_state=s)[0] * do)  # noqa: E731
+            return Reference(jax.device_get(jax.jit(jax.grad(loss))(start)), None)
+    return reference
+
+
+def _cp_m_flops(g):
+    chunks = g["tokens"] // g["chunk"]
+    return 4.0 * g["chunk"] * g["key_dim"] ** 2 * chunks * g["value_heads"]
+
+
+def _cp_dh_flops(g):
+    c, kd, vd = g["chunk"], g["key_dim"], g["value_dim"]
+    return 2.0 * (g["tokens"] // c) * g["value_heads"] * (c * c * vd + 3 * c * kd * vd)
+
+
+FAMILIES = (
+    Family("gmm", "gmm", _gmm_make, _gmm_backends, (0, 1), lambda g: 2.0 * g["rows"] * g["k"] * g["n"],
+           _gmm_reference, _gmm_view),
+    Family("moe_mlp", "moe_mlp", _moe_make, _moe_backends, (0, 1, 2, 3),
+           lambda g: 6.0 * g["rows"] * g["d"] * g["f"], _moe_reference, _moe_view),
+    Family("gdn", "gdn", _gdn_make, _gdn_backends, (0, 1, 2, 3, 4),
+           lambda g: 6.0 * g["key_dim"] * g["value_dim"] * g["tokens"] * g["value_heads"], _gdn_reference),
+    Family("attention", "attention", _attention_make, _attention_backends, (0, 1, 2),
+           lambda g: 4.0 * g["heads"] * g["head_dim"] * visible_pairs(g["tokens"], g["documents"]),
+           _attention_reference),
+    Family("cp_m_scan", "cp", _cp_make(False), _cp_backends("m"), None, _cp_m_flops, _cp_reference("m")),
+    Family("cp_dh_scan", "cp", _cp_make(True), _cp_backends("dh"), None, _cp_dh_flops, _cp_reference("dh")),
+)
+FAMILY_NAMES = tuple(f.name for f in FAMILIES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+
+
+def _case(family: Family, geometry: str, g: dict, interpret: bool) -> Case:
+    make_inputs = jax.jit(lambda: family.make(g))
+    fns = family.backends(g, interpret)
+
+    def builder(fn):
+        def build(inputs=None) -> Built:
+            args, cot = make_inputs() if inputs is None else inputs
+            fwd = (jax.jit(fn), args)
+            if family.argnums is None:
+                return Built(fwd, None)
+            return Built(fwd, (jax.jit(with_gradients(fn, family.argnums)), (*args, cot)))
+        return build
+
+    flops = family.flops(g)
+    return Case(name=f"{family.name}_{geometry}", family=family.name, geometry=geometry, shape=dict(g),
+                flops=(flops, None if family.argnums is None else 3.0 * flops), make_inputs=make_inputs,
+                backends={n: builder(fn) for n, fn in fns.items() if callable(fn)},
+                skipped={n: why for n, why in fns.items() if isinstance(why, str)},
+                reference=functools.partial(family.reference, g),
+                view=lambda out, backward: family.view(g, out, backward))
+
+
+def cases(geometry: str, *, interpret: bool | None = None, families=None) -> dict[str, Case]:
+    """{case name: Case} of every family (or those named) at `geometry` (a GEOMETRIES key).
+    interpret: run the Pallas kernels interpreted (default: unless JAX's backend is a TPU)."""
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"unknown kernel geometry {geometry!r}; choose one of {', '.join(GEOMETRIES)}")
+    unknown = set(families or ()) - set(FAMILY_NAMES)
+    if unknown:
+        raise ValueError(f"unknown kernel families {sorted(unknown)}; choose from {', '.join(FAMILY_NAMES)}")
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    return {f"{f.name}_{geometry}": _case(f, geometry, GEOMETRIES[geometry][f.section], interpret)
+            for f in FAMILIES if families is None or f.name in families}
+
+
+def relative_error(actual, expected) -> float:
+    """max over leaves of max |actual - expected| / max |expected| (expected: host float32; each
+    leaf compared on the actual leaf's device)."""
+    errors = []
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        if a.shape != e.shape:
+            raise ValueError(f"compared arrays differ in shape: {a.shape} vs {e.shape}")
+        e = jax.device_put(np.asarray(e, np.float32), getattr(a, "sharding", None))
+        diff, scale = _max_abs_pair(a, e)
+        errors.append(float(diff) / max(float(scale), 1e-30))
+    return max(errors)
+
+
+@jax.jit
+def _max_abs_pair(actual, expected):
+    return jnp.max(jnp.abs(actual.astype(F32) - expected)), jnp.max(jnp.abs(expected))
