@@ -192,8 +192,17 @@ def cmd_bench(args, words):
     cfg = _config(words)
     from hybridmoe.tools.bench import format_table, parse_arm, run_bench
     arms = [parse_arm(a) for a in (args.arm or ["control"])]
-    results = run_bench(recipe, overrides, arms, cfg.bench.steps, estimate_for=args.estimate_for)
+    results = run_bench(recipe, overrides, arms, cfg.bench.steps, estimate_for=args.estimate_for,
+                        profile_steps=args.profile)
     print(format_table(results))
+    if args.profile:
+        from hybridmoe.tools.profile import format_profile
+        for name, a in results.items():
+            if a.get("profile_category_s"):
+                modelled = (a["estimate"] or {}).get("category_s")
+                print(f"{name}: the device's seconds per step by category ({args.profile} steps traced)"
+                      + (", the model's beside them" if modelled else ""))
+                print(format_profile(a["profile_category_s"], modelled, a["seconds_per_step"]))
     if args.out:
         from hybridmoe.tools.record import machine_record, write_record
         write_record(Path(args.out), {"benchmark": "step_time", "recipe": recipe, "overrides": overrides,
@@ -468,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--estimate-for", choices=tuple(MAKERS), default=None,
                            help="the step-time model's estimate of each arm on this hardware, beside its measured time "
                            "(default: the device's own generation; none on a CPU unless named)")
+            p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                           help="trace STEPS more steps of each arm under JAX's profiler and report the device's "
+                           "time by the step-time model's categories, beside the model's")
             p.add_argument("--out", help="write the JSON record here")
         if name == "inspect":
             p.add_argument("--target", help="cpu:N (simulated CPU devices) or a TPU topology, e.g. tpu7x:2x2x1, "

@@ -56,7 +56,8 @@ def test_bench_times_every_arm_interleaved_and_records_program_facts(tmp_path, c
     assert parse_arm("lever:moe.impl=dense,remat.policy=none") == ("lever", ["moe.impl=dense", "remat.policy=none"])
     out = tmp_path / "bench.json"
     assert main(["bench", "recipe=tiny", *TWO_LAYERS, "bench.steps=2", "train.seq_len=16", "--arm", "control",
-                 "--arm", "no_remat:remat.policy=none", "--estimate-for", "v5e", "--out", str(out)]) == 0
+                 "--arm", "no_remat:remat.policy=none", "--estimate-for", "v5e", "--profile", "1",
+                 "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert set(rec["arms"]) == {"control", "no_remat"}
     for arm in rec["arms"].values():
@@ -68,6 +69,11 @@ def test_bench_times_every_arm_interleaved_and_records_program_facts(tmp_path, c
         est = arm["estimate"]
         assert est["hardware"] == "v5e" and est["step_s"] > 0 and "GDN" in est["category_s"]
         assert arm["measured_over_estimated"] == pytest.approx(arm["seconds_per_step"] / est["step_s"])
+        # the device's time by the model's categories, from a profiler trace of one more step: the
+        # GDN and attention layers' ops are found by their names in the compiled program
+        prof = arm["profile_category_s"]
+        assert prof["GDN"] > 0 and prof["attention"] > 0, prof
+        assert prof["not in the model's walk"] < 0.5 * sum(prof.values()), prof
     assert rec["arms"]["no_remat"]["config"]["remat"]["policy"] == "none"
     text = capsys.readouterr().out
     assert "control" in text and "MFU" in text

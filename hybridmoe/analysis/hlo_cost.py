@@ -544,11 +544,12 @@ class Estimator:
         self._sliced[key] = total
         return total
 
-    def _walk(self, comp: str, stack: tuple = (), context: str = "") -> list[tuple[OpCost, float]]:
-        """The ops one execution of `comp` runs, each with how many times (loops applied)."""
+    def _walk(self, comp: str, stack: tuple = (), context: str = "") -> list[tuple[str, OpCost, float]]:
+        """The ops one execution of `comp` runs (instruction name, cost), each with how many times
+        (loops applied)."""
         if comp in stack or comp not in self.comps:
             return []
-        out: list[tuple[OpCost, float]] = []
+        out: list[tuple[str, OpCost, float]] = []
         body = self.comps[comp]
         for i in body:
             if i.opcode == "while":
@@ -557,24 +558,28 @@ class Estimator:
                 if n is None:
                     self.unknown_trips.append(i.name)
                     n = 1
-                out += [(c, k * n) for c, k in self._walk(loop_body, stack + (comp,), i.op_name or context)]
+                out += [(name, c, k * n) for name, c, k in self._walk(loop_body, stack + (comp,), i.op_name or context)]
             elif i.opcode == "conditional":
                 branches = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
                 names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
                          re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", i.attrs))
                 walked = [self._walk(b, stack + (comp,), i.op_name or context) for b in names]
                 if walked:
-                    out += max(walked, key=lambda ops: sum(_flat_time(c) * k for c, k in ops))
+                    out += max(walked, key=lambda ops: sum(_flat_time(c) * k for _, c, k in ops))
             elif i.opcode in ("call", "call-start", "async-start") or (i.opcode == "custom-call" and "called_computations" in i.attrs):
                 for callee in re.findall(r"\b(?:to_apply|calls|called_computations)=\{?%?([\w.\-]+)", i.attrs):
                     out += self._walk(callee, stack + (comp,), i.op_name or context)
             else:
                 c = self._instr_cost(i, comp, context)
                 if c is not None:
-                    out.append((c, 1.0))
+                    out.append((i.name, c, 1.0))
         return out
 
     def ops(self) -> list[tuple[OpCost, float]]:
+        return [(c, k) for _, c, k in self._walk(self.entry)]
+
+    def named_ops(self) -> list[tuple[str, OpCost, float]]:
+        """ops() with each op's instruction name (what a profiler's trace names it by)."""
         return self._walk(self.entry)
 
 

@@ -46,6 +46,7 @@ class Arm:
     compile_s: float = 0.0
     program: dict = dataclasses.field(default_factory=dict)
     estimate: dict | None = None
+    profile: dict | None = None   # the device's seconds per step by category (bench --profile)
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -126,30 +127,44 @@ def _estimate(compiled, cfg: Config, devices, hardware: str | None) -> dict | No
             "category_s": {c: v["s"] for c, v in e["categories"].items()}}
 
 
-def _timed_visit(arm: Arm, setup, compiled, visit: int, steps: int) -> None:
-    """One visit of an arm: its state made on the device, one untimed step, then `steps` timed ones;
-    the state is freed before the next arm's visit, so one arm's state is on the device at a time."""
+def _timed_visit(arm: Arm, setup, compiled, visit: int, steps: int, profile_steps: int = 0) -> None:
+    """One visit of an arm: its state made on the device, one untimed step, then `steps` timed ones,
+    then `profile_steps` under the profiler (tools/profile.py); the state is freed before the next
+    arm's visit, so one arm's state is on the device at a time."""
+    from hybridmoe.tools import profile
+
     t = arm.cfg.train
     with setup.context():
         state = init_state(setup, jax.random.key(t.seed + visit))
-        for i in range(steps + 1):
+
+        def step(i):
+            nonlocal state
             batch = put_global(synthetic_batch(t.seed, visit * (steps + 1) + i, t.micro_batches, t.batch_size,
                                                t.seq_len, arm.cfg.model.vocab_size), setup.batch_sharding(1))
-            t0 = time.perf_counter()
             state, m = compiled(state, batch)
-            fetch_global(m)
+            return fetch_global(m)
+
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            step(i)
             if i:
                 arm.times.append(time.perf_counter() - t0)
-    del state, batch, m
+        if profile_steps:
+            ops = profile.trace_ops(lambda: step(steps + 1), profile_steps)
+            arm.profile = profile.by_category(ops, compiled.as_text())
+    del state
 
 
 def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]], steps: int, *,
-              estimate_for: str | None = None, free_bytes: int | None = -1, skip_unfit: bool = False) -> dict:
+              estimate_for: str | None = None, free_bytes: int | None = -1, skip_unfit: bool = False,
+              profile_steps: int = 0) -> dict:
     """Every arm compiled first (a program that cannot fit is refused before anything runs), then
     timed in visits that alternate the arms (A B C A B C: drift in the machine's speed spreads over
     all of them), `steps` timed steps per arm in all, split over two visits. free_bytes: the device
     memory an arm may use (-1: what the first device reports free; None: unchecked). skip_unfit: an
-    arm that cannot fit is left out and its entry says why ({"refused": ...}) instead."""
+    arm that cannot fit is left out and its entry says why ({"refused": ...}) instead. profile_steps:
+    after its last visit's timed steps, each arm runs that many more under the profiler, and its entry
+    gets the device's seconds per step by the model's categories ("profile_category_s")."""
     if len({n for n, _ in arms}) != len(arms):
         raise ValueError("--arm names must be distinct")
     built = [Arm(n, o, _arm_config(recipe, [*common, *o])) for n, o in arms]
@@ -194,7 +209,7 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
     per_visit = -(-steps // visits)
     for visit in range(visits):
         for i in np.roll(np.arange(len(runs)), -visit):
-            _timed_visit(*runs[i], visit, per_visit)
+            _timed_visit(*runs[i], visit, per_visit, profile_steps if visit == visits - 1 else 0)
     out = {}
     for arm, setup, _ in runs:
         t = arm.cfg.train
@@ -209,6 +224,7 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                          "useful_mfu": step_flops(arm.cfg) / setup.mesh.size / sec / peak,
                          "estimate": arm.estimate,
                          "measured_over_estimated": sec / arm.estimate["step_s"] if arm.estimate else None,
+                         "profile_category_s": arm.profile,
                          "config": json.loads(arm.cfg.model_dump_json())}
     for arm in built:
         if arm.name in unfit:
