@@ -100,15 +100,17 @@ def kernel_factor(measured_s: float, estimate: dict) -> dict[str, float]:
     return {name: factor for name in estimate["kernels"]}
 
 
-def kernel_factors(hw, geometry: str, *, interpret: bool = False, repeats: int = 5) -> dict[str, dict]:
+def kernel_factors(hw, geometry: str, *, interpret: bool = False, repeats: int = 5,
+                   families=None) -> dict[str, dict]:
     """{kernel: {"factor", "case", "backend", "measured_s", "modelled_s"}} over the Pallas backends of
-    every kernel case at `geometry`: each timed forward + backward (forward where there is none),
-    against the model of its compiled program on `hw` (with the measured rates, no factors yet)."""
+    every kernel case at `geometry` (or of the families named): each timed forward + backward
+    (forward where there is none), against the model of its compiled program on `hw` (with the
+    measured rates, no factors yet). A kernel met in several cases keeps its first one's factor."""
     from hybridmoe.analysis.step_estimate import estimate
     from hybridmoe.tools import chip_cases
 
     out: dict[str, dict] = {}
-    for case in chip_cases.cases(geometry, interpret=interpret).values():
+    for case in chip_cases.cases(geometry, interpret=interpret, families=families).values():
         for backend, build in case.backends.items():
             if not backend.startswith("pallas"):
                 continue
