@@ -316,8 +316,8 @@ def test_auto_limit_asks_for_a_need_past_the_smallest_default():
 
     # Within v5e's 16 MiB default: the compiler's default (0, no limit asked).
     assert auto_limit_mib(16 * MIB) == 0.0 and tpu_limit_bytes(0.0, 10 * MIB) is None
-    # Past it: need x 1.25 + 4 MiB, rounded up to a whole MiB: 16 MiB + 1 byte -> 24; 30 -> 41.5 -> 42.
-    assert auto_limit_mib(16 * MIB + 1) == 25.0 - 1.0 and auto_limit_mib(30 * MIB) == 42.0
+    # Past it: need x 1.25 + 4 MiB, rounded up to a whole MiB: 16 MiB + 1 byte -> 24.0...01 -> 25; 30 -> 41.5 -> 42.
+    assert auto_limit_mib(16 * MIB + 1) == 25.0 and auto_limit_mib(30 * MIB) == 42.0
     # At most 48 MiB (three quarters of a 64 MiB core): 40 MiB -> 54 -> 48.
     assert auto_limit_mib(40 * MIB) == 48.0
     assert tpu_limit_bytes(0.0, 30 * MIB) == 42 * MIB and tpu_limit_bytes(20.0, 30 * MIB) == 20 * MIB
