@@ -41,8 +41,9 @@ reference.py (a loop over groups at HIGHEST precision) on the rows and weights o
 SAMPLE_GROUPS groups (a row's output depends only on its group: the sample is an independent
 problem; an empty group is among them); gdn by the token-by-token recurrence (reference.py's step,
 scanned in segments that the backward replays, so its memory is not one state per token); attention
-by reference.py (the loop over queries and the masked core's autodiff) where the score work is
-small, else the XLA flash path in float32 at HIGHEST precision; the CP scans by the recurrence:
+by reference.py's gradients (autodiff of the masked XLA core at HIGHEST precision) and that core's
+output, one document and one query head at a time (exact: no attention crosses a document); the CP
+scans by the recurrence:
 M_r is the end state from the identity with v = 0 (S_end = M_r S_in + S_ext, S_ext = 0), dS_loc
 the gradient of sum(o * do) with respect to the start state.
 
@@ -67,7 +68,6 @@ import numpy as np
 SEED_RECIPE = "qwen3.5-397b-a17b-v7x-128"
 SAMPLE_GROUPS = 8  # groups of gmm / moe_mlp the float32 reference covers
 RECURRENCE_SEGMENT = 128  # tokens per rematerialised segment of the reference recurrence
-SMALL_ATTENTION_WORK = 32768  # queries x query heads up to which attention's reference is reference.py's loop
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 
@@ -472,17 +472,39 @@ def _attention_backends(g, interpret):
 
 
 def _attention_reference(g):
-    args, cot = _attention_make(g)
-    if g["tokens"] * g["heads"] > SMALL_ATTENTION_WORK:
-        with jax.default_matmul_precision("highest"):
-            return _reference_of(flash("xla"), args, cot, (0, 1, 2))
-    from hybridmoe.kernels.attention.reference import attention_reference, attention_reference_grads
+    """Per document (attention never crosses one) and per query head (one head's [L, L] scores on
+    the device at a time): reference.py's gradients (autodiff of the masked XLA core in float32 at
+    HIGHEST precision) and the masked core's output."""
+    from hybridmoe.kernels.attention.reference import attention_reference_grads
+    from hybridmoe.kernels.attention.xla import attention
 
-    q, k, v, pos, seg = jax.device_get(_f32(args))
-    scale = q.shape[-1] ** -0.5
-    o = np.asarray(attention_reference(q, k, v, pos, pos, seg, seg, scale))
-    grads = attention_reference_grads(q, k, v, np.asarray(cot, np.float32), pos, pos, seg, seg, scale)
-    return Reference(o, (o, tuple(np.asarray(d) for d in grads)))
+    (q, k, v, pos, seg), cot = _f32(_attention_make(g))
+    heads, group = g["heads"], g["heads"] // g["kv_heads"]
+    scale = g["head_dim"] ** -0.5
+
+    @jax.jit
+    def document(q, k, v, do, pos, seg):
+        def head(n):
+            qn, don = (jax.lax.dynamic_slice_in_dim(a, n, 1, axis=2) for a in (q, do))
+            kg, vg = (jax.lax.dynamic_slice_in_dim(a, n // group, 1, axis=2) for a in (k, v))
+            ids = dict(q_pos_BT=pos, kv_pos_BS=pos, q_seg_BT=seg, kv_seg_BS=seg, scale=scale)
+            with jax.default_matmul_precision("highest"):
+                o = attention(qn, kg, vg, **ids)
+            return o, attention_reference_grads(qn, kg, vg, don, pos, pos, seg, seg, scale)
+
+        o, (dq, dk, dv) = jax.lax.map(head, jnp.arange(heads))  # [N, 1, L, 1, A] each
+        per_kv = lambda d: d[:, :, :, 0].reshape(g["kv_heads"], group, *d.shape[1:3], -1).sum(1)  # noqa: E731
+        as_heads = lambda d: jnp.moveaxis(d[:, :, :, 0], 0, 2)  # noqa: E731
+        return as_heads(o), (as_heads(dq), jnp.moveaxis(per_kv(dk), 0, 2), jnp.moveaxis(per_kv(dv), 0, 2))
+
+    parts, start = [], 0
+    for n in document_lengths(g["tokens"], g["documents"]):
+        rows = slice(start, start + n)
+        parts.append(jax.device_get(document(*(a[:, rows] for a in (q, k, v, cot, pos, seg)))))
+        start += n
+    o = np.concatenate([p[0] for p in parts], axis=1)
+    grads = tuple(np.concatenate([p[1][i] for p in parts], axis=1) for i in range(3))
+    return Reference(o, (o, grads))
 
 
 def visible_pairs(tokens: int, documents: int) -> int:
@@ -562,11 +584,11 @@ FAMILIES = (
            lambda g: 6.0 * g["rows"] * g["d"] * g["f"], _moe_reference, _moe_view),
     Family("gdn", "gdn", _gdn_make, _gdn_backends, (0, 1, 2, 3, 4),
            lambda g: 6.0 * g["key_dim"] * g["value_dim"] * g["tokens"] * g["value_heads"], _gdn_reference),
+    Family("cp_m_scan", "cp", _cp_make(False), _cp_backends("m"), None, _cp_m_flops, _cp_reference("m")),
+    Family("cp_dh_scan", "cp", _cp_make(True), _cp_backends("dh"), None, _cp_dh_flops, _cp_reference("dh")),
     Family("attention", "attention", _attention_make, _attention_backends, (0, 1, 2),
            lambda g: 4.0 * g["heads"] * g["head_dim"] * visible_pairs(g["tokens"], g["documents"]),
            _attention_reference),
-    Family("cp_m_scan", "cp", _cp_make(False), _cp_backends("m"), None, _cp_m_flops, _cp_reference("m")),
-    Family("cp_dh_scan", "cp", _cp_make(True), _cp_backends("dh"), None, _cp_dh_flops, _cp_reference("dh")),
 )
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 

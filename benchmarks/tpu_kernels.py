@@ -1,0 +1,219 @@
+"""Every kernel case timed on this host's TPU chip, beside the chip's measured matmul ceiling.
+
+    python3 benchmarks/tpu_kernels.py                        # on a TPU host (docs/tpu.md), ~6 minutes
+    python3 benchmarks/tpu_kernels.py --geometry one_chip    # one geometry, merged into the record
+    python3 benchmarks/tpu_kernels.py --only gdn_cell,attention_one_chip
+    python3 benchmarks/tpu_kernels.py --tiny                 # CPU, interpret mode, tiny shapes: a smoke run
+
+The cases are hybridmoe/tools/chip_cases.py's (grouped matmul, MoE MLP, GDN core, flash attention,
+the context-parallel M and dS scans) at the seed cell's per-device shapes (`<family>_cell`) and at
+the one-chip recipe's (`<family>_one_chip`), every backend of each: ours (XLA and Pallas), jax's
+ragged_dot and splash attention, tokamax's where it imports. Per case: its float32 reference first
+(nothing else on the chip), then its inputs (shared by its backends), each backend compiled (its
+compile seconds recorded) and run once (the relative error from that run: max |out - ref| / max |ref|
+over the output and every gradient), then `--rounds` rounds of every backend, forward and forward +
+backward, in a rotating order (tools: benchmarks/harness.py's interleaved), each call waited for;
+the median. A backend that fails records its error and the rest go on. The chip's ceiling is a bf16
+8192^3 matmul, median of 10, in the same process.
+
+Time: a case starts only while less than --budget-s seconds have passed; the others are left out
+(run them with --only or --geometry). An existing record of the same device is merged into: the
+cases run now replace theirs, the others keep their earlier figures and the commit they were
+measured at, beside that run's ceiling (cases: name -> commit, ceiling_tflops). The record is rewritten after every case, so a run cut short
+keeps what it finished.
+
+Writes benchmarks/records/tpu_kernels.json: device, commit, ceiling_tflops, kernels: name ->
+backend -> {ms (forward + backward where the family has a backward, else forward), fwd_ms, tflops
+(useful, of ms), fwd_tflops, rel_err, fwd_rel_err, compile_s}; cases: name -> shape, useful flops,
+skipped backends and why, the reference's seconds, or why the case was not run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+GEOMETRIES = ("cell", "one_chip")
+
+
+def matmul_ceiling_tflops(size: int, repeats: int = 10) -> float:
+    """bf16 size^3 matmul: useful TFLOP/s, median of `repeats` after one warm call."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (size, size), jnp.bfloat16)
+    mm = jax.jit(jnp.matmul).lower(a, b).compile()
+    jax.block_until_ready(mm(a, b))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(mm(a, b))
+        times.append(time.perf_counter() - t0)
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def _error_text(e: BaseException) -> str:
+    lines = [ln for ln in traceback.format_exception_only(e)[-1].strip().splitlines() if ln.strip()]
+    return " ".join(lines)[:600]
+
+
+def run_case(case, rounds: int, log) -> tuple[dict, dict]:
+    """(backend -> figures, the case's own facts) of one chip_cases.Case."""
+    import jax
+
+    from hybridmoe.tools.chip_cases import relative_error
+
+    facts = {"shape": case.shape, "flops_fwd": case.flops[0], "flops_fwd_bwd": case.flops[1],
+             "skipped": dict(case.skipped)}
+    t0 = time.perf_counter()
+    try:
+        ref = case.reference()
+    except Exception as e:  # noqa: BLE001 - recorded, the timings still run
+        ref, facts["reference_error"] = None, _error_text(e)
+    facts["reference_s"] = round(time.perf_counter() - t0, 2)
+    inputs = case.make_inputs()
+    programs, out = {}, {}
+    for name, build in case.backends.items():
+        row = out[name] = {"compile_s": {}}
+        try:
+            built = build(inputs)
+            for part, pair in (("fwd", built.fwd), ("fwd_bwd", built.fwd_bwd)):
+                if pair is None:
+                    continue
+                fn, args = pair
+                t0 = time.perf_counter()
+                compiled = fn.lower(*args).compile()
+                row["compile_s"][part] = round(time.perf_counter() - t0, 2)
+                result = jax.block_until_ready(compiled(*args))
+                if ref is not None:
+                    expected = ref.fwd if part == "fwd" else ref.fwd_bwd
+                    row[f"{part}_rel_err"] = relative_error(case.view(result, backward=part == "fwd_bwd"), expected)
+                del result
+                programs[(name, part)] = (compiled, args)
+        except Exception as e:  # noqa: BLE001 - one backend's failure is recorded, the others run
+            row["error"] = _error_text(e)
+            for part in ("fwd", "fwd_bwd"):
+                programs.pop((name, part), None)
+        log(f"  {case.name} {name}: compiled {row['compile_s']}" + (f" ERROR {row['error']}" if "error" in row else ""))
+    for part in ("fwd", "fwd_bwd"):
+        calls = {name: (lambda c=c, a=a: c(*a)) for (name, p), (c, a) in programs.items() if p == part}
+        if not calls:
+            continue
+        times = harness.interleaved(calls, rounds)
+        for name, t in times.items():
+            out[name][f"{part}_ms"] = 1e3 * statistics.median(t["wall_s"])
+    for name, row in out.items():
+        flops_fwd, flops_both = case.flops
+        if "fwd_ms" in row:
+            row["fwd_tflops"] = flops_fwd / row["fwd_ms"] / 1e9
+        both = "fwd_bwd_ms" in row
+        row["ms"] = row.get("fwd_bwd_ms" if both else "fwd_ms")
+        row["tflops"] = (flops_both if both else flops_fwd) / row["ms"] / 1e9 if row["ms"] else None
+        row["rel_err"] = row.get("fwd_bwd_rel_err" if both else "fwd_rel_err")
+        row["fwd_rel_err"] = row.get("fwd_rel_err")
+    del programs, inputs
+    gc.collect()
+    return out, facts
+
+
+def format_table(kernels: dict, facts: dict, ceiling: float | None) -> str:
+    lines = [f"{'case':<22}{'backend':<20}{'fwd ms':>9}{'ms':>9}{'TFLOP/s':>9}{'of peak':>8}"
+             f"{'rel err':>10}{'fwd err':>10}"]
+    fmt = lambda v, f: format(v, f) if isinstance(v, (int, float)) else "-"  # noqa: E731
+    for name, backends in kernels.items():
+        for backend, why in facts.get(name, {}).get("skipped", {}).items():
+            lines.append(f"{name:<22}{backend:<20}  skipped: {why}")
+        for backend, r in backends.items():
+            if "error" in r and r.get("ms") is None:
+                lines.append(f"{name:<22}{backend:<20}  error: {r['error'][:70]}")
+                continue
+            share = r["tflops"] / ceiling if ceiling and r.get("tflops") else None
+            lines.append(f"{name:<22}{backend:<20}{fmt(r.get('fwd_ms'), '9.2f')}{fmt(r.get('ms'), '9.2f')}"
+                         f"{fmt(r.get('tflops'), '9.1f')}{fmt(share, '8.0%')}{fmt(r.get('rel_err'), '10.1e')}"
+                         f"{fmt(r.get('fwd_rel_err'), '10.1e')}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = harness.parser(__doc__, __file__, raw=True)
+    p.add_argument("--geometry", choices=GEOMETRIES, action="append",
+                   help="cell or one_chip (repeatable; default both, cell first)")
+    p.add_argument("--only", help="comma-separated case names (e.g. gdn_cell,gmm_one_chip); merged into --out")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (median); default 5")
+    p.add_argument("--budget-s", type=float, default=330.0,
+                   help="start no case after this many seconds (default 330: the whole run within ~6 minutes)")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU, interpret mode, the tiny geometry; writes a temporary record unless --out is given")
+    p.add_argument("--compile-cache", help="JAX's persistent compile cache folder (a second run compiles nothing)")
+    args = p.parse_args(argv)
+    if args.tiny and args.out == p.get_default("out"):
+        args.out = tempfile.mkstemp(prefix="tpu_kernels_tiny_", suffix=".json")[1]
+    harness.configure(cpu_only=args.tiny, cache_dir=args.compile_cache)
+    import jax
+
+    from hybridmoe.tools import chip_cases
+
+    if not args.tiny and jax.default_backend() != "tpu":
+        raise SystemExit(f"tpu_kernels times the kernels on a TPU chip; this host's JAX sees {jax.default_backend()} "
+                         "(--tiny runs the tiny geometry interpreted on CPU)")
+    geometries = ("tiny",) if args.tiny else tuple(args.geometry or GEOMETRIES)
+    all_cases = {n: c for g in geometries for n, c in chip_cases.cases(g, interpret=args.tiny).items()}
+    names = args.only.split(",") if args.only else list(all_cases)
+    unknown = sorted(set(names) - set(all_cases))
+    if unknown:
+        raise SystemExit(f"--only: unknown cases {unknown}; known: {', '.join(all_cases)}")
+
+    start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - start:6.1f} s] {msg}", flush=True)  # noqa: E731
+    from hybridmoe.tools.record import machine_record, source_commit
+
+    kernels, facts = {}, {}
+    previous = Path(args.out)
+    if previous.is_file() and previous.stat().st_size:  # the same device's earlier cases stay (their commits)
+        old = json.loads(previous.read_text())
+        if old.get("device") == machine_record()["device"]:
+            kernels, facts = old.get("kernels", {}), old.get("cases", {})
+    ceiling = matmul_ceiling_tflops(256 if args.tiny else 8192, 3 if args.tiny else 10)
+    log(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s on {jax.devices()[0].device_kind}")
+
+    def write():
+        harness.write(args.out, "tpu_kernels", ceiling_tflops=ceiling, kernels=kernels, cases=facts,
+                      rounds=args.rounds, interpret=args.tiny,
+                      versions=harness.package_versions("tokamax"),
+                      method="tools/chip_cases.py's cases; per case its float32 reference, then every backend compiled "
+                             "and run once (rel_err: max |out - ref| / max |ref| over the output and the gradients), "
+                             f"then {args.rounds} rounds of the backends interleaved (rotating order, each call waited "
+                             "for), the median; ms is forward + backward where the family has one; tflops are useful "
+                             "FLOPs (chip_cases' docstring) per second; ceiling: a bf16 8192^3 matmul, median of 10")
+
+    for name in names:
+        if time.perf_counter() - start > args.budget_s:
+            if name not in kernels:
+                facts[name] = {"not_run": f"past the {args.budget_s:.0f} s budget: run it with --only {name}"}
+            log(f"{name}: left out (budget)" + (f"; the record keeps the run at {facts[name].get('commit')}"
+                                                 if name in kernels else ""))
+            continue
+        log(f"{name} ...")
+        case_start = time.perf_counter()
+        kernels[name], facts[name] = run_case(all_cases[name], args.rounds, log)
+        facts[name].update(seconds=round(time.perf_counter() - case_start, 1), commit=source_commit(),
+                           ceiling_tflops=ceiling)
+        write()
+    write()
+    print(format_table({n: kernels[n] for n in names if n in kernels}, facts, ceiling))
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

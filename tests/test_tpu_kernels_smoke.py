@@ -1,0 +1,41 @@
+"""benchmarks/tpu_kernels.py end to end on CPU (interpret mode, the tiny grouped matmul), so the chip's
+kernel benchmark cannot rot between chip sessions: its record's fields, the useful FLOPs and
+TFLOP/s against the hand-computed count, every backend within bf16 rounding of the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("tpu_kernels", ROOT / "benchmarks" / "tpu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("tpu_kernels", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_grouped_matmul_runs_end_to_end(tmp_path):
+    out = tmp_path / "tpu_kernels.json"
+    assert _benchmark().main(["--tiny", "--only", "gmm_tiny", "--rounds", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["device"] == "cpu" and "commit" in record and record["ceiling_tflops"] > 0
+    rows = record["kernels"]["gmm_tiny"]
+    # tiny: 200 rows x 256 -> 256 over 5 groups: 2 M K N = 26,214,400 forward, 3x with the backward.
+    fwd_flops, both_flops = 2 * 200 * 256 * 256, 3 * 2 * 200 * 256 * 256
+    assert record["cases"]["gmm_tiny"]["flops_fwd"] == fwd_flops
+    skipped = record["cases"]["gmm_tiny"]["skipped"]
+    assert set(rows) | set(skipped) == {"ragged_dot", "pallas_tpu", "pallas_tpu_128", "tokamax"}
+    for backend in ("ragged_dot", "pallas_tpu", "pallas_tpu_128"):
+        r = rows[backend]
+        assert "error" not in r, r
+        assert r["ms"] == r["fwd_bwd_ms"] > 0 and r["fwd_ms"] > 0
+        assert abs(r["tflops"] * r["ms"] * 1e9 - both_flops) < 1e-6 * both_flops
+        assert abs(r["fwd_tflops"] * r["fwd_ms"] * 1e9 - fwd_flops) < 1e-6 * fwd_flops
+        # bf16 outputs and gradients: within a few roundings (2^-8) of the float32 reference.
+        assert 0 < r["fwd_rel_err"] < 1e-2 and 0 < r["rel_err"] < 1e-2, r
