@@ -194,8 +194,9 @@ def test_one_training_step_on_the_chip_matches_the_same_step_on_cpu():
     CPU's float32 by about 1e-3 relative; the loss (a mean over the batch's tokens) within 1e-2
     relative and the gradient norm within 3e-2. Adam's first step moves each weight by -lr g /
     (|g| + eps) (plus weight decay, the same on both): lr times the gradient's sign, so the updates
-    agree exactly except where a gradient element is so close to 0 that its sign flips; at most 2%
-    of a tensor's elements may differ by more than lr / 2 (a wrong gradient flips about half)."""
+    agree exactly except where a gradient element is so close to 0 that its sign flips: at most 1% of
+    all updates and 5% of any one tensor's (a norm scale has 64 elements) may differ by more than
+    lr / 2; a wrong gradient flips about half of its tensor."""
     from helpers import TWO_LAYERS, tiny_config
     from hybridmoe.parallel.host import put_global
     from hybridmoe.run.setup import build, init_state, jit_train_step
@@ -226,5 +227,8 @@ def test_one_training_step_on_the_chip_matches_the_same_step_on_cpu():
         return float(np.mean(np.abs(moved[0] - moved[1]) > lr / 2))
 
     shares = jax.tree_util.tree_map_with_path(flipped, initial["params"], after["device"], after["cpu"])
+    sizes = [np.size(a) for a in jax.tree.leaves(initial["params"])]
+    overall = sum(s * n for s, n in zip(jax.tree.leaves(shares), sizes)) / sum(sizes)
     worst = max(jax.tree_util.tree_leaves_with_path(shares), key=lambda kv: kv[1])
-    assert worst[1] <= 0.02, f"{jax.tree_util.keystr(worst[0])}: {worst[1]:.1%} of its updates differ"
+    assert overall <= 0.01 and worst[1] <= 0.05, \
+        f"{overall:.2%} of all updates differ; {jax.tree_util.keystr(worst[0])}: {worst[1]:.1%} of its own"
