@@ -87,13 +87,23 @@ def cfg():
     return tiny_config(*OVERRIDES)
 
 
+class StopRun(BaseException):
+    """Ends a run after the steps a test needs (not an Exception: the run's error handling passes it on)."""
+
+
 class StepRecorder:
     """What run_rl's step programs receive and return, as host copies: per step (phase, the train
-    state handed in, the reference policy handed in (GRPO), the state returned). Installed around
-    rl.loop._build_run, so the run's own programs run; `setup` is the run's set-up."""
+    state handed in, the reference policy handed in (GRPO), the state returned, the step's metrics).
+    Installed around rl.loop._build_run, so the run's own programs run; `setup` is the run's set-up.
+    With stop_after, the run ends (StopRun) once that many steps are recorded."""
 
-    def __init__(self):
-        self.steps, self.setup = [], None
+    def __init__(self, stop_after: int | None = None):
+        self.steps, self.setup, self.stop_after = [], None, stop_after
+
+    def _record(self, *step):
+        self.steps.append(step)
+        if self.stop_after is not None and len(self.steps) >= self.stop_after:
+            raise StopRun
 
     def install(self, mp):
         real_build_run = rl_loop._build_run
@@ -105,13 +115,13 @@ class StepRecorder:
             def warmup_step(state, batch):
                 before = jax.device_get(state)  # the step donates its input
                 state, m = warm(state, batch)
-                self.steps.append(("warmup", before, None, jax.device_get(state)))
+                self._record("warmup", before, None, *jax.device_get((state, m)))
                 return state, m
 
             def grpo_step(state, ref_params, batch):
                 before, ref = jax.device_get((state, ref_params))
                 state, m = grpo(state, ref_params, batch)
-                self.steps.append(("grpo", before, ref, jax.device_get(state)))
+                self._record("grpo", before, ref, *jax.device_get((state, m)))
                 return state, m
 
             return dataclasses.replace(run, warmup_step=warm and warmup_step, grpo_step=grpo and grpo_step)
@@ -217,17 +227,18 @@ def adam_state(opt_state) -> dict:
             "nu": jax.tree.leaves(adam.nu)}
 
 
-def boundary_errors(cfg, steps, history) -> dict:
-    """The recorded steps of a run against what the config says (above). Each entry is 0 on a
-    correct run, except "move" (float32 rounding: < BOUNDARY_TOL)."""
+def boundary_errors(cfg, steps) -> dict:
+    """A run's recorded steps (the first ones, or all) against what the config says (above). Each
+    entry is 0 on a correct run, except the FIGURES (float32 rounding)."""
     t, r, W = cfg.train, cfg.rl, cfg.rl.warmup_steps
     phases = {"warmup": (t.learning_rate, t.warmup_steps), "grpo": (r.learning_rate, r.lr_warmup_steps)}
-    errors = {"phases": int([p for p, *_ in steps] != ["warmup"] * W + ["grpo"] * r.steps), "step_counter": 0,
+    want_phases = (["warmup"] * W + ["grpo"] * r.steps)[:len(steps)]
+    errors = {"phases": int([p for p, *_ in steps] != want_phases), "step_counter": 0,
               "fresh_optimizer": 0, "count": 0, "warmed_up_policy": 0, "reference": 0, "fresh_moments": 0.0,
               "move": 0.0, "not_applied_moved": 0}
     applied = {"warmup": 0, "grpo": 0}  # updates applied so far in each phase: Adam's count
     warmed_up = None
-    for i, (phase, before, ref, after) in enumerate(steps):
+    for i, (phase, before, ref, after, metrics) in enumerate(steps):
         peak, ramp = phases[phase]
         a_in, a_out = adam_state(before["opt_state"]), adam_state(after["opt_state"])
         k = applied[phase]
@@ -243,7 +254,7 @@ def boundary_errors(cfg, steps, history) -> dict:
             if r.beta > 0:
                 errors["reference"] += int(not bitwise_equal(ref, warmed_up))
         p_in, p_out = jax.tree.leaves(before["params"]), jax.tree.leaves(after["params"])
-        if history[i]["update_skipped"] or history[i].get("update_applied", 1.0) == 0.0:
+        if metrics["update_skipped"] or metrics.get("update_applied", 1.0) == 0.0:
             errors["not_applied_moved"] += int(a_out["count"] != k) + sum(
                 int(not np.array_equal(x, y)) for x, y in zip(p_in, p_out))
             continue
@@ -270,8 +281,8 @@ def test_grpo_starts_from_the_warmed_up_policy_with_a_fresh_optimizer_on_its_own
     # The run shows what it claims: GRPO updates at the ramp's 0 and half rates, after a warm-up
     # whose second step moved the weights.
     assert grpo_applied[:2] == [1.0, 1.0], grpo_applied
-    errors = boundary_errors(cfg, steps, history)
-    assert not any(v for k, v in errors.items() if k not in FIGURES), errors
+    errors = boundary_errors(cfg, steps)
+    assert len(steps) == len(history) and not any(v for k, v in errors.items() if k not in FIGURES), errors
     assert errors["move"] < BOUNDARY_TOL and errors["fresh_moments"] < 1e-5, errors  # measured 1.3e-4, 1.7e-7
 
 
@@ -294,16 +305,18 @@ def test_broken_phase_boundaries_are_caught(variant, cfg, finished_run, monkeypa
     reuse_setup(monkeypatch, finished_run.setup)
     if name == "_build_run":
         monkeypatch.delitem(finished_run.setup._kept, "rl_optimizer_init")
-    recorder = StepRecorder()
+    W = cfg.rl.warmup_steps
+    recorder = StepRecorder(stop_after=W + 2)  # the warm-up and GRPO's first two updates (rates 0 and half)
     patches = [lambda: monkeypatch.setattr(rl_loop, name, mutated(rl_loop, name, old, new)),
                lambda: recorder.install(monkeypatch)]
     # The recorder wraps a broken _build_run; a broken run_rl, recompiled, must see the recorder's.
     for patch in (patches if name == "_build_run" else patches[::-1]):
         patch()
     task = OneLongPrompt(digits=1)
-    history = rl_loop.run_rl(cfg, None, progress=False, task=task, reward_fns=_rewards(task))
-    assert len(recorder.steps) == len(history) == cfg.rl.warmup_steps + cfg.rl.steps  # the recorder saw the run
-    errors = boundary_errors(cfg, recorder.steps, history)
+    with pytest.raises(StopRun):
+        rl_loop.run_rl(cfg, None, progress=False, task=task, reward_fns=_rewards(task))
+    assert len(recorder.steps) == W + 2  # the recorder saw the run
+    errors = boundary_errors(cfg, recorder.steps)
     assert errors["move"] >= 10 * BOUNDARY_TOL or any(v for k, v in errors.items() if k not in FIGURES), (
         f"{variant}: {errors}")
 
