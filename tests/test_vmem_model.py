@@ -314,10 +314,12 @@ def test_a_kernel_the_compiler_refuses_is_named_with_its_own_tile_keys():
 def test_auto_limit_asks_for_a_need_past_the_smallest_default():
     from hybridmoe.kernels.vmem import auto_limit_mib, tpu_limit_bytes
 
-    # Within v5e's 16 MiB default: the compiler's default (0, no limit asked).
-    assert auto_limit_mib(16 * MIB) == 0.0 and tpu_limit_bytes(0.0, 10 * MIB) is None
-    # Past it: need x 1.25 + 4 MiB, rounded up to a whole MiB: 16 MiB + 1 byte -> 24.0...01 -> 25; 30 -> 41.5 -> 42.
-    assert auto_limit_mib(16 * MIB + 1) == 25.0 and auto_limit_mib(30 * MIB) == 42.0
+    # need x 1.25 + 4 MiB, rounded up to a whole MiB, within v5e's 16 MiB default: the compiler's
+    # default (0, no limit asked): 9.6 MiB -> 12 + 4 = 16.
+    assert auto_limit_mib(int(9.6 * MIB)) == 0.0 and tpu_limit_bytes(0.0, 9 * MIB) is None
+    # Past it: at least tpu7x's 32 (13.28 MiB, flash dk-dv at 2,048 rows, whose compiler wants 16.64:
+    # 20.6 -> 21 -> 32); 23.53 MiB (the dk-dv at 4,096 rows, over 32.18 in the compiler) -> 33.4 -> 34.
+    assert auto_limit_mib(int(13.28 * MIB)) == 32.0 and auto_limit_mib(int(23.53 * MIB)) == 34.0
     # At most 48 MiB (three quarters of a 64 MiB core): 40 MiB -> 54 -> 48.
     assert auto_limit_mib(40 * MIB) == 48.0
     assert tpu_limit_bytes(0.0, 30 * MIB) == 42 * MIB and tpu_limit_bytes(20.0, 30 * MIB) == 20 * MIB
