@@ -573,9 +573,11 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance_and_fills_the_batch(
         calls.append(round_index)
         r = np.asarray(rounds[round_index], np.float32).reshape(-1)
         ids = np.arange(len(r)) + 100 * round_index  # which round and row each sample came from
+        # round r sampled 10^r new tokens, met r reward errors (skipped) and r too-long prompts
         return {"tokens": ids[:, None], "rewards": r, "skipped": np.zeros(len(r), bool),
-                "truncated": np.zeros(len(r), bool), "prompt_skipped": np.zeros(len(r) // G, bool),
-                "rewards_skipped": 0.0, "new_tokens": 10.0 ** round_index}  # round r sampled 10^r new tokens
+                "truncated": np.zeros(len(r), bool), "prompt_skipped": np.arange(len(r) // G) < round_index,
+                "rewards_skipped": float(round_index), "reward_errors": float(round_index),
+                "new_tokens": 10.0 ** round_index}
 
     monkeypatch.setattr(loop, "_sample_groups", fake_sample)
     for max_rounds, want_rounds, want_rows, frac in ((3, 3, [0, 1, 6, 7, 102, 103, 2, 3], 0.75),
@@ -588,6 +590,8 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance_and_fills_the_batch(
         # is filled with round 0's zero-variance groups, in order.
         assert calls == list(range(want_rounds))
         np.testing.assert_array_equal(batch["tokens"][:, 0], want_rows)
+        failed = float(sum(range(want_rounds)))  # 0 + 1 + 2: every round's failures count, once
         assert ds == {"ds_rounds": want_rounds, "ds_rollouts": 8.0 * want_rounds, "ds_informative_frac": frac,
-                      "rollout_tokens": sum(10.0 ** i for i in range(want_rounds))}  # every round's, once
+                      "rollout_tokens": sum(10.0 ** i for i in range(want_rounds)),  # every round's, once
+                      "rewards_skipped": failed, "reward_errors": failed, "prompts_skipped": failed}
         assert first["rewards"].tolist() == [1, 0, 1, 1, 0, 0, 0, 1]  # what the step logs as reward_mean

@@ -148,8 +148,8 @@ def _pick_groups(sample: dict, groups: np.ndarray, G: int) -> dict:
 
 
 def _fill_batch(run: _Run, state, step: int, key) -> tuple[dict, dict, dict]:
-    """(the P groups to train on, round 0's groups as sampled, dynamic-sampling counts and the
-    tokens sampled in all rounds).
+    """(the P groups to train on, round 0's groups as sampled, dynamic-sampling counts, and the
+    tokens sampled and the failures met in all rounds).
 
     Without rl.dynamic_sampling: one round. With it (DAPO): further rounds of P prompts until P
     groups with reward variance are held or rl.dynamic_sampling_rounds are spent; a short batch is
@@ -158,8 +158,9 @@ def _fill_batch(run: _Run, state, step: int, key) -> tuple[dict, dict, dict]:
     G = r.group_size
     first = _sample_groups(run, state, step, 0, key)
     if not r.dynamic_sampling:
-        return first, first, {"rollout_tokens": first["new_tokens"]}
+        return first, first, {"rollout_tokens": first["new_tokens"], **_failures(first)}
     new_tokens = 0.0
+    failures = dict.fromkeys(_failures(first), 0.0)
     pick = lambda sample, groups: _pick_groups(sample, groups, G)  # noqa: E731
     informative, rounds, spent = [], 0, 0
     sample = first
@@ -167,6 +168,7 @@ def _fill_batch(run: _Run, state, step: int, key) -> tuple[dict, dict, dict]:
         rounds += 1
         spent += r.rollouts_per_step
         new_tokens += sample["new_tokens"]
+        failures = {k: v + _failures(sample)[k] for k, v in failures.items()}
         informative.append(pick(sample, np.flatnonzero(_informative_groups(sample, G))))
         held = sum(len(x["rewards"]) // G for x in informative)
         if held >= r.prompts_per_step or rounds >= r.dynamic_sampling_rounds:
@@ -179,7 +181,13 @@ def _fill_batch(run: _Run, state, step: int, key) -> tuple[dict, dict, dict]:
     batch = {k: v[:r.rollouts_per_step] for k, v in batch.items()}
     return batch, first, {"ds_rounds": float(rounds), "ds_rollouts": float(spent),
                           "ds_informative_frac": min(held, r.prompts_per_step) / r.prompts_per_step,
-                          "rollout_tokens": new_tokens}
+                          "rollout_tokens": new_tokens, **failures}
+
+
+def _failures(sample: dict) -> dict:
+    """What a round could not score: rewards that raised or were not finite, prompts too long."""
+    return {"rewards_skipped": sample["rewards_skipped"], "reward_errors": sample["reward_errors"],
+            "prompts_skipped": float(np.sum(sample["prompt_skipped"]))}
 
 
 def _grpo_step(run: _Run, state, ref_params, step: int, key):
@@ -232,9 +240,7 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
         **{k: float(v) for k, v in advantage_stats(jnp.asarray(adv_PG), jnp.asarray(keep_PG)).items()},
         "completion_len_mean": float(lengths.mean()), "completion_len_min": float(lengths.min()),
         "completion_len_max": float(lengths.max()), "truncated_frac": float(np.mean(rollout["truncated"])),
-        "rewards_skipped": first["rewards_skipped"], "reward_errors": first["reward_errors"],
-        "prompts_skipped": float(first["prompt_skipped"].sum()),
-        **ds,
+        **ds,  # every round's sampled tokens and failures (rewards skipped or raised, prompts too long)
         "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
         # The step's time split: sampling and scoring (every dynamic-sampling round), the pi_old
         # pass (several updates per rollout only), the updates.
