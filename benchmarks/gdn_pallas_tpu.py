@@ -1,19 +1,30 @@
-"""The GDN core's forward + backward compiled for a TPU at Qwen3.5-35B-A3B per-device shapes:
-XLA core against the Pallas core (kernels.gdn.backend=pallas_tpu), compiled memory only.
+"""The chunk-parallel Pallas GDN core (kernels/gdn/pallas_tpu.py) against the XLA path: the variants a
+TPU chip should time, and what this CPU host can say without one.
 
-    python -m benchmarks.gdn_pallas_tpu [--topology tpu7x:2x2x1]
+    python -m benchmarks.gdn_pallas_tpu --tiny            # CPU: every variant interpreted at tiny shapes
+    python -m benchmarks.gdn_pallas_tpu --time cell       # on a TPU: time the variants (docs/tpu.md)
+    python -m benchmarks.gdn_pallas_tpu                   # CPU: compile-only facts for a TPU target
 
-Compiles jax.grad of sum(o) w.r.t. q, k, v, g, beta for one device of a compile-only TPU topology
-from this CPU host (libtpu comes with the test extra, `jax[tpu]`): B 1, T 8192, 16 key / 32 value
-heads, dk = dv = 128, chunk 64, bf16 q / k / v, with segment ids (the packed path). Records each
-backend's compile time on this host and the compiled program's memory (arguments, temporaries);
-XLA's flop count is recorded but does not see inside a Pallas kernel. No TPU runs anything here:
-there is no time of the kernels, only what the compiler reserves. Writes
-benchmarks/records/gdn_pallas_tpu.json.
+`benchmark_case(geometry)` is tools/chip_cases.py's gdn case (its inputs, float32 reference and
+view) with more backends: `xla`, `pallas_tpu` (the default: precision "bfloat16", the default chunks
+per grid step), `pallas_tpu_bfloat16x3` (every product three passes: the XLA path's errors),
+`pallas_tpu_steps_1` and `pallas_tpu_steps_4` (one and four chunks per grid step). It runs through
+benchmarks/tpu_kernels.py's `run_case` (each backend compiled, run once for its relative error
+against the reference, then timed in interleaved rounds), so one call on the chip measures them all:
+
+    from benchmarks.gdn_pallas_tpu import benchmark_case
+    from benchmarks.tpu_kernels import run_case
+    rows, facts = run_case(benchmark_case("cell"), rounds=5, log=print)
+
+Without --time or --tiny: jax.grad of sum(o) compiled for one device of a compile-only TPU topology
+(libtpu, the test extra) at one geometry (one_chip: Qwen3.5-35B-A3B's per-device layer), per backend: compile seconds on this host, the compiled
+program's memory, the Pallas kernels' stated FLOPs and bytes (their cost estimates) and their
+modelled VMEM. No chip runs anything then: no time. Writes benchmarks/records/gdn_pallas_tpu.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -21,69 +32,171 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
 from benchmarks import harness  # noqa: E402
 
-harness.configure()
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import SingleDeviceSharding  # noqa: E402
-
-from hybridmoe.kernels.gdn import gated_delta_rule  # noqa: E402
-from hybridmoe.tools.train_program import tpu_target  # noqa: E402
-
 MIB = 2**20
-# Qwen3.5-35B-A3B's GDN layer, one device's share at B 1, T 8192.
-SHAPE = dict(batch=1, tokens=8192, key_heads=16, value_heads=32, key_dim=128, value_dim=128, chunk_size=64)
-BACKENDS = ("xla", "pallas_tpu")
+# Variant name -> pallas_tpu.gated_delta_rule's keyword arguments (xla: the XLA path).
+VARIANTS = {
+    "xla": None,
+    "pallas_tpu": {},
+    "pallas_tpu_bfloat16x3": {"precision": "bfloat16x3"},
+    "pallas_tpu_steps_1": {"chunks_per_step": 1},
+    "pallas_tpu_steps_4": {"chunks_per_step": 4},
+}
 
 
-def compiled_core(backend: str, device):
-    s = SHAPE
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
-    qk = (s["batch"], s["tokens"], s["key_heads"], s["key_dim"])
-    gates = (s["batch"], s["tokens"], s["value_heads"])
-    args = (spec(qk, jnp.bfloat16), spec(qk, jnp.bfloat16),
-            spec((s["batch"], s["tokens"], s["value_heads"], s["value_dim"]), jnp.bfloat16),
-            spec(gates, jnp.float32), spec(gates, jnp.float32), spec((s["batch"], s["tokens"]), jnp.int32))
+def _rule(g: dict, interpret: bool, options):
+    from hybridmoe.kernels.gdn import gated_delta_rule, pallas_tpu
 
-    def loss(q, k, v, g, beta, segment_ids):
-        o, _ = gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=s["chunk_size"],
-                                backend=backend)
-        return jnp.sum(o.astype(jnp.float32))
+    if options is None:
+        return lambda q, k, v, gate, beta, seg: gated_delta_rule(
+            q, k, v, gate, beta, segment_ids=seg, chunk_size=g["chunk"], backend="xla")[0]
+    return lambda q, k, v, gate, beta, seg: pallas_tpu.gated_delta_rule(
+        q, k, v, gate, beta, segment_ids=seg, chunk_size=g["chunk"], interpret=interpret, **options)[0]
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
+
+def benchmark_case(geometry: str = "cell", *, interpret: bool | None = None, variants=tuple(VARIANTS)):
+    """tools/chip_cases.py's gdn case at `geometry` (cell: the 397B cell's per-device layer; one_chip;
+    edges; tiny) with a backend per variant (VARIANTS), each building jitted forward and forward +
+    backward programs on the case's shared inputs."""
+    import jax
+
+    from hybridmoe.tools import chip_cases
+
+    case = chip_cases.cases(geometry, interpret=interpret, families=["gdn"])[f"gdn_{geometry}"]
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+
+    def builder(fn):
+        def build(inputs=None):
+            args, cot = case.make_inputs() if inputs is None else inputs
+            return chip_cases.Built((jax.jit(fn), args),
+                                    (jax.jit(chip_cases.with_gradients(fn, (0, 1, 2, 3, 4))), (*args, cot)))
+        return build
+
+    backends = {name: builder(_rule(case.shape, interpret, VARIANTS[name])) for name in variants}
+    return dataclasses.replace(case, backends=backends)
+
+
+def _time(geometry: str, rounds: int) -> dict:
+    from benchmarks.tpu_kernels import run_case
+
+    rows, facts = run_case(benchmark_case(geometry), rounds, log=print)
+    return {"geometry": geometry, "rows": rows, "facts": facts}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile-only facts on this host
+
+
+def _stated_costs(compiled_text: str) -> dict:
+    """{kernel: {flops, bytes}} of the Mosaic calls' cost estimates in a compiled program."""
+    from hybridmoe.analysis import hlo_cost
+
+    comps, _ = hlo_cost.parse_module(compiled_text)
+    out = {}
+    for body in comps.values():
+        types = {i.name: i.type_text for i in body}
+        for i in body:
+            if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs:
+                cost = hlo_cost.pallas_call_cost(i, types)
+                out[cost["kernel"]] = {"flops": cost["flops"], "bytes": cost["bytes"]}
+    return out
+
+
+def compiled_facts(geometry: str, variant: str, device) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from hybridmoe.tools import chip_cases
+
+    g = chip_cases.GEOMETRIES[geometry]["gdn"]
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))  # noqa: E731
+    t, hk, hv = g["tokens"], g["key_heads"], g["value_heads"]
+    args = (spec((1, t, hk, g["key_dim"]), jnp.bfloat16), spec((1, t, hk, g["key_dim"]), jnp.bfloat16),
+            spec((1, t, hv, g["value_dim"]), jnp.bfloat16), spec((1, t, hv), jnp.float32), spec((1, t, hv), jnp.float32),
+            spec((1, t), jnp.int32))
+    rule = _rule(g, False, VARIANTS[variant])
+    loss = lambda *a: jnp.sum(rule(*a).astype(jnp.float32))  # noqa: E731
+    t0 = time.perf_counter()
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
+    memory = compiled.memory_analysis()
+    text = compiled.as_text()
+    return {"backend": variant, "compile_s": round(time.perf_counter() - t0, 1),
+            "argument_bytes": memory.argument_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes,
+            "output_bytes": memory.output_size_in_bytes, "pallas_kernels": text.count("tpu_custom_call"),
+            "kernels": _stated_costs(text)}
+
+
+def vmem(geometry: str) -> dict:
+    from hybridmoe.kernels.gdn import limits
+    from hybridmoe.tools import chip_cases
+
+    g = chip_cases.GEOMETRIES[geometry]["gdn"]
+    needs = limits.vmem_needs(0.0, chunk_size=g["chunk"], key_dim=g["key_dim"], value_dim=g["value_dim"],
+                              group=g["value_heads"] // g["key_heads"], itemsize=2)
+    return {k: round(n.need_bytes / MIB, 2) for k, n in needs.items()}
+
+
+def tiny_smoke() -> dict:
+    """Every variant at the tiny geometry, interpreted on CPU: relative error of forward and
+    forward + backward against the float32 reference (what the chip run reports, at small scale)."""
+    import jax
+
+    from hybridmoe.tools.chip_cases import relative_error
+
+    case = benchmark_case("tiny", interpret=True)
+    ref = case.reference()
+    inputs = case.make_inputs()
+    errors = {}
+    for name, build in case.backends.items():
+        built = build(inputs)
+        fwd = jax.block_until_ready(built.fwd[0](*built.fwd[1]))
+        both = jax.block_until_ready(built.fwd_bwd[0](*built.fwd_bwd[1]))
+        errors[name] = {"fwd_rel_err": relative_error(case.view(fwd, backward=False), ref.fwd),
+                        "rel_err": relative_error(case.view(both, backward=True), ref.fwd_bwd)}
+    return errors
 
 
 def main(argv=None) -> int:
     parser = harness.parser(__doc__, __file__)
-    parser.add_argument("--topology", default="tpu7x:2x2x1")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: every variant interpreted at tiny shapes")
+    parser.add_argument("--time", metavar="GEOMETRY", help="on a TPU: time the variants at a chip_cases geometry")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--topology", default="v5e:2x2")
+    parser.add_argument("--geometry", default="one_chip", help="the compile-only facts' chip_cases geometry")
     args = parser.parse_args(argv)
+    if args.tiny:
+        for name, row in tiny_smoke().items():
+            print(f"{name:<24} fwd rel_err {row['fwd_rel_err']:.2e}  fwd+bwd rel_err {row['rel_err']:.2e}")
+        return 0
+    if args.time:
+        result = _time(args.time, args.rounds)
+        for name, row in result["rows"].items():
+            print(f"{name:<24} fwd {row.get('fwd_ms', float('nan')):8.2f} ms  fwd+bwd {row.get('ms') or float('nan'):8.2f} ms"
+                  f"  rel_err {row.get('rel_err')}")
+        return 0
+    from hybridmoe.tools import chip_cases
+    from hybridmoe.tools.train_program import tpu_target
+
     device = tpu_target(args.topology).devices[0]
     rows = []
-    for backend in BACKENDS:
-        t0 = time.perf_counter()
-        compiled = compiled_core(backend, device)
-        compile_s = time.perf_counter() - t0
-        memory = compiled.memory_analysis()
-        cost = compiled.cost_analysis() or {}
-        rows.append({"backend": backend, "compile_s": compile_s,
-                     "argument_bytes": memory.argument_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes,
-                     "output_bytes": memory.output_size_in_bytes, "xla_flops": cost.get("flops", 0.0),
-                     "pallas_kernels": compiled.as_text().count("tpu_custom_call")})
-    print(f"GDN core forward+backward for {args.topology} (one device), B {SHAPE['batch']} T {SHAPE['tokens']} "
-          f"Hk {SHAPE['key_heads']} Hv {SHAPE['value_heads']} dk {SHAPE['key_dim']} dv {SHAPE['value_dim']} "
-          f"chunk {SHAPE['chunk_size']}, bf16 inputs")
-    print(f"{'backend':<12}{'compile s':>10}{'args MiB':>10}{'temp MiB':>10}{'kernels':>9}")
-    for r in rows:
-        print(f"{r['backend']:<12}{r['compile_s']:>10.1f}{r['argument_bytes'] / MIB:>10.1f}"
-              f"{r['temp_bytes'] / MIB:>10.1f}{r['pallas_kernels']:>9}")
+    for variant in VARIANTS:
+        rows.append(compiled_facts(args.geometry, variant, device))
+        print(f"{variant:<24} compile {rows[-1]['compile_s']:6.1f} s  temp {rows[-1]['temp_bytes'] / MIB:8.1f} MiB  "
+              f"kernels {rows[-1]['kernels']}")
+    g = chip_cases.GEOMETRIES[args.geometry]["gdn"]
     harness.write(
         args.out, "gdn_pallas_tpu",
-        config={"topology": args.topology, **SHAPE,
-                "inputs": "q, k, v bfloat16; g, beta float32; segment ids given (the packed path)"},
-        method="jax.grad of sum(o) w.r.t. q, k, v, g, beta lowered and compiled for one device of a "
-               "compile-only TPU topology on this CPU host; memory from the compiled program's "
-               "memory_analysis; XLA's flop count does not see inside Pallas kernels",
+        config={"topology": args.topology, "geometry": args.geometry, "batch": 1, "tokens": g["tokens"],
+                "key_heads": g["key_heads"], "value_heads": g["value_heads"], "key_dim": g["key_dim"],
+                "value_dim": g["value_dim"], "chunk_size": g["chunk"], "documents": g["documents"],
+                "variants": VARIANTS, "vmem_model_mib": vmem(args.geometry),
+                "inputs": "q, k, v bfloat16; g, beta float32; packed documents (tools/chip_cases.py's gdn case)"},
+        method="jax.grad of sum(o) w.r.t. q, k, v, g, beta lowered and compiled for one device of a compile-only "
+               "TPU topology on this CPU host; memory from the compiled program; the kernels' FLOPs and bytes "
+               "are their stated cost estimates (every bfloat16 pass counted)",
         rows=rows,
-        not_measured="time: compiled-memory facts only; the time needs a TPU run",
+        not_measured="time: compile-only facts; on a TPU, --time GEOMETRY (or benchmark_case through "
+                     "benchmarks/tpu_kernels.py's run_case) times every variant",
     )
     return 0
 

@@ -13,6 +13,7 @@
 """
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -145,59 +146,78 @@ def scan_terms():
     return jit(chunk_terms)(x, starts_BNC), do
 
 
-def _forward_scan_wrong_order(t):
-    """Broken: the chunk transitions composed earliest-on-the-left (M_0 M_1 ... instead of ... M_1 M_0)."""
-    flipped = t._replace(w=t.w[:, ::-1], k_to_end=t.k_to_end[:, ::-1], decay=t.decay[:, ::-1])
-    return cp.cp_m_scan_product(flipped)
+# The scans' two implementations: the XLA loop (CPU's) and the Mosaic kernels (a TPU's), interpreted.
+SCAN_IMPLS = {"xla": dict(pallas=False), "pallas": dict(pallas=True, interpret=True)}
 
 
-def _backward_scan_wrong_order(t, do):
-    """Broken: the reverse recurrence run front to back."""
-    flip = lambda a: a[:, ::-1]  # noqa: E731
-    return cp.cp_dh_scan_cotangent(jax.tree.map(flip, t), flip(do))
-
-
-def _ignoring_starts(t):
-    """Broken: the chunk decay of a chunk holding a document start is not zeroed (the chain is not cut)."""
-    return t._replace(decay=jnp.where(t.decay == 0.0, 1.0, t.decay))
-
-
-BROKEN_SCANS = {
-    "m: chunks in the wrong order": ("m", lambda t, do: _forward_scan_wrong_order(t)),
-    "m: a document start not cutting the chain": ("m", lambda t, do: cp.cp_m_scan_product(_ignoring_starts(t))),
-    "dh: chunks in the wrong order": ("dh", _backward_scan_wrong_order),
-    "dh: a document start not cutting the chain": ("dh", lambda t, do: cp.cp_dh_scan_cotangent(
-        _ignoring_starts(t), do)),
-}
-
-
-def _tree_and_scan(terms, do, which):
+def _scan(which, impl):
+    opts = SCAN_IMPLS[impl]
     if which == "m":
-        return jit(cp.cp_m_tree_product)(terms), jit(cp.cp_m_scan_product)(terms)
-    return jit(cp.cp_dh_tree_cotangent)(terms, do), jit(cp.cp_dh_scan_cotangent)(terms, do)
+        return lambda t, do: cp.cp_m_scan_product(t, **opts)
+    return lambda t, do: cp.cp_dh_scan_cotangent(t, do, **opts)
+
+
+def _chunks_in_wrong_order(t, do):
+    """Broken: the chunks walked in the wrong order (M: composed earliest-on-the-left, M_0 M_1 ...
+    instead of ... M_1 M_0; dh: the reverse recurrence run front to back)."""
+    flip = lambda a: a[:, ::-1]  # noqa: E731
+    return jax.tree.map(flip, t), flip(do)
+
+
+def _ignoring_starts(t, do):
+    """Broken: the chunk decay of a chunk holding a document start is not zeroed (the chain is not cut)."""
+    return t._replace(decay=jnp.where(t.decay == 0.0, 1.0, t.decay)), do
+
+
+BROKEN_SCANS = {"chunks in the wrong order": _chunks_in_wrong_order,
+                "a document start not cutting the chain": _ignoring_starts}
+
+
+def _tree(terms, do, which):
+    return jit(cp.cp_m_tree_product)(terms) if which == "m" else jit(cp.cp_dh_tree_cotangent)(terms, do)
 
 
 @pytest.fixture(scope="module")
 def trees_and_scans(scan_terms):
     terms, do = scan_terms
-    return {which: _tree_and_scan(terms, do, which) for which in ("m", "dh")}
+    return {(which, impl): (_tree(terms, do, which), jit(_scan(which, impl))(terms, do))
+            for which in ("m", "dh") for impl in SCAN_IMPLS}
 
 
+@pytest.mark.parametrize("impl", list(SCAN_IMPLS))
 @pytest.mark.parametrize("which", ["m", "dh"])
-def test_cp_m_scan_and_cp_dh_scan_equal_the_highest_tree(which, trees_and_scans):
-    tree, scan = trees_and_scans[which]
+def test_cp_m_scan_and_cp_dh_scan_equal_the_highest_tree(which, impl, trees_and_scans):
+    tree, scan = trees_and_scans[which, impl]
     assert np.abs(np.asarray(tree)).max() > 1e-2  # long-memory gates: the product is not ~0
     assert _rel_max(scan, tree) < 1e-5, _rel_max(scan, tree)
 
 
+@pytest.mark.parametrize("impl", list(SCAN_IMPLS))
+@pytest.mark.parametrize("which", ["m", "dh"])
 @pytest.mark.parametrize("variant", list(BROKEN_SCANS))
-def test_cp_m_scan_and_cp_dh_scan_broken_variants_are_caught(variant, scan_terms, trees_and_scans):
+def test_cp_m_scan_and_cp_dh_scan_broken_variants_are_caught(variant, which, impl, scan_terms, trees_and_scans):
     terms, do = scan_terms
-    which, broken_fn = BROKEN_SCANS[variant]
-    tree, scan = trees_and_scans[which]
+    tree, scan = trees_and_scans[which, impl]
     clean = _rel_max(scan, tree)
-    broken = _rel_max(jit(broken_fn)(terms, do), tree)
+    broken = _rel_max(jit(lambda t, d: _scan(which, impl)(*BROKEN_SCANS[variant](t, d)))(terms, do), tree)
     assert broken > 10 * max(clean, 1e-5), f"clean {clean:.2e}, broken {broken:.2e}"
+
+
+def test_cp_scans_are_mosaic_kernels_on_a_tpu_and_loops_elsewhere(scan_terms):
+    """The scans' implementation follows the traced program's platform (kernels/platform.py): the
+    Mosaic kernels where it is a TPU, the XLA loop on this CPU host."""
+    from hybridmoe.analysis.program import iter_eqns
+
+    terms, do = scan_terms
+
+    def calls(fn, *args):  # a new function each time: no trace cached from the other platform
+        jaxpr = jax.make_jaxpr(lambda *a: fn(*a))(*args)
+        return sorted(e.params["name"] for e in iter_eqns(jaxpr) if e.primitive.name == "pallas_call")
+
+    assert calls(cp.cp_m_scan_product, terms) == [] and calls(cp.cp_dh_scan_cotangent, terms, do) == []
+    with mock.patch.object(cp, "trace_platform", lambda: "tpu"):
+        assert calls(cp.cp_m_scan_product, terms) == ["gdn_cp_m_scan"]
+        assert calls(cp.cp_dh_scan_cotangent, terms, do) == ["gdn_cp_dh_scan"]
 
 
 def test_cp_m_scan_drops_the_transition_stack_from_compiled_temporaries():

@@ -1,9 +1,18 @@
-"""The Pallas GDN cores (kernels/gdn/pallas*.py: pallas_tpu and pallas_gpu), run interpreted on CPU:
-forward and every gradient against the token-by-token oracle and against the XLA custom-VJP core,
-packed documents included; the whole tiny model on the 8-device mesh, the sequence-sharded layer
-and decode's prefill against the XLA path; the broken variants each caught; the GPU kernels'
-Triton lowering; the config validator. (The Mosaic TPU compile check lives in
-tests/test_gdn_tpu_compile.py, a tpu_compile test.)
+"""The Pallas GDN cores run interpreted on CPU: pallas_tpu (kernels/gdn/pallas_tpu.py, the chunk-parallel
+Mosaic kernels, math in tpu_chunk.py) and pallas_gpu (pallas_gpu.py, Triton, math in pallas_chunk.py).
+
+- Forward and every gradient against the token-by-token oracle, packed documents included, at a
+  shape where chunk, grid-step, key-head-group and document boundaries fall on block edges and
+  inside them; against the XLA custom-VJP core; bfloat16 inputs within the field's tolerances in
+  each bfloat16 precision; gates from 0 down to -1e6 (and a document start's) finite and exact.
+- The broken variants (a dropped document start, chunks walked out of order, a gate applied twice,
+  the wrong key head, a level of the triangular inverse skipped, the state not carried from one
+  grid step to the next; and the GPU kernels' own) each caught with a 10x margin.
+- Program facts: each key head reaches the kernels once (no float32 copy per value head); the
+  stated cost counts every bfloat16 pass the chunk math runs.
+- The whole tiny model on the 8-device mesh, the sequence-sharded layer and decode's prefill
+  against the XLA path; the GPU kernels' Triton lowering; the config validator.
+(The Mosaic TPU compile and its VMEM: tests/test_gdn_tpu_compile.py, tpu_compile tests.)
 
 Dimension letters: B batch, T tokens, G key heads, H value heads, K key dim, V value dim.
 """
@@ -18,7 +27,7 @@ from jax import lax
 
 from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config
-from hybridmoe.kernels.gdn import gated_delta_rule, pallas, pallas_chunk, pallas_gpu, pallas_tpu
+from hybridmoe.kernels.gdn import gated_delta_rule, pallas_chunk, pallas_gpu, pallas_tpu, tpu_chunk
 from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
 from helpers import TWO_LAYERS
 from tests.test_gdn_context_parallel import _layer_loss, _on_context_mesh, _rel_max, layer_case, single_device  # noqa: F401
@@ -32,12 +41,20 @@ from tests.test_gdn_kernel import (
 )
 
 NAMES = ("o", "final state") + GRAD_NAMES
-# Tiny shapes: interpret mode runs the kernel body once per grid step, so B * H * N stays small.
-SHAPE = dict(batch=2, tokens=40, key_heads=1, value_heads=2, key_dim=8, value_dim=8)
-CHUNK = 16
-pallas_rule = functools.partial(gated_delta_rule, backend="pallas_tpu", interpret=True, chunk_size=CHUNK)
+# Interpret mode runs the kernel body once per grid step: B * G * steps stays small. 2 key heads of
+# 2 value heads each (key dim 24, value dim 32, chunk 16: no two arrays' minor dims alike); 72 tokens in chunks of 16, two chunks per grid step: 5 chunks (the last one
+# half padding) padded to 6, three grid steps per (batch, key head).
+SHAPE = dict(batch=2, tokens=72, key_heads=2, value_heads=4, key_dim=24, value_dim=32)
+CHUNK, PER_STEP = 16, 2
+# Row 0: starts at 8 (inside chunk 0), 32 (a grid step's first token) and 48 (a chunk edge inside a
+# step); row 1: at 40 (inside chunk 2) and 41 (the next token).
+DOCUMENTS = ([8, 24, 16, 24], [40, 1, 31])
+tpu_rule = functools.partial(gated_delta_rule, backend="pallas_tpu", interpret=True, chunk_size=CHUNK)
+stepped_tpu_rule = functools.partial(pallas_tpu.gated_delta_rule, interpret=True, chunk_size=CHUNK,
+                                     chunks_per_step=PER_STEP)
 gpu_rule = functools.partial(gated_delta_rule, backend="pallas_gpu", interpret=True, chunk_size=CHUNK)
 xla_rule = functools.partial(gated_delta_rule, backend="xla", chunk_size=CHUNK)
+RULES = {"pallas_tpu": stepped_tpu_rule, "pallas_gpu": gpu_rule}
 
 
 def _relative_max_errors(actual, expected):
@@ -55,15 +72,11 @@ def _flat(outputs, grads):
 
 @pytest.fixture(scope="module")
 def packed_case():
-    """Packed rows (documents of 10 + 30 and 25 + 15 tokens: starts inside chunks and on none of
-    their edges), a non-zero initial state, and the oracle's outputs and gradients."""
+    """Packed rows, a non-zero initial state, and the oracle's outputs and gradients."""
     inputs = make_inputs(seed=5, **SHAPE)
-    segment_ids = segments_from_lengths([10, 30], [25, 15])
+    segment_ids = segments_from_lengths(*DOCUMENTS)
     expected = _flat(*value_and_grads(gated_delta_rule_reference, inputs, segment_ids))
     return inputs, segment_ids, expected
-
-
-RULES = {"pallas_tpu": pallas_rule, "pallas_gpu": gpu_rule}
 
 
 @pytest.fixture(scope="module")
@@ -79,27 +92,31 @@ def test_forward_and_every_gradient_match_the_oracle_packed(backend, clean_error
     assert max(clean_errors[backend].values()) < 1e-5, clean_errors[backend]
 
 
-def test_unpacked_ragged_length_matches_the_oracle():
-    """One document, 37 tokens: the last chunk padded (g = 0, beta = 0), chunk 16, 3 key heads' groups."""
+def test_default_steps_and_a_ragged_unpacked_length_match_the_oracle():
+    """One document of 37 tokens (the last chunk padded with g = 0, beta = 0), 3 value heads on one
+    key head, the default chunks per grid step (all three chunks in one step)."""
     inputs = make_inputs(seed=6, batch=1, tokens=37, key_heads=1, value_heads=3, key_dim=8, value_dim=16)
     expected = _flat(*value_and_grads(gated_delta_rule_reference, inputs, None))
-    errors = _relative_max_errors(_flat(*value_and_grads(pallas_rule, inputs, None)), expected)
+    errors = _relative_max_errors(_flat(*value_and_grads(tpu_rule, inputs, None)), expected)
     assert max(errors.values()) < 1e-5, errors
 
 
 def test_equals_the_xla_custom_vjp_core(packed_case):
-    """The two backends compute the same terms (different op order): within 1e-6 relative to max."""
+    """The same terms in another order (and float32 products as six bfloat16 passes): within 1e-6."""
     inputs, segment_ids, _ = packed_case
-    errors = _relative_max_errors(_flat(*value_and_grads(pallas_rule, inputs, segment_ids)),
+    errors = _relative_max_errors(_flat(*value_and_grads(stepped_tpu_rule, inputs, segment_ids)),
                                   _flat(*value_and_grads(xla_rule, inputs, segment_ids)))
     assert max(errors.values()) < 1e-6, errors
 
 
-def test_bf16_inputs_meet_the_field_tolerances(packed_case):
-    """bf16 q, k, v, g, beta, state against the float32 oracle on the same (rounded) values."""
+@pytest.mark.parametrize("precision", ["bfloat16", "bfloat16x3"])
+def test_bf16_inputs_meet_the_field_tolerances(precision, packed_case):
+    """bf16 q, k, v, g, beta, state against the float32 oracle on the same (rounded) values, relative
+    RMS (docs/gdn.md section 5); "bfloat16" is the default for bfloat16 inputs."""
     inputs, segment_ids, _ = packed_case
     inputs_bf16 = tuple(x.astype(jnp.bfloat16) for x in inputs)
-    (o, final), grads = value_and_grads(pallas_rule, inputs_bf16, segment_ids)
+    rule = functools.partial(stepped_tpu_rule, precision=precision)
+    (o, final), grads = value_and_grads(rule, inputs_bf16, segment_ids)
     rounded = tuple(x.astype(jnp.float32) for x in inputs_bf16)
     (o_ref, final_ref), grads_ref = value_and_grads(gated_delta_rule_reference, rounded, segment_ids)
     assert o.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
@@ -107,20 +124,58 @@ def test_bf16_inputs_meet_the_field_tolerances(packed_case):
     assert all(errors[k] <= BF16_TOLERANCE[k] for k in errors), errors
 
 
+def test_extreme_gates_are_finite_and_exact(packed_case):
+    """g = -1e4 on every 7th token and on a chunk's last token (value head 0), g ~ -1e6 everywhere
+    (value head 1, the other head of key head 0's group), next to the document starts'
+    START_LOG_GATE: decays underflow to exactly 0, never NaN / inf; forward and gradients as the oracle."""
+    inputs, segment_ids, _ = packed_case
+    q, k, v, g, beta, state = inputs
+    hard_forget = np.zeros(g.shape, bool)
+    hard_forget[:, ::7, 0] = True
+    hard_forget[:, CHUNK - 1, 0] = True
+    g = jnp.where(jnp.asarray(hard_forget), -1e4, g)
+    a_BT = jnp.asarray(np.random.default_rng(3).normal(size=g.shape[:2]), jnp.float32)
+    g = g.at[:, :, 1].set(-jnp.exp(15.0) * jax.nn.softplus(a_BT))
+    inputs = (q, k, v, g, beta, state)
+    actual = _flat(*value_and_grads(stepped_tpu_rule, inputs, segment_ids))
+    expected = _flat(*value_and_grads(gated_delta_rule_reference, inputs, segment_ids))
+    assert all(np.isfinite(np.asarray(x)).all() for x in actual)
+    errors = _relative_max_errors(actual, expected)
+    assert max(errors.values()) < 1e-5, errors
+
+
 # ---------------------------------------------------------------------------------------------
-# Broken variants: each patched into the kernel's own code and caught against the oracle.
+# Broken variants: each patched into the kernels' own code and caught against the oracle.
 
-_ORIGINAL_CHUNK_SPEC = pallas_tpu._chunk_spec
-_ORIGINAL_KERNEL_INPUTS = pallas._kernel_inputs
-_ORIGINAL_CHUNK_STEP = pallas_chunk.chunk_step
-
-
-def _forward_order_everywhere(block_tail, reverse, num_chunks, per_head=True):
-    return _ORIGINAL_CHUNK_SPEC(block_tail, False, num_chunks, per_head)
+_ORIGINAL = {"specs": pallas_tpu._specs, "decays": tpu_chunk.decays, "inverse": tpu_chunk.unit_lower_inverse,
+             "gpu_chunk_step": pallas_chunk.chunk_step}
 
 
-def _starts_dropped(x, starts_BNC):
-    return _ORIGINAL_KERNEL_INPUTS(x, jnp.zeros_like(starts_BNC))
+def _backward_blocks_in_forward_order(d, reverse):
+    return _ORIGINAL["specs"](d, False)
+
+
+def _gate_applied_twice(g_1C):
+    return _ORIGINAL["decays"](2.0 * g_1C)
+
+
+def _value_heads_tiled(x, axis, key_heads):
+    """Value head h = j G + g reads key head h % G (jnp.tile's order) instead of h // Hg."""
+    shape = x.shape
+    tiled = x.reshape(*shape[:axis], shape[axis] // key_heads, key_heads, *shape[axis + 1:])
+    return jnp.swapaxes(tiled, axis, axis + 1)
+
+
+def _value_heads_untiled(x, axis):
+    return jnp.swapaxes(x, axis, axis + 1).reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+
+
+def _inverse_skips_last_level(lower_CD, parts):
+    """The doubling stops one level early: the two halves of the chunk are never joined (T without
+    its block of rows in the second half and columns in the first)."""
+    row, col = tpu_chunk.positions(lower_CD.shape[-1])
+    half = lower_CD.shape[-1] // 2
+    return _ORIGINAL["inverse"](jnp.where((row < half) | (col >= half), lower_CD, 0.0), parts)
 
 
 def _substitution_skips_last_row(strict_lower_CD):
@@ -136,27 +191,33 @@ def _substitution_skips_last_row(strict_lower_CD):
     return lax.fori_loop(1, size - 1, substitute_row, eye_CD)
 
 
-def _chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse=None):
+def _gpu_chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse=None):
     """The state carried into the next chunk without its decay exp(sum g) (the recurrence's S <- exp(g) S)."""
-    o, end = _ORIGINAL_CHUNK_STEP(q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse)
+    o, end = _ORIGINAL["gpu_chunk_step"](q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse)
     decay = jnp.exp(jnp.sum(g_r)) * (jnp.sum(starts_r) == 0)
     return o, end + (1.0 - decay) * state
 
 
-BROKEN = {  # name: (backend run, module, attribute, the broken function)
-    "tpu_backward_chunks_in_forward_order": ("pallas_tpu", pallas_tpu, "_chunk_spec", _forward_order_everywhere),
-    "gpu_backward_chunks_in_forward_order": ("pallas_gpu", pallas_gpu, "_chunk_order", lambda n, num, reverse: n),
-    "document_start_does_not_cut_the_chain": ("pallas_tpu", pallas, "_kernel_inputs", _starts_dropped),
-    "forward_substitution_skips_last_row": ("pallas_tpu", pallas_chunk, "_forward_substitution",
-                                            _substitution_skips_last_row),
-    "chunk_decay_dropped": ("pallas_tpu", pallas_chunk, "chunk_step", _chunk_decay_dropped),
+BROKEN = {  # name: (backend run, [(module, attribute, the broken function)])
+    "document_start_dropped": ("pallas_tpu", [(pallas_tpu, "document_starts", lambda ids: jnp.zeros(ids.shape, bool))]),
+    "backward_walks_chunks_in_forward_order": ("pallas_tpu", [(pallas_tpu, "_specs", _backward_blocks_in_forward_order)]),
+    "gate_applied_twice": ("pallas_tpu", [(tpu_chunk, "decays", _gate_applied_twice)]),
+    "value_heads_read_the_wrong_key_head": ("pallas_tpu", [(pallas_tpu, "split_value_heads", _value_heads_tiled),
+                                                            (pallas_tpu, "merge_value_heads", _value_heads_untiled)]),
+    "inverse_skips_its_last_level": ("pallas_tpu", [(tpu_chunk, "unit_lower_inverse", _inverse_skips_last_level)]),
+    "state_not_carried_across_grid_steps": ("pallas_tpu", [(pallas_tpu, "_walk_starts", lambda step: step >= 0)]),
+    "gpu_backward_chunks_in_forward_order": ("pallas_gpu", [(pallas_gpu, "_chunk_order", lambda n, num, reverse: n)]),
+    "gpu_forward_substitution_skips_last_row": ("pallas_gpu", [(pallas_chunk, "_forward_substitution",
+                                                                _substitution_skips_last_row)]),
+    "gpu_chunk_decay_dropped": ("pallas_gpu", [(pallas_chunk, "chunk_step", _gpu_chunk_decay_dropped)]),
 }
 
 
 @pytest.fixture(params=sorted(BROKEN))
 def broken_variant(request, monkeypatch):
-    backend, module, attribute, broken = BROKEN[request.param]
-    monkeypatch.setattr(module, attribute, broken)
+    backend, patches = BROKEN[request.param]
+    for module, attribute, broken in patches:
+        monkeypatch.setattr(module, attribute, broken)
     return request.param, backend
 
 
@@ -167,6 +228,52 @@ def test_broken_variant_is_caught(broken_variant, packed_case, clean_errors):
     clean, broken = max(clean_errors[backend].values()), max(broken_errors.values())
     print(f"{broken_variant}: clean max error {clean:.2e}, broken {broken:.2e} ({broken_errors})")
     assert broken >= 10 * clean and broken > 1e-3, (broken_variant, clean, broken_errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Program facts
+
+
+def test_each_key_head_reaches_the_kernels_once(packed_case):
+    """The kernels read q and k as [B, G, T, K] (each key head once, for all its value heads), and
+    no float32 array of the traced forward and backward is a per-value-head copy of the keys (K
+    minor and B x T x H x K elements or more)."""
+    from hybridmoe.analysis.program import iter_eqns
+
+    inputs, segment_ids, _ = packed_case
+    batch, tokens, key_heads, key_dim = inputs[0].shape
+    heads = inputs[2].shape[2]
+
+    def loss(q, k, v, g, beta, state):
+        o, final = stepped_tpu_rule(q, k, v, g, beta, segment_ids=segment_ids, initial_state=state)
+        return jnp.sum(o) + jnp.sum(final)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(*inputs)
+    calls = [e for e in iter_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+    assert sorted(e.params["name"] for e in calls) == ["gdn_chunk_backward", "gdn_chunk_forward"]
+    padded = -(-tokens // (CHUNK * PER_STEP)) * CHUNK * PER_STEP
+    for e in calls:
+        q_operand, k_operand = (v.aval for v in e.invars[:2])
+        assert q_operand.shape == k_operand.shape == (batch, key_heads, padded, key_dim), e.params["name"]
+    per_value_head = [v.aval.shape for e in iter_eqns(jaxpr) for v in e.outvars
+                      if getattr(v.aval, "dtype", None) == jnp.float32 and v.aval.shape[-1:] == (key_dim,)
+                      and v.aval.size >= batch * tokens * heads * key_dim]
+    assert not per_value_head, per_value_head
+
+
+def test_stated_flops_count_every_bfloat16_pass():
+    """The cost a kernel states is its chunk math's matmuls as traced, bfloat16 passes included:
+    at dims (C, K, V) = (16, 16, 16), one chunk of a group of 2: the float32 path's forward runs
+    6 passes of every product but the segment sums (3: their 0/1 operand is exact); against a hand
+    count of the forward's products (q k^T, k k^T once; per value head: the segment sum, the
+    doubling inverse's 2 (log2 C - 1) products, W, U, W S, q S, A V_new, k^T V_new)."""
+    C = K = V = 16
+    per_head = 3 * C * C * C + 6 * (2 * 3 * C**3 + 2 * C * C * K + 2 * C * K * V + C * K * V + C * C * V)
+    assert tpu_chunk.chunk_macs("forward", C, K, V, 2, "float32") == 6 * 2 * C * C * K + 2 * per_head
+    # The default bfloat16 precision: one pass for k k^T, q k^T, W, U and the inverse; three for
+    # q S, A V_new and the chain's W S and k^T V_new; the segment sum's three.
+    bf16_per_head = 3 * C**3 + 2 * 3 * C**3 + 2 * C * C * K + 3 * (2 * C * K * V + C * K * V + C * C * V)
+    assert tpu_chunk.chunk_macs("forward", C, K, V, 2, "bfloat16") == 2 * C * C * K + 2 * bf16_per_head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,6 +325,14 @@ def test_interpreted_backend_is_accepted_with_any_chunk_and_context_parallelism(
     assert cfg.kernels.gdn.backend == backend
 
 
+def test_bad_precision_and_chunks_per_step_name_the_choice(packed_case):
+    inputs, segment_ids, _ = packed_case
+    with pytest.raises(ValueError, match="unknown precision 'bf16'; choices: float32, bfloat16, bfloat16x3"):
+        pallas_tpu.gated_delta_rule(*inputs[:5], chunk_size=CHUNK, interpret=True, precision="bf16")
+    with pytest.raises(ValueError, match="chunks_per_step must be positive; got 0"):
+        pallas_tpu.gated_delta_rule(*inputs[:5], chunk_size=CHUNK, interpret=True, chunks_per_step=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The production path: the whole tiny model on the 8-device CPU mesh, Pallas core vs XLA core.
 
@@ -256,11 +371,12 @@ def test_model_with_pallas_core_equals_xla_core_on_the_mesh():
 
 
 def test_sequence_sharded_layer_with_pallas_core_equals_one_device(layer_case, single_device):
-    """The GDN layer with the sequence over 4 context ranks, the Pallas kernels running pass 2 and the
-    backward's final pass per rank, against the single-device XLA layer: packed rows with documents
-    starting inside a shard, on a shard edge and on a chunk edge; loss and every gradient."""
+    """The GDN layer with the sequence over 4 context ranks, the Pallas kernels running pass 2, the
+    backward's final pass and both scans (gdn.cp_m_scan, gdn.cp_dh_scan) per rank, against the
+    single-device XLA layer: packed rows with documents starting inside a shard, on a shard edge
+    and on a chunk edge; loss and every gradient."""
     cfg, params, x, seg = layer_case
-    loss = _layer_loss(cfg, 16, backend="pallas_tpu", interpret=True)
+    loss = _layer_loss(cfg, 16, cp_m_scan=True, cp_dh_scan=True, backend="pallas_tpu", interpret=True)
     value, grads = _on_context_mesh(4, jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, seg)
     value_1, grads_1 = single_device[16]
     errors = {"loss": _rel_max(value, value_1)}
@@ -269,9 +385,10 @@ def test_sequence_sharded_layer_with_pallas_core_equals_one_device(layer_case, s
     assert max(errors.values()) < 1e-4, errors
 
 
-def test_prefill_from_a_state_equals_the_xla_core(layer_case):
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_prefill_from_a_state_equals_the_xla_core(backend, layer_case):
     """Decode's prefill: the layer from a carried state (conv tails and a non-zero [Hv, dk, dv] state)
-    through the Pallas core equals the XLA core, output and every new state."""
+    through each Pallas core equals the XLA core, output and every new state."""
     from hybridmoe.model import gdn as gdn_model
 
     cfg, params, x, seg = layer_case
@@ -283,29 +400,10 @@ def test_prefill_from_a_state_equals_the_xla_core(layer_case):
              "conv_v": tail(m.gdn_num_value_heads, m.gdn_value_dim),
              "ssm": jnp.asarray(rng.normal(size=(rows, m.gdn_num_value_heads, m.gdn_key_dim, m.gdn_value_dim)),
                                 jnp.float32)}
-    outputs = {backend: jax.jit(functools.partial(gdn_model.gdn_layer, m=m, chunk_size=16, backend=backend,
-                                                  interpret=True))(params, x[:rows, :tokens], seg[:rows, :tokens],
-                                                                   state=state)
-               for backend in ("xla", "pallas_gpu")}
-    for a, e in zip(jax.tree.leaves(outputs["pallas_gpu"]), jax.tree.leaves(outputs["xla"])):
+    outputs = {b: jax.jit(functools.partial(gdn_model.gdn_layer, m=m, chunk_size=16, backend=b,
+                                            interpret=True))(params, x[:rows, :tokens], seg[:rows, :tokens],
+                                                             state=state)
+               for b in ("xla", backend)}
+    for a, e in zip(jax.tree.leaves(outputs[backend]), jax.tree.leaves(outputs["xla"])):
         assert _rel_max(a, e) < 1e-5
-    assert _rel_max(outputs["pallas_gpu"][1]["ssm"], state["ssm"]) > 0.1  # the state really moved
-
-
-def test_extreme_gates_are_finite_and_exact(packed_case):
-    """g = -1e4 on every 7th token and on a chunk's last token (head 0), g ~ -1e6 everywhere (head 1):
-    decays underflow to exactly 0 inside the kernels, never NaN / inf; forward and gradients as the oracle."""
-    inputs, segment_ids, _ = packed_case
-    q, k, v, g, beta, state = inputs
-    hard_forget = np.zeros(g.shape, bool)
-    hard_forget[:, ::7, 0] = True
-    hard_forget[:, CHUNK - 1, 0] = True
-    g = jnp.where(jnp.asarray(hard_forget), -1e4, g)
-    a_BT = jnp.asarray(np.random.default_rng(3).normal(size=g.shape[:2]), jnp.float32)
-    g = g.at[:, :, 1].set(-jnp.exp(15.0) * jax.nn.softplus(a_BT))
-    inputs = (q, k, v, g, beta, state)
-    actual = _flat(*value_and_grads(pallas_rule, inputs, segment_ids))
-    expected = _flat(*value_and_grads(gated_delta_rule_reference, inputs, segment_ids))
-    assert all(np.isfinite(np.asarray(x)).all() for x in actual)
-    errors = _relative_max_errors(actual, expected)
-    assert max(errors.values()) < 1e-5, errors
+    assert _rel_max(outputs[backend][1]["ssm"], state["ssm"]) > 0.1  # the state really moved

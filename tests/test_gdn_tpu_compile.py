@@ -1,8 +1,13 @@
-"""The Mosaic TPU Gated DeltaNet core compiles for a real TPU target from this CPU host, and the
-training step runs its kernels per shard (tests/tpu_target.py).
+"""The Mosaic TPU Gated DeltaNet kernels compile for real TPU targets from this CPU host
+(tests/tpu_target.py): the chunk-parallel core and the context-parallel scans at the 397B cell's
+per-device shapes for a v5e and a tpu7x target, within the generation's default scoped VMEM and
+the VMEM model; small chunks; the training step runs the core's kernels per shard.
 """
 
 from __future__ import annotations
+
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,36 +17,93 @@ from tests.tpu_target import TOPOLOGY, compile_abstract, spec
 
 pytestmark = pytest.mark.tpu_compile
 
+# Qwen3.5-397B-A17B's GDN layer on one device of the seed cell: 16,384 tokens, 16 key / 64 value
+# heads, dims 128, chunk 64 (tools/chip_cases.py's "cell" geometry).
+CELL = dict(tokens=16384, key_heads=16, value_heads=64, key_dim=128, value_dim=128, chunk=64)
+# A v5e target (16 MiB default scoped VMEM) beside the suite's tpu7x one (32 MiB).
+V5E = "v5e:2x2"
 
-def _gdn_pallas_grad(device, chunk_size, key_dim, value_dim):
-    from hybridmoe.kernels.gdn import gated_delta_rule
 
-    tokens, heads = 4 * chunk_size, 2
-    args = (spec((1, tokens, 1, key_dim), jnp.bfloat16, device), spec((1, tokens, 1, key_dim), jnp.bfloat16, device),
-            spec((1, tokens, heads, value_dim), jnp.bfloat16, device), spec((1, tokens, heads), jnp.float32, device),
-            spec((1, tokens, heads), jnp.float32, device), spec((1, tokens), jnp.int32, device))
+@functools.cache
+def _device(topology: str):
+    from hybridmoe.tools.train_program import tpu_target
+
+    return tpu_target(topology).devices[0]
+
+
+def _core_grad(device, *, tokens, key_heads, value_heads, key_dim, value_dim, chunk, **settings):
+    from hybridmoe.kernels.gdn import pallas_tpu
+
+    args = (spec((1, tokens, key_heads, key_dim), jnp.bfloat16, device),
+            spec((1, tokens, key_heads, key_dim), jnp.bfloat16, device),
+            spec((1, tokens, value_heads, value_dim), jnp.bfloat16, device), spec((1, tokens, value_heads), jnp.float32, device),
+            spec((1, tokens, value_heads), jnp.float32, device), spec((1, tokens), jnp.int32, device))
 
     def loss(q, k, v, g, beta, segment_ids):
-        o, final = gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk_size,
-                                    backend="pallas_tpu")
+        o, final = pallas_tpu.gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk, **settings)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(final)
 
     return compile_abstract(jax.grad(loss, (0, 1, 2, 3, 4)), *args)
 
 
-@pytest.mark.parametrize("chunk_size, key_dim, value_dim", [(64, 128, 128), (16, 16, 8), (2, 16, 8)])
-def test_gdn_pallas_core_compiles(device, chunk_size, key_dim, value_dim):
-    """The Pallas GDN core's forward and backward kernels lower through Mosaic (packed rows, bf16
-    inputs): Qwen3.5's head dims at chunk 64, the small dims the CPU tests run, and the smallest
-    chunk the validator lets through on TPU."""
-    compiled = _gdn_pallas_grad(device, chunk_size, key_dim, value_dim)
-    assert compiled.hlo_text.count("tpu_custom_call") == 2  # the forward and the backward kernel
+def _f32_buffers(hlo_text: str, elements: int) -> list[str]:
+    """Every float32 array type in the program with exactly `elements` elements."""
+    shapes = re.findall(r"f32\[([\d,]+)\]", hlo_text)
+    return sorted({s for s in shapes if eval("*".join(s.split(",")) or "1") == elements})
 
 
-def test_gdn_pallas_core_chunk_one_is_refused_by_mosaic(device):
-    """Why the validator asks for gdn.chunk_size >= 2 with pallas_tpu."""
-    with pytest.raises(Exception, match="dot_dimension_numbers"):
-        _gdn_pallas_grad(device, 1, 16, 8)
+def _cell_needs():
+    from hybridmoe.kernels.gdn import limits
+
+    return limits.vmem_needs(0.0, chunk_size=CELL["chunk"], key_dim=CELL["key_dim"], value_dim=CELL["value_dim"],
+                             group=CELL["value_heads"] // CELL["key_heads"], itemsize=2)
+
+
+@pytest.mark.parametrize("topology", [V5E, TOPOLOGY])
+def test_gdn_core_compiles_at_the_cell_within_the_default_vmem(topology):
+    """Forward and backward kernels at the cell's shapes (bf16 inputs, packed rows) compile, and no
+    float32 array of B x T x H x K elements (a copy of the keys per value head) is in the program.
+    Both kernels' modelled VMEM (kernels/gdn/limits.py) fits the generation's default scoped limit,
+    so they ask for none; on v5e they compile with the limit set to the larger modelled need (below
+    its 16 MiB default): the model is an upper bound of what the compiler wants."""
+    from hybridmoe.kernels.gdn import limits
+    from hybridmoe.kernels.vmem import MIB, TPU_DEFAULT_LIMIT_MIB, TPU_DEFAULT_LIMIT_MIB_BY_GENERATION
+
+    needs = _cell_needs()
+    default = TPU_DEFAULT_LIMIT_MIB_BY_GENERATION[topology.split(":")[0]] * MIB
+    assert all(n.need_bytes <= default and n.limit_bytes == TPU_DEFAULT_LIMIT_MIB * MIB for n in needs.values()), needs
+    limit = max(n.need_bytes for n in needs.values()) / MIB if topology == V5E else 0.0
+    text = _core_grad(_device(topology), **CELL, vmem_limit_mib=limit).hlo_text
+    assert text.count("tpu_custom_call") == 2 and all(name in text for name in limits.KERNELS)
+    repeated = CELL["tokens"] * CELL["value_heads"] * CELL["key_dim"]
+    assert not _f32_buffers(text, repeated), _f32_buffers(text, repeated)
+
+
+@pytest.mark.parametrize("topology", [V5E, TOPOLOGY])
+def test_cp_scans_compile_as_mosaic_kernels_at_the_cell(topology):
+    """gdn.cp_m_scan's and gdn.cp_dh_scan's kernels (pallas_cp_scans.py) at the cell's chunk terms."""
+    from hybridmoe.kernels.gdn import context_parallel as cp
+
+    device = _device(topology)
+    c = CELL
+    chunks = c["tokens"] // c["chunk"]
+    per_chunk = lambda *tail: spec((1, chunks, c["value_heads"], *tail), jnp.float32, device)  # noqa: E731
+    terms = cp.ChunkTerms(per_chunk(c["chunk"], c["key_dim"]), per_chunk(c["chunk"], c["value_dim"]),
+                          per_chunk(c["chunk"], c["chunk"]), per_chunk(c["chunk"], c["key_dim"]),
+                          per_chunk(c["chunk"], c["key_dim"]), per_chunk())
+    m = compile_abstract(lambda t: cp.cp_m_scan_product(t, pallas=True), terms)
+    dh = compile_abstract(lambda t, do: cp.cp_dh_scan_cotangent(t, do, pallas=True), terms,
+                          per_chunk(c["chunk"], c["value_dim"]))
+    assert "gdn_cp_m_scan" in m.hlo_text and "gdn_cp_dh_scan" in dh.hlo_text
+
+
+@pytest.mark.parametrize("chunk_size, key_dim, value_dim", [(16, 16, 8), (2, 16, 8), (1, 16, 8)])
+def test_gdn_core_compiles_at_small_chunks(chunk_size, key_dim, value_dim):
+    """The small dims the CPU tests run, and chunks down to one token (the kernels' [1, 1] products
+    lower; the validator's floor limits.PALLAS_TPU_MIN_CHUNK is not the compiler's)."""
+    compiled = _core_grad(_device(TOPOLOGY), tokens=4 * chunk_size, key_heads=1, value_heads=2, key_dim=key_dim,
+                          value_dim=value_dim, chunk=chunk_size)
+    assert compiled.hlo_text.count("tpu_custom_call") == 2
 
 
 def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
@@ -51,7 +113,7 @@ def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
     no operand of the kernels is gathered: they run per shard."""
     from hybridmoe.tools import train_program as tp
     from hybridmoe.recipe import load_config
-    from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES
+    from hybridmoe.kernels.gdn import limits
 
     steps = {}
     for backend in ("xla", "pallas_tpu"):
@@ -59,7 +121,7 @@ def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
                                    "model.num_layers=1", f"kernels.gdn.backend={backend}"], platform="tpu")
         steps[backend] = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False)
     text = steps["pallas_tpu"].program.compiled_text
-    assert all(name in text for name in KERNEL_NAMES.values())
-    assert not any(name in steps["xla"].program.compiled_text for name in KERNEL_NAMES.values())
+    assert all(name in text for name in limits.KERNELS)
+    assert not any(name in steps["xla"].program.compiled_text for name in limits.KERNELS)
     collectives = {b: tp.collective_rows(s.program.compiled_collectives) for b, s in steps.items()}
     assert collectives["pallas_tpu"] == collectives["xla"], collectives

@@ -181,7 +181,8 @@ def test_gdn_kernels_blocks_are_the_models():
         return jnp.sum(o) + jnp.sum(final)
 
     traced = traced_kernels(jax.grad(loss, (0, 1, 2, 3, 4)), *args)
-    model = [modelled(k, gdn_limits.tpu_buffers(k, chunk_size=C, key_dim=K, value_dim=V)) for k in gdn_limits.KERNELS]
+    model = [modelled(k, gdn_limits.tpu_buffers(k, chunk_size=C, key_dim=K, value_dim=V, group=H))
+             for k in gdn_limits.KERNELS]
     assert collections.Counter(traced) == collections.Counter(model), (traced, model)
 
 

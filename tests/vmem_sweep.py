@@ -57,7 +57,7 @@ def model_bytes(kernel: str, tiles) -> int:
     if kernel in attention_limits.KERNELS:
         return tpu_bytes(attention_limits.tpu_buffers(kernel, block_q=a, block_k=b, group=N // G, head_dim=c,
                                                       grad_itemsize=4))  # pallas_tpu.backward's float32 default
-    return tpu_bytes(gdn_limits.tpu_buffers(kernel, chunk_size=a, key_dim=b, value_dim=c))
+    return tpu_bytes(gdn_limits.tpu_buffers(kernel, chunk_size=a, key_dim=b, value_dim=c, group=1, chunks_per_step=1))
 
 
 def _call(kernel: str, tiles, limit_mib: float, dev):
@@ -98,14 +98,17 @@ def _call(kernel: str, tiles, limit_mib: float, dev):
         return backward, (q, kv, kv, q, stats, stats, ids, ids)
     from hybridmoe.kernels.gdn import pallas_tpu as P
 
-    chunk = lambda *tail: s((GDN_B, GDN_N, GDN_H, *tail), F32)  # noqa: E731
-    shared = lambda *tail: s((GDN_B, GDN_N, *tail), F32)  # noqa: E731
-    inputs = (chunk(a, b), chunk(a, b), chunk(a, c), chunk(a, 1), chunk(1, a), chunk(a, 1), shared(a, 1), shared(1, a))
-    state = s((GDN_B, GDN_H, b, c), F32)
+    # GDN_H key heads of one value head each, one chunk per grid step, float32 inputs.
+    settings = P.Settings(chunk_size=a, chunks_per_step=1, precision="float32", vmem_limit_mib=limit_mib)
+    tokens = s((GDN_B, GDN_H, GDN_N * a, b), F32)
+    v = s((GDN_B, GDN_H, 1, GDN_N * a, c), F32)
+    gates = s((GDN_B, GDN_H, GDN_N, 1, a), F32)
+    state = s((GDN_B, GDN_H, 1, b, c), F32)
     if kernel == "gdn_chunk_forward":
-        return lambda *x: P.forward(x[:8], x[8], interpret=False, vmem_limit_mib=limit_mib), (*inputs, state)
-    return (lambda *x: P.backward(x[:8], x[8], x[9], x[10], interpret=False, vmem_limit_mib=limit_mib),
-            (*inputs, chunk(b, c), chunk(a, c), state))
+        return lambda *x: P.forward(*x, settings, save=True), (tokens, tokens, v, gates, gates, state)
+    residuals = (tokens, tokens, v, gates, gates, s((GDN_B, GDN_H, GDN_N, 1, b, c), F32),
+                 s((GDN_B, GDN_H, GDN_N, 1, a, a), F32))
+    return lambda *x: P.backward(x[:7], x[7], x[8], settings), (*residuals, v, state)
 
 
 _OVERFLOW = re.compile(r"CompileTimeScopedVmemOom|Ran out of memory in memory space vmem", re.I)

@@ -48,7 +48,8 @@ def attention_vmem_needs(cfg: Config, context_ranks: int = 1) -> dict:
 def gdn_vmem_needs(cfg: Config) -> dict:
     m = cfg.model
     return gdn_limits.vmem_needs(0.0, chunk_size=cfg.gdn.chunk_size, key_dim=m.gdn_key_dim,
-                                 value_dim=m.gdn_value_dim)
+                                 value_dim=m.gdn_value_dim, group=m.gdn_num_value_heads // m.gdn_num_key_heads,
+                                 itemsize=ITEMSIZE[m.compute_dtype])
 
 
 # The validator's problems from those figures (recipe/validate.py's on-chip memory rule).

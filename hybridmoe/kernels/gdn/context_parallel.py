@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from hybridmoe.kernels.gdn import pallas
+from hybridmoe.kernels.gdn import pallas, pallas_cp_scans
+from hybridmoe.kernels.platform import trace_platform
 from hybridmoe.kernels.gdn.reference import document_starts
 from hybridmoe.kernels.gdn.xla import (
     ChunkInputs,
@@ -77,12 +78,21 @@ def cp_m_tree_product(t: ChunkTerms):
     return m_BHKK
 
 
-def cp_m_scan_product(t: ChunkTerms):
+def _pallas_scans(pallas) -> bool:
+    """Whether the scans run as Mosaic kernels: given, or where the program is traced for a TPU."""
+    return trace_platform() == "tpu" if pallas is None else pallas
+
+
+def cp_m_scan_product(t: ChunkTerms, *, pallas: bool | None = None, interpret: bool = False):
     """M_r by one pass over chunks carrying one [K, K] product per head: M <- decay M - K_bwd^T (W M).
 
-    The state step with U = 0 applied to the identity, in a fori_loop that reads chunk n in place
-    (a lax.scan would first copy its inputs to chunk-major order): no [N, H, K, K] stack is formed.
+    On a TPU (or with pallas=True; interpret=True runs it on CPU) a Mosaic kernel keeps the products
+    in VMEM (pallas_cp_scans.py). Elsewhere the state step with U = 0 applied to the identity, in a
+    fori_loop that reads chunk n in place (a lax.scan would first copy its inputs to chunk-major
+    order). Either way no [N, H, K, K] stack is formed.
     """
+    if _pallas_scans(pallas):
+        return pallas_cp_scans.m_scan_product(t, interpret=interpret)
     batch, num_chunks, heads, _, key_dim = t.w.shape
     eye_BHKK = jnp.broadcast_to(jnp.eye(key_dim, dtype=t.w.dtype), (batch, heads, key_dim, key_dim))
     zeros_BHCK = jnp.zeros_like(t.w[:, 0])
@@ -117,8 +127,11 @@ def cp_dh_tree_cotangent(t: ChunkTerms, do_BNHCV):
     return d_start_BHKV
 
 
-def cp_dh_scan_cotangent(t: ChunkTerms, do_BNHCV):
-    """dS_loc by the reverse recurrence of docs/gdn.md section 2 as one scan (no [N, H, K, K] stack)."""
+def cp_dh_scan_cotangent(t: ChunkTerms, do_BNHCV, *, pallas: bool | None = None, interpret: bool = False):
+    """dS_loc by the reverse recurrence of docs/gdn.md section 2 as one scan (no [N, H, K, K] stack):
+    a Mosaic kernel on a TPU (as cp_m_scan_product), a lax.scan elsewhere."""
+    if _pallas_scans(pallas):
+        return pallas_cp_scans.dh_scan_cotangent(t, do_BNHCV, interpret=interpret)
     return chunk_end_cotangents(t, do_BNHCV, _zero_state(t))[1]
 
 
@@ -217,33 +230,38 @@ def context_parallel_core(x: ChunkInputs, starts_BNC, axis_name, cp_m_scan, cp_d
 def _cp_fwd(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret):
     t = chunk_terms(x, starts_BNC)
     _, s_ext_BHKV = chunk_start_states(t, _zero_state(t))  # pass 1
-    m_BHKK = cp_m_scan_product(t) if cp_m_scan else cp_m_tree_product(t)
+    scans = dict(pallas=True if backend == "pallas_tpu" else None, interpret=interpret)
+    m_BHKK = cp_m_scan_product(t, **scans) if cp_m_scan else cp_m_tree_product(t)
     m_BHKK = checkpoint_name(m_BHKK, TRANSITION_NAME)
     s_in_BHKV = checkpoint_name(exclusive_prefix(m_BHKK, s_ext_BHKV, axis_name, prefix=prefix), STATE_IN_NAME)
     if backend == "xla":  # pass 2
         states_BNHKV, _ = chunk_start_states(t, s_in_BHKV)
         o_BNHCV, _ = chunk_outputs(t, states_BNHKV)
+        kernel_residuals = states_BNHKV
     else:
-        (o_BNHCV, _), (_, _, states_BNHKV) = pallas.core_forward(x, starts_BNC, s_in_BHKV, backend=backend,
-                                                                           interpret=interpret)
-    return o_BNHCV, (x, starts_BNC, states_BNHKV, m_BHKK)
+        (o_BNHCV, _), kernel_residuals = pallas.core_forward(x, starts_BNC, s_in_BHKV, backend=backend,
+                                                             interpret=interpret)
+    return o_BNHCV, (x, starts_BNC, kernel_residuals, m_BHKK)
 
 
 def _cp_bwd(axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret, residuals, do_BNHCV):
-    x, starts_BNC, states_BNHKV, m_BHKK = residuals
+    x, starts_BNC, kernel_residuals, m_BHKK = residuals  # the XLA pass's: the states at every chunk start
     if backend == "xla":
-        local_vjp, t = replay_chunks((x, starts_BNC, states_BNHKV))
+        local_vjp, t = replay_chunks((x, starts_BNC, kernel_residuals))
     else:
         t = chunk_terms(x, starts_BNC)
-    d_local_BHKV = (cp_dh_scan_cotangent if cp_dh_scan else cp_dh_tree_cotangent)(t, do_BNHCV)
+    if cp_dh_scan:
+        scans = dict(pallas=True if backend == "pallas_tpu" else None, interpret=interpret)
+        d_local_BHKV = cp_dh_scan_cotangent(t, do_BNHCV, **scans)
+    else:
+        d_local_BHKV = cp_dh_tree_cotangent(t, do_BNHCV)
     # dS_in_r = M_r^T dS_out_r + dS_loc_r, folded from the last rank down: the cotangent at this
     # shard's end is what the ranks after it send back.
     d_end_BHKV = exclusive_prefix(m_BHKK, d_local_BHKV, axis_name, prefix=prefix, reverse=True)
     if backend == "xla":
         dx, _ = finish_backward(local_vjp, t, do_BNHCV, d_end_BHKV)
     else:
-        dx, _ = pallas.core_backward((x, starts_BNC, states_BNHKV), do_BNHCV, d_end_BHKV, backend=backend,
-                                     interpret=interpret)
+        dx, _ = pallas.core_backward(kernel_residuals, do_BNHCV, d_end_BHKV, backend=backend, interpret=interpret)
     return dx, None
 
 

@@ -2,48 +2,84 @@
 
 # The chunk size gdn.cp_m_scan and gdn.cp_dh_scan are built and proven for (docs/levers.md, "Gated DeltaNet").
 CP_SCAN_CHUNK_SIZE = 64
-# Mosaic refuses the kernel's degenerate [1, 1] dots at chunk 1; chunks 2, 3, 4, 12, 16, 64 compile
-# for a tpu7x target (tests/test_gdn_pallas.py).
+# The validator's floor for pallas_tpu. The chunk-parallel kernels compile down to chunk 1 for v5e
+# and tpu7x targets (tests/test_gdn_tpu_compile.py; the earlier per-chunk kernel's [1, 1] dots did
+# not lower); the floor stays at 2 all the same: a chunk of one token is the token recurrence, with
+# no intra-chunk work to put on the MXU.
 PALLAS_TPU_MIN_CHUNK = 2
 # Triton: power-of-two value shapes, and tl.dot wants every matmul dim >= 16.
 PALLAS_GPU_MIN_DIM = 16
 
 # ---------------------------------------------------------------------------------------------
-# On-chip memory of the Mosaic GDN kernels (kernels/vmem.py), as pallas_tpu.py builds their blocks:
-# one chunk of one (batch, value head) per grid step, the [K, V] state resident in scratch, and the
-# float32 values of the chunk's math (pallas_chunk.chunk_step): the forward's [C, C] decay, lower-
-# triangular, inverse and q k^T matrices, [C, K] and [K, V] products; the backward (a jax.vjp of the
-# chunk around the substitution loop) holds many more. The counts are an upper bound fitted to the
-# compiler's smallest accepted limit on tpu7x at (C, K, V) = (64, 128, 128), (128, 128, 128),
-# (64, 256, 256), (128, 256, 256): forward 0 to 480 KiB over it, backward 24 to 500 KiB.
+# Grid steps of the Mosaic GDN kernels (pallas_tpu.py): each holds one key head, its `group` value
+# heads and `chunks_per_step` chunks, all unrolled in one basic block.
+
+# Value heads x chunks per grid step by default: enough independent chains for the scheduler to
+# overlap one head's serial products with another's, few enough that the body compiles in seconds.
+HEAD_CHUNKS_PER_STEP = 8
+
+
+def default_chunks_per_step(chunk_size: int, group: int, chunks: int | None = None) -> int:
+    """Chunks per grid step: about HEAD_CHUNKS_PER_STEP chunk-heads (no more than the sequence's
+    `chunks`), and a step's tokens a multiple of 16 (a bfloat16 block's sublane tile)."""
+    n = max(1, HEAD_CHUNKS_PER_STEP // group)
+    if chunks is not None:
+        n = max(1, min(n, chunks))
+    while (n * chunk_size) % 16:
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# On-chip memory of the Mosaic GDN kernels (kernels/vmem.py), as pallas_tpu.py builds their blocks,
+# and the float32 values of their bodies (tpu_chunk.py) that the compiler keeps in the same scoped
+# VMEM: a base set plus one per further chunk-head unrolled in the step, counted in [C, C],
+# [C, max(K, V)] and [K, V] float32 arrays. The counts are the tightest upper bound of the
+# compiler's smallest accepted limit (v5e) at (C, K, V, group, chunks per step, v's itemsize) =
+# (64|128|256, 128|256, 128|256, 1, 1, 4), (64, 128, 128, 1, 2, 4), (64, 128, 128, 2, 1, 4),
+# (64, 128, 128, 4, 2, 4|2), (64, 128, 128, 2, 4, 2): the forward within 1.3 MiB above it, the
+# backward within 0.7 MiB (tests/test_vmem_tpu_compile.py checks the verdicts at a small limit).
+# Measured at the 397B cell's (64, 128, 128, 4, 2, bf16): forward 4.8 MiB, backward 8.3 MiB.
 
 KERNELS = ("gdn_chunk_forward", "gdn_chunk_backward")
 
 
-def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, itemsize: int = 4):
-    """The VMEM buffers of one Mosaic GDN kernel (KERNELS); itemsize: the chunk inputs' (float32)."""
+def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, group: int = 1,
+                chunks_per_step: int | None = None, itemsize: int = 4):
+    """The VMEM buffers of one Mosaic GDN kernel (KERNELS), the forward as a gradient runs it (it
+    writes the backward's residuals); itemsize: v's and the output's (q and k are float32)."""
     from hybridmoe.kernels.vmem import Buffer
 
-    C, K, V = chunk_size, key_dim, value_dim
-    chunk = [Buffer("q", (C, K), itemsize), Buffer("k", (C, K), itemsize), Buffer("v", (C, V), itemsize),
-             Buffer("g_column", (C, 1), 4), Buffer("g_row", (1, C), 4), Buffer("beta", (C, 1), 4),
-             Buffer("starts_column", (C, 1), 4), Buffer("starts_row", (1, C), 4)]
-    counts = (4, 4, 2) if kernel == "gdn_chunk_forward" else (32, 12, 6)  # [C, C], [C, K], [K, V]
-    values = [Buffer("c_by_c", (C, C), 4, counts[0], "value"), Buffer("c_by_k", (C, K), 4, counts[1], "value"),
+    C, K, V, H = chunk_size, key_dim, value_dim, group
+    n = chunks_per_step or default_chunks_per_step(C, H)
+    tokens = n * C
+    inputs = [Buffer("q", (tokens, K), 4), Buffer("k", (tokens, K), 4), Buffer("v", (H, tokens, V), itemsize),
+              Buffer("log_gates", (n, H, C), 4), Buffer("beta", (n, H, C), 4)]
+    residuals = [Buffer("chunk_starts", (n, H, K, V), 4), Buffer("inverses", (n, H, C, C), 4)]
+    state = Buffer("state", (H, K, V), 4, 1, "scratch")
+    base, per_chunk_head = _VALUE_COUNTS[kernel]
+    counts = [b + (H * n - 1) * p for b, p in zip(base, per_chunk_head)]
+    values = [Buffer("c_by_c", (C, C), 4, counts[0], "value"), Buffer("c_by_k", (C, max(K, V)), 4, counts[1], "value"),
               Buffer("k_by_v", (K, V), 4, counts[2], "value")]
-    state = Buffer("state", (K, V), 4, 1, "scratch")
     if kernel == "gdn_chunk_forward":
-        return [*chunk, Buffer("initial", (K, V), 4), Buffer("o", (C, V), 4), Buffer("chunk_start", (K, V), 4),
-                Buffer("final", (K, V), 4), state, *values]
+        return [*inputs, Buffer("initial", (H, K, V), 4), Buffer("o", (H, tokens, V), itemsize),
+                Buffer("final", (H, K, V), 4), *residuals, state, *values]
     if kernel == "gdn_chunk_backward":
-        grads = [Buffer("d" + b.what, b.shape, 4) for b in chunk[:6]]
-        return [*chunk, Buffer("chunk_start", (K, V), 4), Buffer("do", (C, V), 4), Buffer("d_final", (K, V), 4),
-                *grads, Buffer("d_initial", (K, V), 4), state, *values]
+        grads = [Buffer("dq", (tokens, K), 4), Buffer("dk", (tokens, K), 4), Buffer("dv", (H, tokens, V), itemsize),
+                 Buffer("dlog_gates", (n, H, C), 4), Buffer("dbeta", (n, H, C), 4)]
+        return [*inputs, *residuals, Buffer("do", (H, tokens, V), itemsize), Buffer("d_final", (H, K, V), 4),
+                *grads, Buffer("d_initial", (H, K, V), 4), state, *values]
     raise ValueError(f"unknown GDN kernel {kernel!r}; choose one of {KERNELS}")
 
 
+# ([C, C], [C, max(K, V)], [K, V]) float32 values live at once: the base, and per further chunk-head
+# of the step (fitted; see above).
+_VALUE_COUNTS = {"gdn_chunk_forward": ((17, 0, 7), (0, 1, 2)), "gdn_chunk_backward": ((5, 15, 8), (0, 5, 5))}
+
+
 def vmem_needs(limit_mib: float = 0.0, **dims) -> dict:
-    """Per GDN kernel, its VMEM need against the scoped limit (0 = the compiler's default)."""
+    """Per GDN kernel, its VMEM need against the scoped limit it compiles under (0: `auto`, the
+    compiler's default where the need fits it; kernels/vmem.py)."""
     from hybridmoe.kernels.vmem import MIB, Need, tpu_bytes, tpu_limit_mib
 
     needs = {k: tpu_bytes(tpu_buffers(k, **dims)) for k in KERNELS}

@@ -9,7 +9,7 @@ import functools
 
 import jax.numpy as jnp
 
-from hybridmoe.kernels.gdn import pallas, xla
+from hybridmoe.kernels.gdn import pallas, pallas_tpu, xla
 from hybridmoe.kernels.gdn.reference import prepare_query_key, recurrence_step
 
 # One entry per backend. xla_autodiff is the same forward differentiated by autodiff: the baseline
@@ -17,9 +17,10 @@ from hybridmoe.kernels.gdn.reference import prepare_query_key, recurrence_step
 _BACKENDS = {
     "xla": lambda interpret: xla.gated_delta_rule_chunked,
     "xla_autodiff": lambda interpret: functools.partial(xla.gated_delta_rule_chunked, vjp="autodiff"),
-    **{name: lambda interpret, name=name: functools.partial(
+    "pallas_tpu": lambda interpret: functools.partial(pallas_tpu.gated_delta_rule, interpret=interpret),
+    "pallas_gpu": lambda interpret: functools.partial(
         xla.gated_delta_rule_chunked,
-        core=functools.partial(pallas.chunked_core, backend=name, interpret=interpret)) for name in pallas.BACKENDS},
+        core=functools.partial(pallas.chunked_core, backend="pallas_gpu", interpret=interpret)),
 }
 BACKENDS = tuple(_BACKENDS)
 

@@ -1,15 +1,14 @@
-"""Gated DeltaNet, chunked form (docs/gdn.md section 2) as Pallas kernels, with the XLA core's backward contract.
+"""Gated DeltaNet, chunked form (docs/gdn.md section 2) as Pallas kernels: the dispatch on backend.
 
-The forward kernel walks the chunks of each (batch, value head) in order from the initial state,
-writing each chunk's output, the state at its start (the backward's only residual besides the
-inputs) and the final state. The backward kernel walks them in reverse, replays each chunk from
-its saved start state and takes the chunk's vjp with the cotangents of its output and of its end
-state: dq, dk, dv, dbeta, dg of the chunk and the cotangent of its start state (docs/gdn.md section 2's
-adjoint recurrence), down to dL/d(initial state). The per-chunk math is pallas_chunk.py's; the two
-drivers differ in how they walk the chunks:
-  pallas_tpu (pallas_tpu.py): Mosaic TPU, grid (B, H, N) with the chunk axis sequential, the
-      state in VMEM scratch;
-  pallas_gpu (pallas_gpu.py): Triton, grid (B, H), a fori_loop over chunks in each program.
+  pallas_tpu (pallas_tpu.py, math in tpu_chunk.py): Mosaic TPU. A grid step holds one key head,
+      its value heads and several chunks; the intra-chunk work runs on the MXU in bfloat16 passes,
+      only the [K, V] state is carried from chunk to chunk (in VMEM). It takes the inputs in its
+      own layouts (each key head once) through `pallas_tpu.gated_delta_rule`; here only the chunk-
+      layout API that the context-parallel pass 2 calls.
+  pallas_gpu (pallas_gpu.py, math in pallas_chunk.py): Triton, grid (B, H), a fori_loop over
+      chunks in each program, one chunk of one value head at a time; the forward saves each
+      chunk's start state, the backward walks the chunks in reverse and takes each chunk's vjp from
+      it. It runs under xla.gated_delta_rule_chunked with `chunked_core` below as its core.
 On CPU either runs with interpret=True (kernels.interpret, as for the gmm Pallas backends).
 
 Dimension letters as in xla.py: B batch, N chunks, H value heads, C position in a chunk, K key
@@ -27,7 +26,7 @@ from hybridmoe.kernels.gdn import pallas_gpu, pallas_tpu
 from hybridmoe.kernels.gdn.xla import ChunkInputs
 
 BACKENDS = ("pallas_tpu", "pallas_gpu")
-_DRIVERS = {"pallas_tpu": pallas_tpu, "pallas_gpu": pallas_gpu}
+_DRIVERS = {"pallas_gpu": pallas_gpu}
 
 
 def _kernel_inputs(x: ChunkInputs, starts_BNC):
@@ -40,7 +39,9 @@ def _kernel_inputs(x: ChunkInputs, starts_BNC):
 
 
 def core_forward(x: ChunkInputs, starts_BNC, initial_BHKV, *, backend: str, interpret: bool):
-    """(o [B, N, H, C, V], final state) and the residuals (inputs, the state at every chunk start)."""
+    """(o [B, N, H, C, V], final state) and the residuals of `core_backward` (opaque)."""
+    if backend == "pallas_tpu":
+        return pallas_tpu.chunk_inputs_forward(x, starts_BNC, initial_BHKV, interpret=interpret)
     o_BNHCV, states_BNHKV, final_BHKV = _DRIVERS[backend].forward(
         _kernel_inputs(x, starts_BNC), initial_BHKV, interpret=interpret)
     return (o_BNHCV, final_BHKV), (x, starts_BNC, states_BNHKV)
@@ -48,6 +49,8 @@ def core_forward(x: ChunkInputs, starts_BNC, initial_BHKV, *, backend: str, inte
 
 def core_backward(residuals, do_BNHCV, d_final_BHKV, *, backend: str, interpret: bool):
     """Cotangents of (ChunkInputs, initial state) by one reverse pass over the chunks."""
+    if backend == "pallas_tpu":
+        return pallas_tpu.chunk_inputs_backward(residuals, do_BNHCV, d_final_BHKV, interpret=interpret)
     x, starts_BNC, states_BNHKV = residuals
     dq, dk, dv, dg_col, dg_row, dbeta, d_initial_BHKV = _DRIVERS[backend].backward(
         _kernel_inputs(x, starts_BNC), states_BNHKV, do_BNHCV, d_final_BHKV, interpret=interpret)
@@ -55,7 +58,7 @@ def core_backward(residuals, do_BNHCV, d_final_BHKV, *, backend: str, interpret:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def chunked_core(x: ChunkInputs, starts_BNC, initial_BHKV, backend: str = "pallas_tpu", interpret: bool = False):
+def chunked_core(x: ChunkInputs, starts_BNC, initial_BHKV, backend: str = "pallas_gpu", interpret: bool = False):
     """The chunked recurrence on prepared chunk-layout inputs: (o [B, N, H, C, V], final state)."""
     return core_forward(x, starts_BNC, initial_BHKV, backend=backend, interpret=interpret)[0]
 

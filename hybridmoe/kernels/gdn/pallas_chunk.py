@@ -1,12 +1,13 @@
-"""Gated DeltaNet, one chunk of one (batch, value head) for the Pallas kernels (docs/gdn.md section 2).
+"""Gated DeltaNet, one chunk of one (batch, value head) for the Triton kernels (pallas_gpu.py; docs/gdn.md section 2).
 
-`chunk_step` is the chunk's math as a plain 2D jnp function: the forward kernels call it, the
-backward kernels differentiate it (one jax.vjp per chunk gives the chunk's input cotangents and
+`chunk_step` is the chunk's math as a plain 2D jnp function: the forward kernel calls it, the
+backward kernel differentiates it (one jax.vjp per chunk gives the chunk's input cotangents and
 its start state's), so the math exists once. `forward_chunk` / `backward_chunk` are the per-chunk
-bodies every driver (pallas_tpu.py, pallas_gpu.py) runs on refs viewing one chunk.
+bodies the driver runs on refs viewing one chunk. (The Mosaic TPU kernels run tpu_chunk.py's math:
+several value heads and chunks per grid step, the adjoint written by hand.)
 
-Only what both Mosaic TPU and Triton lower runs here: 2D iotas, masked reductions, 2D matmuls of
-square or [C, K]-like operands (no matrix-vector product with a unit dim). The gates enter twice,
+Only what Triton lowers runs here: 2D iotas, masked reductions, 2D matmuls of square or [C, K]-like
+operands (no matrix-vector product with a unit dim). The gates enter twice,
 as a column [C, 1] and as a row [1, C], so that prefix sums are masked lane or sublane reductions
 and no vector is transposed in the kernel; their two cotangents are summed outside.
 
@@ -22,28 +23,20 @@ from jax import lax
 
 from hybridmoe.kernels.gdn.xla import masked_exp, with_inverse_adjoint
 
+# Imported here for the step-time model (analysis/hlo_cost.py) and the cost tests, which read the
+# Mosaic kernels' names and count from this module: the MACs of the Mosaic (pallas_tpu) kernels'
+# chunk math as tpu_chunk writes it, every bfloat16 pass counted.
+from hybridmoe.kernels.gdn.tpu_chunk import chunk_macs  # noqa: E402, F401
+
 _HIGHEST = lax.Precision.HIGHEST
-# The kernels' names in the compiled program (what program facts look for).
+# The kernels' names in the compiled program (what program facts look for): the Triton kernels here
+# and the Mosaic kernels of pallas_tpu.py carry the same two names.
 KERNEL_NAMES = {"_forward_kernel": "gdn_chunk_forward", "_backward_kernel": "gdn_chunk_backward"}
 _F32 = jnp.float32
-# Every matmul here runs at HIGHEST precision: float32 on the TPU MXU as 6 bfloat16 passes.
-MXU_PASSES = 6
-
-
-def chunk_macs(kernel: str, C: int, K: int, V: int) -> int:
-    """Multiply-adds of one chunk of one head, as `chunk_step` writes them. Forward: the two
-    segment sums (causal ones @ [C, C], 2 C^3), k k^T, the WY products with k and v, q k^T and its
-    product with the new values (3 C^2 K + 2 C^2 V), w S, q S and k^T v_new (3 C K V); the
-    substitution has no matmul. Backward: the forward replayed without the products only the
-    outputs need (q S, the attention's product with the new values, k^T v_new: the compiler drops
-    them), plus each product's two operand gradients (one for the segment sum of g, whose other
-    operand is constant, none for that of the starts) and the inverse's closed-form adjoint (2 C^3):
-    5 C^3 + 9 C^2 K + 5 C^2 V + 7 C K V."""
-    forward = 2 * C**3 + 3 * C * C * K + 2 * C * C * V + 3 * C * K * V
-    if kernel == "gdn_chunk_forward":
-        return forward
-    replay = forward - 2 * C * K * V - C * C * V
-    return replay + 3 * C**3 + 6 * C * C * K + 4 * C * C * V + 6 * C * K * V
+# MXU passes per FLOP a Mosaic GDN kernel states (the step-time model reads only Mosaic calls): 1,
+# since pallas_tpu's kernels state every bfloat16 pass they run (tpu_chunk.mxu writes the float32
+# products out as passes). The Triton math below runs its matmuls at HIGHEST precision.
+MXU_PASSES = 1
 
 
 def _dot(a, b, contract):

@@ -1,136 +1,379 @@
-"""Mosaic TPU driver of the Pallas GDN core: grid (B, H, N), the chunk axis innermost and sequential.
+"""Mosaic TPU Gated DeltaNet core: chunk-parallel work on the MXU inside a sequential walk over chunks.
 
-Each grid step is one chunk of one (batch, value head). The forward carries the float32 [K, V]
-state from chunk to chunk in a VMEM scratch; the backward visits the chunks in reverse (its index
-maps read chunk N - 1 - n) and carries the state cotangent the same way. Every block's last two
-dims are full array dims ([C, K], [C, V], [K, V], [C, 1], [1, C]), which Mosaic accepts for any
-size; the state blocks keep one index across the chunk axis, so they stay resident and are
-written back once.
+One kernel per direction. A grid step holds one key head, every value head that reads it (the
+group: H / G heads) and `chunks_per_step` chunks of C tokens. For each chunk, in order, it forms the
+key head's q k^T and k k^T once, and per value head the gates' decays, the triangular inverse T,
+W, U, V_new, the output and the end state (tpu_chunk.forward_chunk): all matmuls of [C, C], [C, K]
+and [K, V] operands with the state in VMEM scratch, so nothing intra-chunk goes through HBM; only
+the [K, V] state passes from one chunk to the next (to the next grid step through scratch). The
+group's value heads are independent chains unrolled in one basic block, so the scheduler overlaps
+one head's serial products with another's (docs/gdn.md section 2, "The Pallas TPU kernels", says
+why one kernel and not a chunk-parallel kernel plus a state scan).
 
-Dimension letters as in xla.py: B batch, N chunks, H value heads, C position in a chunk, K key
-dim, V value dim.
+Grid (B, G, N / chunks_per_step): batch and key heads "parallel", the chunk axis "arbitrary"
+(sequential; the backward walks it in reverse through its index maps). The forward for a gradient
+also writes each chunk's start state and T (the backward's residuals: it recomputes the rest);
+the plain forward writes neither.
+
+Layouts (the wrapper's transposes; each key head appears once, never repeated per value head):
+  q, k [B, G, T, K] float32 (normalised, q scaled); v, o [B, G, H/G, T, V] in v's dtype;
+  log gates and beta [B, G, N, H/G, C] float32 (a document start's log gate is
+  tpu_chunk.START_LOG_GATE); states [B, G, H/G, K, V] float32; residuals: start states
+  [B, G, N, H/G, K, V] and inverses [B, G, N, H/G, C, C] float32.
+
+VMEM (kernels/gdn/limits.py models it; tests/test_vmem_tpu_compile.py checks the model against the
+compiler): at Qwen3.5-397B's per-device cell (C 64, K = V 128, 4 value heads per key head, bf16 v)
+and the default 2 chunks per step, the forward's blocks double-buffered are about 3.3 MiB and the
+backward's 4.8 MiB, under v5e's 16 MiB default scoped limit with the body's values; no
+vmem_limit_bytes is needed.
+
+Dimension letters: B batch, T tokens, N chunks, G key heads, H value heads (Hg = H / G per key
+head), C position in a chunk, K key dim, V value dim.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from hybridmoe.kernels.gdn.pallas_chunk import KERNEL_NAMES, backward_chunk, chunk_macs, forward_chunk
-from hybridmoe.kernels.vmem import tpu_limit_bytes
+from hybridmoe.kernels.gdn import limits, tpu_chunk
+from hybridmoe.kernels.gdn.limits import default_chunks_per_step
+from hybridmoe.kernels.gdn.reference import document_starts, prepare_query_key
+from hybridmoe.kernels.gdn.tpu_chunk import PRECISIONS, START_LOG_GATE, HeadIn, chunk_macs
+from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 
 _F32 = jnp.float32
+# The kernels' names in the compiled program (program facts and the step-time model look for them).
+KERNEL_NAMES = {"forward": limits.KERNELS[0], "backward": limits.KERNELS[1]}
+class Settings(NamedTuple):
+    """The static choices of one core call."""
+
+    chunk_size: int
+    chunks_per_step: int
+    precision: str  # a key of tpu_chunk.PRECISIONS
+    interpret: bool = False
+    vmem_limit_mib: float = 0.0
 
 
-def _chunk_spec(block_tail, reverse: bool, num_chunks: int, per_head: bool = True):
-    """One chunk of one (batch, head): block (1, 1, 1, *tail) of a [B, N, H, ...] array
-    (per_head=False: (1, 1, *tail) of a [B, N, ...] array that every head reads)."""
-    chunk = (lambda n: num_chunks - 1 - n) if reverse else (lambda n: n)
-    zeros = (0,) * len(block_tail)
-    if not per_head:
-        return pl.BlockSpec((None, None, *block_tail), lambda b, h, n: (b, chunk(n), *zeros))
-    return pl.BlockSpec((None, None, None, *block_tail), lambda b, h, n: (b, chunk(n), h, *zeros))
+# ---------------------------------------------------------------------------------------------
+# Kernels
 
 
-def _state_spec(key_dim: int, value_dim: int):
-    """The [K, V] state of one (batch, head), the same block for every chunk (resident)."""
-    return pl.BlockSpec((None, None, key_dim, value_dim), lambda b, h, n: (b, h, 0, 0))
+def _walk_starts(step):
+    """Whether grid step `step` begins a (batch, key head)'s walk over its chunks: the carried
+    state (the backward: its cotangent) is set from the input there and carried after."""
+    return step == 0
 
 
-def _specs(dims, reverse: bool):
-    """Specs of the chunk inputs (q, k, v, g column, g row, beta, starts column, starts row), and the
-    per-chunk spec maker."""
-    num_chunks, chunk_size, key_dim, value_dim = dims
-    spec = functools.partial(_chunk_spec, reverse=reverse, num_chunks=num_chunks)
-    return [spec((chunk_size, key_dim)), spec((chunk_size, key_dim)), spec((chunk_size, value_dim)),
-            spec((chunk_size, 1)), spec((1, chunk_size)), spec((chunk_size, 1)),
-            spec((chunk_size, 1), per_head=False), spec((1, chunk_size), per_head=False)], spec
+def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, settings: Settings, save: bool):
+    if save:
+        o_ref, final_ref, starts_ref, inverses_ref, state_scratch = refs
+    else:
+        o_ref, final_ref, state_scratch = refs
+    precision = PRECISIONS[settings.precision]
+    size, group = settings.chunk_size, v_ref.shape[0]
+    step = pl.program_id(2)
+
+    @pl.when(_walk_starts(step))
+    def _():
+        state_scratch[...] = initial_ref[...]
+
+    states = [state_scratch[h] for h in range(group)]
+    for c in range(settings.chunks_per_step):
+        rows = pl.ds(c * size, size)
+        heads = [HeadIn(v_ref[h, rows, :], g_ref[c, pl.ds(h, 1), :], beta_ref[c, pl.ds(h, 1), :], states[h])
+                 for h in range(group)]
+        outs = tpu_chunk.forward_chunk(q_ref[rows, :], k_ref[rows, :], heads, precision)
+        for h, out in enumerate(outs):
+            o_ref[h, rows, :] = out.o.astype(o_ref.dtype)
+            if save:
+                starts_ref[c, h] = states[h]
+                inverses_ref[c, h] = out.inverse
+        states = [out.end for out in outs]
+    for h in range(group):
+        state_scratch[h] = states[h]
+
+    @pl.when(step == pl.num_programs(2) - 1)
+    def _():
+        for h in range(group):
+            final_ref[h] = states[h]
 
 
-def cost(name: str, grid, operands, out_shape, chunk_size: int, key_dim: int, value_dim: int) -> pl.CostEstimate:
-    """The kernel's stated cost: `chunk_macs` x 2 per grid step (one chunk of one head; the FLOPs
-    of the math, not the 6 MXU passes HIGHEST costs), one exp per decay entry (C^2 + 3 C), every
-    operand and result moved once (the state blocks stay resident)."""
-    steps = grid[0] * grid[1] * grid[2]
-    nbytes = sum(a.size * jnp.dtype(a.dtype).itemsize for a in (*operands, *out_shape))
-    return pl.CostEstimate(flops=int(2 * chunk_macs(name, chunk_size, key_dim, value_dim) * steps),
-                           transcendentals=int((chunk_size**2 + 3 * chunk_size) * steps), bytes_accessed=int(nbytes))
+def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_ref, do_ref, d_final_ref,
+                     dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, d_initial_ref, d_state_scratch, *,
+                     settings: Settings):
+    precision = PRECISIONS[settings.precision]
+    size, group = settings.chunk_size, v_ref.shape[0]
+    step = pl.program_id(2)  # the step-th block from the end
+
+    @pl.when(_walk_starts(step))
+    def _():
+        d_state_scratch[...] = d_final_ref[...]
+
+    d_states = [d_state_scratch[h] for h in range(group)]
+    for c in reversed(range(settings.chunks_per_step)):
+        rows = pl.ds(c * size, size)
+        heads = [HeadIn(v_ref[h, rows, :], g_ref[c, pl.ds(h, 1), :], beta_ref[c, pl.ds(h, 1), :], starts_ref[c, h])
+                 for h in range(group)]
+        dq, dk, grads = tpu_chunk.backward_chunk(
+            q_ref[rows, :], k_ref[rows, :], heads, [inverses_ref[c, h] for h in range(group)],
+            [do_ref[h, rows, :] for h in range(group)], d_states, precision)
+        dq_ref[rows, :] = dq
+        dk_ref[rows, :] = dk
+        for h, grad in enumerate(grads):
+            dv_ref[h, rows, :] = grad.v.astype(dv_ref.dtype)
+            dg_ref[c, pl.ds(h, 1), :] = grad.g
+            dbeta_ref[c, pl.ds(h, 1), :] = grad.beta
+        d_states = [grad.state for grad in grads]
+    for h in range(group):
+        d_state_scratch[h] = d_states[h]
+
+    @pl.when(step == pl.num_programs(2) - 1)
+    def _():
+        for h in range(group):
+            d_initial_ref[h] = d_states[h]
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, key_dim, value_dim, interpret, operands=(), vmem_limit_mib=0.0):
-    name = KERNEL_NAMES[kernel.__name__]
-    chunk_size = operands[0].shape[3]
+# ---------------------------------------------------------------------------------------------
+# pallas_calls
+
+
+class _Dims(NamedTuple):
+    batch: int
+    key_heads: int
+    group: int
+    chunks: int
+    chunk: int
+    key_dim: int
+    value_dim: int
+    per_step: int
+
+    @property
+    def steps(self) -> int:
+        return self.chunks // self.per_step
+
+
+def _dims(q_BGTK, v_BGHTV, settings: Settings) -> _Dims:
+    batch, key_heads, tokens, key_dim = q_BGTK.shape
+    return _Dims(batch, key_heads, v_BGHTV.shape[2], tokens // settings.chunk_size, settings.chunk_size, key_dim,
+                 v_BGHTV.shape[-1], settings.chunks_per_step)
+
+
+def _specs(d: _Dims, reverse: bool):
+    """Block specs by layout: tokens [T, X] of a key head, per value head [Hg, T, X], per chunk
+    [N, Hg, ...], per value head's state [Hg, K, V] (the same block at every step)."""
+    block = (lambda j: d.steps - 1 - j) if reverse else (lambda j: j)
+    tokens = d.per_step * d.chunk
+    return {
+        "tokens": lambda width: pl.BlockSpec((None, None, tokens, width), lambda b, g, j: (b, g, block(j), 0)),
+        "heads": lambda width: pl.BlockSpec((None, None, d.group, tokens, width),
+                                            lambda b, g, j: (b, g, 0, block(j), 0)),
+        "chunks": lambda *tail: pl.BlockSpec((None, None, d.per_step, d.group, *tail),
+                                             lambda b, g, j: (b, g, block(j), 0, *(0,) * len(tail))),
+        "state": pl.BlockSpec((None, None, d.group, d.key_dim, d.value_dim), lambda b, g, j: (b, g, 0, 0, 0)),
+    }
+
+
+def cost(kernel: str, d: _Dims, precision: str, operands, results) -> pl.CostEstimate:
+    """What a kernel does: the MACs of its chunk math as written (tpu_chunk.chunk_macs: every bfloat16
+    pass counted, so the FLOPs are the MXU's), one exp per decay entry, every operand and result
+    moved once (the state blocks stay resident)."""
+    per_chunk = chunk_macs(kernel, d.chunk, d.key_dim, d.value_dim, d.group, precision)
+    chunks = d.batch * d.key_heads * d.chunks
+    exps = d.group * (d.chunk * d.chunk + 2 * d.chunk + 1)
+    nbytes = sum(a.size * jnp.dtype(a.dtype).itemsize for a in (*operands, *results))
+    return pl.CostEstimate(flops=int(2 * per_chunk * chunks), transcendentals=int(exps * chunks),
+                           bytes_accessed=int(nbytes))
+
+
+def _compiler_params(kernel: str, d: _Dims, settings: Settings, itemsize: int):
+    """The grid's semantics, and the scoped VMEM limit: the configured one, else `auto`'s for the
+    kernel's modelled need (the compiler's default where it fits: at every shape of the recipes)."""
+    need = tpu_bytes(limits.tpu_buffers(KERNEL_NAMES[kernel], chunk_size=d.chunk, key_dim=d.key_dim,
+                                        value_dim=d.value_dim, group=d.group, chunks_per_step=d.per_step,
+                                        itemsize=itemsize))
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
+                                vmem_limit_bytes=tpu_limit_bytes(settings.vmem_limit_mib, need))
+
+
+def forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings, *, save: bool):
+    """(o [B, G, Hg, T, V], final state [B, G, Hg, K, V]) and, with save, the residuals: the state
+    at every chunk's start [B, G, N, Hg, K, V] and every chunk's T [B, G, N, Hg, C, C]."""
+    d = _dims(q_BGTK, v_BGHTV, settings)
+    s = _specs(d, reverse=False)
+    shape = lambda *dims, dtype=_F32: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
+    out_shape = [shape(*v_BGHTV.shape, dtype=v_BGHTV.dtype), shape(*initial_BGHKV.shape)]
+    out_specs = [s["heads"](d.value_dim), s["state"]]
+    if save:
+        out_shape += [shape(d.batch, d.key_heads, d.chunks, d.group, d.key_dim, d.value_dim),
+                      shape(d.batch, d.key_heads, d.chunks, d.group, d.chunk, d.chunk)]
+        out_specs += [s["chunks"](d.key_dim, d.value_dim), s["chunks"](d.chunk, d.chunk)]
+    operands = (q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV)
     return pl.pallas_call(
-        kernel, name=name, grid=grid, in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, cost_estimate=cost(name, grid, operands, out_shape, chunk_size, key_dim, value_dim),
-        scratch_shapes=[pltpu.VMEM((key_dim, value_dim), _F32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
-                                             vmem_limit_bytes=tpu_limit_bytes(vmem_limit_mib)),
-        interpret=interpret)
+        functools.partial(_forward_kernel, settings=settings, save=save),
+        name=KERNEL_NAMES["forward"], grid=(d.batch, d.key_heads, d.steps),
+        in_specs=[s["tokens"](d.key_dim), s["tokens"](d.key_dim), s["heads"](d.value_dim), s["chunks"](d.chunk),
+                  s["chunks"](d.chunk), s["state"]],
+        out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((d.group, d.key_dim, d.value_dim), _F32)],
+        compiler_params=_compiler_params("forward", d, settings, jnp.dtype(v_BGHTV.dtype).itemsize),
+        cost_estimate=cost("forward", d, settings.precision, operands, out_shape),
+        interpret=settings.interpret,
+    )(*operands)
 
 
-def _forward_kernel(*refs):
-    *chunk_refs, initial, o_out, chunk_start_out, final_out, state_scratch = refs
-    n = pl.program_id(2)
-
-    @pl.when(n == 0)
-    def _():
-        state_scratch[...] = initial[...]
-
-    end_KV = forward_chunk(chunk_refs, state_scratch[...], o_out, chunk_start_out)
-    state_scratch[...] = end_KV
-
-    @pl.when(n == pl.num_programs(2) - 1)
-    def _():
-        final_out[...] = end_KV
-
-
-def _backward_kernel(*refs):
-    *chunk_refs, chunk_start, do, d_final = refs[:11]
-    *grad_outs, d_initial_out, d_state_scratch = refs[11:]
-    n = pl.program_id(2)  # the n-th chunk from the end
-
-    @pl.when(n == 0)
-    def _():
-        d_state_scratch[...] = d_final[...]
-
-    d_start_KV = backward_chunk(chunk_refs, chunk_start, do, d_state_scratch[...], grad_outs)
-    d_state_scratch[...] = d_start_KV
-
-    @pl.when(n == pl.num_programs(2) - 1)
-    def _():
-        d_initial_out[...] = d_start_KV
+def backward(residuals, do_BGHTV, d_final_BGHKV, settings: Settings):
+    """Cotangents of (q, k, v, log gates, beta, initial state) in their layouts (dv in v's dtype)."""
+    q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, starts, inverses = residuals
+    d = _dims(q_BGTK, v_BGHTV, settings)
+    s = _specs(d, reverse=True)
+    like = lambda a, dtype=_F32: jax.ShapeDtypeStruct(a.shape, dtype)  # noqa: E731
+    out_shape = [like(q_BGTK), like(k_BGTK), like(v_BGHTV, v_BGHTV.dtype), like(g_BGNHC), like(beta_BGNHC),
+                 like(d_final_BGHKV)]
+    operands = (*residuals, do_BGHTV, d_final_BGHKV)
+    return pl.pallas_call(
+        functools.partial(_backward_kernel, settings=settings),
+        name=KERNEL_NAMES["backward"], grid=(d.batch, d.key_heads, d.steps),
+        in_specs=[s["tokens"](d.key_dim), s["tokens"](d.key_dim), s["heads"](d.value_dim), s["chunks"](d.chunk),
+                  s["chunks"](d.chunk), s["chunks"](d.key_dim, d.value_dim), s["chunks"](d.chunk, d.chunk),
+                  s["heads"](d.value_dim), s["state"]],
+        out_specs=[s["tokens"](d.key_dim), s["tokens"](d.key_dim), s["heads"](d.value_dim), s["chunks"](d.chunk),
+                   s["chunks"](d.chunk), s["state"]],
+        out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((d.group, d.key_dim, d.value_dim), _F32)],
+        compiler_params=_compiler_params("backward", d, settings, jnp.dtype(v_BGHTV.dtype).itemsize),
+        cost_estimate=cost("backward", d, settings.precision, operands, out_shape),
+        interpret=settings.interpret,
+    )(*operands)
 
 
-def forward(chunk_inputs, initial_BHKV, *, interpret: bool, vmem_limit_mib: float = 0.0):
-    """(o [B, N, H, C, V], the state at every chunk start [B, N, H, K, V], final state [B, H, K, V])."""
-    batch, num_chunks, heads, chunk_size, key_dim = chunk_inputs[0].shape
-    value_dim = chunk_inputs[2].shape[-1]
-    in_specs, spec = _specs((num_chunks, chunk_size, key_dim, value_dim), reverse=False)
-    shape = lambda *dims: jax.ShapeDtypeStruct(dims, _F32)
-    return _call(
-        _forward_kernel, (batch, heads, num_chunks), in_specs + [_state_spec(key_dim, value_dim)],
-        [spec((chunk_size, value_dim)), spec((key_dim, value_dim)), _state_spec(key_dim, value_dim)],
-        [shape(batch, num_chunks, heads, chunk_size, value_dim), shape(batch, num_chunks, heads, key_dim, value_dim),
-         shape(batch, heads, key_dim, value_dim)], key_dim, value_dim, interpret, (*chunk_inputs, initial_BHKV),
-        vmem_limit_mib,
-    )(*chunk_inputs, initial_BHKV)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def core(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings):
+    """The chunked recurrence on kernel-layout inputs: (o [B, G, Hg, T, V], final state [B, G, Hg, K, V])."""
+    return forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings, save=False)
 
 
-def backward(chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV, *, interpret: bool, vmem_limit_mib: float = 0.0):
-    """(dq, dk, dv, dg column, dg row, dbeta) in the inputs' layouts, and d(initial state)."""
-    batch, num_chunks, heads, chunk_size, key_dim = chunk_inputs[0].shape
-    value_dim = chunk_inputs[2].shape[-1]
-    in_specs, spec = _specs((num_chunks, chunk_size, key_dim, value_dim), reverse=True)
-    like = lambda a: jax.ShapeDtypeStruct(a.shape, _F32)
-    return _call(
-        _backward_kernel, (batch, heads, num_chunks),
-        in_specs + [spec((key_dim, value_dim)), spec((chunk_size, value_dim)), _state_spec(key_dim, value_dim)],
-        in_specs[:6] + [_state_spec(key_dim, value_dim)],
-        [like(a) for a in chunk_inputs[:6]] + [like(d_final_BHKV)], key_dim, value_dim, interpret,
-        (*chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV), vmem_limit_mib,
-    )(*chunk_inputs, states_BNHKV, do_BNHCV, d_final_BHKV)
+def _core_fwd(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings):
+    o, final, starts, inverses = forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings,
+                                         save=True)
+    return (o, final), (q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, starts, inverses)
+
+
+def _core_bwd(settings, residuals, cotangents):
+    do_BGHTV, d_final_BGHKV = cotangents
+    return tuple(backward(residuals, do_BGHTV, d_final_BGHKV, settings))
+
+
+core.defvjp(_core_fwd, _core_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+
+
+def split_value_heads(x, axis: int, key_heads: int):
+    """The value-head axis H -> (G, Hg): value head h = g Hg + j reads key head g = h // Hg
+    (docs/gdn.md section 4: the key heads are repeated, not tiled)."""
+    return x.reshape(*x.shape[:axis], key_heads, x.shape[axis] // key_heads, *x.shape[axis + 1:])
+
+
+def merge_value_heads(x, axis: int):
+    """(G, Hg) at axis, axis + 1 -> H: the inverse of split_value_heads."""
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+
+
+def kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings: Settings):
+    """Token-major inputs (q, k already normalised and scaled, float32) -> the kernels' layouts,
+    padded to whole grid steps with tokens that leave the state alone (g = 0, beta = 0, k = 0); a
+    document start's log gate is START_LOG_GATE."""
+    key_heads = q_BTGK.shape[2]
+    pad = -q_BTGK.shape[1] % (settings.chunks_per_step * settings.chunk_size)
+    pad_time = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+
+    def gates(x_BTH):  # [B, T, H] -> [B, G, N, Hg, C]
+        x = split_value_heads(pad_time(x_BTH.astype(_F32)), 2, key_heads)  # [B, T, G, Hg]
+        x = x.reshape(x.shape[0], -1, settings.chunk_size, *x.shape[2:])  # [B, N, C, G, Hg]
+        return jnp.transpose(x, (0, 3, 1, 4, 2))
+
+    log_gates_BTH = jnp.where(starts_BT[..., None], START_LOG_GATE, g_BTH.astype(_F32))
+    q_BGTK, k_BGTK = (jnp.moveaxis(pad_time(a), 1, 2) for a in (q_BTGK, k_BTGK))
+    v_BGHTV = jnp.moveaxis(split_value_heads(pad_time(v_BTHV), 2, key_heads), 1, 3)
+    return (q_BGTK, k_BGTK, v_BGHTV, gates(log_gates_BTH), gates(beta_BTH),
+            split_value_heads(initial_BHKV, 1, key_heads))
+
+
+def settings_for(chunk_size: int, group: int, chunks: int, dtype, *, precision=None, chunks_per_step=None,
+                 interpret=False, vmem_limit_mib=0.0) -> Settings:
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"gdn pallas_tpu: unknown precision {precision!r}; choices: {', '.join(PRECISIONS)}")
+    if chunks_per_step is not None and chunks_per_step < 1:
+        raise ValueError(f"gdn pallas_tpu: chunks_per_step must be positive; got {chunks_per_step}")
+    per_step = chunks_per_step or default_chunks_per_step(chunk_size, group, chunks)
+    return Settings(chunk_size, per_step, precision or tpu_chunk.precision_name(dtype), interpret, vmem_limit_mib)
+
+
+def gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids=None, initial_state=None,
+                     chunk_size: int = 64, normalize_qk: bool = True, interpret: bool = False, precision=None,
+                     chunks_per_step=None, vmem_limit_mib: float = 0.0):
+    """ops.gated_delta_rule on the Mosaic kernels: (o [B, T, H, V] in v's dtype, final state float32).
+
+    precision: a key of tpu_chunk.PRECISIONS (default: float32 for float32 inputs, bfloat16 else);
+    chunks_per_step: chunks per grid step (default_chunks_per_step)."""
+    batch, tokens, heads, value_dim = v_BTHV.shape
+    key_heads, key_dim = q_BTGK.shape[2:]
+    settings = settings_for(chunk_size, heads // key_heads, -(-tokens // chunk_size), v_BTHV.dtype, precision=precision,
+                            chunks_per_step=chunks_per_step, interpret=interpret, vmem_limit_mib=vmem_limit_mib)
+    q_BTGK, k_BTGK = prepare_query_key(q_BTGK, k_BTGK, key_heads, normalize_qk, _F32)  # no repeat
+    if segment_ids is None:
+        starts_BT = jnp.zeros((batch, tokens), bool)
+    else:
+        starts_BT = document_starts(segment_ids)
+    if initial_state is None:
+        initial_state = jnp.zeros((batch, heads, key_dim, value_dim), _F32)
+    inputs = kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_state.astype(_F32), settings)
+    o_BGHTV, final_BGHKV = core(*inputs, settings)
+    return merge_value_heads(jnp.moveaxis(o_BGHTV, 3, 1), 2)[:, :tokens], merge_value_heads(final_BGHKV, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunk-layout API of pallas.core_forward / core_backward (the context-parallel pass 2): float32
+# ChunkInputs whose q and k are already repeated per value head (a group of one).
+
+
+def chunk_inputs_forward(x, starts_BNC, initial_BHKV, *, interpret: bool, precision: str = "float32"):
+    """(o [B, N, H, C, V], final state) and the residuals of `chunk_inputs_backward`."""
+    batch, chunks, heads, size, key_dim = x.q.shape
+    settings = settings_for(size, 1, chunks, x.v.dtype, precision=precision, interpret=interpret)
+    pad = -chunks % settings.chunks_per_step
+    pad_chunks = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+    tokens = lambda a: jnp.moveaxis(pad_chunks(a), 2, 1).reshape(batch, heads, -1, a.shape[-1])  # noqa: E731
+    log_gates = jnp.where(starts_BNC[:, :, None, :], START_LOG_GATE, x.g)
+    gates = lambda a: jnp.moveaxis(pad_chunks(a), 2, 1)[:, :, :, None, :]  # noqa: E731
+    args = (tokens(x.q), tokens(x.k), tokens(x.v)[:, :, None], gates(log_gates), gates(x.beta),
+            initial_BHKV[:, :, None])
+    o, final, states, inverses = forward(*args, settings, save=True)
+    o_BNHCV = jnp.moveaxis(o[:, :, 0].reshape(batch, heads, -1, size, o.shape[-1]), 1, 2)[:, :chunks]
+    return (o_BNHCV, final[:, :, 0]), (args[:5] + (states, inverses), starts_BNC)
+
+
+def chunk_inputs_backward(residuals, do_BNHCV, d_final_BHKV, *, interpret: bool, precision: str = "float32"):
+    """Cotangents of (ChunkInputs, initial state) from `chunk_inputs_forward`'s residuals."""
+    from hybridmoe.kernels.gdn.xla import ChunkInputs
+
+    kernel_residuals, starts_BNC = residuals
+    batch, chunks, heads, size, value_dim = do_BNHCV.shape
+    settings = settings_for(size, 1, chunks, do_BNHCV.dtype, precision=precision, interpret=interpret)
+    pad = kernel_residuals[3].shape[2] - chunks
+    do = jnp.moveaxis(jnp.pad(do_BNHCV, [(0, 0), (0, pad), (0, 0), (0, 0), (0, 0)]), 2, 1)
+    dq, dk, dv, dg, dbeta, d_initial = backward(
+        kernel_residuals, do.reshape(batch, heads, 1, -1, value_dim), d_final_BHKV[:, :, None], settings)
+    chunked = lambda a: jnp.moveaxis(a.reshape(batch, heads, -1, size, a.shape[-1]), 1, 2)[:, :chunks]  # noqa: E731
+    gate = lambda a: jnp.moveaxis(a[:, :, :, 0], 1, 2)[:, :chunks]  # noqa: E731
+    # A start's log gate is the constant START_LOG_GATE: no cotangent reaches its g.
+    dg_BNHC = jnp.where(starts_BNC[:, :, None, :], 0.0, gate(dg))
+    return ChunkInputs(chunked(dq), chunked(dk), chunked(dv[:, :, 0]), dg_BNHC, gate(dbeta)), d_initial[:, :, 0]
