@@ -109,10 +109,10 @@ def test_equals_the_xla_custom_vjp_core(packed_case):
     assert max(errors.values()) < 1e-6, errors
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "bfloat16x3"])
+@pytest.mark.parametrize("precision", ["bfloat16x3", "bfloat16"])
 def test_bf16_inputs_meet_the_field_tolerances(precision, packed_case):
     """bf16 q, k, v, g, beta, state against the float32 oracle on the same (rounded) values, relative
-    RMS (docs/gdn.md section 5); "bfloat16" is the default for bfloat16 inputs."""
+    RMS (docs/gdn.md section 5); "bfloat16x3" is the default for bfloat16 inputs."""
     inputs, segment_ids, _ = packed_case
     inputs_bf16 = tuple(x.astype(jnp.bfloat16) for x in inputs)
     rule = functools.partial(stepped_tpu_rule, precision=precision)
@@ -147,7 +147,7 @@ def test_extreme_gates_are_finite_and_exact(packed_case):
 # ---------------------------------------------------------------------------------------------
 # Broken variants: each patched into the kernels' own code and caught against the oracle.
 
-_ORIGINAL = {"specs": pallas_tpu._specs, "decays": tpu_chunk.decays, "inverse": tpu_chunk.unit_lower_inverse,
+_ORIGINAL = {"specs": pallas_tpu._specs, "decays": tpu_chunk.decays, "inverses": tpu_chunk.unit_lower_inverses,
              "gpu_chunk_step": pallas_chunk.chunk_step}
 
 
@@ -170,12 +170,12 @@ def _value_heads_untiled(x, axis):
     return jnp.swapaxes(x, axis, axis + 1).reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
 
 
-def _inverse_skips_last_level(lower_CD, parts):
-    """The doubling stops one level early: the two halves of the chunk are never joined (T without
-    its block of rows in the second half and columns in the first)."""
-    row, col = tpu_chunk.positions(lower_CD.shape[-1])
-    half = lower_CD.shape[-1] // 2
-    return _ORIGINAL["inverse"](jnp.where((row < half) | (col >= half), lower_CD, 0.0), parts)
+def _inverses_skip_last_level(lowers_CD, parts):
+    """The doubling stops one level early: the two halves of a chunk are never joined (T without its
+    block of rows in the second half and columns in the first)."""
+    row, col = tpu_chunk.positions(lowers_CD[0].shape[-1])
+    half = lowers_CD[0].shape[-1] // 2
+    return _ORIGINAL["inverses"]([jnp.where((row < half) | (col >= half), lower, 0.0) for lower in lowers_CD], parts)
 
 
 def _substitution_skips_last_row(strict_lower_CD):
@@ -204,7 +204,7 @@ BROKEN = {  # name: (backend run, [(module, attribute, the broken function)])
     "gate_applied_twice": ("pallas_tpu", [(tpu_chunk, "decays", _gate_applied_twice)]),
     "value_heads_read_the_wrong_key_head": ("pallas_tpu", [(pallas_tpu, "split_value_heads", _value_heads_tiled),
                                                             (pallas_tpu, "merge_value_heads", _value_heads_untiled)]),
-    "inverse_skips_its_last_level": ("pallas_tpu", [(tpu_chunk, "unit_lower_inverse", _inverse_skips_last_level)]),
+    "inverse_skips_its_last_level": ("pallas_tpu", [(tpu_chunk, "unit_lower_inverses", _inverses_skip_last_level)]),
     "state_not_carried_across_grid_steps": ("pallas_tpu", [(pallas_tpu, "_walk_starts", lambda step: step >= 0)]),
     "gpu_backward_chunks_in_forward_order": ("pallas_gpu", [(pallas_gpu, "_chunk_order", lambda n, num, reverse: n)]),
     "gpu_forward_substitution_skips_last_row": ("pallas_gpu", [(pallas_chunk, "_forward_substitution",
@@ -327,7 +327,7 @@ def test_interpreted_backend_is_accepted_with_any_chunk_and_context_parallelism(
 
 def test_bad_precision_and_chunks_per_step_name_the_choice(packed_case):
     inputs, segment_ids, _ = packed_case
-    with pytest.raises(ValueError, match="unknown precision 'bf16'; choices: float32, bfloat16, bfloat16x3"):
+    with pytest.raises(ValueError, match="unknown precision 'bf16'; choices: float32, bfloat16x3, bfloat16"):
         pallas_tpu.gated_delta_rule(*inputs[:5], chunk_size=CHUNK, interpret=True, precision="bf16")
     with pytest.raises(ValueError, match="chunks_per_step must be positive; got 0"):
         pallas_tpu.gated_delta_rule(*inputs[:5], chunk_size=CHUNK, interpret=True, chunks_per_step=0)

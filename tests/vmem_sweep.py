@@ -106,8 +106,7 @@ def _call(kernel: str, tiles, limit_mib: float, dev):
     state = s((GDN_B, GDN_H, 1, b, c), F32)
     if kernel == "gdn_chunk_forward":
         return lambda *x: P.forward(*x, settings, save=True), (tokens, tokens, v, gates, gates, state)
-    residuals = (tokens, tokens, v, gates, gates, s((GDN_B, GDN_H, GDN_N, 1, b, c), F32),
-                 s((GDN_B, GDN_H, GDN_N, 1, a, a), F32))
+    residuals = (tokens, tokens, v, gates, gates, s((GDN_B, GDN_H, GDN_N, b, c), F32), s((GDN_B, GDN_H, GDN_N, a, a), F32))
     return lambda *x: P.backward(x[:7], x[7], x[8], settings), (*residuals, v, state)
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from hybridmoe.kernels.gdn import pallas, pallas_cp_scans
+from hybridmoe.kernels.gdn import pallas, pallas_cp_scans, tpu_chunk
 from hybridmoe.kernels.platform import trace_platform
 from hybridmoe.kernels.gdn.reference import document_starts
 from hybridmoe.kernels.gdn.xla import (
@@ -216,18 +216,18 @@ def cross_rank_starts(starts_BT, segment_ids_BT, axis_name):
 # The core on one rank's shard, with its custom backward.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
 def context_parallel_core(x: ChunkInputs, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend="xla",
-                          interpret=False):
+                          interpret=False, precision="float32"):
     """o [B, N, H, C, V] of this rank's chunks, the state entering the shard from the ranks before.
 
     A Pallas backend runs pass 2 and the backward's final pass as its kernels; pass 1, M_r
     and the local state cotangent stay in XLA (they need the chunk terms, not the kernels' outputs).
     """
-    return _cp_fwd(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret)[0]
+    return _cp_fwd(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret, precision)[0]
 
 
-def _cp_fwd(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret):
+def _cp_fwd(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret, precision):
     t = chunk_terms(x, starts_BNC)
     _, s_ext_BHKV = chunk_start_states(t, _zero_state(t))  # pass 1
     scans = dict(pallas=True if backend == "pallas_tpu" else None, interpret=interpret)
@@ -240,11 +240,11 @@ def _cp_fwd(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, in
         kernel_residuals = states_BNHKV
     else:
         (o_BNHCV, _), kernel_residuals = pallas.core_forward(x, starts_BNC, s_in_BHKV, backend=backend,
-                                                             interpret=interpret)
+                                                             interpret=interpret, precision=precision)
     return o_BNHCV, (x, starts_BNC, kernel_residuals, m_BHKK)
 
 
-def _cp_bwd(axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret, residuals, do_BNHCV):
+def _cp_bwd(axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret, precision, residuals, do_BNHCV):
     x, starts_BNC, kernel_residuals, m_BHKK = residuals  # the XLA pass's: the states at every chunk start
     if backend == "xla":
         local_vjp, t = replay_chunks((x, starts_BNC, kernel_residuals))
@@ -261,7 +261,8 @@ def _cp_bwd(axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret, residu
     if backend == "xla":
         dx, _ = finish_backward(local_vjp, t, do_BNHCV, d_end_BHKV)
     else:
-        dx, _ = pallas.core_backward(kernel_residuals, do_BNHCV, d_end_BHKV, backend=backend, interpret=interpret)
+        dx, _ = pallas.core_backward(kernel_residuals, do_BNHCV, d_end_BHKV, backend=backend, interpret=interpret,
+                                     precision=precision)
     return dx, None
 
 
@@ -285,5 +286,7 @@ def gated_delta_rule_context_parallel(
                          f"chunks of {chunk_size}")
     starts_BT = cross_rank_starts(document_starts(segment_ids), segment_ids, axis_name)
     x, starts_BNC = prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size, normalize_qk)
-    o_BNHCV = context_parallel_core(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret)
+    # The Mosaic kernels' precision follows the inputs' dtype (tpu_chunk.PRECISIONS), as on one device.
+    o_BNHCV = context_parallel_core(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret,
+                                    tpu_chunk.precision_name(v_BTHV.dtype))
     return from_chunks(o_BNHCV).astype(v_BTHV.dtype)

@@ -38,19 +38,21 @@ def _kernel_inputs(x: ChunkInputs, starts_BNC):
     return (x.q, x.k, x.v, column(x.g), row(x.g), column(x.beta), column(starts_BNC), row(starts_BNC))
 
 
-def core_forward(x: ChunkInputs, starts_BNC, initial_BHKV, *, backend: str, interpret: bool):
-    """(o [B, N, H, C, V], final state) and the residuals of `core_backward` (opaque)."""
+def core_forward(x: ChunkInputs, starts_BNC, initial_BHKV, *, backend: str, interpret: bool, precision="float32"):
+    """(o [B, N, H, C, V], final state) and the residuals of `core_backward` (opaque). precision: the
+    Mosaic kernels' (tpu_chunk.PRECISIONS; ChunkInputs are float32 whatever the model's dtype)."""
     if backend == "pallas_tpu":
-        return pallas_tpu.chunk_inputs_forward(x, starts_BNC, initial_BHKV, interpret=interpret)
+        return pallas_tpu.chunk_inputs_forward(x, starts_BNC, initial_BHKV, interpret=interpret, precision=precision)
     o_BNHCV, states_BNHKV, final_BHKV = _DRIVERS[backend].forward(
         _kernel_inputs(x, starts_BNC), initial_BHKV, interpret=interpret)
     return (o_BNHCV, final_BHKV), (x, starts_BNC, states_BNHKV)
 
 
-def core_backward(residuals, do_BNHCV, d_final_BHKV, *, backend: str, interpret: bool):
+def core_backward(residuals, do_BNHCV, d_final_BHKV, *, backend: str, interpret: bool, precision="float32"):
     """Cotangents of (ChunkInputs, initial state) by one reverse pass over the chunks."""
     if backend == "pallas_tpu":
-        return pallas_tpu.chunk_inputs_backward(residuals, do_BNHCV, d_final_BHKV, interpret=interpret)
+        return pallas_tpu.chunk_inputs_backward(residuals, do_BNHCV, d_final_BHKV, interpret=interpret,
+                                                precision=precision)
     x, starts_BNC, states_BNHKV = residuals
     dq, dk, dv, dg_col, dg_row, dbeta, d_initial_BHKV = _DRIVERS[backend].backward(
         _kernel_inputs(x, starts_BNC), states_BNHKV, do_BNHCV, d_final_BHKV, interpret=interpret)

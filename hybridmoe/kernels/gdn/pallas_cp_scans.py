@@ -7,7 +7,8 @@ product (or [K, V] cotangent) per head in VMEM scratch: they read the chunk term
 [N, H, K, K] stack (the tree form's cost). Grid (B, H / heads_per_step, N / chunks_per_step):
 batch and head blocks "parallel", the chunk axis "arbitrary" (the dh scan walks it in reverse
 through its index maps). A step holds `heads_per_step` heads x `chunks_per_step` chunks, unrolled:
-the heads are independent chains the scheduler interleaves.
+the heads are independent chains, written product by product over all heads so that the MXU
+pipelines them.
 
 Every product is float32 (six bfloat16 passes, tpu_chunk.mxu): these are cross-chunk products
 (docs/gdn.md keeps them float32), and the tests hold the scans to 1e-5 of a HIGHEST tree.
@@ -68,10 +69,10 @@ def _m_scan_kernel(w_ref, k_ref, decay_ref, m_out, m_scratch, *, chunks_per_step
             m_scratch[h] = jnp.where(row == col, 1.0, 0.0)
 
     products = [m_scratch[h] for h in range(heads)]
-    for c in range(chunks_per_step):
-        for h in range(heads):  # M <- c M - K_bwd^T (W M): the chunk's transition applied on the left
-            w_m = mxu(w_ref[c, h], products[h], _NN, _FLOAT32)
-            products[h] = decay_ref[c, h] * products[h] - mxu(k_ref[c, h], w_m, _TN, _FLOAT32)
+    for c in range(chunks_per_step):  # M <- c M - K_bwd^T (W M): the chunk's transition applied on the left
+        # Each product over all heads before the next: the heads' chains interleave on the MXU.
+        w_m = [mxu(w_ref[c, h], products[h], _NN, _FLOAT32) for h in range(heads)]
+        products = [decay_ref[c, h] * products[h] - mxu(k_ref[c, h], w_m[h], _TN, _FLOAT32) for h in range(heads)]
     for h in range(heads):
         m_scratch[h] = products[h]
 
@@ -112,12 +113,12 @@ def _dh_scan_kernel(do_ref, w_ref, attn_ref, q_ref, k_ref, decay_ref, d_out, d_s
         d_scratch[...] = jnp.zeros(d_scratch.shape, _F32)
 
     d_states = [d_scratch[h] for h in range(heads)]
-    for c in reversed(range(chunks_per_step)):
-        for h in range(heads):
-            do = do_ref[c, h]
-            d_v_new = mxu(attn_ref[c, h], do, _TN, _FLOAT32) + mxu(k_ref[c, h], d_states[h], _NN, _FLOAT32)
-            d_states[h] = (decay_ref[c, h] * d_states[h] + mxu(q_ref[c, h], do, _TN, _FLOAT32)
-                           - mxu(w_ref[c, h], d_v_new, _TN, _FLOAT32))
+    for c in reversed(range(chunks_per_step)):  # each product over all heads before the next
+        local = [mxu(q_ref[c, h], do_ref[c, h], _TN, _FLOAT32) for h in range(heads)]
+        attn_do = [mxu(attn_ref[c, h], do_ref[c, h], _TN, _FLOAT32) for h in range(heads)]
+        d_v_new = [attn_do[h] + mxu(k_ref[c, h], d_states[h], _NN, _FLOAT32) for h in range(heads)]
+        d_states = [decay_ref[c, h] * d_states[h] + local[h] - mxu(w_ref[c, h], d_v_new[h], _TN, _FLOAT32)
+                    for h in range(heads)]
     for h in range(heads):
         d_scratch[h] = d_states[h]
 

@@ -1,14 +1,15 @@
 """Mosaic TPU Gated DeltaNet core: chunk-parallel work on the MXU inside a sequential walk over chunks.
 
 One kernel per direction. A grid step holds one key head, every value head that reads it (the
-group: H / G heads) and `chunks_per_step` chunks of C tokens. For each chunk, in order, it forms the
-key head's q k^T and k k^T once, and per value head the gates' decays, the triangular inverse T,
-W, U, V_new, the output and the end state (tpu_chunk.forward_chunk): all matmuls of [C, C], [C, K]
-and [K, V] operands with the state in VMEM scratch, so nothing intra-chunk goes through HBM; only
+group: H / G heads) and `chunks_per_step` chunks of C tokens. Per chunk it forms the key head's
+q k^T and k k^T once, and per value head the gates' decays, the triangular inverse T, W, U, V_new,
+the output and the end state (tpu_chunk.forward_step): all matmuls of [C, C], [C, K] and [K, V]
+operands with the state in VMEM scratch, so nothing intra-chunk goes through HBM; only
 the [K, V] state passes from one chunk to the next (to the next grid step through scratch). The
-group's value heads are independent chains unrolled in one basic block, so the scheduler overlaps
-one head's serial products with another's (docs/gdn.md section 2, "The Pallas TPU kernels", says
-why one kernel and not a chunk-parallel kernel plus a state scan).
+state-independent work of all the step's chunks and heads comes first, then the chain; each line
+of the math runs over all chunk-heads before the next, so the MXU pipelines independent products
+(docs/gdn.md section 2, "The Pallas TPU kernels": why, and why one kernel and not a
+chunk-parallel kernel plus a state scan).
 
 Grid (B, G, N / chunks_per_step): batch and key heads "parallel", the chunk axis "arbitrary"
 (sequential; the backward walks it in reverse through its index maps). The forward for a gradient
@@ -19,13 +20,14 @@ Layouts (the wrapper's transposes; each key head appears once, never repeated pe
   q, k [B, G, T, K] float32 (normalised, q scaled); v, o [B, G, H/G, T, V] in v's dtype;
   log gates and beta [B, G, N, H/G, C] float32 (a document start's log gate is
   tpu_chunk.START_LOG_GATE); states [B, G, H/G, K, V] float32; residuals: start states
-  [B, G, N, H/G, K, V] and inverses [B, G, N, H/G, C, C] float32.
+  [B, G, N H/G, K, V] and inverses [B, G, N H/G, C, C] float32 (chunk-major).
 
 VMEM (kernels/gdn/limits.py models it; tests/test_vmem_tpu_compile.py checks the model against the
 compiler): at Qwen3.5-397B's per-device cell (C 64, K = V 128, 4 value heads per key head, bf16 v)
-and the default 2 chunks per step, the forward's blocks double-buffered are about 3.3 MiB and the
-backward's 4.8 MiB, under v5e's 16 MiB default scoped limit with the body's values; no
-vmem_limit_bytes is needed.
+and the default 2 chunks per step, the blocks double-buffered are 3.5 MiB (forward) and 4.1 MiB
+(backward); with the body's values the v5e compiler needs 4.7 and 9.1 MiB, under its 16 MiB
+default scoped limit. The kernels ask for `auto`'s limit for their modelled need (kernels/vmem.py:
+the default for the forward; the backward's 10.9 MiB with the margin asks for more).
 
 Dimension letters: B batch, T tokens, N chunks, G key heads, H value heads (Hg = H / G per key
 head), C position in a chunk, K key dim, V value dim.
@@ -44,7 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from hybridmoe.kernels.gdn import limits, tpu_chunk
 from hybridmoe.kernels.gdn.limits import default_chunks_per_step
 from hybridmoe.kernels.gdn.reference import document_starts, prepare_query_key
-from hybridmoe.kernels.gdn.tpu_chunk import PRECISIONS, START_LOG_GATE, HeadIn, chunk_macs
+from hybridmoe.kernels.gdn.tpu_chunk import PRECISIONS, START_LOG_GATE, ChunkIn, chunk_macs
 from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 
 _F32 = jnp.float32
@@ -70,31 +72,39 @@ def _walk_starts(step):
     return step == 0
 
 
+def _chunks(q_ref, k_ref, v_ref, g_ref, beta_ref, size: int, per_step: int) -> list[ChunkIn]:
+    """The grid step's chunks as tpu_chunk.ChunkIn, each a view of the blocks."""
+    group = v_ref.shape[0]
+    out = []
+    for c in range(per_step):
+        rows = pl.ds(c * size, size)
+        out.append(ChunkIn(q_ref[rows, :], k_ref[rows, :], [v_ref[h, rows, :] for h in range(group)],
+                           [g_ref[c, pl.ds(h, 1), :] for h in range(group)],
+                           [beta_ref[c, pl.ds(h, 1), :] for h in range(group)]))
+    return out
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, settings: Settings, save: bool):
     if save:
         o_ref, final_ref, starts_ref, inverses_ref, state_scratch = refs
     else:
         o_ref, final_ref, state_scratch = refs
-    precision = PRECISIONS[settings.precision]
-    size, group = settings.chunk_size, v_ref.shape[0]
+    size, group, per_step = settings.chunk_size, v_ref.shape[0], settings.chunks_per_step
     step = pl.program_id(2)
 
     @pl.when(_walk_starts(step))
     def _():
         state_scratch[...] = initial_ref[...]
 
-    states = [state_scratch[h] for h in range(group)]
-    for c in range(settings.chunks_per_step):
-        rows = pl.ds(c * size, size)
-        heads = [HeadIn(v_ref[h, rows, :], g_ref[c, pl.ds(h, 1), :], beta_ref[c, pl.ds(h, 1), :], states[h])
-                 for h in range(group)]
-        outs = tpu_chunk.forward_chunk(q_ref[rows, :], k_ref[rows, :], heads, precision)
-        for h, out in enumerate(outs):
-            o_ref[h, rows, :] = out.o.astype(o_ref.dtype)
+    chunks = _chunks(q_ref, k_ref, v_ref, g_ref, beta_ref, size, per_step)
+    outs, inverses, starts, states = tpu_chunk.forward_step(
+        chunks, [state_scratch[h] for h in range(group)], PRECISIONS[settings.precision])
+    for c in range(per_step):
+        for h in range(group):
+            o_ref[h, pl.ds(c * size, size), :] = outs[c][h].astype(o_ref.dtype)
             if save:
-                starts_ref[c, h] = states[h]
-                inverses_ref[c, h] = out.inverse
-        states = [out.end for out in outs]
+                starts_ref[c * group + h] = starts[c][h]
+                inverses_ref[c * group + h] = inverses[c][h]
     for h in range(group):
         state_scratch[h] = states[h]
 
@@ -107,29 +117,27 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, se
 def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_ref, do_ref, d_final_ref,
                      dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, d_initial_ref, d_state_scratch, *,
                      settings: Settings):
-    precision = PRECISIONS[settings.precision]
-    size, group = settings.chunk_size, v_ref.shape[0]
+    size, group, per_step = settings.chunk_size, v_ref.shape[0], settings.chunks_per_step
     step = pl.program_id(2)  # the step-th block from the end
 
     @pl.when(_walk_starts(step))
     def _():
         d_state_scratch[...] = d_final_ref[...]
 
-    d_states = [d_state_scratch[h] for h in range(group)]
-    for c in reversed(range(settings.chunks_per_step)):
-        rows = pl.ds(c * size, size)
-        heads = [HeadIn(v_ref[h, rows, :], g_ref[c, pl.ds(h, 1), :], beta_ref[c, pl.ds(h, 1), :], starts_ref[c, h])
-                 for h in range(group)]
-        dq, dk, grads = tpu_chunk.backward_chunk(
-            q_ref[rows, :], k_ref[rows, :], heads, [inverses_ref[c, h] for h in range(group)],
-            [do_ref[h, rows, :] for h in range(group)], d_states, precision)
-        dq_ref[rows, :] = dq
-        dk_ref[rows, :] = dk
-        for h, grad in enumerate(grads):
-            dv_ref[h, rows, :] = grad.v.astype(dv_ref.dtype)
+    rows = [pl.ds(c * size, size) for c in range(per_step)]
+    dq, dk, grads, d_states = tpu_chunk.backward_step(
+        _chunks(q_ref, k_ref, v_ref, g_ref, beta_ref, size, per_step),
+        [[starts_ref[c * group + h] for h in range(group)] for c in range(per_step)],
+        [[inverses_ref[c * group + h] for h in range(group)] for c in range(per_step)],
+        [[do_ref[h, rows[c], :] for h in range(group)] for c in range(per_step)],
+        [d_state_scratch[h] for h in range(group)], PRECISIONS[settings.precision])
+    for c in range(per_step):
+        dq_ref[rows[c], :] = dq[c]
+        dk_ref[rows[c], :] = dk[c]
+        for h, grad in enumerate(grads[c]):
+            dv_ref[h, rows[c], :] = grad.v.astype(dv_ref.dtype)
             dg_ref[c, pl.ds(h, 1), :] = grad.g
             dbeta_ref[c, pl.ds(h, 1), :] = grad.beta
-        d_states = [grad.state for grad in grads]
     for h in range(group):
         d_state_scratch[h] = d_states[h]
 
@@ -175,6 +183,9 @@ def _specs(d: _Dims, reverse: bool):
                                             lambda b, g, j: (b, g, 0, block(j), 0)),
         "chunks": lambda *tail: pl.BlockSpec((None, None, d.per_step, d.group, *tail),
                                              lambda b, g, j: (b, g, block(j), 0, *(0,) * len(tail))),
+        # Per (chunk, value head), the two flattened (chunk-major): [N Hg, ...] (5-D arrays).
+        "items": lambda *tail: pl.BlockSpec((None, None, d.per_step * d.group, *tail),
+                                            lambda b, g, j: (b, g, block(j), *(0,) * len(tail))),
         "state": pl.BlockSpec((None, None, d.group, d.key_dim, d.value_dim), lambda b, g, j: (b, g, 0, 0, 0)),
     }
 
@@ -203,16 +214,17 @@ def _compiler_params(kernel: str, d: _Dims, settings: Settings, itemsize: int):
 
 def forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings, *, save: bool):
     """(o [B, G, Hg, T, V], final state [B, G, Hg, K, V]) and, with save, the residuals: the state
-    at every chunk's start [B, G, N, Hg, K, V] and every chunk's T [B, G, N, Hg, C, C]."""
+    at every chunk's start [B, G, N Hg, K, V] and every chunk's T [B, G, N Hg, C, C] (per chunk and
+    value head, chunk-major)."""
     d = _dims(q_BGTK, v_BGHTV, settings)
     s = _specs(d, reverse=False)
     shape = lambda *dims, dtype=_F32: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
     out_shape = [shape(*v_BGHTV.shape, dtype=v_BGHTV.dtype), shape(*initial_BGHKV.shape)]
     out_specs = [s["heads"](d.value_dim), s["state"]]
     if save:
-        out_shape += [shape(d.batch, d.key_heads, d.chunks, d.group, d.key_dim, d.value_dim),
-                      shape(d.batch, d.key_heads, d.chunks, d.group, d.chunk, d.chunk)]
-        out_specs += [s["chunks"](d.key_dim, d.value_dim), s["chunks"](d.chunk, d.chunk)]
+        out_shape += [shape(d.batch, d.key_heads, d.chunks * d.group, d.key_dim, d.value_dim),
+                      shape(d.batch, d.key_heads, d.chunks * d.group, d.chunk, d.chunk)]
+        out_specs += [s["items"](d.key_dim, d.value_dim), s["items"](d.chunk, d.chunk)]
     operands = (q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV)
     return pl.pallas_call(
         functools.partial(_forward_kernel, settings=settings, save=save),
@@ -240,7 +252,7 @@ def backward(residuals, do_BGHTV, d_final_BGHKV, settings: Settings):
         functools.partial(_backward_kernel, settings=settings),
         name=KERNEL_NAMES["backward"], grid=(d.batch, d.key_heads, d.steps),
         in_specs=[s["tokens"](d.key_dim), s["tokens"](d.key_dim), s["heads"](d.value_dim), s["chunks"](d.chunk),
-                  s["chunks"](d.chunk), s["chunks"](d.key_dim, d.value_dim), s["chunks"](d.chunk, d.chunk),
+                  s["chunks"](d.chunk), s["items"](d.key_dim, d.value_dim), s["items"](d.chunk, d.chunk),
                   s["heads"](d.value_dim), s["state"]],
         out_specs=[s["tokens"](d.key_dim), s["tokens"](d.key_dim), s["heads"](d.value_dim), s["chunks"](d.chunk),
                    s["chunks"](d.chunk), s["state"]],
@@ -322,7 +334,7 @@ def gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids=Non
                      chunks_per_step=None, vmem_limit_mib: float = 0.0):
     """ops.gated_delta_rule on the Mosaic kernels: (o [B, T, H, V] in v's dtype, final state float32).
 
-    precision: a key of tpu_chunk.PRECISIONS (default: float32 for float32 inputs, bfloat16 else);
+    precision: a key of tpu_chunk.PRECISIONS (default: float32 for float32 inputs, bfloat16x3 else);
     chunks_per_step: chunks per grid step (default_chunks_per_step)."""
     batch, tokens, heads, value_dim = v_BTHV.shape
     key_heads, key_dim = q_BTGK.shape[2:]

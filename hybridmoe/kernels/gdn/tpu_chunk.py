@@ -1,12 +1,14 @@
-"""Gated DeltaNet, one chunk of one key-head group: the math of the Mosaic TPU kernels (pallas_tpu.py).
+"""Gated DeltaNet, the chunks of one key-head group: the math of the Mosaic TPU kernels (pallas_tpu.py).
 
 docs/gdn.md section 2 as plain 2D jnp functions on arrays (what Mosaic lowers: 2D iotas, masked
-lane / sublane reductions, 2D matmuls), one chunk of C tokens of one key head and the value heads
-that read it (a list, one entry per value head, unrolled). `forward_chunk` returns each value
-head's output, end state and WY inverse; `backward_chunk` takes the cotangents of the outputs and
-of the end state and returns those of the inputs and of the start state (the adjoint written by
-hand, line by line, as `xla.local_chunks_backward`). The key head's q k^T and k k^T are formed
-once for its value heads.
+lane / sublane reductions, 2D matmuls), for consecutive chunks of C tokens of one key head and the
+value heads that read it (lists, unrolled). `forward_step` returns each chunk's and value head's
+output, WY inverse T and start state, and the end states; `backward_step` takes the cotangents of
+the outputs and of the end states and returns those of the inputs and of the start states (the
+adjoint written by hand, line by line, as `xla.local_chunks_backward`). The key head's q k^T and
+k k^T are formed once per chunk for its value heads. Each line runs over every (chunk, value
+head) of the step before the next line: independent products back to back, which the MXU
+pipelines (docs/gdn.md section 2, "The Pallas TPU kernels").
 
 Document starts are not an input: the caller sets the log gate of a start token to START_LOG_GATE
 (-1e30), whose exp is exactly 0: every decay across the start vanishes, so no state crosses it,
@@ -21,8 +23,8 @@ operand rounded to bfloat16), 2 parts three passes (about 2^-16 relative), 3 par
 (float32, what Precision.HIGHEST does). A bfloat16 or 0/1 operand is exact and is never split.
 Writing the passes out keeps the FLOPs a kernel states (chunk_macs) equal to what it runs, on the
 chip and interpreted. `Precision` chooses the parts per group of products; `PRECISIONS` gives the
-float32 path (everything float32) and the bfloat16 path (see its comment for which products stay
-float32 and why).
+float32 path (everything float32), the bfloat16 default (three passes everywhere: the XLA path's
+errors) and a faster bfloat16 path (see its comment for which products stay at three passes and why).
 
 Dimension letters: C position in a chunk (D the second position axis), K key dim, V value dim.
 """
@@ -60,31 +62,33 @@ class Precision:
 
 
 # Measured on CPU against the float32 oracle (bfloat16 inputs, 1,024 tokens, dims 128, chunk 64,
-# keys silu(N(0.5, 1)) so that they are alike, slow gates; relative RMS): every group at one pass
-# misses the field's tolerance on the output (o 5.9e-3 > 5e-3), mostly through q S and A V_new
-# (the state and V_new rounded to bfloat16); "bfloat16" below: o 3.1e-3, final state 2.3e-3,
-# gradients <= 4.2e-3 (tolerances 5e-3, 8e-3, dg and dbeta 2e-2). Three passes everywhere gives
-# the XLA path's errors (o 1.7e-3, which is the output's own bfloat16 rounding; final state 6e-6).
+# keys silu(N(0.5, 1)) so that they are alike, slow gates; relative RMS): every product at three
+# passes gives the XLA path's errors (o 1.7e-3, which is the output's own bfloat16 rounding; final
+# state 6e-6; gradients <= 2.3e-3). Every group at one pass misses the field's tolerance on the
+# output (o 5.9e-3 > 5e-3), mostly through q S and A V_new (the state and V_new rounded to
+# bfloat16); "bfloat16" below: o 3.1e-3, final state 2.3e-3, gradients <= 4.2e-3 (tolerances 5e-3,
+# 8e-3, dg and dbeta 2e-2). Its cost (libtpu's static profile, v5e, the 397B cell's heads): the
+# forward 0.63x of "bfloat16x3"'s cycles, the backward 0.78x (docs/gdn.md section 2).
 PRECISIONS = {
     # float32 inputs: every product float32 (six passes); the CPU tests hold it to 1e-5.
     "float32": Precision(keys=3, outputs=3, inverse=3, state=3),
-    # bfloat16 inputs, the default. One pass where the operands are the chunk's own bfloat16 data
-    # or a matrix used once and rounded once (q k^T, k k^T, the WY products, as
-    # flash-linear-attention does), and for the triangular inverse: T is rounded to bfloat16 for
-    # the WY products anyway (three passes there moved o by 0.2e-3). Three passes (float32 to
-    # about 2^-16) for the products with the state and V_new, which carry the sequence's history
-    # into the outputs, and for the chain, whose products feed every later chunk (docs/gdn.md
-    # keeps cross-chunk products float32; one pass there doubles the final state's error). The
-    # gates' segment sums and the state itself are float32 (exact sums) in every precision.
-    "bfloat16": Precision(keys=1, outputs=2, inverse=1, state=2),
-    # bfloat16 inputs with the XLA path's errors: three passes for every product.
+    # bfloat16 inputs, the default: three passes (float32 to about 2^-16) for every product, so
+    # the errors are the XLA path's. The gates' segment sums, the state and T are float32.
     "bfloat16x3": Precision(keys=2, outputs=2, inverse=2, state=2),
+    # bfloat16 inputs within the field's tolerance, faster. One pass where the operands are the
+    # chunk's own bfloat16 data or a matrix used once and rounded once (q k^T, k k^T, the WY
+    # products, as flash-linear-attention does), and for the triangular inverse: T is rounded to
+    # bfloat16 for the WY products anyway (three passes there moved o by 0.2e-3). Three passes for
+    # the products with the state and V_new, which carry the sequence's history into the outputs,
+    # and for the chain, whose products feed every later chunk (docs/gdn.md keeps cross-chunk
+    # products float32; one pass there doubles the final state's error).
+    "bfloat16": Precision(keys=1, outputs=2, inverse=1, state=2),
 }
 
 
 def precision_name(dtype) -> str:
-    """The default precision of inputs of `dtype`: float32 for float32 (and wider), else bfloat16."""
-    return "float32" if jnp.dtype(dtype).itemsize >= 4 else "bfloat16"
+    """The default precision of inputs of `dtype`: float32 for float32 (and wider), else bfloat16x3."""
+    return "float32" if jnp.dtype(dtype).itemsize >= 4 else "bfloat16x3"
 
 
 def _bf16_parts(x, parts: int):
@@ -162,8 +166,8 @@ def decays(g_1C) -> Decays:
     return Decays(gamma_CD, from_start_C1, to_end_C1, chunk_11)
 
 
-def unit_lower_inverse(lower_CD, parts: int):
-    """(I + L)^-1 of a strictly lower-triangular L [C, C], by recursive doubling of blocks.
+def unit_lower_inverses(lowers_CD: list, parts: int) -> list:
+    """(I + L)^-1 of each strictly lower-triangular L [C, C], by recursive doubling of blocks.
 
     With T_s the inverse of I + (L restricted to its diagonal blocks of size s), the blocks of size
     2s are [[A, 0], [X, D]] and their inverse is [[A^-1, 0], [-D^-1 X A^-1, D^-1]]:
@@ -173,185 +177,219 @@ def unit_lower_inverse(lower_CD, parts: int):
     Every intermediate is a block of the inverse itself (block forward substitution, stable like
     the row-by-row one), unlike the Neumann product (I - L)(I + L^2)(I + L^4)..., whose powers of L
     grow far beyond T's entries when keys are alike (then its rounding errors swamp T).
+    The levels run over all the matrices at once: the products of one level are independent, and
+    written back to back the MXU pipelines them instead of waiting out each one's latency (the
+    doubling is a chain of 2 (log2 C - 1) dependent products per matrix).
     """
-    size = lower_CD.shape[-1]
+    size = lowers_CD[0].shape[-1]
     row, col = positions(size)
     eye = jnp.where(row == col, 1.0, 0.0)
-    inverse_CD = eye - jnp.where((row >> 1) == (col >> 1), lower_CD, 0.0)
+    inverses = [eye - jnp.where((row >> 1) == (col >> 1), lower, 0.0) for lower in lowers_CD]
     span = 2
     while span < size:
         shift = span.bit_length() - 1  # log2(span)
         pair_block = ((row >> (shift + 1)) == (col >> (shift + 1))) & ((row >> shift) != (col >> shift))
-        lower_s_CD = jnp.where(pair_block, lower_CD, 0.0)
-        inverse_CD = inverse_CD - mxu(mxu(inverse_CD, lower_s_CD, _NN, parts), inverse_CD, _NN, parts)
+        left = [mxu(t, jnp.where(pair_block, lower, 0.0), _NN, parts) for t, lower in zip(inverses, lowers_CD)]
+        inverses = [t - mxu(x, t, _NN, parts) for t, x in zip(inverses, left)]
         span *= 2
-    return inverse_CD
+    return inverses
 
 
-def inverse_adjoint(inverse_CD, d_inverse_CD, parts: int):
-    """dL = strict_lower(-T^T dT T^T): the adjoint of T = (I + L)^-1 on L's strictly lower part."""
-    row, col = positions(inverse_CD.shape[-1])
-    t_dt_CD = mxu(inverse_CD, d_inverse_CD, _TN, parts)
-    return jnp.where(row > col, -mxu(t_dt_CD, inverse_CD, _NT, parts), 0.0)
+def unit_lower_inverse(lower_CD, parts: int):
+    """(I + L)^-1 of one strictly lower-triangular L [C, C] (unit_lower_inverses)."""
+    return unit_lower_inverses([lower_CD], parts)[0]
 
 
-class HeadIn(NamedTuple):
-    """One value head's part of a chunk: v [C, V] (input dtype), log gates g and beta as rows [1, C]
-    float32, the state at the chunk's start [K, V] float32."""
+class ChunkIn(NamedTuple):
+    """One chunk of a key head and the value heads that read it: q, k [C, K] float32 (normalised, q
+    scaled); per value head (lists): v [C, V] in the input dtype, log gates g and beta as rows [1, C]
+    float32."""
 
-    v: jax.Array
-    g: jax.Array
-    beta: jax.Array
-    state: jax.Array
+    q: jax.Array
+    k: jax.Array
+    v: list
+    g: list
+    beta: list
 
 
-class HeadOut(NamedTuple):
-    """o [C, V] float32, the state at the chunk's end [K, V], the WY inverse T [C, D] (saved for the backward)."""
-
-    o: jax.Array
-    end: jax.Array
-    inverse: jax.Array
+def _each(fn, *lists):
+    return [fn(*items) for items in zip(*lists)]
 
 
 class _Terms(NamedTuple):
-    decays: Decays
-    beta_C1: jax.Array
-    lower: jax.Array  # L [C, D]
-    inverse: jax.Array  # T [C, D]
-    k_scaled: jax.Array  # diag(beta a) k [C, K]
-    v_scaled: jax.Array  # diag(beta) v [C, V]
-    w: jax.Array  # [C, K]
-    v_new: jax.Array  # [C, V]
-    attn: jax.Array  # A = q k^T * Gamma [C, D]
+    """The state-independent terms of every (chunk, value head) of a step, flat lists in chunk-major
+    order (item i = chunk i // H, head i % H)."""
+
+    decays: list
+    beta: list  # [C, 1]
+    kk: list  # k k^T [C, D] (the item's chunk's)
+    lower: list  # L [C, D]
+    inverse: list  # T [C, D]
+    k_scaled: list  # diag(beta a) k [C, K]
+    v_scaled: list  # diag(beta) v [C, V]
+    w: list  # [C, K]
+    u: list  # [C, V]
+    attn: list  # A = q k^T * Gamma [C, D]
 
 
-def _terms(q_CK, k_CK, kk_CD, qk_CD, head: HeadIn, precision: Precision, inverse_CD=None) -> _Terms:
-    row, col = positions(q_CK.shape[0])
-    d = decays(head.g)
-    beta_C1 = column(head.beta)
-    lower_CD = jnp.where(row > col, beta_C1 * kk_CD * d.gamma, 0.0)
-    if inverse_CD is None:
-        inverse_CD = unit_lower_inverse(lower_CD, precision.inverse)
-    k_scaled_CK = (beta_C1 * d.from_start) * k_CK
-    v_scaled_CV = beta_C1 * head.v.astype(F32)
-    w_CK = mxu(inverse_CD, k_scaled_CK, _NN, precision.keys)
-    u_CV = mxu(inverse_CD, v_scaled_CV, _NN, precision.keys)
-    v_new_CV = u_CV - mxu(w_CK, head.state, _NN, precision.state)
-    return _Terms(d, beta_C1, lower_CD, inverse_CD, k_scaled_CK, v_scaled_CV, w_CK, v_new_CV, qk_CD * d.gamma)
+def _terms(chunks: list[ChunkIn], precision: Precision, inverses=None) -> _Terms:
+    """Every item's decays, L, T (the given ones, else the doubling over all of them at once), W, U
+    and A, each line over all items before the next (independent products back to back)."""
+    heads = len(chunks[0].v)
+    row, col = positions(chunks[0].q.shape[0])
+    q = [c.q for c in chunks for _ in range(heads)]
+    k = [c.k for c in chunks for _ in range(heads)]
+    kk_by_chunk = [mxu(c.k, c.k, _NT, precision.keys) for c in chunks]  # once per key head
+    qk_by_chunk = [mxu(c.q, c.k, _NT, precision.keys) for c in chunks]
+    kk = [x for x in kk_by_chunk for _ in range(heads)]
+    qk = [x for x in qk_by_chunk for _ in range(heads)]
+    d = [decays(g) for c in chunks for g in c.g]
+    beta = [column(b) for c in chunks for b in c.beta]
+    v = [x.astype(F32) for c in chunks for x in c.v]
+    lower = _each(lambda b, x, dd: jnp.where(row > col, b * x * dd.gamma, 0.0), beta, kk, d)
+    if inverses is None:
+        inverses = unit_lower_inverses(lower, precision.inverse)
+    k_scaled = _each(lambda b, dd, x: (b * dd.from_start) * x, beta, d, k)
+    v_scaled = _each(lambda b, x: b * x, beta, v)
+    w = _each(lambda t, x: mxu(t, x, _NN, precision.keys), inverses, k_scaled)
+    u = _each(lambda t, x: mxu(t, x, _NN, precision.keys), inverses, v_scaled)
+    attn = _each(lambda x, dd: x * dd.gamma, qk, d)
+    return _Terms(d, beta, kk, lower, list(inverses), k_scaled, v_scaled, w, u, attn)
 
 
-def _key_products(q_CK, k_CK, precision: Precision):
-    """k k^T and q k^T of the key head, once for its value heads."""
-    return mxu(k_CK, k_CK, _NT, precision.keys), mxu(q_CK, k_CK, _NT, precision.keys)
+def forward_step(chunks: list[ChunkIn], states: list, precision: Precision):
+    """Consecutive chunks of a key head and its value heads from the states at the first one's
+    start (one [K, V] per value head): (o [C, V] float32 per chunk per head, T per chunk per head
+    (the backward's residual), the states at each chunk's start per chunk per head, the end states).
 
-
-def forward_chunk(q_CK, k_CK, heads: list[HeadIn], precision: Precision) -> list[HeadOut]:
-    """One chunk of a key head (q, k [C, K] float32: normalised, scaled) and its value heads."""
-    kk_CD, qk_CD = _key_products(q_CK, k_CK, precision)
-    out = []
-    for head in heads:
-        t = _terms(q_CK, k_CK, kk_CD, qk_CD, head, precision)
-        o_CV = (t.decays.from_start * mxu(q_CK, head.state, _NN, precision.outputs)
-                + mxu(t.attn, t.v_new, _NN, precision.outputs))
-        end_KV = t.decays.chunk * head.state + mxu(t.decays.to_end * k_CK, t.v_new, _TN, precision.state)
-        out.append(HeadOut(o_CV, end_KV, t.inverse))
-    return out
+    The state-independent work of every chunk and head first (_terms), then the chain in order;
+    within a chunk the heads' products interleave."""
+    p = precision
+    heads = len(states)
+    t = _terms(chunks, p)
+    outs, inverses, starts = [], [], []
+    for c, chunk in enumerate(chunks):
+        items = range(c * heads, (c + 1) * heads)
+        starts.append(list(states))
+        w_s = [mxu(t.w[i], s, _NN, p.state) for i, s in zip(items, states)]
+        v_new = [t.u[i] - x for i, x in zip(items, w_s)]
+        q_s = [mxu(chunk.q, s, _NN, p.outputs) for s in states]
+        outs.append([t.decays[i].from_start * x + mxu(t.attn[i], vn, _NN, p.outputs)
+                     for i, x, vn in zip(items, q_s, v_new)])
+        states = [t.decays[i].chunk * s + mxu(t.decays[i].to_end * chunk.k, vn, _TN, p.state)
+                  for i, s, vn in zip(items, states, v_new)]
+        inverses.append([t.inverse[i] for i in items])
+    return outs, inverses, starts, states
 
 
 class HeadGrad(NamedTuple):
-    """One value head's cotangents: dv [C, V], dg and dbeta as rows [1, C], the start state's [K, V]."""
+    """One value head's cotangents in a chunk: dv [C, V] float32, dg and dbeta as rows [1, C]."""
 
     v: jax.Array
     g: jax.Array
     beta: jax.Array
-    state: jax.Array
 
 
-def backward_chunk(q_CK, k_CK, heads: list[HeadIn], inverses: list, d_outs: list, d_ends: list,
-                   precision: Precision):
-    """Cotangents of one chunk: (dq [C, K], dk [C, K] summed over the value heads, [HeadGrad]).
+def backward_step(chunks: list[ChunkIn], starts: list, inverses: list, d_outs: list, d_states: list,
+                  precision: Precision):
+    """Cotangents of consecutive chunks (forward_step's), given each chunk's start states and T
+    per head (the forward's residuals), the outputs' cotangents per chunk per head and the end
+    states' cotangents (per head): (dq, dk [C, K] per chunk, summed over the heads; [HeadGrad] per
+    chunk; the first chunk's start states' cotangents).
 
-    heads carry the state at the chunk's start (the forward saved it) and inverses the forward's T;
-    d_outs [C, V] and d_ends [K, V] are the cotangents of the outputs and of the end state.
-    Each line is the transpose of one line of the forward (docs/gdn.md section 2, "The backward")."""
-    size = q_CK.shape[0]
-    row, col = positions(size)
+    Each line is the transpose of one line of the forward (docs/gdn.md section 2, "The backward").
+    Three phases: everything the state cotangent's chain does not touch, over all items; the chain
+    in reverse (its two products per chunk); then every input's cotangent, over all items."""
     p = precision
-    kk_CD, qk_CD = _key_products(q_CK, k_CK, p)
-    dq_CK = jnp.zeros_like(q_CK)
-    dk_CK = jnp.zeros_like(k_CK)
+    heads = len(d_states)
+    size = chunks[0].q.shape[0]
+    row, col = positions(size)
+    t = _terms(chunks, p, [x for per_chunk in inverses for x in per_chunk])
+    q = [c.q for c in chunks for _ in range(heads)]
+    k = [c.k for c in chunks for _ in range(heads)]
+    state = [s for per_chunk in starts for s in per_chunk]
+    do = [x.astype(F32) for per_chunk in d_outs for x in per_chunk]
+    d = t.decays
+    v_new = _each(lambda u, w, s: u - mxu(w, s, _NN, p.state), t.u, t.w, state)
+    k_to_end = _each(lambda dd, x: dd.to_end * x, d, k)
+    # O = diag(a) q S + A V_new;  S_end = c S + (diag(e) k)^T V_new: the parts of dV_new and dS_start
+    # without the end state's cotangent, then the chain.
+    attn_do = _each(lambda a, x: mxu(a, x, _TN, p.outputs), t.attn, do)
+    q_do = _each(lambda dd, x, y: mxu(dd.from_start * x, y, _TN, p.outputs), d, q, do)
+    d_end = [None] * len(state)
+    d_v_new = [None] * len(state)
+    for c in reversed(range(len(chunks))):
+        for h in range(heads):
+            i = c * heads + h
+            d_end[i] = d_states[h]
+            d_v_new[i] = attn_do[i] + mxu(k_to_end[i], d_states[h], _NN, p.state)
+        d_states = [d[c * heads + h].chunk * d_states[h] + q_do[c * heads + h]
+                    - mxu(t.w[c * heads + h], d_v_new[c * heads + h], _TN, p.state) for h in range(heads)]
+    d_attn = _each(lambda x, vn: jnp.where(row >= col, mxu(x, vn, _NT, p.outputs), 0.0), do, v_new)
+    d_q_decayed = _each(lambda x, s: mxu(x, s, _NT, p.outputs), do, state)
+    d_k_to_end = _each(lambda vn, de: mxu(vn, de, _NT, p.outputs), v_new, d_end)
+    d_log_chunk = _each(lambda dd, s, de: dd.chunk * jnp.sum(jnp.sum(s * de, axis=1, keepdims=True), axis=0,
+                                                            keepdims=True), d, state, d_end)
+    # V_new = U - W S;  W = T diag(beta a) k;  U = T diag(beta) v.
+    d_w = _each(lambda dv, s: -mxu(dv, s, _NT, p.state), d_v_new, state)
+    d_k_scaled = _each(lambda tt, dw: mxu(tt, dw, _TN, p.keys), t.inverse, d_w)
+    d_v_scaled = _each(lambda tt, dv: mxu(tt, dv, _TN, p.keys), t.inverse, d_v_new)
+    d_inverse = _each(lambda dw, ks, dv, vs: mxu(dw, ks, _NT, p.keys) + mxu(dv, vs, _NT, p.keys),
+                      d_w, t.k_scaled, d_v_new, t.v_scaled)
+    t_dt = _each(lambda tt, dt: mxu(tt, dt, _TN, p.inverse), t.inverse, d_inverse)
+    # T = (I + L)^-1: dL = strict_lower(-T^T dT T^T).
+    d_lower = _each(lambda x, tt: jnp.where(row > col, -mxu(x, tt, _NT, p.inverse), 0.0), t_dt, t.inverse)
+    # L = strict(diag(beta) kk^T * Gamma);  A = q k^T * Gamma.
+    d_lower_gamma = _each(lambda dl, dd: dl * dd.gamma, d_lower, d)
+    d_kk = _each(lambda b, x: b * x, t.beta, d_lower_gamma)
+    d_qk = _each(lambda da, dd: da * dd.gamma, d_attn, d)
+    # Cotangent of Gamma's log (the segment sums): dGamma * Gamma.
+    d_segment = _each(lambda dl, lo, da, a: dl * lo + da * a, d_lower, t.lower, d_attn, t.attn)
+    dq_items = _each(lambda dqk, x, dd, dqd: mxu(dqk, x, _NN, p.keys) + dd.from_start * dqd, d_qk, k, d, d_q_decayed)
+    dk_items = _each(lambda dqk, x, dkk, y, b, dd, dks, dke: (
+        mxu(dqk, x, _TN, p.keys) + mxu(dkk, y, _NN, p.keys) + mxu(dkk, y, _TN, p.keys)
+        + (b * dd.from_start) * dks + dd.to_end * dke), d_qk, q, d_kk, k, t.beta, d, d_k_scaled, d_k_to_end)
+    # g_t is in the segment sum (j, i] for j < t <= i, in log a_i for i >= t, in log e_j for j < t
+    # and in the chunk's sum: one exact matmul with the [j < t] mask, then masked sums over i
+    # (sublanes) that leave dg as a row.
+    prefix = _each(lambda ds: mxu(ds, _ones_where(row < col), _NN, 3), d_segment)
     grads = []
-    for head, inverse_CD, do, d_end_KV in zip(heads, inverses, d_outs, d_ends):
-        t = _terms(q_CK, k_CK, kk_CD, qk_CD, head, p, inverse_CD)
-        d = t.decays
-        state_KV = head.state
-        do_CV = do.astype(F32)
-        k_to_end_CK = d.to_end * k_CK
-        # O = diag(a) q S + A V_new;  S_end = c S + (diag(e) k)^T V_new.
-        d_v_new_CV = mxu(t.attn, do_CV, _TN, p.outputs) + mxu(k_to_end_CK, d_end_KV, _NN, p.state)
-        d_start_KV = (d.chunk * d_end_KV + mxu(d.from_start * q_CK, do_CV, _TN, p.outputs)
-                      - mxu(t.w, d_v_new_CV, _TN, p.state))
-        d_attn_CD = jnp.where(row >= col, mxu(do_CV, t.v_new, _NT, p.outputs), 0.0)
-        d_q_decayed_CK = mxu(do_CV, state_KV, _NT, p.outputs)
-        d_k_to_end_CK = mxu(t.v_new, d_end_KV, _NT, p.outputs)
-        d_log_chunk_11 = d.chunk * jnp.sum(jnp.sum(state_KV * d_end_KV, axis=1, keepdims=True), axis=0,
-                                           keepdims=True)
-        # V_new = U - W S;  W = T diag(beta a) k;  U = T diag(beta) v.
-        d_w_CK = -mxu(d_v_new_CV, state_KV, _NT, p.state)
-        d_k_scaled_CK = mxu(inverse_CD, d_w_CK, _TN, p.keys)
-        d_v_scaled_CV = mxu(inverse_CD, d_v_new_CV, _TN, p.keys)
-        d_inverse_CD = mxu(d_w_CK, t.k_scaled, _NT, p.keys) + mxu(d_v_new_CV, t.v_scaled, _NT, p.keys)
-        d_lower_CD = inverse_adjoint(inverse_CD, d_inverse_CD, p.inverse)
-        # L = strict(diag(beta) kk^T * Gamma);  A = q k^T * Gamma.
-        d_lower_gamma_CD = d_lower_CD * d.gamma
-        d_kk_CD = t.beta_C1 * d_lower_gamma_CD
-        d_qk_CD = d_attn_CD * d.gamma
-        # Cotangent of Gamma's log (the segment sums): dGamma * Gamma.
-        d_segment_CD = d_lower_CD * t.lower + d_attn_CD * t.attn
-        dq_CK = (dq_CK + mxu(d_qk_CD, k_CK, _NN, p.keys) + d.from_start * d_q_decayed_CK)
-        dk_CK = (dk_CK + mxu(d_qk_CD, q_CK, _TN, p.keys) + mxu(d_kk_CD, k_CK, _NN, p.keys)
-                 + mxu(d_kk_CD, k_CK, _TN, p.keys) + (t.beta_C1 * d.from_start) * d_k_scaled_CK
-                 + d.to_end * d_k_to_end_CK)
-        v_f32 = head.v.astype(F32)
-        dv_CV = t.beta_C1 * d_v_scaled_CV
-        k_dot_dks_C1 = jnp.sum(k_CK * d_k_scaled_CK, axis=1, keepdims=True)
-        d_beta_C1 = (jnp.sum(d_lower_gamma_CD * kk_CD, axis=1, keepdims=True) + d.from_start * k_dot_dks_C1
-                     + jnp.sum(v_f32 * d_v_scaled_CV, axis=1, keepdims=True))
-        d_log_from_start_C1 = (t.beta_C1 * k_dot_dks_C1 + jnp.sum(q_CK * d_q_decayed_CK, axis=1, keepdims=True)
-                               ) * d.from_start
-        d_log_to_end_C1 = jnp.sum(k_CK * d_k_to_end_CK, axis=1, keepdims=True) * d.to_end
-        # g_t is in the segment sum (j, i] for j < t <= i, in log a_i for i >= t, in log e_j for
-        # j < t and in the chunk's sum: one exact matmul with the [j < t] mask, then masked sums
-        # over i (sublanes) that leave dg as a row.
-        prefix_CT = mxu(d_segment_CD, _ones_where(row < col), _NN, 3)
-        dg_1C = (jnp.sum(jnp.where(row >= col, prefix_CT + d_log_from_start_C1, 0.0)
-                         + jnp.where(row < col, d_log_to_end_C1, 0.0), axis=0, keepdims=True)
-                 + d_log_chunk_11)
-        grads.append(HeadGrad(dv_CV, dg_1C, row_of(d_beta_C1), d_start_KV))
-    return dq_CK, dk_CK, grads
+    for i in range(len(state)):
+        c = i // heads
+        v_f32 = chunks[c].v[i % heads].astype(F32)
+        k_dot_dks = jnp.sum(k[i] * d_k_scaled[i], axis=1, keepdims=True)
+        d_beta = (jnp.sum(d_lower_gamma[i] * t.kk[i], axis=1, keepdims=True) + d[i].from_start * k_dot_dks
+                  + jnp.sum(v_f32 * d_v_scaled[i], axis=1, keepdims=True))
+        d_log_from_start = (t.beta[i] * k_dot_dks + jnp.sum(q[i] * d_q_decayed[i], axis=1, keepdims=True)
+                            ) * d[i].from_start
+        d_log_to_end = jnp.sum(k[i] * d_k_to_end[i], axis=1, keepdims=True) * d[i].to_end
+        dg = (jnp.sum(jnp.where(row >= col, prefix[i] + d_log_from_start, 0.0)
+                      + jnp.where(row < col, d_log_to_end, 0.0), axis=0, keepdims=True) + d_log_chunk[i])
+        grads.append(HeadGrad(t.beta[i] * d_v_scaled[i], dg, row_of(d_beta)))
+    dq = [sum(dq_items[c * heads:(c + 1) * heads]) for c in range(len(chunks))]
+    dk = [sum(dk_items[c * heads:(c + 1) * heads]) for c in range(len(chunks))]
+    return dq, dk, [grads[c * heads:(c + 1) * heads] for c in range(len(chunks))], d_states
 
 
 def _chunk_shapes(C: int, K: int, V: int, group: int, precision: str):
     f32 = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
     v = jax.ShapeDtypeStruct((C, V), F32 if precision == "float32" else BF16)
-    heads = [HeadIn(v, f32(1, C), f32(1, C), f32(K, V)) for _ in range(group)]
-    return f32(C, K), f32(C, K), heads
+    return ChunkIn(f32(C, K), f32(C, K), [v] * group, [f32(1, C)] * group, [f32(1, C)] * group), [f32(K, V)] * group
 
 
 @functools.cache
 def chunk_macs(kernel: str, C: int, K: int, V: int, group: int = 1, precision: str = "float32") -> int:
-    """Multiply-adds of one chunk of one key-head group as `forward_chunk` / `backward_chunk` write
+    """Multiply-adds of one chunk of one key-head group as `forward_step` / `backward_step` write
     them (kernel "forward" or "backward"), every bfloat16 pass counted: read from the traced
-    function's matmuls, so the count cannot drift from the math."""
-    q, k, heads = _chunk_shapes(C, K, V, group, precision)
+    functions' matmuls on one chunk (every product is per chunk), so the count cannot drift."""
+    chunk, states = _chunk_shapes(C, K, V, group, precision)
     p = PRECISIONS[precision]
     if kernel == "forward":
-        fn = lambda q, k, heads: forward_chunk(q, k, heads, p)  # noqa: E731
-        args = (q, k, heads)
+        fn, args = (lambda ch, s: forward_step([ch], s, p)), (chunk, states)
     elif kernel == "backward":
         f32 = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
-        fn = lambda q, k, heads, t, do, ds: backward_chunk(q, k, heads, t, do, ds, p)  # noqa: E731
-        args = (q, k, heads, [f32(C, C)] * group, [heads[0].v] * group, [f32(K, V)] * group)
+        fn = lambda ch, s, t, do, ds: backward_step([ch], [s], [t], [do], ds, p)  # noqa: E731
+        args = (chunk, states, [f32(C, C)] * group, list(chunk.v), states)
     else:
         raise ValueError(f"unknown GDN kernel {kernel!r}; choose forward or backward")
     macs = 0
