@@ -33,6 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: this checkout's packages
 from benchmarks import harness  # noqa: E402
 
+harness.configure()  # the commit the record names, read before anything runs
+
 MIB = 2**20
 # Variant name -> pallas_tpu.gated_delta_rule's keyword arguments (xla: the XLA path).
 VARIANTS = {

@@ -2,10 +2,10 @@
 
 # The chunk size gdn.cp_m_scan and gdn.cp_dh_scan are built and proven for (docs/levers.md, "Gated DeltaNet").
 CP_SCAN_CHUNK_SIZE = 64
-# The validator's floor for pallas_tpu. The chunk-parallel kernels compile down to chunk 1 for v5e
-# and tpu7x targets (tests/test_gdn_tpu_compile.py; the earlier per-chunk kernel's [1, 1] dots did
-# not lower); the floor stays at 2 all the same: a chunk of one token is the token recurrence, with
-# no intra-chunk work to put on the MXU.
+# The validator's floor for pallas_tpu. The chunk-parallel kernels compile down to chunk 1 for a
+# tpu7x target (checked by hand; the earlier per-chunk kernel's [1, 1] dots did not lower); the
+# floor stays at 2 all the same (tests/test_gdn_tpu_compile.py compiles chunk 2): a chunk of one
+# token is the token recurrence, with no intra-chunk work to put on the MXU.
 PALLAS_TPU_MIN_CHUNK = 2
 # Triton: power-of-two value shapes, and tl.dot wants every matmul dim >= 16.
 PALLAS_GPU_MIN_DIM = 16

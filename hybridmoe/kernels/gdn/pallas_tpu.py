@@ -52,6 +52,8 @@ from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 _F32 = jnp.float32
 # The kernels' names in the compiled program (program facts and the step-time model look for them).
 KERNEL_NAMES = {"forward": limits.KERNELS[0], "backward": limits.KERNELS[1]}
+
+
 class Settings(NamedTuple):
     """The static choices of one core call."""
 
@@ -204,7 +206,8 @@ def cost(kernel: str, d: _Dims, precision: str, operands, results) -> pl.CostEst
 
 def _compiler_params(kernel: str, d: _Dims, settings: Settings, itemsize: int):
     """The grid's semantics, and the scoped VMEM limit: the configured one, else `auto`'s for the
-    kernel's modelled need (the compiler's default where it fits: at every shape of the recipes)."""
+    kernel's modelled need (kernels/vmem.py: the compiler's default where the need with its margin
+    fits the smallest generation's)."""
     need = tpu_bytes(limits.tpu_buffers(KERNEL_NAMES[kernel], chunk_size=d.chunk, key_dim=d.key_dim,
                                         value_dim=d.value_dim, group=d.group, chunks_per_step=d.per_step,
                                         itemsize=itemsize))
