@@ -27,6 +27,7 @@ from hybridmoe.kernels.gdn.xla import masked_exp, with_inverse_adjoint
 # Mosaic kernels' names and count from this module: the MACs of the Mosaic (pallas_tpu) kernels'
 # chunk math as tpu_chunk writes it, every bfloat16 pass counted.
 from hybridmoe.kernels.gdn.tpu_chunk import chunk_macs  # noqa: E402, F401
+from hybridmoe.kernels.gdn.tpu_chunk import positions as _positions  # noqa: E402
 
 _HIGHEST = lax.Precision.HIGHEST
 # The kernels' names in the compiled program (what program facts look for): the Triton kernels here
@@ -53,11 +54,6 @@ def _mm_nt(a_MK, b_NK):  # a @ b^T
 
 def _mm_tn(a_KM, b_KN):  # a^T @ b
     return _dot(a_KM, b_KN, ((0,), (0,)))
-
-
-def _positions(size: int):
-    """Row and column index of a [size, size] tile (2D iotas: what Mosaic lowers)."""
-    return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
 
 
 def _forward_substitution(strict_lower_CD):
