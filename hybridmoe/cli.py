@@ -391,6 +391,24 @@ def cmd_calibrate(args, words):
     return 0
 
 
+def cmd_tune_gmm(args, words):
+    from hybridmoe.tools import tune_gmm
+
+    tune_gmm.check_host()
+    recipe, overrides = split_args(words)
+    cfg = load_config(recipe, [*overrides, *tune_gmm.TUNE_OVERRIDES])
+    result = tune_gmm.tune(cfg, budget_s=args.budget_s)
+    print(tune_gmm.format_result(result))
+    if not args.dry_run:
+        tune_gmm.write_table(result["generation"], result["entries"], tune_gmm.about(result))
+        print(f"wrote {len(result['entries'])} {result['generation']} entries into hybridmoe/kernels/gmm/tile_table.json")
+    if args.out:
+        from hybridmoe.tools.record import machine_record, write_record
+        write_record(Path(args.out), {"benchmark": "tune-gmm", **machine_record(), "recipe": recipe,
+                                      "overrides": overrides, **result})
+    return 0
+
+
 def cmd_gates(args, words):
     if not args.candidate:
         raise ValueError("gates needs --candidate section.key=value ... (or recipe=NAME): the candidate's overrides")
@@ -438,9 +456,11 @@ COMMANDS = {
     "launch": (cmd_launch, "N processes of one distributed run on this machine (as one per host on a cluster)"),
     "calibrate": (cmd_calibrate, "measure this host's TPU for the step-time model (matmul and HBM rates, fixed costs, "
                   "each Pallas kernel's measured/modelled time) and write its generation's row of the model's table"),
+    "tune-gmm": (cmd_tune_gmm, "time the Pallas grouped matmuls of a config's step at candidate tiles on this TPU "
+                 "and write the fastest into the tile table that kernels.gmm.tiling=auto reads"),
 }
 # The commands whose --out is a JSON record (machine, date, commit, versions).
-RECORD_COMMANDS = ("bench", "eval", "inspect", "gates", "calibrate")
+RECORD_COMMANDS = ("bench", "eval", "inspect", "gates", "calibrate", "tune-gmm")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "calibrate":
             p.add_argument("--geometry", default="one_chip", choices=("one_chip", "cell"),
                            help="the kernel cases' shapes the Pallas kernels are timed at (tools/chip_cases.py)")
+            p.add_argument("--dry-run", action="store_true", help="measure and print; leave the table as it is")
+            p.add_argument("--out", help="write the JSON record here")
+        if name == "tune-gmm":
+            p.add_argument("--budget-s", type=float, default=500.0,
+                           help="stop timing new shapes after this many seconds (the rest are listed as untuned)")
             p.add_argument("--dry-run", action="store_true", help="measure and print; leave the table as it is")
             p.add_argument("--out", help="write the JSON record here")
         if name == "gates":

@@ -2,11 +2,13 @@
 # The chip's records, stage by stage, on a TPU host set up by scripts/tpu_setup.sh (docs/tpu.md):
 #
 #   scripts/tpu_records.sh stamp                        # where the git history is: the commit the copy is of
-#   scripts/tpu_records.sh tests calibrate kernels-one-chip kernels-cell step   # on the TPU host
+#   scripts/tpu_records.sh tests calibrate tiles kernels-one-chip kernels-cell step   # on the TPU host
 #
 #   stamp      write .source-commit (for a copy of the tree sent to a host without its history)
 #   tests      benchmarks/tpu_tests.py    -> benchmarks/records/tpu_tests.json
 #   calibrate  hybridmoe calibrate        -> hybridmoe/analysis/chip_calibration.json (+ records/tpu_calibration.json)
+#   tiles      hybridmoe tune-gmm (the one-chip recipe's grouped matmuls) -> hybridmoe/kernels/gmm/tile_table.json
+#              (+ records/tpu_gmm_tiles.json)
 #   kernels-one-chip, kernels-cell
 #              benchmarks/tpu_kernels.py --geometry G -> benchmarks/records/tpu_kernels.json (merged; each
 #              stops starting cases after 330 s, so each fits a 10-minute call)
@@ -23,9 +25,10 @@ for stage in "$@"; do
     stamp) python3 -c 'from pathlib import Path; from hybridmoe.tools.record import write_commit_stamp; print(write_commit_stamp(Path(".")))' ;;
     tests) python3 benchmarks/tpu_tests.py ;;
     calibrate) python3 -m hybridmoe calibrate --out benchmarks/records/tpu_calibration.json ;;
+    tiles) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --budget-s 480 --out benchmarks/records/tpu_gmm_tiles.json ;;
     kernels-one-chip) python3 benchmarks/tpu_kernels.py --geometry one_chip ;;
     kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell ;;
     step) python3 benchmarks/tpu_step.py ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, kernels-one-chip, kernels-cell, step)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, kernels-one-chip, kernels-cell, step)" >&2; exit 2 ;;
   esac
 done

@@ -20,6 +20,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from hybridmoe.kernels.platform import DEVICE_KINDS, generation_of_device  # noqa: F401 (the rows' keys)
+
 T, G, GIB, MIB = 1e12, 1e9, 2**30, 2**20
 
 # The fixed cost of one Pallas TPU grid step (the pipeline's DMA issue and bookkeeping, with no work
@@ -93,11 +95,6 @@ MAKERS = {
     "h200": Hardware("h200", 1, 989 * T, 1979 * T, 4800 * G, 141e9, 228 * 1024, 450 * G, 0.0),
 }
 
-# jax.devices()[0].device_kind on each generation's host -> its row.
-DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
-                "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "tpu7x",
-                "NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200"}
-
 CALIBRATION_FILE = Path(__file__).with_name("chip_calibration.json")
 # The measured fields a calibration row holds, and the Hardware field each one replaces.
 MEASURED_FIELDS = {"bf16_flops_chip": "bf16_flops_chip", "hbm_bytes_per_s_chip": "hbm_bytes_per_s_chip",
@@ -122,11 +119,23 @@ def write_calibration(generation: str, row: dict, path: Path = CALIBRATION_FILE)
         raise ValueError(f"a calibration row needs {', '.join(missing)}")
     table = read_calibration(path)
     table[generation] = row
+    write_json_atomically(path, table)
+
+
+def write_json_atomically(path: Path, obj) -> None:
+    """A JSON table written whole to a temporary file beside `path`, flushed to disk and renamed over
+    the old one: a reader (or a kill mid-write) never meets half a table."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def calibrated(hw: Hardware, row: dict) -> Hardware:
@@ -147,8 +156,3 @@ def hardware_for(target: str, *, use_calibration: bool = True, table: dict | Non
     row = (read_calibration() if table is None else table).get(gen) if use_calibration else None
     return calibrated(hw, row) if row else hw
 
-
-def generation_of_device(device) -> str | None:
-    """The row a (real or compile-only) device belongs to, by its device kind; None for a CPU or an
-    accelerator the table lacks."""
-    return DEVICE_KINDS.get(getattr(device, "device_kind", ""))

@@ -179,8 +179,11 @@ class GmmKernelConfig(Section):
         "(rows padded once per group to tiles, one batched matmul; on CPU, where ragged_dot computes every group "
         "for every row, several times faster); auto: row_tiles on CPU, ragged_dot on GPU/TPU.")
     xla_tile_rows: int = Field(128, gt=0, description="Rows per tile of the row_tiles grouped matmul.")
-    tiling: Literal["heuristic", "explicit"] = Field(
-        "heuristic", description="heuristic: the kernels' default tiles; explicit: the tm/tk/tn and per-half tile below."
+    tiling: Literal["heuristic", "auto", "explicit"] = Field(
+        "heuristic", description="heuristic: the kernels' default tiles (128 x 128 x 128); auto: each plain grouped "
+        "matmul's tiles measured fastest on this chip generation at its shape (kernels/gmm/tile_table.json, filled "
+        "by `hybridmoe tune-gmm`), the heuristic ones where the table has none; explicit: the tm/tk/tn and "
+        "per-half tile below."
     )
     tm: int = Field(128, gt=0, description="Row tile (explicit tiling; Pallas backends).")
     tk: int = Field(128, gt=0, description="Contraction tile (explicit tiling; Pallas backends).")

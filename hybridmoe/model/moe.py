@@ -143,7 +143,7 @@ class GroupedPlan:
     wo_fused_dswiglu: bool = False
     router_grad_from_wo_input: bool = False
     backend: str = "xla"
-    tiles: K.KernelTiles | None = None  # each grouped matmul's (explicit tiling); None = the kernels' defaults
+    tiles: K.KernelTiles | None = None  # each grouped matmul's (explicit or auto tiling); None = the kernels' defaults
     interpret: bool = False
     epilogue: str = "float32"
     tile_n_per_half: int | None = None
@@ -163,7 +163,9 @@ class GroupedPlan:
             num_experts=m.num_experts, capacity_factor=moe.capacity_factor,
             wi_fused_swiglu=moe.wi_fused_swiglu, wo_fused_dswiglu=moe.wo_fused_dswiglu,
             router_grad_from_wo_input=moe.router_grad_from_wo_input, backend=g.backend,
-            tiles=K.kernel_tiles(g.model_dump()) if explicit else None,
+            tiles=(K.kernel_tiles(g.model_dump()) if explicit else
+                   K.KernelTiles.shared(K.Tiling(from_table=True, vmem_limit_mib=g.vmem_limit_mib))
+                   if g.tiling == "auto" else None),
             interpret=kern.interpret, epilogue=g.epilogue,
             tile_n_per_half=(g.wi_fwd_tile_n_per_half or None) if explicit else None,
             rhs_buffer_count=g.wi_fwd_rhs_buffer_count, fp8=bool(quant and quant.fp8_gmm),

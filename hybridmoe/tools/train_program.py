@@ -207,7 +207,7 @@ def abstract_grpo_batch(cfg: Config, setup) -> dict:
     return {k: jax.ShapeDtypeStruct(*shapes[k], sharding=sh) for k, sh in shardings.items()}
 
 
-def _jitted_program(cfg: Config, setup, program_name: str):
+def jitted_program(cfg: Config, setup, program_name: str):
     """(the jitted function, its abstract inputs, the name of its HLO module) of one program."""
     from hybridmoe.run.setup import jit_train_step
 
@@ -258,7 +258,7 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, pr
 
     setup = build(cfg, list(target.devices))
     with setup.context():
-        fn, inputs, module = _jitted_program(cfg, setup, program_name)
+        fn, inputs, module = jitted_program(cfg, setup, program_name)
         shapes = peak_memory.model_shapes(cfg, setup.abstract_state())
         lowered = fn.lower(*inputs)
         lowered_text = lowered.as_text()

@@ -136,6 +136,18 @@ def row_tiling(tiling: Tiling | None, m: int):
     return t, tm, -(-m // tm) * tm
 
 
+def plain_tiles(tiling: Tiling | None, kind: str, lhs_MK, n: int, num_local: int):
+    """(tiling, tm, rows padded to whole tiles, tk, tn) of a plain grouped matmul (kind gmm, gmm_t or
+    tgmm) over lhs [M, K] to N columns: the measured tiles where the tiling asks for the table
+    (tile_table.py), else its own, each clipped to its dimension."""
+    from hybridmoe.kernels.gmm import tile_table
+
+    m, k = lhs_MK.shape
+    tiling = tile_table.resolve(tiling, kind, m=m, k=k, n=n, groups=num_local, itemsize=lhs_MK.dtype.itemsize)
+    t, tm, m_pad = row_tiling(tiling, m)
+    return t, tm, m_pad, pick(k, t.tk), pick(n, t.tn)
+
+
 def pad_rows(x, m_pad: int):
     if x is None or x.shape[0] == m_pad:
         return x

@@ -75,8 +75,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
     m, k = lhs_MK.shape
     num_local = rhs_GKN.shape[0]
     n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
-    t, tm, m_pad = metadata.row_tiling(tiling, m)
-    tk, tn = pick(k, t.tk), pick(n, t.tn)
+    t, tm, m_pad, tk, tn = metadata.plain_tiles(tiling, "gmm_t" if transpose_rhs else "gmm", lhs_MK, n, num_local)
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
         visit_empty=False)
@@ -142,8 +141,7 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     del sharded
     m, k = lhs_MK.shape
     n = grad_MN.shape[1]
-    t, tm, m_pad = metadata.row_tiling(tiling, m)
-    tk, tn = pick(k, t.tk), pick(n, t.tn)
+    t, tm, m_pad, tk, tn = metadata.plain_tiles(tiling, "tgmm", lhs_MK, n, num_local)
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
         visit_empty=True)

@@ -54,6 +54,9 @@ class Tiling:
     tn: int = 128
     rhs_buffer_count: int = 0
     vmem_limit_mib: float = 0.0
+    # The plain kernels (gmm, gmm_t, tgmm) take their tiles from the measured table for the chip and
+    # shape they are traced at (tile_table.py; kernels.gmm.tiling=auto), these tiles where it has none.
+    from_table: bool = False
 
 
 DEFAULT = Tiling()
