@@ -37,6 +37,9 @@ ARMS = {
     "default": [],
     "pallas_gmm_heuristic": ["kernels.gmm.backend=pallas_tpu"],
     "pallas_gmm_tiled": TILED,
+    # Each grouped matmul at the tiles `hybridmoe tune-gmm` measured fastest for its shape on this
+    # generation (scripts/tpu_records.sh's tiles stage runs first); the heuristic ones without an entry.
+    "pallas_gmm_auto": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto"],
     "pallas_gdn": ["kernels.gdn.backend=pallas_tpu"],
     "fused_swiglu": [*TILED, "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"],
     "remat_minimal": ["remat.policy=minimal"],
