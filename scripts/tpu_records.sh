@@ -2,7 +2,7 @@
 # The chip's records, stage by stage, on a TPU host set up by scripts/tpu_setup.sh (docs/tpu.md):
 #
 #   scripts/tpu_records.sh stamp                        # where the git history is: the commit the copy is of
-#   scripts/tpu_records.sh tests calibrate tiles kernels-one-chip kernels-cell step   # on the TPU host
+#   scripts/tpu_records.sh [--copy-to DIR] tests calibrate tiles kernels-one-chip kernels-cell step   # on the TPU host
 #
 #   stamp      write .source-commit (for a copy of the tree sent to a host without its history)
 #   tests      benchmarks/tpu_tests.py    -> benchmarks/records/tpu_tests.json
@@ -15,11 +15,28 @@
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #
 # Stages run in the order given; a failing stage stops the rest (its record, if any, is written).
+# --copy-to DIR (first): after each stage, copy what the stages write (the records, the calibration
+# and tile tables) into DIR, so a call cut short still hands back every finished stage's files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .tpu-env ] && source .tpu-env
 export PYTHONUNBUFFERED=1
+copy_to=""
+if [ "${1:-}" = "--copy-to" ]; then
+  copy_to="$2"
+  shift 2
+  mkdir -p "$copy_to"
+fi
+copy_results() {
+  [ -n "$copy_to" ] || return 0
+  mkdir -p "$copy_to/benchmarks/records" "$copy_to/hybridmoe/analysis" "$copy_to/hybridmoe/kernels/gmm"
+  cp benchmarks/records/tpu_*.json "$copy_to/benchmarks/records/" 2>/dev/null || true
+  cp hybridmoe/analysis/chip_calibration.json "$copy_to/hybridmoe/analysis/" 2>/dev/null || true
+  cp hybridmoe/kernels/gmm/tile_table.json "$copy_to/hybridmoe/kernels/gmm/"
+}
+trap copy_results EXIT
 for stage in "$@"; do
+  copy_results
   echo "== $stage ($(date -u +%H:%M:%S))"
   case $stage in
     stamp) python3 -c 'from pathlib import Path; from hybridmoe.tools.record import write_commit_stamp; print(write_commit_stamp(Path(".")))' ;;
