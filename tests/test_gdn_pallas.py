@@ -215,7 +215,7 @@ def _gpu_chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state,
 
 
 BROKEN = {  # name: (backend run, [(module, attribute, the broken function)])
-    "document_start_dropped": ("pallas_tpu", [(pallas_tpu, "document_starts", lambda ids: jnp.zeros(ids.shape, bool))]),
+    "document_start_dropped": ("pallas_tpu", [(pallas_tpu, "starts_or_none", lambda ids, batch, tokens: jnp.zeros((batch, tokens), bool))]),
     "backward_walks_chunks_in_forward_order": ("pallas_tpu", [(pallas_tpu, "_specs", _backward_blocks_in_forward_order)]),
     "gate_applied_twice": ("pallas_tpu", [(tpu_chunk, "decays", _gate_applied_twice)]),
     "value_heads_read_the_wrong_key_head": ("pallas_tpu", [(pallas_tpu, "split_value_heads", _value_heads_tiled),

@@ -370,12 +370,12 @@ def recurrence(q, k, v, gate, beta, *, segment_ids=None, initial_state=None, seg
     """(o, final state): the token-by-token recurrence of kernels/gdn/reference.py (its input
     preparation and step), scanned in segments of `segment` tokens, each replayed by the backward
     (jax.checkpoint): it keeps one state per segment, not one per token. float32."""
-    from hybridmoe.kernels.gdn.reference import document_starts, prepare_query_key, recurrence_step
+    from hybridmoe.kernels.gdn.reference import prepare_query_key, recurrence_step, starts_or_none
 
     batch, tokens, heads, vd = v.shape
     kd = q.shape[-1]
     q, k = prepare_query_key(q, k, heads, True, F32)
-    starts = jnp.zeros((batch, tokens), bool) if segment_ids is None else document_starts(segment_ids)
+    starts = starts_or_none(segment_ids, batch, tokens)
     state = jnp.zeros((batch, heads, kd, vd), F32) if initial_state is None else initial_state.astype(F32)
     size = segment if tokens % segment == 0 else tokens
 

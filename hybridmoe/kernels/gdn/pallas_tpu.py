@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gdn import limits, tpu_chunk
 from hybridmoe.kernels.gdn.limits import default_chunks_per_step
-from hybridmoe.kernels.gdn.reference import document_starts, prepare_query_key
+from hybridmoe.kernels.gdn.reference import initial_or_zeros, prepare_query_key, starts_or_none
 from hybridmoe.kernels.gdn.tpu_chunk import PRECISIONS, START_LOG_GATE, ChunkIn, chunk_macs
 from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 
@@ -344,13 +344,9 @@ def gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids=Non
     settings = settings_for(chunk_size, heads // key_heads, -(-tokens // chunk_size), v_BTHV.dtype, precision=precision,
                             chunks_per_step=chunks_per_step, interpret=interpret, vmem_limit_mib=vmem_limit_mib)
     q_BTGK, k_BTGK = prepare_query_key(q_BTGK, k_BTGK, key_heads, normalize_qk, _F32)  # no repeat
-    if segment_ids is None:
-        starts_BT = jnp.zeros((batch, tokens), bool)
-    else:
-        starts_BT = document_starts(segment_ids)
-    if initial_state is None:
-        initial_state = jnp.zeros((batch, heads, key_dim, value_dim), _F32)
-    inputs = kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_state.astype(_F32), settings)
+    starts_BT = starts_or_none(segment_ids, batch, tokens)
+    initial_BHKV = initial_or_zeros(initial_state, (batch, heads, key_dim, value_dim), _F32)
+    inputs = kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings)
     o_BGHTV, final_BGHKV = core(*inputs, settings)
     return merge_value_heads(jnp.moveaxis(o_BGHTV, 3, 1), 2)[:, :tokens], merge_value_heads(final_BGHKV, 1)
 

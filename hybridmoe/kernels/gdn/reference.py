@@ -50,6 +50,16 @@ def prepare_query_key(q_GK, k_GK, num_value_heads: int, normalize_qk: bool, dtyp
     return q_HK, k_HK
 
 
+def starts_or_none(segment_ids_BT, batch: int, tokens: int):
+    """document_starts of the ids, or no start past token 0 where there are none (one document a row)."""
+    return jnp.zeros((batch, tokens), bool) if segment_ids_BT is None else document_starts(segment_ids_BT)
+
+
+def initial_or_zeros(initial_state, shape_BHKV, dtype):
+    """The initial state in `dtype`, or zeros of [B, H, K, V] where none is given."""
+    return jnp.zeros(shape_BHKV, dtype) if initial_state is None else initial_state.astype(dtype)
+
+
 def document_starts(segment_ids_BT):
     """[B, T] bool: True where a token starts a new document after token 0 of the row.
 
@@ -86,14 +96,8 @@ def gated_delta_rule_reference(
     key_dim = q_BTGK.shape[-1]
     dtype = compute_dtype(v_BTHV.dtype)
     q_BTHK, k_BTHK = prepare_query_key(q_BTGK, k_BTGK, num_value_heads, normalize_qk, dtype)
-    if segment_ids is None:
-        starts_BT = jnp.zeros((batch, num_tokens), bool)
-    else:
-        starts_BT = document_starts(segment_ids)
-    if initial_state is None:
-        state_BHKV = jnp.zeros((batch, num_value_heads, key_dim, value_dim), dtype)
-    else:
-        state_BHKV = initial_state.astype(dtype)
+    starts_BT = starts_or_none(segment_ids, batch, num_tokens)
+    state_BHKV = initial_or_zeros(initial_state, (batch, num_value_heads, key_dim, value_dim), dtype)
 
     def step(state_BHKV, token):
         q_BHK, k_BHK, v_BHV, g_BH, beta_BH, start_B = token

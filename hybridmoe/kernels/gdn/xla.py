@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from hybridmoe.kernels.gdn.reference import document_starts, prepare_query_key
+from hybridmoe.kernels.gdn.reference import initial_or_zeros, prepare_query_key, starts_or_none
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -458,15 +458,9 @@ def gated_delta_rule_chunked(
     (the Pallas backends); by default the XLA core with the `vjp` backward."""
     batch, num_tokens, num_value_heads, value_dim = v_BTHV.shape
     key_dim = q_BTGK.shape[-1]
-    if segment_ids is None:
-        starts_BT = jnp.zeros((batch, num_tokens), bool)
-    else:
-        starts_BT = document_starts(segment_ids)
+    starts_BT = starts_or_none(segment_ids, batch, num_tokens)
     x, starts_BNC = prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size, normalize_qk)
-    if initial_state is None:
-        initial_BHKV = jnp.zeros((batch, num_value_heads, key_dim, value_dim), jnp.float32)
-    else:
-        initial_BHKV = initial_state.astype(jnp.float32)
+    initial_BHKV = initial_or_zeros(initial_state, (batch, num_value_heads, key_dim, value_dim), jnp.float32)
     if core is None:
         core = {"custom": chunked_core, "autodiff": _chunked_core_autodiff}[vjp]
     o_BNHCV, final_BHKV = core(x, starts_BNC, initial_BHKV)
