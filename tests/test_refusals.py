@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import inspect
 import sys
+import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -107,6 +108,11 @@ CASES: dict[str, Case] = {
                                        ("rl.prefill_chunk", "e.g. rl.prefill_chunk=128")),
     "rollout_rows_vs_batch_shards": case("_rl_prompts_per_step", ["rl.prompts_per_step=4", "rl.group_size=3"],
                                          ("rl.prompts_per_step", "a micro-batch of 12 rollouts")),
+    # The rows split over the expert axis too (data=2 x fsdp=2 x expert=2): 4 rows fit data x fsdp alone.
+    "rollout_rows_vs_expert_shards": case("_rl_prompts_per_step", ["mesh.expert=2", "rl.prompts_per_step=2",
+                                                                   "rl.group_size=2"],
+                                          ("rl.prompts_per_step", "4 rollouts (rl.prompts_per_step * rl.group_size / "
+                                           "mini-batches / rl.micro_batches) does not split over the 8 batch shards")),
     # MoE levers
     "fused_lever_on_dense": case("_moe_fused_levers", ["moe.wi_fused_swiglu=true", "moe.impl=dense"],
                                  ("moe.wi_fused_swiglu", "needs moe.impl=sparse")),
@@ -195,6 +201,13 @@ CASES: dict[str, Case] = {
                             ("attention.cp_impl", "returns no log-sum-exp")),
     "load_balance_without_ranks": case("_attention_context_parallel", ["attention.cp_load_balance=true"],
                                        ("attention.cp_load_balance", "needs an even mesh.context >= 2 (got 1)")),
+    # Three ranks (3 simulated devices; rows of 66 and 6 + 18 tokens split into 6 half-chunks): odd.
+    "load_balance_over_odd_ranks": case("_attention_context_parallel", ["mesh.cpu_devices=3", "mesh.context=3",
+                                                                        "mesh.data=1", "model.d_model=96", *ATTENTION_ONLY,
+                                                                        "train.seq_len=66", "rl.max_prompt_len=6",
+                                                                        "rl.max_new_tokens=18",
+                                                                        "attention.cp_load_balance=true"],
+                                        ("attention.cp_load_balance", "needs an even mesh.context >= 2 (got 3)")),
     "hoist_ids_everything_unmet": case("_attention_context_parallel", ["attention.cp_load_balance_hoist_ids=true",
                                                                        "remat.scan_layers=false"],
                                        ("attention.cp_load_balance_hoist_ids",
@@ -291,6 +304,26 @@ CASES: dict[str, Case] = {
 }
 
 
+# Configs at a limit that every rule accepts (the limit itself is allowed): each is the tiny recipe
+# with overrides, and the facts a caller gives. A comparison off by one (< for <=) refuses one.
+ACCEPTED: dict[str, Case] = {
+    # train.seq_len = model.max_seq_len = 256
+    "training_rows_fill_the_context": case((), ["train.seq_len=256"]),
+    # rl.max_prompt_len + rl.max_new_tokens = 8 + 248 = model.max_seq_len = 256
+    "grpo_rows_fill_the_context": case((), ["rl.max_prompt_len=8", "rl.max_new_tokens=248"]),
+    # every token routed to all 8 experts
+    "top_k_is_every_expert": case((), ["model.num_experts_per_tok=8"]),
+    # the format task's shortest prompt, 'answer only: 0+0=' with BOS, is 18 characters: it fits 18
+    "shortest_prompt_fills_the_prompt_rows": case((), ["rl.task=format", "rl.max_prompt_len=18"], tokenizer=CHARACTERS),
+    # 8 rows over data=2 x fsdp=2 x expert=2 = 8 batch shards
+    "rollout_rows_one_per_batch_shard": case((), ["mesh.expert=2", "rl.prompts_per_step=4", "rl.group_size=2"]),
+    # load balancing over 4 ranks (an even count): rows of 64 and 32 + 96 tokens in 8 half-chunks
+    "load_balance_over_four_ranks": case((), ["mesh.context=4", "mesh.data=1", *ATTENTION_ONLY,
+                                              "rl.max_prompt_len=32", "rl.max_new_tokens=96",
+                                              "attention.cp_load_balance=true"], **BUILT),
+}
+
+
 def unchecked_config(overrides) -> object:
     """The tiny recipe with `overrides`, field checks applied but no rule run."""
     real = load_module.check_requirements
@@ -340,6 +373,16 @@ def test_each_rule_refuses_its_case_naming_the_keys(name):
         assert e.value.problems == rl
     else:
         validate.check_rl_requirements(cfg, **rl_facts)
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_configs_at_a_limit_are_accepted(name):
+    c = ACCEPTED[name]
+    cfg = unchecked_config(c.overrides)
+    fired = {rule: p for rule, p in problems_by_rule(cfg, c.facts).items() if p}
+    assert not fired, f"rules that refused a config at its limit: {fired}"
+    validate.check_requirements(cfg, **{k: v for k, v in c.facts.items() if k != "tokenizer"})
+    validate.check_rl_requirements(cfg, **{k: v for k, v in c.facts.items() if k != "checkpoint_model"})
 
 
 def test_every_rule_has_a_refusal_case():
@@ -461,6 +504,19 @@ def _dropping(name: str, key: str) -> list:
     return [broken if r is original else r for r in validate.RULES]
 
 
+def _mutating(name: str, old: str, new: str) -> tuple[list, list]:
+    """(RULES, RL_RULES) with rule `name`'s source edited (the one occurrence of `old` made `new`)."""
+    original = getattr(validate, name)
+    source = textwrap.dedent(inspect.getsource(original))
+    assert source.count(old) == 1, f"{name}: {old!r} occurs {source.count(old)} times; update the variant"
+    register = lambda *keys, **kw: lambda fn: fn  # noqa: E731 -- the broken copy stays out of the lists
+    namespace = {**vars(validate), "rule": register, "rl_rule": register}
+    exec(compile(source.replace(old, new), f"<{name}, broken>", "exec"), namespace)  # noqa: S102
+    broken = namespace[name]
+    broken.keys = original.keys
+    return tuple([broken if r is original else r for r in rules] for rules in (validate.RULES, validate.RL_RULES))
+
+
 BROKEN_VALIDATORS = {
     # a rule deleted (its registration lost)
     "remat_save_unregistered": (lambda: _without("_remat_save"),
@@ -470,16 +526,37 @@ BROKEN_VALIDATORS = {
     # one check of a rule deleted
     "greedy_check_dropped": (lambda: _dropping("_rl_shapes", "rl.temperature"), ["greedy_grpo"]),
     "cp_as_ep_check_dropped": (lambda: _dropping("_mesh_rules", "mesh.rules"), ["experts_over_context_alone"]),
+    # a comparison off by one: the limit itself refused
+    "grpo_rows_at_the_context_refused": (lambda: _mutating("_rl_shapes", "r.sequence_len > cfg", "r.sequence_len >= cfg"),
+                                         ["accepted:grpo_rows_fill_the_context"]),
+    "top_k_of_every_expert_refused": (lambda: _mutating("_model_shapes", "num_experts_per_tok > m.", "num_experts_per_tok >= m."),
+                                      ["accepted:top_k_is_every_expert"]),
+    "prompt_filling_the_rows_refused": (lambda: _mutating("_rl_max_prompt_len", "tokens(shortest) <= r.", "tokens(shortest) < r."),
+                                        ["accepted:shortest_prompt_fills_the_prompt_rows"]),
+    # the rows' split checked against the wrong product of mesh axes (the expert axis left out)
+    "rows_split_without_the_expert_axis": (lambda: _mutating("_rl_prompts_per_step", '["fsdp"] * sizes["expert"]', '["fsdp"]'),
+                                           ["rollout_rows_vs_expert_shards"]),
+    # load balancing refused over one rank only, not over an odd count
+    "odd_ranks_balanced": (lambda: _mutating("_attention_context_parallel",
+                                             "(P < 2 or P % 2):\n            out.append((\"attention.cp_load_balance\"",
+                                             "P < 2:\n            out.append((\"attention.cp_load_balance\""),
+                           ["load_balance_over_odd_ranks"]),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(BROKEN_VALIDATORS))
 def test_the_broken_validators_are_caught(variant, monkeypatch):
     rules, caught_by = BROKEN_VALIDATORS[variant]
-    monkeypatch.setattr(validate, "RULES", rules())
+    rules = rules()
+    if isinstance(rules, tuple):
+        rules, rl_rules = rules
+        monkeypatch.setattr(validate, "RL_RULES", rl_rules)
+    monkeypatch.setattr(validate, "RULES", rules)
     for name in caught_by:
-        with pytest.raises(AssertionError):
+        with pytest.raises((AssertionError, ConfigError)):
             if name == "enumeration":
                 test_every_rule_has_a_refusal_case()
+            elif name.startswith("accepted:"):
+                test_configs_at_a_limit_are_accepted(name.removeprefix("accepted:"))
             else:
                 test_each_rule_refuses_its_case_naming_the_keys(name)

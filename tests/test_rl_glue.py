@@ -802,3 +802,46 @@ def test_broken_dynamic_sampling_is_caught(variant, ds_base, ds_survey):
     errors = ds_errors(case, names, ds_step(ds_base, case, names, variant))
     worst = max(v if k in DS_COUNTS else v / (10 * DS_TOL) for k, v in errors.items())
     assert worst >= 1, f"{variant}: {errors}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. The loop's own counts: prompts at rl.max_prompt_len, and GRPO steps in a row that score nothing
+# (section 3's prompts, sampler stub and set-up; the update is a stub that trains nothing).
+
+def test_a_prompt_of_exactly_max_prompt_len_tokens_is_kept_and_one_more_is_skipped():
+    # [BOS] + the characters: "1+2=" is 5 tokens, "10+2=" 6, at rl.max_prompt_len=5.
+    run = types.SimpleNamespace(cfg=tiny_config("rl.max_prompt_len=5"), tokenizer=TOK)
+    ids, skipped = rl_loop._encode_prompts(run, ["1+2=", "10+2=", "3="])
+    assert skipped.tolist() == [False, True, False]
+    assert ids == [[TOK.bos_id, *TOK.encode("1+2=")], [TOK.pad_id], [TOK.bos_id, *TOK.encode("3=")]]
+
+
+def test_the_count_of_steps_that_score_nothing_restarts_at_a_step_that_scores():
+    """MAX_EMPTY_STEPS (3) GRPO steps IN A ROW without a scored sample stop the run: two empty steps,
+    one that scores, two more empty ones run on; a third empty one in a row stops it."""
+    from hybridmoe.run.run_dir import RunError
+
+    cfg = norm_config("drgrpo", "token_mean", "skip_sample", False, True, 1)
+    scoring = {"on": False}
+
+    def reward(prompt: str, completion: str) -> float:
+        if not scoring["on"]:
+            raise ValueError("nothing scores this step")
+        return number_reward(prompt, completion)
+
+    def no_update(state, ref_params, batch):
+        return state, dict.fromkeys((*grpo_module._SUM_KEYS, *grpo_module._EXTREMES, "loss", "grad_norm",
+                                     "update_applied", "update_skipped"), 0.0)
+
+    run = rl_loop._Run(cfg, FixedPrompts(), TOK, [(reward, 1.0)], build(cfg), None, no_update,
+                       sampler_stub(COMPLETIONS, NORM_G, NORM_N), None)
+    counts = []
+    for step, scores in enumerate((False, False, True, False, False)):
+        scoring["on"] = scores
+        _, rec = rl_loop._grpo_step(run, {"params": None}, None, step, jax.random.key(step))
+        assert (rec["scored_samples"] > 0) == scores
+        counts.append(run.empty_steps)
+    assert counts == [1, 2, 0, 1, 2]
+    scoring["on"] = False
+    with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample \(last: step 5;"):
+        rl_loop._grpo_step(run, {"params": None}, None, 5, jax.random.key(5))

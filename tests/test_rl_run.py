@@ -167,6 +167,19 @@ def test_run_writes_metrics_plot_tensorboard_checkpoints_and_counts_bad_samples(
     assert Checkpoints(out / "checkpoints").latest_step() == 6
 
 
+def test_each_grpo_step_samples_with_a_key_of_its_own(cfg, finished_run):
+    """The run's key starts at key(train.seed + 1) and each GRPO step splits it (one half goes on,
+    the other samples); the warm-up uses none. Checkpoints after 0, 2 and 4 GRPO steps (done = 2, 4,
+    6) record the key then. One not advanced would sample every step with the same noise."""
+    key, chain = jax.random.key(cfg.train.seed + 1), []
+    for _ in range(cfg.rl.steps + 1):
+        chain.append(np.asarray(jax.random.key_data(key)).tolist())
+        key = jax.random.split(key)[0]
+    got = {done: json.loads((finished_run.out / "checkpoints" / str(done) / "meta" / "metadata").read_text())["rng_key"]
+           for done in (2, 4, 6)}
+    assert got == {2: chain[0], 4: chain[2], 6: chain[4]}, got
+
+
 def test_resume_after_a_kill_continues_exactly(cfg, finished_run, tmp_path, monkeypatch):
     """Killed twice and resumed each time: first from the checkpoint at the phase boundary (the
     warm-up done, GRPO's optimizer not made yet), then from one inside GRPO; the run ends as the

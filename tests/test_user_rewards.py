@@ -87,6 +87,13 @@ def test_reward_error_policies():
     assert apply_reward_error_policy("zero", failed, none, 2).tolist() == [False] * 4
     assert apply_reward_error_policy("skip_group", np.array([False, False, False, True]), none, 2).tolist() == \
         [False, False, True, True]
+    # A skipped prompt's rows (group 1 here) were never scored: the loop hands them in as failed, and
+    # they stay masked under every policy, "zero" included (a placeholder is not a reward of 0.0).
+    prompt_skipped = np.array([False, False, True, True])
+    failed = np.array([False, True, True, True])
+    assert apply_reward_error_policy("skip_sample", failed, prompt_skipped, 2).tolist() == [False, True, True, True]
+    assert apply_reward_error_policy("zero", failed, prompt_skipped, 2).tolist() == [False, False, True, True]
+    assert apply_reward_error_policy("skip_group", failed, prompt_skipped, 2).tolist() == [True] * 4
 
 
 RL_WORDS = ["rl", "rl.task=prompts", f"data.prompts={DATA / 'prompts.jsonl'}", "rl.warmup_steps=0", "rl.steps=2",
