@@ -76,9 +76,6 @@ CASES: dict[str, Case] = {
     "process_id_past_processes": case("_mesh_distributed", ["mesh.distributed=true", "mesh.num_processes=2",
                                                             "mesh.coordinator_address=localhost:1", "mesh.process_id=2"],
                                       ("mesh.process_id", "not below mesh.num_processes=2")),
-    # Accepted before, the first training step failed in the ring's shard_map.
-    "experts_over_context_alone": case("_mesh_rules", [*CP2, "gdn.chunk_size=32", "mesh.rules=cp_as_ep"],
-                                       ("mesh.rules", "over mesh.context=2 alone (mesh.expert=1)")),
     "width_vs_fsdp": case("_model_weights_split_over_mesh", ["model.d_model=30"],  # dense and expert weights
                           ("model.d_model", "mesh.fsdp=4 x mesh.context=1 x mesh.expert=1, which the rules give "
                            "logical axis 'embed'"),
@@ -525,7 +522,6 @@ BROKEN_VALIDATORS = {
                                  ["enumeration", "replay_with_token_chunks", "replay_with_the_ring"]),
     # one check of a rule deleted
     "greedy_check_dropped": (lambda: _dropping("_rl_shapes", "rl.temperature"), ["greedy_grpo"]),
-    "cp_as_ep_check_dropped": (lambda: _dropping("_mesh_rules", "mesh.rules"), ["experts_over_context_alone"]),
     # a comparison off by one: the limit itself refused
     "grpo_rows_at_the_context_refused": (lambda: _mutating("_rl_shapes", "r.sequence_len > cfg", "r.sequence_len >= cfg"),
                                          ["accepted:grpo_rows_fill_the_context"]),

@@ -469,7 +469,7 @@ def moe_layer(p, x_BTD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig |
     replicas = math.prod(mesh.shape[a] for a in all_axes if a not in token_axes and a not in ep_axes)
     if ep_axes:
         local = _ring_of_experts(plan, m, ep_axes, token_axes, all_axes, replicas, check_vma)
-        ep_spec = PartitionSpec(mesh_axes_of(logical_to_spec(("exp",))[0]))
+        ep_spec = PartitionSpec(tuple(a for a in mesh_axes_of(logical_to_spec(("exp",))[0]) if a in ep_axes))
         weight_specs = {k: ep_spec if k in ("wi", "wo") else PartitionSpec() for k in p}
     else:
         def local(p, x_btd):
@@ -543,7 +543,7 @@ def _ring_of_experts(plan: GroupedPlan, m: ModelConfig, ep_axes, token_axes, all
             x_nTD, w_nTk, idx_nTk = (jax.lax.all_gather(a, gather_axes, axis=0, tiled=True)
                                      for a in (x_TD, w_Tk, idx_Tk))
         num_local = p["wi"].shape[0]
-        offset = local_expert_offset(exp_spec_axes, num_local)
+        offset = local_expert_offset(tuple(a for a in exp_spec_axes if a in ep_axes), num_local)
         y_nTD, dropped = grouped_experts(x_nTD, w_nTk, idx_nTk, p["wi"], p["wo"], plan, offset)
         y_TD = y_nTD
         if gather_axes:

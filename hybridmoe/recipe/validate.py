@@ -168,18 +168,6 @@ def _rules(cfg: Config) -> dict:
     return rules_table(cfg.mesh.rules, cfg.mesh.expert_fsdp_dim)
 
 
-@rule("mesh.rules", "mesh.context", "mesh.expert")
-def _mesh_rules(cfg: Config, f: Facts) -> list[Problem]:
-    """cp_as_ep shards the routed experts over context x expert; with the expert axis 1 the sparse
-    MoE's ring runs over the context ranks alone, which does not trace (measured: a shard_map
-    error at the first training step, after load; the cp_as_ep proofs run mesh.expert=2)."""
-    ranks = _context_size(cfg, f)
-    if cfg.mesh.rules != "cp_as_ep" or cfg.moe.impl != "sparse" or cfg.mesh.expert != 1 or not ranks or ranks <= 1:
-        return []
-    return [("mesh.rules", f"cp_as_ep shards the experts over mesh.context={ranks} alone (mesh.expert=1), where the "
-             "sparse MoE's ring of experts does not run; set mesh.expert >= 2 beside it, or use mesh.rules=default")]
-
-
 @rule("mesh.expert_fsdp_dim")
 def _mesh_expert_fsdp_dim(cfg: Config, f: Facts) -> list[Problem]:
     """exp splits the routed experts over the expert axis and the FSDP axes it leaves: E must divide."""
