@@ -15,7 +15,8 @@ warm-up: rollout tokens/s, the rollout, old-log-prob and update times from its m
 step (which compiles) left out.
 
 Writes benchmarks/records/tpu_step.json: device, commit, arms (name -> measured_s, estimated_s,
-measured_over_estimated, overrides, or refused), the fastest arm, grpo.
+measured_over_estimated, overrides, the device's seconds by the model's categories from a profiled
+step (profile_category_s, beside the estimate's category_s), or refused), the fastest arm, grpo.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", help="comma-separated arm names (default: all)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per arm (two visits)")
     p.add_argument("--no-grpo", action="store_true", help="leave out the GRPO loop")
+    p.add_argument("--profile", type=int, default=2, metavar="STEPS",
+                   help="steps each arm runs under JAX's profiler after its timed ones: the device's time by the "
+                   "step-time model's categories, beside the model's (0: none)")
     p.add_argument("overrides", nargs="*", help="section.key=value for every arm (e.g. a smaller model.num_layers)")
     args = p.parse_args(argv)
     from hybridmoe.tools.bench import format_table, run_bench
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(names) - set(ARMS))
     if unknown:
         raise SystemExit(f"--only: unknown arms {unknown}; known: {', '.join(ARMS)}")
-    results = run_bench(RECIPE, list(args.overrides), [(n, ARMS[n]) for n in names], args.steps, skip_unfit=True)
+    results = run_bench(RECIPE, list(args.overrides), [(n, ARMS[n]) for n in names], args.steps, skip_unfit=True,
+                        profile_steps=args.profile)
     print(format_table(results))
     arms = {}
     for name, a in results.items():
@@ -90,6 +95,7 @@ def main(argv=None) -> int:
                       "estimated_s": est.get("step_s"), "measured_over_estimated": a["measured_over_estimated"],
                       "step_times_s": a["step_times_s"], "compile_s": a["compile_s"], "useful_mfu": a["useful_mfu"],
                       "tokens_per_s": a["tokens_per_step"] / a["seconds_per_step"], "estimate": est,
+                      "profile_category_s": a.get("profile_category_s"),
                       "memory": {k: a["program"].get(k) for k in ("argument", "temp", "output", "alias")}}
     timed = {n: a for n, a in arms.items() if "measured_s" in a}
     record = {"recipe": RECIPE, "overrides": list(args.overrides), "arms": arms,
