@@ -225,3 +225,29 @@ def test_two_rl_runs_that_differ_only_in_the_learning_rate_train_at_their_own_ra
     error = scaled_update_error(delta_a, delta_b, LR_B / LR_A)
     print(f"B's update against {LR_B / LR_A:g} x A's: relative L2 {error:.2e} (tolerance {SCALE_TOL:.0e})")
     assert error < SCALE_TOL, error
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run keeps besides the config: the sampler is built with the tokenizer's ids (EOS, pad,
+# generation_config.json's stop ids), and two --init-hf checkpoints of one model config may differ
+# there alone (same Config, same set-up). Each run must sample with its own tokenizer's ids.
+
+def test_a_run_with_another_tokenizers_ids_gets_its_own_sampler(monkeypatch):
+    import types
+
+    setup_mod.forget_setups()
+    cfg = tiny_config("rl.warmup_steps=0", "rl.steps=1")
+    setup = setup_mod.build(cfg)
+    monkeypatch.setattr(rl_loop, "jit_grpo_step", lambda *_: object())  # nothing traced or compiled
+    monkeypatch.setattr(rl_loop, "make_generate", lambda _cfg, opts, **__: types.SimpleNamespace(opts=opts))
+    tok_a = types.SimpleNamespace(eos_id=7, pad_id=0, stop_ids=(9,))
+    tok_b = types.SimpleNamespace(eos_id=11, pad_id=0, stop_ids=(12, 13))
+
+    def sampler_of(tok):
+        return rl_loop._build_run(cfg, setup_mod.build(equal_copy(cfg)), None, tok, [], False).generate
+
+    first = sampler_of(tok_a)
+    assert sampler_of(tok_a) is first  # the same run again: the kept program
+    other = sampler_of(tok_b)
+    assert (first.opts.eos_id, first.opts.stop_ids) == (7, (9,))
+    assert (other.opts.eos_id, other.opts.stop_ids) == (11, (12, 13)), other.opts
