@@ -251,3 +251,19 @@ def test_a_run_with_another_tokenizers_ids_gets_its_own_sampler(monkeypatch):
     other = sampler_of(tok_b)
     assert (first.opts.eos_id, first.opts.stop_ids) == (7, (9,))
     assert (other.opts.eos_id, other.opts.stop_ids) == (11, (12, 13)), other.opts
+
+
+def test_the_last_set_ups_used_are_the_ones_kept():
+    """build() keeps the SETUPS_KEPT set-ups used last (least recently used goes first): a run
+    repeated between others (the gates' reference arm, a resume after another run) finds its
+    set-up and programs; the newest is always kept."""
+    setup_mod.forget_setups()
+    n = setup_mod.SETUPS_KEPT
+    cfgs = [tiny_config(f"train.seed={i}") for i in range(n + 1)]
+    first = [setup_mod.build(c) for c in cfgs[:n]]
+    assert setup_mod.build(equal_copy(cfgs[0])) is first[0]  # used again: now the most recent
+    newest = setup_mod.build(cfgs[n])  # one too many: the least recently used (cfgs[1]) goes
+    assert setup_mod.build(equal_copy(cfgs[n])) is newest
+    assert setup_mod.build(equal_copy(cfgs[0])) is first[0]
+    assert [setup_mod.build(equal_copy(c)) is s for c, s in zip(cfgs[2:n], first[2:n])] == [True] * (n - 2)
+    assert setup_mod.build(equal_copy(cfgs[1])) is not first[1]
