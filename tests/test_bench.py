@@ -68,3 +68,28 @@ ENTRY %main (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
     got = by_category({"dot.1": 2e-3, "dot.2": 1.5e-3, "add.3": 1e-3, "copy-start.9": 5e-4}, text)
     assert got["GDN"] == 2e-3 and got["dense matmuls"] == 1.5e-3 and got["the rest"] == 1e-3
     assert got[UNMATCHED] == 5e-4 and got["attention"] == 0.0
+
+
+def test_the_arms_rates_by_hand(monkeypatch):
+    """tokens/s per device and the useful MFU of an arm whose steps took 0.25 s each against a peak
+    of 1e12 FLOP/s per device (the timing and the peak measurement stubbed; the arm is test_cli's
+    control at two micro-batches). Its model FLOPs by hand (tests/test_figures.py's
+    table at T = 16): attention 2 x (16384 + 64 x 17) = 34944, GDN 39936, 2 MoE 76032, LM head 32768
+    -> 183680 forward FLOPs a token, x 3 = 551040 forward + backward."""
+    from hybridmoe.tools import bench
+
+    step_s, peak = 0.25, 1e12
+    monkeypatch.setattr(bench, "_timed_visit", lambda arm, setup, compiled, visit, steps, profile=0:
+                        arm.times.extend([step_s] * steps))
+    monkeypatch.setattr(bench, "measure_peak_flops", lambda mesh, dtype: peak)
+    out = run_bench("tiny", [*TWO_LAYERS, "bench.steps=2", "train.seq_len=16"], [("control", ["train.micro_batches=2"])], 2,
+                    free_bytes=None)
+    arm = out["control"]
+    t = arm["config"]["train"]
+    assert t["micro_batches"] == 2
+    tokens = 2 * t["batch_size"] * 16
+    assert arm["seconds_per_step"] == step_s and arm["tokens_per_step"] == tokens
+    assert arm["tokens_per_s_per_device"] == pytest.approx(tokens / step_s / 8, rel=1e-12)
+    assert arm["useful_flops_per_step"] == 551040 * tokens
+    assert arm["useful_mfu"] == pytest.approx(551040 * tokens / 8 / step_s / peak, rel=1e-12)
+    assert arm["mfu"] == pytest.approx(arm["program"]["flops_per_device"] / step_s / peak, rel=1e-12)

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -153,10 +154,21 @@ def _each_ingredient_changes_the_key(monkeypatch):
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
-    assert key != compiled_facts.key(_lowered(), False)
+    flagged = compiled_facts.key(_lowered(), False)
+    assert key != flagged
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_latency_hiding_scheduler=false")
+    assert flagged != compiled_facts.key(_lowered(), False)  # the TPU compiler's own flags
+    # The code that parses the dumps, by its source (an edited parser must not read old entries).
+    with tempfile.TemporaryDirectory() as folder:
+        parser = Path(folder) / "parser.py"
+        parser.write_text("A = 1\n")
+        monkeypatch.setattr(compiled_facts, "_PARSERS", (parser,))
+        before = compiled_facts.key(_lowered(), False)
+        parser.write_text("A = 2\n")
+        assert before != compiled_facts.key(_lowered(), False)
 
 
-@pytest.mark.parametrize("dropped", ["program", "devices", "memory_only", "options", "environment"])
+@pytest.mark.parametrize("dropped", ["program", "devices", "memory_only", "options", "environment", "parsers"])
 def test_a_key_without_one_of_its_ingredients_is_caught(dropped, monkeypatch):
     """Broken variants of the key, each made of all but one ingredient: the test above finds two
     programs (or settings) that must not share an entry sharing one."""

@@ -1,8 +1,10 @@
 """The figures a user reads, each against a number worked out by hand from the shapes, at 8
 devices on several chips: the model's FLOPs per device (analysis/flops.py) of the training step
 and of the GRPO update, the step estimate's totals (serial and overlapped time, tokens/s per chip,
-MFU: analysis/step_estimate.py) on a two-devices-per-chip row and a one-device row, and the train
-loop's logged tokens and tokens/s over two micro-batches.
+MFU: analysis/step_estimate.py) on a two-devices-per-chip row and a one-device row, with a second
+hand-written program for what the first leaves out (an op bound by HBM bandwidth, an fp8 matmul, an
+all-reduce and a reduce-scatter), a layer pattern repeated over the layers, and the train loop's logged
+tokens and tokens/s over two micro-batches.
 
 The expected values are written out in the tests with their arithmetic in comments; nothing here
 calls the code under test to get them. Each broken variant below is a realistic small bug of the
@@ -20,6 +22,7 @@ import pytest
 from broken_variants import mutated
 from helpers import TWO_LAYERS, tiny_config
 from hybridmoe.analysis import flops as flops_module
+from hybridmoe.analysis import hlo_cost
 from hybridmoe.analysis import step_estimate as se
 
 DEVICES = 8
@@ -164,6 +167,73 @@ def test_a_compiled_step_estimate_at_8_devices_by_hand(row):
         assert r["mfu"] == pytest.approx(72_892_416 / (step_s * bf16_per_device), rel=1e-9), total
 
 
+# A repeated layer pattern: 4 layers of [gdn, attention] are 2 of each mixer and 4 MoE blocks. At
+# T = 64 (the table above): 2 x 41088 + 2 x 39936 + 4 x 38016 + 32768 = 346880 forward FLOPs a
+# token, x 3 = 1040640; x 1024 tokens = 1065615360, over 8 devices 133201920.
+def test_a_repeated_layer_pattern_counts_every_layer_by_hand():
+    cfg = tiny_config("model.layer_pattern=[gdn,attention]", "model.num_layers=4", *TRAIN)
+    assert flops_module.step_flops(cfg) == 1_065_615_360
+    assert flops_module.model_flops_per_device(cfg, DEVICES, "train") == 133_201_920
+
+
+# What the step above leaves out: an op bound by HBM bandwidth, an fp8 matmul (its own peak) and the
+# reductions' wire bytes, in a second hand-written program over the 8 devices:
+#   add of two bf16 [8192, 8192]: no FLOPs, 3 x 128 MiB = 402653184 bytes read and written;
+#   fp8 dot [4096, 4096] x [4096, 4096] -> bf16: 137438953472 FLOPs at the fp8 peak, 64 MiB moved;
+#   all-reduce of f32 [1024, 1024] (4 MiB): a ring sends 2 x 7/8 of it, 7340032 bytes;
+#   reduce-scatter to a bf16 [512, 4096] shard (4 MiB): a ring sends 7 shards, 29360128 bytes.
+MIXED_HLO = """HloModule mixed
+
+%sum_f32 (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%sum_bf16 (c: bf16[], d: bf16[]) -> bf16[] {
+  %c = bf16[] parameter(0)
+  %d = bf16[] parameter(1)
+  ROOT %t = bf16[] add(%c, %d)
+}
+
+ENTRY %main (x: bf16[8192,8192], y: bf16[8192,8192], p: f8e4m3fn[4096,4096], q: f8e4m3fn[4096,4096], g: f32[1024,1024], h: bf16[4096,4096]) -> (bf16[8192,8192], bf16[4096,4096], f32[1024,1024], bf16[512,4096]) {
+  %x = bf16[8192,8192]{1,0} parameter(0)
+  %y = bf16[8192,8192]{1,0} parameter(1)
+  %p = f8e4m3fn[4096,4096]{1,0} parameter(2)
+  %q = f8e4m3fn[4096,4096]{1,0} parameter(3)
+  %g = f32[1024,1024]{1,0} parameter(4)
+  %h = bf16[4096,4096]{1,0} parameter(5)
+  %sum = bf16[8192,8192]{1,0} add(%x, %y)
+  %dot8 = bf16[4096,4096]{1,0} dot(%p, %q), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ar = f32[1024,1024]{1,0} all-reduce(%g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum_f32
+  %rs = bf16[512,4096]{1,0} reduce-scatter(%h), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%sum_bf16
+  ROOT %out = (bf16[8192,8192]{1,0}, bf16[4096,4096]{1,0}, f32[1024,1024]{1,0}, bf16[512,4096]{1,0}) tuple(%sum, %dot8, %ar, %rs)
+}
+"""
+ADD_BYTES, FP8_DOT_FLOPS, AR_WIRE, RS_WIRE = 402_653_184, 137_438_953_472, 7_340_032, 29_360_128
+# Per device (a TPU7x chip is two devices: its figures halved): fp8 FLOP/s, HBM bytes/s, link bytes/s.
+MIXED_ROWS = {"tpu7x": (4614e12 / 2, 7380e9 / 2, 300e9), "h100": (1979e12, 3350e9, 450e9)}
+
+
+@pytest.mark.parametrize("row", sorted(MIXED_ROWS))
+def test_memory_time_the_fp8_peak_and_the_reductions_wire_bytes_by_hand(row):
+    fp8_per_device, hbm_per_device, link_per_device = MIXED_ROWS[row]
+    hw = se.HARDWARE[row]
+    assert hw.op_overhead_s == 0.0  # the makers' row: no fixed cost per op
+    est = se.estimate(MIXED_HLO, hw, tokens_per_step=1024, chips=8 // hw.devices_per_chip, devices=DEVICES)
+    cats = est["categories"]
+    memory_s = ADD_BYTES / hbm_per_device  # tpu7x 1.0912e-4 s; h100 1.2019e-4 s
+    assert cats["the rest"]["memory_s"] == pytest.approx(memory_s, rel=1e-9)
+    assert cats["the rest"]["s"] == pytest.approx(memory_s, rel=1e-9)
+    fp8_s = FP8_DOT_FLOPS / fp8_per_device  # compute bound: tpu7x 5.9574e-5 s; h100 6.9449e-5 s
+    assert cats["dense matmuls"]["s"] == pytest.approx(fp8_s, rel=1e-9)
+    assert est["collectives"]["all-reduce"]["wire_bytes"] == AR_WIRE
+    assert est["collectives"]["reduce-scatter"]["wire_bytes"] == RS_WIRE
+    collective_s = (AR_WIRE + RS_WIRE) / link_per_device
+    assert cats["collectives"]["s"] == pytest.approx(collective_s, rel=1e-9)
+    assert est["serial"]["step_s"] == pytest.approx(memory_s + fp8_s + collective_s, rel=1e-9)
+
+
 # ---------------------------------------------------------------------------------------------
 # The train loop's logged tokens and tokens/s
 
@@ -232,6 +302,11 @@ def _variants():
     grpo_by_hand = ["test_grpo_update_model_flops_per_device_by_hand"]
     estimate_by_hand = ["test_a_compiled_step_estimate_at_8_devices_by_hand"]
     loop = ["test_the_train_loop_logs_every_micro_batchs_tokens_and_their_rate"]
+    repeated = ["test_a_repeated_layer_pattern_counts_every_layer_by_hand"]
+    mixed = ["test_memory_time_the_fp8_peak_and_the_reductions_wire_bytes_by_hand"]
+
+    def wire(old, new):
+        return [(hlo_cost, "wire_bytes", mutated(hlo_cost, "wire_bytes", old, new))]
     return {
         # forward + backward counted as 2 forwards (the weight gradient's matmul forgotten)
         "backward_as_one_forward": (lambda: fl("component_flops", "3.0 * f * tokens", "2.0 * f * tokens"),
@@ -266,6 +341,20 @@ def _variants():
         # the overlapped time as the compute alone (collectives free)
         "overlapped_as_compute": (lambda: est("totals", "rates(max(compute_s, collective_s))", "rates(compute_s)"),
                                   ["test_totals_by_hand"] + estimate_by_hand),
+        # the layer pattern's mixers counted once, not once per layer that repeats them
+        "layers_of_the_pattern_once": (lambda: fl("step_flops", "for kind in m.layer_kinds", "for kind in m.layer_pattern"),
+                                       repeated),
+        # a device's memory time at its chip's HBM bandwidth (per chip and per device confused)
+        "memory_time_at_the_chips_bandwidth": (lambda: est("estimate", "memory = c.bytes / hw.hbm_bytes_per_s",
+                                                           "memory = c.bytes / hw.hbm_bytes_per_s_chip"), mixed),
+        # an fp8 matmul timed at the bf16 peak
+        "fp8_at_the_bf16_peak": (lambda: est("estimate", "(hw.fp8_flops if c.fp8 else hw.bf16_flops)", "hw.bf16_flops"),
+                                 mixed),
+        # an all-reduce's ring sending its buffer once (the reduce-scatter half only)
+        "all_reduce_sent_once": (lambda: wire('"all-reduce": 2 * result_bytes', '"all-reduce": result_bytes'), mixed),
+        # a reduce-scatter's wire bytes as a fraction of its result (the shard), not of its input
+        "reduce_scatter_over_n": (lambda: wire('"reduce-scatter": result_bytes * (n - 1),',
+                                               '"reduce-scatter": result_bytes * (n - 1) / n,'), mixed),
         # the loop's rate per device
         "tokens_per_s_per_device": (lambda: [(train_loop, "train", mutated(
             train_loop, "train", '"tokens_per_s": m["tokens"] / dt', '"tokens_per_s": m["tokens"] / dt / 8'))], loop),
@@ -278,7 +367,9 @@ def _variants():
 VARIANT_NAMES = ("backward_as_one_forward", "moe_macs_as_flops", "attention_core_not_causal",
                  "flops_of_one_micro_batch", "grpo_flops_of_every_rollout", "grpo_reference_as_fwd_bwd",
                  "chip_peak_per_device", "chips_as_devices", "tokens_of_one_micro_batch", "overlapped_as_sum",
-                 "overlapped_as_compute", "tokens_per_s_per_device", "step_tokens_of_one_micro_batch")
+                 "overlapped_as_compute", "tokens_per_s_per_device", "step_tokens_of_one_micro_batch",
+                 "layers_of_the_pattern_once", "memory_time_at_the_chips_bandwidth", "fp8_at_the_bf16_peak",
+                 "all_reduce_sent_once", "reduce_scatter_over_n")
 # Bugs of the loop's Python, run by the loop's test on its kept set-up.
 LOOP_VARIANTS = ("tokens_per_s_per_device",)
 # A variant of the jitted step compiles a step of its own (13 s cold here): it repeats the default

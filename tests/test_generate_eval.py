@@ -102,6 +102,11 @@ def test_generate_out_holds_the_token_ids_and_tokens_per_s_leaves_the_compile_ou
         assert len(rec["completion_ids"]) == rec["tokens"] and tok.decode(rec["completion_ids"]) == rec["completion"]
     err = capsys.readouterr().err
     assert "tokens/s, compile not included (compiled in" in err
+    # The count behind tokens/s is the two prompts' new tokens (read from the records' ids), not the
+    # 16 rows' of the batch (14 of them padding that repeats the last prompt).
+    new_tokens = sum(len(rec["completion_ids"]) for rec in recs)
+    assert 0 < new_tokens <= 2 * 6
+    assert f"{new_tokens} new tokens in 1 batch(es) of 16 rows:" in err, err
 
 
 def test_chat_without_a_chat_template_says_to_drop_chat(tmp_path, capsys):

@@ -251,3 +251,37 @@ def test_the_fit_verdict_reads_the_default_space_where_reported():
     assert reported["total"] == 132 * gib and reported["fits"] is True
     assert tp.memory_facts(SimpleNamespace(memory=memory), 96 * gib)["fits"] is False
     assert tp.memory_facts(SimpleNamespace(memory={**memory, "default_space": 97 * gib}), 96 * gib)["fits"] is False
+
+
+def _cells(text: str, label: str) -> list[str]:
+    """The cells of the printed row whose label starts the line (the label itself left out)."""
+    (line,) = [x for x in text.splitlines() if x.startswith(label)]
+    return line[len(label):].split()
+
+
+def test_the_printed_table_shows_each_figure_in_its_unit():
+    """inspect's table (format_facts) from figures written here in bytes: a column whose need reaches
+    a GiB prints GiB (2^30), a smaller one MiB (2^20); collectives and residuals in MiB; FLOPs in
+    TFLOP (1e12)."""
+    G, M = 2**30, 2**20
+
+    def column(scale, flops):
+        memory = {"argument": 3 * scale, "output": scale, "alias": scale, "temp": 10 * scale, "generated_code": 0,
+                  "total": 13 * scale, "default_space": 12.5 * scale, "hbm": None, "fits": None}
+        return {"memory": memory, "flops": flops, "model_flops": flops / 2, "compile_s": 3.0, "compile_cached": False,
+                "collectives": [{"where": "outside loops", "kind": "all-gather", "dtype": "bf16", "ops": 2,
+                                 "bytes": 3 * M}],
+                "saved_residuals": [{"name": "wi_out", "count": 2, "shape": [8, 64], "dtype": "bf16", "bytes": 5 * M}],
+                "saved_residual_bytes_per_block": 7 * M, "peak_buffers": [], "peak_by_category": None}
+
+    big = tp.format_facts({"a": column(G, 2.5e12), "b": column(G // 4, 5e11)})
+    assert _cells(big, "arguments GiB") == ["3.00", "0.75"]
+    assert _cells(big, "total (args+outs-aliased+temps) GiB") == ["13.00", "3.25"]
+    assert _cells(big, "default space (XLA report) GiB") == ["12.50", "3.12"]
+    assert _cells(big, "TFLOPs per device (XLA)") == ["2.5000", "0.5000"]
+    assert _cells(big, "TFLOPs per device (model shape)") == ["1.2500", "0.2500"]
+    assert _cells(big, "  outside loops: all-gather bf16") == ["2", "/", "3.00"] * 2
+    assert _cells(big, "  wi_out") == ["2x", "5.00"] * 2
+    assert _cells(big, "  all residuals (named or not)") == ["7.00"] * 2
+    small = tp.format_facts({"a": column(M, 1e9)})
+    assert _cells(small, "arguments MiB") == ["3.00"] and _cells(small, "temporaries MiB") == ["10.00"]

@@ -63,6 +63,21 @@ def test_task_streams_are_deterministic_by_seed():
     assert get_task("format").sample(np.random.default_rng(7), 4)[0].prompt.startswith("answer only: ")
 
 
+
+def test_a_prompt_set_step_draws_distinct_prompts_until_the_set_runs_out():
+    """data.prompts: a step's prompts are drawn without replacement (no prompt twice in a step while
+    the set has enough); only a step asking more than the set holds repeats some."""
+    from hybridmoe.data.arithmetic import Example
+    from hybridmoe.data.prompts import PromptSetTask
+
+    task = PromptSetTask(tuple(Example(f"q{i}", str(i)) for i in range(8)))
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        for n in (3, 8):
+            prompts = [e.prompt for e in task.sample(rng, n)]
+            assert len(prompts) == n and len(set(prompts)) == n, (seed, prompts)
+    assert len(task.sample(np.random.default_rng(0), 12)) == 12
+
 def test_arithmetic_reward_right_wrong_garbage():
     task = ArithmeticTask(digits=2, operators="+-")
     assert task.reward("12+34=", "46") == 1.0

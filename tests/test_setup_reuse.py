@@ -225,3 +225,45 @@ def test_two_rl_runs_that_differ_only_in_the_learning_rate_train_at_their_own_ra
     error = scaled_update_error(delta_a, delta_b, LR_B / LR_A)
     print(f"B's update against {LR_B / LR_A:g} x A's: relative L2 {error:.2e} (tolerance {SCALE_TOL:.0e})")
     assert error < SCALE_TOL, error
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run keeps besides the config: the sampler is built with the tokenizer's ids (EOS, pad,
+# generation_config.json's stop ids), and two --init-hf checkpoints of one model config may differ
+# there alone (same Config, same set-up). Each run must sample with its own tokenizer's ids.
+
+def test_a_run_with_another_tokenizers_ids_gets_its_own_sampler(monkeypatch):
+    import types
+
+    setup_mod.forget_setups()
+    cfg = tiny_config("rl.warmup_steps=0", "rl.steps=1")
+    setup = setup_mod.build(cfg)
+    monkeypatch.setattr(rl_loop, "jit_grpo_step", lambda *_: object())  # nothing traced or compiled
+    monkeypatch.setattr(rl_loop, "make_generate", lambda _cfg, opts, **__: types.SimpleNamespace(opts=opts))
+    tok_a = types.SimpleNamespace(eos_id=7, pad_id=0, stop_ids=(9,))
+    tok_b = types.SimpleNamespace(eos_id=11, pad_id=0, stop_ids=(12, 13))
+
+    def sampler_of(tok):
+        return rl_loop._build_run(cfg, setup_mod.build(equal_copy(cfg)), None, tok, [], False).generate
+
+    first = sampler_of(tok_a)
+    assert sampler_of(tok_a) is first  # the same run again: the kept program
+    other = sampler_of(tok_b)
+    assert (first.opts.eos_id, first.opts.stop_ids) == (7, (9,))
+    assert (other.opts.eos_id, other.opts.stop_ids) == (11, (12, 13)), other.opts
+
+
+def test_the_last_set_ups_used_are_the_ones_kept():
+    """build() keeps the SETUPS_KEPT set-ups used last (least recently used goes first): a run
+    repeated between others (the gates' reference arm, a resume after another run) finds its
+    set-up and programs; the newest is always kept."""
+    setup_mod.forget_setups()
+    n = setup_mod.SETUPS_KEPT
+    cfgs = [tiny_config(f"train.seed={i}") for i in range(n + 1)]
+    first = [setup_mod.build(c) for c in cfgs[:n]]
+    assert setup_mod.build(equal_copy(cfgs[0])) is first[0]  # used again: now the most recent
+    newest = setup_mod.build(cfgs[n])  # one too many: the least recently used (cfgs[1]) goes
+    assert setup_mod.build(equal_copy(cfgs[n])) is newest
+    assert setup_mod.build(equal_copy(cfgs[0])) is first[0]
+    assert [setup_mod.build(equal_copy(c)) is s for c, s in zip(cfgs[2:n], first[2:n])] == [True] * (n - 2)
+    assert setup_mod.build(equal_copy(cfgs[1])) is not first[1]
