@@ -904,10 +904,14 @@ def cell_reading(rec: dict) -> str:
              f" Its FLOPs per device, {a['hlo_flops_per_device'] / 1e12:,.0f} TFLOP as compiled (each Pallas call at "
              f"its stated count), are {a['hlo_flops_per_device'] / designed - 1:+.1%} off the design count "
              f"({designed / 1e12:,.0f} TFLOP).")
+    mosaic = rec["arms"].get("cell_gdn_pallas_tpu", {})
+    gdn_mosaic = ("" if "category_s" not in mosaic else
+                  f" (arm `cell_gdn_pallas_tpu`: GDN {mosaic['category_s']['GDN']:.1f} s against "
+                  f"{a['category_s']['GDN']:.1f}, the step {mosaic['step_s']:.1f} s)")
     return textwrap.fill(
         f"At the seed's cell with every lever (`cell`), the estimate is {a['step_s']:.1f} s per step with the "
         f"collectives added to the compute and {a['overlapped_step_s']:.1f} s with them hidden under it, against "
-        f"the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}", 100) + """
+        f"the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}", 100) + f"""
 
 What the program shows behind those figures (read op by op from the cell's compiled HLO), and so
 what stands between the estimate and the seed's step:
@@ -927,9 +931,11 @@ what stands between the estimate and the seed's step:
 - collectives: the fp8 expert weights' all-gathers and the bf16 weight gradients' reduce-scatters,
   once per layer per micro-batch and again for the remat replay's gathers, which the TPU7x compiler
   runs on its SparseCores beside the compute (the overlapped total assumes they hide);
-- GDN: many small XLA ops of the sequence-sharded scans and the chunk layout (memory-bound), and
-  the Pallas core's grid of one 64-token chunk of one head per step (its fixed cost per step);
-  a core that runs many chunks and heads per step is what remains;
+- GDN: the recipe runs the XLA chunked core (the only chip verdict, a v5e at this layer's shapes,
+  put it ahead of the Pallas core of that time): many XLA ops over the chunk layout, the
+  intra-chunk products and the sequence-sharded scans, memory-bound. The chunk-parallel Mosaic
+  core keeps a chunk's intermediates in VMEM; the uncalibrated model rates it faster{gdn_mosaic},
+  as it rated the old core; the chip decides (`tpu_kernels.json`, `gdn_cell`);
 - attention: the flash kernels' compute (the forward twice, for the replay), plus the fixed cost
   of a static grid that visits every key block (a causally skipped block still costs a step)."""
 
