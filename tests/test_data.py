@@ -98,20 +98,20 @@ def test_parquet_reads_the_same_records(tmp_path):
         read_records(tmp_path, "data.path", text_or_messages("text"), "stop")
 
 
-
 def test_a_folder_is_read_in_file_name_order_whatever_order_the_filesystem_lists(tmp_path, monkeypatch):
     """A folder's records are in file-name order: the hosts' shares (records h, h + n, ...) and the
     saved cursors index that order, so it must not be the filesystem's listing order (a copy of the
     folder on another disk, or another host's copy, lists it otherwise)."""
     for name in ("c.jsonl", "a.jsonl", "b.jsonl"):
-        (tmp_path / name).write_text(json.dumps({"text": name}) + "\n" + json.dumps({"text": name + "#2"}) + "\n")
+        (tmp_path / name).write_text(json.dumps({"text": name}) + "\n" + json.dumps({"text": name + " line 2"}) + "\n")
     (tmp_path / "notes.txt").write_text("not data")
     listing = Path.iterdir
     for order in (sorted, lambda files: sorted(files, reverse=True)):
         monkeypatch.setattr(Path, "iterdir", lambda self, order=order: iter(order(listing(self))))
         recs, _ = read_records(tmp_path, "data.path", text_or_messages("text"), "stop")
-        assert [r.fields["text"] for r in recs] == ["a.jsonl", "a.jsonl#2", "b.jsonl", "b.jsonl#2", "c.jsonl",
-                                                    "c.jsonl#2"], order
+        assert [r.fields["text"] for r in recs] == ["a.jsonl", "a.jsonl line 2", "b.jsonl", "b.jsonl line 2",
+                                                    "c.jsonl", "c.jsonl line 2"], order
+
 
 BAD = ['{"prompt": "1+1=", "answer": "2"}', "{not json", '{"answer": "3"}', "", '["a list"]',
        '{"messages": [{"role": "user"}]}', '{"prompt": "2+2=", "answer": "4"}']
