@@ -971,8 +971,11 @@ def step_estimate() -> str:
         on, off = rec["arms"].get("cell", {}), rec["arms"].get(arm, {})
         if "step_s" in on and "step_s" in off:
             lo, hi = lever["seed_s"]
-            levers.append([lever["lever"], f"`{arm}`", f"{on['step_s'] - off['step_s']:+.2f}",
-                           f"{lo:+.2f}" if lo == hi else f"{lo:+.2f} to {hi:+.2f}"])
+            # Two programs compiled at other commits differ in more than the lever: no effect is read.
+            same = on.get("commit") == off.get("commit")
+            effect = (f"{on['step_s'] - off['step_s']:+.2f}" if same else
+                      f"- (compiled at {off.get('commit', '')[:7]}, the cell at {on.get('commit', '')[:7]})")
+            levers.append([lever["lever"], f"`{arm}`", effect, f"{lo:+.2f}" if lo == hi else f"{lo:+.2f} to {hi:+.2f}"])
     lever_table = (table(["lever", "arm with it off", "estimated effect (s/step)", "seed, measured (s/step)"], levers)
                    if levers else "(no lever arm recorded at the cell yet)")
     return f"""## Step time on the target, estimated from the compiled program
@@ -1003,12 +1006,13 @@ call at its stated count) against the count the implementation is designed to ru
 chunked GDN core, the flash backward's recomputation); within 10% is the check (`-`: a remat
 policy of `auto`, resolved at trace time, has no design count).
 
-Neither lever's estimate matches its measurement: the model gives the wi forward tile about ten
-times the gain the seed measured (the fixed cost of the grid steps and the re-read bytes it saves
-are charged at face value), and reads the GDN m scan as slightly slower than the tree it replaces
-(more memory time, less compute), where the seed measured it faster: our m scan is an XLA loop
-whose [heads, K, K] product goes through HBM at every chunk, the seed's a Pallas scan that keeps
-it in VMEM.
+When the lever arms were last compiled (their commit in the table above), neither estimate
+matched its measurement: the model gave the wi forward tile about ten times the gain the seed
+measured (the fixed cost of the grid steps and the re-read bytes it saves charged at face value),
+and read the GDN m scan as slightly slower than the tree it replaces, where the seed measured it
+faster: the m scan was then an XLA loop whose [heads, K, K] product went through HBM at every chunk.
+It is a Mosaic kernel on TPU now (`hybridmoe/kernels/gdn/pallas_cp_scans.py`), and the cell's GDN
+core the XLA path; an effect is read only between programs compiled at one commit.
 
 Each of the seed's levers at the cell, estimated (the `cell` arm's step minus the arm with the lever
 off) beside the seed's measurement (each against a control in the same pod):
