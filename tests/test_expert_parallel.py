@@ -101,6 +101,7 @@ def test_model_with_expert_parallelism_equals_one_device():
     _rel_l2(multi, single, 1e-4)
 
 
+@pytest.mark.slow  # the whole model at the mesh test_expert_parallel_layer_equals_replicated proves the layer on
 def test_model_with_experts_over_context_alone_equals_one_device():
     """cp_as_ep with mesh.expert=1: the whole model's loss and gradients on 8 devices (data 2 x
     fsdp 2 x context 2, the experts split over the context ranks) equal one device's."""
