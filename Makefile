@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/hybridmoe demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=0 --durations-min=1
 
 # The tests a change touches (scripts/affected_tests.py): those importing a module changed since BASE
 # (default HEAD: the uncommitted change), directly or through the package. `make test` before submitting.

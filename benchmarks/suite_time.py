@@ -29,7 +29,7 @@ DURATION = re.compile(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)$")
 
 
 def slowest(stdout: str) -> list[dict]:
-    """pytest's --durations table (make test asks for the 40 slowest): seconds, phase, test."""
+    """pytest's --durations table (make test lists every phase of a second or more): seconds, phase, test."""
     return [{"s": float(m.group(1)), "phase": m.group(2), "test": m.group(3)}
             for m in map(DURATION.match, stdout.splitlines()) if m]
 

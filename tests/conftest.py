@@ -113,7 +113,7 @@ SUITE_TIME_RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "rec
 
 def _group_seconds() -> dict[str, float]:
     """Seconds per xdist group in the last recorded `make test`, the longer of its cold and warm
-    runs (their slowest tests): a cold cache makes some groups several times longer (the TPU
+    runs (every test phase of a second or more: make test lists them): a cold cache makes some groups several times longer (the TPU
     compiles, the kernels' interpreted programs), and one of them handed out late would run alone.
     Empty without the record."""
     import json
