@@ -7,7 +7,6 @@ Rules only read the config; they never compute values for later use or change it
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,28 +17,9 @@ from hybridmoe.kernels.attention import limits as attention_limits
 from hybridmoe.kernels.gdn import limits as gdn_limits
 from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.platform import PALLAS_PLATFORMS
+from hybridmoe.recipe.facts import Facts, _context_size, _full_mesh_sizes, _mesh_sizes, _run_platform  # noqa: F401
 from hybridmoe.recipe.kernel_needs import (attention_vmem_needs, gdn_vmem_needs, gmm_tiles, gmm_vmem_needs,
                                            gpu_attention_problems, limit_problems, over_problems)
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Facts:
-    """What a config is checked against that it does not hold itself, given by the caller.
-
-    platform: the platform the program runs on or is compiled for ("cpu", "gpu", "tpu"; a
-    compile-only TPU target is "tpu"); None: the config's own (cpu with simulated devices, else
-    JAX's default backend).
-    devices: how many devices the mesh spans; None: the simulated CPU count, or not known yet (the
-    rules that need the -1 axis's size decide on the built mesh, which passes it).
-    checkpoint_model: the model fields of the Hugging Face checkpoint the run starts from
-    (`--init-hf`), whose shape fields the config must match; None: no checkpoint.
-    tokenizer: the tokenizer the rl command encodes the config's own task's prompts with (its
-    rules measure them); None: not known, or the task is the caller's."""
-    platform: str | None = None
-    devices: int | None = None
-    checkpoint_model: Mapping | None = None
-    tokenizer: Any = None
 
 
 Rule = Callable[[Config, Facts], list[Problem]]
@@ -188,23 +168,6 @@ def _mesh_expert_fsdp_dim(cfg: Config, f: Facts) -> list[Problem]:
     return []
 
 
-def _mesh_sizes(cfg: Config, f: Facts) -> dict[str, int]:
-    """The mesh axis sizes known: all of them when the device count is (given, or simulated CPU
-    devices), otherwise the fixed ones (the -1 axis absorbs a device count known only on the mesh)."""
-    n = f.devices or cfg.mesh.simulated_devices
-    if n:
-        sizes, problem = cfg.mesh.resolve(n)
-        if problem is None:
-            return sizes
-    return {k: v for k, v in cfg.mesh.axis_sizes.items() if v > 0}
-
-
-def _full_mesh_sizes(cfg: Config, f: Facts) -> dict[str, int] | None:
-    """Every axis size, or None while the -1 axis's is not known."""
-    sizes = _mesh_sizes(cfg, f)
-    return sizes if len(sizes) == len(cfg.mesh.axis_sizes) else None
-
-
 @rule("train.batch_size")
 def _train_batch_size(cfg: Config, f: Facts) -> list[Problem]:
     """The batch splits evenly over the mesh axes the rules give it (the sequence's split over
@@ -293,18 +256,6 @@ def _rl_prompts_per_step(cfg: Config, f: Facts) -> list[Problem]:
 # MLP bias. Everything the config can get wrong is.
 
 MOE_GATE_UP_NAMES = ("moe_gate", "moe_up")
-
-
-def _run_platform(cfg: Config, f: Facts) -> str:
-    """The platform the program is for: the one given (a compile target's, or the built mesh's
-    devices'), simulated CPU devices, or JAX's default backend."""
-    if f.platform:
-        return f.platform
-    if cfg.mesh.cpu_devices:
-        return "cpu"
-    import jax  # only when asked: with simulated devices the backends must start later
-
-    return jax.default_backend()
 
 
 def _gmm_on_hardware(cfg: Config) -> bool:
@@ -473,11 +424,6 @@ def _data_sources(cfg: Config, f: Facts) -> list[Problem]:
 # ---------------------------------------------------------------------------------------------
 # Context-parallel attention: the sequence split over mesh.context, its load balancing and the
 # id hoist. (Both rules tables map logical "seq" to the context axis.)
-
-
-def _context_size(cfg: Config, f: Facts) -> int | None:
-    """mesh.context, or the size it absorbs when it is -1 and the device count is known."""
-    return _mesh_sizes(cfg, f).get("context")
 
 
 @rule("attention.cp_load_balance", "attention.cp_impl", "attention.cp_load_balance_hoist_ids", "mesh.context",
@@ -735,7 +681,6 @@ def _gdn_context_parallel(cfg: Config, f: Facts) -> list[Problem]:
         if unmet:
             out.append((f"gdn.{key}", "; ".join(unmet)))
     return out
-
 
 
 def _gdn_pallas_gpu_dims(cfg: Config) -> list[str]:
