@@ -12,6 +12,7 @@ timed by `hybridmoe.tools.bench.run_bench`, which interleaves the same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import tempfile
 import time
@@ -121,3 +122,76 @@ def write(out: str | Path, benchmark: str, *, versions: dict | None = None, **fi
         record["versions"] = {**record["versions"], **versions}
     write_record(Path(out), record)
     return record
+
+
+# A child process run under `watched` marks each piece of work it starts and ends with these lines
+# on its standard output (`mark(...)` prints them).
+START_MARK, DONE_MARK = "@@start ", "@@done "
+
+
+def mark(kind: str, name: str) -> None:
+    print(f"{START_MARK if kind == 'start' else DONE_MARK}{name}", flush=True)
+
+
+@dataclasses.dataclass
+class Watched:
+    """How a watched child ended: its exit status (None when it was stopped), the piece of work it
+    was in when it was stopped or died (None when it ended between pieces), that piece's seconds,
+    and the last line it printed in that piece (what it was doing)."""
+
+    returncode: int | None
+    cut: str | None = None
+    seconds: float = 0.0
+    last_line: str = ""
+
+    def reason(self, share_s: float) -> str:
+        doing = f" (its last line: {self.last_line[:200]!r})" if self.last_line else ""
+        if self.returncode is None:
+            return f"stopped after {self.seconds:.0f} s, past its {share_s:.0f} s share{doing}"
+        return f"its process ended with status {self.returncode} after {self.seconds:.0f} s{doing}"
+
+
+def watched(command: list[str], share_s: float, log: Callable[[str], None] = print) -> Watched:
+    """Run `command`, echoing its output through `log`, and stop it when one piece of its work (from a
+    START_MARK line to its DONE_MARK) runs past `share_s` seconds: a kernel or a step that hangs on a
+    chip costs its share, never the call. The child is stopped with its whole process group (a
+    compile it started goes too)."""
+    import os
+    import queue
+    import signal
+    import subprocess
+    import threading
+
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for ln in proc.stdout:
+            lines.put(ln)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    current, started, last = None, 0.0, ""
+    while True:
+        try:
+            line = lines.get(timeout=0.5).rstrip("\n")
+        except queue.Empty:
+            line = None
+        now = time.perf_counter()
+        if line is None and not reader.is_alive():  # its output is over: it has ended
+            proc.wait()
+            if proc.returncode != 0 and current is not None:
+                return Watched(proc.returncode, current, now - started, last)
+            return Watched(proc.returncode)
+        if line is not None and line.startswith(START_MARK):
+            current, started, last = line[len(START_MARK):], now, ""
+        elif line is not None and line.startswith(DONE_MARK):
+            current = None
+        elif line is not None:
+            last = line or last
+            log(line)
+        if current is not None and now - started > share_s:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return Watched(None, current, now - started, last)

@@ -17,7 +17,10 @@ the median. A backend that fails records its error and the rest go on. The chip'
 8192^3 matmul, median of 10, in the same process.
 
 Time: a case starts only while less than --budget-s seconds have passed; the others are left out
-(run them with --only or --geometry). An existing record of the same device is merged into: the
+(run them with --only or --geometry). The cases run in a child process that this one watches: a case
+still running after --case-share-s seconds (a kernel that hangs, a compile that never ends) is
+stopped with its process, recorded as cut with the reason (how long, and the last thing it printed:
+which backend, compile or timing), and the cases after it go on in a fresh child. An existing record of the same device is merged into: the
 cases run now replace theirs, the others keep their earlier figures and the commit they were
 measured at, beside that run's ceiling (cases: name -> commit, ceiling_tflops). The record is rewritten after every case, so a run cut short
 keeps what it finished.
@@ -144,6 +147,47 @@ def format_table(kernels: dict, facts: dict, ceiling: float | None) -> str:
     return "\n".join(lines)
 
 
+def run_watched(args) -> int:
+    """The cases of `args` in watched child processes (harness.watched): a case past its share is
+    stopped and recorded as cut in the record, and the cases after it run in a fresh child."""
+    from hybridmoe.tools import chip_cases
+
+    geometries = tuple(args.geometry or GEOMETRIES)
+    # Names only: this process never starts JAX's backend (the chip is held by one process at a time).
+    names = args.only.split(",") if args.only else [f"{f}_{g}" for g in geometries for f in chip_cases.FAMILY_NAMES]
+    cuts: dict[str, str] = {}
+    start = time.perf_counter()
+    while names:
+        left = args.budget_s - (time.perf_counter() - start)
+        child = [sys.executable, __file__, "--in-process", "--only", ",".join(names), "--rounds", str(args.rounds),
+                 "--budget-s", str(max(left, 0.0)), "--out", args.out]
+        if args.compile_cache:
+            child += ["--compile-cache", args.compile_cache]
+        ended = harness.watched(child, args.case_share_s)
+        if ended.cut is None:
+            break
+        cuts[ended.cut] = ended.reason(args.case_share_s)
+        print(f"{ended.cut}: cut, {cuts[ended.cut]}", flush=True)
+        record_cut(Path(args.out), ended.cut, cuts[ended.cut])
+        names = names[names.index(ended.cut) + 1:]
+    for name, reason in cuts.items():  # again at the end: a later child rewrites the record
+        record_cut(Path(args.out), name, reason)
+    return 0 if ended.cut is not None else (ended.returncode or 0)
+
+
+def record_cut(out: Path, name: str, reason: str) -> None:
+    """Write into the record that case `name` was cut, and why; its earlier figures, if any, go (they
+    would read as this commit's)."""
+    from hybridmoe.tools.record import source_commit, write_record
+
+    record = json.loads(out.read_text()) if out.is_file() and out.stat().st_size else None
+    if record is None:  # cut before any case was written: the device, ceiling and machine come with the next
+        record = {"benchmark": "tpu_kernels", "commit": source_commit(), "kernels": {}, "cases": {}}
+    record["kernels"].pop(name, None)
+    record["cases"][name] = {"cut": reason, "commit": source_commit()}
+    write_record(out, record)
+
+
 def main(argv=None) -> int:
     p = harness.parser(__doc__, __file__, raw=True)
     p.add_argument("--geometry", choices=GEOMETRIES, action="append",
@@ -152,12 +196,18 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (median); default 5")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="start no case after this many seconds (default 330: the whole run within ~6 minutes)")
+    p.add_argument("--case-share-s", type=float, default=150.0,
+                   help="stop a case that runs longer than this and record it as cut (default 150)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the cases in this process, unwatched (what each watched child does; --tiny implies it)")
     p.add_argument("--tiny", action="store_true",
                    help="CPU, interpret mode, the tiny geometry; writes a temporary record unless --out is given")
     p.add_argument("--compile-cache", help="JAX's persistent compile cache folder (a second run compiles nothing)")
     args = p.parse_args(argv)
     if args.tiny and args.out == p.get_default("out"):
         args.out = tempfile.mkstemp(prefix="tpu_kernels_tiny_", suffix=".json")[1]
+    if not (args.tiny or args.in_process):
+        return run_watched(args)
     harness.configure(cpu_only=args.tiny, cache_dir=args.compile_cache)
     import jax
 
@@ -181,7 +231,7 @@ def main(argv=None) -> int:
     previous = Path(args.out)
     if previous.is_file() and previous.stat().st_size:  # the same device's earlier cases stay (their commits)
         old = json.loads(previous.read_text())
-        if old.get("device") == machine_record()["device"]:
+        if old.get("device") in (None, machine_record()["device"]):  # None: only cuts written so far
             kernels, facts = old.get("kernels", {}), old.get("cases", {})
     ceiling = matmul_ceiling_tflops(256 if args.tiny else 8192, 3 if args.tiny else 10)
     log(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s on {jax.devices()[0].device_kind}")
@@ -204,11 +254,13 @@ def main(argv=None) -> int:
                                                  if name in kernels else ""))
             continue
         log(f"{name} ...")
+        harness.mark("start", name)
         case_start = time.perf_counter()
         kernels[name], facts[name] = run_case(all_cases[name], args.rounds, log)
         facts[name].update(seconds=round(time.perf_counter() - case_start, 1), commit=source_commit(),
                            ceiling_tflops=ceiling)
         write()
+        harness.mark("done", name)
     write()
     print(format_table({n: kernels[n] for n in names if n in kernels}, facts, ceiling))
     log("done")

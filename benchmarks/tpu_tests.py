@@ -2,8 +2,10 @@
 
     python3 benchmarks/tpu_tests.py            # on a TPU host (docs/tpu.md): pytest --chip tests/
 
-Writes benchmarks/records/tpu_tests.json: device, commit, passed, failed, skipped, and each test's
-outcome and seconds. Exits 1 when a test failed (the record is written either way).
+Writes benchmarks/records/tpu_tests.json: device, commit, passed, failed, skipped, collected, and
+each test's outcome and seconds; rewritten after every test (`complete` false until the session
+ends), so a call cut short still returns what finished. Exits 1 when a test failed (the record is
+written either way).
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import harness  # noqa: E402
 
 
 class Outcomes:
-    """A pytest plugin that keeps each test's outcome (its call phase, or the phase that failed)."""
+    """A pytest plugin that keeps each test's outcome (its call phase, or the phase that failed) and
+    writes the record after each test."""
 
-    def __init__(self):
-        self.tests: dict[str, dict] = {}
+    def __init__(self, out: str):
+        self.out, self.tests, self.collected = out, {}, 0
+
+    def pytest_collection_finish(self, session):
+        self.collected = len(session.items)  # after conftest's --chip selection: the tpu tests
 
     def pytest_runtest_logreport(self, report):
         row = self.tests.setdefault(report.nodeid, {"outcome": "passed", "s": 0.0})
@@ -28,6 +34,15 @@ class Outcomes:
             row["outcome"] = "failed"
         elif report.skipped and row["outcome"] != "failed":
             row["outcome"] = "skipped"
+        if report.when == "teardown":
+            self.write(complete=False)
+
+    def counts(self) -> dict[str, int]:
+        return {k: sum(t["outcome"] == k for t in self.tests.values()) for k in ("passed", "failed", "skipped")}
+
+    def write(self, complete: bool) -> None:
+        harness.write(self.out, "tpu_tests", **self.counts(), collected=self.collected, complete=complete,
+                      tests=self.tests)
 
 
 def main(argv=None) -> int:
@@ -37,13 +52,13 @@ def main(argv=None) -> int:
     p.add_argument("paths", nargs="*", default=["tests"], help="test files or folders (default: tests)")
     args = p.parse_args(argv)
     harness.configure()
-    outcomes = Outcomes()
+    outcomes = Outcomes(args.out)
     code = pytest.main(["--chip", "-q", "-p", "no:cacheprovider", *args.paths], plugins=[outcomes])
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
-        raise SystemExit(f"pytest --chip ended with {code!r}: no record written")
-    counts = {k: sum(t["outcome"] == k for t in outcomes.tests.values()) for k in ("passed", "failed", "skipped")}
-    harness.write(args.out, "tpu_tests", **counts, tests=outcomes.tests)
-    print(", ".join(f"{n} {k}" for k, n in counts.items()))
+        raise SystemExit(f"pytest --chip ended with {code!r}" + ("" if outcomes.tests else ": no record written"))
+    outcomes.write(complete=True)
+    counts = outcomes.counts()
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + f" of {outcomes.collected} collected")
     return 1 if counts["failed"] else 0
 
 

@@ -14,9 +14,13 @@
 #              stops starting cases after 330 s, so each fits a 10-minute call)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #
+#   scripts/tpu_records.sh place DIR                    # back here: each returned file to its place
+#
 # Stages run in the order given; a failing stage stops the rest (its record, if any, is written).
 # --copy-to DIR (first): after each stage, copy what the stages write (the records, the calibration
-# and tile tables) into DIR, so a call cut short still hands back every finished stage's files.
+# and tile tables) into DIR, flat (no folders: an accelerator host's output folder may return only
+# files near its top), so a call cut short still hands back every finished stage's files. `place`
+# puts such a folder's files where they belong in this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .tpu-env ] && source .tpu-env
@@ -27,13 +31,27 @@ if [ "${1:-}" = "--copy-to" ]; then
   shift 2
   mkdir -p "$copy_to"
 fi
+# Where each file a stage writes lives in the checkout (a copy is flat: its name alone).
+produced=(benchmarks/records/tpu_*.json hybridmoe/analysis/chip_calibration.json hybridmoe/kernels/gmm/tile_table.json)
 copy_results() {
   [ -n "$copy_to" ] || return 0
-  mkdir -p "$copy_to/benchmarks/records" "$copy_to/hybridmoe/analysis" "$copy_to/hybridmoe/kernels/gmm"
-  cp benchmarks/records/tpu_*.json "$copy_to/benchmarks/records/" 2>/dev/null || true
-  cp hybridmoe/analysis/chip_calibration.json "$copy_to/hybridmoe/analysis/" 2>/dev/null || true
-  cp hybridmoe/kernels/gmm/tile_table.json "$copy_to/hybridmoe/kernels/gmm/"
+  for f in "${produced[@]}"; do [ -f "$f" ] && cp "$f" "$copy_to/"; done
+  return 0
 }
+if [ "${1:-}" = "place" ]; then
+  from=${2:?place DIR: the folder of returned files}
+  for f in "$from"/*.json; do
+    name=$(basename "$f")
+    case $name in
+      chip_calibration.json) dest=hybridmoe/analysis/ ;;
+      tile_table.json) dest=hybridmoe/kernels/gmm/ ;;
+      tpu_*.json) dest=benchmarks/records/ ;;
+      *) echo "place: $name is no file a stage writes; left where it is" >&2; continue ;;
+    esac
+    cp "$f" "$dest$name" && echo "placed $dest$name"
+  done
+  exit 0
+fi
 trap copy_results EXIT
 for stage in "$@"; do
   copy_results

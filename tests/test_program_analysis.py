@@ -7,7 +7,12 @@ from jax.sharding import PartitionSpec as P
 
 from hybridmoe.analysis import program
 
-MESH = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+def _mesh():
+    """Built when a test runs, not at import: `pytest --chip` collects this file on a one-device host."""
+    return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
 RING = [(i, (i + 1) % 8) for i in range(8)]
 
 
@@ -26,7 +31,7 @@ def _looped(c, ws):
         c, _ = jax.lax.scan(body, jax.lax.pcast(c, ("x",), to="varying"), ws)
         return jax.lax.psum(c, "x")
 
-    return jax.shard_map(inner, mesh=MESH, in_specs=(P(), P(None, "x")), out_specs=P())(c, ws)
+    return jax.shard_map(inner, mesh=_mesh(), in_specs=(P(), P(None, "x")), out_specs=P())(c, ws)
 
 
 def _analyzed():

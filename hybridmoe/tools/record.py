@@ -13,27 +13,39 @@ from pathlib import Path
 
 @functools.cache
 def source_commit() -> str:
-    """The checkout's commit, "+modified" when the package's files differ from it; "" outside git.
+    """The checkout's commit, "+modified" when the package's files differ from it; "" when unknown.
+
+    Where this tree is the root of its own git checkout, git says. Anywhere else (a copy of the tree
+    sent to an accelerator host, with no history of its own, which may sit inside some other git
+    checkout) the stamp file written before the copy was made says, and an enclosing repository's
+    HEAD is never taken: it is another project's commit.
 
     Read once, on the first call, and kept: a command or benchmark that writes a record calls it
     when it starts (`hybridmoe bench/eval/inspect/gates --out`, `benchmarks/harness.py`), so a long
     run records the code it started from, not a commit landed while it ran; nothing else runs git.
     """
-    here = Path(__file__).parent.parent
+    return commit_of(Path(__file__).resolve().parent.parent.parent)
+
+
+def commit_of(root: Path) -> str:
+    """source_commit for the project tree at `root` (its package in root/hybridmoe)."""
+    root = root.resolve()
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "."], capture_output=True, text=True,
-                                 cwd=here).stdout.strip()
+        top_and_head = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                                      text=True, cwd=root).stdout.split()
     except OSError:
-        head = changed = ""
-    if not head:  # a copy of the tree without its history (sent to an accelerator host): its stamp
-        stamp = here.parent / COMMIT_STAMP
-        return stamp.read_text().strip() if stamp.is_file() else ""
-    return head + ("+modified" if head and changed else "")
+        top_and_head = []
+    if len(top_and_head) == 2 and Path(top_and_head[0]).resolve() == root:
+        head = top_and_head[1]
+        changed = subprocess.run(["git", "status", "--porcelain", "--", "hybridmoe"], capture_output=True,
+                                 text=True, cwd=root).stdout.strip()
+        return head + ("+modified" if changed else "")
+    stamp = root / COMMIT_STAMP
+    return stamp.read_text().strip() if stamp.is_file() else ""
 
 
 # The commit a copy of the checkout was made from, for a host that gets the files without the
-# history (scripts/tpu_session.sh writes it from `git describe` before sending the tree).
+# history (`scripts/tpu_records.sh stamp` writes it before the tree is sent; it travels untracked).
 COMMIT_STAMP = ".source-commit"
 
 

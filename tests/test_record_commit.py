@@ -1,0 +1,44 @@
+"""The commit a record names: git where the tree is its own checkout, else the stamp written before
+the tree was copied, never an enclosing repository's HEAD (the chip's copy sat inside another checkout
+and its records named that repository's commit)."""
+
+import subprocess
+
+from hybridmoe.tools.record import COMMIT_STAMP, commit_of
+
+
+def _git(cwd, *args):
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _repo(path):
+    path.mkdir(parents=True, exist_ok=True)
+    _git(path, "init", "-q")
+    _git(path, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "x")
+    return _git(path, "rev-parse", "HEAD")
+
+
+def test_own_checkout_names_its_head_and_marks_a_changed_package(tmp_path):
+    head = _repo(tmp_path)
+    (tmp_path / COMMIT_STAMP).write_text("f" * 40 + "\n")  # a stale stamp loses to git in its own checkout
+    assert commit_of(tmp_path) == head
+    (tmp_path / "hybridmoe").mkdir()
+    (tmp_path / "hybridmoe" / "x.py").write_text("")
+    assert commit_of(tmp_path) == head + "+modified"
+
+
+def test_a_copy_inside_another_checkout_names_its_stamp_not_that_head(tmp_path):
+    outer_head = _repo(tmp_path)
+    copy = tmp_path / "work" / "tree"
+    (copy / "hybridmoe").mkdir(parents=True)
+    stamp = "a" * 40
+    (copy / COMMIT_STAMP).write_text(stamp + "\n")
+    assert commit_of(copy) == stamp
+    (copy / COMMIT_STAMP).unlink()
+    assert commit_of(copy) == ""  # unknown, and never outer_head
+    assert outer_head != ""
+
+
+def test_a_copy_outside_any_checkout_names_its_stamp(tmp_path):
+    (tmp_path / COMMIT_STAMP).write_text("b" * 40 + "+modified\n")
+    assert commit_of(tmp_path) == "b" * 40 + "+modified"

@@ -1,0 +1,69 @@
+"""benchmarks/harness.py's watched child: a piece of work past its share is stopped and named, with
+how long it ran and what it last printed, and the pieces before it count as done; a child that dies
+inside a piece names that piece; one that ends well names none. And tpu_kernels' record of a cut."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness  # noqa: E402
+
+CHILD = """
+import sys, time
+sys.path.insert(0, {bench!r})
+import harness
+for name, seconds, fail in {pieces!r}:
+    harness.mark("start", name)
+    print(f"{{name}}: compiling", flush=True)
+    if fail:
+        sys.exit(3)
+    time.sleep(seconds)
+    harness.mark("done", name)
+"""
+
+
+def _run(pieces, share_s):
+    lines = []
+    t0 = time.perf_counter()
+    ended = harness.watched([sys.executable, "-c", CHILD.format(bench=str(ROOT / "benchmarks"), pieces=pieces)],
+                            share_s, lines.append)
+    return ended, lines, time.perf_counter() - t0
+
+
+def test_a_piece_past_its_share_is_stopped_and_named():
+    ended, lines, wall = _run([("a", 0.1, False), ("b", 60, False), ("c", 0.1, False)], share_s=2.0)
+    assert ended.returncode is None and ended.cut == "b"
+    assert 2.0 <= ended.seconds < 10 and wall < 30  # stopped near its share, not after the 60 s sleep
+    assert ended.last_line == "b: compiling"
+    assert lines == ["a: compiling", "b: compiling"]  # the marks are not echoed, c never started
+    assert ended.reason(2.0).startswith("stopped after 2 s, past its 2 s share (its last line: 'b: compiling')")
+
+
+def test_a_child_that_dies_in_a_piece_names_it_and_one_that_ends_well_names_none():
+    died, _, _ = _run([("a", 0.1, False), ("b", 0, True)], share_s=30.0)
+    assert died.returncode == 3 and died.cut == "b" and "status 3" in died.reason(30.0)
+    fine, lines, _ = _run([("a", 0.1, False), ("b", 0.1, False)], share_s=30.0)
+    assert fine.returncode == 0 and fine.cut is None and lines == ["a: compiling", "b: compiling"]
+
+
+def test_tpu_kernels_records_a_cut_and_drops_that_case_s_earlier_figures(tmp_path):
+    spec = importlib.util.spec_from_file_location("tpu_kernels", ROOT / "benchmarks" / "tpu_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "tpu_kernels.json"
+    module.record_cut(out, "cp_dh_scan_cell", "stopped after 150 s")  # no record yet
+    record = json.loads(out.read_text())
+    assert record["cases"]["cp_dh_scan_cell"]["cut"] == "stopped after 150 s" and "device" not in record
+    record["kernels"] = {"cp_dh_scan_cell": {"scan": {"ms": 1.0}}, "gdn_cell": {"xla": {"ms": 2.0}}}
+    record["cases"]["gdn_cell"] = {"seconds": 5}
+    out.write_text(json.dumps(record))
+    module.record_cut(out, "cp_dh_scan_cell", "stopped again")
+    record = json.loads(out.read_text())
+    assert record["kernels"] == {"gdn_cell": {"xla": {"ms": 2.0}}}
+    assert record["cases"]["cp_dh_scan_cell"]["cut"] == "stopped again" and record["cases"]["gdn_cell"] == {"seconds": 5}
