@@ -423,3 +423,16 @@ def test_prefill_from_a_state_equals_the_xla_core(backend, layer_case):
     for a, e in zip(jax.tree.leaves(outputs[backend]), jax.tree.leaves(outputs["xla"])):
         assert _rel_max(a, e) < 1e-5
     assert _rel_max(outputs[backend][1]["ssm"], state["ssm"]) > 0.1  # the state really moved
+
+
+def test_auto_backend_is_the_mosaic_core_on_a_tpu_and_xla_elsewhere():
+    """kernels.gdn.backend=auto (the default): the core the chip timed fastest on a TPU, never one the
+    chunk size rules out, and the XLA path on every other platform; a named backend is kept."""
+    from hybridmoe.kernels.gdn import limits
+
+    assert load_config("tiny", []).kernels.gdn.backend == "auto"
+    assert limits.resolve("auto", "tpu", 64) == "pallas_tpu"
+    assert limits.resolve("auto", "tpu", limits.PALLAS_TPU_MIN_CHUNK) == "pallas_tpu"
+    assert limits.resolve("auto", "tpu", limits.PALLAS_TPU_MIN_CHUNK - 1) == "xla"
+    assert [limits.resolve("auto", p, 64) for p in ("cpu", "gpu", "cuda")] == ["xla"] * 3
+    assert limits.resolve("xla", "tpu", 64) == "xla" and limits.resolve("pallas_gpu", "cpu", 64) == "pallas_gpu"

@@ -108,20 +108,20 @@ def test_gdn_core_compiles_at_small_chunks(chunk_size, key_dim, value_dim):
 
 def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
     """The training step (one GDN layer, rows over data x fsdp, heads over tensor) compiled for the
-    topology's 8 devices: with kernels.gdn.backend=pallas_tpu it holds the forward and backward GDN
-    kernels and exactly the collectives of the xla backend (place, kind, dtype, count, bytes), so
-    no operand of the kernels is gathered: they run per shard."""
+    topology's 8 devices: with kernels.gdn.backend=auto (pallas_tpu on a TPU, the default) it holds
+    the forward and backward GDN kernels and exactly the collectives of the xla backend (place, kind,
+    dtype, count, bytes), so no operand of the kernels is gathered: they run per shard."""
     from hybridmoe.tools import train_program as tp
     from hybridmoe.recipe import load_config
     from hybridmoe.kernels.gdn import limits
 
     steps = {}
-    for backend in ("xla", "pallas_tpu"):
+    for backend in ("xla", "auto"):
         cfg = load_config("tiny", ["mesh.cpu_devices=0", "mesh.tensor=2", "model.layer_pattern=[gdn]",
                                    "model.num_layers=1", f"kernels.gdn.backend={backend}"], platform="tpu")
         steps[backend] = tp.compile_step(cfg, tp.tpu_target(TOPOLOGY), with_residuals=False)
-    text = steps["pallas_tpu"].program.compiled_text
+    text = steps["auto"].program.compiled_text
     assert all(name in text for name in limits.KERNELS)
     assert not any(name in steps["xla"].program.compiled_text for name in limits.KERNELS)
     collectives = {b: tp.collective_rows(s.program.compiled_collectives) for b, s in steps.items()}
-    assert collectives["pallas_tpu"] == collectives["xla"], collectives
+    assert collectives["auto"] == collectives["xla"], collectives

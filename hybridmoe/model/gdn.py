@@ -16,6 +16,8 @@ from jax.ad_checkpoint import checkpoint_name
 from hybridmoe.config.schema import ModelConfig
 from hybridmoe.kernels.gdn import gated_delta_rule
 from hybridmoe.kernels.gdn.context_parallel import gated_delta_rule_context_parallel
+from hybridmoe.kernels.gdn import limits as gdn_limits
+from hybridmoe.kernels.platform import trace_platform
 from hybridmoe.model.norms import gated_rms_norm
 from hybridmoe.parallel.rules import constrain, logical_to_spec
 
@@ -210,7 +212,7 @@ def _core(q, k, v, g, beta, segment_ids_BT, initial_state, *, chunk_size: int, b
     return jax.shard_map(run, in_specs=specs, out_specs=(token, state), check_vma=False)(*args)
 
 
-def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, backend: str = "xla",
+def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, backend: str = "auto",
               interpret: bool = False, state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False, cp_prefix: str = "all_gather"):
     """Returns the layer output, and the new recurrent state when `state` is given (decode/prefill).
 
@@ -220,6 +222,7 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     choose the scans over the trees there (gdn.cp_m_scan, gdn.cp_dh_scan); cp_prefix the cross-rank
     prefix (context_parallel.PREFIXES; the other one is kept for benchmarks/gdn_cp.py).
     """
+    backend = gdn_limits.resolve(backend, trace_platform(), chunk_size)
     dt = x_BTD.dtype
     x_BTD = x_BTD * (segment_ids_BT > 0)[..., None].astype(dt)
     q, k, v, z, b, a = in_projections(p, x_BTD)

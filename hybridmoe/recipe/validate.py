@@ -690,10 +690,15 @@ def _gdn_pallas_gpu_dims(cfg: Config) -> list[str]:
             if n < gdn_limits.PALLAS_GPU_MIN_DIM or n & (n - 1)]
 
 
+def _gdn_backend(cfg: Config, f: Facts) -> str:
+    """kernels.gdn.backend with `auto` resolved for the platform the program is for."""
+    return gdn_limits.resolve(cfg.kernels.gdn.backend, _run_platform(cfg, f), cfg.gdn.chunk_size)
+
+
 @rule("kernels.gdn.backend", "gdn.chunk_size", "model.gdn_key_dim", "model.gdn_value_dim")
 def _kernels_gdn_backend(cfg: Config, f: Facts) -> list[Problem]:
     """The Pallas GDN core: a platform that runs it, and the sizes its compiler accepts there."""
-    backend = cfg.kernels.gdn.backend
+    backend = _gdn_backend(cfg, f)
     if backend == "xla" or cfg.kernels.interpret:
         return []
     unmet = []
@@ -787,6 +792,6 @@ def _kernels_vmem(cfg: Config, f: Facts) -> list[Problem]:
     if "attention" in cfg.model.layer_pattern and not attention_block_problems(cfg, cfg.train.seq_len, "", f) \
             and _attention_backend(cfg, f) == "pallas_gpu":
         out += gpu_attention_problems(cfg, _context_size(cfg, f) or 1)
-    if "gdn" in cfg.model.layer_pattern and k.gdn.backend == "pallas_tpu":
+    if "gdn" in cfg.model.layer_pattern and _gdn_backend(cfg, f) == "pallas_tpu":
         out += over_problems("kernels.gdn.backend", gdn_vmem_needs(cfg), "lower gdn.chunk_size or use kernels.gdn.backend=xla")
     return out

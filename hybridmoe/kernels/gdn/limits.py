@@ -10,6 +10,21 @@ PALLAS_TPU_MIN_CHUNK = 2
 # Triton: power-of-two value shapes, and tl.dot wants every matmul dim >= 16.
 PALLAS_GPU_MIN_DIM = 16
 
+# kernels.gdn.backend=auto on each platform: on a TPU the chunk-parallel Mosaic core, which a v5e chip
+# timed at 4.4x the XLA path forward + backward at the seed cell's per-device layer (docs/tpu.md,
+# benchmarks/records/tpu_kernels.json gdn_cell); elsewhere the XLA path (pallas_gpu joins once it
+# has run and been timed on a GPU).
+_AUTO = {"tpu": "pallas_tpu"}
+
+
+def resolve(choice: str, platform: str, chunk_size: int) -> str:
+    """The core `choice` names on `platform` (jax platform names) at gdn.chunk_size `chunk_size`:
+    auto never picks a Pallas core the chunk size rules out."""
+    if choice != "auto":
+        return choice
+    backend = _AUTO.get(platform, "xla")
+    return "xla" if backend == "pallas_tpu" and chunk_size < PALLAS_TPU_MIN_CHUNK else backend
+
 # ---------------------------------------------------------------------------------------------
 # Grid steps of the Mosaic GDN kernels (pallas_tpu.py): each holds one key head, its `group` value
 # heads and `chunks_per_step` chunks, all unrolled in one basic block.
