@@ -152,7 +152,7 @@ def run_watched(args) -> int:
     stopped and recorded as cut in the record, and the cases after it run in a fresh child."""
     from hybridmoe.tools import chip_cases
 
-    geometries = tuple(args.geometry or GEOMETRIES)
+    geometries = ("tiny",) if args.tiny else tuple(args.geometry or GEOMETRIES)
     # Names only: this process never starts JAX's backend (the chip is held by one process at a time).
     names = args.only.split(",") if args.only else [f"{f}_{g}" for g in geometries for f in chip_cases.FAMILY_NAMES]
     cuts: dict[str, str] = {}
@@ -163,6 +163,8 @@ def run_watched(args) -> int:
                  "--budget-s", str(max(left, 0.0)), "--out", args.out]
         if args.compile_cache:
             child += ["--compile-cache", args.compile_cache]
+        if args.tiny:
+            child.append("--tiny")
         ended = harness.watched(child, args.case_share_s)
         if ended.cut is None:
             break
@@ -199,14 +201,14 @@ def main(argv=None) -> int:
     p.add_argument("--case-share-s", type=float, default=150.0,
                    help="stop a case that runs longer than this and record it as cut (default 150)")
     p.add_argument("--in-process", action="store_true",
-                   help="run the cases in this process, unwatched (what each watched child does; --tiny implies it)")
+                   help="run the cases in this process, unwatched (what each watched child does)")
     p.add_argument("--tiny", action="store_true",
                    help="CPU, interpret mode, the tiny geometry; writes a temporary record unless --out is given")
     p.add_argument("--compile-cache", help="JAX's persistent compile cache folder (a second run compiles nothing)")
     args = p.parse_args(argv)
     if args.tiny and args.out == p.get_default("out"):
         args.out = tempfile.mkstemp(prefix="tpu_kernels_tiny_", suffix=".json")[1]
-    if not (args.tiny or args.in_process):
+    if not args.in_process:
         return run_watched(args)
     harness.configure(cpu_only=args.tiny, cache_dir=args.compile_cache)
     import jax

@@ -116,8 +116,8 @@ def test_the_search_finds_the_fastest_tiles_of_a_separable_timer_and_never_times
     t = found["tiling"]
     assert (t.tm, t.tk, t.tn) == (256, 1024, 512)
     assert found["s"] == pytest.approx(1e-3)
-    # The heuristic 128^3: 1 + 1 + 3 + 2 octaves off.
-    assert found["default_s"] == pytest.approx(7e-3)
+    # The heuristic a TPU runs, the chip's rule 512 x 2048 x 512: 1 + 1 + 0 octaves off.
+    assert found["default_s"] == pytest.approx(3e-3)
     # Candidates: tm 128..1024, tk and tn the powers of two from 128 to 4,096 dividing K and N.
     assert tune_gmm.axis_candidates(call) == {"tm": [128, 256, 512, 1024], "tk": [128, 256, 512, 1024, 2048, 4096],
                                               "tn": [128, 256, 512, 1024, 2048]}
@@ -159,3 +159,28 @@ def test_tune_gmm_refuses_off_a_tpu_in_one_line(tmp_path):
     assert done.returncode != 0
     assert "tune-gmm times the Pallas TPU kernels on a TPU chip" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_heuristic_tiles_on_a_tpu_are_the_chips_rule_never_128_cubed(monkeypatch):
+    """tiling=heuristic (and the table with no entry) on a TPU: 512 x 2048 x 512, each of tk and tn the
+    largest lane multiple under it dividing its dimension; on every other platform the kernels' own
+    128 x 128 x 128. Read from the traced kernel's blocks."""
+    assert [tile_table.lane_divisor(d, 512) for d in (4096, 768, 640, 100, 512)] == [512, 384, 128, 100, 512]
+    assert tile_table.lane_divisor(6144, 2048) == 2048 and tile_table.lane_divisor(1152, 2048) == 1152
+    m, k, n, groups = 1000, 4096, 768, 4
+    lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
+    sizes = jnp.asarray([300, 0, 500, 200], jnp.int32)
+
+    def blocks(tiling):
+        run = lambda a, b: pallas_tpu.gmm(a, b, sizes, transpose_rhs=False, tiling=tiling, group_offset=0,  # noqa: E731
+                                          sharded=False, out_dtype=jnp.bfloat16, interpret=True)
+        return _block_shapes(jax.make_jaxpr(run)(lhs, rhs))
+
+    assert blocks(None)[0] == (128, 128)  # the CPU: the kernels' DEFAULT
+    monkeypatch.setattr(platform, "trace_platform", lambda: "tpu")
+    monkeypatch.setattr(platform, "trace_generation", lambda: "v5e")
+    on_tpu = blocks(None)
+    assert on_tpu[0] == (512, 2048) and on_tpu[1] == (None, 2048, 384), on_tpu  # lhs [tm, tk], rhs [., tk, tn]
+    assert blocks(Tiling(from_table=True)) == on_tpu  # the table has no v5e entry for this shape
+    assert blocks(Tiling(128, 128, 128))[0] == (128, 128)  # explicit tiles stay as written

@@ -7,7 +7,7 @@ groups, operand size) is one shape to tune. Each shape's kernel runs alone on th
 spread evenly over its groups, at candidate tiles: tm in 128..1024, tk and tn each a lane-aligned
 divisor of their dimension up to 4,096 (or the whole dimension), every one whose VMEM need
 (tiling.tpu_buffers) stays under the generation's cap for a raised limit. The search is by
-coordinates: from the heuristic tiles, every tm with tk and tn held, then every tk, then every tn,
+coordinates: from the heuristic tiles (on a TPU the chip's rule, tile_table.TPU_RULE), every tm with tk and tn held, then every tk, then every tn,
 each time keeping the fastest, and a second round where the first changed anything; a shape's
 entry keeps the fastest tiles, its time and the heuristic tiles' time (the before / after). The
 entries replace the same shapes' in the generation's section of the table; other shapes and
@@ -69,9 +69,11 @@ def axis_candidates(call: Call) -> dict[str, list[int]]:
 
 def search(call: Call, seconds: Callable[[Call, Tiling], float], *, rounds: int = 2,
            deadline: float | None = None) -> dict:
-    """The fastest tiles by coordinate search from the heuristic ones (each tiling timed once):
-    {"tiling", "s", "default_s", "timed"}."""
-    start = DEFAULT
+    """The fastest tiles by coordinate search from the heuristic ones a TPU runs without the table
+    (tile_table.tpu_rule; the 128^3 DEFAULT where the rule's blocks would not fit), each tiling timed
+    once: {"tiling", "s", "default_s" (the heuristic's), "timed"}."""
+    rule = tile_table.tpu_rule(call.k, call.n)
+    start = rule if fits(call, rule) else DEFAULT
     times: dict[Tiling, float] = {}
 
     def timed(t: Tiling) -> float:
