@@ -157,26 +157,6 @@ def test_the_peak_is_the_calibration_row_per_device_or_a_large_matmul(monkeypatc
     assert bench.peak_flops(_Mesh(_Device("cpu", "cpu")), np.dtype("float32"))[0] == 7e12 and sizes[-1] == 1024
 
 
-def test_traced_ops_go_to_the_category_of_their_instruction():
-    """A profile's op names are the compiled program's instruction names: each op's seconds go to the
-    category the model gives that instruction; a name the model's walk does not list is kept apart."""
-    from hybridmoe.tools.profile import UNMATCHED, by_category
-
-    text = """HloModule step
-
-ENTRY %main (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
-  %a = bf16[64,64]{1,0} parameter(0)
-  %b = bf16[64,64]{1,0} parameter(1)
-  %dot.1 = bf16[64,64]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/gdn_core/dot_general"}
-  %dot.2 = bf16[64,64]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/mlp/dot_general"}
-  ROOT %add.3 = bf16[64,64]{1,0} add(%dot.1, %dot.2), metadata={op_name="jit(step)/add"}
-}
-"""
-    got = by_category({"dot.1": 2e-3, "dot.2": 1.5e-3, "add.3": 1e-3, "copy-start.9": 5e-4}, text)
-    assert got["GDN"] == 2e-3 and got["dense matmuls"] == 1.5e-3 and got["the rest"] == 1e-3
-    assert got[UNMATCHED] == 5e-4 and got["attention"] == 0.0
-
-
 def test_the_arms_rates_by_hand(monkeypatch):
     """tokens/s per device and the useful MFU of an arm whose steps took 0.25 s each against a peak
     of 1e12 FLOP/s per device (the timing and the peak measurement stubbed; the arm is test_cli's

@@ -186,8 +186,9 @@ def _timed_visit(arm: Arm, setup, compiled, visit: int, steps: int, profile_step
             if i:
                 arm.times.append(time.perf_counter() - t0)
         if profile_steps:
-            ops = profile.trace_ops(lambda: step(steps + 1), profile_steps)
-            arm.profile = profile.by_category(ops, compiled.as_text())
+            text = compiled.as_text()
+            ops = profile.trace_ops(lambda: step(steps + 1), profile_steps, profile.module_name(text))
+            arm.profile = profile.by_category(ops, text)
     del state
 
 
