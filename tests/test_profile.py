@@ -161,3 +161,14 @@ ENTRY %main (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
     assert got[UNMATCHED] == 5e-4 and got["attention"] == 0.0
 
 
+
+
+def test_one_devices_ops_are_counted(tmp_path):
+    """Every device runs the same program and the estimate is per device: of two devices' lines only
+    /device:TPU:0's count (dot.1 100 us, not 100 + 70)."""
+    other = [{"ph": "M", "pid": 4, "name": "process_name", "args": {"name": "/device:TPU:1"}},
+             {"ph": "M", "pid": 4, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+             {"ph": "X", "pid": 4, "tid": 2, "ts": 0, "dur": 70, "name": "dot.1", "args": {}}]
+    _write_trace(tmp_path, [_op("dot.1", 0, 100), *other])
+    ops = profile.sum_ops(profile.op_events(profile.read_trace(str(tmp_path))), 1)
+    assert ops["dot.1"].seconds == pytest.approx(100e-6)

@@ -2,9 +2,10 @@
 
 `trace_ops` runs a compiled step under JAX's profiler and reads the trace it writes (the Chrome
 trace JSON beside the XSpace, `*.trace.json.gz`): each op the device ran, with its own seconds,
-summed per op over the steps traced. Which events are ops: on a TPU or GPU, those of the device's
-"XLA Ops" line (process "/device:TPU:0", thread "XLA Ops"); on a CPU, the host's thunks (events
-with an `hlo_op` argument). An op is named by its `hlo_op` argument where the event has one, else by
+summed per op over the steps traced. Which events are ops: on a TPU or GPU, those of the first
+device's "XLA Ops" line (process "/device:TPU:0", thread "XLA Ops"); on a CPU, the host's thunks of
+device 0 (events with an `hlo_op` argument): every device runs the same program, and the model's
+estimate is per device. An op is named by its `hlo_op` argument where the event has one, else by
 the event's name (both the HLO instruction's name, "%" or its text after a space dropped). The
 device's line nests a loop's body inside the loop's own event: each event counts its own time, less
 the events nested in it, so a loop's seconds are its body's and are not counted twice.
@@ -74,7 +75,12 @@ def op_events(trace: dict, module: str | None = None) -> list[tuple[str, float, 
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
     device = [e for e in complete if str(processes.get(e["pid"], "")).startswith("/device:")
               and threads.get((e["pid"], e.get("tid"))) == DEVICE_OPS_LINE]
-    chosen = device or [e for e in complete if (e.get("args") or {}).get("hlo_op")]
+    if device:  # one device's ops (every device runs the same program): the first by name
+        first = min(processes[e["pid"]] for e in device)
+        chosen = [e for e in device if processes[e["pid"]] == first]
+    else:
+        chosen = [e for e in complete if (e.get("args") or {}).get("hlo_op")
+                  and str((e.get("args") or {}).get("device_ordinal", 0)) == "0"]
     if module:
         chosen = [e for e in chosen if (e.get("args") or {}).get("hlo_module", module) == module]
     lines: dict[tuple, list[dict]] = defaultdict(list)
