@@ -7,7 +7,8 @@ Run on a TPU host (docs/tpu.md), one process holding the chip:
     python3 benchmarks/tpu_step.py --only default,pallas_gdn --no-grpo
 
 The arms are `hybridmoe bench` arms of the one-chip recipe (qwen3.5-35b-a3b-v5e-1): each compiled
-first, an arm that cannot fit the chip's free memory left out and recorded as refused, then timed in
+first, an arm the chip refuses for memory (its compiler, or its runtime at the arm's visit) left out
+and recorded as refused with the chip's own figures (analysis/device_refusal.py), then timed in
 two alternating visits with one arm's state on the chip at a time (tools/bench.py), each beside the
 model's estimate of the same compiled program on the chip's generation (calibrated where
 `hybridmoe calibrate` wrote its row). The GRPO loop is `hybridmoe rl` of the same recipe with no
@@ -88,20 +89,20 @@ def main(argv=None) -> int:
     arms = {}
     for name, a in results.items():
         if "refused" in a:
-            arms[name] = {"overrides": a["overrides"], "refused": a["refused"]}
+            arms[name] = {"overrides": a["overrides"], "refused": a["refused"], "device_refusal": a["device_refusal"]}
             continue
         est = a["estimate"] or {}
         arms[name] = {"overrides": a["overrides"], "measured_s": a["seconds_per_step"],
                       "estimated_s": est.get("step_s"), "measured_over_estimated": a["measured_over_estimated"],
-                      "step_times_s": a["step_times_s"], "compile_s": a["compile_s"], "useful_mfu": a["useful_mfu"],
+                      "step_times_s": a["step_times_s"], "compile_s": a["compile_s"], "mfu": a["mfu"], "useful_mfu": a["useful_mfu"],
                       "tokens_per_s": a["tokens_per_step"] / a["seconds_per_step"], "estimate": est,
                       "profile_category_s": a.get("profile_category_s"),
                       "memory": {k: a["program"].get(k) for k in ("argument", "temp", "output", "alias")}}
     timed = {n: a for n, a in arms.items() if "measured_s" in a}
     record = {"recipe": RECIPE, "overrides": list(args.overrides), "arms": arms,
               "fastest": min(timed, key=lambda n: timed[n]["measured_s"]) if timed else None,
-              "peak_flops_per_device": next((a["peak_flops_per_device"] for a in results.values()
-                                             if "peak_flops_per_device" in a), None)}
+              **next(({k: a[k] for k in ("peak_flops_per_device", "peak_source")} for a in results.values()
+                      if "peak_flops_per_device" in a), {"peak_flops_per_device": None, "peak_source": None})}
     if not args.no_grpo:
         record["grpo"] = time_grpo(list(args.overrides))
         print(f"GRPO: rollout {record['grpo']['rollout_tokens_per_s']:,.0f} tokens/s, update "

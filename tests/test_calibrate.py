@@ -21,11 +21,11 @@ def test_a_kernels_factor_is_what_is_left_of_the_measured_time_over_its_modelled
 def test_the_measurements_run_and_give_rates_and_costs():
     flops = calibrate.matmul_flops_per_s(256, repeats=3)
     hbm = calibrate.hbm_bytes_per_s(2**22, repeats=3)
-    per_op = calibrate.op_overhead_s(40, repeats=3)
+    per_op = calibrate.op_overhead_s(400, repeats=3)
     per_step = calibrate.grid_step_s(64, hbm, interpret=True, repeats=3)
     assert all(math.isfinite(v) and v >= 0 for v in (flops, hbm, per_op, per_step))
     assert flops > 1e8 and hbm > 1e7  # any CPU multiplies 256^3 and streams 4 MiB faster than this
-    # the grid step's own cost is what is left after its bytes: never negative, and a chain of 40 ops
+    # the grid step's own cost is what is left after its bytes: never negative, and a chain of 400 ops
     # costs more than one
     assert per_step >= 0 and per_op > 0
 
@@ -56,3 +56,31 @@ def test_kernel_factors_time_each_pallas_backend_against_its_modelled_program(mo
     assert set(got) == {"gmm"} and got["gmm"]["case"] == "gmm_tiny" and got["gmm"]["backend"].startswith("pallas")
     assert got["gmm"]["factor"] == pytest.approx(got["gmm"]["measured_s"] / 1e-6)
     assert texts and all("HloModule" in t for t in texts)  # each backend's compiled program was read
+
+
+def test_the_per_op_cost_is_the_chains_time_per_launch_added(monkeypatch):
+    """The timer stubbed: a call of the chain costs 50 us of its own plus 3 us per op launched, so
+    2000 ops take 6050 us and 500 take 1550: (6050 - 1550) / 1500 = 3 us per op. A chain whose time
+    does not grow with its length is refused, not written as a free op (the chip's 0.00 us)."""
+    import jax.numpy as jnp
+
+    timed = []
+
+    def chain_seconds(fn, x, n, repeats):
+        timed.append(int(n))
+        return 50e-6 + 3e-6 * int(n)
+
+    monkeypatch.setattr(calibrate, "median_seconds", chain_seconds)
+    assert calibrate.op_overhead_s(2000) == pytest.approx(3e-6, rel=1e-9)
+    assert timed == [2000, 500]
+    monkeypatch.setattr(calibrate, "median_seconds", lambda fn, x, n, repeats: 50e-6)
+    with pytest.raises(RuntimeError, match="no per-op cost"):
+        calibrate.op_overhead_s(2000)
+    # the chain is a loop of launches whose trip count is an argument: one op per iteration, unfusable
+    text = calibrate.op_chain().lower(jnp.ones((8, 128), jnp.float32), jnp.int32(2)).compile().as_text()
+    assert "while" in text
+
+
+def test_the_per_op_cost_measured_here_is_plausible():
+    # A CPU runs a loop iteration of one tiny op in well under a millisecond, and not in no time.
+    assert 0 < calibrate.op_overhead_s(400, repeats=3) < 1e-3

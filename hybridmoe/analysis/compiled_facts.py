@@ -29,7 +29,6 @@ import gzip
 import hashlib
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import jax
 import jaxlib
 
 from hybridmoe.analysis import program
+from hybridmoe.analysis.device_refusal import device_refusal
 
 SUBFOLDER = "program-facts"
 FORMAT = 1
@@ -73,13 +73,10 @@ class Facts:
     cached: bool = False
 
 
-_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED|Ran out of memory|VmemOom")
-
-
 def _refusal(error: jax.errors.JaxRuntimeError) -> bool:
     """A compiler's refusal of the program for memory (the device's, or a kernel's on-chip): the
     same program is refused the same way."""
-    return bool(_REFUSAL.search(str(error)))
+    return device_refusal(error) is not None
 
 
 def _rows(buffers: list[program.LiveBuffer]) -> list[dict]:

@@ -582,6 +582,27 @@ class Estimator:
         """ops() with each op's instruction name (what a profiler's trace names it by)."""
         return self._walk(self.entry)
 
+    def instruction_categories(self) -> dict[str, str]:
+        """{instruction name: category} of every instruction a device can run (names are unique in a
+        module): the walk's ops as it costs them; the others (a conditional's lighter branch, a loop
+        itself, an async op's other half) by the same classifier over their op_name. Instructions
+        inside a fusion are left out: a device runs the fusion."""
+        out = {name: c.category for name, c, _ in self._walk(self.entry)}
+        fused = {callee for body in self.comps.values() for i in body if i.opcode == "fusion"
+                 for callee in _CALLS.findall(i.attrs)}
+        for comp, body in self.comps.items():
+            if comp in fused:
+                continue
+            for i in body:
+                if i.name in out:
+                    continue
+                if i.opcode.removesuffix("-done").removesuffix("-start") in COLLECTIVES:
+                    out[i.name] = "collectives"
+                    continue
+                c = self._instr_cost(i, comp)
+                out[i.name] = c.category if c is not None else category_of(i.op_name, False)
+        return out
+
 
 def _flat_time(c: OpCost) -> float:
     """A hardware-free weight to pick a conditional's heaviest branch: FLOPs + 300 x bytes."""

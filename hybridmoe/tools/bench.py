@@ -1,15 +1,24 @@
 """The step-time bench: named arms (sets of overrides) of one recipe, timed in one process.
 
-Every arm is built and compiled first, and an arm whose step cannot fit the device's free memory
-is refused before anything runs. Then the arms take turns in two visits each (A B C, then B C A):
+Every arm is built and compiled first. Whether an arm fits is the device's call, as it is for
+`hybridmoe train` (the same jitted step: run/setup.jit_train_step, the state donated): an arm the
+compiler refuses for memory, or whose arguments alone exceed the device's free memory (certain: the
+state and batch must all be on the device), is refused before anything runs; an arm whose
+allocation the runtime refuses at its visit is refused then. Each refusal carries the device's own
+figures (analysis/device_refusal.py), not a sum of XLA's memory analysis, which on a TPU counts
+temporaries its buffer assignment packs into less (16.68 GiB summed for a step that runs in 15.75).
+Then the arms take turns in two visits each (A B C, then B C A):
 a visit makes the arm's state on the device, runs one untimed step and then its timed ones, and
 frees the state, so only one arm's state is on the device at a time (a chip's 16 GiB holds one
 arm of a large model, not two). Seconds per step is the mean of the timed steps. Beside it, the
 step-time model's estimate of the same compiled program on the device's own generation
 (analysis/step_estimate.py; calibrated where `hybridmoe calibrate` ran on that generation).
 Program facts come from the compiled step: temporaries and collectives inside the layer loop.
-MFU: the compiled step's FLOPs (XLA's count, per device) per second, over a peak measured on the
-same devices just before the arms run (a dense matmul on every device at once, best of a few).
+MFU: the compiled step's FLOPs (XLA's count, per device) per second, over the chip's bf16 ceiling:
+its generation's calibration row (analysis/chip_calibration.json, `hybridmoe calibrate`) where there
+is one, else a dense matmul measured on the same devices just before the arms run (8192^3 on an
+accelerator, large enough that only the matrix unit bounds it; 1024^3 on a CPU), the record saying
+which (`peak_source`).
 Useful MFU: the same with the step's useful FLOPs counted from the model shape
 (hybridmoe.analysis.flops, as benchmarks/step_anatomy.py counts both frameworks), which do not
 grow with work a kernel wastes (ragged_dot on CPU computes every expert for every row).
@@ -35,6 +44,7 @@ from hybridmoe.config.schema import Config
 from hybridmoe.parallel.host import fetch_global, put_global
 from hybridmoe.data.synthetic import synthetic_batch
 from hybridmoe.run.setup import build, init_state, jit_train_step
+from hybridmoe.analysis.device_refusal import describe, device_refusal
 
 
 @dataclasses.dataclass
@@ -47,6 +57,7 @@ class Arm:
     program: dict = dataclasses.field(default_factory=dict)
     estimate: dict | None = None
     profile: dict | None = None   # the device's seconds per step by category (bench --profile)
+    refusal: dict | None = None   # the device's refusal for memory (analysis/device_refusal.py), or ours
 
 
 def parse_arm(text: str) -> tuple[str, list[str]]:
@@ -57,11 +68,14 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
     return name, [o for o in rest.split(",") if o]
 
 
-def measure_peak_flops(mesh, dtype, size: int = 1024, repeats: int = 5) -> float:
+def measure_peak_flops(mesh, dtype, size: int | None = None, repeats: int = 5) -> float:
     """FLOP/s per device of a [size, size] x [size, size] matmul run on every device of the mesh
-    at once (best of `repeats`): the peak the step's MFU is measured against."""
+    at once (best of `repeats`). size: 8192 on an accelerator (a 1024^3 product measured 3.5 TFLOP/s
+    on a v5e that does 164: launch-bound, not a ceiling), 1024 on a CPU."""
     from jax.sharding import NamedSharding, PartitionSpec
 
+    if size is None:
+        size = 1024 if mesh.devices.flat[0].platform == "cpu" else 8192
     n = mesh.size
     sh = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
     a = jax.device_put(jnp.ones((n, size, size), dtype), sh)
@@ -73,6 +87,25 @@ def measure_peak_flops(mesh, dtype, size: int = 1024, repeats: int = 5) -> float
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return 2 * size**3 / best
+
+
+def peak_flops(mesh, dtype) -> tuple[float, str]:
+    """(FLOP/s per device, where it came from) that MFU is taken against: the calibration row of
+    the devices' generation (its measured bf16 matmul rate per chip over the devices on a chip),
+    else a matmul measured on the spot."""
+    from hybridmoe.analysis.hardware import MAKERS, read_calibration
+    from hybridmoe.kernels.platform import generation_of_device
+
+    generation = generation_of_device(mesh.devices.flat[0])
+    row = read_calibration().get(generation) if generation else None
+    if row:
+        measured = row.get("measured", {})
+        return (row["bf16_flops_chip"] / MAKERS[generation].devices_per_chip,
+                f"the {generation} calibration row (analysis/chip_calibration.json: {measured.get('matmul', 'a matmul')} "
+                f"on {measured.get('device', '?')} at {str(measured.get('commit', '?'))[:10]})")
+    size = 1024 if mesh.devices.flat[0].platform == "cpu" else 8192
+    return (measure_peak_flops(mesh, dtype, size),
+            f"a {size}^3 {jnp.dtype(dtype).name} matmul on every device at once, measured before the arms")
 
 
 def _arm_config(recipe: str, words: list[str]) -> Config:
@@ -89,23 +122,26 @@ def device_free_bytes(device) -> int | None:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
-def program_bytes(figures: dict) -> int:
-    """The device memory one run of a compiled step holds at its peak: its arguments (the state and
-    the batch), temporaries and outputs, less the outputs that reuse a donated argument's buffer."""
-    return figures.get("argument", 0) + figures.get("temp", 0) + figures.get("output", 0) - figures.get("alias", 0)
+def arguments_refusal(figures: dict, free_bytes: int | None) -> dict | None:
+    """The one refusal certain before the device is asked: the step's arguments (the state and the
+    batch, which must all be on the device) alone exceed its free memory. Temporaries are not
+    judged here: XLA's memory analysis sums more of them than the compiler's buffer assignment
+    holds, and the compiler, which refuses a program that does not fit, has already accepted it."""
+    if free_bytes is None or figures.get("argument", 0) <= free_bytes:
+        return None
+    return {"what": "the step's arguments (state and batch)", "when": "before running",
+            "needed_bytes": figures["argument"], "available_bytes": free_bytes,
+            "message": "XLA's memory analysis of the compiled step, against the device's memory_stats"}
 
 
-def fit_problems(arms: list[Arm], free_bytes: int | None) -> list[str]:
-    """One line per arm whose step needs more device memory than is free (each arm's state is on the
-    device alone, so each is checked against all of it)."""
-    if free_bytes is None:
-        return []
-    gib = 2**30
-    return [f"--arm {a.name}: its step needs {program_bytes(a.program) / gib:.2f} GiB per device (arguments "
-            f"{a.program.get('argument', 0) / gib:.2f}, temporaries {a.program.get('temp', 0) / gib:.2f}, outputs not "
-            f"aliased {(a.program.get('output', 0) - a.program.get('alias', 0)) / gib:.2f}) and the device has "
-            f"{free_bytes / gib:.2f} GiB free: shorten train.seq_len or train.batch_size, or remat more "
-            "(remat.policy=full)" for a in arms if program_bytes(a.program) > free_bytes]
+def refusal_line(arm: Arm) -> str:
+    """--arm NAME: why it was refused, with the figures, and what to change."""
+    r = arm.refusal
+    said = (describe(r) if r["when"] in ("compile", "run") or r["needed_bytes"] is None else
+            f"{r['what']} need {r['needed_bytes'] / 2**30:.2f} GiB per device and the device has "
+            f"{r['available_bytes'] / 2**30:.2f} GiB free")
+    return (f"--arm {arm.name}: {said}: shorten train.seq_len or train.batch_size, or remat more "
+            "(remat.policy=full)")
 
 
 def _estimate(compiled, cfg: Config, devices, hardware: str | None) -> dict | None:
@@ -150,8 +186,9 @@ def _timed_visit(arm: Arm, setup, compiled, visit: int, steps: int, profile_step
             if i:
                 arm.times.append(time.perf_counter() - t0)
         if profile_steps:
-            ops = profile.trace_ops(lambda: step(steps + 1), profile_steps)
-            arm.profile = profile.by_category(ops, compiled.as_text())
+            text = compiled.as_text()
+            ops = profile.trace_ops(lambda: step(steps + 1), profile_steps, profile.module_name(text))
+            arm.profile = profile.by_category(ops, text)
     del state
 
 
@@ -178,7 +215,13 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                                                 arm.cfg.model.vocab_size), setup.batch_sharding(1))
             t0 = time.perf_counter()
             lowered = step_fn.lower(setup.abstract_state(), batch0)
-            compiled = lowered.compile()
+            try:
+                compiled = compile_lowered(lowered)
+            except jax.errors.JaxRuntimeError as e:
+                arm.refusal = device_refusal(e, "compile")
+                if arm.refusal is None:
+                    raise
+                continue
             arm.compile_s = time.perf_counter() - t0
         colls, lowered_colls = parse_hlo(compiled.as_text()), parse_stablehlo(lowered.as_text())
         per_loop = lambda cs: {loop: dict(c) for loop, c in per_iteration(cs).items()}  # noqa: E731
@@ -196,29 +239,39 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
         runs.append((arm, setup, compiled))
         del batch0
     if free_bytes == -1:
-        free_bytes = device_free_bytes(runs[0][1].mesh.devices.flat[0])
-    refused = fit_problems(built, free_bytes)
+        free_bytes = device_free_bytes(jax.devices()[0])
+    for arm, _, _ in runs:
+        arm.refusal = arguments_refusal(arm.program, free_bytes)
+    refused = [refusal_line(a) for a in built if a.refusal]
     if refused and not skip_unfit:
         raise ValueError("arms that cannot fit the device (nothing was timed):\n  " + "\n  ".join(refused))
-    unfit = {line.split(":", 1)[0].removeprefix("--arm "): line for line in refused}
-    runs = [r for r in runs if r[0].name not in unfit]
-    if not runs:
-        return {a.name: {"overrides": a.overrides, "refused": unfit[a.name]} for a in built}
-    peak = measure_peak_flops(runs[0][1].mesh, jnp.dtype(built[0].cfg.model.compute_dtype))
+    runs = [r for r in runs if not r[0].refusal]
+    peak, peak_source = peak_flops(runs[0][1].mesh, jnp.dtype(built[0].cfg.model.compute_dtype)) if runs else (0, "")
     visits = 2
     per_visit = -(-steps // visits)
     for visit in range(visits):
         for i in np.roll(np.arange(len(runs)), -visit):
-            _timed_visit(*runs[i], visit, per_visit, profile_steps if visit == visits - 1 else 0)
+            arm = runs[i][0]
+            if arm.refusal:
+                continue
+            try:
+                _timed_visit(*runs[i], visit, per_visit, profile_steps if visit == visits - 1 else 0)
+            except jax.errors.JaxRuntimeError as e:
+                # The runtime's no at load or run (the arm's state was freed with the visit's frame).
+                arm.refusal = device_refusal(e, "run")
+                if arm.refusal is None:
+                    raise
     out = {}
     for arm, setup, _ in runs:
+        if arm.refusal:
+            continue
         t = arm.cfg.train
         sec = float(np.mean(arm.times))
         tokens = t.micro_batches * t.batch_size * t.seq_len
         out[arm.name] = {"overrides": arm.overrides, "seconds_per_step": sec, "step_times_s": arm.times,
                          "tokens_per_step": tokens, "tokens_per_s_per_device": tokens / sec / setup.mesh.size,
                          "compile_s": arm.compile_s, "program": arm.program,
-                         "peak_flops_per_device": peak,
+                         "peak_flops_per_device": peak, "peak_source": peak_source,
                          "mfu": arm.program["flops_per_device"] / sec / peak,
                          "useful_flops_per_step": step_flops(arm.cfg),
                          "useful_mfu": step_flops(arm.cfg) / setup.mesh.size / sec / peak,
@@ -227,10 +280,15 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                          "profile_category_s": arm.profile,
                          "config": json.loads(arm.cfg.model_dump_json())}
     for arm in built:
-        if arm.name in unfit:
-            out[arm.name] = {"overrides": arm.overrides, "refused": unfit[arm.name], "program": arm.program,
-                             "estimate": arm.estimate}
+        if arm.refusal:
+            out[arm.name] = {"overrides": arm.overrides, "refused": refusal_line(arm), "device_refusal": arm.refusal,
+                             "program": arm.program, "estimate": arm.estimate}
     return out
+
+
+def compile_lowered(lowered):
+    """The device's compile of an arm's step: the compiler refuses a program that cannot fit."""
+    return lowered.compile()
 
 
 def format_table(results: dict) -> str:
@@ -251,9 +309,10 @@ def format_table(results: dict) -> str:
                      f"{a['mfu']:>6.1%} {a['useful_mfu']:>6.1%} "
                      + (f"{est['step_s']:>8.4f} {a['measured_over_estimated']:>8.2f}" if est else f"{'-':>8} {'-':>8}"))
     if timed:
-        lines.append(f"MFU: XLA's FLOPs of the step per device per second over a measured peak of "
-                     f"{next(iter(timed.values()))['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device (dense matmul "
-                     "on every device at once); useful: the model's FLOPs counted from its shape")
+        first_timed = next(iter(timed.values()))
+        lines.append(f"MFU: XLA's FLOPs of the step per device per second over a peak of "
+                     f"{first_timed['peak_flops_per_device'] / 1e9:.1f} GFLOP/s per device ({first_timed['peak_source']}); "
+                     "useful: the model's FLOPs counted from its shape")
     if estimated:
         source = "calibrated on a chip" if estimated["calibrated"] else "the maker's figures"
         lines.append(f"est.: the step-time model on {estimated['hardware']} ({source}), collectives not overlapped")

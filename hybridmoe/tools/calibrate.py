@@ -6,8 +6,9 @@ maker's figures and an assumed grid-step cost. This command measures, on the chi
 
 - the bf16 matmul rate: an n x n x n product (8,192: large enough that nothing but the MXU bounds it);
 - the HBM rate: an elementwise pass over a 1 GiB bf16 array (it reads and writes every byte once);
-- the fixed cost of one launched op: a chain of small ops that no fusion can merge (each behind an
-  optimization barrier), its time per op over the chain's length;
+- the fixed cost of one launched op: a loop whose body is one tiny op on the last one's result,
+  run 2,000 and 500 times, its time per iteration added (each iteration a launch; fusion cannot merge
+  them);
 - the fixed cost of one Pallas grid step: a kernel that copies 4 KiB blocks over a long grid, its
   time per step less the step's bytes at the measured HBM rate;
 - per Pallas kernel, its measured time over the model's at the kernel cases' shapes
@@ -52,20 +53,33 @@ def hbm_bytes_per_s(nbytes: int = 2**30, repeats: int = 10) -> float:
     return 2 * nbytes / median_seconds(jax.jit(lambda x: x * 2 + 1), x, repeats=repeats)
 
 
-def _chain(length: int):
-    def f(x):
-        for _ in range(length):
-            x = jax.lax.optimization_barrier(x * 1.0001 + 1.0)
-        return x
-    return jax.jit(f)
+def op_chain():
+    """One tiny op launched again and again: a while loop whose body is one [8, 128] float32 op on
+    the last one's result, its trip count an argument (the loop cannot be unrolled, nor its ops fused
+    across iterations: each iteration is a launch of the body). A chain written out in one program
+    measured nothing on a TPU (0.00 us per op): the compiler fuses a straight line of elementwise ops,
+    optimization barriers or not."""
+    def chain(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, x: jax.lax.optimization_barrier(x * 1.0001 + 1.0), x)
+    return jax.jit(chain)
 
 
 def op_overhead_s(length: int = 2000, repeats: int = 5) -> float:
-    """Seconds one launched op costs beyond its work: the chain of `length` ops less the chain of
-    one, per op added (the ops are [8, 128] float32: their work is nothing)."""
-    x = jnp.ones((8, 128), jnp.float32)
-    long, short = median_seconds(_chain(length), x, repeats=repeats), median_seconds(_chain(1), x, repeats=repeats)
-    return max(long - short, 0.0) / (length - 1)
+    """Seconds one launched op costs beyond its work (the ops are [8, 128] float32: their work is
+    nothing): the chain run `length` times less the chain run a quarter as many, per op added (the
+    call's own fixed cost cancels). Raises when that is not positive: a figure of zero is a
+    measurement that failed, not a free op."""
+    fn, x = op_chain(), jnp.ones((8, 128), jnp.float32)
+    if "while" not in fn.lower(x, jnp.int32(2)).compile().as_text():
+        raise RuntimeError("the op chain compiled without its loop: its ops were not launched one by one")
+    short = max(1, length // 4)
+    long_s = median_seconds(fn, x, jnp.int32(length), repeats=repeats)
+    short_s = median_seconds(fn, x, jnp.int32(short), repeats=repeats)
+    per_op = (long_s - short_s) / (length - short)
+    if per_op <= 0:
+        raise RuntimeError(f"{length} launched ops took {long_s * 1e6:.1f} us and {short} took {short_s * 1e6:.1f}: "
+                           "no per-op cost can be read from that")
+    return per_op
 
 
 def grid_step_s(steps: int = 2**16, hbm_rate: float | None = None, *, interpret: bool = False,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from hybridmoe.analysis import compiled_facts, peak_memory, program
 from hybridmoe.analysis.flops import model_flops_per_device
 from hybridmoe.config.schema import Config
+from hybridmoe.analysis.device_refusal import device_refusal
 
 GIB = 2**30
 
@@ -128,20 +129,14 @@ class CompiledStep:
 
 
 # The TPU compiler refuses a program whose buffers exceed the device's HBM (after buffer
-# assignment, so the figure is the program's own) with, in the pinned libtpu:
-#   RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries
-#   (132.47G) exceeds available HBM (94.75G).
+# assignment, so the figure is the program's own): analysis/device_refusal.py reads its figures.
 # "G" is GiB there (a 96 GiB tpu7x device reports 94.75G available: the runtime's reserve).
-_HBM_REFUSAL = re.compile(r"RESOURCE_EXHAUSTED: Ran out of memory on HBM.*?temporaries \(([\d.]+)G\)"
-                          r".*?available HBM \(([\d.]+)G\)", re.S)
-
-
 def _out_of_hbm(error: Exception) -> dict | None:
-    m = _HBM_REFUSAL.search(str(error))
-    if not m:
+    """The compiler's refusal of the program's temporaries (None: another error, or another form)."""
+    refusal = device_refusal(error)
+    if refusal is None or refusal["what"] != "HLO temporaries":
         return None
-    return {"temp": round(float(m.group(1)) * GIB), "available": round(float(m.group(2)) * GIB),
-            "message": str(error).strip().splitlines()[0][:400],
+    return {"temp": refusal["needed_bytes"], "available": refusal["available_bytes"], "message": refusal["message"],
             "largest": buffer_rows(getattr(error, "peak_buffers", []))}
 
 
