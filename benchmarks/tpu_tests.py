@@ -32,6 +32,7 @@ class Outcomes:
         row["s"] += report.duration
         if report.failed:
             row["outcome"] = "failed"
+            row["failure"] = report.longreprtext[-3000:]  # the record says why, even when the call is cut
         elif report.skipped and row["outcome"] != "failed":
             row["outcome"] = "skipped"
         if report.when == "teardown":

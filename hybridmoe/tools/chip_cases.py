@@ -527,10 +527,13 @@ def _cp_raw(g):
 
 
 def _cp_terms(q, k, v, gate, beta, chunk):
+    """The chunk terms the scans take, at HIGHEST precision: the cases test the scans, and a TPU's
+    default precision (one bfloat16 pass) would put 3e-3 of error into their inputs alike."""
     from hybridmoe.kernels.gdn.xla import chunk_terms, prepare_chunks
 
-    x, starts = prepare_chunks(q, k, v, gate, beta, jnp.zeros(q.shape[:2], bool), chunk, True)
-    return chunk_terms(x, starts)
+    with jax.default_matmul_precision("highest"):
+        x, starts = prepare_chunks(q, k, v, gate, beta, jnp.zeros(q.shape[:2], bool), chunk, True)
+        return chunk_terms(x, starts)
 
 
 def _cp_make(with_do: bool):
