@@ -4,12 +4,15 @@
 
 Writes benchmarks/records/tpu_tests.json: device, commit, passed, failed, skipped, collected, and
 each test's outcome and seconds; rewritten after every test (`complete` false until the session
-ends), so a call cut short still returns what finished. Exits 1 when a test failed (the record is
+ends), so a call cut short still returns what finished. An earlier record of the same device is
+merged into: the tests run now replace theirs, the others keep their outcome and commit (rerun the
+failed ones by naming them). Exits 1 when a test failed (the record is
 written either way).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -38,12 +41,32 @@ class Outcomes:
         if report.when == "teardown":
             self.write(complete=False)
 
-    def counts(self) -> dict[str, int]:
-        return {k: sum(t["outcome"] == k for t in self.tests.values()) for k in ("passed", "failed", "skipped")}
-
     def write(self, complete: bool) -> None:
-        harness.write(self.out, "tpu_tests", **self.counts(), collected=self.collected, complete=complete,
-                      tests=self.tests)
+        from hybridmoe.tools.record import machine_record, source_commit
+
+        tests = merged(read_previous(self.out, machine_record()["device"]), self.tests, source_commit())
+        harness.write(self.out, "tpu_tests", **counts_of(tests), collected=self.collected, complete=complete,
+                      tests=tests)
+
+
+def read_previous(out: str, device: str) -> dict:
+    """The tests of an earlier record of the same device at `out` ({} when none)."""
+    path = Path(out)
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    return old.get("tests", {}) if old.get("device") == device else {}
+
+
+def merged(previous: dict, now: dict, commit: str) -> dict:
+    """Every test's latest outcome: the tests run now (each named with this commit) replace theirs;
+    the others keep their outcome and the commit they ran at (a rerun of the failed ones after a
+    fix leaves the passed ones standing)."""
+    return {**previous, **{name: {**row, "commit": commit} for name, row in now.items()}}
+
+
+def counts_of(tests: dict) -> dict[str, int]:
+    return {k: sum(t["outcome"] == k for t in tests.values()) for k in ("passed", "failed", "skipped")}
 
 
 def main(argv=None) -> int:
@@ -58,8 +81,8 @@ def main(argv=None) -> int:
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         raise SystemExit(f"pytest --chip ended with {code!r}" + ("" if outcomes.tests else ": no record written"))
     outcomes.write(complete=True)
-    counts = outcomes.counts()
-    print(", ".join(f"{n} {k}" for k, n in counts.items()) + f" of {outcomes.collected} collected")
+    counts = counts_of(outcomes.tests)
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + f" of {outcomes.collected} collected (this run)")
     return 1 if counts["failed"] else 0
 
 

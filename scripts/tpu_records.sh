@@ -50,6 +50,8 @@ if [ "${1:-}" = "place" ]; then
     esac
     cp "$f" "$dest$name" && echo "placed $dest$name"
   done
+  # The stamp named the tree that was sent; left here it would name every later record made here.
+  rm -f .source-commit
   exit 0
 fi
 trap copy_results EXIT

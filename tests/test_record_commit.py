@@ -1,6 +1,7 @@
-"""The commit a record names: git where the tree is its own checkout, else the stamp written before
-the tree was copied, never an enclosing repository's HEAD (the chip's copy sat inside another checkout
-and its records named that repository's commit)."""
+"""The commit a record names: the stamp written before the tree was copied wherever there is one (the
+chip host's copy sat in a git repository of its own whose HEAD was an older commit, and before that
+inside another project's checkout: both named the wrong commit), else git where the tree is the root
+of its own checkout, never an enclosing repository's HEAD."""
 
 import subprocess
 
@@ -20,11 +21,19 @@ def _repo(path):
 
 def test_own_checkout_names_its_head_and_marks_a_changed_package(tmp_path):
     head = _repo(tmp_path)
-    (tmp_path / COMMIT_STAMP).write_text("f" * 40 + "\n")  # a stale stamp loses to git in its own checkout
     assert commit_of(tmp_path) == head
     (tmp_path / "hybridmoe").mkdir()
     (tmp_path / "hybridmoe" / "x.py").write_text("")
     assert commit_of(tmp_path) == head + "+modified"
+
+
+def test_a_stamp_wins_over_the_copy_s_own_git(tmp_path):
+    """The chip host's copy is the root of a git repository whose HEAD is not the commit sent."""
+    head = _repo(tmp_path)
+    (tmp_path / "hybridmoe").mkdir()
+    (tmp_path / "hybridmoe" / "x.py").write_text("")
+    (tmp_path / COMMIT_STAMP).write_text("c" * 40 + "\n")
+    assert commit_of(tmp_path) == "c" * 40 != head
 
 
 def test_a_copy_inside_another_checkout_names_its_stamp_not_that_head(tmp_path):

@@ -15,10 +15,12 @@ from pathlib import Path
 def source_commit() -> str:
     """The checkout's commit, "+modified" when the package's files differ from it; "" when unknown.
 
-    Where this tree is the root of its own git checkout, git says. Anywhere else (a copy of the tree
-    sent to an accelerator host, with no history of its own, which may sit inside some other git
-    checkout) the stamp file written before the copy was made says, and an enclosing repository's
-    HEAD is never taken: it is another project's commit.
+    The stamp file, where there is one, says: it is written just before a copy of the tree is sent to
+    an accelerator host (`scripts/tpu_records.sh stamp`; `place` removes it when the files come
+    back), and whatever git the copy sits in there is not this history (the chip host's copy sat
+    in a repository whose HEAD was the session's first commit, plus changes; before that, inside
+    another project's checkout). Without a stamp, git says where this tree is the root of its own
+    checkout; anywhere else the commit is unknown, never an enclosing repository's HEAD.
 
     Read once, on the first call, and kept: a command or benchmark that writes a record calls it
     when it starts (`hybridmoe bench/eval/inspect/gates --out`, `benchmarks/harness.py`), so a long
@@ -30,18 +32,19 @@ def source_commit() -> str:
 def commit_of(root: Path) -> str:
     """source_commit for the project tree at `root` (its package in root/hybridmoe)."""
     root = root.resolve()
+    stamp = root / COMMIT_STAMP
+    if stamp.is_file():
+        return stamp.read_text().strip()
     try:
         top_and_head = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
                                       text=True, cwd=root).stdout.split()
     except OSError:
         top_and_head = []
-    if len(top_and_head) == 2 and Path(top_and_head[0]).resolve() == root:
-        head = top_and_head[1]
-        changed = subprocess.run(["git", "status", "--porcelain", "--", "hybridmoe"], capture_output=True,
-                                 text=True, cwd=root).stdout.strip()
-        return head + ("+modified" if changed else "")
-    stamp = root / COMMIT_STAMP
-    return stamp.read_text().strip() if stamp.is_file() else ""
+    if len(top_and_head) != 2 or Path(top_and_head[0]).resolve() != root:
+        return ""
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "hybridmoe"], capture_output=True,
+                             text=True, cwd=root).stdout.strip()
+    return top_and_head[1] + ("+modified" if changed else "")
 
 
 # The commit a copy of the checkout was made from, for a host that gets the files without the
