@@ -29,7 +29,8 @@ from hybridmoe.recipe.validate import check_rl_requirements
 from hybridmoe.model.params import abstract_params
 from hybridmoe.parallel.host import fetch_global, put_global
 from hybridmoe.rl.advantages import advantage_stats, group_advantages
-from hybridmoe.rl.grpo import jit_grpo_step, jit_old_logprobs, policy_updates, rl_optimizer, update_batch_shardings, update_rows
+from hybridmoe.rl.grpo import policy_updates, rl_optimizer, update_batch_shardings, update_rows
+from hybridmoe.rl.memory_plan import UpdatePlan, plan_updates
 from hybridmoe.rl.reward_loading import load_rewards
 from hybridmoe.rl.rewards import RewardFn, apply_reward_error_policy, score_completions
 from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
@@ -38,10 +39,11 @@ from hybridmoe.data.prompts import PromptSetTask
 from hybridmoe.data.sources import config_tokenizer
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
 from hybridmoe.run.hf_io import params_from_hf
+from hybridmoe.run.memory_fit import memory_budget_bytes
 from hybridmoe.run.metrics import plot_metrics
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.run.session import open_session, start_config
-from hybridmoe.run.setup import init_state, jit_train_step
+from hybridmoe.run.setup import build, init_state, jit_train_step
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class _Run:
     generate: object
     rl_init: object
     old_logprobs: object = None
+    old_logprobs_micro_batches: int | None = None
     empty_steps: int = 0  # GRPO steps in a row that scored no sample
 
     @property
@@ -216,7 +219,8 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
     rows = update_rows(cfg, rollout, adv_PG.reshape(-1), keep_PG.reshape(-1))
     t1 = time.perf_counter()
     put = lambda batch, with_old: put_global(batch, update_batch_shardings(run.setup, with_old))  # noqa: E731
-    state, m = policy_updates(cfg, rows, step, state, ref_params, run.grpo_step, run.old_logprobs, put, fetch_global)
+    state, m = policy_updates(cfg, rows, step, state, ref_params, run.grpo_step, run.old_logprobs, put, fetch_global,
+                              old_micro_batches=run.old_logprobs_micro_batches)
     t_update = time.perf_counter() - t1
     dt = time.perf_counter() - t0
 
@@ -246,6 +250,9 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
         # pass (several updates per rollout only), the updates.
         "rollout_time_s": t_rollout, "rollout_tokens_per_s": ds["rollout_tokens"] / t_rollout,
         "old_logprobs_time_s": m["old_logprobs_time_s"], "update_time_s": t_update - m["old_logprobs_time_s"],
+        # The counts rl/memory_plan.py chose (or checked) for the device's memory.
+        "micro_batches": float(r.micro_batches),
+        "old_logprobs_micro_batches": float(run.old_logprobs_micro_batches or r.micro_batches),
     }
     return state, rec
 
@@ -301,12 +308,15 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
         if (saved.get("config", {}).get("rl", {}).get("beta", 0) > 0) != with_reference:
             raise RunError("--resume: rl.beta switches the reference policy on or off; keep the run's rl.beta")
 
+    # Before anything is written or placed on the device: rl.micro_batches chosen (auto) or checked
+    # against the device's free memory, on the set-up open_session then takes (build() keeps it).
+    plan = plan_updates(build(cfg), with_reference, memory_budget_bytes(cfg)) if r.steps else None
     session = open_session(cfg, out, resume=resume, overwrite=overwrite, init_hf=init_hf, abstract_tree=abstract,
                            fresh_tree=fresh, check_saved=check_saved)
     saved = session.saved_meta
     key = (jax.random.wrap_key_data(jnp.asarray(saved["rng_key"], jnp.uint32)) if saved
            else jax.random.key(cfg.train.seed + 1))
-    run = _build_run(cfg, session.setup, task, tokenizer, reward_fns, with_reference)
+    run = _build_run(cfg, session.setup, task, tokenizer, reward_fns, with_reference, plan)
 
     def step(tree, i: int):
         nonlocal key
@@ -351,9 +361,17 @@ def _task_and_rewards(cfg: Config, init_hf: Path | None, task: Task | None, rewa
     return tokenizer, task, list(reward_fns)
 
 
-def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns, with_reference: bool) -> _Run:
+def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns, with_reference: bool,
+               plan: UpdatePlan | None) -> _Run:
     """The compiled step functions of the warm-up, the sampler and the GRPO update (kept on the
-    set-up: a resume in this process reuses them)."""
+    set-up: a resume in this process reuses them); the GRPO update's and the pi_old pass's are
+    `plan`'s (rl/memory_plan.py), and cfg.rl.micro_batches is resolved to the update's count."""
+    if plan is not None:
+        log.info("rl.micro_batches=%s: the GRPO update in %d micro-batch(es) (%s per device)%s", cfg.rl.micro_batches,
+                 plan.micro_batches, _gib(plan.update.need),
+                 f", the pi_old pass in {plan.old_logprobs.count} ({_gib(plan.old_logprobs.need)})"
+                 if plan.old_logprobs is not None else "")
+        cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"micro_batches": plan.micro_batches})})
     r = cfg.rl
     rl_opt = rl_optimizer(cfg)
     replicated = NamedSharding(setup.mesh, PartitionSpec())
@@ -362,7 +380,7 @@ def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns,
     return _Run(
         cfg, task, tokenizer, reward_fns, setup,
         setup.kept("train_step", lambda: jit_train_step(setup)) if r.warmup_steps else None,
-        setup.kept(("grpo_step", with_reference), lambda: jit_grpo_step(setup, with_reference)) if r.steps else None,
+        plan.update.compiled if plan is not None else None,
         setup.kept(("generate", opts), lambda: make_generate(
             cfg, opts, group_size=r.group_size,
             in_shardings=(setup.param_shardings, replicated, replicated, replicated, replicated))),
@@ -370,4 +388,9 @@ def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns,
         setup.kept("rl_optimizer_init", lambda: jax.jit(
             lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
             in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings)),
-        setup.kept("old_logprobs", lambda: jit_old_logprobs(setup)) if r.steps and r.updates_per_rollout > 1 else None)
+        plan.old_logprobs.compiled if plan is not None and plan.old_logprobs is not None else None,
+        plan.old_logprobs_micro_batches if plan is not None else None)
+
+
+def _gib(need: int) -> str:
+    return f"{need / 2**30:.2f} GiB"
