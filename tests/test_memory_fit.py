@@ -82,9 +82,9 @@ def test_hybridmoe_rl_refuses_the_set_count_in_one_line_before_any_rollout(measu
 
 def test_an_auto_run_trains_with_the_count_chosen_for_its_budget(measured, tmp_path):
     _, need = measured
-    cfg = tiny_config(*WORDS, f"run.memory_budget_gib={between(need) / GIB!r}")
+    cfg = tiny_config(*WORDS, "rl.rollout_batches=2", f"run.memory_budget_gib={between(need) / GIB!r}")
     history = run_rl(cfg, tmp_path / "run", progress=False)
-    assert [rec["micro_batches"] for rec in history] == [2.0]
+    assert [(rec["micro_batches"], rec["rollout_batches"]) for rec in history] == [(2.0, 2.0)]
 
 
 def test_a_memory_error_at_run_time_is_one_line(monkeypatch, capsys):
@@ -107,3 +107,21 @@ def broken_fit(request, monkeypatch):
 def test_broken_search_is_caught(broken_fit, measured):
     with pytest.raises(AssertionError):
         check_auto_choice(*measured)
+
+
+def test_auto_sampler_passes_hold_the_fewest_rows_in_flight_that_fit_beside_the_optimizer_state(measured):
+    """rl.rollout_batches: the sampler's program at 16 and at 8 prompts a pass (64 and 32 rows of
+    KV cache and GDN state in flight); the budget less the optimizer state it runs beside."""
+    from hybridmoe.rl.loop import sampling_options
+    from hybridmoe.data.tokenizer import load_tokenizer
+    from hybridmoe.rl.memory_plan import plan_rollout, sampler_program
+
+    setup, _ = measured
+    opts = sampling_options(setup.cfg, load_tokenizer(None))
+    need = {n: by_hand(sampler_program(setup, opts, 16 // n)) for n in (1, 2)}
+    assert need[1] > need[2], need
+    beside = memory_fit.per_device_bytes(setup.abstract_state()["opt_state"])
+    chosen = plan_rollout(setup, opts, False, between(need) + beside, setting="auto")
+    assert chosen.count == 2 and chosen.compiled is sampler_program(setup, opts, 8)
+    with pytest.raises(RunError, match=r"^rl.rollout_batches=1: .* the smallest count that fits is rl.rollout_batches=2 "):
+        plan_rollout(setup, opts, False, between(need) + beside, setting=1)

@@ -371,6 +371,12 @@ class RLConfig(Section):
     group_size: int = Field(8, ge=2, description="Completions G sampled per prompt (the group of the advantage).")
     max_prompt_len: int = Field(16, gt=0, description="Prompt tokens (left-padded to this); a longer prompt is a counted skip.")
     max_new_tokens: int = Field(8, gt=0, description="Completion tokens sampled at most; a completion without EOS by then is truncated.")
+    rollout_batches: int | Literal["auto"] = Field(
+        "auto", description="Sampler passes per sampling round: the round's prompts in this many equal groups, "
+        "sampled one after another (rows in flight: rl.prompts_per_step / rl.rollout_batches x rl.group_size, "
+        "their KV cache and GDN states on the device at once). auto: the fewest whose compiled sampler fits "
+        "run.memory_budget_gib beside the optimizer state; a set count that does not fit is refused before the "
+        "first step. Each pass draws from its own key: the completions depend on the count.")
     prefill_chunk: int = Field(2048, gt=0, description="Prompt tokens the sampler prefills per pass: a longer prompt is "
                                "prefilled chunk by chunk through the cache (attention scores [chunk, slots], never [prompt, prompt]).")
     # Sampling.
@@ -409,11 +415,11 @@ class RLConfig(Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean"] = Field("token_mean", description="How per-token losses reduce to the step loss.")
     checkpoint_every: int = Field(10, ge=0, description="Steps (warm-up and GRPO alike) between checkpoints (0 = only at the end).")
 
-    @field_validator("micro_batches")
+    @field_validator("micro_batches", "rollout_batches")
     @classmethod
     def _positive_count(cls, v):
         if v != "auto" and v < 1:
-            raise ValueError("a count of micro-batches is a positive integer, or auto")
+            raise ValueError("a count of micro-batches or sampler passes is a positive integer, or auto")
         return v
 
     @field_validator("reward", "reward_weights", mode="before")

@@ -207,7 +207,7 @@ def _remat_save(cfg: Config, f: Facts) -> list[Problem]:
 
 
 @rule("rl.max_new_tokens", "rl.updates_per_rollout", "rl.micro_batches", "rl.temperature", "rl.operators",
-      "rl.prefill_chunk", "gdn.chunk_size")
+      "rl.prefill_chunk", "gdn.chunk_size", "rl.rollout_batches")
 def _rl_shapes(cfg: Config, f: Facts) -> list[Problem]:
     r, out = cfg.rl, []
     if r.sequence_len > cfg.model.max_seq_len:
@@ -220,6 +220,9 @@ def _rl_shapes(cfg: Config, f: Facts) -> list[Problem]:
         out.append(("rl.micro_batches", f"{r.mini_batches} mini-batches (rl.updates_per_rollout / "
                     f"rl.epochs_per_rollout) x {r.fewest_micro_batches} micro-batches do not divide the "
                     f"{r.rollouts_per_step} rollouts of a step (rl.prompts_per_step * rl.group_size)"))
+    if r.rollout_batches != "auto" and r.prompts_per_step % r.rollout_batches:
+        out.append(("rl.rollout_batches", f"{r.rollout_batches} sampler passes do not divide rl.prompts_per_step="
+                    f"{r.prompts_per_step}; set a divisor, or auto"))
     if r.steps and r.temperature == 0:
         out.append(("rl.temperature", "GRPO samples and trains at rl.temperature; 0 (greedy) gives no distribution "
                     "to train: set it > 0"))

@@ -1,12 +1,15 @@
-"""How many micro-batches the GRPO update and the pi_old pass run in: rl.micro_batches, chosen
-(auto) or checked (a set count) against the device's memory before the first step (run/memory_fit.py).
+"""How many micro-batches the GRPO update and the pi_old pass run in (rl.micro_batches), and how
+many passes the sampler makes over a round's prompts (rl.rollout_batches): chosen (auto) or checked
+(a set count) against the device's memory before the first step (run/memory_fit.py).
 
 The update's rows (a rollout's, or one mini-batch's with several updates per rollout) split into M
 equal micro-batches, each over the batch shards of the mesh. The update's program holds the
 reference policy's forward too (rl.beta > 0), so its count covers that pass. The pi_old pass
 (several updates per rollout) runs once over the whole rollout, without gradients: under auto it
 takes the fewest count that fits its own program; under a set count it runs at that count, checked
-the same way. Each chosen program is the compiled one the loop then calls, kept on the set-up.
+the same way. The sampler holds one pass's rows in flight: their KV cache and GDN states, beside
+the optimizer state (and the reference policy) that stay on the device while it runs. Each chosen
+program is the compiled one the loop then calls, kept on the set-up.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hybridmoe.config.schema import Config
 from hybridmoe.rl.grpo import jit_grpo_step, jit_old_logprobs, update_batch_shardings
-from hybridmoe.run.memory_fit import Fit, batch_shards, choose_count, divisor_counts
+from hybridmoe.rl.sampler import SamplingOptions, make_generate
+from hybridmoe.run.memory_fit import Fit, batch_shards, choose_count, divisor_counts, per_device_bytes
 
 
 def abstract_update_batch(cfg: Config, setup, micro_batches: int, rows: int, with_old_logprobs: bool) -> dict:
@@ -83,6 +88,38 @@ class UpdatePlan:
     @property
     def old_logprobs_micro_batches(self) -> int:
         return self.update.count if self.old_logprobs is None else self.old_logprobs.count
+
+
+def sampler_program(setup, opts: SamplingOptions, prompts: int):
+    """The sampler compiled for one pass of `prompts` prompts (their rl.group_size rows each), kept on the set-up."""
+    cfg = setup.cfg
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+
+    def make():
+        generate = make_generate(cfg, opts, group_size=cfg.rl.group_size,
+                                 in_shardings=(setup.param_shardings, replicated, replicated, replicated, replicated))
+        rows = jax.ShapeDtypeStruct((prompts, cfg.rl.max_prompt_len), jnp.int32, sharding=replicated)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+        with setup.context():
+            return generate.lower(setup.abstract_state()["params"], rows, rows, rows, key).compile()
+
+    return setup.kept(("sampler_program", opts, prompts), make)
+
+
+def plan_rollout(setup, opts: SamplingOptions, with_reference: bool, budget: int | None, setting=None) -> Fit:
+    """rl.rollout_batches (or `setting`) chosen or checked: the sampler's passes per round whose
+    program fits `budget` less what stays on the device beside its arguments while it runs (the
+    optimizer state, the reference policy); refused with a RunError naming the count that fits."""
+    r = setup.cfg.rl
+    setting = r.rollout_batches if setting is None else setting
+    state = setup.abstract_state()
+    beside = per_device_bytes(state["opt_state"]) + (per_device_bytes(state["params"]) if with_reference else 0)
+    shards = batch_shards(setup)
+    counts = [n for n in divisor_counts(r.prompts_per_step) if (r.prompts_per_step // n * r.group_size) % shards == 0]
+    return choose_count("rl.rollout_batches", setting, counts or [1],
+                        lambda n: sampler_program(setup, opts, r.prompts_per_step // n),
+                        None if budget is None else budget - beside, "the sampler")
 
 
 def plan_updates(setup, with_reference: bool, budget: int | None, setting=None) -> UpdatePlan:

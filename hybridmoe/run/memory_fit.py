@@ -48,6 +48,11 @@ def memory_budget_bytes(cfg: Config) -> int | None:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
+def per_device_bytes(abstract_tree) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (its shard of each)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(abstract_tree))
+
+
 def fits(need: int, budget: int | None) -> bool:
     return budget is None or need <= budget
 
