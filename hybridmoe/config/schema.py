@@ -438,6 +438,11 @@ class RLConfig(Section):
         return 1 if self.micro_batches == "auto" else self.micro_batches
 
     @property
+    def fewest_rollout_batches(self) -> int:
+        """The set count of sampler passes, or 1 under auto (a sampler called outside a run's plan)."""
+        return 1 if self.rollout_batches == "auto" else self.rollout_batches
+
+    @property
     def mini_batches(self) -> int:
         """Mini-batches (one update each) per pass over the rollout batch."""
         return max(1, self.updates_per_rollout // self.epochs_per_rollout)

@@ -118,7 +118,7 @@ def _sample_groups(run: _Run, state, step: int, round_index: int, key) -> dict:
     # they need not split over the batch shards. The sampler prefills each prompt once and returns
     # its G completions in rows q * G .. q * G + G - 1.
     prompt_rows = left_pad_prompts(prompt_ids, r.max_prompt_len, run.tokenizer.pad_id)
-    passes, replicated = r.rollout_batches, NamedSharding(run.setup.mesh, PartitionSpec())
+    passes, replicated = r.fewest_rollout_batches, NamedSharding(run.setup.mesh, PartitionSpec())
     per_pass = r.prompts_per_step // passes
     parts = []
     for i in range(passes):
@@ -260,8 +260,8 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
         "rollout_time_s": t_rollout, "rollout_tokens_per_s": ds["rollout_tokens"] / t_rollout,
         "old_logprobs_time_s": m["old_logprobs_time_s"], "update_time_s": t_update - m["old_logprobs_time_s"],
         # The counts rl/memory_plan.py chose (or checked) for the device's memory.
-        "micro_batches": float(r.micro_batches), "rollout_batches": float(r.rollout_batches),
-        "old_logprobs_micro_batches": float(run.old_logprobs_micro_batches or r.micro_batches),
+        "micro_batches": float(r.fewest_micro_batches), "rollout_batches": float(r.fewest_rollout_batches),
+        "old_logprobs_micro_batches": float(run.old_logprobs_micro_batches or r.fewest_micro_batches),
     }
     return state, rec
 
@@ -319,15 +319,14 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
 
     # Before anything is written or placed on the device: rl.micro_batches chosen (auto) or checked
     # against the device's free memory, on the set-up open_session then takes (build() keeps it).
-    setup, budget = build(cfg), memory_budget_bytes(cfg)
-    plan = plan_updates(setup, with_reference, budget) if r.steps else None
-    sampler = plan_rollout(setup, sampling_options(cfg, tokenizer), with_reference, budget) if r.steps else None
+    budget = memory_budget_bytes(cfg)
+    _memory_plan(cfg, build(cfg), tokenizer, with_reference, budget)
     session = open_session(cfg, out, resume=resume, overwrite=overwrite, init_hf=init_hf, abstract_tree=abstract,
                            fresh_tree=fresh, check_saved=check_saved)
     saved = session.saved_meta
     key = (jax.random.wrap_key_data(jnp.asarray(saved["rng_key"], jnp.uint32)) if saved
            else jax.random.key(cfg.train.seed + 1))
-    run = _build_run(cfg, session.setup, task, tokenizer, reward_fns, with_reference, plan, sampler)
+    run = _build_run(cfg, session.setup, task, tokenizer, reward_fns, with_reference, budget)
 
     def step(tree, i: int):
         nonlocal key
@@ -378,12 +377,24 @@ def sampling_options(cfg: Config, tokenizer: Tokenizer) -> SamplingOptions:
                            stop_ids=tokenizer.stop_ids)
 
 
+def _memory_plan(cfg: Config, setup, tokenizer: Tokenizer, with_reference: bool,
+                 budget: int | None) -> tuple[UpdatePlan | None, Fit | None]:
+    """The GRPO update's and the sampler's counts and compiled programs for `budget` bytes per
+    device (rl/memory_plan.py; kept on the set-up: asked again, it compiles nothing); (None, None)
+    without GRPO steps."""
+    if not cfg.rl.steps:
+        return None, None
+    return (plan_updates(setup, with_reference, budget),
+            plan_rollout(setup, sampling_options(cfg, tokenizer), with_reference, budget))
+
+
 def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns, with_reference: bool,
-               plan: UpdatePlan | None, sampler: Fit | None) -> _Run:
+               budget: int | None = None) -> _Run:
     """The compiled step functions of the warm-up, the sampler and the GRPO update (kept on the
-    set-up: a resume in this process reuses them); the GRPO update's and the pi_old pass's are
-    `plan`'s and the sampler `sampler`'s (rl/memory_plan.py), with cfg.rl.micro_batches and
-    rl.rollout_batches resolved to their counts."""
+    set-up: a resume in this process reuses them); the GRPO update's, the pi_old pass's and the
+    sampler's at the counts that fit `budget` (`_memory_plan`), with cfg.rl.micro_batches and
+    rl.rollout_batches resolved to those counts."""
+    plan, sampler = _memory_plan(cfg, setup, tokenizer, with_reference, budget)
     if sampler is not None:
         log.info("rl.rollout_batches=%s: %d sampler pass(es) per round (%s per device)", cfg.rl.rollout_batches,
                  sampler.count, _gib(sampler.need))
