@@ -579,9 +579,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         if type(e).__module__.startswith("jax"):
-            raise
+            if not _out_of_memory(e):
+                raise
+            print(f"hybridmoe {args.command}: {_out_of_memory(e)}", file=sys.stderr)
+            return 1
         print(f"hybridmoe {args.command}: error: {e}", file=sys.stderr)
         return 2
+
+
+# What the one line of a device's memory refusal says to do.
+MEMORY_FIX = ("leave rl.micro_batches at auto (it picks a count that fits), lower train.batch_size, "
+              "rl.prompts_per_step or rl.max_new_tokens, remat more (remat.policy=full), or set "
+              "run.memory_budget_gib below the device's memory to keep headroom")
+
+
+def _out_of_memory(error: BaseException) -> str | None:
+    """One line for a device's (or its compiler's) memory refusal, instead of JAX's traceback; None
+    for any other error."""
+    from hybridmoe.analysis.compiled_facts import memory_refusal
+
+    if not memory_refusal(error):
+        return None
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"out of device memory ({first[:300]}): {MEMORY_FIX}"
 
 
 def entry() -> None:

@@ -120,3 +120,30 @@ BROKEN_VMEM_MODEL = {
     # The fused wo input gradient's float32 epilogue values dropped.
     "epilogue_values_dropped": lambda: [(_tiling, "epilogue_values", lambda tm, f: [])],
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# The broken variants of the micro-batch search (run/memory_fit.py, docs/rl.md "Memory"): each is a
+# list of (module, attribute, the broken function to patch in); tests/test_memory_fit.py must catch each.
+
+import dataclasses  # noqa: E402
+
+from hybridmoe.run import memory_fit as _memory_fit  # noqa: E402
+
+_ORIGINAL_FEWEST_THAT_FIT = _memory_fit.fewest_that_fit
+
+
+def _count_off_by_one(counts, compile_at, budget):
+    fit = _ORIGINAL_FEWEST_THAT_FIT(counts, compile_at, budget)
+    return None if fit is None else dataclasses.replace(fit, count=fit.count + 1)
+
+
+def _largest_that_fits(counts, compile_at, budget):
+    return _ORIGINAL_FEWEST_THAT_FIT(list(counts)[::-1], compile_at, budget)
+
+
+BROKEN_FIT = {
+    "count_off_by_one": [(_memory_fit, "fewest_that_fit", _count_off_by_one)],
+    "budget_ignored": [(_memory_fit, "fits", lambda need, budget: True)],
+    "smallest_count_not_chosen": [(_memory_fit, "fewest_that_fit", _largest_that_fits)],
+}

@@ -99,6 +99,8 @@ CASES: dict[str, Case] = {
                               ("rl.updates_per_rollout", "rl.epochs_per_rollout=2 must divide it")),
     "micro_batches_vs_rollouts": case("_rl_shapes", ["rl.micro_batches=128"],
                                       ("rl.micro_batches", "do not divide the 64 rollouts")),
+    "rollout_batches_vs_prompts": case("_rl_shapes", ["rl.rollout_batches=3"],
+                                       ("rl.rollout_batches", "3 sampler passes do not divide rl.prompts_per_step=8")),
     "greedy_grpo": case("_rl_shapes", ["rl.temperature=0"], ("rl.temperature", "0 (greedy)")),
     "repeated_operator": case("_rl_shapes", ["rl.operators=++"], ("rl.operators", "repeats an operator")),
     "prefill_chunk_vs_gdn_chunk": case("_rl_shapes", ["rl.prefill_chunk=100"],

@@ -73,7 +73,7 @@ class Facts:
     cached: bool = False
 
 
-def _refusal(error: jax.errors.JaxRuntimeError) -> bool:
+def memory_refusal(error: BaseException) -> bool:
     """A compiler's refusal of the program for memory (the device's, or a kernel's on-chip): the
     same program is refused the same way."""
     return device_refusal(error) is not None
@@ -162,7 +162,7 @@ def compile(lowered, module_name: str | None = None, *, memory_only: bool = Fals
             compiled, buffers, default_space = program.compile_with_buffers(lowered, module_name=module_name)
     except jax.errors.JaxRuntimeError as e:  # the compiler's error; any other passes through untouched
         e.compile_s, e.cached = time.perf_counter() - t0, False
-        if entry is not None and _refusal(e):
+        if entry is not None and memory_refusal(e):
             _store(entry, {"refusal": str(e), "buffers": _rows(getattr(e, "peak_buffers", [])), "compile_s": e.compile_s})
         raise
     compile_s = time.perf_counter() - t0

@@ -372,6 +372,12 @@ class RLConfig(Section):
     group_size: int = Field(8, ge=2, description="Completions G sampled per prompt (the group of the advantage).")
     max_prompt_len: int = Field(16, gt=0, description="Prompt tokens (left-padded to this); a longer prompt is a counted skip.")
     max_new_tokens: int = Field(8, gt=0, description="Completion tokens sampled at most; a completion without EOS by then is truncated.")
+    rollout_batches: int | Literal["auto"] = Field(
+        "auto", description="Sampler passes per sampling round: the round's prompts in this many equal groups, "
+        "sampled one after another (rows in flight: rl.prompts_per_step / rl.rollout_batches x rl.group_size, "
+        "their KV cache and GDN states on the device at once). auto: the fewest whose compiled sampler fits "
+        "run.memory_budget_gib beside the optimizer state; a set count that does not fit is refused before the "
+        "first step. Each pass draws from its own key: the completions depend on the count.")
     prefill_chunk: int = Field(2048, gt=0, description="Prompt tokens the sampler prefills per pass: a longer prompt is "
                                "prefilled chunk by chunk through the cache (attention scores [chunk, slots], never [prompt, prompt]).")
     # Sampling.
@@ -385,7 +391,11 @@ class RLConfig(Section):
     learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate of the GRPO phase (betas, clip, decay from train.*).")
     lr_warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps of the GRPO phase, counted "
                                  "from its first step (as train.warmup_steps).")
-    micro_batches: int = Field(1, gt=0, description="Micro-batches each update's sequences are split into; gradients accumulate.")
+    micro_batches: int | Literal["auto"] = Field(
+        "auto", description="Micro-batches each update's sequences are split into; gradients accumulate. auto: the "
+        "fewest that divide the update's rows (each micro-batch split over the batch shards) and whose compiled "
+        "update fits run.memory_budget_gib; the pi_old pass picks its own the same way (rl/memory_plan.py). A count "
+        "set by hand whose update does not fit is refused before the first step, naming the count that fits.")
     updates_per_rollout: int = Field(1, ge=1, description="Policy updates (optimizer steps) per rollout batch, PPO-style: "
                                      "updates_per_rollout / epochs_per_rollout mini-batches per pass (1 = one update on the whole batch).")
     epochs_per_rollout: int = Field(1, ge=1, description="Passes over the rollout batch (each in a fresh shuffle); divides updates_per_rollout.")
@@ -406,6 +416,13 @@ class RLConfig(Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean"] = Field("token_mean", description="How per-token losses reduce to the step loss.")
     checkpoint_every: int = Field(10, ge=0, description="Steps (warm-up and GRPO alike) between checkpoints (0 = only at the end).")
 
+    @field_validator("micro_batches", "rollout_batches")
+    @classmethod
+    def _positive_count(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("a count of micro-batches or sampler passes is a positive integer, or auto")
+        return v
+
     @field_validator("reward", "reward_weights", mode="before")
     @classmethod
     def _one_or_many(cls, v):
@@ -415,6 +432,16 @@ class RLConfig(Section):
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    @property
+    def fewest_micro_batches(self) -> int:
+        """The set count, or 1 under auto (the fewest auto can choose: what the batch's split is checked at)."""
+        return 1 if self.micro_batches == "auto" else self.micro_batches
+
+    @property
+    def fewest_rollout_batches(self) -> int:
+        """The set count of sampler passes, or 1 under auto (a sampler called outside a run's plan)."""
+        return 1 if self.rollout_batches == "auto" else self.rollout_batches
 
     @property
     def mini_batches(self) -> int:
@@ -455,6 +482,11 @@ class RunConfig(Section):
         "auto", description="Compiled programs kept on disk and reused by later runs of the same program (a second "
         "demo, a --resume, inspect again): a directory, off, or auto (JAX's own jax_compilation_cache_dir when "
         "set, else ~/.cache/hybridmoe/xla).")
+    memory_budget_gib: float | None = Field(
+        None, gt=0, description="Device memory one compiled program may use, GiB per device (its arguments + "
+        "temporaries + outputs - aliased, as the compiler reports them): what the auto micro-batch counts fit and "
+        "set counts are checked against. None: the device's free memory (bytes_limit - bytes_in_use, the run's own "
+        "state counted back in); on a CPU, which reports no limit, nothing is checked. Lower it to keep headroom.")
 
     @field_validator("compile_cache_dir", mode="before")
     @classmethod

@@ -207,7 +207,7 @@ def _remat_save(cfg: Config, f: Facts) -> list[Problem]:
 
 
 @rule("rl.max_new_tokens", "rl.updates_per_rollout", "rl.micro_batches", "rl.temperature", "rl.operators",
-      "rl.prefill_chunk", "gdn.chunk_size")
+      "rl.prefill_chunk", "gdn.chunk_size", "rl.rollout_batches")
 def _rl_shapes(cfg: Config, f: Facts) -> list[Problem]:
     r, out = cfg.rl, []
     if r.sequence_len > cfg.model.max_seq_len:
@@ -216,10 +216,13 @@ def _rl_shapes(cfg: Config, f: Facts) -> list[Problem]:
     if r.updates_per_rollout % r.epochs_per_rollout:
         out.append(("rl.updates_per_rollout", f"{r.updates_per_rollout} updates are not a whole number of mini-batches "
                     f"per pass over the batch (rl.epochs_per_rollout={r.epochs_per_rollout} must divide it)"))
-    elif r.rollouts_per_step % (r.mini_batches * r.micro_batches):
+    elif r.rollouts_per_step % (r.mini_batches * r.fewest_micro_batches):
         out.append(("rl.micro_batches", f"{r.mini_batches} mini-batches (rl.updates_per_rollout / "
-                    f"rl.epochs_per_rollout) x {r.micro_batches} micro-batches do not divide the "
+                    f"rl.epochs_per_rollout) x {r.fewest_micro_batches} micro-batches do not divide the "
                     f"{r.rollouts_per_step} rollouts of a step (rl.prompts_per_step * rl.group_size)"))
+    if r.rollout_batches != "auto" and r.prompts_per_step % r.rollout_batches:
+        out.append(("rl.rollout_batches", f"{r.rollout_batches} sampler passes do not divide rl.prompts_per_step="
+                    f"{r.prompts_per_step}; set a divisor, or auto"))
     if r.steps and r.temperature == 0:
         out.append(("rl.temperature", "GRPO samples and trains at rl.temperature; 0 (greedy) gives no distribution "
                     "to train: set it > 0"))
@@ -242,7 +245,7 @@ def _rl_prompts_per_step(cfg: Config, f: Facts) -> list[Problem]:
         return []
     shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     r = cfg.rl
-    rows = r.rollouts_per_step // (r.mini_batches * r.micro_batches)
+    rows = r.rollouts_per_step // (r.mini_batches * r.fewest_micro_batches)
     if rows % shards:
         return [("rl.prompts_per_step", f"a micro-batch of {rows} rollouts (rl.prompts_per_step * rl.group_size / "
                  f"mini-batches / rl.micro_batches) does not split over the {shards} batch shards of the mesh")]

@@ -203,11 +203,13 @@ def update_rows(cfg: Config, rollout: dict, advantages_B: np.ndarray, keep_B: np
     return out
 
 
-def split_update_batch(cfg: Config, rows: dict, on_policy: bool = False) -> dict:
-    """One update's rows [B', ...] as [M, B' / M, ...] micro-batches with the update-wide normaliser;
-    with a recomputed pi_old (rows["logp_old"]) also the flag [M] of the rollout's first update
-    (`on_policy`: the step takes its own log-probs as pi_old)."""
-    M = cfg.rl.micro_batches
+def split_update_batch(cfg: Config, rows: dict, on_policy: bool = False, micro_batches: int | None = None) -> dict:
+    """One update's rows [B', ...] as [M, B' / M, ...] micro-batches (M: `micro_batches`, default
+    rl.micro_batches) with the update-wide normaliser; with a recomputed pi_old
+    (rows["logp_old"]) also the flag [M] of the rollout's first update (`on_policy`: the step takes
+    its own log-probs as pi_old)."""
+    # rl.micro_batches=auto outside a run's plan (rl/memory_plan.py; a test, the gates): the fewest, 1.
+    M = cfg.rl.fewest_micro_batches if micro_batches is None else micro_batches
     B = rows["tokens"].shape[0]
     if B % M:
         raise ValueError(f"rl.micro_batches={M} does not divide an update's {B} rows")
@@ -278,9 +280,11 @@ def jit_old_logprobs(setup):
     return jax.jit(old, in_shardings=(setup.param_shardings, update_batch_shardings(setup)), out_shardings=per_target)
 
 
-def policy_updates(cfg: Config, rows: dict, step: int, state, ref_params, step_fn, old_logprobs_fn, put, fetch):
+def policy_updates(cfg: Config, rows: dict, step: int, state, ref_params, step_fn, old_logprobs_fn, put, fetch,
+                   old_micro_batches: int | None = None):
     """All updates of one rollout: `put(host batch, with_old_logprobs)` places a batch on the mesh,
-    `fetch` brings arrays back. Returns (state, the combined metrics of the updates, with
+    `fetch` brings arrays back; the pi_old pass runs in `old_micro_batches` micro-batches (default
+    rl.micro_batches). Returns (state, the combined metrics of the updates, with
     old_logprobs_time_s: the seconds of the pi_old pass, 0 with one update per rollout)."""
     B = rows["tokens"].shape[0]
     to_floats = lambda m: {k: float(v) for k, v in fetch(m).items()}  # noqa: E731
@@ -288,7 +292,8 @@ def policy_updates(cfg: Config, rows: dict, step: int, state, ref_params, step_f
         state, m = step_fn(state, ref_params, put(split_update_batch(cfg, rows), False))
         return state, {**combine_update_metrics([to_floats(m)]), "old_logprobs_time_s": 0.0}
     t0 = time.perf_counter()
-    logp_old = np.asarray(fetch(old_logprobs_fn(state["params"], put(split_update_batch(cfg, rows), False))))
+    old_batch = split_update_batch(cfg, rows, micro_batches=old_micro_batches)
+    logp_old = np.asarray(fetch(old_logprobs_fn(state["params"], put(old_batch, False))))
     old_logprobs_s = time.perf_counter() - t0
     rows = {**rows, "logp_old": logp_old.reshape(B, -1)}
     per_update = []

@@ -29,19 +29,21 @@ from hybridmoe.recipe.validate import check_rl_requirements
 from hybridmoe.model.params import abstract_params
 from hybridmoe.parallel.host import fetch_global, put_global
 from hybridmoe.rl.advantages import advantage_stats, group_advantages
-from hybridmoe.rl.grpo import jit_grpo_step, jit_old_logprobs, policy_updates, rl_optimizer, update_batch_shardings, update_rows
+from hybridmoe.rl.grpo import policy_updates, rl_optimizer, update_batch_shardings, update_rows
+from hybridmoe.rl.memory_plan import UpdatePlan, plan_rollout, plan_updates
 from hybridmoe.rl.reward_loading import load_rewards
 from hybridmoe.rl.rewards import RewardFn, apply_reward_error_policy, score_completions
-from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
+from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts
 from hybridmoe.data.arithmetic import PROMPT_STREAM, Task, solved_batch, task_from_config
 from hybridmoe.data.prompts import PromptSetTask
 from hybridmoe.data.sources import config_tokenizer
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
 from hybridmoe.run.hf_io import params_from_hf
+from hybridmoe.run.memory_fit import Fit, memory_budget_bytes
 from hybridmoe.run.metrics import plot_metrics
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.run.session import open_session, start_config
-from hybridmoe.run.setup import init_state, jit_train_step
+from hybridmoe.run.setup import build, init_state, jit_train_step
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ PLOT_KEYS = ("reward_mean", "loss", "kl", "entropy", "completion_len_mean", "war
              ("rollout_time_s", "old_logprobs_time_s", "update_time_s"))
 PLOT_EVERY = 5
 MAX_EMPTY_STEPS = 3  # GRPO steps in a row without a scored sample before the run stops
+ROLLOUT_PASS_STREAM = 7  # folded into a round's key for its sampler passes after the first
 @dataclasses.dataclass
 class _Run:
     """What the step functions need, built once per run."""
@@ -63,6 +66,7 @@ class _Run:
     generate: object
     rl_init: object
     old_logprobs: object = None
+    old_logprobs_micro_batches: int | None = None
     empty_steps: int = 0  # GRPO steps in a row that scored no sample
 
     @property
@@ -109,11 +113,19 @@ def _sample_groups(run: _Run, state, step: int, round_index: int, key) -> dict:
     prompts = [e.prompt for e in examples]
     prompt_ids, prompt_skipped = _encode_prompts(run, prompts)
     G = r.group_size
-    # The Q prompts go in once (replicated: Q need not split over the batch shards); the sampler
-    # prefills each once and returns its G completions in rows q * G .. q * G + G - 1.
+    # The prompts go in rl.rollout_batches passes, one after another, each over its share of them
+    # (the rows in flight that fit the device; pass i > 0 draws from a key of its own), replicated:
+    # they need not split over the batch shards. The sampler prefills each prompt once and returns
+    # its G completions in rows q * G .. q * G + G - 1.
     prompt_rows = left_pad_prompts(prompt_ids, r.max_prompt_len, run.tokenizer.pad_id)
-    prompt_rows = put_global(prompt_rows, NamedSharding(run.setup.mesh, PartitionSpec()))
-    rollout = fetch_global(run.generate(state["params"], *prompt_rows, key))
+    passes, replicated = r.fewest_rollout_batches, NamedSharding(run.setup.mesh, PartitionSpec())
+    per_pass = r.prompts_per_step // passes
+    parts = []
+    for i in range(passes):
+        rows = put_global(tuple(a[i * per_pass:(i + 1) * per_pass] for a in prompt_rows), replicated)
+        pass_key = key if i == 0 else jax.random.fold_in(jax.random.fold_in(key, ROLLOUT_PASS_STREAM), i)
+        parts.append(fetch_global(run.generate(state["params"], *rows, pass_key)))
+    rollout = parts[0] if passes == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     # Rows of a skipped prompt were sampled from a placeholder: they are not scored at all.
     scored_rows = np.flatnonzero(~np.repeat(prompt_skipped, G))
@@ -216,7 +228,8 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
     rows = update_rows(cfg, rollout, adv_PG.reshape(-1), keep_PG.reshape(-1))
     t1 = time.perf_counter()
     put = lambda batch, with_old: put_global(batch, update_batch_shardings(run.setup, with_old))  # noqa: E731
-    state, m = policy_updates(cfg, rows, step, state, ref_params, run.grpo_step, run.old_logprobs, put, fetch_global)
+    state, m = policy_updates(cfg, rows, step, state, ref_params, run.grpo_step, run.old_logprobs, put, fetch_global,
+                              run.old_logprobs_micro_batches)
     t_update = time.perf_counter() - t1
     dt = time.perf_counter() - t0
 
@@ -246,6 +259,9 @@ def _grpo_step(run: _Run, state, ref_params, step: int, key):
         # pass (several updates per rollout only), the updates.
         "rollout_time_s": t_rollout, "rollout_tokens_per_s": ds["rollout_tokens"] / t_rollout,
         "old_logprobs_time_s": m["old_logprobs_time_s"], "update_time_s": t_update - m["old_logprobs_time_s"],
+        # The counts rl/memory_plan.py chose (or checked) for the device's memory.
+        "micro_batches": float(r.fewest_micro_batches), "rollout_batches": float(r.fewest_rollout_batches),
+        "old_logprobs_micro_batches": float(run.old_logprobs_micro_batches or r.fewest_micro_batches),
     }
     return state, rec
 
@@ -301,12 +317,16 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
         if (saved.get("config", {}).get("rl", {}).get("beta", 0) > 0) != with_reference:
             raise RunError("--resume: rl.beta switches the reference policy on or off; keep the run's rl.beta")
 
+    # Before anything is written or placed on the device: rl.micro_batches chosen (auto) or checked
+    # against the device's free memory, on the set-up open_session then takes (build() keeps it).
+    budget = memory_budget_bytes(cfg)
+    _memory_plan(cfg, build(cfg), tokenizer, with_reference, budget)
     session = open_session(cfg, out, resume=resume, overwrite=overwrite, init_hf=init_hf, abstract_tree=abstract,
                            fresh_tree=fresh, check_saved=check_saved)
     saved = session.saved_meta
     key = (jax.random.wrap_key_data(jnp.asarray(saved["rng_key"], jnp.uint32)) if saved
            else jax.random.key(cfg.train.seed + 1))
-    run = _build_run(cfg, session.setup, task, tokenizer, reward_fns, with_reference)
+    run = _build_run(cfg, session.setup, task, tokenizer, reward_fns, with_reference, budget)
 
     def step(tree, i: int):
         nonlocal key
@@ -351,23 +371,55 @@ def _task_and_rewards(cfg: Config, init_hf: Path | None, task: Task | None, rewa
     return tokenizer, task, list(reward_fns)
 
 
-def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns, with_reference: bool) -> _Run:
+def sampling_options(cfg: Config, tokenizer: Tokenizer) -> SamplingOptions:
+    r = cfg.rl
+    return SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id, r.top_k,
+                           stop_ids=tokenizer.stop_ids)
+
+
+def _memory_plan(cfg: Config, setup, tokenizer: Tokenizer, with_reference: bool,
+                 budget: int | None) -> tuple[UpdatePlan | None, Fit | None]:
+    """The GRPO update's and the sampler's counts and compiled programs for `budget` bytes per
+    device (rl/memory_plan.py; kept on the set-up: asked again, it compiles nothing); (None, None)
+    without GRPO steps."""
+    if not cfg.rl.steps:
+        return None, None
+    return (plan_updates(setup, with_reference, budget),
+            plan_rollout(setup, sampling_options(cfg, tokenizer), with_reference, budget))
+
+
+def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns, with_reference: bool,
+               budget: int | None = None) -> _Run:
     """The compiled step functions of the warm-up, the sampler and the GRPO update (kept on the
-    set-up: a resume in this process reuses them)."""
+    set-up: a resume in this process reuses them); the GRPO update's, the pi_old pass's and the
+    sampler's at the counts that fit `budget` (`_memory_plan`), with cfg.rl.micro_batches and
+    rl.rollout_batches resolved to those counts."""
+    plan, sampler = _memory_plan(cfg, setup, tokenizer, with_reference, budget)
+    if sampler is not None:
+        log.info("rl.rollout_batches=%s: %d sampler pass(es) per round (%s per device)", cfg.rl.rollout_batches,
+                 sampler.count, _gib(sampler.need))
+        cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"rollout_batches": sampler.count})})
+    if plan is not None:
+        log.info("rl.micro_batches=%s: the GRPO update in %d micro-batch(es) (%s per device)%s", cfg.rl.micro_batches,
+                 plan.micro_batches, _gib(plan.update.need),
+                 f", the pi_old pass in {plan.old_logprobs.count} ({_gib(plan.old_logprobs.need)})"
+                 if plan.old_logprobs is not None else "")
+        cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"micro_batches": plan.micro_batches})})
     r = cfg.rl
     rl_opt = rl_optimizer(cfg)
     replicated = NamedSharding(setup.mesh, PartitionSpec())
-    opts = SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, tokenizer.eos_id, tokenizer.pad_id, r.top_k,
-                           stop_ids=tokenizer.stop_ids)
     return _Run(
         cfg, task, tokenizer, reward_fns, setup,
         setup.kept("train_step", lambda: jit_train_step(setup)) if r.warmup_steps else None,
-        setup.kept(("grpo_step", with_reference), lambda: jit_grpo_step(setup, with_reference)) if r.steps else None,
-        setup.kept(("generate", opts), lambda: make_generate(
-            cfg, opts, group_size=r.group_size,
-            in_shardings=(setup.param_shardings, replicated, replicated, replicated, replicated))),
+        plan.update.compiled if plan is not None else None,
+        sampler.compiled if sampler is not None else None,
         # The GRPO phase starts from the warmed-up policy with a fresh optimizer state.
         setup.kept("rl_optimizer_init", lambda: jax.jit(
             lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
             in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings)),
-        setup.kept("old_logprobs", lambda: jit_old_logprobs(setup)) if r.steps and r.updates_per_rollout > 1 else None)
+        plan.old_logprobs.compiled if plan is not None and plan.old_logprobs is not None else None,
+        plan.old_logprobs_micro_batches if plan is not None else None)
+
+
+def _gib(need: int) -> str:
+    return f"{need / 2**30:.2f} GiB"

@@ -184,22 +184,14 @@ PROGRAMS = ("train", "grpo", "sample")
 
 
 def abstract_grpo_batch(cfg: Config, setup) -> dict:
-    """One GRPO update's batch as ShapeDtypeStructs [M, b, ...] (rl/grpo.py's fields and
-    shardings): the rows of one mini-batch in rl.micro_batches micro-batches of rl.sequence_len
-    tokens, with pi_old's log-probs when a rollout takes several updates."""
-    from hybridmoe.rl.grpo import update_batch_shardings
+    """One GRPO update's batch as ShapeDtypeStructs [M, b, ...] (rl/memory_plan.py): the rows of one
+    mini-batch in rl.micro_batches micro-batches (auto: the fewest, 1; the run's own choice reads the
+    device's memory), with pi_old's log-probs when a rollout takes several updates."""
+    from hybridmoe.rl.memory_plan import abstract_update_batch, update_rows_per_step
 
-    r, m = cfg.rl, cfg.model
-    M = r.micro_batches
-    b = r.rollouts_per_step // r.mini_batches // M
-    T = r.sequence_len
-    shardings = update_batch_shardings(setup, with_old_logprobs=r.updates_per_rollout > 1)
-    shapes = {"tokens": ((M, b, T), jnp.int32), "segment_ids": ((M, b, T), jnp.int32),
-              "positions": ((M, b, T), jnp.int32), "logp_sampler": ((M, b, T - 1), jnp.float32),
-              "mask": ((M, b, T - 1), jnp.float32), "advantages": ((M, b), jnp.float32), "keep": ((M, b), jnp.bool_),
-              "normalizer": ((M,), jnp.float32), "logp_old": ((M, b, T - 1), jnp.float32),
-              "routing": ((M, b, T, m.num_layers, m.num_experts_per_tok), jnp.int32)}
-    return {k: jax.ShapeDtypeStruct(*shapes[k], sharding=sh) for k, sh in shardings.items()}
+    r = cfg.rl
+    return abstract_update_batch(cfg, setup, r.fewest_micro_batches, update_rows_per_step(cfg),
+                                 r.updates_per_rollout > 1)
 
 
 def jitted_program(cfg: Config, setup, program_name: str):

@@ -1,0 +1,129 @@
+"""Counts that fit by construction: the fewest micro-batches whose compiled program fits the device.
+
+A program's need is what the compiler reports for the program it built for these devices: its
+arguments + temporaries + outputs - aliased (donated state written in place), per device. The
+budget is run.memory_budget_gib, or else the device's free memory, bytes_limit - bytes_in_use, read
+before the run places its state on the device (the program's own figure holds its arguments, the
+state among them). A CPU reports no limit: with no budget set, nothing is checked there and auto
+is the fewest count (1 where it divides).
+
+Where the device's compiler itself refuses a program for memory (a TPU's RESOURCE_EXHAUSTED at
+compile time) that count does not fit either: the compiler decides where it can.
+
+The search compiles the candidate counts in increasing order and stops at the first that fits
+(a program's need falls as its micro-batches shrink), and hands back that compiled program, which
+the run then calls: nothing is compiled twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+
+from hybridmoe.analysis.compiled_facts import memory_refusal
+from hybridmoe.config.schema import Config
+from hybridmoe.run.run_dir import RunError
+
+GIB = 2**30
+
+
+def program_bytes(compiled) -> int:
+    """Per-device bytes a compiled program needs: arguments + temporaries + outputs - aliased."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def memory_budget_bytes(cfg: Config) -> int | None:
+    """Bytes a program may need per device: run.memory_budget_gib, or the device's free memory now
+    (read before the run places its state: the program's own figure holds its arguments); None where
+    neither is known (a CPU without a set budget)."""
+    if cfg.run.memory_budget_gib is not None:
+        return int(cfg.run.memory_budget_gib * GIB)
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if not stats.get("bytes_limit"):
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def per_device_bytes(abstract_tree) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (its shard of each)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(abstract_tree))
+
+
+def fits(need: int, budget: int | None) -> bool:
+    return budget is None or need <= budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """A count, its compiled program and that program's need in bytes per device (None: refused by
+    the compiler for memory)."""
+    count: int
+    compiled: object
+    need: int | None
+
+
+def compile_or_refusal(compile_at: Callable[[int], object], count: int) -> Fit:
+    """The program of `count` compiled, or a Fit without a program where the compiler refused it for memory."""
+    try:
+        compiled = compile_at(count)
+    except jax.errors.JaxRuntimeError as e:
+        if not memory_refusal(e):
+            raise
+        return Fit(count, None, None)
+    return Fit(count, compiled, program_bytes(compiled))
+
+
+def fewest_that_fit(counts: Sequence[int], compile_at: Callable[[int], object], budget: int | None) -> Fit | None:
+    """The first of `counts` (increasing) whose program compiles and fits `budget`; None if none does."""
+    for count in counts:
+        fit = compile_or_refusal(compile_at, count)
+        if fit.compiled is not None and fits(fit.need, budget):
+            return fit
+    return None
+
+
+def _gib(n: int | None) -> str:
+    return "more than the device holds (the compiler refused it)" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def _budget_words(budget: int | None) -> str:
+    if budget is None:
+        return "the device's memory"
+    return f"the budget of {budget / GIB:.2f} GiB per device (run.memory_budget_gib, else the device's free memory)"
+
+
+def choose_count(key: str, setting: int | str, counts: Sequence[int], compile_at: Callable[[int], object],
+                 budget: int | None, what: str) -> Fit:
+    """The count of `key` and its compiled program: under auto the fewest of `counts` that fits; a
+    set count is compiled and kept when it fits, else refused (RunError) with the smallest count above
+    it that fits. `what`: the program's name in the messages."""
+    if setting == "auto":
+        fit = fewest_that_fit(counts, compile_at, budget)
+        if fit is None:
+            raise RunError(f"{key}=auto: {what} fits {_budget_words(budget)} at none of the counts {list(counts)}: "
+                           "shorten the rows (rl.max_new_tokens, rl.max_prompt_len), remat more, or raise "
+                           "run.memory_budget_gib")
+        return fit
+    fit = compile_or_refusal(compile_at, setting)
+    if fit.compiled is not None and fits(fit.need, budget):
+        return fit
+    smaller = fewest_that_fit([c for c in counts if c > setting], compile_at, budget)
+    fix = (f"the smallest count that fits is {key}={smaller.count} (or {key}=auto)" if smaller is not None else
+           f"no count up to {max(counts)} fits: shorten the rows or remat more")
+    raise RunError(f"{key}={setting}: {what} needs {_gib(fit.need)} per device, over {_budget_words(budget)}; {fix}")
+
+
+def divisor_counts(rows: int, shards: int = 1) -> list[int]:
+    """Counts M that split `rows` into equal micro-batches, each of which splits over `shards`, increasing."""
+    return [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % shards == 0]
+
+
+def batch_shards(setup) -> int:
+    """How many ways the mesh splits a batch's rows (the batch axes of the rules table)."""
+    spec = setup.batch_sharding(0).spec[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return math.prod(setup.mesh.shape[a] for a in axes)

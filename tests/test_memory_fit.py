@@ -1,0 +1,127 @@
+"""rl.micro_batches=auto and the refusal of a set count that does not fit (rl/memory_plan.py,
+run/memory_fit.py), on the 8-device CPU mesh against a budget the config sets
+(run.memory_budget_gib): the expected counts are worked out here from the compiled programs' own
+memory figures, read by hand (arguments + temporaries + outputs - aliased)."""
+
+import jax
+import pytest
+
+from broken_variants import BROKEN_FIT
+from helpers import TWO_LAYERS, tiny_config
+from hybridmoe.cli import main
+from hybridmoe.rl.loop import run_rl
+from hybridmoe.rl.memory_plan import plan_updates, update_program
+from hybridmoe.run import memory_fit
+from hybridmoe.run.run_dir import RunError
+from hybridmoe.run.setup import build
+
+GIB = 2**30
+# 16 prompts x 4 completions = 64 rows over the mesh's 8 batch shards: the counts 1, 2, 4 and 8. (At
+# 32 rows the update at 2 micro-batches needs more than at 1: tiny shapes are no guide.)
+WORDS = ("rl.prompts_per_step=16", "rl.group_size=4", "rl.max_prompt_len=6", "rl.max_new_tokens=10",
+         "rl.warmup_steps=0", "rl.steps=1", "gdn.chunk_size=8", *TWO_LAYERS)
+
+
+def by_hand(compiled) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """The set-up and the GRPO update's bytes per device at 1 and 2 micro-batches (the programs are
+    kept on the set-up: the search below compiles nothing again)."""
+    setup = build(tiny_config(*WORDS))
+    need = {M: by_hand(update_program(setup, False, M)) for M in (1, 2)}
+    assert need[1] > need[2], need  # fewer rows per micro-batch, fewer temporaries
+    return setup, need
+
+
+def between(need) -> int:
+    """A budget that the update at 2 micro-batches fits and the one at 1 does not."""
+    return (need[1] + need[2]) // 2
+
+
+def check_auto_choice(setup, need):
+    plan = plan_updates(setup, False, between(need), setting="auto")
+    assert plan.micro_batches == 2
+    assert plan.update.compiled is update_program(setup, False, 2)  # the program measured is the one the run calls
+    assert plan_updates(setup, False, need[1], setting="auto").micro_batches == 1  # fits exactly: the fewest
+
+
+def test_auto_chooses_the_fewest_micro_batches_whose_update_fits_the_budget(measured):
+    check_auto_choice(*measured)
+
+
+def test_without_a_budget_on_cpu_auto_is_one_micro_batch(measured):
+    setup, _ = measured
+    assert memory_fit.memory_budget_bytes(setup.cfg) is None  # a CPU reports no memory limit
+    assert plan_updates(setup, False, None, setting="auto").micro_batches == 1
+
+
+def test_a_set_count_that_fits_is_kept_and_one_that_does_not_is_refused_naming_the_count_that_fits(measured):
+    setup, need = measured
+    assert plan_updates(setup, False, between(need), setting=2).micro_batches == 2
+    with pytest.raises(RunError) as e:
+        plan_updates(setup, False, between(need), setting=1)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("rl.micro_batches=1: the GRPO update needs")
+    assert "the smallest count that fits is rl.micro_batches=2" in message
+
+
+def test_hybridmoe_rl_refuses_the_set_count_in_one_line_before_any_rollout(measured, tmp_path, capsys, monkeypatch):
+    _, need = measured
+    monkeypatch.setattr("hybridmoe.rl.loop._sample_groups", lambda *a: pytest.fail("a rollout ran"))
+    out = tmp_path / "run"
+    code = main(["rl", *WORDS, "rl.micro_batches=1", f"run.memory_budget_gib={between(need) / GIB!r}", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "rl.micro_batches=1:" in err[0] and "rl.micro_batches=2" in err[0] and "Traceback" not in err[0]
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_an_auto_run_trains_with_the_count_chosen_for_its_budget(measured, tmp_path):
+    _, need = measured
+    cfg = tiny_config(*WORDS, "rl.rollout_batches=2", f"run.memory_budget_gib={between(need) / GIB!r}")
+    history = run_rl(cfg, tmp_path / "run", progress=False)
+    assert [(rec["micro_batches"], rec["rollout_batches"]) for rec in history] == [(2.0, 2.0)]
+
+
+def test_a_memory_error_at_run_time_is_one_line(monkeypatch, capsys):
+    def out_of_memory(args, words):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 21 GiB\nmore detail")
+
+    monkeypatch.setitem(__import__("hybridmoe.cli").cli.COMMANDS, "train", (out_of_memory, "train"))
+    assert main(["train", "recipe=tiny"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 21 GiB)" in err[0]
+
+
+@pytest.fixture(params=list(BROKEN_FIT))
+def broken_fit(request, monkeypatch):
+    for module, attr, fn in BROKEN_FIT[request.param]:
+        monkeypatch.setattr(module, attr, fn)
+    return request.param
+
+
+def test_broken_search_is_caught(broken_fit, measured):
+    with pytest.raises(AssertionError):
+        check_auto_choice(*measured)
+
+
+def test_auto_sampler_passes_hold_the_fewest_rows_in_flight_that_fit_beside_the_optimizer_state(measured):
+    """rl.rollout_batches: the sampler's program at 16 and at 8 prompts a pass (64 and 32 rows of
+    KV cache and GDN state in flight); the budget less the optimizer state it runs beside."""
+    from hybridmoe.rl.loop import sampling_options
+    from hybridmoe.data.tokenizer import load_tokenizer
+    from hybridmoe.rl.memory_plan import plan_rollout, sampler_program
+
+    setup, _ = measured
+    opts = sampling_options(setup.cfg, load_tokenizer(None))
+    need = {n: by_hand(sampler_program(setup, opts, 16 // n)) for n in (1, 2)}
+    assert need[1] > need[2], need
+    beside = memory_fit.per_device_bytes(setup.abstract_state()["opt_state"])
+    chosen = plan_rollout(setup, opts, False, between(need) + beside, setting="auto")
+    assert chosen.count == 2 and chosen.compiled is sampler_program(setup, opts, 8)
+    with pytest.raises(RunError, match=r"^rl.rollout_batches=1: .* the smallest count that fits is rl.rollout_batches=2 "):
+        plan_rollout(setup, opts, False, between(need) + beside, setting=1)
