@@ -125,3 +125,45 @@ def test_auto_sampler_passes_hold_the_fewest_rows_in_flight_that_fit_beside_the_
     assert chosen.count == 2 and chosen.compiled is sampler_program(setup, opts, 8)
     with pytest.raises(RunError, match=r"^rl.rollout_batches=1: .* the smallest count that fits is rl.rollout_batches=2 "):
         plan_rollout(setup, opts, False, between(need) + beside, setting=1)
+
+
+class _FakeProgram:
+    """A compiled program's memory_analysis with the given bytes (all temporaries)."""
+
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+    def memory_analysis(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(argument_size_in_bytes=0, temp_size_in_bytes=self.nbytes, output_size_in_bytes=0,
+                               alias_size_in_bytes=0)
+
+
+def _search(need_gib, budget_gib, refuse=()):
+    """fewest_that_fit over counts 1..16 with a program needing need_gib(M) GiB; counts in `refuse`
+    are refused by the 'compiler' with its figure. Returns (the count found, the counts compiled)."""
+    compiled = []
+
+    def compile_at(m):
+        compiled.append(m)
+        if m in refuse:
+            raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                                             f"for HLO temporaries ({need_gib(m):.2f}G) exceeds available HBM (15.75G).")
+        return _FakeProgram(int(need_gib(m) * GIB))
+
+    fit = memory_fit.fewest_that_fit([1, 2, 4, 8, 16], compile_at, int(budget_gib * GIB))
+    return (None if fit is None else fit.count), compiled
+
+
+def test_counts_the_first_need_rules_out_are_not_compiled():
+    """need(M) = 2 + 64 / M GiB against 12: 66, 34, 18, 10, 6. The first count's 66 GiB scaled by 1/M
+    rules out 2 (33) and 4 (16.5) without a compile; 8 (8.25 under 12) is compiled and fits. The same
+    from the compiler's refusal of count 1 (its temporaries' figure). A count whose scaled floor is
+    under the budget is compiled even when it will not fit: need 10 + 8 / M against 15 (M = 1: 18
+    GiB, floor 9 at M = 2, which fits at 14)."""
+    assert _search(lambda m: 2 + 64 / m, 12) == (8, [1, 8])
+    assert _search(lambda m: 2 + 64 / m, 12, refuse={1}) == (8, [1, 8])
+    assert _search(lambda m: 10 + 8 / m, 15) == (2, [1, 2])
+    # No count fits, and the first rules out every other: 66 / 16 = 4.1 GiB is over 3.5.
+    assert _search(lambda m: 2 + 64 / m, 3.5) == (None, [1])

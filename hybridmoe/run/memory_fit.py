@@ -12,7 +12,12 @@ compile time) that count does not fit either: the compiler decides where it can.
 
 The search compiles the candidate counts in increasing order and stops at the first that fits
 (a program's need falls as its micro-batches shrink), and hands back that compiled program, which
-the run then calls: nothing is compiled twice.
+the run then calls: nothing is compiled twice. A compile of a GRPO update on a chip takes over a
+minute, so counts that cannot fit are skipped without one: a program at M micro-batches needs at
+least the first count's need scaled by (first count / M), since only the per-micro-batch part of
+it shrinks (the state, the arguments and the accumulators do not); a count whose need is over the
+budget even so is passed over. The first count's need is its compiled figure, or the figures of the
+compiler's refusal (its temporaries alone: a lower bound too).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from hybridmoe.analysis.compiled_facts import memory_refusal
+from hybridmoe.analysis.device_refusal import device_refusal
 from hybridmoe.config.schema import Config
 from hybridmoe.run.run_dir import RunError
 
@@ -60,10 +66,16 @@ def fits(need: int, budget: int | None) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """A count, its compiled program and that program's need in bytes per device (None: refused by
-    the compiler for memory)."""
+    the compiler for memory; least_need then holds the refusal's own figure where it gave one)."""
     count: int
     compiled: object
     need: int | None
+    least_need: int | None = None
+
+    @property
+    def need_floor(self) -> int | None:
+        """Bytes this count needs at the least: its need, else the compiler's figure when it refused."""
+        return self.need if self.need is not None else self.least_need
 
 
 def compile_or_refusal(compile_at: Callable[[int], object], count: int) -> Fit:
@@ -73,16 +85,28 @@ def compile_or_refusal(compile_at: Callable[[int], object], count: int) -> Fit:
     except jax.errors.JaxRuntimeError as e:
         if not memory_refusal(e):
             raise
-        return Fit(count, None, None)
+        return Fit(count, None, None, (device_refusal(e) or {}).get("needed_bytes"))
     return Fit(count, compiled, program_bytes(compiled))
 
 
+def cannot_fit(first: Fit, count: int, budget: int | None) -> bool:
+    """Whether `count` is certain not to fit, from the first count's need: even scaled by
+    first.count / count (the whole need shrinking with the micro-batch), it is over the budget."""
+    floor = first.need_floor
+    return budget is not None and floor is not None and floor * first.count / count > budget
+
+
 def fewest_that_fit(counts: Sequence[int], compile_at: Callable[[int], object], budget: int | None) -> Fit | None:
-    """The first of `counts` (increasing) whose program compiles and fits `budget`; None if none does."""
+    """The first of `counts` (increasing) whose program compiles and fits `budget`; None if none does.
+    Counts the first one's need rules out are never compiled (cannot_fit)."""
+    first = None
     for count in counts:
+        if first is not None and cannot_fit(first, count, budget):
+            continue
         fit = compile_or_refusal(compile_at, count)
         if fit.compiled is not None and fits(fit.need, budget):
             return fit
+        first = first or fit
     return None
 
 
