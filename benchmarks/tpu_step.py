@@ -3,8 +3,8 @@ GRPO loop (rollouts and updates) on the same chip.
 
 Run on a TPU host (docs/tpu.md), one process holding the chip:
 
-    python3 benchmarks/tpu_step.py                 # every arm below, then the GRPO loop
-    python3 benchmarks/tpu_step.py --only default,pallas_gdn --no-grpo
+    python3 benchmarks/tpu_step.py --compile-cache .tpu-cache      # every arm below, in rounds
+    python3 benchmarks/tpu_step.py --only default,xla_gdn --grpo      # and the GRPO loop
 
 The arms are `hybridmoe bench` arms of the one-chip recipe (qwen3.5-35b-a3b-v5e-1): each compiled
 first, an arm the chip refuses for memory (its compiler, or its runtime at the arm's visit) left out
@@ -15,9 +15,17 @@ model's estimate of the same compiled program on the chip's generation (calibrat
 warm-up: rollout tokens/s, the rollout, old-log-prob and update times from its metrics, the first
 step (which compiles) left out.
 
+The arms run in rounds of --group beside the default (each round compiles its arms, then times them
+in alternating visits; every arm's `over_default_in_round` is against the default timed in its own
+round); the record is written after each round and no round starts past --budget-s, so a chip call
+cut short keeps what it finished. An earlier record of the same device and overrides is merged into:
+the arms run now replace theirs, the others keep their figures and the commit they ran at.
+
 Writes benchmarks/records/tpu_step.json: device, commit, arms (name -> measured_s, estimated_s,
-measured_over_estimated, overrides, the device's seconds by the model's categories from a profiled
-step (profile_category_s, beside the estimate's category_s), or refused), the fastest arm, grpo.
+measured_over_estimated, mfu and useful_mfu against the peak they name, overrides, the device's
+seconds by the model's categories from a profiled step (profile_category_s, beside the estimate's
+category_s), commit, round, over_default_in_round; or refused with the device's own figures), the
+fastest arm and default_over_fastest, grpo.
 """
 
 from __future__ import annotations
@@ -67,44 +75,84 @@ def time_grpo(common: list[str]) -> dict:
                                     "step_time_s")}}
 
 
+def arm_row(a: dict, commit: str, round_index: int, default_s: float | None) -> dict:
+    """An arm's entry in the record from run_bench's result."""
+    if "refused" in a:
+        return {"overrides": a["overrides"], "refused": a["refused"], "device_refusal": a["device_refusal"],
+                "commit": commit}
+    est = a["estimate"] or {}
+    return {"overrides": a["overrides"], "measured_s": a["seconds_per_step"], "estimated_s": est.get("step_s"),
+            "measured_over_estimated": a["measured_over_estimated"], "step_times_s": a["step_times_s"],
+            "compile_s": a["compile_s"], "mfu": a["mfu"], "useful_mfu": a["useful_mfu"],
+            "peak_flops_per_device": a["peak_flops_per_device"], "peak_source": a["peak_source"],
+            "tokens_per_s": a["tokens_per_step"] / a["seconds_per_step"], "estimate": est,
+            "profile_category_s": a.get("profile_category_s"),
+            "memory": {k: a["program"].get(k) for k in ("argument", "temp", "output", "alias")},
+            "commit": commit, "round": round_index,
+            # Against the default timed in the same round (the same visits, the same noise).
+            "over_default_in_round": a["seconds_per_step"] / default_s if default_s else None}
+
+
+def rounds_of(names: list[str], group: int) -> list[list[str]]:
+    """The arms in rounds of `group` others, each round led by `default` (its anchor: every arm is
+    compared with the default timed beside it)."""
+    others = [n for n in names if n != "default"]
+    if not others:
+        return [["default"]]
+    return [["default", *others[i:i + group]] for i in range(0, len(others), group)]
+
+
+def summary(arms: dict) -> dict:
+    """The fastest timed arm and how far the default is from it."""
+    timed = {n: a for n, a in arms.items() if "measured_s" in a}
+    fastest = min(timed, key=lambda n: timed[n]["measured_s"]) if timed else None
+    default = timed.get("default", {}).get("measured_s")
+    return {"fastest": fastest,
+            "default_over_fastest": default / timed[fastest]["measured_s"] if default and fastest else None}
+
+
 def main(argv=None) -> int:
-    harness.configure()
     p = harness.parser(__doc__, __file__)
     p.add_argument("--only", help="comma-separated arm names (default: all)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per arm (two visits)")
-    p.add_argument("--no-grpo", action="store_true", help="leave out the GRPO loop")
+    p.add_argument("--group", type=int, default=3, help="arms per round beside the default (default 3)")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="start no round after this many seconds (default 420); the record keeps every finished round")
+    p.add_argument("--compile-cache", help="JAX's persistent compile cache folder (a rerun compiles nothing again)")
+    p.add_argument("--grpo", action="store_true", help="also time the GRPO loop (benchmarks/tpu_rl.py is its record)")
     p.add_argument("--profile", type=int, default=2, metavar="STEPS",
                    help="steps each arm runs under JAX's profiler after its timed ones: the device's time by the "
                    "step-time model's categories, beside the model's (0: none)")
     p.add_argument("overrides", nargs="*", help="section.key=value for every arm (e.g. a smaller model.num_layers)")
     args = p.parse_args(argv)
+    harness.configure(cache_dir=args.compile_cache)
+    import time
+
     from hybridmoe.tools.bench import format_table, run_bench
+    from hybridmoe.tools.record import machine_record, source_commit
 
     names = args.only.split(",") if args.only else list(ARMS)
     unknown = sorted(set(names) - set(ARMS))
     if unknown:
         raise SystemExit(f"--only: unknown arms {unknown}; known: {', '.join(ARMS)}")
-    results = run_bench(RECIPE, list(args.overrides), [(n, ARMS[n]) for n in names], args.steps, skip_unfit=True,
-                        profile_steps=args.profile)
-    print(format_table(results))
-    arms = {}
-    for name, a in results.items():
-        if "refused" in a:
-            arms[name] = {"overrides": a["overrides"], "refused": a["refused"], "device_refusal": a["device_refusal"]}
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    same = old.get("device") == machine_record()["device"] and old.get("overrides", []) == list(args.overrides)
+    arms = dict(old.get("arms", {})) if same else {}  # the same device's other arms keep their figures and commits
+    start = time.perf_counter()
+    for index, round_names in enumerate(rounds_of(names, args.group)):
+        if index and time.perf_counter() - start > args.budget_s:  # the first round always runs
+            print(f"round {index} ({', '.join(round_names)}): left out, past the {args.budget_s:.0f} s budget", flush=True)
             continue
-        est = a["estimate"] or {}
-        arms[name] = {"overrides": a["overrides"], "measured_s": a["seconds_per_step"],
-                      "estimated_s": est.get("step_s"), "measured_over_estimated": a["measured_over_estimated"],
-                      "step_times_s": a["step_times_s"], "compile_s": a["compile_s"], "mfu": a["mfu"], "useful_mfu": a["useful_mfu"],
-                      "tokens_per_s": a["tokens_per_step"] / a["seconds_per_step"], "estimate": est,
-                      "profile_category_s": a.get("profile_category_s"),
-                      "memory": {k: a["program"].get(k) for k in ("argument", "temp", "output", "alias")}}
-    timed = {n: a for n, a in arms.items() if "measured_s" in a}
-    record = {"recipe": RECIPE, "overrides": list(args.overrides), "arms": arms,
-              "fastest": min(timed, key=lambda n: timed[n]["measured_s"]) if timed else None,
-              **next(({k: a[k] for k in ("peak_flops_per_device", "peak_source")} for a in results.values()
-                      if "peak_flops_per_device" in a), {"peak_flops_per_device": None, "peak_source": None})}
-    if not args.no_grpo:
+        results = run_bench(RECIPE, list(args.overrides), [(n, ARMS[n]) for n in round_names], args.steps,
+                            skip_unfit=True, profile_steps=args.profile)
+        print(format_table(results), flush=True)
+        default_s = results.get("default", {}).get("seconds_per_step")
+        for name, a in results.items():
+            arms[name] = arm_row(a, source_commit(), index, default_s)
+        harness.write(args.out, "tpu_step", recipe=RECIPE, overrides=list(args.overrides), arms=arms, **summary(arms))
+    record = {"recipe": RECIPE, "overrides": list(args.overrides), "arms": arms, **summary(arms)}
+    if args.grpo:
         record["grpo"] = time_grpo(list(args.overrides))
         print(f"GRPO: rollout {record['grpo']['rollout_tokens_per_s']:,.0f} tokens/s, update "
               f"{record['grpo']['update_time_s']:.3f} s per step")
