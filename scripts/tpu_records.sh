@@ -14,6 +14,9 @@
 #              stops starting cases after 330 s, so each fits a 10-minute call)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #
+# The kernel and step stages keep JAX's compiled programs in .tpu-cache/ (ignored by git): a warm
+# host's next call compiles nothing it compiled before.
+#
 #   scripts/tpu_records.sh place DIR                    # back here: each returned file to its place
 #
 # Stages run in the order given; a failing stage stops the rest (its record, if any, is written).
@@ -62,10 +65,10 @@ for stage in "$@"; do
     stamp) python3 -c 'from pathlib import Path; from hybridmoe.tools.record import write_commit_stamp; print(write_commit_stamp(Path(".")))' ;;
     tests) python3 benchmarks/tpu_tests.py ;;
     calibrate) python3 -m hybridmoe calibrate --out benchmarks/records/tpu_calibration.json ;;
-    tiles) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --budget-s 480 --out benchmarks/records/tpu_gmm_tiles.json ;;
-    kernels-one-chip) python3 benchmarks/tpu_kernels.py --geometry one_chip ;;
-    kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell ;;
-    step) python3 benchmarks/tpu_step.py ;;
+    tiles) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --budget-s 420 --out benchmarks/records/tpu_gmm_tiles.json ;;
+    kernels-one-chip) python3 benchmarks/tpu_kernels.py --geometry one_chip --compile-cache .tpu-cache ;;
+    kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache ;;
+    step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
     *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, kernels-one-chip, kernels-cell, step)" >&2; exit 2 ;;
   esac
 done
