@@ -904,10 +904,10 @@ def cell_reading(rec: dict) -> str:
              f" Its FLOPs per device, {a['hlo_flops_per_device'] / 1e12:,.0f} TFLOP as compiled (each Pallas call at "
              f"its stated count), are {a['hlo_flops_per_device'] / designed - 1:+.1%} off the design count "
              f"({designed / 1e12:,.0f} TFLOP).")
-    mosaic = rec["arms"].get("cell_gdn_pallas_tpu", {})
-    gdn_mosaic = ("" if "category_s" not in mosaic else
-                  f" (arm `cell_gdn_pallas_tpu`: GDN {mosaic['category_s']['GDN']:.1f} s against "
-                  f"{a['category_s']['GDN']:.1f}, the step {mosaic['step_s']:.1f} s)")
+    chip = load("tpu_step.json").get("arms", {})
+    gdn_chip = ("" if not all("measured_s" in chip.get(n, {}) for n in ("default", "xla_gdn")) else
+                f", {chip['default']['measured_s']:.3f} against {chip['xla_gdn']['measured_s']:.3f} s in the one-chip "
+                "step: `tpu_step.json`")
     return textwrap.fill(
         f"At the seed's cell with every lever (`cell`), the estimate is {a['step_s']:.1f} s per step with the "
         f"collectives added to the compute and {a['overlapped_step_s']:.1f} s with them hidden under it, against "
@@ -931,11 +931,10 @@ what stands between the estimate and the seed's step:
 - collectives: the fp8 expert weights' all-gathers and the bf16 weight gradients' reduce-scatters,
   once per layer per micro-batch and again for the remat replay's gathers, which the TPU7x compiler
   runs on its SparseCores beside the compute (the overlapped total assumes they hide);
-- GDN: the recipe runs the XLA chunked core (the only chip verdict, a v5e at this layer's shapes,
-  put it ahead of the Pallas core of that time): many XLA ops over the chunk layout, the
-  intra-chunk products and the sequence-sharded scans, memory-bound. The chunk-parallel Mosaic
-  core keeps a chunk's intermediates in VMEM; the uncalibrated model rates it faster{gdn_mosaic},
-  as it rated the old core; the chip decides (`tpu_kernels.json`, `gdn_cell`);
+- GDN: the recipe runs the chunk-parallel Mosaic core (`kernels.gdn.backend=auto`, which a v5e
+  chip measured faster than the XLA chunked path{gdn_chip}). It keeps a chunk's intermediates in VMEM; what the estimate still counts is
+  mostly memory: the inputs' and outputs' chunk layout around the kernels and the
+  sequence-sharded scans;
 - attention: the flash kernels' compute (the forward twice, for the replay), plus the fixed cost
   of a static grid that visits every key block (a causally skipped block still costs a step)."""
 
