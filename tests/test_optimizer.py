@@ -24,6 +24,7 @@ import pytest
 
 from hybridmoe.rl import grpo as grpo_mod
 from hybridmoe.rl import loop as rl_loop
+from hybridmoe.rl import memory_plan as memory_plan_mod
 from hybridmoe.run import setup as setup_mod
 from hybridmoe.run import step as step_mod
 from hybridmoe.train import loop as train_loop
@@ -139,14 +140,23 @@ def loop_optimizers(cfg, monkeypatch, patch=None) -> dict:
 
     def warmup_step(setup):
         got["rl_warmup"] = setup.optimizer
+        raise _Captured
 
     def grpo_step(cfg, optimizer):
         got["grpo"] = optimizer
-        raise _Captured
+        return lambda *args: None  # never traced: the memory plan below compiles nothing
+
+    def memory_plan(cfg, setup, tokenizer, with_reference, budget):
+        """The RL loop's plan builds its GRPO step first (then the warm-up's): the step is made as
+        the loop makes it (rl.grpo.jit_grpo_step, read from its module: a broken variant patches it),
+        and no count is planned."""
+        grpo_mod.jit_grpo_step(setup, with_reference)
+        return None, None
 
     monkeypatch.setattr(train_loop, "jit_train_step", sft_step)
     monkeypatch.setattr(rl_loop, "jit_train_step", warmup_step)
     monkeypatch.setattr(grpo_mod, "grpo_step", grpo_step)
+    monkeypatch.setattr(rl_loop, "_memory_plan", memory_plan)
     if patch is not None:
         patch()
     setup_mod.forget_setups()  # set-ups built with the code as it is now (a patched make_optimizer)
@@ -173,8 +183,8 @@ def _patch(monkeypatch, variant):
         monkeypatch.setattr(grpo_mod, "make_optimizer", fn)
     if name == "rl_optimizer":
         monkeypatch.setattr(rl_loop, "rl_optimizer", fn)
-    if name == "jit_grpo_step":
-        monkeypatch.setattr(rl_loop, "jit_grpo_step", fn)
+    if name == "jit_grpo_step":  # imported by name where the memory plan compiles the update
+        monkeypatch.setattr(memory_plan_mod, "jit_grpo_step", fn)
 
 
 @pytest.mark.parametrize("variant", [None, *BROKEN])

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import hybridmoe.rl.loop as rl_loop
+import hybridmoe.rl.memory_plan as memory_plan_mod
 from broken_variants import mutated
 from helpers import TWO_LAYERS, tiny_config
 from hybridmoe.config.schema import Config, Section
@@ -238,8 +239,20 @@ def test_a_run_with_another_tokenizers_ids_gets_its_own_sampler(monkeypatch):
     setup_mod.forget_setups()
     cfg = tiny_config("rl.warmup_steps=0", "rl.steps=1")
     setup = setup_mod.build(cfg)
-    monkeypatch.setattr(rl_loop, "jit_grpo_step", lambda *_: object())  # nothing traced or compiled
-    monkeypatch.setattr(rl_loop, "make_generate", lambda _cfg, opts, **__: types.SimpleNamespace(opts=opts))
+
+    class Program:
+        """A compiled program that says which sampling options it was made with (none is compiled)."""
+
+        def __init__(self, opts=None):
+            self.opts = opts
+
+        def memory_analysis(self):
+            return types.SimpleNamespace(argument_size_in_bytes=0, temp_size_in_bytes=0, output_size_in_bytes=0,
+                                         alias_size_in_bytes=0)
+
+    monkeypatch.setattr(memory_plan_mod, "update_program", lambda *_: Program())
+    monkeypatch.setattr(memory_plan_mod, "make_generate", lambda _cfg, opts, **__: types.SimpleNamespace(
+        lower=lambda *_: types.SimpleNamespace(compile=lambda: Program(opts))))
     tok_a = types.SimpleNamespace(eos_id=7, pad_id=0, stop_ids=(9,))
     tok_b = types.SimpleNamespace(eos_id=11, pad_id=0, stop_ids=(12, 13))
 
