@@ -216,3 +216,14 @@ def test_the_budget_is_the_set_figure_else_the_devices_free_memory(monkeypatch):
     assert memory_fit.memory_budget_bytes(config(3.0)) == 3 * GIB  # the set figure wins over the device's
     monkeypatch.setattr(memory_fit.jax, "local_devices", device(None))
     assert memory_fit.memory_budget_bytes(config(None)) is None
+
+
+def test_the_pi_old_pass_runs_at_its_own_count():
+    """With several updates a rollout the pi_old pass has a program of its own, compiled at the count
+    its own search chose (here 4, the update's 2): the loop splits its batch at that count; with one
+    update a rollout there is no such pass and the update's count stands."""
+    from hybridmoe.rl.memory_plan import UpdatePlan
+
+    plan = UpdatePlan(memory_fit.Fit(2, "update", 10), memory_fit.Fit(4, "pi_old", 8))
+    assert (plan.micro_batches, plan.old_logprobs_micro_batches) == (2, 4)
+    assert UpdatePlan(memory_fit.Fit(2, "update", 10), None).old_logprobs_micro_batches == 2
