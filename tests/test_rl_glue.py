@@ -848,6 +848,10 @@ def test_the_count_of_steps_that_score_nothing_restarts_at_a_step_that_scores():
 
 
 def test_the_steps_time_split_and_rollout_rate_by_their_definitions(monkeypatch):
+    check_time_split(monkeypatch)
+
+
+def check_time_split(monkeypatch):
     """The GRPO record's timing figures on a made-up clock that only the stubs move: the sampler takes
     2 s, the pi_old pass 0.5 s (two updates a rollout), each update 0.75 s. So rollout_time_s 2,
     old_logprobs_time_s 0.5, update_time_s 1.5, and the parts add up to step_time_s 4.
@@ -885,3 +889,21 @@ def test_the_steps_time_split_and_rollout_rate_by_their_definitions(monkeypatch)
         (2.0, 0.5, 1.5, 4.0)
     assert rec["rollout_tokens"] == 100 and rec["rollout_tokens_per_s"] == 50.0
     assert rec["tokens"] == 188 and rec["tokens_per_s"] == 47.0
+
+
+# One-line bugs of the step's timing figures (rl/loop.py _grpo_step), each caught by the check above.
+TIMING_BROKEN = {
+    "rollout_rate_over_the_whole_step": ('"rollout_tokens_per_s": ds["rollout_tokens"] / t_rollout',
+                                         '"rollout_tokens_per_s": ds["rollout_tokens"] / dt'),
+    "update_time_holds_the_pi_old_pass": ('"update_time_s": t_update - m["old_logprobs_time_s"]',
+                                          '"update_time_s": t_update'),
+    "update_time_from_the_step_start": ("t1 = time.perf_counter()\n", "t1 = t0\n"),
+}
+
+
+@pytest.mark.parametrize("variant", list(TIMING_BROKEN))
+def test_broken_timing_figures_are_caught(variant, monkeypatch):
+    old, new = TIMING_BROKEN[variant]
+    monkeypatch.setattr(rl_loop, "_grpo_step", mutated(rl_loop, "_grpo_step", old, new))
+    with pytest.raises(AssertionError):
+        check_time_split(monkeypatch)
