@@ -186,6 +186,10 @@ def test_advantage_masking_of_skipped_and_truncated_samples():
     adv, keep, _ = group_advantages(jnp.array([[1.0, 0.0]]), estimator="rloo",
                                     skipped_PG=jnp.array([[False, True]]), mask_zero_variance=False)
     assert keep.tolist() == [[False, False]] and adv.tolist() == [[0.0, 0.0]]
+    # ... and two are enough: rewards 1 and 3 (the other two skipped), each against the other: -2, +2.
+    adv, keep, _ = group_advantages(jnp.array([[1.0, 7.0, 3.0, 7.0]]), estimator="rloo",
+                                    skipped_PG=jnp.array([[False, True, False, True]]))
+    assert keep.tolist() == [[True, False, True, False]] and adv.tolist() == [[-2.0, 0.0, 2.0, 0.0]]
     stats = advantage_stats(*group_advantages(jnp.array([[0.0, 2.0]]), estimator="drgrpo")[:2])
     assert (float(stats["adv_min"]), float(stats["adv_max"]), float(stats["adv_mean"])) == (-1.0, 1.0, 0.0)
     with pytest.raises(ValueError, match="unknown advantage estimator"):
