@@ -1,8 +1,8 @@
 """A review by sabotage: one-line slips made one at a time in a throwaway checkout, each run against
 the default-suite tests that could catch it, and the outcome kept in the review's record.
 
-    git worktree add --detach /work/wt-sab HEAD
-    python scripts/sabotage.py benchmarks/records/sabotage_review_round3.json --tree /work/wt-sab [--tag after] [ID ...]
+    git worktree add --detach ../sab HEAD
+    python scripts/sabotage.py benchmarks/records/sabotage_review_round3.json --tree ../sab [--tag after] [ID ...]
 
 The record's "slips" list holds each slip: id, file, old (a fragment found exactly once in the file),
 new, the effect a user would see, and the tests to run. For each slip (or the ids named) the file in
