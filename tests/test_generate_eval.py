@@ -99,6 +99,22 @@ def test_generate_from_a_runs_checkpoint(tmp_path):
     assert rec["prompt"] == "1+2=" and 1 <= rec["tokens"] <= 4
 
 
+def test_a_runs_latest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
+    """--run takes the latest finished checkpoint: with steps 9 and 10 kept (and orbax's unfinished
+    11), step 10 and its own metadata (train.seed 10 here), though "9" sorts after "10" as text."""
+    from helpers import tiny_config
+    from hybridmoe.rl.policy_io import run_config
+
+    for step in (9, 10):
+        meta = tmp_path / "checkpoints" / str(step) / "meta"
+        meta.mkdir(parents=True)
+        (meta / "metadata").write_text(json.dumps({"config": json.loads(tiny_config(f"train.seed={step}")
+                                                                        .model_dump_json())}))
+    (tmp_path / "checkpoints" / "11.orbax-checkpoint-tmp-1").mkdir()
+    cfg, step, _ = run_config(tmp_path)
+    assert (step, cfg.train.seed) == (10, 10)
+
+
 def test_help_names_recipes_hf_dirs_and_overrides(capsys):
     from hybridmoe.cli import COMMANDS
     for words in [[], *([name] for name in COMMANDS)]:
