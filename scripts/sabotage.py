@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--tree", required=True, help="a clean checkout to make the slips in (a git worktree)")
     p.add_argument("--tag", default="before", help="the run's name in each slip's runs (default: before)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per slip")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     tree, record_path = Path(args.tree).resolve(), Path(args.record)
     if not _git_clean(tree):
         raise SystemExit(f"{tree} has changes: sabotage runs in a clean checkout only")
