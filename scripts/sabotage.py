@@ -54,7 +54,8 @@ def run_slip(slip: dict, tree: Path, timeout_s: int) -> dict:
         raise SystemExit(f"{slip['id']}: {tree} is not clean after the slip was undone; look before going on")
     failed = [ln.split(" ", 1)[1].split(" - ")[0] for ln in output.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
     outcome = {0: "missed", 1: "caught"}.get(code, "error" if code is not None else "timeout")
-    return {"line": line, "outcome": outcome, "caught_by": failed[0] if failed else None, "seconds": seconds}
+    return {"line": line, "outcome": outcome, "caught_by": failed[0] if failed else None, "seconds": seconds,
+            "tests": slip["tests"]}
 
 
 def main(argv=None) -> int:
