@@ -76,6 +76,20 @@ def test_describe_json(capsys):
     assert out["config"]["model"]["num_experts"] == 256
 
 
+def test_describe_prints_the_published_totals(capsys):
+    """describe's two count lines for Qwen3.5-35B-A3B: 35 B parameters, 3.5 B active a token (the
+    published figures, within the 2% and 5% above), each its own count and its billions."""
+    import re
+
+    assert main(["describe", "recipe=qwen3.5-35b-a3b"]) == 0
+    lines = {m.group(1): (int(m.group(2).replace(",", "")), float(m.group(3)))
+             for m in re.finditer(r"^(total parameters|active per token):\s+([\d,]+) \(([\d.]+) B\)$",
+                                  capsys.readouterr().out, re.M)}
+    (total, total_b), (active, active_b) = lines["total parameters"], lines["active per token"]
+    assert abs(total - 35e9) / 35e9 < 0.02 and abs(active - 3.5e9) / 3.5e9 < 0.05
+    assert (total_b, active_b) == (round(total / 1e9, 2), round(active / 1e9, 2))
+
+
 def test_cli_bad_override_exits_cleanly(capsys):
     assert main(["describe", "model.d_model=abc"]) == 2
     assert "model.d_model" in capsys.readouterr().err

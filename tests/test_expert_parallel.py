@@ -139,10 +139,12 @@ def _expected_drops(token_sets: int, tokens_per_set: int, k: int, experts: int, 
     return token_sets * 2 * max(tokens_per_set - cap, 0)  # experts 0 and 1 get every token
 
 
-@pytest.mark.parametrize("mesh", ["none", "replicated", "expert2"])
+@pytest.mark.parametrize("mesh", ["none", "replicated", "expert2", "tensor2"])
 def test_dropped_rows_exact_count(mesh):
+    """tensor2: the tensor axis holds the same tokens on both its ranks (4 token shards of 32), which
+    count the same drops: each is counted once."""
     cf = 1.0
-    over = {"none": (), "replicated": (), "expert2": ("mesh.expert=2",)}[mesh]
+    over = {"none": (), "replicated": (), "expert2": ("mesh.expert=2",), "tensor2": ("mesh.tensor=2",)}[mesh]
     cfg = tiny_config(*TWO_LAYERS, f"moe.capacity_factor={cf}", *over)
     m = cfg.model
     p, x = _constructed_routing(cfg, 128)
@@ -154,7 +156,7 @@ def test_dropped_rows_exact_count(mesh):
         want = _expected_drops(1, 128, m.num_experts_per_tok, m.num_experts, cf)
     else:
         (_, (_, dropped)), _ = _on_mesh(cfg, fn, p, x)
-        shards = 8  # tokens split over data x fsdp x expert
+        shards = 4 if mesh == "tensor2" else 8  # tokens split over data x fsdp x expert
         ep = 2 if mesh == "expert2" else 1
         want = _expected_drops(shards // ep, 128 // shards * ep, m.num_experts_per_tok,
                                m.num_experts, cf)

@@ -95,6 +95,21 @@ def test_grpo_update_model_flops_per_device_by_hand(beta, per_device):
     assert se.tokens_per_step(cfg, "grpo") == 16 * 32  # one update's rows x their tokens
 
 
+def test_the_designed_count_of_a_fully_rematerialised_step_by_hand():
+    """designed_flops_per_device, the check of a compiled TPU step's FLOPs, at T = 64, gdn.chunk_size 8,
+    remat full. Per token, forward (the table above): attention 41088, GDN 39936, 2 MoE 76032, LM
+    head 32768. The GDN core runs chunked: 3 C K + 2 C V + 3 K V multiply-adds a value head in place
+    of 3 K V, (3 x 8 x 16 + 2 x 8 x 16) = 640 more, x 4 value heads x 2 = 5120 FLOPs -> GDN 45056.
+    Full remat runs the stack's forward twice: 4 x (41088 + 45056 + 76032) = 648704; the LM head 4 x
+    32768 = 131072 (its logits recomputed in the chunked log-probs' backward); the flash backward's
+    recomputation, 1.5 attention cores: 1.5 x 2 x 2 N A (T + 1) / 2 = 1.5 x 8320 = 12480. 792256 FLOPs
+    a token x 1024 tokens over 8 devices = 101408768."""
+    cfg = tiny_config(*TWO_LAYERS, *TRAIN, "gdn.chunk_size=8", "remat.policy=full")
+    assert flops_module.designed_flops_per_device(cfg, DEVICES, "tpu") == 101_408_768
+    assert flops_module.designed_flops_per_device(tiny_config(*TWO_LAYERS, *TRAIN, "remat.policy=auto"),
+                                                  DEVICES, "tpu") is None  # resolved at trace time
+
+
 # ---------------------------------------------------------------------------------------------
 # The step estimate's totals, by hand
 
@@ -355,6 +370,10 @@ def _variants():
         # a reduce-scatter's wire bytes as a fraction of its result (the shard), not of its input
         "reduce_scatter_over_n": (lambda: wire('"reduce-scatter": result_bytes * (n - 1),',
                                                '"reduce-scatter": result_bytes * (n - 1) / n,'), mixed),
+        # the designed count without the flash backward's recomputation of the attention core
+        "designed_without_flash_recompute": (lambda: fl("designed_step_flops", "per_token += 1.5 * attention_core",
+                                                        "per_token += 0.5 * attention_core"),
+                                             ["test_the_designed_count_of_a_fully_rematerialised_step_by_hand"]),
         # the loop's rate per device
         "tokens_per_s_per_device": (lambda: [(train_loop, "train", mutated(
             train_loop, "train", '"tokens_per_s": m["tokens"] / dt', '"tokens_per_s": m["tokens"] / dt / 8'))], loop),
@@ -369,7 +388,7 @@ VARIANT_NAMES = ("backward_as_one_forward", "moe_macs_as_flops", "attention_core
                  "chip_peak_per_device", "chips_as_devices", "tokens_of_one_micro_batch", "overlapped_as_sum",
                  "overlapped_as_compute", "tokens_per_s_per_device", "step_tokens_of_one_micro_batch",
                  "layers_of_the_pattern_once", "memory_time_at_the_chips_bandwidth", "fp8_at_the_bf16_peak",
-                 "all_reduce_sent_once", "reduce_scatter_over_n")
+                 "all_reduce_sent_once", "reduce_scatter_over_n", "designed_without_flash_recompute")
 # Bugs of the loop's Python, run by the loop's test on its kept set-up.
 LOOP_VARIANTS = ("tokens_per_s_per_device",)
 # A variant of the jitted step compiles a step of its own (13 s cold here): it repeats the default

@@ -41,6 +41,41 @@ def test_eval_on_a_prompt_set_writes_a_record_per_task(tmp_path, capsys):
     assert "add:" in capsys.readouterr().out and rec["machine"]
 
 
+def test_eval_figures_per_task_by_hand(monkeypatch):
+    """evaluate() on made-up completions (the sampler stubbed), 3 samples a prompt, reward = the
+    completion as a number ("x" raises: a reward error, a failed sample), pass threshold 1.0:
+
+      add p0: 1, 0, 1      passes 2 (a reward of exactly 1.0 passes)   pass@1 2/3  pass@3 1
+      add p1: 0.5, x, 1    passes 1 (the raising one fails)           pass@1 1/3  pass@3 1
+      mul p2: x, 0, 0.5    passes 0                                    pass@1 0    pass@3 0
+      mul p3: 2, 1, 1      passes 3                                    pass@1 1    pass@3 1
+
+    add: pass@1 (2/3 + 1/3) / 2 = 0.5, pass@3 1, mean reward (1 + 0 + 1 + 0.5 + 0 + 1) / 6 = 0.5833,
+    1 reward error; mul: pass@1 0.5, pass@3 0.5, mean reward (0 + 0 + 0.5 + 2 + 1 + 1) / 6 = 0.75, 1 error."""
+    from hybridmoe.data.arithmetic import Example
+    from hybridmoe.tools.evaluate import evaluate
+
+    texts = ["1", "0", "1", "0.5", "x", "1", "x", "0", "0.5", "2", "1", "1"]
+    examples = [Example(f"p{i}", "", fields={"task": task}) for i, task in enumerate(("add", "add", "mul", "mul"))]
+
+    def sampler(policy, prompts, **kwargs):
+        assert prompts == [e.prompt for e in examples for _ in range(3)]
+        return [{"prompt": p, "completion": t} for p, t in zip(prompts, texts)], {"batches": 1}
+
+    monkeypatch.setattr("hybridmoe.rl.policy_io.generate_texts", sampler)
+    rec = evaluate(None, examples, [(lambda prompt, completion: float(completion), 1.0)], samples=3,
+                   pass_threshold=1.0, generate_kwargs={})
+    add, mul = rec["tasks"]["add"], rec["tasks"]["mul"]
+    assert (add["prompts"], add["samples"], add["reward_errors"]) == (2, 6, 1)
+    assert add["pass@1"] == pytest.approx(0.5) and add["pass@3"] == 1.0
+    assert add["mean_reward"] == pytest.approx(3.5 / 6)
+    assert (mul["prompts"], mul["samples"], mul["reward_errors"]) == (2, 6, 1)
+    assert mul["pass@1"] == pytest.approx(0.5) and mul["pass@3"] == pytest.approx(0.5)
+    assert mul["mean_reward"] == pytest.approx(0.75)
+    assert rec["reward_errors"] == 2 and rec["reward_error_kinds"] == {"raised:ValueError": 2}
+    assert [c["reward"] for c in rec["completions"]] == [1, 0, 1, 0.5, 0, 1, 0, 0, 0.5, 2, 1, 1]
+
+
 @pytest.mark.parametrize("words, needle", [
     (["generate", "--prompt", "x"], "exactly one of --hf DIR"),
     (["generate", "--hf", str(HF_TINY)], "give --prompts FILE"),
@@ -62,6 +97,22 @@ def test_generate_from_a_runs_checkpoint(tmp_path):
                  "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["prompt"] == "1+2=" and 1 <= rec["tokens"] <= 4
+
+
+def test_a_runs_latest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
+    """--run takes the latest finished checkpoint: with steps 9 and 10 kept (and orbax's unfinished
+    11), step 10 and its own metadata (train.seed 10 here), though "9" sorts after "10" as text."""
+    from helpers import tiny_config
+    from hybridmoe.rl.policy_io import run_config
+
+    for step in (9, 10):
+        meta = tmp_path / "checkpoints" / str(step) / "meta"
+        meta.mkdir(parents=True)
+        (meta / "metadata").write_text(json.dumps({"config": json.loads(tiny_config(f"train.seed={step}")
+                                                                        .model_dump_json())}))
+    (tmp_path / "checkpoints" / "11.orbax-checkpoint-tmp-1").mkdir()
+    cfg, step, _ = run_config(tmp_path)
+    assert (step, cfg.train.seed) == (10, 10)
 
 
 def test_help_names_recipes_hf_dirs_and_overrides(capsys):

@@ -82,6 +82,69 @@ def test_a_device_and_a_target_take_their_generations_row():
         assert row.bf16_flops_chip > 0 and row.hbm_bytes_per_s_chip > 0 and row.link_bytes_per_s_chip > 0
 
 
+def test_the_makers_rows_per_device_are_the_published_figures_over_the_devices_of_a_chip():
+    """Each row's per-device rates from the figures its comment cites: TPU7x 2,307 TFLOP/s bf16 and
+    4,614 fp8, 7,380 GB/s, 600 GB/s of links each way, over two devices; v5e 197 TFLOP/s, 819 GB/s and
+    1,600 Gbit/s bidirectional (100 GB/s each way) on one; H200 989 TFLOP/s, 4.8 TB/s, 450 GB/s."""
+    per_device = lambda hw: (hw.bf16_flops, hw.fp8_flops, hw.hbm_bytes_per_s, hw.link_bytes_per_s)  # noqa: E731
+    assert per_device(hwmod.MAKERS["tpu7x"]) == (1153.5e12, 2307e12, 3690e9, 300e9)
+    assert per_device(hwmod.MAKERS["v5e"]) == (197e12, 197e12, 819e9, 100e9)
+    assert per_device(hwmod.MAKERS["h200"]) == (989e12, 1979e12, 4800e9, 450e9)
+    assert hwmod.MAKERS["tpu7x"].hbm_bytes_chip == 192 * 2**30 and hwmod.MAKERS["h200"].hbm_bytes_chip == 141e9
+    # A target names its row: a TPU topology by its generation, a GPU with or without "gpu:".
+    for target, gen in (("tpu7x:2x2x1", "tpu7x"), ("v5e:2x2", "v5e"), ("h200", "h200"), ("gpu:h200", "h200"),
+                        ("gpu:h100", "h100")):
+        assert hwmod.hardware_for(target, use_calibration=False) == hwmod.MAKERS[gen], target
+    with pytest.raises(ValueError, match="no hardware figures for target 'gpu:b200'"):
+        hwmod.hardware_for("gpu:b200")
+
+
+class _Blocks:
+    """An Estimator whose program is `text` layer blocks of one dense matmul and one GDN kernel call
+    each, and one all-gather outside the layer loop (the trip count of the two is the block count)."""
+
+    F = 1153.5e12  # one second of a TPU7x device's bf16 peak
+
+    def __init__(self, text, apply_trip_counts=True):
+        self.blocks, self.unknown_trips = int(text), []
+
+    def ops(self):
+        return [(OpCost("dense matmuls", flops=self.F, useful_flops=self.F, bytes=1e6), float(self.blocks)),
+                (OpCost("GDN", flops=self.F / 2, useful_flops=self.F / 2, bytes=1e6, grid_steps=1e6,
+                        kernel="gdn_chunk_forward"), float(self.blocks)),
+                (OpCost("collectives", collective="all-gather", wire_bytes=300e9), 1.0)]
+
+
+def test_an_estimate_extrapolated_over_depth_by_hand(monkeypatch):
+    """inspect --layers: estimates at 8 and 12 layers (2 and 3 blocks of 4) on TPU7x's row, taken to 60
+    layers (15 blocks). A block: the matmul 1 s (1153.5 TFLOP at 1153.5 TFLOP/s a device), the GDN
+    kernel 0.5 s + 1e6 grid steps x 0.35 us = 0.85 s; the all-gather once: 300 GB over 300 GB/s a
+    device = 1 s. At 15 blocks: matmuls 15 s, GDN 12.75 s (15 calls, 1.5e7 grid steps), collectives
+    1 s; serial 28.75 s, overlapped 27.75 s; 4096 tokens over 4 chips: 4096 / 28.75 / 4 = 35.62 and
+    4096 / 27.75 / 4 = 36.90 tokens/s per chip. The model's 13.875 s of peak work a device: MFU
+    13.875 / 27.75 = 0.5 overlapped (against a device's peak, half the chip's), 13.875 / 28.75 serial."""
+    from hybridmoe.tools import depth
+
+    monkeypatch.setattr(se, "Estimator", _Blocks)
+    hw = hwmod.MAKERS["tpu7x"]
+    est = {layers: se.estimate(str(layers // 4), hw, tokens_per_step=4096, chips=4, devices=8)
+           for layers in (8, 12)}
+    model = 13.875 * _Blocks.F
+    e = depth.extrapolate_estimate(est, 4, 60, model)
+    assert e["categories"]["dense matmuls"]["s"] == pytest.approx(15.0)
+    assert e["categories"]["GDN"]["s"] == pytest.approx(12.75)
+    assert e["categories"]["collectives"]["s"] == pytest.approx(1.0)
+    assert (e["kernels"]["gdn_chunk_forward"]["calls"], e["kernels"]["gdn_chunk_forward"]["grid_steps"]) == \
+        pytest.approx((15, 1.5e7))
+    assert e["serial"]["step_s"] == pytest.approx(28.75) and e["overlapped"]["step_s"] == pytest.approx(27.75)
+    assert e["serial"]["tokens_per_s_per_chip"] == pytest.approx(4096 / 28.75 / 4)
+    assert e["overlapped"]["mfu"] == pytest.approx(0.5) and e["serial"]["mfu"] == pytest.approx(13.875 / 28.75)
+    assert (e["layers"], e["extrapolated_from_layers"]) == (60, [8, 12])
+    # The printed assumptions are a device's: half the chip's 2,307 TFLOP/s, 7,380 GB/s and 600 GB/s.
+    assert "bf16 1154 TFLOP/s, HBM 3690 GB/s, links 300 GB/s per device" in se.format_estimate(e)
+    assert "MFU 50.0%" in se.format_estimate(e)
+
+
 @pytest.mark.tpu_compile
 def test_inspect_names_a_topology_the_compiler_refuses_in_one_line(capsys):
     from hybridmoe.cli import main

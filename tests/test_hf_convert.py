@@ -340,6 +340,10 @@ def test_tied_config_is_read_in_either_place_and_written():
     with pytest.raises(ValueError, match="text_config.tie_word_embeddings=False disagrees"):
         hf.model_fields_from_hf_config(outer | {"text_config": fixture_config()})
     assert hf.hf_config_from_model_fields(TIED_FIELDS)["tie_word_embeddings"] is True
+    # Named nowhere: untied (the Qwen3.5-MoE and Qwen3-Next configs' default), the head read from lm_head.
+    untied = {k: v for k, v in fixture_config().items() if k != "tie_word_embeddings"}
+    assert hf.model_fields_from_hf_config(untied) == FIXTURE_FIELDS
+    assert hf.model_fields_from_hf_config({"model_type": "qwen3_5_moe", "text_config": untied}) == FIXTURE_FIELDS
 
 
 def test_tied_weights_read_as_one_tensor_and_write_without_a_head():

@@ -140,8 +140,8 @@ class _FakeProgram:
                                alias_size_in_bytes=0)
 
 
-def _search(need_gib, budget_gib, refuse=()):
-    """fewest_that_fit over counts 1..16 with a program needing need_gib(M) GiB; counts in `refuse`
+def _search(need_gib, budget_gib, refuse=(), counts=(1, 2, 4, 8, 16)):
+    """fewest_that_fit over `counts` with a program needing need_gib(M) GiB; counts in `refuse`
     are refused by the 'compiler' with its figure. Returns (the count found, the counts compiled)."""
     compiled = []
 
@@ -152,7 +152,7 @@ def _search(need_gib, budget_gib, refuse=()):
                                              f"for HLO temporaries ({need_gib(m):.2f}G) exceeds available HBM (15.75G).")
         return _FakeProgram(int(need_gib(m) * GIB))
 
-    fit = memory_fit.fewest_that_fit([1, 2, 4, 8, 16], compile_at, int(budget_gib * GIB))
+    fit = memory_fit.fewest_that_fit(list(counts), compile_at, int(budget_gib * GIB))
     return (None if fit is None else fit.count), compiled
 
 
@@ -167,3 +167,63 @@ def test_counts_the_first_need_rules_out_are_not_compiled():
     assert _search(lambda m: 10 + 8 / m, 15) == (2, [1, 2])
     # No count fits, and the first rules out every other: 66 / 16 = 4.1 GiB is over 3.5.
     assert _search(lambda m: 2 + 64 / m, 3.5) == (None, [1])
+
+
+def test_a_search_from_a_first_count_above_one_scales_its_floor_from_that_count():
+    """The counts of a mesh whose batch shards rule out 1 start higher. need(M) = 2 + 64 / M GiB
+    against 12 from M = 2: 34 GiB, a floor of 34 x 2 / M after it: 17 at 4 (over 12: not compiled),
+    8.5 at 8 (compiled: 10 GiB, fits). A floor scaled by 1 / M alone (8.5 at 4) compiles 4 for nothing:
+    a minute of a chip's compile per count."""
+    assert _search(lambda m: 2 + 64 / m, 12, counts=(2, 4, 8, 16)) == (8, [2, 8])
+    # From M = 4 (18 GiB): 18 x 4 / 8 = 9 at 8 is compiled (10, fits); 9 / 8 would be too, 16 never is.
+    assert _search(lambda m: 2 + 64 / m, 12, counts=(4, 8, 16)) == (8, [4, 8])
+
+
+def test_the_counts_split_the_rows_into_micro_batches_that_each_split_over_the_shards():
+    # 64 rows over 8 shards: 64 / M must be a multiple of 8 -> 1, 2, 4, 8 (16 would leave 4 rows a micro-batch).
+    assert memory_fit.divisor_counts(64, 8) == [1, 2, 4, 8]
+    # 48 rows over 8 shards: 48, 24, 16, 8 rows -> M = 1, 2, 3, 6 (4 would leave 12, 8 would leave 6).
+    assert memory_fit.divisor_counts(48, 8) == [1, 2, 3, 6]
+    assert memory_fit.divisor_counts(12) == [1, 2, 3, 4, 6, 12]
+    assert memory_fit.divisor_counts(12, 24) == []
+
+
+def test_a_programs_need_counts_its_donated_state_once():
+    """arguments 10 GiB (the state among them) + temporaries 3 + outputs 2 - aliased 4 (the outputs
+    written in the donated arguments' place) = 11 GiB."""
+    from types import SimpleNamespace
+
+    figures = SimpleNamespace(argument_size_in_bytes=10 * GIB, temp_size_in_bytes=3 * GIB,
+                              output_size_in_bytes=2 * GIB, alias_size_in_bytes=4 * GIB)
+    program = SimpleNamespace(memory_analysis=lambda: figures)
+    assert memory_fit.program_bytes(program) == 11 * GIB
+
+
+def test_the_budget_is_the_set_figure_else_the_devices_free_memory(monkeypatch):
+    """run.memory_budget_gib=0.5 -> 2^29 bytes; unset, the device's bytes_limit less what is in use
+    (16 GiB with 1.25 in use: 14.75 GiB, 15837691904 bytes); a device with no limit (a CPU): None."""
+    from types import SimpleNamespace
+
+    def config(gib):
+        return SimpleNamespace(run=SimpleNamespace(memory_budget_gib=gib))
+
+    def device(stats):
+        return lambda: [SimpleNamespace(memory_stats=lambda: stats)]
+
+    assert memory_fit.memory_budget_bytes(config(0.5)) == 536870912
+    monkeypatch.setattr(memory_fit.jax, "local_devices", device({"bytes_limit": 16 * GIB, "bytes_in_use": 5 * GIB // 4}))
+    assert memory_fit.memory_budget_bytes(config(None)) == 15837691904
+    assert memory_fit.memory_budget_bytes(config(3.0)) == 3 * GIB  # the set figure wins over the device's
+    monkeypatch.setattr(memory_fit.jax, "local_devices", device(None))
+    assert memory_fit.memory_budget_bytes(config(None)) is None
+
+
+def test_the_pi_old_pass_runs_at_its_own_count():
+    """With several updates a rollout the pi_old pass has a program of its own, compiled at the count
+    its own search chose (here 4, the update's 2): the loop splits its batch at that count; with one
+    update a rollout there is no such pass and the update's count stands."""
+    from hybridmoe.rl.memory_plan import UpdatePlan
+
+    plan = UpdatePlan(memory_fit.Fit(2, "update", 10), memory_fit.Fit(4, "pi_old", 8))
+    assert (plan.micro_batches, plan.old_logprobs_micro_batches) == (2, 4)
+    assert UpdatePlan(memory_fit.Fit(2, "update", 10), None).old_logprobs_micro_batches == 2

@@ -22,6 +22,10 @@ def _repo(path):
 def test_own_checkout_names_its_head_and_marks_a_changed_package(tmp_path):
     head = _repo(tmp_path)
     assert commit_of(tmp_path) == head
+    # A new record, or any file outside the package, leaves the code the commit's: not "+modified".
+    (tmp_path / "benchmarks" / "records").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "records" / "new.json").write_text("{}")
+    assert commit_of(tmp_path) == head
     (tmp_path / "hybridmoe").mkdir()
     (tmp_path / "hybridmoe" / "x.py").write_text("")
     assert commit_of(tmp_path) == head + "+modified"

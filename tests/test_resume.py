@@ -73,3 +73,22 @@ def test_resume_needs_out_and_a_file_is_not_a_run_folder(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(RunError, match="is a file"):
         train(tiny_config(*OVER), tmp_path / "f", progress=False)
+
+
+def test_what_counts_as_an_earlier_run_in_the_folder(tmp_path):
+    """metrics.jsonl, TensorBoard events or a finished checkpoint each make the folder a run that a
+    fresh start refuses (naming what it found); an unfinished checkpoint alone does not."""
+    from hybridmoe.run.run_dir import open_checkpoints, run_contents
+
+    for name in ("metrics.jsonl", "tb"):
+        out = tmp_path / name.replace(".", "_")
+        out.mkdir()
+        (out / name).mkdir() if name == "tb" else (out / name).write_text("")
+        assert run_contents(out) == [name]
+        with pytest.raises(RunError, match=rf"already holds a run \({name}\)"):
+            open_checkpoints(out, resume=False)
+    out = tmp_path / "unfinished"
+    (out / "checkpoints" / "2.orbax-checkpoint-tmp-1").mkdir(parents=True)
+    assert run_contents(out) == []
+    (out / "checkpoints" / "2").mkdir()
+    assert run_contents(out) == ["checkpoints"]

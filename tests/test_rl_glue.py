@@ -845,3 +845,65 @@ def test_the_count_of_steps_that_score_nothing_restarts_at_a_step_that_scores():
     scoring["on"] = False
     with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample \(last: step 5;"):
         rl_loop._grpo_step(run, {"params": None}, None, 5, jax.random.key(5))
+
+
+def test_the_steps_time_split_and_rollout_rate_by_their_definitions(monkeypatch):
+    check_time_split(monkeypatch)
+
+
+def check_time_split(monkeypatch):
+    """The GRPO record's timing figures on a made-up clock that only the stubs move: the sampler takes
+    2 s, the pi_old pass 0.5 s (two updates a rollout), each update 0.75 s. So rollout_time_s 2,
+    old_logprobs_time_s 0.5, update_time_s 1.5, and the parts add up to step_time_s 4.
+
+    The counts (section 3's completions, N = 6): the 32 rows' new tokens are min(len + 1, 6) each
+    (EOS after the text where it fits): 13 + 14 + 9 + 14 + 8 + 16 + 10 + 16 = 100 over the eight
+    groups, so rollout_tokens_per_s = 100 / 2 = 50 (rollout tokens over the rollout's own time).
+    The trained rows' tokens add the prompts: [BOS] p<i> (3 tokens) for seven prompts and the one
+    placeholder token of the skipped one, 4 rows each: 88 + 100 = 188, tokens_per_s = 188 / 4 = 47."""
+    cfg = tiny_config(f"rl.prompts_per_step={NORM_P}", f"rl.group_size={NORM_G}", f"rl.max_prompt_len={NORM_PROMPT}",
+                      f"rl.max_new_tokens={NORM_N}", "rl.updates_per_rollout=2", "rl.micro_batches=1")
+    clock = {"t": 100.0}
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock["t"])
+    monkeypatch.setattr(rl_loop, "time", fake_time)
+    monkeypatch.setattr(grpo_module, "time", fake_time)
+    sample = sampler_stub(COMPLETIONS, NORM_G, NORM_N)
+
+    def generate(*args):
+        clock["t"] += 2.0
+        return sample(*args)
+
+    def old_logprobs(params, batch):
+        clock["t"] += 0.5
+        return np.zeros(batch["mask"].shape, np.float32)
+
+    def update(state, ref_params, batch):
+        clock["t"] += 0.75
+        return state, dict.fromkeys((*grpo_module._SUM_KEYS, *grpo_module._EXTREMES, "loss", "grad_norm",
+                                     "update_applied", "update_skipped"), 0.0)
+
+    run = rl_loop._Run(cfg, FixedPrompts(), TOK, [(number_reward, 1.0)], build(cfg), None, update, generate, None,
+                       old_logprobs)
+    _, rec = rl_loop._grpo_step(run, {"params": None}, None, 0, jax.random.key(0))
+    assert (rec["rollout_time_s"], rec["old_logprobs_time_s"], rec["update_time_s"], rec["step_time_s"]) == \
+        (2.0, 0.5, 1.5, 4.0)
+    assert rec["rollout_tokens"] == 100 and rec["rollout_tokens_per_s"] == 50.0
+    assert rec["tokens"] == 188 and rec["tokens_per_s"] == 47.0
+
+
+# One-line bugs of the step's timing figures (rl/loop.py _grpo_step), each caught by the check above.
+TIMING_BROKEN = {
+    "rollout_rate_over_the_whole_step": ('"rollout_tokens_per_s": ds["rollout_tokens"] / t_rollout',
+                                         '"rollout_tokens_per_s": ds["rollout_tokens"] / dt'),
+    "update_time_holds_the_pi_old_pass": ('"update_time_s": t_update - m["old_logprobs_time_s"]',
+                                          '"update_time_s": t_update'),
+    "update_time_from_the_step_start": ("t1 = time.perf_counter()\n", "t1 = t0\n"),
+}
+
+
+@pytest.mark.parametrize("variant", list(TIMING_BROKEN))
+def test_broken_timing_figures_are_caught(variant, monkeypatch):
+    old, new = TIMING_BROKEN[variant]
+    monkeypatch.setattr(rl_loop, "_grpo_step", mutated(rl_loop, "_grpo_step", old, new))
+    with pytest.raises(AssertionError):
+        check_time_split(monkeypatch)

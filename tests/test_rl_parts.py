@@ -1,6 +1,7 @@
 """The model-independent parts of the GRPO trainer: tokenizer, tasks, rewards, advantages, the clipped
 objective and chunked log-probs, each against numbers written out by hand or an unchunked oracle."""
 
+import json
 import math
 import sys
 
@@ -77,6 +78,29 @@ def test_a_prompt_set_step_draws_distinct_prompts_until_the_set_runs_out():
             prompts = [e.prompt for e in task.sample(rng, n)]
             assert len(prompts) == n and len(set(prompts)) == n, (seed, prompts)
     assert len(task.sample(np.random.default_rng(0), 12)) == 12
+
+def test_a_prompt_set_is_measured_with_its_bos(tmp_path):
+    """data.prompts against rl.max_prompt_len counts the BOS the run puts before each prompt: with
+    the character tokenizer "12+3=" is 1 + 5 = 6 tokens, refused at 5 (naming 6) and kept at 6;
+    "1+2=" (5 tokens) alongside it at 5 keeps the set (only a set of nothing but too-long prompts stops)."""
+    from types import SimpleNamespace
+
+    from hybridmoe.data.prompts import PromptSetTask
+    from hybridmoe.data.records import DataError
+    from hybridmoe.data.tokenizer import CharTokenizer
+
+    def task(prompts, max_prompt_len):
+        path = tmp_path / f"set{len(prompts)}_{max_prompt_len}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": x}) + "\n" for x in prompts))
+        cfg = SimpleNamespace(data=SimpleNamespace(prompts=str(path), on_bad_line="stop"),
+                              rl=SimpleNamespace(max_prompt_len=max_prompt_len))
+        return PromptSetTask.from_config(cfg, CharTokenizer())
+
+    with pytest.raises(DataError, match=r"shortest 6, longest 6\); raise rl.max_prompt_len to at least 6"):
+        task(["12+3="], 5)
+    assert len(task(["12+3="], 6).examples) == 1
+    assert len(task(["12+3=", "1+2="], 5).examples) == 2
+
 
 def test_arithmetic_reward_right_wrong_garbage():
     task = ArithmeticTask(digits=2, operators="+-")
@@ -186,6 +210,10 @@ def test_advantage_masking_of_skipped_and_truncated_samples():
     adv, keep, _ = group_advantages(jnp.array([[1.0, 0.0]]), estimator="rloo",
                                     skipped_PG=jnp.array([[False, True]]), mask_zero_variance=False)
     assert keep.tolist() == [[False, False]] and adv.tolist() == [[0.0, 0.0]]
+    # ... and two are enough: rewards 1 and 3 (the other two skipped), each against the other: -2, +2.
+    adv, keep, _ = group_advantages(jnp.array([[1.0, 7.0, 3.0, 7.0]]), estimator="rloo",
+                                    skipped_PG=jnp.array([[False, True, False, True]]))
+    assert keep.tolist() == [[True, False, True, False]] and adv.tolist() == [[-2.0, 0.0, 2.0, 0.0]]
     stats = advantage_stats(*group_advantages(jnp.array([[0.0, 2.0]]), estimator="drgrpo")[:2])
     assert (float(stats["adv_min"]), float(stats["adv_max"]), float(stats["adv_mean"])) == (-1.0, 1.0, 0.0)
     with pytest.raises(ValueError, match="unknown advantage estimator"):

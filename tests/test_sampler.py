@@ -8,7 +8,7 @@ import numpy as np
 from helpers import tiny_config, tiny_params
 from hybridmoe.model.forward import decoder_hidden, logits
 from hybridmoe.kernels.logprobs import chunked_token_logprobs
-from hybridmoe.rl.sampler import SamplingOptions, choose_tokens, left_pad_prompts, make_generate
+from hybridmoe.rl.sampler import SamplingOptions, choose_tokens, left_pad_prompts, make_generate, sampling_logits
 from hybridmoe.run.setup import build
 
 PROMPT_LEN, NEW_TOKENS = 7, 6
@@ -111,3 +111,14 @@ def test_top_p_keeps_the_nucleus_only():
     p2 = np.array([0.5, 0.3, 0.15]) ** 2
     assert set(np.unique(draws)) == {0, 1, 2}
     np.testing.assert_allclose(logp, np.log(p2 / p2.sum())[draws], rtol=1e-5)
+
+
+def test_the_nucleus_whose_mass_lands_exactly_on_top_p_ends_there():
+    """Probabilities 1/2, 1/4, 1/8, 1/8 (exact in float32): the two most likely reach top_p = 0.75
+    exactly, so the nucleus is those two; the third would start past the edge (its mass before is
+    0.75, not below it). At top_p 0.8 the third is needed, and its tie (the fourth) stays in."""
+    logits_BV = jnp.log(jnp.asarray([[0.125, 0.5, 0.125, 0.25]]))
+    kept = lambda top_p: np.isfinite(np.asarray(sampling_logits(logits_BV, 1.0, top_p)))[0].tolist()  # noqa: E731
+    assert kept(0.75) == [False, True, False, True]
+    assert kept(0.8) == [True, True, True, True]
+    assert kept(0.5) == [False, True, False, False]

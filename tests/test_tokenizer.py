@@ -65,6 +65,20 @@ def test_template_from_tokenizer_config_and_sandbox(tmp_path):
         tok.render_chat([{"role": "user", "content": "x"}])
 
 
+def test_no_pad_token_pads_with_eos_and_a_list_of_templates_takes_the_default(tmp_path):
+    """A tokenizer_config without pad_token (Qwen base models): padding is EOS (never id 0, a real
+    token). One whose chat_template is a list of named templates: the one named default, wherever it is."""
+    shutil.copy(HF_TINY / "tokenizer.json", tmp_path / "tokenizer.json")
+    cfg = json.loads((HF_TINY / "tokenizer_config.json").read_text())
+    del cfg["pad_token"]
+    cfg["chat_template"] = [{"name": "tool_use", "template": "tools:{{ messages[0].content }}"},
+                            {"name": "default", "template": "default:{{ messages[0].content }}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(tmp_path)
+    assert tok.pad_id == tok.eos_id == tok._tok.token_to_id("<|im_end|>") != 0
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "default:hi"
+
+
 def test_no_template_and_builtin_tokenizer_say_what_to_do(tmp_path):
     shutil.copy(HF_TINY / "tokenizer.json", tmp_path / "tokenizer.json")
     with pytest.raises(ValueError, match="no chat template"):
