@@ -1,13 +1,14 @@
 """The GRPO loop on one TPU chip: a real batch of the one-chip recipe against its HBM bound, and a run
 that learns.
 
-    python3 benchmarks/tpu_rl.py                  # on a TPU host (docs/tpu.md): both parts, ~8 minutes
+    python3 benchmarks/tpu_rl.py                  # on a TPU host (docs/tpu.md): both parts, within 9 minutes
     python3 benchmarks/tpu_rl.py --part batch     # one part; merged into the record
     python3 benchmarks/tpu_rl.py --tiny           # CPU, tiny shapes: a smoke run of both parts
 
-Parts, each `hybridmoe rl` run in a child process this one watches (harness.watched: a part past its
---*-budget-s is stopped with its process and recorded as cut; the record is rewritten after each
-part, so a call cut short keeps what finished):
+Parts, the learning run first (the cheaper: a tiny model's few compiles), each `hybridmoe rl` run in
+a child process this one watches (harness.watched: a part past its share is stopped with its
+process and recorded as cut; its share is its --*-budget-s, or what is left of --budget-s if less;
+the record is rewritten after each part, so a call cut short keeps what finished):
 
 batch  Issue 50's command, `hybridmoe rl recipe=qwen3.5-35b-a3b-v5e-1 rl.prompts_per_step=16
        rl.group_size=8 rl.max_new_tokens=512`, with no memory override (rl.micro_batches and
@@ -50,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-PARTS = ("batch", "learn")
+PARTS = ("learn", "batch")
 BATCH_RECIPE = "qwen3.5-35b-a3b-v5e-1"
 # Issue 50's command: >= 16 prompts x 8 completions x >= 512 new tokens, no memory override.
 BATCH_WORDS = ["rl.prompts_per_step=16", "rl.group_size=8", "rl.max_new_tokens=512"]
@@ -265,7 +266,9 @@ def record_cut(out: Path, part: str, reason: str, run_dir: Path) -> None:
 
 def main(argv=None) -> int:
     p = harness.parser(__doc__, __file__, raw=True)
-    p.add_argument("--part", choices=PARTS, action="append", help="batch or learn (repeatable; default both)")
+    p.add_argument("--part", choices=PARTS, action="append", help="learn or batch (repeatable; default both)")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="the parts' seconds together (default 540: one 10-minute call with room to start and copy)")
     p.add_argument("--batch-budget-s", type=float, default=420.0,
                    help="stop the batch part after this many seconds (default 420: its compiles, ~85 s each on a v5e)")
     p.add_argument("--learn-budget-s", type=float, default=600.0,
@@ -290,9 +293,14 @@ def main(argv=None) -> int:
             raise SystemExit("--in-process runs one --part")
         return run_part(args, parts[0])
     # This process never starts JAX: one process at a time may hold the chip.
-    status = 0
-    for part in parts:
-        share = args.batch_budget_s if part == "batch" else args.learn_budget_s
+    status, start = 0, time.perf_counter()
+    for part in [p for p in PARTS if p in parts]:
+        left = args.budget_s - (time.perf_counter() - start)
+        share = min(args.batch_budget_s if part == "batch" else args.learn_budget_s, left)
+        if share <= 0:
+            print(f"{part}: not run, past the {args.budget_s:.0f} s budget", flush=True)
+            status = 1
+            continue
         child = [sys.executable, __file__, "--in-process", "--part", part, "--out", args.out,
                  "--updates-per-rollout", str(args.updates_per_rollout), "--hbm-probe-mib", str(args.hbm_probe_mib),
                  "--compile-cache", args.compile_cache, "--run-dir", args.run_dir, *(["--tiny"] if args.tiny else [])]
