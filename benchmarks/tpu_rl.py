@@ -77,7 +77,7 @@ def part_words(part: str, args) -> tuple[str, list[str]]:
     if part == "batch":
         extra = [f"rl.updates_per_rollout={args.updates_per_rollout}"] if args.updates_per_rollout > 1 else []
         return BATCH_RECIPE, [*BATCH_WORDS, *BATCH_RUN, *extra]
-    return LEARN_RECIPE, []
+    return LEARN_RECIPE, list(args.learn_override)
 
 
 def run_rl(recipe: str, overrides: list[str], out: Path) -> list[dict]:
@@ -275,6 +275,8 @@ def main(argv=None) -> int:
                    help="stop the learning run after this many seconds (default 600: issue 50's limit)")
     p.add_argument("--updates-per-rollout", type=int, default=1,
                    help="the batch part's rl.updates_per_rollout (above 1 the pi_old pass runs and is timed)")
+    p.add_argument("--learn-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override of the learning run's recipe (repeatable), e.g. rl.warmup_steps=80")
     p.add_argument("--hbm-probe-mib", type=int, default=1024, help="the HBM probe's array size (default 1 GiB)")
     p.add_argument("--compile-cache", default=str(harness.ROOT / "runs" / "tpu_rl" / "xla"),
                    help="JAX's persistent compile cache (default runs/tpu_rl/xla: ignored by git, kept between "
@@ -303,7 +305,8 @@ def main(argv=None) -> int:
             continue
         child = [sys.executable, __file__, "--in-process", "--part", part, "--out", args.out,
                  "--updates-per-rollout", str(args.updates_per_rollout), "--hbm-probe-mib", str(args.hbm_probe_mib),
-                 "--compile-cache", args.compile_cache, "--run-dir", args.run_dir, *(["--tiny"] if args.tiny else [])]
+                 "--compile-cache", args.compile_cache, "--run-dir", args.run_dir, *(["--tiny"] if args.tiny else []),
+                 *(f"--learn-override={word}" for word in args.learn_override)]
         ended = harness.watched(child, share)
         if ended.cut is not None:
             reason = ended.reason(share)
