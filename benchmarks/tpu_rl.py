@@ -177,11 +177,11 @@ def batch_part(args, out: Path) -> dict:
     from hybridmoe.recipe import load_config
 
     recipe, overrides = part_words("batch", args)
-    cfg = load_config(recipe, overrides)
     t0 = time.perf_counter()
     rows = run_rl(recipe, overrides, out)
     wall = time.perf_counter() - t0
     memory = peak_memory()
+    cfg = load_config(recipe, overrides)  # after the run: reading the platform starts JAX's backend
     grpo = grpo_records(rows)
     if len(grpo) < 2:
         raise SystemExit(f"batch: {len(grpo)} GRPO step(s) ran; the figures need two (the first compiles)")
