@@ -32,8 +32,8 @@ learn  recipe=chip-learn (hybridmoe/config/recipes/chip-learn.yml): the tiny mod
        addition until they are right nine times in ten. Recorded: reward_mean_curve (one value per
        GRPO step), the first GRPO step's and the last five's mean reward, wall_s (the child's, from
        before JAX starts to the run's end: compiles included) and whether each of issue 50's
-       conditions holds (first <= 0.6, last five >= 0.9, wall_s <= 600). Its metrics.png is copied to
-       docs/tpu_rl_learn.png.
+       conditions holds (first <= 0.6, last five >= 0.9, wall_s <= 600). On a chip its metrics.png is
+       copied to docs/tpu_rl_learn.png (a CPU run's stays in its run folder).
 
 Writes benchmarks/records/tpu_rl.json: device, commit, batch, learn (a part run earlier on the
 same device is kept when only the other runs).
@@ -220,14 +220,17 @@ def learn_part(args, out: Path, started: float) -> dict:
     recipe, overrides = part_words("learn", args)
     rows = run_rl(recipe, overrides, out)
     wall = time.perf_counter() - started
-    if not args.tiny:  # the smoke run's plot is not the chip's
+    import jax
+
+    # docs/ shows the chip's run: a CPU run's plot stays in its run folder.
+    plot = PLOT if jax.default_backend() != "cpu" else out / "metrics.png"
+    if plot == PLOT:
         shutil.copyfile(out / "metrics.png", PLOT)
-    steps = [r["step_time_s"] for r in rows]
+    grpo_s = sorted(r["step_time_s"] for r in grpo_records(rows))
     return {"recipe": recipe, "overrides": overrides, **learn_figures(rows), "wall_s": wall,
-            "within_600_s": wall <= WALL_AT_MOST_S, "steps_s": sum(steps),
-            "grpo_step_s_median": sorted(r["step_time_s"] for r in grpo_records(rows))[len(grpo_records(rows)) // 2]
-            if grpo_records(rows) else None,
-            "plot": None if args.tiny else str(PLOT.relative_to(harness.ROOT))}
+            "within_600_s": wall <= WALL_AT_MOST_S, "steps_s": sum(r["step_time_s"] for r in rows),
+            "grpo_step_s_median": grpo_s[len(grpo_s) // 2] if grpo_s else None,
+            "plot": str(plot.relative_to(harness.ROOT)) if plot.is_relative_to(harness.ROOT) else str(plot)}
 
 
 def merge_part(out: Path, part: str, figures: dict, device: str, write) -> None:

@@ -94,6 +94,7 @@ def _check_learn(tmp_path: Path, learn: dict, recipe: str) -> None:
     assert learn["first_at_most_0.6"] == (curve[0] <= 0.6)
     assert learn["last_5_at_least_0.9"] == (learn["reward_last_5_mean"] >= 0.9)
     assert 0 < learn["steps_s"] < learn["wall_s"] and learn["within_600_s"] == (learn["wall_s"] <= 600)
+    assert learn["plot"] == str(tmp_path / "runs" / "learn" / "metrics.png")  # docs/ shows a chip's run only
 
 
 @pytest.mark.slow
