@@ -1,7 +1,7 @@
 """The GRPO loop on one TPU chip: a real batch of the one-chip recipe against its HBM bound, and a run
 that learns.
 
-    python3 benchmarks/tpu_rl.py                  # on a TPU host (docs/tpu.md): both parts, within 9 minutes
+    python3 benchmarks/tpu_rl.py                  # on a TPU host (docs/tpu.md): both parts, within 8 minutes
     python3 benchmarks/tpu_rl.py --part batch     # one part; merged into the record
     python3 benchmarks/tpu_rl.py --tiny           # CPU, tiny shapes: a smoke run of both parts
 
@@ -270,8 +270,9 @@ def record_cut(out: Path, part: str, reason: str, run_dir: Path) -> None:
 def main(argv=None) -> int:
     p = harness.parser(__doc__, __file__, raw=True)
     p.add_argument("--part", choices=PARTS, action="append", help="learn or batch (repeatable; default both)")
-    p.add_argument("--budget-s", type=float, default=540.0,
-                   help="the parts' seconds together (default 540: one 10-minute call with room to start and copy)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="the parts' seconds together (default 480: one 10-minute call with the host's set-up, ~65 s, "
+                   "before it)")
     p.add_argument("--batch-budget-s", type=float, default=420.0,
                    help="stop the batch part after this many seconds (default 420: its compiles, ~85 s each on a v5e)")
     p.add_argument("--learn-budget-s", type=float, default=600.0,

@@ -15,7 +15,7 @@
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #   rl         benchmarks/tpu_rl.py       -> benchmarks/records/tpu_rl.json (+ docs/tpu_rl_learn.png): the
 #              16 x 8 x 512 GRPO batch of the one-chip recipe, then the learning run (chip-learn); each
-#              part stopped past its share (420 s, 600 s) and recorded as cut; rl-batch, rl-learn: one part
+#              part stopped past its share and recorded as cut, both within 480 s; rl-batch, rl-learn: one part
 #
 #   scripts/tpu_records.sh place DIR                    # back here: each returned file to its place
 #
