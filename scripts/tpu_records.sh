@@ -2,7 +2,7 @@
 # The chip's records, stage by stage, on a TPU host set up by scripts/tpu_setup.sh (docs/tpu.md):
 #
 #   scripts/tpu_records.sh stamp                        # where the git history is: the commit the copy is of
-#   scripts/tpu_records.sh [--copy-to DIR] tests calibrate tiles kernels-one-chip kernels-cell step   # on the TPU host
+#   scripts/tpu_records.sh [--copy-to DIR] tests calibrate tiles kernels-one-chip kernels-cell step rl   # on the TPU host
 #
 #   stamp      write .source-commit (for a copy of the tree sent to a host without its history)
 #   tests      benchmarks/tpu_tests.py    -> benchmarks/records/tpu_tests.json
@@ -13,6 +13,9 @@
 #              benchmarks/tpu_kernels.py --geometry G -> benchmarks/records/tpu_kernels.json (merged; each
 #              stops starting cases after 330 s, so each fits a 10-minute call)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
+#   rl         benchmarks/tpu_rl.py       -> benchmarks/records/tpu_rl.json (+ docs/tpu_rl_learn.png): the
+#              16 x 8 x 512 GRPO batch of the one-chip recipe, then the learning run (chip-learn); each
+#              part stopped past its share and recorded as cut, both within 480 s; rl-batch, rl-learn: one part
 #
 # The kernel and step stages keep JAX's compiled programs in .tpu-cache/ (ignored by git): a warm
 # host's next call compiles nothing it compiled before.
@@ -35,7 +38,8 @@ if [ "${1:-}" = "--copy-to" ]; then
   mkdir -p "$copy_to"
 fi
 # Where each file a stage writes lives in the checkout (a copy is flat: its name alone).
-produced=(benchmarks/records/tpu_*.json hybridmoe/analysis/chip_calibration.json hybridmoe/kernels/gmm/tile_table.json)
+produced=(benchmarks/records/tpu_*.json hybridmoe/analysis/chip_calibration.json hybridmoe/kernels/gmm/tile_table.json
+          docs/tpu_rl_learn.png)
 copy_results() {
   [ -n "$copy_to" ] || return 0
   for f in "${produced[@]}"; do [ -f "$f" ] && cp "$f" "$copy_to/"; done
@@ -43,12 +47,14 @@ copy_results() {
 }
 if [ "${1:-}" = "place" ]; then
   from=${2:?place DIR: the folder of returned files}
-  for f in "$from"/*.json; do
+  for f in "$from"/*.json "$from"/*.png; do
+    [ -e "$f" ] || continue
     name=$(basename "$f")
     case $name in
       chip_calibration.json) dest=hybridmoe/analysis/ ;;
       tile_table.json) dest=hybridmoe/kernels/gmm/ ;;
       tpu_*.json) dest=benchmarks/records/ ;;
+      tpu_rl_learn.png) dest=docs/ ;;
       *) echo "place: $name is no file a stage writes; left where it is" >&2; continue ;;
     esac
     cp "$f" "$dest$name" && echo "placed $dest$name"
@@ -69,6 +75,9 @@ for stage in "$@"; do
     kernels-one-chip) python3 benchmarks/tpu_kernels.py --geometry one_chip --compile-cache .tpu-cache ;;
     kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache ;;
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, kernels-one-chip, kernels-cell, step)" >&2; exit 2 ;;
+    rl) python3 benchmarks/tpu_rl.py ;;
+    rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
+    rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, kernels-one-chip, kernels-cell, step, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done
