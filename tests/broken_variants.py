@@ -133,13 +133,13 @@ from hybridmoe.run import memory_fit as _memory_fit  # noqa: E402
 _ORIGINAL_FEWEST_THAT_FIT = _memory_fit.fewest_that_fit
 
 
-def _count_off_by_one(counts, compile_at, budget):
-    fit = _ORIGINAL_FEWEST_THAT_FIT(counts, compile_at, budget)
+def _count_off_by_one(counts, compile_at, budget, *fixed):
+    fit = _ORIGINAL_FEWEST_THAT_FIT(counts, compile_at, budget, *fixed)
     return None if fit is None else dataclasses.replace(fit, count=fit.count + 1)
 
 
-def _largest_that_fits(counts, compile_at, budget):
-    return _ORIGINAL_FEWEST_THAT_FIT(list(counts)[::-1], compile_at, budget)
+def _largest_that_fits(counts, compile_at, budget, *fixed):
+    return _ORIGINAL_FEWEST_THAT_FIT(list(counts)[::-1], compile_at, budget, *fixed)
 
 
 BROKEN_FIT = {

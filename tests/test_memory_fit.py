@@ -140,7 +140,7 @@ class _FakeProgram:
                                alias_size_in_bytes=0)
 
 
-def _search(need_gib, budget_gib, refuse=(), counts=(1, 2, 4, 8, 16)):
+def _search(need_gib, budget_gib, refuse=(), counts=(1, 2, 4, 8, 16), fixed_gib=0.0, refusal_gib=None):
     """fewest_that_fit over `counts` with a program needing need_gib(M) GiB; counts in `refuse`
     are refused by the 'compiler' with its figure. Returns (the count found, the counts compiled)."""
     compiled = []
@@ -149,10 +149,11 @@ def _search(need_gib, budget_gib, refuse=(), counts=(1, 2, 4, 8, 16)):
         compiled.append(m)
         if m in refuse:
             raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
-                                             f"for HLO temporaries ({need_gib(m):.2f}G) exceeds available HBM (15.75G).")
+                                             f"for HLO temporaries ({(refusal_gib or need_gib)(m):.2f}G) exceeds "
+                                             "available HBM (15.75G).")
         return _FakeProgram(int(need_gib(m) * GIB))
 
-    fit = memory_fit.fewest_that_fit(list(counts), compile_at, int(budget_gib * GIB))
+    fit = memory_fit.fewest_that_fit(list(counts), compile_at, int(budget_gib * GIB), int(fixed_gib * GIB))
     return (None if fit is None else fit.count), compiled
 
 
@@ -227,3 +228,21 @@ def test_the_pi_old_pass_runs_at_its_own_count():
     plan = UpdatePlan(memory_fit.Fit(2, "update", 10), memory_fit.Fit(4, "pi_old", 8))
     assert (plan.micro_batches, plan.old_logprobs_micro_batches) == (2, 4)
     assert UpdatePlan(memory_fit.Fit(2, "update", 10), None).old_logprobs_micro_batches == 2
+
+
+def test_the_state_a_program_holds_at_every_count_is_not_scaled():
+    """The chip's update at the one-chip recipe's 16 x 8 x 512 batch: 2.67 GiB of state at every
+    count and 58.6 GiB of temporaries at one micro-batch, which the compiler refuses (15.75 GiB
+    free). need(M) = 2.67 + 58.6 / M: with the state held fixed the floor at 4 is 2.67 + 14.65 =
+    17.32, over 15.75, so 4 is never compiled and 8 (9.995) is the next compile; scaling the state
+    too (a floor of 14.65 at 4) compiles 4 for nothing."""
+    need = lambda m: 2.67 + 58.6 / m  # noqa: E731
+    temps = lambda m: 58.6 / m  # noqa: E731  the refusal's figure: its temporaries
+    assert _search(need, 15.75, refuse={1}, fixed_gib=2.67, refusal_gib=temps) == (8, [1, 8])
+    assert _search(need, 15.75, refuse={1}, refusal_gib=temps) == (8, [1, 4, 8])
+    # From a compiled first count: 2.67 + 58.6 = 61.27 GiB at M = 1 against a 20 GiB budget: the floor
+    # at 4 is 2.67 + 58.6 / 4 = 17.32 (compiled: fits); scaled whole it would be the same 4.
+    assert _search(need, 20, fixed_gib=2.67) == (4, [1, 4])
+    # A budget of 17 GiB: the floor at 4 (17.32) is over it, 8 is compiled (9.995).
+    assert _search(need, 17, fixed_gib=2.67) == (8, [1, 8])
+    assert _search(need, 17) == (8, [1, 4, 8])

@@ -119,7 +119,8 @@ def plan_rollout(setup, opts: SamplingOptions, with_reference: bool, budget: int
     counts = [n for n in divisor_counts(r.prompts_per_step) if (r.prompts_per_step // n * r.group_size) % shards == 0]
     return choose_count("rl.rollout_batches", setting, counts or [1],
                         lambda n: sampler_program(setup, opts, r.prompts_per_step // n),
-                        None if budget is None else budget - beside, "the sampler")
+                        None if budget is None else budget - beside, "the sampler",
+                        fixed_bytes=per_device_bytes(state["params"]))
 
 
 def plan_updates(setup, with_reference: bool, budget: int | None, setting=None) -> UpdatePlan:
@@ -128,10 +129,14 @@ def plan_updates(setup, with_reference: bool, budget: int | None, setting=None) 
     r = setup.cfg.rl
     setting = r.micro_batches if setting is None else setting
     shards = batch_shards(setup)
+    state = setup.abstract_state()
+    held = per_device_bytes(state) + (per_device_bytes(state["params"]) if with_reference else 0)
     update = choose_count("rl.micro_batches", setting, divisor_counts(update_rows_per_step(setup.cfg), shards),
-                          lambda M: update_program(setup, with_reference, M), budget, "the GRPO update")
+                          lambda M: update_program(setup, with_reference, M), budget, "the GRPO update",
+                          fixed_bytes=held)
     old = None
     if r.updates_per_rollout > 1:
         old = choose_count("rl.micro_batches", setting, divisor_counts(r.rollouts_per_step, shards),
-                           lambda M: old_logprobs_program(setup, M), budget, "the pi_old pass")
+                           lambda M: old_logprobs_program(setup, M), budget, "the pi_old pass",
+                           fixed_bytes=per_device_bytes(state["params"]))
     return UpdatePlan(update, old)

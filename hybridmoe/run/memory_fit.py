@@ -14,10 +14,10 @@ The search compiles the candidate counts in increasing order and stops at the fi
 (a program's need falls as its micro-batches shrink), and hands back that compiled program, which
 the run then calls: nothing is compiled twice. A compile of a GRPO update on a chip takes over a
 minute, so counts that cannot fit are skipped without one: a program at M micro-batches needs at
-least the first count's need scaled by (first count / M), since only the per-micro-batch part of
-it shrinks (the state, the arguments and the accumulators do not); a count whose need is over the
-budget even so is passed over. The first count's need is its compiled figure, or the figures of the
-compiler's refusal (its temporaries alone: a lower bound too).
+least the training state it holds (the same at every count) plus the rest of the first count's
+need scaled by (first count / M), since at most the per-micro-batch part shrinks; a count whose need
+is over the budget even so is passed over. The first count's need is its compiled figure, or the
+figure of the compiler's refusal (its temporaries: a floor of the part that shrinks).
 """
 
 from __future__ import annotations
@@ -89,19 +89,25 @@ def compile_or_refusal(compile_at: Callable[[int], object], count: int) -> Fit:
     return Fit(count, compiled, program_bytes(compiled))
 
 
-def cannot_fit(first: Fit, count: int, budget: int | None) -> bool:
-    """Whether `count` is certain not to fit, from the first count's need: even scaled by
-    first.count / count (the whole need shrinking with the micro-batch), it is over the budget."""
-    floor = first.need_floor
-    return budget is not None and floor is not None and floor * first.count / count > budget
+def cannot_fit(first: Fit, count: int, budget: int | None, fixed_bytes: int = 0) -> bool:
+    """Whether `count` is certain not to fit, from the first count's need: its part beyond
+    `fixed_bytes` (what no count changes: the training state among the arguments) scaled by
+    first.count / count, as if it all shrank with the micro-batch, plus the fixed part, is over the
+    budget. From a refusal, the compiler's figure (its temporaries) is that part's floor."""
+    if budget is None or first.need_floor is None:
+        return False
+    shrinking = first.least_need if first.need is None else max(first.need - fixed_bytes, 0)
+    return fixed_bytes + shrinking * first.count / count > budget
 
 
-def fewest_that_fit(counts: Sequence[int], compile_at: Callable[[int], object], budget: int | None) -> Fit | None:
+def fewest_that_fit(counts: Sequence[int], compile_at: Callable[[int], object], budget: int | None,
+                    fixed_bytes: int = 0) -> Fit | None:
     """The first of `counts` (increasing) whose program compiles and fits `budget`; None if none does.
-    Counts the first one's need rules out are never compiled (cannot_fit)."""
+    Counts the first one's need rules out are never compiled (cannot_fit; fixed_bytes: the bytes of
+    the program's arguments that no count changes)."""
     first = None
     for count in counts:
-        if first is not None and cannot_fit(first, count, budget):
+        if first is not None and cannot_fit(first, count, budget, fixed_bytes):
             continue
         fit = compile_or_refusal(compile_at, count)
         if fit.compiled is not None and fits(fit.need, budget):
@@ -121,12 +127,12 @@ def _budget_words(budget: int | None) -> str:
 
 
 def choose_count(key: str, setting: int | str, counts: Sequence[int], compile_at: Callable[[int], object],
-                 budget: int | None, what: str) -> Fit:
+                 budget: int | None, what: str, fixed_bytes: int = 0) -> Fit:
     """The count of `key` and its compiled program: under auto the fewest of `counts` that fits; a
     set count is compiled and kept when it fits, else refused (RunError) with the smallest count above
-    it that fits. `what`: the program's name in the messages."""
+    it that fits. `what`: the program's name in the messages; fixed_bytes: fewest_that_fit's."""
     if setting == "auto":
-        fit = fewest_that_fit(counts, compile_at, budget)
+        fit = fewest_that_fit(counts, compile_at, budget, fixed_bytes)
         if fit is None:
             raise RunError(f"{key}=auto: {what} fits {_budget_words(budget)} at none of the counts {list(counts)}: "
                            "shorten the rows (rl.max_new_tokens, rl.max_prompt_len), remat more, or raise "
@@ -135,7 +141,7 @@ def choose_count(key: str, setting: int | str, counts: Sequence[int], compile_at
     fit = compile_or_refusal(compile_at, setting)
     if fit.compiled is not None and fits(fit.need, budget):
         return fit
-    smaller = fewest_that_fit([c for c in counts if c > setting], compile_at, budget)
+    smaller = fewest_that_fit([c for c in counts if c > setting], compile_at, budget, fixed_bytes)
     fix = (f"the smallest count that fits is {key}={smaller.count} (or {key}=auto)" if smaller is not None else
            f"no count up to {max(counts)} fits: shorten the rows or remat more")
     raise RunError(f"{key}={setting}: {what} needs {_gib(fit.need)} per device, over {_budget_words(budget)}; {fix}")
