@@ -10,7 +10,7 @@ a child process this one watches (harness.watched: a part past its share is stop
 process and recorded as cut; its share is its --*-budget-s, or what is left of --budget-s if less;
 the record is rewritten after each part, so a call cut short keeps what finished):
 
-batch  Issue 50's command, `hybridmoe rl recipe=qwen3.5-35b-a3b-v5e-1 rl.prompts_per_step=16
+batch  The real GRPO batch's command, `hybridmoe rl recipe=qwen3.5-35b-a3b-v5e-1 rl.prompts_per_step=16
        rl.group_size=8 rl.max_new_tokens=512`, with no memory override (rl.micro_batches and
        rl.rollout_batches auto: chosen against the chip's free memory, rl/memory_plan.py), for
        three GRPO steps and no warm-up (rl.warmup_steps=0 rl.steps=3 rl.checkpoint_every=0), run by
@@ -31,7 +31,7 @@ learn  recipe=chip-learn (hybridmoe/config/recipes/chip-learn.yml): the tiny mod
        supervised warm-up that leaves the sampled answers about half right, then GRPO on two-digit
        addition until they are right nine times in ten. Recorded: reward_mean_curve (one value per
        GRPO step), the first GRPO step's and the last five's mean reward, wall_s (the child's, from
-       before JAX starts to the run's end: compiles included) and whether each of issue 50's
+       before JAX starts to the run's end: compiles included) and whether each of the learning run's
        conditions holds (first <= 0.6, last five >= 0.9, wall_s <= 600). On a chip its metrics.png is
        copied to docs/tpu_rl_learn.png (a CPU run's stays in its run folder).
 
@@ -53,12 +53,12 @@ import harness  # noqa: E402
 
 PARTS = ("learn", "batch")
 BATCH_RECIPE = "qwen3.5-35b-a3b-v5e-1"
-# Issue 50's command: >= 16 prompts x 8 completions x >= 512 new tokens, no memory override.
+# The real GRPO batch: >= 16 prompts x 8 completions x >= 512 new tokens, no memory override.
 BATCH_WORDS = ["rl.prompts_per_step=16", "rl.group_size=8", "rl.max_new_tokens=512"]
 # Three GRPO steps, no warm-up, no checkpoint: the first step compiles, two are timed.
 BATCH_RUN = ["rl.warmup_steps=0", "rl.steps=3", "rl.checkpoint_every=0"]
 LEARN_RECIPE = "chip-learn"
-# The learning run's targets (issue 50, item 3).
+# The learning run's targets.
 FIRST_AT_MOST, LAST_AT_LEAST, LAST_STEPS, WALL_AT_MOST_S = 0.6, 0.9, 5, 600.0
 PLOT = harness.ROOT / "docs" / "tpu_rl_learn.png"
 # --tiny: the same code paths on CPU in seconds: a few rows of a few tokens, the recipes' own meshes
@@ -206,7 +206,7 @@ def batch_part(args, out: Path) -> dict:
 
 
 def learn_figures(rows: list[dict]) -> dict:
-    """The GRPO phase's reward curve and issue 50's conditions on it (the wall-time one is the caller's)."""
+    """The GRPO phase's reward curve and the learning run's conditions on it (the wall-time one is the caller's)."""
     curve = [r["reward_mean"] for r in grpo_records(rows)]
     last = curve[-LAST_STEPS:]
     return {"grpo_steps": len(curve), "warmup_steps": sum(r.get("phase") == 0 for r in rows),
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-budget-s", type=float, default=420.0,
                    help="stop the batch part after this many seconds (default 420: its compiles, ~85 s each on a v5e)")
     p.add_argument("--learn-budget-s", type=float, default=600.0,
-                   help="stop the learning run after this many seconds (default 600: issue 50's limit)")
+                   help="stop the learning run after this many seconds (default 600: the learning run's limit)")
     p.add_argument("--updates-per-rollout", type=int, default=1,
                    help="the batch part's rl.updates_per_rollout (above 1 the pi_old pass runs and is timed)")
     p.add_argument("--learn-override", action="append", default=[], metavar="KEY=VALUE",
