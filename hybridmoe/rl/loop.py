@@ -319,8 +319,11 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
 
     # Before anything is written or placed on the device: rl.micro_batches chosen (auto) or checked
     # against the device's free memory, on the set-up open_session then takes (build() keeps it).
+    # Without a budget (a CPU, none set) nothing can be refused: _build_run plans after the run's
+    # own checks (a checkpoint of the wrong shape says so before any compile).
     budget = memory_budget_bytes(cfg)
-    _memory_plan(cfg, build(cfg), tokenizer, with_reference, budget)
+    if budget is not None:
+        _memory_plan(cfg, build(cfg), tokenizer, with_reference, budget)
     session = open_session(cfg, out, resume=resume, overwrite=overwrite, init_hf=init_hf, abstract_tree=abstract,
                            fresh_tree=fresh, check_saved=check_saved)
     saved = session.saved_meta
