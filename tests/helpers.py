@@ -45,3 +45,20 @@ def assert_rel_l2(a, b, tol):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         err = np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30)
         assert err < tol, f"{jax.tree_util.keystr(path)}: relative L2 error {err:.2e} >= {tol}"
+
+
+def benchmark_script(name: str):
+    """benchmarks/<name>.py loaded as a module (its folder on the path for its `import harness`),
+    registered under `name` as the scripts' own child processes would import it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module

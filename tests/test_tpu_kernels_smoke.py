@@ -4,20 +4,13 @@ TFLOP/s against the hand-computed count, every backend within bf16 rounding of t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import benchmark_script
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("tpu_kernels", ROOT / "benchmarks" / "tpu_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("tpu_kernels", module)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("tpu_kernels")
 
 
 def test_tiny_grouped_matmul_runs_end_to_end(tmp_path):

@@ -5,22 +5,16 @@ the learning run's curve as logged."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import benchmark_script
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("tpu_rl", ROOT / "benchmarks" / "tpu_rl.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("tpu_rl", module)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("tpu_rl")
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -5,20 +5,13 @@ earlier record of the device keeps the arms not run now."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import benchmark_script
 
 
 def _script():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("tpu_step", ROOT / "benchmarks" / "tpu_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("tpu_step")
 
 
 # Seconds per step each arm measures, per round it runs in (the default's drifts between rounds).

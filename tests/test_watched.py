@@ -4,7 +4,6 @@ inside a piece names that piece; one that ends well names none. And tpu_kernels'
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -53,9 +52,9 @@ def test_a_child_that_dies_in_a_piece_names_it_and_one_that_ends_well_names_none
 
 
 def test_tpu_kernels_records_a_cut_and_drops_that_case_s_earlier_figures(tmp_path):
-    spec = importlib.util.spec_from_file_location("tpu_kernels", ROOT / "benchmarks" / "tpu_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from helpers import benchmark_script
+
+    module = benchmark_script("tpu_kernels")
     out = tmp_path / "tpu_kernels.json"
     module.record_cut(out, "cp_dh_scan_cell", "stopped after 150 s")  # no record yet
     record = json.loads(out.read_text())
