@@ -55,7 +55,7 @@ def program_facts(overrides: list[str], recipe: str = RECIPE, common=COMMON) -> 
     cfg = load_config(recipe, [*common, *overrides])
     m, setup = cfg.model, build(cfg)
     t = cfg.train
-    batch = {k: jax.ShapeDtypeStruct((t.micro_batches, t.batch_size, t.seq_len), jax.numpy.int32,
+    batch = {k: jax.ShapeDtypeStruct((t.fewest_micro_batches, t.rows_per_micro_batch, t.seq_len), jax.numpy.int32,
                                      sharding=setup.batch_sharding(1))
              for k in ("tokens", "segment_ids", "positions")}
     with setup.context():

@@ -59,7 +59,8 @@ def our_worker(overrides: list[str]) -> None:
     fn = jit_train_step(setup)
 
     def batch(index: int):
-        return synthetic_batch(t.seed, index, t.micro_batches, t.batch_size, t.seq_len, cfg.model.vocab_size)
+        return synthetic_batch(t.seed, index, t.fewest_micro_batches, t.rows_per_micro_batch, t.seq_len,
+                               cfg.model.vocab_size)
 
     with setup.context():
         t0 = time.perf_counter()
@@ -82,7 +83,7 @@ def our_worker(overrides: list[str]) -> None:
         return {**machine_record(), "overrides": overrides, "compile_s": compile_s,
                 "devices": len(jax.devices()), "affinity": sorted(os.sched_getaffinity(0)),
                 "xla_intra_op_threads": thread_census().get("tf_XLAEigen", 0), "thread_census": thread_census(),
-                "tokens_per_step": t.micro_batches * t.batch_size * t.seq_len,
+                "tokens_per_step": t.batch_size * t.seq_len,
                 "config": json.loads(cfg.model_dump_json())}
 
     serve({"info": info, "step": step, "tokens": lambda req: {"tokens": batch(req["index"])["tokens"].tolist()}})

@@ -112,7 +112,7 @@ def _trace_step(cfg) -> dict:
 
     setup = build(cfg)
     t = cfg.train
-    batch = {k: jax.ShapeDtypeStruct((t.micro_batches, t.batch_size, t.seq_len), jnp.int32)
+    batch = {k: jax.ShapeDtypeStruct((t.fewest_micro_batches, t.rows_per_micro_batch, t.seq_len), jnp.int32)
              for k in ("tokens", "segment_ids", "positions")}
     with setup.context():
         _, metrics = jax.eval_shape(jit_train_step(setup), setup.abstract_state(), batch)

@@ -169,11 +169,12 @@ def test_the_arms_rates_by_hand(monkeypatch):
     monkeypatch.setattr(bench, "_timed_visit", lambda arm, setup, compiled, visit, steps, profile=0:
                         arm.times.extend([step_s] * steps))
     monkeypatch.setattr(bench, "peak_flops", lambda mesh, dtype: (peak, "a stub's peak"))
-    out = run_bench("tiny", ARMS_COMMON, [("control", ["train.micro_batches=2"])], 2, free_bytes=None)
+    out = run_bench("tiny", ARMS_COMMON, [("control", ["train.micro_batches=2", "train.batch_size=16"])], 2,
+                    free_bytes=None)
     arm = out["control"]
     t = arm["config"]["train"]
-    assert t["micro_batches"] == 2
-    tokens = 2 * t["batch_size"] * 16
+    assert t["micro_batches"] == 2 and t["batch_size"] == 16
+    tokens = 16 * 16  # the step's 16 sequences of 16 tokens, in 2 micro-batches of 8
     assert arm["seconds_per_step"] == step_s and arm["tokens_per_step"] == tokens
     assert arm["tokens_per_s_per_device"] == pytest.approx(tokens / step_s / 8, rel=1e-12)
     assert arm["useful_flops_per_step"] == 551040 * tokens

@@ -62,14 +62,14 @@ def _consumed(src, cursor, steps):
 
 
 def test_packing_consumes_each_document_once_per_epoch_and_resumes_exactly(tok):
-    src = TextSource(cfg_for(SFT, "train.micro_batches=2"), tok)
+    src = TextSource(cfg_for(SFT, "train.micro_batches=2", "train.batch_size=8"), tok)
     assert any(0 < m.sum() < len(m) for m in src.masks)  # conversations train only their assistant turns
     run = _consumed(src, 0, 6)
     assert run[-1][2] > len(src.docs)  # crossed into the second epoch
     first_epoch = [src.document(k).tolist() for k in range(len(src.docs))]
     assert sorted(map(tuple, first_epoch)) == sorted(tuple(d.tolist()) for d in src.docs)
     # A fresh source (a restarted process) from a saved cursor gives the same batches.
-    again = TextSource(cfg_for(SFT, "train.micro_batches=2"), tok)
+    again = TextSource(cfg_for(SFT, "train.micro_batches=2", "train.batch_size=8"), tok)
     for rows, cursor, nxt in run[3:]:
         got, got_next = again.batch(cursor)
         assert got_next == nxt

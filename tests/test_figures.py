@@ -53,7 +53,7 @@ DEVICES = 8
 #
 # FLOPs = 2 x MACs; forward + backward = 3 x forward (the backward: input and weight gradients).
 
-TRAIN = ("train.batch_size=8", "train.seq_len=64", "train.micro_batches=2")
+TRAIN = ("train.batch_size=16", "train.seq_len=64", "train.micro_batches=2")  # 2 micro-batches of 8
 
 
 def _forward_flops_per_token(T: int) -> int:
@@ -277,7 +277,7 @@ def test_the_train_loop_logs_every_micro_batchs_tokens_and_their_rate():
     from hybridmoe.data.synthetic import synthetic_batch
     from hybridmoe.train import loop as train_loop
 
-    cfg = tiny_config(*ONE_LAYER, "train.steps=1", "train.batch_size=8", "train.seq_len=16",
+    cfg = tiny_config(*ONE_LAYER, "train.steps=1", "train.batch_size=16", "train.seq_len=16",
                       "train.micro_batches=2")
     rows = synthetic_batch(cfg.train.seed, 0, 2, 8, 16, cfg.model.vocab_size)
     want = _targets_by_hand(rows["segment_ids"])
@@ -333,7 +333,7 @@ def _variants():
         "attention_core_not_causal": (lambda: fl("forward_flops_per_token", "(seq_len + 1) / 2", "seq_len"),
                                       step_by_hand + grpo_by_hand),
         # the step's FLOPs of one micro-batch
-        "flops_of_one_micro_batch": (lambda: fl("step_flops", "t.batch_size * t.micro_batches if", "t.batch_size if"),
+        "flops_of_one_micro_batch": (lambda: fl("step_flops", "t.batch_size if", "t.rows_per_micro_batch if"),
                                      step_by_hand + estimate_by_hand),
         # the GRPO update counted over every rollout of the step, not its mini-batch
         "grpo_flops_of_every_rollout": (lambda: fl("model_flops_per_device", "rows = r.rollouts_per_step // r.mini_batches",
@@ -347,8 +347,8 @@ def _variants():
         "chips_as_devices": (lambda: est("estimate_step", "chips=max(1, devices // hw.devices_per_chip)",
                                          "chips=devices"), estimate_by_hand),
         # tokens of one micro-batch
-        "tokens_of_one_micro_batch": (lambda: est("tokens_per_step", "t.batch_size * t.seq_len * t.micro_batches",
-                                                  "t.batch_size * t.seq_len"), estimate_by_hand),
+        "tokens_of_one_micro_batch": (lambda: est("tokens_per_step", "t.batch_size * t.seq_len",
+                                                  "t.rows_per_micro_batch * t.seq_len"), estimate_by_hand),
         # the overlapped time as the sum (collectives not hidden at all)
         "overlapped_as_sum": (lambda: est("totals", "rates(max(compute_s, collective_s))",
                                           "rates(compute_s + collective_s)"),

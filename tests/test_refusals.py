@@ -87,6 +87,11 @@ CASES: dict[str, Case] = {
                                          ("model.num_experts", "logical axis 'exp'")),
     "batch_vs_built_mesh": case("_train_batch_size", ["train.batch_size=12"],
                                 ("train.batch_size", "12 does not split over the 8 shards"), **BUILT),
+    "micro_batch_vs_built_mesh": case("_train_batch_size", ["train.batch_size=24", "train.micro_batches=2"],
+                                      ("train.batch_size", "24 / train.micro_batches=2 = 12 per micro-batch does not "
+                                       "split over the 8 shards"), **BUILT),
+    "micro_batches_vs_batch": case("_train_batch_size", ["train.batch_size=8", "train.micro_batches=3"],
+                                   ("train.micro_batches", "3 micro-batches do not divide train.batch_size=8")),
     "seq_len_over_max": case("_train_seq_len", ["train.seq_len=512"], ("train.seq_len", "exceeds model.max_seq_len=256")),
     # remat
     "save_list_without_custom": case("_remat_save", ["remat.save=[attn_q]"], ("remat.save", "needs remat.policy=custom")),

@@ -84,7 +84,7 @@ BROKEN = {
 @pytest.fixture(scope="module")
 def case():
     cfg = tiny_config("model.layer_pattern=[attention]", "model.num_layers=1", "train.micro_batches=2",
-                      "train.batch_size=4", f"train.seq_len={SEQ}", "moe.capacity_factor=0")
+                      "train.batch_size=8", f"train.seq_len={SEQ}", "moe.capacity_factor=0")
     params = tiny_params(cfg)
     batch = _batch(cfg.model.vocab_size)
     return cfg, params, batch, reference(params, cfg, batch)

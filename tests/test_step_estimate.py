@@ -322,7 +322,7 @@ def test_a_cost_estimate_off_by_2x_is_caught(monkeypatch):
 
 # Two micro-batches (a loop of 2) and full remat (the layer stack's forward replayed): the two
 # multipliers the analytic count must see and the compiled count must read from the program.
-SMALL = ["recipe=small", "train.batch_size=8", "train.micro_batches=2", "remat.policy=full"]
+SMALL = ["recipe=small", "train.batch_size=16", "train.micro_batches=2", "remat.policy=full"]
 TOLERANCE = 0.10
 
 

@@ -40,7 +40,7 @@ def component_flops(m: ModelConfig, batch: int, seq_len: int) -> dict[str, float
 def step_flops(cfg: Config, batch: int | None = None, seq_len: int | None = None) -> float:
     """Useful forward + backward FLOPs of one training step (every layer, every micro-batch)."""
     m, t = cfg.model, cfg.train
-    batch = t.batch_size * t.micro_batches if batch is None else batch
+    batch = t.batch_size if batch is None else batch
     seq_len = t.seq_len if seq_len is None else seq_len
     per = component_flops(m, batch, seq_len)
     layers = sum(per[kind] for kind in m.layer_kinds) + m.num_layers * per["moe"]
@@ -87,7 +87,7 @@ def designed_step_flops(cfg: Config, devices: int, *, remat_policy: str, tokens_
     instead of 3) and the LM head's logits recomputed in the chunked log-probs' backward (4 x its
     forward)."""
     m, t = cfg.model, cfg.train
-    tokens = t.batch_size * t.seq_len * t.micro_batches
+    tokens = t.batch_size * t.seq_len
     per = forward_flops_per_token(m, t.seq_len)
     core = m.gdn_num_value_heads * 2.0
     per["gdn"] += core * (gdn_chunk_core_macs_per_token(m, cfg.gdn.chunk_size) - 3 * m.gdn_key_dim * m.gdn_value_dim)
@@ -134,5 +134,5 @@ def designed_flops_per_device(cfg: Config, devices: int, platform: str) -> float
         return None
     t = cfg.train
     return designed_step_flops(cfg, devices, remat_policy="full" if replays else "none",
-                               tokens_per_shard=t.batch_size * t.seq_len // devices, on_cpu=platform == "cpu")
+                               tokens_per_shard=t.rows_per_micro_batch * t.seq_len // devices, on_cpu=platform == "cpu")
 

@@ -152,7 +152,7 @@ def tokens_per_step(cfg, program_name: str) -> int | None:
     """Tokens one run of the program trains on: the step's micro-batches, or the GRPO update's rows."""
     if program_name == "train":
         t = cfg.train
-        return t.batch_size * t.seq_len * t.micro_batches
+        return t.batch_size * t.seq_len
     if program_name == "grpo":
         r = cfg.rl
         return r.rollouts_per_step // r.mini_batches * r.sequence_len

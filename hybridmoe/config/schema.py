@@ -321,9 +321,13 @@ class RematConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(100, ge=0, description="Optimizer steps.")
-    batch_size: int = Field(8, gt=0, description="Sequences per micro-batch (global).")
+    batch_size: int = Field(8, gt=0, description="Sequences per optimizer step (global), split into train.micro_batches.")
     seq_len: int = Field(64, gt=1, description="Tokens per sequence.")
-    micro_batches: int = Field(1, gt=0, description="Micro-batches whose gradients are accumulated per step.")
+    micro_batches: int | Literal["auto"] = Field(
+        "auto", description="Micro-batches the step's sequences are split into; gradients accumulate. auto: the fewest "
+        "that divide train.batch_size (each micro-batch split over the batch shards) and whose compiled step fits "
+        "run.memory_budget_gib (train/memory_plan.py). A count set by hand whose step does not fit is refused before "
+        "the first step, naming the count that fits.")
     learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps: step k (from 0) runs at learning_rate * "
                               "min(k, warmup_steps) / warmup_steps (step 0 moves Adam's moments, not the weights); 0 = "
@@ -352,6 +356,23 @@ class TrainConfig(Section):
     @classmethod
     def _bare_off(cls, v):
         return bare_off(v)
+
+    @field_validator("micro_batches")
+    @classmethod
+    def _positive_count(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("a count of micro-batches is a positive integer, or auto")
+        return v
+
+    @property
+    def fewest_micro_batches(self) -> int:
+        """The set count, or 1 under auto (the fewest auto can choose; what a step outside a run's plan runs)."""
+        return 1 if self.micro_batches == "auto" else self.micro_batches
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Sequences per micro-batch at fewest_micro_batches (the validator checks the split)."""
+        return self.batch_size // self.fewest_micro_batches
 
 
 class RLConfig(Section):

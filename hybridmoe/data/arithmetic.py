@@ -172,14 +172,14 @@ def task_from_config(cfg: Config) -> Task:
 
 
 def solved_batch(cfg: Config, step: int, task: Task | None = None, tokenizer: Tokenizer | None = None):
-    """Arrays [train.micro_batches, train.batch_size, train.seq_len] of packed solved examples."""
+    """Arrays [micro-batches, sequences per micro-batch, train.seq_len] of packed solved examples."""
     t = cfg.train
     task = task_from_config(cfg) if task is None else task
     tokenizer = load_tokenizer() if tokenizer is None else tokenizer
     rng = np.random.default_rng([t.seed, WARMUP_STREAM, step])
     out = []
-    for _ in range(t.micro_batches):
-        docs, budget = [], t.batch_size * t.seq_len
+    for _ in range(t.fewest_micro_batches):
+        docs, budget = [], t.rows_per_micro_batch * t.seq_len
         while budget > 0:
             examples = task.sample(rng, 64)
             if not examples:
@@ -190,5 +190,5 @@ def solved_batch(cfg: Config, step: int, task: Task | None = None, tokenizer: To
                 budget -= len(docs[-1])
                 if budget <= 0:
                     break
-        out.append(pack_documents(docs, t.batch_size, t.seq_len, pad_id=tokenizer.pad_id))
+        out.append(pack_documents(docs, t.rows_per_micro_batch, t.seq_len, pad_id=tokenizer.pad_id))
     return {k: np.stack([o[k] for o in out]) for k in out[0]}

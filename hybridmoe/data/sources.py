@@ -33,7 +33,8 @@ class StepSource:
         cfg, t = self.cfg, self.cfg.train
         if t.data == "synthetic":
             from hybridmoe.data.synthetic import synthetic_batch
-            return synthetic_batch(t.seed, step, t.micro_batches, t.batch_size, t.seq_len, cfg.model.vocab_size), position
+            return synthetic_batch(t.seed, step, t.fewest_micro_batches, t.rows_per_micro_batch, t.seq_len,
+                                   cfg.model.vocab_size), position
         from hybridmoe.data.arithmetic import solved_batch
         return solved_batch(cfg, step), position
 

@@ -103,8 +103,9 @@ def has_target(ids, mask) -> bool:
 class TextSource:
     def __init__(self, cfg: Config, tokenizer: Tokenizer, host_index: int = 0, host_count: int = 1):
         d, t = cfg.data, cfg.train
-        if t.batch_size % host_count:
-            raise DataError(f"train.batch_size={t.batch_size} does not split over {host_count} hosts")
+        if t.rows_per_micro_batch % host_count:
+            raise DataError(f"train.batch_size={t.batch_size} ({t.rows_per_micro_batch} per micro-batch) does not split "
+                            f"over {host_count} hosts")
         records, self.bad_lines = read_records(d.path, "data.path", text_or_messages(d.text_field), d.on_bad_line)
         self.docs: list[np.ndarray] = []
         self.masks: list[np.ndarray] = []  # per document, 1 where the token is a trained target
@@ -120,7 +121,7 @@ class TextSource:
             self._add(np.asarray(ids, np.int32), np.asarray(mask, np.int32), t.seq_len, d.long_documents)
         self._check_and_log(cfg, host_index, host_count)
         self.seed, self.shuffle, self.pad_id = t.seed, d.shuffle, tokenizer.pad_id
-        self.micro_batches, self.rows, self.seq_len = t.micro_batches, t.batch_size // host_count, t.seq_len
+        self.micro_batches, self.rows, self.seq_len = t.fewest_micro_batches, t.rows_per_micro_batch // host_count, t.seq_len
         self._orders: dict[int, np.ndarray] = {}
 
     def _add(self, ids: np.ndarray, mask: np.ndarray, seq_len: int, how: str) -> None:

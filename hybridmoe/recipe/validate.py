@@ -168,21 +168,25 @@ def _mesh_expert_fsdp_dim(cfg: Config, f: Facts) -> list[Problem]:
     return []
 
 
-@rule("train.batch_size")
+@rule("train.batch_size", "train.micro_batches")
 def _train_batch_size(cfg: Config, f: Facts) -> list[Problem]:
-    """The batch splits evenly over the mesh axes the rules give it (the sequence's split over
-    mesh.context is _attention_context_parallel's). Decided for the devices a run builds on only:
-    a recipe's batch may be meant for fewer devices than its simulated default (`small`, whose
-    benchmarks run it on one)."""
+    """A set count of micro-batches divides the step's sequences; each micro-batch splits over the
+    batch's mesh axes (for the devices a run builds on only: a recipe may mean fewer)."""
     from hybridmoe.parallel.rules import mesh_axes_of
 
+    t = cfg.train
+    if t.batch_size % t.fewest_micro_batches:
+        return [("train.micro_batches", f"{t.micro_batches} micro-batches do not divide train.batch_size={t.batch_size} "
+                 "(the sequences of one step)")]
     sizes = _full_mesh_sizes(cfg, f)
     if sizes is None or f.devices is None:
         return []
     names = mesh_axes_of(_rules(cfg)["batch"])
     shards = math.prod(sizes[a] for a in names)
-    if cfg.train.batch_size % shards:
-        return [("train.batch_size", f"{cfg.train.batch_size} does not split over the {shards} shards of mesh axes {names}")]
+    if t.rows_per_micro_batch % shards:
+        what = f"{t.batch_size}" + (f" / train.micro_batches={t.micro_batches} = {t.rows_per_micro_batch} per micro-batch"
+                                    if t.fewest_micro_batches > 1 else "")
+        return [("train.batch_size", f"{what} does not split over the {shards} shards of mesh axes {names}")]
     return []
 
 

@@ -175,7 +175,7 @@ def _timed_visit(arm: Arm, setup, compiled, visit: int, steps: int, profile_step
 
         def step(i):
             nonlocal state
-            batch = put_global(synthetic_batch(t.seed, visit * (steps + 1) + i, t.micro_batches, t.batch_size,
+            batch = put_global(synthetic_batch(t.seed, visit * (steps + 1) + i, t.fewest_micro_batches, t.rows_per_micro_batch,
                                                t.seq_len, arm.cfg.model.vocab_size), setup.batch_sharding(1))
             state, m = compiled(state, batch)
             return fetch_global(m)
@@ -211,7 +211,7 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
         t = arm.cfg.train
         step_fn = jit_train_step(setup)
         with setup.context():
-            batch0 = put_global(synthetic_batch(t.seed, 0, t.micro_batches, t.batch_size, t.seq_len,
+            batch0 = put_global(synthetic_batch(t.seed, 0, t.fewest_micro_batches, t.rows_per_micro_batch, t.seq_len,
                                                 arm.cfg.model.vocab_size), setup.batch_sharding(1))
             t0 = time.perf_counter()
             lowered = step_fn.lower(setup.abstract_state(), batch0)
@@ -267,7 +267,7 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
             continue
         t = arm.cfg.train
         sec = float(np.mean(arm.times))
-        tokens = t.micro_batches * t.batch_size * t.seq_len
+        tokens = t.batch_size * t.seq_len
         out[arm.name] = {"overrides": arm.overrides, "seconds_per_step": sec, "step_times_s": arm.times,
                          "tokens_per_step": tokens, "tokens_per_s_per_device": tokens / sec / setup.mesh.size,
                          "compile_s": arm.compile_s, "program": arm.program,

@@ -109,7 +109,7 @@ def host_target() -> Target:
 def abstract_batch(cfg: Config, setup):
     """The step's batch as ShapeDtypeStructs: [micro_batches, B, T] int32 per field."""
     t = cfg.train
-    shape = (t.micro_batches, t.batch_size, t.seq_len)
+    shape = (t.fewest_micro_batches, t.rows_per_micro_batch, t.seq_len)
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding(1))
             for k in ("tokens", "segment_ids", "positions")}
 
@@ -283,11 +283,11 @@ def block_residuals(cfg: Config, setup) -> list[program.Residual]:
     with setup.context():
         xs = jax.eval_shape(LayerWeights(cfg, layer_axes(m)).scan_xs, params)
     block_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs)
-    ids = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32)
-    x = jax.ShapeDtypeStruct((t.batch_size, t.seq_len, m.d_model), jnp.dtype(m.compute_dtype))
+    ids = jax.ShapeDtypeStruct((t.rows_per_micro_batch, t.seq_len), jnp.int32)
+    x = jax.ShapeDtypeStruct((t.rows_per_micro_batch, t.seq_len, m.d_model), jnp.dtype(m.compute_dtype))
 
     def block(x, bp, seg, pos):
-        return checkpointed(block_fn(cfg, pos, seg), cfg, t.batch_size * t.seq_len)(x, bp)
+        return checkpointed(block_fn(cfg, pos, seg), cfg, t.rows_per_micro_batch * t.seq_len)(x, bp)
 
     return program.saved_residuals(block, x, block_params, ids, ids)
 
