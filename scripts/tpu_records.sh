@@ -23,8 +23,8 @@
 #   scripts/tpu_records.sh place DIR                    # back here: each returned file to its place
 #
 # Stages run in the order given; a failing stage stops the rest (its record, if any, is written).
-# --copy-to DIR (first): after each stage, copy what the stages write (the records, the calibration
-# and tile tables) into DIR, flat (no folders: an accelerator host's output folder may return only
+# --copy-to DIR (first): after each stage, copy what the stages have written or changed (the records,
+# the calibration and tile tables; a file left as it was is not copied) into DIR, flat (no folders: an accelerator host's output folder may return only
 # files near its top), so a call cut short still hands back every finished stage's files. `place`
 # puts such a folder's files where they belong in this checkout.
 set -euo pipefail
@@ -38,11 +38,25 @@ if [ "${1:-}" = "--copy-to" ]; then
   mkdir -p "$copy_to"
 fi
 # Where each file a stage writes lives in the checkout (a copy is flat: its name alone).
-produced=(benchmarks/records/tpu_*.json hybridmoe/analysis/chip_calibration.json hybridmoe/kernels/gmm/tile_table.json
-          docs/tpu_rl_learn.png)
+# The globs are expanded at each copy, so a record a stage makes for the first time is found.
+produced_now() {
+  local f
+  for f in benchmarks/records/tpu_*.json hybridmoe/analysis/chip_calibration.json \
+           hybridmoe/kernels/gmm/tile_table.json docs/tpu_rl_learn.png; do
+    [ -f "$f" ] && echo "$f"
+  done
+  return 0
+}
+# What the stages change is what goes back: a file as it was when this call began (a record made on an
+# earlier day, committed) is left out, since the host returns only a few files.
+declare -A before=()
+while read -r f; do before[$f]=$(cksum < "$f"); done < <(produced_now)
 copy_results() {
   [ -n "$copy_to" ] || return 0
-  for f in "${produced[@]}"; do [ -f "$f" ] && cp "$f" "$copy_to/"; done
+  while read -r f; do
+    [ "${before[$f]:-}" = "$(cksum < "$f")" ] && continue
+    cp "$f" "$copy_to/"
+  done < <(produced_now)
   return 0
 }
 if [ "${1:-}" = "place" ]; then
