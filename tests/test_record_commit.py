@@ -55,3 +55,14 @@ def test_a_copy_inside_another_checkout_names_its_stamp_not_that_head(tmp_path):
 def test_a_copy_outside_any_checkout_names_its_stamp(tmp_path):
     (tmp_path / COMMIT_STAMP).write_text("b" * 40 + "+modified\n")
     assert commit_of(tmp_path) == "b" * 40 + "+modified"
+
+
+def test_a_new_stamp_names_the_head_now_not_the_stamp_left_from_an_earlier_send(tmp_path):
+    """`tpu_records.sh stamp` run again after a commit: the old stamp, read back, named the old commit."""
+    from hybridmoe.tools.record import write_commit_stamp
+    first = _repo(tmp_path)
+    assert write_commit_stamp(tmp_path) == first
+    _git(tmp_path, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "y")
+    second = _git(tmp_path, "rev-parse", "HEAD")
+    assert write_commit_stamp(tmp_path) == second != first
+    assert (tmp_path / COMMIT_STAMP).read_text().strip() == second

@@ -53,8 +53,12 @@ COMMIT_STAMP = ".source-commit"
 
 
 def write_commit_stamp(root: Path) -> str:
-    """Write this checkout's commit (as source_commit reads it) to root/COMMIT_STAMP; return it."""
-    commit = source_commit()
+    """Write the commit of the checkout at `root`, as git says it now, to root/COMMIT_STAMP; return it.
+
+    A stamp left from an earlier send is removed first: read back, it would name that commit again.
+    """
+    (root / COMMIT_STAMP).unlink(missing_ok=True)
+    commit = commit_of(root)
     (root / COMMIT_STAMP).write_text(commit + "\n")
     return commit
 
