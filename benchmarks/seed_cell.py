@@ -9,7 +9,8 @@ code stood before flash attention and weights over every axis could be used (the
 attention core). Every arm is compiled by `hybridmoe inspect` in a process of its own (the 2-core
 host needs 10-40 min for an arm that fits, a few for one the compiler refuses; a refusal is a
 result: the compiler's figure) into benchmarks/records/seed_cell/<arm>.json; then the GRPO update
-and the sampler of the full arm. This script then gathers them into benchmarks/records/seed_cell.json
+(rl.micro_batches=auto: the fewest count whose program fits the device's HBM, found as a run finds
+it; its search in `count_search`) and the sampler of the full arm. This script then gathers them into benchmarks/records/seed_cell.json
 (arms already recorded are kept unless --redo names them).
 
     python benchmarks/seed_cell.py [--arms default,moe,...] [--redo ARM,...]
@@ -88,7 +89,8 @@ def summary(name: str, record: dict) -> dict:
     return {"arm": name, "program": record.get("program", "train"), "overrides": prog["overrides"],
             "memory": prog["memory"], "compile_s": prog["compile_s"], "peak_buffers": prog.get("peak_buffers", []),
             "peak_by_category": prog.get("peak_by_category"),
-            "flops": prog.get("flops"), "model_flops": prog.get("model_flops"), "commit": record["commit"],
+            "flops": prog.get("flops"), "model_flops": prog.get("model_flops"),
+            "count_search": prog.get("count_search"), "commit": record["commit"],
             "date": record["date"]}
 
 

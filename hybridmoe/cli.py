@@ -346,6 +346,9 @@ def cmd_inspect(args, words):
         facts[name]["step_estimate"] = _step_estimate(step, recipe, args)
     print(tp.format_facts(facts))
     for name, f in facts.items():
+        if f.get("count_search"):
+            print(f"{name}: " + tp.format_count_search(f["count_search"]))
+    for name, f in facts.items():
         if f["step_estimate"]:
             print(f"\n{name}: " + step_estimate.format_estimate(f["step_estimate"], f["step_estimate"].get("reference")))
     record = {}

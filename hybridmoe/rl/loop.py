@@ -39,7 +39,7 @@ from hybridmoe.data.prompts import PromptSetTask
 from hybridmoe.data.sources import config_tokenizer
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
 from hybridmoe.run.hf_io import params_from_hf
-from hybridmoe.run.memory_fit import Fit, memory_budget_bytes
+from hybridmoe.run.memory_fit import Fit, memory_budget_bytes, with_count
 from hybridmoe.run.metrics import plot_metrics
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.run.session import open_session, start_config
@@ -401,13 +401,13 @@ def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns,
     if sampler is not None:
         log.info("rl.rollout_batches=%s: %d sampler pass(es) per round (%s per device)", cfg.rl.rollout_batches,
                  sampler.count, _gib(sampler.need))
-        cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"rollout_batches": sampler.count})})
+        cfg = with_count(cfg, "rl.rollout_batches", sampler.count)
     if plan is not None:
         log.info("rl.micro_batches=%s: the GRPO update in %d micro-batch(es) (%s per device)%s", cfg.rl.micro_batches,
                  plan.micro_batches, _gib(plan.update.need),
                  f", the pi_old pass in {plan.old_logprobs.count} ({_gib(plan.old_logprobs.need)})"
                  if plan.old_logprobs is not None else "")
-        cfg = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"micro_batches": plan.micro_batches})})
+        cfg = with_count(cfg, "rl.micro_batches", plan.micro_batches)
     r = cfg.rl
     rl_opt = rl_optimizer(cfg)
     replicated = NamedSharding(setup.mesh, PartitionSpec())

@@ -147,6 +147,13 @@ def choose_count(key: str, setting: int | str, counts: Sequence[int], compile_at
     raise RunError(f"{key}={setting}: {what} needs {_gib(fit.need)} per device, over {_budget_words(budget)}; {fix}")
 
 
+def with_count(cfg: Config, key: str, count: int) -> Config:
+    """`cfg` with the count `key` ("section.field", e.g. rl.micro_batches) set to `count`: a key
+    chosen under auto resolved to what was chosen."""
+    section, field = key.split(".")
+    return cfg.model_copy(update={section: getattr(cfg, section).model_copy(update={field: count})})
+
+
 def divisor_counts(rows: int, shards: int = 1) -> list[int]:
     """Counts M that split `rows` into equal micro-batches, each of which splits over `shards`, increasing."""
     return [m for m in range(1, rows + 1) if rows % m == 0 and (rows // m) % shards == 0]

@@ -126,6 +126,7 @@ class CompiledStep:
     program_name: str = "train"
     shapes: peak_memory.ModelShapes | None = None  # what attributes the peak's buffers to the model's parts
     cached: bool = False  # the facts (or the refusal) came from the compile cache (analysis/compiled_facts.py)
+    count_search: dict | None = None  # a micro-batch count chosen under auto (`compile_step`)
 
 
 # The TPU compiler refuses a program whose buffers exceed the device's HBM (after buffer
@@ -228,8 +229,70 @@ def jitted_program(cfg: Config, setup, program_name: str):
     raise ValueError(f"unknown program {program_name!r}; choices: {', '.join(PROGRAMS)}")
 
 
+# The count each program's micro-batches are set by.
+COUNT_KEYS = {"train": "train.micro_batches", "grpo": "rl.micro_batches"}
+
+
+def _count_candidates(cfg: Config, setup, program_name: str) -> list[int]:
+    """The counts that split the program's rows into equal micro-batches over the batch shards."""
+    from hybridmoe.run.memory_fit import batch_shards, divisor_counts
+
+    if program_name == "grpo":
+        from hybridmoe.rl.memory_plan import update_rows_per_step
+        return divisor_counts(update_rows_per_step(cfg), batch_shards(setup))
+    return divisor_counts(cfg.train.batch_size, batch_shards(setup))
+
+
+def _held_bytes(cfg: Config, setup, program_name: str) -> int:
+    """What the program holds at every count: the training state (and the reference policy)."""
+    from hybridmoe.run.memory_fit import per_device_bytes
+
+    state = setup.abstract_state()
+    with_reference = program_name == "grpo" and cfg.rl.beta > 0
+    return per_device_bytes(state) + (per_device_bytes(state["params"]) if with_reference else 0)
+
+
 def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, program_name: str = "train",
                  memory_only: bool = False) -> CompiledStep:
+    """`compile_one`, with a micro-batch count under auto (train.micro_batches for "train",
+    rl.micro_batches for "grpo") chosen as a run on the target would choose it (run/memory_fit.py):
+    the fewest count that splits the rows whose program fits the target's HBM by `fit_bytes`,
+    trying counts in increasing order and passing over those the first count's figure rules out
+    (memory_fit.cannot_fit: the held state plus the rest scaled down). The step returned is the
+    chosen count's (or, where none fits, the last compiled), its `count_search` saying what each
+    count did. A target without an HBM figure (a CPU) takes the fewest count, as a run there does."""
+    from hybridmoe.run.memory_fit import Fit, cannot_fit, with_count
+    from hybridmoe.run.setup import build
+
+    key = COUNT_KEYS.get(program_name)
+    section, field = key.split(".") if key else (None, None)
+    if key is None or getattr(getattr(cfg, section), field) != "auto" or target.hbm_bytes_per_device is None:
+        return compile_one(cfg, target, with_residuals=with_residuals, program_name=program_name,
+                           memory_only=memory_only)
+    budget = target.hbm_bytes_per_device
+    setup = build(cfg, list(target.devices))
+    counts, held = _count_candidates(cfg, setup, program_name), _held_bytes(cfg, setup, program_name)
+    first, tried, step = None, [], None
+    for count in counts:
+        if first is not None and cannot_fit(first, count, budget, held):
+            tried.append({"count": count, "compiled": False, "need": None, "fits": False})
+            continue
+        step = compile_one(with_count(cfg, key, count), target, with_residuals=with_residuals,
+                           program_name=program_name, memory_only=memory_only)
+        need = None if step.program is None else fit_bytes(memory_facts(step.program, budget))
+        refused = None if step.out_of_memory is None else step.out_of_memory["temp"]
+        ok = need is not None and need <= budget
+        tried.append({"count": count, "compiled": True, "need": need, "refused_temp": refused, "fits": ok})
+        step.count_search = {"key": key, "setting": "auto", "counts": counts, "budget": budget,
+                             "held": held, "tried": list(tried), "chosen": count if ok else None}
+        if ok:
+            return step
+        first = first or Fit(count, None, need, least_need=refused)
+    return step
+
+
+def compile_one(cfg: Config, target: Target, *, with_residuals: bool = True, program_name: str = "train",
+                memory_only: bool = False) -> CompiledStep:
     """Lower and compile one program for the target's devices (nothing is run): the supervised
     training step ("train"), one GRPO update ("grpo": rl.* rows, micro-batches, pi_old and the
     reference policy where the config holds them) or the sampler ("sample": one rollout batch's
@@ -399,14 +462,14 @@ def step_facts(step: CompiledStep) -> dict:
     model_flops = model_flops_per_device(step.cfg, step.target.num_devices, step.program_name)
     if prog is None:
         memory = refused_memory_facts(step.out_of_memory, step.target.hbm_bytes_per_device)
-        return {"target": step.target.name, "devices": step.target.num_devices,
+        return {"target": step.target.name, "devices": step.target.num_devices, "count_search": step.count_search,
                 "compile_s": round(step.compile_s, 1), "compile_cached": step.cached, "memory": memory,
                 "flops": None, "model_flops": model_flops, "collectives": [], "saved_residuals": [],
                 "saved_residual_bytes_per_block": None,
                 "peak_buffers": buffer_rows(step.peak_buffers, shapes=step.shapes) or step.out_of_memory.get("largest", []),
                 "peak_by_category": peak_by_category(step, memory)}
     memory = memory_facts(prog, step.target.hbm_bytes_per_device)
-    return {"target": step.target.name, "devices": step.target.num_devices,
+    return {"target": step.target.name, "devices": step.target.num_devices, "count_search": step.count_search,
             "compile_s": round(step.compile_s, 1), "compile_cached": step.cached, "memory": memory,
             "flops": prog.cost.get("flops"), "model_flops": model_flops,
             "peak_buffers": buffer_rows(step.peak_buffers, shapes=step.shapes),
@@ -418,6 +481,19 @@ def step_facts(step: CompiledStep) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Text
+
+
+def format_count_search(search: dict) -> str:
+    """One line: the count chosen under auto and what each count tried did."""
+    def one(t):
+        if not t["compiled"]:
+            return f"{t['count']} passed over (ruled out by the first count's figure)"
+        if t["need"] is None:
+            return f"{t['count']} refused by the compiler ({t['refused_temp'] / GIB:.2f} GiB of temporaries)"
+        return f"{t['count']} needs {t['need'] / GIB:.2f} GiB" + ("" if t["fits"] else " (over)")
+    chosen = "none fits" if search["chosen"] is None else f"{search['chosen']} chosen"
+    return (f"{search['key']}=auto: {chosen} against {search['budget'] / GIB:.2f} GiB per device "
+            f"(held state {search['held'] / GIB:.2f} GiB): " + "; ".join(one(t) for t in search["tried"]))
 
 
 def _in(unit: int):
