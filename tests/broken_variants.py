@@ -133,17 +133,35 @@ from hybridmoe.run import memory_fit as _memory_fit  # noqa: E402
 _ORIGINAL_FEWEST_THAT_FIT = _memory_fit.fewest_that_fit
 
 
-def _count_off_by_one(counts, compile_at, budget, *fixed):
-    fit = _ORIGINAL_FEWEST_THAT_FIT(counts, compile_at, budget, *fixed)
+def _count_off_by_one(counts, compile_at, budget, *fixed, **first):
+    fit = _ORIGINAL_FEWEST_THAT_FIT(counts, compile_at, budget, *fixed, **first)
     return None if fit is None else dataclasses.replace(fit, count=fit.count + 1)
 
 
-def _largest_that_fits(counts, compile_at, budget, *fixed):
-    return _ORIGINAL_FEWEST_THAT_FIT(list(counts)[::-1], compile_at, budget, *fixed)
+def _largest_that_fits(counts, compile_at, budget, *fixed, **first):
+    return _ORIGINAL_FEWEST_THAT_FIT(list(counts)[::-1], compile_at, budget, *fixed, **first)
 
 
 BROKEN_FIT = {
     "count_off_by_one": [(_memory_fit, "fewest_that_fit", _count_off_by_one)],
     "budget_ignored": [(_memory_fit, "fits", lambda need, budget: True)],
     "smallest_count_not_chosen": [(_memory_fit, "fewest_that_fit", _largest_that_fits)],
+}
+
+
+from hybridmoe.data import synthetic as _synthetic  # noqa: E402
+
+
+def _split_interleaved(rows, micro_batches):
+    """Micro-batch m takes every micro_batches-th row from m: the same rows, in another order."""
+    out = {}
+    for k, v in rows.items():
+        flat = v.reshape((-1,) + v.shape[-1:])
+        out[k] = flat.reshape((flat.shape[0] // micro_batches, micro_batches) + v.shape[-1:]).swapaxes(0, 1)
+    return out
+
+
+# The step's rows split into micro-batches (data/packing.split_micro_batches, data/synthetic.py).
+BROKEN_SPLIT = {
+    "rows_interleaved": [(_synthetic, "split_micro_batches", _split_interleaved)],
 }

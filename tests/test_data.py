@@ -77,6 +77,22 @@ def test_packing_consumes_each_document_once_per_epoch_and_resumes_exactly(tok):
             np.testing.assert_array_equal(got[k], rows[k])
 
 
+def test_a_step_s_rows_and_cursor_are_the_same_at_any_micro_batch_count(tok):
+    """train.batch_size rows are packed together and split after: 2 micro-batches of 4 are the 8 rows
+    of 1 micro-batch in order, from the same documents (packed per micro-batch, the first 4 rows
+    would fill before the next 4 start: other rows, another cursor)."""
+    one = TextSource(cfg_for(SFT, "train.micro_batches=1", "train.batch_size=8"), tok)
+    two = TextSource(cfg_for(SFT, "train.micro_batches=2", "train.batch_size=8"), tok)
+    cursor_one = cursor_two = 0
+    for _ in range(3):
+        rows_one, cursor_one = one.batch(cursor_one)
+        rows_two, cursor_two = two.batch(cursor_two)
+        assert cursor_one == cursor_two
+        for k in rows_one:
+            assert rows_one[k].shape == (1, 8, 32) and rows_two[k].shape == (2, 4, 32)
+            np.testing.assert_array_equal(rows_two[k].reshape(8, 32), rows_one[k][0])
+
+
 def test_hosts_read_disjoint_shares_that_cover_the_file(tok):
     cfg = cfg_for(SFT, "data.shuffle=false")
     hosts = [TextSource(cfg, tok, h, 2) for h in range(2)]

@@ -246,3 +246,27 @@ def test_the_state_a_program_holds_at_every_count_is_not_scaled():
     # A budget of 17 GiB: the floor at 4 (17.32) is over it, 8 is compiled (9.995).
     assert _search(need, 17, fixed_gib=2.67) == (8, [1, 8])
     assert _search(need, 17) == (8, [1, 4, 8])
+
+
+def test_a_set_count_refused_rules_out_the_counts_its_own_figure_rules_out():
+    """rl.micro_batches=1 with need(M) = 2 + 64 / M GiB against 12: the set count (66 GiB) is over,
+    and its figure rules out 2 (33) and 4 (16.5), so the refusal compiles 1 and 8 alone (a chip
+    compiled 1, then 2, 4, 8 and 16 before: 151 s). Refused by the compiler, the message gives its
+    figure, not a need it never read."""
+    for refuse, words in (((), "the GRPO update needs 66.00 GiB per device"),
+                          ({1}, "the device's compiler refused the GRPO update for memory (66.00 GiB of temporaries)")):
+        compiled = []
+
+        def compile_at(m):
+            compiled.append(m)
+            if m in refuse:
+                raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                                                 f"required for HLO temporaries ({2 + 64 / m:.2f}G) exceeds available "
+                                                 "HBM (15.75G).")
+            return _FakeProgram(int((2 + 64 / m) * GIB))
+
+        with pytest.raises(RunError) as e:
+            memory_fit.choose_count("rl.micro_batches", 1, [1, 2, 4, 8, 16], compile_at, 12 * GIB, "the GRPO update")
+        assert compiled == [1, 8], compiled
+        assert str(e.value).startswith(f"rl.micro_batches=1: {words}, over the budget of 12.00 GiB"), str(e.value)
+        assert "the smallest count that fits is rl.micro_batches=8" in str(e.value)

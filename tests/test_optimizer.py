@@ -151,7 +151,7 @@ def loop_optimizers(cfg, monkeypatch, patch=None) -> dict:
         the loop makes it (rl.grpo.jit_grpo_step, read from its module: a broken variant patches it),
         and no count is planned."""
         grpo_mod.jit_grpo_step(setup, with_reference)
-        return None, None
+        return None, None, None
 
     monkeypatch.setattr(train_loop, "jit_train_step", sft_step)
     monkeypatch.setattr(rl_loop, "jit_train_step", warmup_step)

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from hybridmoe.config.schema import Config
-from hybridmoe.data.packing import pack_documents
+from hybridmoe.data.packing import pack_documents, split_micro_batches
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
 
 _OPERATIONS: dict[str, Callable[[int, int], int]] = {
@@ -172,23 +172,22 @@ def task_from_config(cfg: Config) -> Task:
 
 
 def solved_batch(cfg: Config, step: int, task: Task | None = None, tokenizer: Tokenizer | None = None):
-    """Arrays [micro-batches, sequences per micro-batch, train.seq_len] of packed solved examples."""
+    """Arrays [micro-batches, sequences per micro-batch, train.seq_len] of packed solved examples:
+    train.batch_size rows packed together, then split (data/packing.split_micro_batches)."""
     t = cfg.train
     task = task_from_config(cfg) if task is None else task
     tokenizer = load_tokenizer() if tokenizer is None else tokenizer
     rng = np.random.default_rng([t.seed, WARMUP_STREAM, step])
-    out = []
-    for _ in range(t.fewest_micro_batches):
-        docs, budget = [], t.rows_per_micro_batch * t.seq_len
-        while budget > 0:
-            examples = task.sample(rng, 64)
-            if not examples:
-                raise ValueError(f"task {task.name!r} gave no examples for the warm-up")
-            for ex in examples:
-                ids, _ = solved_token_ids(ex, tokenizer)
-                docs.append(np.asarray(ids[: t.seq_len], np.int32))
-                budget -= len(docs[-1])
-                if budget <= 0:
-                    break
-        out.append(pack_documents(docs, t.rows_per_micro_batch, t.seq_len, pad_id=tokenizer.pad_id))
-    return {k: np.stack([o[k] for o in out]) for k in out[0]}
+    docs, budget = [], t.batch_size * t.seq_len
+    while budget > 0:
+        examples = task.sample(rng, 64)
+        if not examples:
+            raise ValueError(f"task {task.name!r} gave no examples for the warm-up")
+        for ex in examples:
+            ids, _ = solved_token_ids(ex, tokenizer)
+            docs.append(np.asarray(ids[: t.seq_len], np.int32))
+            budget -= len(docs[-1])
+            if budget <= 0:
+                break
+    rows = pack_documents(docs, t.batch_size, t.seq_len, pad_id=tokenizer.pad_id)
+    return split_micro_batches(rows, t.fewest_micro_batches)

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from hybridmoe.config.schema import Config
+from hybridmoe.data.packing import BATCH_FIELDS
 from hybridmoe.data.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -25,6 +26,7 @@ class StepSource:
     """Rows that are a pure function of (seed, step): the same global batch on every host."""
 
     host_local = False
+    fields = BATCH_FIELDS  # the batch's arrays (every token a target)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -43,6 +45,7 @@ class FileSource:
     """JSONL/Parquet documents, this host's share (hybridmoe/data/text.py)."""
 
     host_local = True
+    fields = (*BATCH_FIELDS, "loss_mask")  # a document's untrained tokens masked
 
     def __init__(self, cfg: Config):
         from hybridmoe.data.text import TextSource

@@ -39,7 +39,7 @@ import numpy as np
 
 from hybridmoe.config.schema import Config
 from hybridmoe.data import chat
-from hybridmoe.data.packing import pack_documents
+from hybridmoe.data.packing import pack_documents, split_micro_batches
 from hybridmoe.data.records import DataError, read_records, text_or_messages
 from hybridmoe.data.tokenizer import Tokenizer
 
@@ -178,17 +178,16 @@ class TextSource:
 
     def batch(self, cursor: int) -> tuple[dict[str, np.ndarray], int]:
         """This host's rows [micro_batches, batch_size / hosts, seq_len] from `cursor`, and the cursor after them."""
-        out = []
-        for _ in range(self.micro_batches):
-            fill, docs, masks = np.zeros(self.rows, np.int64), [], []
-            while True:
-                doc = self.document(cursor)
-                free = np.flatnonzero(fill + len(doc) <= self.seq_len)
-                if not free.size:
-                    break
-                fill[free[0]] += len(doc)  # the row pack_documents' first fit will choose
-                docs.append(doc)
-                masks.append(self.document_mask(cursor))
-                cursor += 1
-            out.append(pack_documents(docs, self.rows, self.seq_len, pad_id=self.pad_id, masks=masks))
-        return {k: np.stack([o[k] for o in out]) for k in out[0]}, cursor
+        rows = self.micro_batches * self.rows  # packed together, then split: the same rows at any count
+        fill, docs, masks = np.zeros(rows, np.int64), [], []
+        while True:
+            doc = self.document(cursor)
+            free = np.flatnonzero(fill + len(doc) <= self.seq_len)
+            if not free.size:
+                break
+            fill[free[0]] += len(doc)  # the row pack_documents' first fit will choose
+            docs.append(doc)
+            masks.append(self.document_mask(cursor))
+            cursor += 1
+        packed = pack_documents(docs, rows, self.seq_len, pad_id=self.pad_id, masks=masks)
+        return split_micro_batches(packed, self.micro_batches), cursor

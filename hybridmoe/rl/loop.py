@@ -44,6 +44,7 @@ from hybridmoe.run.metrics import plot_metrics
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.run.session import open_session, start_config
 from hybridmoe.run.setup import build, init_state, jit_train_step
+from hybridmoe.train.memory_plan import plan_train
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,8 @@ def _warmup_step(run: _Run, state, step: int):
     m = {k: float(v) for k, v in fetch_global(m).items()}
     dt = time.perf_counter() - t0
     return state, {"phase": WARMUP, "warmup_loss": m["loss"], "grad_norm": m["grad_norm"], "tokens": m["tokens"],
-                   "tokens_per_s": m["tokens"] / dt, "step_time_s": dt, "update_skipped": m["update_skipped"]}
+                   "tokens_per_s": m["tokens"] / dt, "step_time_s": dt, "update_skipped": m["update_skipped"],
+                   "warmup_micro_batches": float(run.cfg.train.fewest_micro_batches)}
 
 
 def _key_record(key) -> list[int]:
@@ -381,23 +383,29 @@ def sampling_options(cfg: Config, tokenizer: Tokenizer) -> SamplingOptions:
 
 
 def _memory_plan(cfg: Config, setup, tokenizer: Tokenizer, with_reference: bool,
-                 budget: int | None) -> tuple[UpdatePlan | None, Fit | None]:
-    """The GRPO update's and the sampler's counts and compiled programs for `budget` bytes per
-    device (rl/memory_plan.py; kept on the set-up: asked again, it compiles nothing); (None, None)
-    without GRPO steps."""
+                 budget: int | None) -> tuple[UpdatePlan | None, Fit | None, Fit | None]:
+    """The GRPO update's, the sampler's and the warm-up step's counts and compiled programs for
+    `budget` bytes per device (rl/memory_plan.py, train/memory_plan.py; kept on the set-up: asked
+    again, it compiles nothing); the first two None without GRPO steps, the warm-up's None without
+    warm-up steps or a budget (its train.micro_batches is then the fewest count)."""
+    warmup = plan_train(setup, budget) if cfg.rl.warmup_steps and budget is not None else None
     if not cfg.rl.steps:
-        return None, None
+        return None, None, warmup
     return (plan_updates(setup, with_reference, budget),
-            plan_rollout(setup, sampling_options(cfg, tokenizer), with_reference, budget))
+            plan_rollout(setup, sampling_options(cfg, tokenizer), with_reference, budget), warmup)
 
 
 def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns, with_reference: bool,
                budget: int | None = None) -> _Run:
     """The compiled step functions of the warm-up, the sampler and the GRPO update (kept on the
     set-up: a resume in this process reuses them); the GRPO update's, the pi_old pass's and the
-    sampler's at the counts that fit `budget` (`_memory_plan`), with cfg.rl.micro_batches and
-    rl.rollout_batches resolved to those counts."""
-    plan, sampler = _memory_plan(cfg, setup, tokenizer, with_reference, budget)
+    sampler's (and the warm-up's) at the counts that fit `budget` (`_memory_plan`), with
+    cfg.rl.micro_batches, rl.rollout_batches (and train.micro_batches) resolved to those counts."""
+    plan, sampler, warmup = _memory_plan(cfg, setup, tokenizer, with_reference, budget)
+    if warmup is not None:
+        log.info("train.micro_batches=%s: the warm-up step in %d micro-batch(es) (%s per device)",
+                 cfg.train.micro_batches, warmup.count, _gib(warmup.need))
+        cfg = with_count(cfg, "train.micro_batches", warmup.count)
     if sampler is not None:
         log.info("rl.rollout_batches=%s: %d sampler pass(es) per round (%s per device)", cfg.rl.rollout_batches,
                  sampler.count, _gib(sampler.need))
@@ -413,6 +421,7 @@ def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns,
     replicated = NamedSharding(setup.mesh, PartitionSpec())
     return _Run(
         cfg, task, tokenizer, reward_fns, setup,
+        warmup.compiled if warmup is not None else
         setup.kept("train_step", lambda: jit_train_step(setup)) if r.warmup_steps else None,
         plan.update.compiled if plan is not None else None,
         sampler.compiled if sampler is not None else None,

@@ -101,11 +101,11 @@ def cannot_fit(first: Fit, count: int, budget: int | None, fixed_bytes: int = 0)
 
 
 def fewest_that_fit(counts: Sequence[int], compile_at: Callable[[int], object], budget: int | None,
-                    fixed_bytes: int = 0) -> Fit | None:
+                    fixed_bytes: int = 0, first: Fit | None = None) -> Fit | None:
     """The first of `counts` (increasing) whose program compiles and fits `budget`; None if none does.
     Counts the first one's need rules out are never compiled (cannot_fit; fixed_bytes: the bytes of
-    the program's arguments that no count changes)."""
-    first = None
+    the program's arguments that no count changes); `first`: a smaller count already compiled that
+    did not fit, whose figure rules out from the start."""
     for count in counts:
         if first is not None and cannot_fit(first, count, budget, fixed_bytes):
             continue
@@ -116,8 +116,11 @@ def fewest_that_fit(counts: Sequence[int], compile_at: Callable[[int], object], 
     return None
 
 
-def _gib(n: int | None) -> str:
-    return "more than the device holds (the compiler refused it)" if n is None else f"{n / GIB:.2f} GiB"
+def _need_words(fit: Fit, what: str) -> str:
+    if fit.need is not None:
+        return f"{what} needs {fit.need / GIB:.2f} GiB per device"
+    figure = "" if fit.least_need is None else f" ({fit.least_need / GIB:.2f} GiB of temporaries)"
+    return f"the device's compiler refused {what} for memory{figure}"
 
 
 def _budget_words(budget: int | None) -> str:
@@ -141,10 +144,10 @@ def choose_count(key: str, setting: int | str, counts: Sequence[int], compile_at
     fit = compile_or_refusal(compile_at, setting)
     if fit.compiled is not None and fits(fit.need, budget):
         return fit
-    smaller = fewest_that_fit([c for c in counts if c > setting], compile_at, budget, fixed_bytes)
+    smaller = fewest_that_fit([c for c in counts if c > setting], compile_at, budget, fixed_bytes, first=fit)
     fix = (f"the smallest count that fits is {key}={smaller.count} (or {key}=auto)" if smaller is not None else
            f"no count up to {max(counts)} fits: shorten the rows or remat more")
-    raise RunError(f"{key}={setting}: {what} needs {_gib(fit.need)} per device, over {_budget_words(budget)}; {fix}")
+    raise RunError(f"{key}={setting}: {_need_words(fit, what)}, over {_budget_words(budget)}; {fix}")
 
 
 def with_count(cfg: Config, key: str, count: int) -> Config:

@@ -107,11 +107,11 @@ def host_target() -> Target:
 
 
 def abstract_batch(cfg: Config, setup):
-    """The step's batch as ShapeDtypeStructs: [micro_batches, B, T] int32 per field."""
-    t = cfg.train
-    shape = (t.fewest_micro_batches, t.rows_per_micro_batch, t.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding(1))
-            for k in ("tokens", "segment_ids", "positions")}
+    """The step's batch as ShapeDtypeStructs: [micro_batches, B / micro_batches, T] int32 per field
+    (auto: the fewest count; a compile-only target's choice is `compile_step`'s)."""
+    from hybridmoe.train.memory_plan import abstract_train_batch
+
+    return abstract_train_batch(setup, cfg.train.fewest_micro_batches)
 
 
 @dataclasses.dataclass
