@@ -250,7 +250,7 @@ def test_a_run_with_another_tokenizers_ids_gets_its_own_sampler(monkeypatch):
             return types.SimpleNamespace(argument_size_in_bytes=0, temp_size_in_bytes=0, output_size_in_bytes=0,
                                          alias_size_in_bytes=0)
 
-    monkeypatch.setattr(memory_plan_mod, "update_program", lambda *_: Program())
+    monkeypatch.setattr(memory_plan_mod, "update_measured", lambda *_: (Program(), 0))
     monkeypatch.setattr(memory_plan_mod, "make_generate", lambda _cfg, opts, **__: types.SimpleNamespace(
         lower=lambda *_: types.SimpleNamespace(compile=lambda: Program(opts))))
     tok_a = types.SimpleNamespace(eos_id=7, pad_id=0, stop_ids=(9,))

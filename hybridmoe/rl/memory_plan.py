@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from hybridmoe.config.schema import Config
 from hybridmoe.rl.grpo import jit_grpo_step, jit_old_logprobs, update_batch_shardings
 from hybridmoe.rl.sampler import SamplingOptions, make_generate
-from hybridmoe.run.memory_fit import Fit, batch_shards, choose_count, divisor_counts, per_device_bytes
+from hybridmoe.run.memory_fit import Fit, batch_shards, choose_count, divisor_counts, kept_measured, per_device_bytes
 
 
 def abstract_update_batch(cfg: Config, setup, micro_batches: int, rows: int, with_old_logprobs: bool) -> dict:
@@ -47,32 +47,37 @@ def update_rows_per_step(cfg: Config) -> int:
     return cfg.rl.rollouts_per_step // cfg.rl.mini_batches
 
 
-def update_program(setup, with_reference: bool, micro_batches: int):
-    """The GRPO update compiled for `micro_batches` micro-batches (kept on the set-up)."""
+def update_measured(setup, with_reference: bool, micro_batches: int) -> tuple[object, int]:
+    """The GRPO update compiled for `micro_batches` micro-batches and its need per device
+    (memory_fit.compile_measured; kept on the set-up)."""
     cfg = setup.cfg
     with_old = cfg.rl.updates_per_rollout > 1
 
-    def make():
+    def lower():
         state = setup.abstract_state()
         ref = state["params"] if with_reference else None
         batch = abstract_update_batch(cfg, setup, micro_batches, update_rows_per_step(cfg), with_old)
-        with setup.context():
-            return jit_grpo_step(setup, with_reference).lower(state, ref, batch).compile()
+        return jit_grpo_step(setup, with_reference).lower(state, ref, batch)
 
-    return setup.kept(("grpo_update_program", with_reference, micro_batches), make)
+    return kept_measured(setup, ("grpo_update_program", with_reference, micro_batches), lower)
 
 
-def old_logprobs_program(setup, micro_batches: int):
-    """The pi_old pass over a whole rollout compiled for `micro_batches` micro-batches (kept on the set-up)."""
+def update_program(setup, with_reference: bool, micro_batches: int):
+    """The compiled program of update_measured."""
+    return update_measured(setup, with_reference, micro_batches)[0]
+
+
+def old_logprobs_measured(setup, micro_batches: int) -> tuple[object, int]:
+    """The pi_old pass over a whole rollout compiled for `micro_batches` micro-batches, and its need
+    per device (kept on the set-up)."""
     cfg = setup.cfg
 
-    def make():
+    def lower():
         params = setup.abstract_state()["params"]
         batch = abstract_update_batch(cfg, setup, micro_batches, cfg.rl.rollouts_per_step, False)
-        with setup.context():
-            return jit_old_logprobs(setup).lower(params, batch).compile()
+        return jit_old_logprobs(setup).lower(params, batch)
 
-    return setup.kept(("old_logprobs_program", micro_batches), make)
+    return kept_measured(setup, ("old_logprobs_program", micro_batches), lower)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,21 +95,26 @@ class UpdatePlan:
         return self.update.count if self.old_logprobs is None else self.old_logprobs.count
 
 
-def sampler_program(setup, opts: SamplingOptions, prompts: int):
-    """The sampler compiled for one pass of `prompts` prompts (their rl.group_size rows each), kept on the set-up."""
+def sampler_measured(setup, opts: SamplingOptions, prompts: int) -> tuple[object, int]:
+    """The sampler compiled for one pass of `prompts` prompts (their rl.group_size rows each), and
+    its need per device (kept on the set-up)."""
     cfg = setup.cfg
     replicated = NamedSharding(setup.mesh, PartitionSpec())
 
-    def make():
+    def lower():
         generate = make_generate(cfg, opts, group_size=cfg.rl.group_size,
                                  in_shardings=(setup.param_shardings, replicated, replicated, replicated, replicated))
         rows = jax.ShapeDtypeStruct((prompts, cfg.rl.max_prompt_len), jnp.int32, sharding=replicated)
         key = jax.eval_shape(lambda: jax.random.key(0))
         key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-        with setup.context():
-            return generate.lower(setup.abstract_state()["params"], rows, rows, rows, key).compile()
+        return generate.lower(setup.abstract_state()["params"], rows, rows, rows, key)
 
-    return setup.kept(("sampler_program", opts, prompts), make)
+    return kept_measured(setup, ("sampler_program", opts, prompts), lower)
+
+
+def sampler_program(setup, opts: SamplingOptions, prompts: int):
+    """The compiled program of sampler_measured."""
+    return sampler_measured(setup, opts, prompts)[0]
 
 
 def plan_rollout(setup, opts: SamplingOptions, with_reference: bool, budget: int | None, setting=None) -> Fit:
@@ -118,7 +128,7 @@ def plan_rollout(setup, opts: SamplingOptions, with_reference: bool, budget: int
     shards = batch_shards(setup)
     counts = [n for n in divisor_counts(r.prompts_per_step) if (r.prompts_per_step // n * r.group_size) % shards == 0]
     return choose_count("rl.rollout_batches", setting, counts or [1],
-                        lambda n: sampler_program(setup, opts, r.prompts_per_step // n),
+                        lambda n: sampler_measured(setup, opts, r.prompts_per_step // n),
                         None if budget is None else budget - beside, "the sampler",
                         fixed_bytes=per_device_bytes(state["params"]))
 
@@ -132,11 +142,11 @@ def plan_updates(setup, with_reference: bool, budget: int | None, setting=None) 
     state = setup.abstract_state()
     held = per_device_bytes(state) + (per_device_bytes(state["params"]) if with_reference else 0)
     update = choose_count("rl.micro_batches", setting, divisor_counts(update_rows_per_step(setup.cfg), shards),
-                          lambda M: update_program(setup, with_reference, M), budget, "the GRPO update",
+                          lambda M: update_measured(setup, with_reference, M), budget, "the GRPO update",
                           fixed_bytes=held)
     old = None
     if r.updates_per_rollout > 1:
         old = choose_count("rl.micro_batches", setting, divisor_counts(r.rollouts_per_step, shards),
-                           lambda M: old_logprobs_program(setup, M), budget, "the pi_old pass",
+                           lambda M: old_logprobs_measured(setup, M), budget, "the pi_old pass",
                            fixed_bytes=per_device_bytes(state["params"]))
     return UpdatePlan(update, old)

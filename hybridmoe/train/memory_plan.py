@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridmoe.data.packing import BATCH_FIELDS
-from hybridmoe.run.memory_fit import Fit, batch_shards, choose_count, divisor_counts, per_device_bytes
+from hybridmoe.run.memory_fit import Fit, batch_shards, choose_count, divisor_counts, kept_measured, per_device_bytes
 
 
 
@@ -25,18 +25,19 @@ def abstract_train_batch(setup, micro_batches: int, fields=BATCH_FIELDS) -> dict
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding(1)) for k in fields}
 
 
-def train_program(setup, micro_batches: int, fields=BATCH_FIELDS):
-    """The training step compiled for `micro_batches` micro-batches of batches with `fields` (kept on the set-up)."""
+def train_measured(setup, micro_batches: int, fields=BATCH_FIELDS) -> tuple[object, int]:
+    """The training step compiled for `micro_batches` micro-batches of batches with `fields`, and
+    its need per device (memory_fit.compile_measured; kept on the set-up)."""
     from hybridmoe.run.setup import jit_train_step
 
     fields = tuple(fields)
+    return kept_measured(setup, ("train_step_program", micro_batches, fields), lambda: jit_train_step(setup).lower(
+        setup.abstract_state(), abstract_train_batch(setup, micro_batches, fields)))
 
-    def make():
-        with setup.context():
-            return jit_train_step(setup).lower(setup.abstract_state(),
-                                               abstract_train_batch(setup, micro_batches, fields)).compile()
 
-    return setup.kept(("train_step_program", micro_batches, fields), make)
+def train_program(setup, micro_batches: int, fields=BATCH_FIELDS):
+    """The compiled program of train_measured."""
+    return train_measured(setup, micro_batches, fields)[0]
 
 
 def train_counts(setup) -> list[int]:
@@ -49,5 +50,5 @@ def plan_train(setup, budget: int | None, fields=BATCH_FIELDS, setting=None) -> 
     unchecked, auto the fewest count); refused with a RunError naming the smallest count that fits."""
     setting = setup.cfg.train.micro_batches if setting is None else setting
     return choose_count("train.micro_batches", setting, train_counts(setup),
-                        lambda M: train_program(setup, M, fields), budget, "the training step",
+                        lambda M: train_measured(setup, M, fields), budget, "the training step",
                         fixed_bytes=per_device_bytes(setup.abstract_state()))
