@@ -541,6 +541,11 @@ def seed_cell() -> str:
     before_fix = [f"`{a}` ({arms[a]['commit'][:7]})" for a in arms if arms[a]["commit"][:7] in BEFORE_LM_HEAD_FIX]
     stale = (f"\n{', '.join(before_fix)} predates f645318 (the LM head's chunk loop on each device's own tokens), which "
              "removes the two 32 GiB bf16 [tokens, 4096] buffers at its peak; to be recompiled.\n") if before_fix else ""
+    search = arms.get("grpo", {}).get("count_search")
+    searched = "" if not search else (
+        "\nThe GRPO update's micro-batches are `rl.micro_batches=auto` in the recipe, chosen by the same search a "
+        "run makes (`hybridmoe/run/memory_fit.py`) against the device's "
+        f"{search['budget'] / 2**30:.0f} GiB: " + format_count_search_words(search) + ".\n")
     return f"""## The seed's cell: Qwen3.5-397B-A17B on 128 TPU v7x chips
 
 `recipe={rec['recipe']}` compiled for `{rec['target']}` (256 devices; mesh fsdp 32 x context 4 x
@@ -558,13 +563,25 @@ otherwise (the refused arms: inspect reads no report from a compile the compiler
 
 {table(["arm", "what", "program", "arguments", "temporaries", "total", "default space", "of HBM", "vs seed",
         "fits", "commit"], rows)}
-{stale}
+{stale}{searched}
 The largest buffers live at the peak (XLA's buffer assignment, per device):
 
 {table(["arm", "GiB", "shape", "where", "made by"], peaks)}
 {itemised}
 {source(rec, name, "python benchmarks/seed_cell.py")}
 """
+
+
+def format_count_search_words(search: dict) -> str:
+    """What each count of a recorded search did (tools/train_program.py: count_search), in words."""
+    def one(t):
+        if not t["compiled"]:
+            return f"{t['count']} passed over (the first count's figure rules it out)"
+        if t["need"] is None:
+            return f"{t['count']} refused by the compiler ({t['refused_temp'] / 2**30:.1f} GiB of temporaries)"
+        return f"{t['count']} {'fits' if t['fits'] else 'does not fit'} at {t['need'] / 2**30:.2f} GiB"
+    chosen = "none fits" if search["chosen"] is None else f"{search['chosen']} chosen"
+    return "; ".join(one(t) for t in search["tried"]) + f": {chosen}"
 
 
 def _itemised_peaks(arms: dict, labels: dict) -> str:
