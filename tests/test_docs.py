@@ -213,6 +213,18 @@ def test_no_issue_numbers_in_code_tests_or_scripts():
     assert not found, "\n".join(found)
 
 
+CONFLICT_MARKER = re.compile(r"^(<{7} |={7}$|>{7} )")
+
+
+def test_no_merge_conflict_is_left_in_a_doc_or_source_file():
+    """A merge's conflict markers once landed in docs/tpu.md, both sides of the conflict shown to readers."""
+    files = DOCS + [f for f in _citing_files() if "/records/" not in f]
+    assert "docs/tpu.md" in files and "hybridmoe/model/gdn.py" in files
+    found = [f"{f}:{n}: {line[:60]}" for f in files
+             for n, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1) if CONFLICT_MARKER.match(line)]
+    assert not found, "\n".join(found)
+
+
 def test_performance_page_equals_the_records_rendering():
     spec = importlib.util.spec_from_file_location("make_performance_doc",
                                                   ROOT / "benchmarks" / "make_performance_doc.py")
