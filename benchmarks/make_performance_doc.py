@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from hybridmoe.analysis import peak_memory  # noqa: E402
+from hybridmoe.tools.train_program import format_count_search  # noqa: E402
 
 RECORDS = ROOT / "benchmarks" / "records"
 DOC = ROOT / "docs" / "performance.md"
@@ -544,8 +545,8 @@ def seed_cell() -> str:
     search = arms.get("grpo", {}).get("count_search")
     searched = "" if not search else (
         "\nThe GRPO update's micro-batches are `rl.micro_batches=auto` in the recipe, chosen by the same search a "
-        "run makes (`hybridmoe/run/memory_fit.py`) against the device's "
-        f"{search['budget'] / 2**30:.0f} GiB: " + format_count_search_words(search) + ".\n")
+        "run makes (`hybridmoe/run/memory_fit.py`, `hybridmoe inspect` printing it): "
+        + format_count_search(search) + ".\n")
     return f"""## The seed's cell: Qwen3.5-397B-A17B on 128 TPU v7x chips
 
 `recipe={rec['recipe']}` compiled for `{rec['target']}` (256 devices; mesh fsdp 32 x context 4 x
@@ -570,18 +571,6 @@ The largest buffers live at the peak (XLA's buffer assignment, per device):
 {itemised}
 {source(rec, name, "python benchmarks/seed_cell.py")}
 """
-
-
-def format_count_search_words(search: dict) -> str:
-    """What each count of a recorded search did (tools/train_program.py: count_search), in words."""
-    def one(t):
-        if not t["compiled"]:
-            return f"{t['count']} passed over (the first count's figure rules it out)"
-        if t["need"] is None:
-            return f"{t['count']} refused by the compiler ({t['refused_temp'] / 2**30:.1f} GiB of temporaries)"
-        return f"{t['count']} {'fits' if t['fits'] else 'does not fit'} at {t['need'] / 2**30:.2f} GiB"
-    chosen = "none fits" if search["chosen"] is None else f"{search['chosen']} chosen"
-    return "; ".join(one(t) for t in search["tried"]) + f": {chosen}"
 
 
 def _itemised_peaks(arms: dict, labels: dict) -> str:

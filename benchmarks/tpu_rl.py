@@ -17,7 +17,8 @@ batch  The real GRPO batch's command, `hybridmoe rl recipe=qwen3.5-35b-a3b-v5e-1
        hybridmoe.cli.main in the child; its metrics.jsonl read back. The first GRPO step (the loop's
        small programs compile in it) is left out of the timed figures. Recorded: the rows and new
        tokens, the counts chosen (micro_batches, old_logprobs_micro_batches, rollout_batches, as the
-       loop logs them), the rollout's, the pi_old pass's (--updates-per-rollout > 1 only: with one
+       loop logs them, and plan_log: what each count the memory plan tried did), the rollout's, the
+       pi_old pass's (--updates-per-rollout > 1 only: with one
        update the update takes its own log-probs as pi_old and there is no such pass) and the
        update's tokens and seconds summed over the timed steps, each rate their count over their
        own time; the step split (rollout / old log-probs / update / rest, rest = the step less the
@@ -80,12 +81,30 @@ def part_words(part: str, args) -> tuple[str, list[str]]:
     return LEARN_RECIPE, list(args.learn_override)
 
 
-def run_rl(recipe: str, overrides: list[str], out: Path) -> list[dict]:
-    """`hybridmoe rl` in this process into `out` (started over); its metrics.jsonl records."""
+def run_rl(recipe: str, overrides: list[str], out: Path, plan_log: list[str] | None = None) -> list[dict]:
+    """`hybridmoe rl` in this process into `out` (started over); its metrics.jsonl records. With
+    `plan_log`, the project's INFO lines about its counts (the memory plan: what each count tried
+    did, and the counts chosen) are appended to it and echoed."""
+    import logging
+
     from hybridmoe.cli import main
 
-    if main(["rl", f"recipe={recipe}", *overrides, "--out", str(out), "--overwrite"]) != 0:
-        raise SystemExit(f"hybridmoe rl recipe={recipe} {' '.join(overrides)} failed")
+    class Lines(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if "micro_batches" in text or "rollout_batches" in text:
+                plan_log.append(text)
+                print(text, flush=True)
+
+    logger, handler = logging.getLogger("hybridmoe"), Lines()
+    if plan_log is not None:
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+    try:
+        if main(["rl", f"recipe={recipe}", *overrides, "--out", str(out), "--overwrite"]) != 0:
+            raise SystemExit(f"hybridmoe rl recipe={recipe} {' '.join(overrides)} failed")
+    finally:
+        logger.removeHandler(handler)
     return read_metrics(out)
 
 
@@ -177,8 +196,8 @@ def batch_part(args, out: Path) -> dict:
     from hybridmoe.recipe import load_config
 
     recipe, overrides = part_words("batch", args)
-    t0 = time.perf_counter()
-    rows = run_rl(recipe, overrides, out)
+    t0, plan_log = time.perf_counter(), []
+    rows = run_rl(recipe, overrides, out, plan_log)
     wall = time.perf_counter() - t0
     memory = peak_memory()
     cfg = load_config(recipe, overrides)  # after the run: reading the platform starts JAX's backend
@@ -197,7 +216,7 @@ def batch_part(args, out: Path) -> dict:
         "rows": r.rollouts_per_step, "prompts": r.prompts_per_step, "group_size": r.group_size,
         "max_new_tokens": r.max_new_tokens, "prompt_slots": r.max_prompt_len,
         "micro_batches": int(first["micro_batches"]), "old_logprobs_micro_batches": int(first["old_logprobs_micro_batches"]),
-        "rollout_batches": passes, "updates_per_rollout": r.updates_per_rollout, **figures,
+        "rollout_batches": passes, "updates_per_rollout": r.updates_per_rollout, "plan_log": plan_log, **figures,
         "first_step_s": first["step_time_s"], "wall_s": wall, **memory, "hbm": hbm, "bound": bound,
         "rollout_over_bound": measured / bound["tokens_per_s"] if measured else None,
         "per_step": [{k: g[k] for k in ("step", "step_time_s", "rollout_time_s", "rollout_tokens_per_s",

@@ -94,6 +94,21 @@ def _tpu_targets_compile_with_the_defaults(request):
         jax.config.update("jax_disable_most_optimizations", True)
 
 
+# Named here (conftest imports no project code at load: JAX's devices are set up first).
+BROKEN_FIT_NAMES = ("count_off_by_one", "budget_ignored", "smallest_count_not_chosen")
+
+
+@pytest.fixture(params=BROKEN_FIT_NAMES)
+def broken_fit(request, monkeypatch):
+    """Each broken variant of the micro-batch count search (tests/broken_variants.py: BROKEN_FIT) patched in."""
+    from broken_variants import BROKEN_FIT
+
+    assert set(BROKEN_FIT) == set(BROKEN_FIT_NAMES)  # every variant is run
+    for module, attr, fn in BROKEN_FIT[request.param]:
+        monkeypatch.setattr(module, attr, fn)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def device():
     """A compile-only device of the TPU topology the tpu_compile tests compile for (tests/tpu_target.py)."""

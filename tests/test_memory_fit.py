@@ -6,7 +6,6 @@ memory figures, read by hand (arguments + temporaries + outputs - aliased)."""
 import jax
 import pytest
 
-from broken_variants import BROKEN_FIT
 from helpers import TWO_LAYERS, tiny_config
 from hybridmoe.cli import main
 from hybridmoe.rl.loop import run_rl
@@ -97,13 +96,6 @@ def test_a_memory_error_at_run_time_is_one_line(monkeypatch, capsys):
     assert len(err) == 1 and "out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 21 GiB)" in err[0]
 
 
-@pytest.fixture(params=list(BROKEN_FIT))
-def broken_fit(request, monkeypatch):
-    for module, attr, fn in BROKEN_FIT[request.param]:
-        monkeypatch.setattr(module, attr, fn)
-    return request.param
-
-
 def test_broken_search_is_caught(broken_fit, measured):
     with pytest.raises(AssertionError):
         check_auto_choice(*measured)
@@ -140,9 +132,9 @@ class _FakeProgram:
                                alias_size_in_bytes=0)
 
 
-def _search(need_gib, budget_gib, refuse=(), counts=(1, 2, 4, 8, 16), fixed_gib=0.0, refusal_gib=None):
-    """fewest_that_fit over `counts` with a program needing need_gib(M) GiB; counts in `refuse`
-    are refused by the 'compiler' with its figure. Returns (the count found, the counts compiled)."""
+def _compiler(need_gib, refuse=(), refusal_gib=None):
+    """(compile_at, the counts it compiled): a program needing need_gib(M) GiB; counts in `refuse`
+    are refused by the 'compiler' with its figure (refusal_gib(M), else need_gib(M))."""
     compiled = []
 
     def compile_at(m):
@@ -153,6 +145,12 @@ def _search(need_gib, budget_gib, refuse=(), counts=(1, 2, 4, 8, 16), fixed_gib=
                                              "available HBM (15.75G).")
         return _FakeProgram(int(need_gib(m) * GIB))
 
+    return compile_at, compiled
+
+
+def _search(need_gib, budget_gib, refuse=(), counts=(1, 2, 4, 8, 16), fixed_gib=0.0, refusal_gib=None):
+    """fewest_that_fit over `counts` with _compiler's program. Returns (the count found, the counts compiled)."""
+    compile_at, compiled = _compiler(need_gib, refuse, refusal_gib)
     fit = memory_fit.fewest_that_fit(list(counts), compile_at, int(budget_gib * GIB), int(fixed_gib * GIB))
     return (None if fit is None else fit.count), compiled
 
@@ -250,21 +248,12 @@ def test_the_state_a_program_holds_at_every_count_is_not_scaled():
 
 def test_a_set_count_refused_rules_out_the_counts_its_own_figure_rules_out():
     """rl.micro_batches=1 with need(M) = 2 + 64 / M GiB against 12: the set count (66 GiB) is over,
-    and its figure rules out 2 (33) and 4 (16.5), so the refusal compiles 1 and 8 alone (a chip
-    compiled 1, then 2, 4, 8 and 16 before: 151 s). Refused by the compiler, the message gives its
-    figure, not a need it never read."""
+    and its figure rules out 2 (33) and 4 (16.5), so the refusal compiles 1 and 8 alone (the search
+    for the smaller count used to start afresh at 2: on a chip, a minute or more of compile a count).
+    Refused by the compiler, the message gives its figure, not a need it never read."""
     for refuse, words in (((), "the GRPO update needs 66.00 GiB per device"),
                           ({1}, "the device's compiler refused the GRPO update for memory (66.00 GiB of temporaries)")):
-        compiled = []
-
-        def compile_at(m):
-            compiled.append(m)
-            if m in refuse:
-                raise jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
-                                                 f"required for HLO temporaries ({2 + 64 / m:.2f}G) exceeds available "
-                                                 "HBM (15.75G).")
-            return _FakeProgram(int((2 + 64 / m) * GIB))
-
+        compile_at, compiled = _compiler(lambda m: 2 + 64 / m, refuse)
         with pytest.raises(RunError) as e:
             memory_fit.choose_count("rl.micro_batches", 1, [1, 2, 4, 8, 16], compile_at, 12 * GIB, "the GRPO update")
         assert compiled == [1, 8], compiled

@@ -9,7 +9,7 @@ from helpers import TWO_LAYERS
 from hybridmoe.recipe.load import load_config
 from hybridmoe.run import memory_fit
 from hybridmoe.run.setup import build
-from hybridmoe.train.memory_plan import plan_train, train_measured
+from hybridmoe.run.step_plan import plan_train, train_measured
 from tests.tpu_target import TOPOLOGY
 
 

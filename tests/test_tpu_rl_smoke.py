@@ -49,6 +49,10 @@ def _check_batch(tmp_path: Path, record: dict) -> None:
     assert (b["rows"], b["prompts"], b["group_size"], b["max_new_tokens"]) == (16, 4, 4, 8)
     assert b["micro_batches"] == 1 and b["old_logprobs_micro_batches"] == 1 and b["rollout_batches"] == 1
     assert b["updates_per_rollout"] == 2 and "rl.updates_per_rollout=2" in b["command"]
+    # The memory plan's lines: each program's count with its need (no budget on a CPU: the fewest).
+    assert [line.split(":")[0] for line in b["plan_log"]][:2] == ["rl.micro_batches=1", "rl.micro_batches=1"]
+    assert all("the program needs" in line for line in b["plan_log"][:2]), b["plan_log"]
+    assert any(line.startswith("rl.rollout_batches=1: the program needs") for line in b["plan_log"]), b["plan_log"]
 
     # Counts from the metrics themselves: new tokens are the rows' completion lengths; the pi_old
     # pass and the updates (one epoch) each see every token of the rollout's rows once.

@@ -1,4 +1,4 @@
-"""train.micro_batches=auto and the refusal of a set count that does not fit (train/memory_plan.py,
+"""train.micro_batches=auto and the refusal of a set count that does not fit (run/step_plan.py,
 run/memory_fit.py), on the 8-device CPU mesh against a budget the config sets
 (run.memory_budget_gib): the expected counts are worked out here from the compiled training steps'
 own memory figures, read by hand (arguments + temporaries + outputs - aliased). The data a step
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from broken_variants import BROKEN_FIT, BROKEN_SPLIT
+from broken_variants import BROKEN_SPLIT
 from helpers import TWO_LAYERS, tiny_config
 from hybridmoe.cli import main
 from hybridmoe.data.packing import split_micro_batches
@@ -18,7 +18,7 @@ from hybridmoe.data.synthetic import synthetic_batch
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.run.setup import build
 from hybridmoe.train.loop import train
-from hybridmoe.train.memory_plan import plan_train, train_program
+from hybridmoe.run.step_plan import plan_train, train_program
 
 GIB = 2**30
 # 16 sequences of 128 a step over the mesh's 8 batch shards (data 2 x fsdp 4): the counts 1 and 2 (at 32
@@ -72,13 +72,6 @@ def test_a_set_count_that_fits_is_kept_and_one_that_does_not_is_refused_naming_t
     assert "\n" not in message and message.startswith("train.micro_batches=1: the training step needs")
     assert f"{need[1] / GIB:.2f} GiB" in message
     assert "the smallest count that fits is train.micro_batches=2" in message
-
-
-@pytest.fixture(params=list(BROKEN_FIT))
-def broken_fit(request, monkeypatch):
-    for module, attr, fn in BROKEN_FIT[request.param]:
-        monkeypatch.setattr(module, attr, fn)
-    return request.param
 
 
 def test_broken_search_is_caught(broken_fit, measured):

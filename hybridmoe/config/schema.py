@@ -24,6 +24,12 @@ def bare_off(v):
     return "off" if v is False else v
 
 
+def fewest(count: int | str) -> int:
+    """A count key's value (micro-batches, sampler passes), or 1 under auto: the fewest auto can
+    choose, and what a program called outside a run's memory plan runs at."""
+    return 1 if count == "auto" else count
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
 
@@ -326,7 +332,7 @@ class TrainConfig(Section):
     micro_batches: int | Literal["auto"] = Field(
         "auto", description="Micro-batches the step's sequences are split into; gradients accumulate. auto: the fewest "
         "that divide train.batch_size (each micro-batch split over the batch shards) and whose compiled step fits "
-        "run.memory_budget_gib (train/memory_plan.py). A count set by hand whose step does not fit is refused before "
+        "run.memory_budget_gib (run/step_plan.py). A count set by hand whose step does not fit is refused before "
         "the first step, naming the count that fits.")
     learning_rate: float = Field(3e-3, gt=0, description="Peak AdamW learning rate.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps: step k (from 0) runs at learning_rate * "
@@ -366,8 +372,7 @@ class TrainConfig(Section):
 
     @property
     def fewest_micro_batches(self) -> int:
-        """The set count, or 1 under auto (the fewest auto can choose; what a step outside a run's plan runs)."""
-        return 1 if self.micro_batches == "auto" else self.micro_batches
+        return fewest(self.micro_batches)
 
     @property
     def rows_per_micro_batch(self) -> int:
@@ -456,13 +461,11 @@ class RLConfig(Section):
 
     @property
     def fewest_micro_batches(self) -> int:
-        """The set count, or 1 under auto (the fewest auto can choose: what the batch's split is checked at)."""
-        return 1 if self.micro_batches == "auto" else self.micro_batches
+        return fewest(self.micro_batches)
 
     @property
     def fewest_rollout_batches(self) -> int:
-        """The set count of sampler passes, or 1 under auto (a sampler called outside a run's plan)."""
-        return 1 if self.rollout_batches == "auto" else self.rollout_batches
+        return fewest(self.rollout_batches)
 
     @property
     def mini_batches(self) -> int:

@@ -44,7 +44,7 @@ from hybridmoe.run.metrics import plot_metrics
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.run.session import open_session, start_config
 from hybridmoe.run.setup import build, init_state, jit_train_step
-from hybridmoe.train.memory_plan import plan_train
+from hybridmoe.run.step_plan import plan_train
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +385,7 @@ def sampling_options(cfg: Config, tokenizer: Tokenizer) -> SamplingOptions:
 def _memory_plan(cfg: Config, setup, tokenizer: Tokenizer, with_reference: bool,
                  budget: int | None) -> tuple[UpdatePlan | None, Fit | None, Fit | None]:
     """The GRPO update's, the sampler's and the warm-up step's counts and compiled programs for
-    `budget` bytes per device (rl/memory_plan.py, train/memory_plan.py; kept on the set-up: asked
+    `budget` bytes per device (rl/memory_plan.py, run/step_plan.py; kept on the set-up: asked
     again, it compiles nothing); the first two None without GRPO steps, the warm-up's None without
     warm-up steps or a budget (its train.micro_batches is then the fewest count)."""
     warmup = plan_train(setup, budget) if cfg.rl.warmup_steps and budget is not None else None

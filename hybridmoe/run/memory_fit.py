@@ -25,6 +25,7 @@ figure of the compiler's refusal (its temporaries: a floor of the part that shri
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -36,6 +37,7 @@ from hybridmoe.config.schema import Config
 from hybridmoe.run.run_dir import RunError
 
 GIB = 2**30
+log = logging.getLogger(__name__)
 
 
 def program_bytes(compiled) -> int:
@@ -132,16 +134,19 @@ def cannot_fit(first: Fit, count: int, budget: int | None, fixed_bytes: int = 0)
 
 
 def fewest_that_fit(counts: Sequence[int], compile_at: Callable[[int], object], budget: int | None,
-                    fixed_bytes: int = 0, first: Fit | None = None) -> Fit | None:
+                    fixed_bytes: int = 0, first: Fit | None = None, key: str = "count") -> Fit | None:
     """The first of `counts` (increasing) whose program compiles and fits `budget`; None if none does.
     Counts the first one's need rules out are never compiled (cannot_fit; fixed_bytes: the bytes of
     the program's arguments that no count changes); `first`: a smaller count already compiled that
-    did not fit, whose figure rules out from the start."""
+    did not fit, whose figure rules out from the start. Each count's outcome is logged (INFO) under `key`."""
     for count in counts:
         if first is not None and cannot_fit(first, count, budget, fixed_bytes):
+            log.info("%s=%d: passed over (the figure at %d rules it out)", key, count, first.count)
             continue
         fit = compile_or_refusal(compile_at, count)
-        if fit.compiled is not None and fits(fit.need, budget):
+        ok = fit.compiled is not None and fits(fit.need, budget)
+        log.info("%s=%d: %s", key, count, _need_words(fit, "the program") + ("" if ok else ", over the budget"))
+        if ok:
             return fit
         first = first or fit
     return None
@@ -166,16 +171,18 @@ def choose_count(key: str, setting: int | str, counts: Sequence[int], compile_at
     set count is compiled and kept when it fits, else refused (RunError) with the smallest count above
     it that fits. `what`: the program's name in the messages; fixed_bytes: fewest_that_fit's."""
     if setting == "auto":
-        fit = fewest_that_fit(counts, compile_at, budget, fixed_bytes)
+        fit = fewest_that_fit(counts, compile_at, budget, fixed_bytes, key=key)
         if fit is None:
             raise RunError(f"{key}=auto: {what} fits {_budget_words(budget)} at none of the counts {list(counts)}: "
                            "shorten the rows (rl.max_new_tokens, rl.max_prompt_len), remat more, or raise "
                            "run.memory_budget_gib")
         return fit
     fit = compile_or_refusal(compile_at, setting)
-    if fit.compiled is not None and fits(fit.need, budget):
+    ok = fit.compiled is not None and fits(fit.need, budget)
+    log.info("%s=%d: %s", key, setting, _need_words(fit, "the program") + ("" if ok else ", over the budget"))
+    if ok:
         return fit
-    smaller = fewest_that_fit([c for c in counts if c > setting], compile_at, budget, fixed_bytes, first=fit)
+    smaller = fewest_that_fit([c for c in counts if c > setting], compile_at, budget, fixed_bytes, first=fit, key=key)
     fix = (f"the smallest count that fits is {key}={smaller.count} (or {key}=auto)" if smaller is not None else
            f"no count up to {max(counts)} fits: shorten the rows or remat more")
     raise RunError(f"{key}={setting}: {_need_words(fit, what)}, over {_budget_words(budget)}; {fix}")

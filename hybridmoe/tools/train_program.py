@@ -109,7 +109,7 @@ def host_target() -> Target:
 def abstract_batch(cfg: Config, setup):
     """The step's batch as ShapeDtypeStructs: [micro_batches, B / micro_batches, T] int32 per field
     (auto: the fewest count; a compile-only target's choice is `compile_step`'s)."""
-    from hybridmoe.train.memory_plan import abstract_train_batch
+    from hybridmoe.run.step_plan import abstract_train_batch
 
     return abstract_train_batch(setup, cfg.train.fewest_micro_batches)
 

@@ -16,7 +16,7 @@ from hybridmoe.data.packing import split_micro_batches
 from hybridmoe.run.memory_fit import GIB, memory_budget_bytes
 from hybridmoe.run.session import open_session, start_config
 from hybridmoe.run.setup import build, init_state, jit_train_step
-from hybridmoe.train.memory_plan import plan_train
+from hybridmoe.run.step_plan import plan_train
 
 log = logging.getLogger(__name__)
 
