@@ -203,6 +203,58 @@ def test_cp_m_scan_and_cp_dh_scan_broken_variants_are_caught(variant, which, imp
     assert broken > 10 * max(clean, 1e-5), f"clean {clean:.2e}, broken {broken:.2e}"
 
 
+def _odd_terms(chunks: int):
+    """Terms of an odd number of chunks of 64 (dims 16), long-memory gates; row 1 holds a document
+    start in its second chunk (its transition product is then the chunks' after it alone)."""
+    rng = np.random.default_rng(20 + chunks)
+    B, T, G, H, K, V = 2, chunks * SCAN_CHUNK, 1, 2, 16, 16
+    q, k = (jnp.asarray(rng.normal(size=(B, T, G, K)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32)
+    g = jnp.asarray(np.log(rng.uniform(0.995, 1.0, size=(B, T, H))), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.01, 0.1, size=(B, T, H)), jnp.float32)
+    seg = np.ones((B, T), np.int32)
+    seg[1, SCAN_CHUNK + 5:] = 2
+    x, starts_BNC = prepare_chunks(q, k, v, g, beta, document_starts(jnp.asarray(seg)), SCAN_CHUNK, True)
+    return jit(chunk_terms)(x, starts_BNC), jnp.asarray(rng.normal(size=x.v.shape), jnp.float32)
+
+
+def _check_odd_chunk_counts():
+    """At 3 and 5 chunks a shard (the tree pads its odd leftover with the identity), the tree and
+    both scans agree; returns the largest disagreement."""
+    worst = 0.0
+    for chunks in (3, 5):
+        terms, do = _odd_terms(chunks)
+        for which in ("m", "dh"):
+            tree = _tree(terms, do, which)
+            assert np.abs(np.asarray(tree)).max() > 1e-2
+            for impl in SCAN_IMPLS:
+                err = _rel_max(jit(_scan(which, impl))(terms, do), tree)
+                assert err < 1e-5, (chunks, which, impl, err)
+                worst = max(worst, err)
+    return worst
+
+
+def test_cp_scans_and_trees_agree_at_odd_chunk_counts():
+    _check_odd_chunk_counts()
+
+
+def test_a_tree_that_drops_the_odd_chunk_is_caught(monkeypatch):
+    """Broken: the pairwise fold drops the odd leftover instead of pairing it with the identity."""
+    def dropping(items_N, combine, identity):
+        while items_N[0].shape[0] > 1:
+            n = items_N[0].shape[0] // 2 * 2
+            items_N = combine(tuple(a[0:n:2] for a in items_N), tuple(a[1:n:2] for a in items_N))
+        return tuple(a[0] for a in items_N)
+
+    monkeypatch.setattr(cp, "_fold_pairs", dropping)
+    jax.clear_caches()  # the trees traced with the clean fold are not reused
+    try:
+        with pytest.raises(AssertionError):
+            _check_odd_chunk_counts()
+    finally:
+        jax.clear_caches()
+
+
 def test_cp_scans_are_mosaic_kernels_on_a_tpu_and_loops_elsewhere(scan_terms):
     """The scans' implementation follows the traced program's platform (kernels/platform.py): the
     Mosaic kernels where it is a TPU, the XLA loop on this CPU host."""
