@@ -125,3 +125,25 @@ def test_gdn_pallas_training_step_runs_the_kernels_per_shard(device):
     assert not any(name in steps["xla"].program.compiled_text for name in limits.KERNELS)
     collectives = {b: tp.collective_rows(s.program.compiled_collectives) for b, s in steps.items()}
     assert collectives["auto"] == collectives["xla"], collectives
+
+
+def test_every_float32_matmul_of_the_xla_gdn_path_is_at_highest_precision(device):
+    """On a TPU an f32 matmul at default precision is one bfloat16 pass: the XLA chunked GDN path
+    (forward and backward, float32 inputs) asks HIGHEST of every f32 dot it lowers. One did not:
+    the einsum that laid the inverse's diagonal blocks out against the identity, which rounded
+    every inverse block to 8 bits on the chip."""
+    import re
+
+    from hybridmoe.kernels.gdn.xla import gated_delta_rule_chunked
+
+    b, t, g, h, k, v = 1, 256, 1, 2, 128, 128
+
+    def loss(q, kk, vv, gate, beta):
+        return jnp.sum(gated_delta_rule_chunked(q, kk, vv, gate, beta, chunk_size=64)[0])
+
+    args = [spec(s, jnp.float32, device) for s in ((b, t, g, k), (b, t, g, k), (b, t, h, v), (b, t, h), (b, t, h))]
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).as_text()
+    dots = [d for d in re.findall(r"stablehlo\.dot_general[^\n]*", text) if "xf32>" in d.split(":")[-1]]
+    assert len(dots) > 10
+    below = [d[:200] for d in dots if "precision = [HIGHEST, HIGHEST]" not in d]
+    assert not below, below
