@@ -2,49 +2,26 @@
 
 Each rule looks at the whole config and returns the unmet requirements it finds as
 (dotted key, message). Every rule runs; the error names every unmet requirement at once.
-Rules only read the config; they never compute values for later use or change it.
+Rules only read the config; they never compute values for later use or change it. The registry is
+recipe/rules.py; the Gated DeltaNet rules live in recipe/gdn_rules.py, the rest here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from hybridmoe.config.errors import ConfigError, Problem
 from hybridmoe.config.schema import CHECKPOINT_NAMES, Config
 from hybridmoe.kernels.attention import limits as attention_limits
-from hybridmoe.kernels.gdn import limits as gdn_limits
 from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.platform import PALLAS_PLATFORMS
 from hybridmoe.recipe.facts import Facts, _context_size, _full_mesh_sizes, _mesh_sizes, _run_platform  # noqa: F401
+from hybridmoe.recipe.gdn_rules import _gdn_backend
 from hybridmoe.recipe.kernel_needs import (attention_vmem_needs, gdn_vmem_needs, gmm_tiles, gmm_vmem_needs,
                                            gpu_attention_problems, limit_problems, over_problems)
-
-
-Rule = Callable[[Config, Facts], list[Problem]]
-# Every rule of the validation pass (check_requirements), and those only the rl command runs
-# (check_rl_requirements). Both lists are the whole validator: tests/test_refusals.py holds a
-# refusal case for each rule and reaches every problem each one can report.
-RULES: list[Rule] = []
-RL_RULES: list[Rule] = []
-
-
-def rule(*keys: str, rules: list[Rule] = RULES) -> Callable[[Rule], Rule]:
-    """Register a rule that states the requirements of `keys` (dotted config keys, or a section).
-
-    A rule is named after the key it checks (`_quant_fp8_gmm` checks `quant.fp8_gmm`); one that
-    checks several lists them here, so a search for a key finds its rule. `rule.keys` holds them."""
-    def register(fn: Rule) -> Rule:
-        fn.keys = keys
-        rules.append(fn)
-        return fn
-    return register
-
-
-def rl_rule(*keys: str) -> Callable[[Rule], Rule]:
-    """Register a rule of the rl command only (check_rl_requirements), as `rule` does."""
-    return rule(*keys, rules=RL_RULES)
+from hybridmoe.recipe.rules import RL_RULES, RULES, Rule, rl_rule, rule  # noqa: F401 (the registry, re-exported)
 
 
 def check_requirements(cfg: Config, *, platform: str | None = None, devices: int | None = None,
@@ -659,66 +636,6 @@ def check_rl_requirements(cfg: Config, *, platform: str | None = None, devices: 
     problems = [p for r in RL_RULES for p in r(cfg, facts)]
     if problems:
         raise ConfigError(problems)
-
-
-# ---------------------------------------------------------------------------------------------
-# Gated DeltaNet: sequence-sharded context parallelism (mesh.context > 1) and its scan keys.
-
-
-@rule("gdn.chunk_size", "gdn.cp_m_scan", "gdn.cp_dh_scan", "mesh.context")
-def _gdn_context_parallel(cfg: Config, f: Facts) -> list[Problem]:
-    has_gdn = "gdn" in cfg.model.layer_pattern
-    ranks = _context_size(cfg, f)
-    chunk = cfg.gdn.chunk_size
-    out = []
-    if has_gdn and ranks and ranks > 1 and cfg.train.seq_len % (ranks * chunk):
-        out.append(("gdn.chunk_size", f"sequence-sharded GDN needs whole chunks on every context rank: "
-                    f"train.seq_len={cfg.train.seq_len} is not a multiple of mesh.context={ranks} x "
-                    f"gdn.chunk_size={chunk}"))
-    for key in ("cp_m_scan", "cp_dh_scan"):
-        if not getattr(cfg.gdn, key):
-            continue
-        unmet = []
-        if not has_gdn:
-            unmet.append("needs GDN layers (model.layer_pattern has none)")
-        if ranks is not None and ranks <= 1:
-            unmet.append("needs sequence-sharded GDN context parallelism (mesh.context > 1)")
-        if chunk != gdn_limits.CP_SCAN_CHUNK_SIZE:
-            unmet.append(f"needs gdn.chunk_size={gdn_limits.CP_SCAN_CHUNK_SIZE} (got {chunk})")
-        if unmet:
-            out.append((f"gdn.{key}", "; ".join(unmet)))
-    return out
-
-
-def _gdn_pallas_gpu_dims(cfg: Config) -> list[str]:
-    dims = {"gdn.chunk_size": cfg.gdn.chunk_size, "model.gdn_key_dim": cfg.model.gdn_key_dim,
-            "model.gdn_value_dim": cfg.model.gdn_value_dim}
-    return [f"needs {key} a power of two >= {gdn_limits.PALLAS_GPU_MIN_DIM} on GPU (got {n})" for key, n in dims.items()
-            if n < gdn_limits.PALLAS_GPU_MIN_DIM or n & (n - 1)]
-
-
-def _gdn_backend(cfg: Config, f: Facts) -> str:
-    """kernels.gdn.backend with `auto` resolved for the platform the program is for."""
-    return gdn_limits.resolve(cfg.kernels.gdn.backend, _run_platform(cfg, f), cfg.gdn.chunk_size)
-
-
-@rule("kernels.gdn.backend", "gdn.chunk_size", "model.gdn_key_dim", "model.gdn_value_dim")
-def _kernels_gdn_backend(cfg: Config, f: Facts) -> list[Problem]:
-    """The Pallas GDN core: a platform that runs it, and the sizes its compiler accepts there."""
-    backend = _gdn_backend(cfg, f)
-    if backend == "xla" or cfg.kernels.interpret:
-        return []
-    unmet = []
-    platform = _run_platform(cfg, f)
-    if platform not in PALLAS_PLATFORMS[backend]:
-        unmet.append(f"{backend} cannot run on this platform ({platform}); use xla, or kernels.interpret=true "
-                     "to run the Pallas kernel interpreted")
-    if backend == "pallas_tpu" and cfg.gdn.chunk_size < gdn_limits.PALLAS_TPU_MIN_CHUNK:
-        unmet.append(f"needs gdn.chunk_size >= {gdn_limits.PALLAS_TPU_MIN_CHUNK} on TPU (got {cfg.gdn.chunk_size}; "
-                     "Mosaic refuses the chunk-1 kernel)")
-    if backend == "pallas_gpu":
-        unmet += _gdn_pallas_gpu_dims(cfg)
-    return [("kernels.gdn.backend", "; ".join(unmet))] if unmet else []
 
 
 # fp8: fake quantization of the routed experts and its hoist (docs/levers.md, "fp8 experts").

@@ -1,0 +1,67 @@
+"""The validator's Gated DeltaNet rules: sequence-sharded context parallelism (mesh.context > 1), its
+scan keys, and the Pallas GDN core's backend (registered in recipe/rules.py, run by recipe/validate.py)."""
+
+from __future__ import annotations
+
+from hybridmoe.config.errors import Problem
+from hybridmoe.config.schema import Config
+from hybridmoe.kernels.gdn import limits as gdn_limits
+from hybridmoe.kernels.platform import PALLAS_PLATFORMS
+from hybridmoe.recipe.facts import Facts, _context_size, _run_platform
+from hybridmoe.recipe.rules import rule
+
+
+@rule("gdn.chunk_size", "gdn.cp_m_scan", "gdn.cp_dh_scan", "mesh.context")
+def _gdn_context_parallel(cfg: Config, f: Facts) -> list[Problem]:
+    has_gdn = "gdn" in cfg.model.layer_pattern
+    ranks = _context_size(cfg, f)
+    chunk = cfg.gdn.chunk_size
+    out = []
+    if has_gdn and ranks and ranks > 1 and cfg.train.seq_len % (ranks * chunk):
+        out.append(("gdn.chunk_size", f"sequence-sharded GDN needs whole chunks on every context rank: "
+                    f"train.seq_len={cfg.train.seq_len} is not a multiple of mesh.context={ranks} x "
+                    f"gdn.chunk_size={chunk}"))
+    for key in ("cp_m_scan", "cp_dh_scan"):
+        if not getattr(cfg.gdn, key):
+            continue
+        unmet = []
+        if not has_gdn:
+            unmet.append("needs GDN layers (model.layer_pattern has none)")
+        if ranks is not None and ranks <= 1:
+            unmet.append("needs sequence-sharded GDN context parallelism (mesh.context > 1)")
+        if chunk != gdn_limits.CP_SCAN_CHUNK_SIZE:
+            unmet.append(f"needs gdn.chunk_size={gdn_limits.CP_SCAN_CHUNK_SIZE} (got {chunk})")
+        if unmet:
+            out.append((f"gdn.{key}", "; ".join(unmet)))
+    return out
+
+
+def _gdn_pallas_gpu_dims(cfg: Config) -> list[str]:
+    dims = {"gdn.chunk_size": cfg.gdn.chunk_size, "model.gdn_key_dim": cfg.model.gdn_key_dim,
+            "model.gdn_value_dim": cfg.model.gdn_value_dim}
+    return [f"needs {key} a power of two >= {gdn_limits.PALLAS_GPU_MIN_DIM} on GPU (got {n})" for key, n in dims.items()
+            if n < gdn_limits.PALLAS_GPU_MIN_DIM or n & (n - 1)]
+
+
+def _gdn_backend(cfg: Config, f: Facts) -> str:
+    """kernels.gdn.backend with `auto` resolved for the platform the program is for."""
+    return gdn_limits.resolve(cfg.kernels.gdn.backend, _run_platform(cfg, f), cfg.gdn.chunk_size)
+
+
+@rule("kernels.gdn.backend", "gdn.chunk_size", "model.gdn_key_dim", "model.gdn_value_dim")
+def _kernels_gdn_backend(cfg: Config, f: Facts) -> list[Problem]:
+    """The Pallas GDN core: a platform that runs it, and the sizes its compiler accepts there."""
+    backend = _gdn_backend(cfg, f)
+    if backend == "xla" or cfg.kernels.interpret:
+        return []
+    unmet = []
+    platform = _run_platform(cfg, f)
+    if platform not in PALLAS_PLATFORMS[backend]:
+        unmet.append(f"{backend} cannot run on this platform ({platform}); use xla, or kernels.interpret=true "
+                     "to run the Pallas kernel interpreted")
+    if backend == "pallas_tpu" and cfg.gdn.chunk_size < gdn_limits.PALLAS_TPU_MIN_CHUNK:
+        unmet.append(f"needs gdn.chunk_size >= {gdn_limits.PALLAS_TPU_MIN_CHUNK} on TPU (got {cfg.gdn.chunk_size}; "
+                     "Mosaic refuses the chunk-1 kernel)")
+    if backend == "pallas_gpu":
+        unmet += _gdn_pallas_gpu_dims(cfg)
+    return [("kernels.gdn.backend", "; ".join(unmet))] if unmet else []
