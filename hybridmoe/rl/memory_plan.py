@@ -133,20 +133,29 @@ def plan_rollout(setup, opts: SamplingOptions, with_reference: bool, budget: int
                         fixed_bytes=per_device_bytes(state["params"]))
 
 
+def update_counts(setup) -> list[int]:
+    """Counts that split an update's rows into equal micro-batches, each over the batch shards."""
+    return divisor_counts(update_rows_per_step(setup.cfg), batch_shards(setup))
+
+
+def update_held_bytes(setup, with_reference: bool) -> int:
+    """What the GRPO update holds at every count: the training state and the reference policy."""
+    state = setup.abstract_state()
+    return per_device_bytes(state) + (per_device_bytes(state["params"]) if with_reference else 0)
+
+
 def plan_updates(setup, with_reference: bool, budget: int | None, setting=None) -> UpdatePlan:
     """rl.micro_batches (or `setting`) chosen or checked for the update and the pi_old pass against
     `budget` bytes per device (None: unchecked); refused with a RunError naming the count that fits."""
     r = setup.cfg.rl
     setting = r.micro_batches if setting is None else setting
-    shards = batch_shards(setup)
-    state = setup.abstract_state()
-    held = per_device_bytes(state) + (per_device_bytes(state["params"]) if with_reference else 0)
-    update = choose_count("rl.micro_batches", setting, divisor_counts(update_rows_per_step(setup.cfg), shards),
+    update = choose_count("rl.micro_batches", setting, update_counts(setup),
                           lambda M: update_measured(setup, with_reference, M), budget, "the GRPO update",
-                          fixed_bytes=held)
+                          fixed_bytes=update_held_bytes(setup, with_reference))
     old = None
     if r.updates_per_rollout > 1:
-        old = choose_count("rl.micro_batches", setting, divisor_counts(r.rollouts_per_step, shards),
+        state = setup.abstract_state()
+        old = choose_count("rl.micro_batches", setting, divisor_counts(r.rollouts_per_step, batch_shards(setup)),
                            lambda M: old_logprobs_measured(setup, M), budget, "the pi_old pass",
                            fixed_bytes=per_device_bytes(state["params"]))
     return UpdatePlan(update, old)

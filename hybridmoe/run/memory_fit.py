@@ -111,13 +111,16 @@ class Fit:
 
 def compile_or_refusal(compile_at: Callable[[int], object], count: int) -> Fit:
     """The program of `count` compiled, or a Fit without a program where the compiler refused it for
-    memory. compile_at returns the program (its need: program_bytes) or (the program, its need)."""
+    memory. compile_at returns the program (its need: program_bytes), (the program, its need), or a
+    Fit it made itself (a caller that reads a refusal on its own, as `inspect` does)."""
     try:
         compiled = compile_at(count)
     except jax.errors.JaxRuntimeError as e:
         if not memory_refusal(e):
             raise
         return Fit(count, None, None, (device_refusal(e) or {}).get("needed_bytes"))
+    if isinstance(compiled, Fit):
+        return compiled
     compiled, need = compiled if isinstance(compiled, tuple) else (compiled, program_bytes(compiled))
     return Fit(count, compiled, need)
 

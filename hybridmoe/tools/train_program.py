@@ -233,36 +233,18 @@ def jitted_program(cfg: Config, setup, program_name: str):
 COUNT_KEYS = {"train": "train.micro_batches", "grpo": "rl.micro_batches"}
 
 
-def _count_candidates(cfg: Config, setup, program_name: str) -> list[int]:
-    """The counts that split the program's rows into equal micro-batches over the batch shards."""
-    from hybridmoe.run.memory_fit import batch_shards, divisor_counts
-
-    if program_name == "grpo":
-        from hybridmoe.rl.memory_plan import update_rows_per_step
-        return divisor_counts(update_rows_per_step(cfg), batch_shards(setup))
-    return divisor_counts(cfg.train.batch_size, batch_shards(setup))
-
-
-def _held_bytes(cfg: Config, setup, program_name: str) -> int:
-    """What the program holds at every count: the training state (and the reference policy)."""
-    from hybridmoe.run.memory_fit import per_device_bytes
-
-    state = setup.abstract_state()
-    with_reference = program_name == "grpo" and cfg.rl.beta > 0
-    return per_device_bytes(state) + (per_device_bytes(state["params"]) if with_reference else 0)
-
-
 def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, program_name: str = "train",
                  memory_only: bool = False) -> CompiledStep:
     """`compile_one`, with a micro-batch count under auto (train.micro_batches for "train",
-    rl.micro_batches for "grpo") chosen as a run on the target would choose it (run/memory_fit.py):
-    the fewest count that splits the rows whose program fits the target's HBM by `fit_bytes`,
-    trying counts in increasing order and passing over those the first count's figure rules out
-    (memory_fit.cannot_fit: the held state plus the rest scaled down). The step returned is the
-    chosen count's (or, where none fits, the last compiled), its `count_search` saying what each
-    count did. A target without an HBM figure (a CPU) takes the fewest count, as a run there does."""
-    from hybridmoe.run.memory_fit import Fit, cannot_fit, with_count
+    rl.micro_batches for "grpo") chosen as a run on the target would choose it: the search of
+    run/memory_fit.py (the fewest count that splits the rows, counts the first one's figure rules
+    out passed over) over the target's HBM by `fit_bytes`. The step returned is the chosen count's
+    (or, where none fits, the last compiled), its `count_search` saying what each count did. A target
+    without an HBM figure (a CPU) takes the fewest count, as a run there does."""
+    from hybridmoe.rl.memory_plan import update_counts, update_held_bytes
+    from hybridmoe.run.memory_fit import Fit, fewest_that_fit, per_device_bytes, with_count
     from hybridmoe.run.setup import build
+    from hybridmoe.run.step_plan import train_counts
 
     key = COUNT_KEYS.get(program_name)
     section, field = key.split(".") if key else (None, None)
@@ -271,23 +253,29 @@ def compile_step(cfg: Config, target: Target, *, with_residuals: bool = True, pr
                            memory_only=memory_only)
     budget = target.hbm_bytes_per_device
     setup = build(cfg, list(target.devices))
-    counts, held = _count_candidates(cfg, setup, program_name), _held_bytes(cfg, setup, program_name)
-    first, tried, step = None, [], None
-    for count in counts:
-        if first is not None and cannot_fit(first, count, budget, held):
-            tried.append({"count": count, "compiled": False, "need": None, "fits": False})
-            continue
-        step = compile_one(with_count(cfg, key, count), target, with_residuals=with_residuals,
-                           program_name=program_name, memory_only=memory_only)
+    if program_name == "grpo":
+        counts, held = update_counts(setup), update_held_bytes(setup, cfg.rl.beta > 0)
+    else:
+        counts, held = train_counts(setup), per_device_bytes(setup.abstract_state())
+    steps: dict[int, CompiledStep] = {}
+    fits: dict[int, Fit] = {}
+
+    def compile_at(count: int) -> Fit:
+        step = steps[count] = compile_one(with_count(cfg, key, count), target, with_residuals=with_residuals,
+                                          program_name=program_name, memory_only=memory_only)
         need = None if step.program is None else fit_bytes(memory_facts(step.program, budget))
-        refused = None if step.out_of_memory is None else step.out_of_memory["temp"]
-        ok = need is not None and need <= budget
-        tried.append({"count": count, "compiled": True, "need": need, "refused_temp": refused, "fits": ok})
-        step.count_search = {"key": key, "setting": "auto", "counts": counts, "budget": budget,
-                             "held": held, "tried": list(tried), "chosen": count if ok else None}
-        if ok:
-            return step
-        first = first or Fit(count, None, need, least_need=refused)
+        fits[count] = Fit(count, step if need is not None else None, need,
+                          None if step.out_of_memory is None else step.out_of_memory["temp"])
+        return fits[count]
+
+    fit = fewest_that_fit(counts, compile_at, budget, held, key=key)
+    step = steps[fit.count] if fit is not None else steps[max(steps)]
+    searched = counts[:counts.index(fit.count) + 1] if fit is not None else counts
+    tried = [{"count": c, "compiled": c in fits, "need": fits[c].need if c in fits else None,
+              "refused_temp": fits[c].least_need if c in fits else None,
+              "fits": fit is not None and c == fit.count} for c in searched]
+    step.count_search = {"key": key, "setting": "auto", "counts": counts, "budget": budget, "held": held,
+                         "tried": tried, "chosen": None if fit is None else fit.count}
     return step
 
 
