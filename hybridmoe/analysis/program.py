@@ -580,15 +580,16 @@ def _compile(lowered, dumps: _Dumps):
         raise
 
 
-def compile_with_buffers(lowered, module_name: str | None = None):
+def compile_with_buffers(lowered, module_name: str | None = None, *, buffers: bool = True):
     """(compiled, the buffers live at its peak, the default memory space's bytes from XLA's
     memory-usage report or None): compiles with XLA's dumps into a temporary folder (removed after)
-    and reads them. `module_name`: a regex of the module to dump (default all). A compile refused
-    re-raises with the error's `peak_buffers` set (`_compile`)."""
+    and reads them. `module_name`: a regex of the module to dump (default all); `buffers=False`:
+    the buffers are not read (an empty list; a run's memory plan needs the figure alone). A compile
+    refused re-raises with the error's `peak_buffers` set (`_compile`)."""
     dumps = _Dumps(module_name)
     try:
         compiled = _compile(lowered, dumps)
-        return compiled, dumps.buffers(compiled.as_text()), dumps.default_space()
+        return compiled, dumps.buffers(compiled.as_text()) if buffers else [], dumps.default_space()
     finally:
         dumps.remove()
 

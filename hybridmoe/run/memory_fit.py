@@ -52,11 +52,12 @@ def compile_measured(lowered, platform: str) -> tuple[object, int]:
     packed them: what the TPU compiler checks against HBM, refusing what does not fit), since
     memory_analysis' temporaries can count far more than that heap (a tiny training step for
     v5e:2x2: 38.95 MiB by program_bytes, 25.62 in the default space); elsewhere, or where the compile
-    wrote no report, program_bytes."""
+    wrote no report, program_bytes. A TPU compile read this way bypasses JAX's persistent cache (its
+    report is written by a real compile): each run on a chip compiles its planned programs once."""
     if platform == "tpu":
         from hybridmoe.analysis.program import compile_with_buffers
 
-        compiled, _, space = compile_with_buffers(lowered)
+        compiled, _, space = compile_with_buffers(lowered, buffers=False)
         return compiled, program_bytes(compiled) if space is None else space
     compiled = lowered.compile()
     return compiled, program_bytes(compiled)
@@ -147,12 +148,17 @@ def fewest_that_fit(counts: Sequence[int], compile_at: Callable[[int], object], 
             log.info("%s=%d: passed over (the figure at %d rules it out)", key, count, first.count)
             continue
         fit = compile_or_refusal(compile_at, count)
-        ok = fit.compiled is not None and fits(fit.need, budget)
-        log.info("%s=%d: %s", key, count, _need_words(fit, "the program") + ("" if ok else ", over the budget"))
-        if ok:
+        if _judged(key, fit, budget):
             return fit
         first = first or fit
     return None
+
+
+def _judged(key: str, fit: Fit, budget: int | None) -> bool:
+    """Whether a compiled count fits `budget`; logged (INFO) either way under `key`."""
+    ok = fit.compiled is not None and fits(fit.need, budget)
+    log.info("%s=%d: %s", key, fit.count, _need_words(fit, "the program") + ("" if ok else ", over the budget"))
+    return ok
 
 
 def _need_words(fit: Fit, what: str) -> str:
@@ -181,9 +187,7 @@ def choose_count(key: str, setting: int | str, counts: Sequence[int], compile_at
                            "run.memory_budget_gib")
         return fit
     fit = compile_or_refusal(compile_at, setting)
-    ok = fit.compiled is not None and fits(fit.need, budget)
-    log.info("%s=%d: %s", key, setting, _need_words(fit, "the program") + ("" if ok else ", over the budget"))
-    if ok:
+    if _judged(key, fit, budget):
         return fit
     smaller = fewest_that_fit([c for c in counts if c > setting], compile_at, budget, fixed_bytes, first=fit, key=key)
     fix = (f"the smallest count that fits is {key}={smaller.count} (or {key}=auto)" if smaller is not None else

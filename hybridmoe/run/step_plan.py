@@ -17,7 +17,6 @@ from hybridmoe.data.packing import BATCH_FIELDS
 from hybridmoe.run.memory_fit import Fit, batch_shards, choose_count, divisor_counts, kept_measured, per_device_bytes
 
 
-
 def abstract_train_batch(setup, micro_batches: int, fields=BATCH_FIELDS) -> dict:
     """The step's batch as ShapeDtypeStructs [micro_batches, batch_size / micro_batches, seq_len] int32."""
     t = setup.cfg.train

@@ -9,10 +9,10 @@ from pathlib import Path
 import jax
 
 from hybridmoe.config.schema import Config
-from hybridmoe.parallel.host import fetch_global, put_global, put_process_local
-from hybridmoe.data.sources import long_document_metrics, position_record, start_position, training_source
-from hybridmoe.run.hf_io import params_from_hf
 from hybridmoe.data.packing import split_micro_batches
+from hybridmoe.data.sources import long_document_metrics, position_record, start_position, training_source
+from hybridmoe.parallel.host import fetch_global, put_global, put_process_local
+from hybridmoe.run.hf_io import params_from_hf
 from hybridmoe.run.memory_fit import GIB, memory_budget_bytes
 from hybridmoe.run.session import open_session, start_config
 from hybridmoe.run.setup import build, init_state, jit_train_step
