@@ -45,14 +45,16 @@ RECIPE = "qwen3.5-35b-a3b-v5e-1"
 TILED = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "kernels.gmm.tm=512",
          "kernels.gmm.tk=2048", "kernels.gmm.tn=512"]
 ARMS = {
-    "default": [],  # the Mosaic GDN core (kernels.gdn.backend=auto on a TPU), ragged_dot grouped matmuls
+    # The recipe's defaults: the Mosaic GDN core (kernels.gdn.backend=auto on a TPU), ragged_dot grouped
+    # matmuls, remat.policy=minimal (the recipe's choice, the fastest arm the chip measured).
+    "default": [],
     "xla_gdn": ["kernels.gdn.backend=xla"],  # the GDN core the defaults ran before the chip's verdict
     "pallas_gmm": ["kernels.gmm.backend=pallas_tpu"],  # at the heuristic: on a TPU the chip's rule
     # Each grouped matmul at the tiles `hybridmoe tune-gmm` measured fastest for its shape on this
     # generation (scripts/tpu_records.sh's tiles stage runs first); the heuristic ones without an entry.
     "pallas_gmm_auto": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto"],
     "fused_swiglu": [*TILED, "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"],
-    "remat_minimal": ["remat.policy=minimal"],
+    "remat_full": ["remat.policy=full"],  # what remat.policy=auto chooses at this size (12.5 GiB of 15.7)
     "remat_sublayer": ["remat.unit=sublayer"],
     "remat_layer": ["remat.unit=layer"],
 }
