@@ -13,6 +13,7 @@
 #              benchmarks/tpu_kernels.py --geometry G -> benchmarks/records/tpu_kernels.json (merged; each
 #              stops starting cases after 330 s, so each fits a 10-minute call)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
+#   step-holdout  its default arm at other shapes -> tpu_step_seq4096.json, tpu_step_layers8_experts8.json
 #   rl         benchmarks/tpu_rl.py       -> benchmarks/records/tpu_rl.json (+ docs/tpu_rl_learn.png): the
 #              16 x 8 x 512 GRPO batch of the one-chip recipe, then the learning run (chip-learn); each
 #              part stopped past its share and recorded as cut, both within 480 s; rl-batch, rl-learn: one part
@@ -89,9 +90,18 @@ for stage in "$@"; do
     kernels-one-chip) python3 benchmarks/tpu_kernels.py --geometry one_chip --compile-cache .tpu-cache ;;
     kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache ;;
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
+    step-holdout)
+      # The calibrated model on shapes it was not calibrated or checked on: the default arm of the
+      # one-chip recipe at half the sequence, and at twice the layers with half the experts, four of
+      # them per token (about the same memory), each in its own record.
+      python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default --profile 1 \
+        --out benchmarks/records/tpu_step_seq4096.json train.seq_len=4096
+      python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default --profile 1 \
+        --out benchmarks/records/tpu_step_layers8_experts8.json model.num_layers=8 model.num_experts=8 \
+        model.num_experts_per_tok=4 ;;
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, kernels-one-chip, kernels-cell, step, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, kernels-one-chip, kernels-cell, step, step-holdout, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done
