@@ -3,6 +3,7 @@
     python3 benchmarks/tpu_kernels.py                        # on a TPU host (docs/tpu.md), ~6 minutes
     python3 benchmarks/tpu_kernels.py --geometry one_chip    # one geometry, merged into the record
     python3 benchmarks/tpu_kernels.py --only gdn_cell,attention_one_chip
+    python3 benchmarks/tpu_kernels.py --missing              # the cases the record has no figures for
     python3 benchmarks/tpu_kernels.py --tiny                 # CPU, interpret mode, tiny shapes: a smoke run
 
 The cases are hybridmoe/tools/chip_cases.py's (grouped matmul, MoE MLP, GDN core, flash attention,
@@ -155,6 +156,11 @@ def run_watched(args) -> int:
     geometries = ("tiny",) if args.tiny else tuple(args.geometry or GEOMETRIES)
     # Names only: this process never starts JAX's backend (the chip is held by one process at a time).
     names = args.only.split(",") if args.only else [f"{f}_{g}" for g in geometries for f in chip_cases.FAMILY_NAMES]
+    if args.missing:
+        timed = set(_read(Path(args.out)).get("kernels", {}))
+        print(f"--missing: {', '.join(sorted(timed & set(names))) or 'none'} already timed in {args.out}; left out",
+              flush=True)
+        names = [n for n in names if n not in timed]
     cuts: dict[str, str] = {}
     start = time.perf_counter()
     while names:
@@ -177,12 +183,17 @@ def run_watched(args) -> int:
     return 0 if ended.cut is not None else (ended.returncode or 0)
 
 
+def _read(out: Path) -> dict:
+    """The record at `out` ({} when there is none yet)."""
+    return json.loads(out.read_text()) if out.is_file() and out.stat().st_size else {}
+
+
 def record_cut(out: Path, name: str, reason: str) -> None:
     """Write into the record that case `name` was cut, and why; its earlier figures, if any, go (they
     would read as this commit's)."""
     from hybridmoe.tools.record import source_commit, write_record
 
-    record = json.loads(out.read_text()) if out.is_file() and out.stat().st_size else None
+    record = _read(out) or None
     if record is None:  # cut before any case was written: the device, ceiling and machine come with the next
         record = {"benchmark": "tpu_kernels", "commit": source_commit(), "kernels": {}, "cases": {}}
     record["kernels"].pop(name, None)
@@ -200,6 +211,8 @@ def main(argv=None) -> int:
                    help="start no case after this many seconds (default 330: the whole run within ~6 minutes)")
     p.add_argument("--case-share-s", type=float, default=150.0,
                    help="stop a case that runs longer than this and record it as cut (default 150)")
+    p.add_argument("--missing", action="store_true",
+                   help="only the cases (of --geometry or --only) the record at --out has no figures for, at any commit")
     p.add_argument("--in-process", action="store_true",
                    help="run the cases in this process, unwatched (what each watched child does)")
     p.add_argument("--tiny", action="store_true",

@@ -54,6 +54,10 @@ ARMS = {
     # generation (scripts/tpu_records.sh's tiles stage runs first); the heuristic ones without an entry.
     "pallas_gmm_auto": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto"],
     "fused_swiglu": [*TILED, "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"],
+    # The LM head's backward adds each token chunk's float32 gradient into the whole [d_model, vocab]
+    # accumulator, one read and one write of it per chunk: 32 chunks of 256 tokens move 16 GiB a step
+    # at the one-chip shape, 4 of 2,048 an eighth of that.
+    "logprobs_chunk_2048": ["kernels.logprobs.chunk_tokens=2048"],
     "remat_full": ["remat.policy=full"],  # what remat.policy=auto chooses at this size (12.5 GiB of 15.7)
     "remat_sublayer": ["remat.unit=sublayer"],
     "remat_layer": ["remat.unit=layer"],

@@ -12,6 +12,7 @@
 #   kernels-one-chip, kernels-cell
 #              benchmarks/tpu_kernels.py --geometry G -> benchmarks/records/tpu_kernels.json (merged; each
 #              stops starting cases after 330 s, so each fits a 10-minute call)
+#   kernels-missing  the cases of both geometries the record has no figures for (at any commit)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #   step-holdout  its default arm at other shapes -> tpu_step_seq4096.json, tpu_step_layers8_experts8.json
 #   rl         benchmarks/tpu_rl.py       -> benchmarks/records/tpu_rl.json (+ docs/tpu_rl_learn.png): the
@@ -89,6 +90,7 @@ for stage in "$@"; do
     tiles) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --budget-s 420 --out benchmarks/records/tpu_gmm_tiles.json ;;
     kernels-one-chip) python3 benchmarks/tpu_kernels.py --geometry one_chip --compile-cache .tpu-cache ;;
     kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache ;;
+    kernels-missing) python3 benchmarks/tpu_kernels.py --missing --compile-cache .tpu-cache ;;
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
     step-holdout)
       # The calibrated model on shapes it was not calibrated or checked on: the default arm of the
@@ -102,6 +104,6 @@ for stage in "$@"; do
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, kernels-one-chip, kernels-cell, step, step-holdout, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, kernels-one-chip, kernels-cell, kernels-missing, step, step-holdout, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done
