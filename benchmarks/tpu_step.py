@@ -92,7 +92,7 @@ def arm_row(a: dict, commit: str, round_index: int, default_s: float | None) -> 
             "compile_s": a["compile_s"], "mfu": a["mfu"], "useful_mfu": a["useful_mfu"],
             "peak_flops_per_device": a["peak_flops_per_device"], "peak_source": a["peak_source"],
             "tokens_per_s": a["tokens_per_step"] / a["seconds_per_step"], "estimate": est,
-            "profile_category_s": a.get("profile_category_s"),
+            "profile_category_s": a.get("profile_category_s"), "profile_ops": a.get("profile_ops"),
             "memory": {k: a["program"].get(k) for k in ("argument", "temp", "output", "alias")},
             "commit": commit, "round": round_index,
             # Against the default timed in the same round (the same visits, the same noise).

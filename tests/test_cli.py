@@ -74,6 +74,12 @@ def test_bench_times_every_arm_interleaved_and_records_program_facts(tmp_path, c
         prof = arm["profile_category_s"]
         assert prof["GDN"] > 0 and prof["attention"] > 0, prof
         assert prof["not in the model's walk"] < 0.5 * sum(prof.values()), prof
+        # and its heaviest ops beside the model's seconds for the same instructions, largest first
+        ops = arm["profile_ops"]
+        both = [r for r in ops if r["measured_s"] and r["estimated_s"]]
+        assert both and {r["category"] for r in both} <= set(prof), ops
+        heaviest = [max(r["measured_s"] or 0, r["estimated_s"] or 0) for r in ops]
+        assert heaviest == sorted(heaviest, reverse=True)
     assert rec["arms"]["no_remat"]["config"]["remat"]["policy"] == "none"
     text = capsys.readouterr().out
     assert "control" in text and "MFU" in text

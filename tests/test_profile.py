@@ -163,6 +163,33 @@ ENTRY %main (a: bf16[64,64], b: bf16[64,64]) -> bf16[64,64] {
 
 
 
+def test_op_table_sets_each_heavy_op_beside_the_models_estimate_of_it():
+    """The profile's heaviest ops beside the model's seconds for the same instruction, by hand on
+    TPU_STYLE with a made-up chip (two devices a chip, so every rate is halved per device): the loop's
+    attention fusion runs 4 times (each 2 x 64^3 FLOPs at 1 GFLOP/s a device = 524.288 us, compute
+    bound, + 1 us a launch), the dots once; an op the model names that the device does not time, and
+    one the device times that the model does not name, both kept."""
+    from hybridmoe.analysis.hardware import Hardware
+    from hybridmoe.analysis.step_estimate import op_estimates
+
+    hw = Hardware("made-up", devices_per_chip=2, bf16_flops_chip=2e9, fp8_flops_chip=2e9, hbm_bytes_per_s_chip=2e9,
+                  hbm_bytes_chip=1e9, vmem_bytes_device=1e6, link_bytes_per_s_chip=2e9, grid_step_s=0.0,
+                  op_overhead_s=1e-6)
+    est = op_estimates(TPU_STYLE, hw)
+    one_dot = 2 * 64 ** 3 / 1e9 + 1e-6
+    assert est["fusion.12"] == {"category": "attention", "s": pytest.approx(4 * one_dot), "bound": "compute", "runs": 4}
+    assert est["dot.1"]["s"] == pytest.approx(one_dot) and est["dot.1"]["category"] == "GDN"
+    assert est["dot.9"]["category"] == "grouped matmuls" and "all-reduce.2" not in est
+    # The device's top 3: fusion.12, copy.7, dot.1; the model's: fusion.12, dot.1, dot.9 (walk order on ties).
+    rows = profile.op_table({"fusion.12": 3e-3, "dot.1": 4e-4, "copy.7": 1e-3, "add.5": 1e-5}, est, top=3)
+    assert [r["op"] for r in rows] == ["fusion.12", "copy.7", "dot.1", "dot.9"]
+    assert rows[0] == {"op": "fusion.12", "category": "attention", "measured_s": 3e-3,
+                       "estimated_s": pytest.approx(4 * one_dot), "bound": "compute", "runs": 4}
+    assert rows[1]["estimated_s"] is None and rows[1]["category"] is None  # timed, not in the model's walk
+    assert rows[2]["measured_s"] == 4e-4 and rows[2]["estimated_s"] == pytest.approx(one_dot)
+    assert rows[3]["measured_s"] is None and rows[3]["estimated_s"] == pytest.approx(one_dot)  # the model's, untimed
+
+
 def test_one_devices_ops_are_counted(tmp_path):
     """Every device runs the same program and the estimate is per device: of two devices' lines only
     /device:TPU:0's count (dot.1 100 us, not 100 + 70)."""

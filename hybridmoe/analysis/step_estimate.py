@@ -32,6 +32,33 @@ PALLAS_TPU_GRID_STEP_S = ASSUMED_GRID_STEP_S
 # ---------------------------------------------------------------------------------------------
 # The estimate
 
+def op_seconds(c, hw: Hardware) -> tuple[float, float, float, float]:
+    """(seconds, compute, memory, grid seconds) of one run of a non-collective op (hlo_cost.OpCost)
+    on `hw`: the larger of its compute and memory times plus its grid steps' fixed cost, scaled by
+    its Pallas kernel's measured factor, plus the fixed cost of a launched op."""
+    compute = c.flops / (hw.fp8_flops if c.fp8 else hw.bf16_flops)
+    memory = c.bytes / hw.hbm_bytes_per_s
+    grid = c.grid_steps * hw.grid_step_s
+    s = (max(compute, memory) + grid) * (hw.kernel_factor(c.kernel) if c.kernel else 1.0) + hw.op_overhead_s
+    return s, compute, memory, grid
+
+
+def op_estimates(text: str, hw: Hardware) -> dict[str, dict]:
+    """{instruction name: {"category", "s" (per step: every run of it, loops' trip counts applied),
+    "bound" (compute or memory), "runs"}} of every non-collective op the estimate walks: what a
+    profile's per-op seconds are compared with."""
+    out: dict[str, dict] = {}
+    for name, c, k in Estimator(text).named_ops():
+        if c.collective:
+            continue
+        s, compute, memory, _ = op_seconds(c, hw)
+        row = out.setdefault(name, {"category": c.category, "s": 0.0, "bound": "", "runs": 0.0})
+        row["s"] += s * k
+        row["runs"] += k
+        row["bound"] = "compute" if compute >= memory else "memory"
+    return out
+
+
 def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devices: int,
              model_flops_per_device: float | None = None, apply_trip_counts: bool = True,
              grid_step_s: float | None = None) -> dict:
@@ -54,10 +81,7 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
             row["s"] += s * k
             row["bytes"] += c.wire_bytes * k
             continue
-        compute = c.flops / (hw.fp8_flops if c.fp8 else hw.bf16_flops)
-        memory = c.bytes / hw.hbm_bytes_per_s
-        grid = c.grid_steps * hw.grid_step_s
-        s = (max(compute, memory) + grid) * (hw.kernel_factor(c.kernel) if c.kernel else 1.0) + hw.op_overhead_s
+        s, compute, memory, grid = op_seconds(c, hw)
         row["s"] += s * k
         row["compute_s"] += compute * k
         row["memory_s"] += memory * k

@@ -57,6 +57,7 @@ class Arm:
     program: dict = dataclasses.field(default_factory=dict)
     estimate: dict | None = None
     profile: dict | None = None   # the device's seconds per step by category (bench --profile)
+    profile_ops: list | None = None  # its heaviest ops beside the model's estimate of each (profile.op_table)
     refusal: dict | None = None   # the device's refusal for memory (analysis/device_refusal.py), or ours
 
 
@@ -189,6 +190,10 @@ def _timed_visit(arm: Arm, setup, compiled, visit: int, steps: int, profile_step
             text = compiled.as_text()
             ops = profile.trace_ops(lambda: step(steps + 1), profile_steps, profile.module_name(text))
             arm.profile = profile.by_category(ops, text)
+            if arm.estimate:
+                from hybridmoe.analysis.step_estimate import hardware_for, op_estimates
+
+                arm.profile_ops = profile.op_table(ops, op_estimates(text, hardware_for(arm.estimate["hardware"])))
     del state
 
 
@@ -277,7 +282,7 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                          "useful_mfu": step_flops(arm.cfg) / setup.mesh.size / sec / peak,
                          "estimate": arm.estimate,
                          "measured_over_estimated": sec / arm.estimate["step_s"] if arm.estimate else None,
-                         "profile_category_s": arm.profile,
+                         "profile_category_s": arm.profile, "profile_ops": arm.profile_ops,
                          "config": json.loads(arm.cfg.model_dump_json())}
     for arm in built:
         if arm.refusal:

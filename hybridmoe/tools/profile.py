@@ -15,6 +15,10 @@ the same compiled program (analysis/hlo_cost.Estimator.instruction_categories: t
 estimate uses, over the instruction's op_name, the JAX name stack with the model's scopes); an op
 the program does not name but whose event carries its op_name (`tf_op`) goes through the same
 classifier. Seconds of ops neither places are reported apart, never dropped.
+
+`op_table` sets the heaviest ops of the profile beside the model's estimate of the same
+instructions (analysis/step_estimate.op_estimates), so a category the model misjudges points at its
+ops.
 """
 
 from __future__ import annotations
@@ -136,6 +140,28 @@ def by_category(ops: dict[str, TracedOp | float], compiled_text: str) -> dict[st
             cat = category_of(op.op_name, bool(re.search(r"dot_general|conv_general|einsum", op.op_name)))
         out[cat or UNMATCHED] += op.seconds
     return out
+
+
+def _seconds(op: TracedOp | float) -> float:
+    return op.seconds if isinstance(op, TracedOp) else op
+
+
+def op_table(ops: dict[str, TracedOp | float], estimates: dict[str, dict], top: int = 30) -> list[dict]:
+    """The profile's ops beside the model's estimate of each, matched by instruction name: the `top`
+    ops by the device's seconds, then those among the model's `top` that the device does not put
+    there (an op the model over-counts shows as much as one it misses), largest first by either.
+    `estimates`: step_estimate.op_estimates of the same compiled program. Each row: op, category,
+    measured_s and estimated_s per step (None where one side does not name the op), bound, runs."""
+    by_device = sorted(ops, key=lambda n: -_seconds(ops[n]))[:top]
+    by_model = sorted(estimates, key=lambda n: -estimates[n]["s"])[:top]
+    rows = []
+    for name in dict.fromkeys([*by_device, *by_model]):
+        est = estimates.get(name)
+        rows.append({"op": name, "category": est["category"] if est else None,
+                     "measured_s": _seconds(ops[name]) if name in ops else None,
+                     "estimated_s": est["s"] if est else None,
+                     "bound": est["bound"] if est else None, "runs": est["runs"] if est else None})
+    return sorted(rows, key=lambda r: -max(r["measured_s"] or 0.0, r["estimated_s"] or 0.0))
 
 
 def format_profile(measured: dict[str, float], modelled: dict[str, float] | None, step_s: float) -> str:
