@@ -307,7 +307,8 @@ def _step_estimate(step, recipe: str, args):
     """The step's estimated time on --estimate-for (default: the TPU target's generation)."""
     from hybridmoe.analysis import step_estimate
     grid_step_s = None if args.grid_step_us is None else args.grid_step_us * 1e-6
-    return step_estimate.estimate_step(step, args.estimate_for, recipe=recipe, grid_step_s=grid_step_s)
+    return step_estimate.estimate_step(step, args.estimate_for, recipe=recipe, grid_step_s=grid_step_s,
+                                       calibration_from=args.calibration_from)
 
 
 def cmd_inspect(args, words):
@@ -333,6 +334,12 @@ def cmd_inspect(args, words):
             raise ValueError("--layers compiles two depths of one program; it takes no --compare")
         configs = {f"{n} layers": _inspect_config([*words, f"model.num_layers={n}"], kind, count)
                    for n in depth.depths(full_cfg, args.layers)}
+    if args.calibration_from:  # refused before any compile
+        named = args.estimate_for or (args.target if kind == "tpu" else None)
+        if named is None:
+            raise ValueError("--calibration-from calibrates the estimate for a TPU --target or an --estimate-for "
+                             "generation; name one")
+        step_estimate.hardware_for(named, calibration_from=args.calibration_from)
     if kind != "tpu":
         configure_cpu_devices(full_cfg.mesh)
     configure_compile_cache(full_cfg.run.compile_cache_dir)
@@ -512,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--estimate-for", choices=tuple(MAKERS), default=None,
                            help="estimate the step's time on this hardware from the compiled program (default: "
                            "the TPU target's generation, or this host's own accelerator; none for a CPU unless named)")
+            p.add_argument("--calibration-from", choices=tuple(MAKERS), default=None,
+                           help="calibrate the estimate of a generation no chip has measured by another's row of "
+                           "the calibration table: its matmul and HBM rates at the fractions of the maker's figures "
+                           "that chip reached, its fixed costs and kernel factors as measured (docs/tpu.md)")
             p.add_argument("--grid-step-us", type=float, default=None,
                            help="the estimate's fixed cost per Pallas grid step in microseconds (default: the "
                            "chip's measured one where `hybridmoe calibrate` ran on its generation, else 0.35)")

@@ -152,3 +152,33 @@ def test_inspect_names_a_topology_the_compiler_refuses_in_one_line(capsys):
     assert main(["inspect", "recipe=tiny", "--target", "v5e:1x1"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hybridmoe")]
     assert len(err) == 1 and "'v5e:1x1'" in err[0] and "v5e:2x2" in err[0], err
+
+
+def test_a_generation_without_a_chip_is_calibrated_by_anothers_fractions_of_its_maker(monkeypatch):
+    """--calibration-from v5e on tpu7x: tpu7x's maker rates times the fractions of v5e's maker rates
+    the v5e chip reached (ROW: 160 of 197 TFLOP/s, 800 of 819 GB/s), v5e's fixed costs and kernel
+    factors as measured, tpu7x's links as the maker gives them; refused where the target has its own
+    row or the source has none."""
+    maker, v5e = hwmod.MAKERS["tpu7x"], hwmod.MAKERS["v5e"]
+    hw = hwmod.hardware_for("tpu7x:4x4x8", table={"v5e": ROW}, calibration_from="v5e")
+    assert hw.bf16_flops_chip == pytest.approx(maker.bf16_flops_chip * 160e12 / v5e.bf16_flops_chip)
+    assert hw.fp8_flops_chip == pytest.approx(maker.fp8_flops_chip * 160e12 / v5e.bf16_flops_chip)
+    assert hw.hbm_bytes_per_s_chip == pytest.approx(maker.hbm_bytes_per_s_chip * 800e9 / v5e.hbm_bytes_per_s_chip)
+    assert (hw.grid_step_s, hw.op_overhead_s, hw.kernel_factor("gdn_chunk_forward")) == (1e-6, 2e-6, 3.0)
+    assert hw.link_bytes_per_s_chip == maker.link_bytes_per_s_chip and hw.devices_per_chip == maker.devices_per_chip
+    assert hw.measured["carried_from"] == "v5e" and hw.measured["device"] == "TPU v5 lite"
+    assert hwmod.hardware_for("tpu7x:4x4x8", table={"v5e": ROW}) == maker  # only when asked
+    with pytest.raises(ValueError, match="has its own calibration row"):
+        hwmod.hardware_for("v5e:2x2", table={"v5e": ROW}, calibration_from="v5e")
+    with pytest.raises(ValueError, match="has no v5p row"):
+        hwmod.hardware_for("tpu7x:4x4x8", table={"v5e": ROW}, calibration_from="v5p")
+    monkeypatch.setattr(se, "Estimator", _Ops)
+    e = se.estimate("", hw, tokens_per_step=1, chips=1, devices=1)
+    assert "fractions a v5e chip reached" in se.format_estimate(e)
+
+
+def test_inspect_refuses_a_calibration_source_without_a_row_before_compiling(capsys):
+    from hybridmoe.cli import main
+
+    assert main(["inspect", "recipe=tiny", "--target", "cpu:8", "--calibration-from", "v5e"]) == 2
+    assert "--calibration-from calibrates the estimate for a TPU --target or an --estimate-for" in capsys.readouterr().err

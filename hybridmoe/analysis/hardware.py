@@ -145,14 +145,43 @@ def calibrated(hw: Hardware, row: dict) -> Hardware:
                                measured=dict(row["measured"]))
 
 
-def hardware_for(target: str, *, use_calibration: bool = True, table: dict | None = None) -> Hardware:
+def carried(hw: Hardware, source: str, row: dict) -> Hardware:
+    """`hw` (a generation no chip of which has been measured) calibrated by another generation's row:
+    its matmul and HBM rates scaled by the fractions of the maker's figures the `source` chip
+    reached, the source's fixed costs (per launched op, per Pallas grid step) and kernel factors
+    taken as they are; the links keep the maker's figure (nothing measured them). The provenance
+    says it was carried."""
+    maker = MAKERS[source]
+    return dataclasses.replace(
+        hw, bf16_flops_chip=hw.bf16_flops_chip * float(row["bf16_flops_chip"]) / maker.bf16_flops_chip,
+        fp8_flops_chip=hw.fp8_flops_chip * float(row["bf16_flops_chip"]) / maker.bf16_flops_chip,
+        hbm_bytes_per_s_chip=hw.hbm_bytes_per_s_chip * float(row["hbm_bytes_per_s_chip"]) / maker.hbm_bytes_per_s_chip,
+        grid_step_s=float(row["grid_step_s"]), op_overhead_s=float(row["op_overhead_s"]),
+        kernel_factors=tuple(sorted(row.get("kernel_factors", {}).items())),
+        measured={**row["measured"], "carried_from": source})
+
+
+def hardware_for(target: str, *, use_calibration: bool = True, table: dict | None = None,
+                 calibration_from: str | None = None) -> Hardware:
     """The row of a target name ("tpu7x:2x2x1" -> tpu7x, "v5e:2x2" -> v5e, "h200" / "gpu:h200" ->
-    h200), with its chip's measurements applied when the calibration table has them."""
+    h200), with its chip's measurements applied when the calibration table has them.
+    calibration_from: another generation whose row calibrates this one (`carried`), for a target no
+    chip has measured; refused where the target has its own row or the source has none."""
     gen = target.split(":")[-1] if target.startswith("gpu:") else target.split(":")[0]
     if gen not in MAKERS:
         raise ValueError(f"no hardware figures for target {target!r}; known: {', '.join(MAKERS)} "
                          "(estimate a CPU compile against one with --estimate-for NAME)")
     hw = MAKERS[gen]
-    row = (read_calibration() if table is None else table).get(gen) if use_calibration else None
+    rows = (read_calibration() if table is None else table) if use_calibration or calibration_from else {}
+    if calibration_from:
+        if gen in rows:
+            raise ValueError(f"{gen} has its own calibration row (measured on {rows[gen]['measured'].get('device')}); "
+                             f"drop --calibration-from {calibration_from}")
+        if calibration_from not in rows:
+            raise ValueError(f"--calibration-from {calibration_from}: the calibration table has no {calibration_from} "
+                             f"row (run `hybridmoe calibrate` on a {calibration_from} chip); it has: "
+                             f"{', '.join(sorted(rows)) or 'none'}")
+        return carried(hw, calibration_from, rows[calibration_from])
+    row = rows.get(gen) if use_calibration else None
     return calibrated(hw, row) if row else hw
 

@@ -150,6 +150,9 @@ def format_estimate(e: dict, reference: dict | None = None) -> str:
     measured = hw.get("measured")
     source = (f"measured on {measured['device']} at {measured['commit'][:10]} (hybridmoe calibrate)" if measured
               else "the maker's figures")
+    if measured and measured.get("carried_from"):
+        source = (f"the maker's figures at the fractions a {measured['carried_from']} chip reached of its own, and its "
+                  f"fixed costs and kernel factors: {source}")
     lines.append(f"  assumptions ({source}): bf16 {hw['bf16_flops_chip'] / hw['devices_per_chip'] / 1e12:.0f} TFLOP/s, "
                  f"HBM {hw['hbm_bytes_per_s_chip'] / hw['devices_per_chip'] / 1e9:.0f} GB/s, links "
                  f"{hw['link_bytes_per_s_chip'] / hw['devices_per_chip'] / 1e9:.0f} GB/s per device; "
@@ -193,7 +196,7 @@ def default_hardware(target) -> str | None:
 
 
 def estimate_step(step, hardware: str | None = None, *, recipe: str | None = None,
-                  grid_step_s: float | None = None) -> dict | None:
+                  grid_step_s: float | None = None, calibration_from: str | None = None) -> dict | None:
     """The estimate of a compiled step (train_program.CompiledStep) on `hardware` (a HARDWARE key;
     default the target's generation). None when there is no program (refused for memory), no
     token count (the sampler) or no hardware row."""
@@ -201,7 +204,7 @@ def estimate_step(step, hardware: str | None = None, *, recipe: str | None = Non
     tokens = tokens_per_step(step.cfg, step.program_name)
     if step.program is None or tokens is None or name is None:
         return None
-    hw = hardware_for(name)
+    hw = hardware_for(name, calibration_from=calibration_from)
     devices = step.target.num_devices
     out = estimate(step.program.compiled_text, hw, tokens_per_step=tokens,
                    chips=max(1, devices // hw.devices_per_chip), devices=devices,
