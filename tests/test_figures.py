@@ -423,15 +423,3 @@ def test_the_broken_variants_are_caught(variant, monkeypatch):
 def test_every_broken_variant_is_run():
     assert set(VARIANT_NAMES) == set(_variants())
 
-
-def test_the_grpo_updates_model_flops_are_one_mini_batchs_rows_and_a_third_for_the_reference():
-    """One GRPO update trains one mini-batch: 16 rows over 4 updates in 2 epochs is 8 rows of
-    rl.sequence_len, counted as a training step of those rows; a reference policy (rl.beta > 0)
-    adds its forward, a third of a forward + backward."""
-    rl = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.updates_per_rollout=4", "rl.epochs_per_rollout=2"]
-    cfg = tiny_config(*rl)
-    L = cfg.rl.sequence_len
-    as_training = flops_module.step_flops(tiny_config("train.batch_size=8", f"train.seq_len={L}"))
-    assert flops_module.model_flops_per_device(cfg, 8, "grpo") == pytest.approx(as_training / 8, rel=1e-12)
-    with_ref = tiny_config(*rl, "rl.beta=0.04")
-    assert flops_module.model_flops_per_device(with_ref, 8, "grpo") == pytest.approx(as_training * 4 / 3 / 8, rel=1e-12)

@@ -638,3 +638,17 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance_and_fills_the_batch(
                       "rollout_tokens": sum(10.0 ** i for i in range(want_rounds)),  # every round's, once
                       "rewards_skipped": failed, "reward_errors": failed, "prompts_skipped": failed}
         assert first["rewards"].tolist() == [1, 0, 1, 1, 0, 0, 0, 1]  # what the step logs as reward_mean
+
+
+def test_a_sequence_without_completion_tokens_is_not_counted_and_the_low_clip_is_at_eps():
+    """logp_old = 0 (ratio = exp(logp)), eps 0.2, eps_high 0.3: row 0 (A = +1) ratios 1, 1: pg -1, -1;
+    row 1 (A = -1) ratios 0.75, 1: 0.75 is below 1 - eps = 0.8, clipped to it (pg max(0.75, 0.8) = 0.8;
+    it would not be clipped at 1 - eps_high = 0.7), then 1.0; row 2 has no completion token. The
+    sequence mean is over the 2 sequences with a token: (-1 + 0.9) / 2; the low clip fraction 1 of 4."""
+    logp = jnp.log(jnp.array([[1.0, 1.0], [0.75, 1.0], [1.0, 1.0]]))
+    mask = jnp.array([[1, 1], [1, 1], [0, 0]])
+    loss, m = clipped_policy_loss(logp, jnp.zeros((3, 2)), jnp.array([1.0, -1.0, 1.0]), mask, eps=0.2, eps_high=0.3,
+                                  aggregation="seq_mean_token_mean")
+    np.testing.assert_allclose(float(loss), (-1.0 + 0.9) / 2, rtol=1e-6)
+    np.testing.assert_allclose(float(m["pg_clipfrac_low"]), 0.25)
+    np.testing.assert_allclose(float(m["pg_clipfrac_high"]), 0.0)
