@@ -123,11 +123,3 @@ def test_the_nucleus_whose_mass_lands_exactly_on_top_p_ends_there():
     assert kept(0.8) == [True, True, True, True]
     assert kept(0.5) == [False, True, False, False]
 
-
-def test_top_k_keeps_the_k_most_likely_and_the_ties_at_the_kth():
-    """At temperature 2, k = 2: row 0 keeps its 2 largest logits (3 and 2, halved); row 1's second
-    place is a tie (2, 2): both stay, as the nucleus keeps ties at its edge."""
-    logits = jnp.array([[3.0, 1.0, 2.0, 0.0], [3.0, 2.0, 2.0, 0.0]])
-    inf = -np.inf
-    np.testing.assert_array_equal(np.asarray(sampling_logits(logits, 2.0, 1.0, top_k=2)),
-                                  [[1.5, inf, 1.0, inf], [1.5, 1.0, 1.0, inf]])
