@@ -422,4 +422,3 @@ def test_the_broken_variants_are_caught(variant, monkeypatch):
 
 def test_every_broken_variant_is_run():
     assert set(VARIANT_NAMES) == set(_variants())
-

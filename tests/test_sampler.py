@@ -122,4 +122,3 @@ def test_the_nucleus_whose_mass_lands_exactly_on_top_p_ends_there():
     assert kept(0.75) == [False, True, False, True]
     assert kept(0.8) == [True, True, True, True]
     assert kept(0.5) == [False, True, False, False]
-
