@@ -59,3 +59,13 @@ def test_mean_cache_length_and_the_bound():
     total = decode_step_bytes(m, 3, 10.5)["total"]
     assert bound["decode_step_s"] == total / 1e9
     assert bound["tokens_per_s"] == pytest.approx(3 * 1e9 / total, rel=1e-12)
+
+
+def test_a_bf16_cache_keeps_the_delta_rule_state_in_float32():
+    """compute_dtype bfloat16: keys, values and conv tails at 2 bytes, the GDN state at 4 (float32)."""
+    m = ModelConfig(compute_dtype="bfloat16")
+    rows, kv_slots = 3, 10
+    got = decode_step_bytes(m, rows, kv_slots)
+    assert got["kv_cache"] == 2 * rows * (kv_slots + 1) * 2 * 16 * 2
+    assert got["gdn_states"] == 3 * 2 * rows * 4 * 16 * 16 * 4
+    assert got["conv_tails"] == 3 * 2 * rows * 3 * (2 * 2 * 16 + 4 * 16) * 2

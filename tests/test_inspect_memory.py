@@ -285,3 +285,45 @@ def test_the_printed_table_shows_each_figure_in_its_unit():
     assert _cells(big, "  all residuals (named or not)") == ["7.00"] * 2
     small = tp.format_facts({"a": column(M, 1e9)})
     assert _cells(small, "arguments MiB") == ["3.00"] and _cells(small, "temporaries MiB") == ["10.00"]
+
+
+def test_the_count_search_of_a_compiled_step_by_hand(monkeypatch):
+    """train.micro_batches=auto against 8 GiB a device, 2 GiB of state held: count 1 needs 20 GiB, so
+    2 (2 + 18 / 2 = 11 GiB at the least) is passed over; 4 needs 7 GiB and is chosen; 8 is never
+    tried. The printed line names each count's outcome and marks the one over the budget."""
+    from types import SimpleNamespace
+
+    import hybridmoe.run.memory_fit as memory_fit
+    import hybridmoe.run.setup as run_setup
+    import hybridmoe.run.step_plan as step_plan
+
+    GIB = 2**30
+    needs, compiled = {1: 20 * GIB, 4: 7 * GIB}, []
+
+    def compile_one(cfg, target, **kw):
+        count = cfg.train.micro_batches
+        compiled.append(count)
+        return SimpleNamespace(program=SimpleNamespace(need=needs[count]), out_of_memory=None, count_search=None)
+
+    monkeypatch.setattr(run_setup, "build", lambda cfg, devices: SimpleNamespace(abstract_state=lambda: None))
+    monkeypatch.setattr(step_plan, "train_counts", lambda setup: [1, 2, 4, 8])
+    monkeypatch.setattr(memory_fit, "per_device_bytes", lambda tree: 2 * GIB)
+    monkeypatch.setattr(tp, "compile_one", compile_one)
+    monkeypatch.setattr(tp, "memory_facts", lambda prog, budget: {"total": prog.need})
+    cfg = load_config("tiny", ["train.micro_batches=auto"])
+    step = tp.compile_step(cfg, tp.Target("tpu7x:2x2x1", "tpu", (), 8 * GIB))
+    assert compiled == [1, 4] and step.program.need == 7 * GIB
+    search = step.count_search
+    assert search == {"key": "train.micro_batches", "setting": "auto", "counts": [1, 2, 4, 8], "budget": 8 * GIB,
+                      "held": 2 * GIB, "chosen": 4, "tried": [
+                          {"count": 1, "compiled": True, "need": 20 * GIB, "refused_temp": None, "fits": False},
+                          {"count": 2, "compiled": False, "need": None, "refused_temp": None, "fits": False},
+                          {"count": 4, "compiled": True, "need": 7 * GIB, "refused_temp": None, "fits": True}]}
+    assert tp.format_count_search(search) == (
+        "train.micro_batches=auto: 4 chosen against 8.00 GiB per device (held state 2.00 GiB): 1 needs 20.00 GiB "
+        "(over); 2 passed over (ruled out by the first count's figure); 4 needs 7.00 GiB")
+
+
+def test_a_refused_steps_memory_counts_its_arguments_and_temporaries():
+    facts = tp.refused_memory_facts({"argument": 3 * 2**30, "temp": 9 * 2**30, "message": "over"}, 8 * 2**30)
+    assert facts["total"] == 12 * 2**30 and facts["fits"] is False and facts["refused"] == "over"

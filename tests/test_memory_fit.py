@@ -259,3 +259,30 @@ def test_a_set_count_refused_rules_out_the_counts_its_own_figure_rules_out():
         assert compiled == [1, 8], compiled
         assert str(e.value).startswith(f"rl.micro_batches=1: {words}, over the budget of 12.00 GiB"), str(e.value)
         assert "the smallest count that fits is rl.micro_batches=8" in str(e.value)
+
+
+def test_the_counts_each_plan_offers_by_hand(monkeypatch):
+    """4 prompts x 4 completions = 16 rows over 4 batch shards, 4 updates in 2 epochs (2 mini-batches
+    of 8 rows): the update is offered the counts splitting 8 rows in shard-whole micro-batches (1, 2),
+    the pi_old pass over the whole rollout those of 16 (1, 2, 4); the sampler the passes whose rows
+    split over the shards (1, 2, 4: 16, 8 or 4 rows a pass, though 2 or 1 prompts a pass do not), its
+    budget the set one less the optimizer state it runs beside."""
+    from types import SimpleNamespace
+
+    import hybridmoe.rl.memory_plan as mp
+
+    offered = {}
+
+    def choose_count(key, setting, counts, compile_at, budget, what, fixed_bytes=0):
+        offered[what] = (list(counts), budget)
+        return memory_fit.Fit(counts[0], None, 0)
+
+    monkeypatch.setattr(mp, "choose_count", choose_count)
+    monkeypatch.setattr(mp, "batch_shards", lambda setup: 4)
+    monkeypatch.setattr(mp, "per_device_bytes", lambda tree: tree if isinstance(tree, int) else sum(tree.values()))
+    cfg = tiny_config("rl.prompts_per_step=4", "rl.group_size=4", "rl.updates_per_rollout=4", "rl.epochs_per_rollout=2")
+    setup = SimpleNamespace(cfg=cfg, abstract_state=lambda: {"opt_state": 300, "params": 100})
+    mp.plan_updates(setup, False, 1000, setting="auto")
+    mp.plan_rollout(setup, None, False, 1000, setting="auto")
+    assert offered == {"the GRPO update": ([1, 2], 1000), "the pi_old pass": ([1, 2, 4], 1000),
+                       "the sampler": ([1, 2, 4], 1000 - 300)}

@@ -305,6 +305,25 @@ CASES: dict[str, Case] = {
     "no_prompt_fits": case("_rl_max_prompt_len", ["rl.task=format"],
                            ("rl.max_prompt_len", "its shortest, 'answer only: 0+0=', is 18 tokens with BOS"),
                            tokenizer=CHARACTERS),
+    # 17 slots hold the prompt's 17 characters but not its BOS: still no prompt fits.
+    "prompt_fits_but_not_its_bos": case("_rl_max_prompt_len", ["rl.task=format", "rl.max_prompt_len=17"],
+                                        ("rl.max_prompt_len", "is 18 tokens with BOS"), tokenizer=CHARACTERS),
+    # 2 prompts x 4 = 8 rows: 4 passes divide the rows but not the prompts.
+    "rollout_batches_vs_prompts_not_rows": case("_rl_shapes", ["rl.prompts_per_step=2", "rl.group_size=4",
+                                                               "rl.rollout_batches=4"],
+                                                ("rl.rollout_batches", "4 sampler passes do not divide "
+                                                 "rl.prompts_per_step=2")),
+    # 2 x 4 = 8 rows in 2 mini-batches: a micro-batch of 4 rows over 8 batch shards (8 rows would split).
+    "mini_batch_rows_vs_batch_shards": case("_rl_prompts_per_step", ["rl.prompts_per_step=2", "rl.group_size=4",
+                                                                     "rl.updates_per_rollout=2"],
+                                            ("rl.prompts_per_step", "a micro-batch of 4 rollouts")),
+    # 64-token rows on 2 context ranks: 64 token chunks divide a row, not a rank's 32 tokens.
+    "token_chunks_vs_a_ranks_share": case("_moe_token_chunks", [*CP2, *ATTENTION_ONLY, "moe.token_chunks=64"],
+                                          ("moe.token_chunks", "does not divide the 32 tokens of a training row")),
+    # GRPO rows of 32 + 94 = 126 tokens: whole on 2 ranks, not in the 4 half-chunks of load balancing.
+    "rl_rows_vs_load_balanced_halves": case("_rl_sequences", [*CP2, *ATTENTION_ONLY, "attention.cp_load_balance=true",
+                                                              "rl.max_new_tokens=94"],
+                                            ("rl.max_new_tokens", "must be a multiple of 4")),
 }
 
 

@@ -638,3 +638,60 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance_and_fills_the_batch(
                       "rollout_tokens": sum(10.0 ** i for i in range(want_rounds)),  # every round's, once
                       "rewards_skipped": failed, "reward_errors": failed, "prompts_skipped": failed}
         assert first["rewards"].tolist() == [1, 0, 1, 1, 0, 0, 0, 1]  # what the step logs as reward_mean
+
+
+def test_a_sequence_without_completion_tokens_is_not_counted_and_the_low_clip_is_at_eps():
+    """logp_old = 0 (ratio = exp(logp)), eps 0.2, eps_high 0.3: row 0 (A = +1) ratios 1, 1: pg -1, -1;
+    row 1 (A = -1) ratios 0.75, 1: 0.75 is below 1 - eps = 0.8, clipped to it (pg max(0.75, 0.8) = 0.8;
+    it would not be clipped at 1 - eps_high = 0.7), then 1.0; row 2 has no completion token. The
+    sequence mean is over the 2 sequences with a token: (-1 + 0.9) / 2; the low clip fraction 1 of 4."""
+    logp = jnp.log(jnp.array([[1.0, 1.0], [0.75, 1.0], [1.0, 1.0]]))
+    mask = jnp.array([[1, 1], [1, 1], [0, 0]])
+    loss, m = clipped_policy_loss(logp, jnp.zeros((3, 2)), jnp.array([1.0, -1.0, 1.0]), mask, eps=0.2, eps_high=0.3,
+                                  aggregation="seq_mean_token_mean")
+    np.testing.assert_allclose(float(loss), (-1.0 + 0.9) / 2, rtol=1e-6)
+    np.testing.assert_allclose(float(m["pg_clipfrac_low"]), 0.25)
+    np.testing.assert_allclose(float(m["pg_clipfrac_high"]), 0.0)
+
+
+def test_a_grpo_steps_record_takes_each_figure_from_its_own_rows_and_times(monkeypatch):
+    """rl/loop.py's _grpo_step with its parts stubbed: round 0 as sampled (every row truncated, 5 of
+    8 rewards 1) and the batch trained on (rows of later rounds: 1 of 8 truncated, lengths 2, 4, 6, 8
+    twice, 9 tokens a row). The rewards are round 0's, the lengths, truncation and tokens the
+    batch's; the clock moves 1 s a reading: the step 4 s, the rollout 1 s, the updates 1 s less
+    the pi_old pass's 0.25 s."""
+    import types
+
+    from hybridmoe.rl import loop
+    from hybridmoe.recipe import load_config
+
+    cfg = load_config("tiny", ["rl.prompts_per_step=4", "rl.group_size=2"])
+    first = {"rewards": np.array([0, 1, 1, 1, 0, 0, 1, 1], np.float32), "skipped": np.zeros(8, bool),
+             "prompt_skipped": np.zeros(4, bool), "rewards_skipped": 0.0, "truncated": np.ones(8, bool)}
+    batch = {"rewards": np.array([0, 1, 1, 0, 0, 1, 1, 0], np.float32), "skipped": np.zeros(8, bool),
+             "truncated": np.arange(8) == 1, "lengths": np.array([2, 4, 6, 8] * 2),
+             "segment_ids": np.concatenate([np.ones((8, 9), np.int32), np.zeros((8, 3), np.int32)], axis=1)}
+    ds = {"rollout_tokens": 30.0, "ds_rounds": 2.0}
+    metrics = {k: 0.0 for k in ("loss", "pg_loss", "kl", "entropy", "logp_mean", "grad_norm", "pg_clipfrac",
+                                "pg_clipfrac_high", "pg_clipfrac_low", "ratio_mean", "ratio_min", "ratio_max",
+                                "sampler_gap_mean", "sampler_gap_max", "is_weight_mean", "is_masked_frac",
+                                "update_applied", "update_skipped")}
+    clock = {"now": 0.0}
+
+    def perf_counter():
+        clock["now"] += 1.0
+        return clock["now"]
+
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(loop, "_fill_batch", lambda run, state, step, key: (batch, first, ds))
+    monkeypatch.setattr(loop, "update_rows", lambda cfg, rollout, adv, keep: None)
+    monkeypatch.setattr(loop, "policy_updates", lambda *a: ("state", {**metrics, "old_logprobs_time_s": 0.25}))
+    run = types.SimpleNamespace(cfg=cfg, empty_steps=0, setup=None, grpo_step=None, old_logprobs=None,
+                                old_logprobs_micro_batches=None)
+    _, rec = loop._grpo_step(run, "state", None, 3, None)
+    assert rec["reward_mean"] == 0.625 and rec["scored_samples"] == 8.0
+    assert (rec["completion_len_mean"], rec["completion_len_min"], rec["completion_len_max"]) == (5.0, 2.0, 8.0)
+    assert rec["truncated_frac"] == 0.125 and rec["tokens"] == 72.0 and rec["ds_rounds"] == 2.0
+    assert (rec["step_time_s"], rec["rollout_time_s"], rec["update_time_s"], rec["old_logprobs_time_s"]) == (
+        4.0, 1.0, 0.75, 0.25)
+    assert rec["tokens_per_s"] == 72.0 / 4.0 and rec["rollout_tokens_per_s"] == 30.0 / 1.0

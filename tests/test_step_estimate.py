@@ -454,3 +454,41 @@ ENTRY %main (a: bf16[{B},{K},1], b: bf16[{W},{O},{K}]) -> bf16[{B},{W},{O}] {{
 }}
 """
     assert hc.hlo_flops(text) == 2 * B * K * W * O
+
+
+def test_a_grpo_steps_estimate_per_chip_and_its_overlap_by_hand():
+    """A GRPO update on 8 TPU7x devices (2 a chip: 4 chips) trains one mini-batch's rows; the
+    overlapped total hides the compute (a negate) under a longer collective (an offloaded all-gather)."""
+    from types import SimpleNamespace
+
+    from hybridmoe.recipe import load_config
+
+    cfg = load_config("tiny", ["rl.prompts_per_step=4", "rl.group_size=4", "rl.updates_per_rollout=4",
+                               "rl.epochs_per_rollout=2"])
+    tokens = 16 // 2 * cfg.rl.sequence_len  # 16 rows in 2 mini-batches (4 updates over 2 epochs)
+    assert se.tokens_per_step(cfg, "grpo") == tokens
+    n, rows, width = 4, 1024, 512
+    text = f"""HloModule offloaded
+
+%gather (p: bf16[{rows},{width}]) -> bf16[{n * rows},{width}] {{
+  %p = bf16[{rows},{width}]{{1,0}} parameter(0)
+  ROOT %ag = bf16[{n * rows},{width}]{{1,0}} all-gather(%p), channel_id=1, replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}
+}}
+
+ENTRY %main (x: bf16[{rows},{width}]) -> bf16[{n * rows},{width}] {{
+  %x = bf16[{rows},{width}]{{1,0}} parameter(0)
+  %neg = bf16[{rows},{width}]{{1,0}} negate(%x)
+  %start = ((bf16[{rows},{width}]{{1,0}}), bf16[{n * rows},{width}]{{1,0}}, u32[]) call-start(%neg), async_execution_thread="sparsecore", to_apply=%gather
+  ROOT %done = bf16[{n * rows},{width}]{{1,0}} call-done(%start)
+}}
+"""
+    step = SimpleNamespace(cfg=cfg, program_name="grpo", program=SimpleNamespace(compiled_text=text),
+                           target=SimpleNamespace(name="tpu7x:2x2x1", num_devices=8, devices=[], platform="tpu"))
+    est = se.estimate_step(step)
+    assert est["hardware"]["name"] == "tpu7x" and est["chips"] == 4 and est["tokens_per_step"] == tokens
+    collective_s = est["categories"]["collectives"]["s"]
+    compute_s = sum(v["s"] for c, v in est["categories"].items() if c != "collectives")
+    assert collective_s > compute_s > 0
+    assert est["overlapped"]["step_s"] == collective_s
+    assert est["serial"]["step_s"] == compute_s + collective_s
+    assert est["serial"]["tokens_per_s_per_chip"] == tokens / (compute_s + collective_s) / 4

@@ -105,3 +105,75 @@ def test_the_script_runs_each_part_in_a_watched_child(tmp_path):
     record = json.loads(out.read_text())
     _check_batch(tmp_path, record)
     _check_learn(tmp_path, record["learn"], "chip-learn")
+
+
+class _Clock:
+    """A stand-in for the benchmark's `time` module whose perf_counter moves `step` seconds a call."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_the_hbm_probe_rates_are_bytes_moved_over_the_clocks_seconds(monkeypatch):
+    benchmark = _benchmark()
+    monkeypatch.setattr(benchmark, "time", _Clock(0.25))  # every timed call: 0.25 s
+    probe = benchmark.hbm_probe(1, repeats=3)
+    # 1 MiB of bf16: 2^19 elements. The sum reads them once (2^20 bytes); the copy reads and writes (2^21).
+    assert probe == {"probe_mib": 1, "read_bytes_per_s": 2**20 / 0.25, "copy_bytes_per_s": 2**21 / 0.25}
+
+
+def _grpo_row(step: int, **fields) -> dict:
+    row = {"phase": 1, "step": step, "rollout_batches": 2.0, "micro_batches": 1.0, "old_logprobs_micro_batches": 1.0,
+           "rollout_tokens_per_s": 0.0, "completion_len_max": 6.0}
+    return {**row, **fields}
+
+
+def test_the_batch_figures_from_stubbed_metrics_by_hand(monkeypatch, tmp_path):
+    """Two sampler passes, two epochs over the rollout: the bound's rows in flight are one pass's,
+    the update's tokens every epoch's; the first step is left out of the timed figures."""
+    benchmark = _benchmark()
+    overrides = ["rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=8", "rl.max_prompt_len=8",
+                 "rl.updates_per_rollout=4", "rl.epochs_per_rollout=2", "rl.rollout_batches=2"]
+    monkeypatch.setitem(benchmark.TINY, "batch", ("tiny", overrides))
+    t = dict(rollout_tokens=0.0, rollout_time_s=0.0, old_logprobs_time_s=0.0, update_time_s=0.0, tokens=0.0)
+    rows = [_grpo_row(1, step_time_s=90.0, completion_len_mean=1.0, **t),  # compiles: not timed
+            _grpo_row(2, step_time_s=10.0, rollout_tokens=64.0, rollout_time_s=4.0, old_logprobs_time_s=1.0,
+                      update_time_s=3.0, tokens=200.0, completion_len_mean=4.0, completion_len_max=5.0),
+            _grpo_row(3, step_time_s=12.0, rollout_tokens=96.0, rollout_time_s=6.0, old_logprobs_time_s=1.0,
+                      update_time_s=4.0, tokens=216.0, completion_len_mean=6.0, completion_len_max=7.0)]
+    monkeypatch.setattr(benchmark, "run_rl", lambda recipe, words, out, plan_log=None: rows)
+    monkeypatch.setattr(benchmark, "hbm_probe", lambda mib: {"probe_mib": mib, "read_bytes_per_s": 1e9,
+                                                             "copy_bytes_per_s": 2e9})
+    args = benchmark.harness.parser(benchmark.__doc__, benchmark.__file__, raw=True).parse_args([])
+    args.tiny, args.hbm_probe_mib = True, 1
+    b = benchmark.batch_part(args, tmp_path)
+    assert b["steps_timed"] == 2 and b["rows"] == 16 and b["rollout_batches"] == 2
+    assert b["rollout"] == {"new_tokens": 160.0, "time_s": 10.0, "tokens_per_s": 16.0}
+    assert b["old_logprobs"] == {"tokens": 416.0, "time_s": 2.0, "tokens_per_s": 208.0}
+    assert b["update"] == {"tokens": 832.0, "time_s": 7.0, "tokens_per_s": 832.0 / 7.0}  # two epochs
+    assert b["step_split_s"] == {"rollout": 5.0, "old_logprobs": 1.0, "update": 3.5, "step": 11.0, "rest": 1.5}
+    assert b["completion_len_mean"] == 5.0 and b["completion_len_max"] == 7.0 and b["first_step_s"] == 90.0
+    # One pass's rows in flight (16 / 2), the prompt's 8 slots and the mean of 7 decode steps' slots.
+    bound = b["bound"]
+    assert bound["rows_in_flight"] == 8 and bound["mean_kv_slots"] == 8 + (7 + 1) / 2
+    assert b["hbm"]["bytes_per_s"] == bound["hbm_bytes_per_s"] == max(
+        b["hbm"]["calibration_bytes_per_s"], 1e9, 2e9)
+    assert b["rollout_over_bound"] == 16.0 / bound["tokens_per_s"]
+
+
+def test_the_learning_runs_median_step_is_of_its_grpo_steps(monkeypatch, tmp_path):
+    benchmark = _benchmark()
+    rows = [{"phase": 0, "step_time_s": s} for s in (100.0, 100.0, 100.0, 100.0)] + [
+        {"phase": 1, "step_time_s": s, "reward_mean": r} for s, r in ((5.0, 0.5), (1.0, 0.9), (3.0, 1.0))]
+    monkeypatch.setattr(benchmark, "run_rl", lambda recipe, words, out, plan_log=None: rows)
+    args = benchmark.harness.parser(benchmark.__doc__, benchmark.__file__, raw=True).parse_args([])
+    args.tiny = True
+    learn = benchmark.learn_part(args, tmp_path, started=0.0)
+    assert learn["grpo_step_s_median"] == 3.0 and learn["steps_s"] == 409.0  # the median of 1, 3, 5
+    assert learn["grpo_steps"] == 3 and learn["warmup_steps"] == 4 and learn["reward_first"] == 0.5
+    assert learn["reward_last_5_mean"] == pytest.approx(0.8) and learn["first_at_most_0.6"]
+    assert not learn["last_5_at_least_0.9"]

@@ -83,3 +83,31 @@ def test_batch_that_does_not_split_over_the_mesh_names_the_key():
     from hybridmoe.run.setup import build
     with pytest.raises(ConfigError, match="train.batch_size"):
         build(tiny_config("train.batch_size=4"))
+
+
+
+def test_a_steps_rate_is_its_tokens_over_its_own_time(monkeypatch):
+    """tokens_per_s is the step's tokens over its seconds, not its trained targets (loss_tokens): the
+    step (its metrics: 200 tokens, 150 targets) and its clock (each reading 0.5 s after the last)
+    stubbed, on a config of its own so that no other test's compiled step is taken."""
+    import types
+
+    import jax.numpy as jnp
+
+    import hybridmoe.train.loop as train_loop
+
+    clock = {"now": 0.0}
+
+    def perf_counter():
+        clock["now"] += 0.5
+        return clock["now"]
+
+    metrics = {"loss": 2.0, "grad_norm": 1.0, "tokens": 200.0, "loss_tokens": 150.0, "update_skipped": 0.0}
+    monkeypatch.setattr(train_loop, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(train_loop, "jit_train_step", lambda setup: lambda state, batch: (
+        state, {k: jnp.float32(v) for k, v in metrics.items()}))
+    hist = train(tiny_config("train.steps=1", "train.batch_size=8", "train.seq_len=16", "train.seed=1234",
+                             *TWO_LAYERS), None, progress=False)
+    rec = hist[0]
+    assert (rec["tokens"], rec["loss_tokens"], rec["step_time_s"]) == (200, 150, 0.5)
+    assert rec["tokens_per_s"] == 200 / 0.5
