@@ -62,6 +62,9 @@ def _summary(est: dict) -> dict:
         "designed_flops_per_device": est.get("designed_flops_per_device"),
         "tokens_per_step": est["tokens_per_step"], "chips": est["chips"], "devices": est["devices"],
         "grid_step_s": est["hardware"]["grid_step_s"],
+        # Where the rates came from: None for the maker's figures, else the calibration's provenance
+        # (its chip, commit and date; `carried_from` where another generation's row calibrated it).
+        "calibration": est["hardware"].get("measured"),
     }
 
 
