@@ -161,7 +161,10 @@ def maxtext_argv(maxtext, shape: dict, remat: str, platform: str, weight_dtype: 
     tpu = platform == "tpu"
     settings = {
         "model_name": MAXTEXT_MODEL, "override_model_config": "true", "run_name": "peer", "base_output_directory": out_dir,
-        "dataset_type": "synthetic", "enable_checkpointing": "false", "steps": 1_000_000,
+        "dataset_type": "synthetic", "enable_checkpointing": "false",
+        # A schedule of 100 steps without warm-up: the timed steps update the weights at a real rate
+        # (a long warm-up would make them near-zero updates; the work per step is the same).
+        "steps": 100, "warmup_steps_fraction": 0,
         "enable_goodput_recording": "false", "monitor_goodput": "false", "skip_jax_distributed_system": "true",
         "use_mrope": "false",  # text only: the multimodal position ids are the vision tower's
         "dtype": "bfloat16", "weight_dtype": weight_dtype,
