@@ -44,6 +44,7 @@ time each way; the shims applied.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import os
@@ -176,20 +177,44 @@ def maxtext_argv(maxtext, shape: dict, remat: str, platform: str, weight_dtype: 
     return ["", base, *(f"{k}={v}" for k, v in settings.items())]
 
 
+@contextlib.contextmanager
+def maxtext_jax_flags(config):
+    """The JAX options MaxText's own train.initialize sets from its config (the Shardy partitioner; size-one
+    mesh axes dropped from types), set while MaxText's programs are traced and put back after, so our
+    arm is traced under JAX's defaults."""
+    import jax
+
+    wanted = {"jax_use_shardy_partitioner": bool(config.shardy),
+              "jax_remove_size_one_mesh_axis_from_type": bool(config.remove_size_one_mesh_axis_from_type)}
+    before = {k: getattr(jax.config, k) for k in wanted}
+    for k, v in wanted.items():
+        jax.config.update(k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+
+
 class MaxTextArm:
     """MaxText's own model, optimizer and jitted train step (its train_loop's set-up, without data or
     checkpoints); the state leaves the device between visits as host arrays."""
 
     def __init__(self, maxtext, name: str, argv: list[str]):
-        import jax
-        from flax import nnx
-        from flax.core.spmd import logical_axis_rules
         from maxtext.configs import pyconfig
-        from maxtext.trainers.pre_train import train as mt_train
-        from maxtext.utils import maxtext_utils, sharding, train_utils
 
         self.name, self.argv = name, argv
         self.config = config = pyconfig.initialize(argv)
+        with maxtext_jax_flags(config):
+            self._build(config)
+
+    def _build(self, config):
+        import jax
+        from flax import nnx
+        from flax.core.spmd import logical_axis_rules
+        from maxtext.trainers.pre_train import train as mt_train
+        from maxtext.utils import maxtext_utils, sharding, train_utils
+
         out = train_utils.setup_train_loop(config, None)
         state_shardings, self.mesh, train_state = out[2], out[4], out[-1]
         graphdef, state = nnx.split(train_state)
@@ -319,7 +344,7 @@ def gdn_maxtext(arm: MaxTextArm):
 
     c = arm.config
     shape = (int(c.per_device_batch_size), int(c.max_target_length), int(c.emb_dim))
-    with jax.set_mesh(arm.mesh), arm.rules():
+    with maxtext_jax_flags(c), jax.set_mesh(arm.mesh), arm.rules():
         layer = Qwen3_5GatedDeltaNet(config=c, inputs_shape=shape, mesh=arm.mesh, dtype=c.dtype, rngs=nnx.Rngs(0))
         graphdef, params = nnx.split(layer)
     x = jax.random.normal(jax.random.key(1), shape).astype(c.dtype)
@@ -332,7 +357,7 @@ def gdn_maxtext(arm: MaxTextArm):
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
     def run(p, x):
-        with jax.set_mesh(arm.mesh), arm.rules():
+        with maxtext_jax_flags(c), jax.set_mesh(arm.mesh), arm.rules():
             return step(p, x)
 
     return run, (params, x)
