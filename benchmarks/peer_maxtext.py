@@ -20,7 +20,10 @@ to the host and put back), so one arm's state is on the device at a time. Second
 of the timed steps. Memory: XLA's analysis of the compiled step (arguments, temporaries, outputs) and,
 where the runtime keeps figures (a TPU), the device's bytes in use and its process-wide peak after
 each visit (the peak never falls: read it in visit order). Kernels: what each arm was configured to
-run, and the custom calls in its compiled program (Mosaic kernels show as tpu_custom_call).
+run, and the custom calls in its compiled program (Mosaic kernels show as tpu_custom_call). A MaxText
+arm that fails to build or compile (the chip's compiler refusing it for memory, or one of its kernels
+under this JAX), or that the runtime refuses at a visit, is left out and recorded under `refused` with
+the error and, for memory, the device's own figures (analysis/device_refusal.py).
 
 The GDN layer alone, both ways: one Gated DeltaNet mixer (projections, conv, chunked delta rule,
 gated norm, output projection), forward and backward of sum(y^2) with respect to its weights and
@@ -410,16 +413,39 @@ def main(argv=None) -> int:
 
     arms = {"ours": OursArm("ours", RECIPE, ours_overrides)}
     print(f"ours: compiled in {arms['ours'].compile_s:.1f} s", flush=True)
+    refused = {}  # an arm the device refuses (its compiler, or its runtime at a visit), with the device's words
+
+    def refuse(name, e, when):
+        from hybridmoe.analysis.device_refusal import device_refusal
+
+        refused[name] = {"when": when, "error": type(e).__name__, "message": str(e)[:3000],
+                         "device_refusal": device_refusal(e, when)}  # None: not a refusal for memory
+        print(f"{name}: refused at {when}: {str(e)[:300]}", flush=True)
+
     for remat in remats:
         name = f"maxtext_remat_{remat}"
-        arms[name] = MaxTextArm(maxtext, name, maxtext_argv(maxtext, shape, remat, platform, args.maxtext_weight_dtype,
-                                                            out_dir))
+        argv_mt = maxtext_argv(maxtext, shape, remat, platform, args.maxtext_weight_dtype, out_dir)
+        try:
+            arms[name] = MaxTextArm(maxtext, name, argv_mt)
+        except Exception as e:  # noqa: BLE001  (the chip's compiler, or MaxText's kernels under this JAX: recorded)
+            refuse(name, e, "compile")
+            continue
         print(f"{name}: compiled in {arms[name].compile_s:.1f} s", flush=True)
     order = list(arms)
     for visit in range(2):
         for name in order[visit % len(order):] + order[:visit % len(order)]:
-            arms[name].visit(per_visit)
-    gdn = gdn_layer_times(arms["ours"].cfg, arms[f"maxtext_remat_{remats[0]}"], args.gdn_rounds)
+            if name in refused:
+                continue
+            try:
+                arms[name].visit(per_visit)
+            except jax.errors.JaxRuntimeError as e:
+                refuse(name, e, "run")
+    for name in refused:
+        arms.pop(name, None)
+    if "ours" not in arms:
+        raise SystemExit(f"our arm was refused: {refused['ours']['message'][:500]}")
+    mt_arms = [a for a in arms.values() if isinstance(a, MaxTextArm)]
+    gdn = gdn_layer_times(arms["ours"].cfg, mt_arms[0], args.gdn_rounds) if mt_arms else None
 
     rows = {}
     for name, a in arms.items():
@@ -437,13 +463,16 @@ def main(argv=None) -> int:
     print(f"{'arm':<24}{'s/step':>10}{'tokens/s':>12}{'over ours':>10}")
     for name, row in rows.items():
         print(f"{name:<24}{row['measured_s']:>10.4f}{row['tokens_per_s']:>12.0f}{row['over_ours']:>10.3f}")
-    print("GDN layer fwd+bwd: " + ", ".join(f"{n} {1e3 * g['mean_s']:.2f} ms" for n, g in gdn.items()))
+    for name, r in refused.items():
+        print(f"{name:<24}refused at {r['when']}")
+    if gdn:
+        print("GDN layer fwd+bwd: " + ", ".join(f"{n} {1e3 * g['mean_s']:.2f} ms" for n, g in gdn.items()))
     harness.write(args.out, "tpu_peer", recipe=RECIPE, tiny=args.tiny, platform=platform,
                   maxtext_version=importlib.metadata.version("maxtext"), maxtext_site=args.maxtext_site,
                   maxtext_model=MAXTEXT_MODEL, python=sys.version.split()[0], shims=shims,
                   versions=harness.package_versions("maxtext", "flax", "tokamax", "qwix", "aqtp", "optax"),
-                  steps=args.steps, arms=rows, gdn_layer=gdn,
-                  gdn_layer_over_ours=gdn["maxtext"]["mean_s"] / gdn["ours"]["mean_s"])
+                  steps=args.steps, arms=rows, refused=refused, gdn_layer=gdn,
+                  gdn_layer_over_ours=gdn["maxtext"]["mean_s"] / gdn["ours"]["mean_s"] if gdn else None)
     return 0
 
 
