@@ -381,8 +381,10 @@ def gdn_layer_times(ours_cfg, mt_arm: MaxTextArm, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     p = harness.parser(__doc__, __file__, raw=True, record="tpu_peer")
-    p.add_argument("--maxtext-site", default=os.environ.get("MAXTEXT_SITE"),
-                   help="folder MaxText and its dependencies were installed into (pip --target); default $MAXTEXT_SITE")
+    local = harness.ROOT / ".maxtext-site"
+    p.add_argument("--maxtext-site", default=str(local) if local.is_dir() else None,
+                   help="folder MaxText and its dependencies were installed into (pip --target); default the "
+                   "repository's .maxtext-site/ where scripts/maxtext_wheels.sh install puts them, if it is there")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (4 layers of width 64, 128 tokens): a CPU smoke run")
     p.add_argument("--steps", type=int, default=4, help="timed steps per arm, over two visits (default 4)")
     p.add_argument("--gdn-rounds", type=int, default=5, help="interleaved rounds of the GDN layer alone (default 5)")

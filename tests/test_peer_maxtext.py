@@ -2,7 +2,7 @@
 GDN layer alone both ways, written to a record.
 
 Needs MaxText installed (docs/tpu.md, "A peer on the chip: MaxText"): importable as it is, or in the
-folder $MAXTEXT_SITE names (a `pip install --target` folder). Skipped, with the reason, where it is
+repository's .maxtext-site/ (`scripts/maxtext_wheels.sh fetch` then `install`). Skipped, with the reason, where it is
 not there or does not import; slow (a few minutes of compiling on a CPU), so not run by CI.
 """
 
@@ -18,18 +18,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SITE = os.environ.get("MAXTEXT_SITE")
+LOCAL_SITE = ROOT / ".maxtext-site"  # where scripts/maxtext_wheels.sh install puts it
+SITE = str(LOCAL_SITE) if (LOCAL_SITE / "maxtext" / "__init__.py").is_file() else None
 
 
 def maxtext_present() -> bool:
-    if SITE:
-        return (Path(SITE) / "maxtext" / "__init__.py").is_file()
-    return importlib.util.find_spec("maxtext") is not None
+    return SITE is not None or importlib.util.find_spec("maxtext") is not None
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not maxtext_present(),
-                    reason="maxtext is not installed: set MAXTEXT_SITE to a `pip install --target` folder holding it")
+                    reason="maxtext is not installed: scripts/maxtext_wheels.sh fetch, then install (into .maxtext-site/)")
 def test_tiny_run_writes_both_arms_and_the_gdn_layer(tmp_path):
     out = tmp_path / "peer.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "peer_maxtext.py"), "--tiny", "--steps", "2",
