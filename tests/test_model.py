@@ -42,8 +42,9 @@ def test_moe_sparse_matches_dense_with_empty_experts():
             w, idx, _ = moe_mod.route(p["router"], x, cfg.model)
             fn = moe_mod.sparse_experts if impl == "sparse" else moe_mod.dense_experts
             return fn(x, w, idx, p["wi"], p["wo"])
-        y = f(p, x)
-        g = jax.grad(lambda p, x: jnp.sum(jnp.sin(f(p, x))), argnums=(0, 1))(p, x)
+        # Jitted: one compile each (eager, every op would dispatch and compile on its own).
+        y = jax.jit(f)(p, x)
+        g = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(f(p, x))), argnums=(0, 1)))(p, x)
         return y, g
 
     _, idx, _ = moe_mod.route(p["router"], x, cfg.model)
