@@ -26,7 +26,8 @@ def test_resume_after_a_stop_continues_exactly(tmp_path):
     # The step program of the two tests below (train.steps and checkpoint_every are not in it): a
     # cold run compiles it once, and the others read it from the compile cache. Attention layers
     # only (helpers.ATTENTION_LAYERS): what a resume, or a set-up kept, carries over does not depend
-    # on the mixers (the loss falling above is the hybrid's).
+    # on the mixers (the loss falling above is the hybrid's; a hybrid run resumes exactly in
+    # tests/test_rl_run.py and tests/test_data.py).
     over = ("train.steps=6", "train.checkpoint_every=3", "train.batch_size=8", "train.seq_len=16", *ATTENTION_LAYERS)
     straight = train(tiny_config(*over), tmp_path / "a", progress=False)
     # A run that stops after step 3 (as if killed after its checkpoint), then resumes.
@@ -70,7 +71,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
 
 
 def test_micro_batch_accumulation_equals_one_big_batch():
-    cfg = tiny_config(*TWO_LAYERS)  # accumulation is the model's business only through its loss
+    cfg = tiny_config(*ATTENTION_LAYERS)  # accumulation is the model's business only through its loss
     params = tiny_params(cfg)
     two = synthetic_batch(0, 0, 2, 2, 32, cfg.model.vocab_size)
     one = {k: v.reshape(1, 4, 32) for k, v in two.items()}
