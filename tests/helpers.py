@@ -14,6 +14,11 @@ from hybridmoe.data.packing import pack_documents
 # One layer of each mixer: tests of the run around the model (resume, guards, outputs) trace and
 # compile it in about half of tiny's four layers' time.
 TWO_LAYERS = ("model.layer_pattern=[gdn,attention]", "model.num_layers=2")
+# Two attention layers (the layer scan of two one-layer blocks): tests of the attention core or the
+# MoE layer (every layer's) through the model, at about half of TWO_LAYERS' compile (no GDN layer).
+ATTENTION_LAYERS = ("model.layer_pattern=[attention]", "model.num_layers=2")
+# Two GDN layers (the layer scan of two one-layer blocks): tests of the GDN core through the model.
+GDN_LAYERS = ("model.layer_pattern=[gdn]", "model.num_layers=2")
 
 
 def tiny_config(*overrides: str, platform: str | None = None):

@@ -1,6 +1,7 @@
 """kernels.attention.backend and attention.cp_impl through the production model path on the 8-device CPU mesh: the
-logits and every parameter gradient of the tiny model with each attention core (xla and pallas_tpu
-flash attention, pallas_tpu interpreted; the blocked core) against the same model on the masked XLA
+logits and every parameter gradient of the tiny model (attention layers only, helpers.ATTENTION_LAYERS:
+a GDN layer has no attention core) with each attention core (xla and pallas_tpu flash attention,
+pallas_tpu interpreted; the blocked core) against the same model on the masked XLA
 core (kernels/attention/xla.py), without context parallelism and with all-gather or ring context
 parallelism over 2 and 4 ranks, natural and load-balanced order, packed rows (documents, padding)
 and unpacked ones. Blocks of 8 queries x 16 keys, so every rank walks several block pairs, skipped,
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TWO_LAYERS, packed_batch, tiny_config, tiny_params
+from helpers import ATTENTION_LAYERS, TWO_LAYERS, packed_batch, tiny_config, tiny_params
 from hybridmoe.config.errors import ConfigError
 from hybridmoe.kernels.attention import flash_block as fb
 from hybridmoe.kernels.attention import xla
@@ -80,7 +81,7 @@ def reference(P, lb, packed):
     parallelism on the global arrays (GSPMD splits its einsums: no shard_map of ours)."""
     key = (P, lb, packed)
     if key not in _REFERENCE:
-        cfg = tiny_config(*TWO_LAYERS, *mesh_overrides(P, lb))
+        cfg = tiny_config(*ATTENTION_LAYERS, *mesh_overrides(P, lb))
         mp = pytest.MonkeyPatch()
         mp.setattr(attn_model, "attention_core", lambda kc, **_: xla.attention)
         mp.setattr(attn_model, "self_attention", _masked_self_attention)
@@ -94,7 +95,7 @@ def reference(P, lb, packed):
 def run_backend(backend, P, lb, packed, impl="all_gather"):
     more = ("kernels.interpret=true",) if backend.startswith("pallas") else ()
     blocks = BLOCKS if backend != "blocked" else ()
-    cfg = tiny_config(*TWO_LAYERS, *mesh_overrides(P, lb, impl), f"kernels.attention.backend={backend}", *blocks, *more)
+    cfg = tiny_config(*ATTENTION_LAYERS, *mesh_overrides(P, lb, impl), f"kernels.attention.backend={backend}", *blocks, *more)
     return logits_and_grads(cfg, packed)
 
 

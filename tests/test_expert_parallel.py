@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TWO_LAYERS, packed_batch, tiny_config, tiny_params
+from helpers import ATTENTION_LAYERS, TWO_LAYERS, packed_batch, tiny_config, tiny_params
 from hybridmoe.analysis import program
 from hybridmoe.model import moe as moe_mod
 from hybridmoe.run.setup import build
@@ -85,7 +85,8 @@ def test_ring_program_gathers_tokens_and_scatters_outputs():
 
 
 def test_model_with_expert_parallelism_equals_one_device():
-    cfg = tiny_config(*TWO_LAYERS, "mesh.expert=2", "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true",
+    # Attention layers only: the MoE layer is every layer's; a GDN layer would only add to the compiles.
+    cfg = tiny_config(*ATTENTION_LAYERS, "mesh.expert=2", "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true",
                       "moe.router_grad_from_wo_input=true")
     params = tiny_params(cfg)
     batch = packed_batch(0, 8, 64, cfg.model.vocab_size)
@@ -178,7 +179,8 @@ def test_train_step_reports_dropped_rows():
     from hybridmoe.train.loop import train
     from hybridmoe.run.step import make_optimizer, train_step
 
-    hist = train(tiny_config(*TWO_LAYERS, "moe.capacity_factor=0.5", "train.steps=1", "train.seq_len=32"),
+    # Attention layers only: the MoE layer (every layer's) drops the rows; a GDN layer only adds to the compile.
+    hist = train(tiny_config(*ATTENTION_LAYERS, "moe.capacity_factor=0.5", "train.steps=1", "train.seq_len=32"),
                  None, progress=False)
     assert hist[0]["moe_dropped"] > 0 and math.isfinite(hist[0]["loss"])
     # Dropless: no such metric (and no count threaded through the layer scan).

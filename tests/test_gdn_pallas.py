@@ -29,7 +29,7 @@ from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config
 from hybridmoe.kernels.gdn import gated_delta_rule, pallas_chunk, pallas_gpu, pallas_tpu, tpu_chunk
 from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
-from helpers import TWO_LAYERS
+from helpers import GDN_LAYERS
 from tests.test_gdn_context_parallel import _layer_loss, _on_context_mesh, _rel_max, layer_case, single_device  # noqa: F401
 from tests.test_gdn_kernel import (
     BF16_TOLERANCE,
@@ -352,7 +352,7 @@ def test_bad_precision_and_chunks_per_step_name_the_choice(packed_case):
 # ---------------------------------------------------------------------------------------------
 # The production path: the whole tiny model on the 8-device CPU mesh, Pallas core vs XLA core.
 
-MODEL_OVERRIDES = ("gdn.chunk_size=16", "train.seq_len=64", *TWO_LAYERS)  # its GDN layer is what it compares
+MODEL_OVERRIDES = ("gdn.chunk_size=16", "train.seq_len=64", *GDN_LAYERS)  # GDN layers: the GDN core is what it compares
 
 
 def _model_loss_and_grads(cfg, params, batch):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import hybridmoe.rl.grpo as grpo_module
-from helpers import TWO_LAYERS, tiny_config, tiny_params
+from helpers import ATTENTION_LAYERS, tiny_config, tiny_params
 from hybridmoe.model.forward import decoder_hidden
 from hybridmoe.rl.grpo import (build_update_batch, combine_update_metrics, jit_grpo_step, jit_old_logprobs,
                                mini_batch_rows, policy_updates, rl_optimizer, split_update_batch,
@@ -27,7 +27,10 @@ PROMPT_LEN, NEW_TOKENS, ROWS = 6, 5, 16
 
 
 def _config(*overrides):
-    return tiny_config(*TWO_LAYERS, f"rl.max_prompt_len={PROMPT_LEN}", f"rl.max_new_tokens={NEW_TOKENS}", "rl.prompts_per_step=4",
+    # Attention layers only (helpers.ATTENTION_LAYERS): the objective, pi_old and the update act on the
+    # trainer's log-probs whatever the mixers (the sampler against the trainer on both mixers:
+    # tests/test_sampler.py), at about half of a two-mixer model's compile per program.
+    return tiny_config(*ATTENTION_LAYERS, f"rl.max_prompt_len={PROMPT_LEN}", f"rl.max_new_tokens={NEW_TOKENS}", "rl.prompts_per_step=4",
                        "rl.group_size=4", "kernels.logprobs.chunk_tokens=24", "kernels.logprobs.chunk_vocab=100",
                        "gdn.chunk_size=4", *overrides)
 

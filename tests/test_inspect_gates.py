@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import TWO_LAYERS
+from helpers import ATTENTION_LAYERS, TWO_LAYERS
 from hybridmoe.tools import train_program as tp
 from hybridmoe.cli import main
 from hybridmoe.config import ConfigError
@@ -36,9 +36,13 @@ def test_validator_accepts_the_pallas_tpu_backend_for_a_tpu_target():
     load_config("tiny", cfg, platform="tpu")
 
 
+# The inspect runs below: attention layers only (helpers.ATTENTION_LAYERS), what inspect reads of a
+# compiled step does not depend on the mixers, at about half of a two-mixer model's compile per arm.
+
+
 def test_inspect_cpu_side_by_side(tmp_path, capsys):
     out = tmp_path / "inspect.json"
-    rc = main(["inspect", "recipe=tiny", *TWO_LAYERS, "train.batch_size=8", "--target", "cpu:8",
+    rc = main(["inspect", "recipe=tiny", *ATTENTION_LAYERS, "train.batch_size=8", "--target", "cpu:8",
                "--compare", "moe.capacity_factor=0.5", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -98,7 +102,7 @@ def test_inspect_reports_a_step_the_compiler_refuses_for_memory(tmp_path, capsys
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", compile_then_refuse)
     out = tmp_path / "inspect.json"
-    rc = main(["inspect", "recipe=tiny", *TWO_LAYERS, "train.batch_size=8", "--target", "cpu:8",
+    rc = main(["inspect", "recipe=tiny", *ATTENTION_LAYERS, "train.batch_size=8", "--target", "cpu:8",
                "--compare", "train.seed=1", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out

@@ -42,8 +42,9 @@ def test_moe_sparse_matches_dense_with_empty_experts():
             w, idx, _ = moe_mod.route(p["router"], x, cfg.model)
             fn = moe_mod.sparse_experts if impl == "sparse" else moe_mod.dense_experts
             return fn(x, w, idx, p["wi"], p["wo"])
-        y = f(p, x)
-        g = jax.grad(lambda p, x: jnp.sum(jnp.sin(f(p, x))), argnums=(0, 1))(p, x)
+        # Jitted: one compile each (eager, every op would dispatch and compile on its own).
+        y = jax.jit(f)(p, x)
+        g = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(f(p, x))), argnums=(0, 1)))(p, x)
         return y, g
 
     _, idx, _ = moe_mod.route(p["router"], x, cfg.model)
@@ -56,7 +57,9 @@ def test_causality_through_gradients():
     params = tiny_params(cfg)
     T, t = 48, 20
     tokens = jnp.asarray(np.random.default_rng(0).permutation(256)[:T][None], jnp.int32)  # distinct ids
-    g = jax.grad(lambda e: jnp.sum(decoder_hidden({**params, "embed": e}, cfg, tokens)[0, t]))(params["embed"])
+    # One compile (eager, the model's ops would dispatch and compile one by one).
+    g = jax.jit(jax.grad(lambda e, p: jnp.sum(decoder_hidden({**p, "embed": e}, cfg, tokens)[0, t])))(
+        params["embed"], params)
     row_norm = np.linalg.norm(np.asarray(g)[np.asarray(tokens[0])], axis=-1)
     assert np.all(row_norm[t + 1:] == 0.0), "a later token influenced an earlier position"
     assert np.all(row_norm[: t + 1] > 0.0)
@@ -85,15 +88,18 @@ def _loss_and_grads(cfg, params, batch):
     return jax.jit(f)(params)
 
 
-EIGHT_LAYERS = ("model.num_layers=8",)  # two blocks of tiny's pattern: the layer scan loops
+# Two blocks of a one-GDN-one-attention pattern: the layer scan loops, each block holds both mixers
+# and more than one layer (what remat.unit=layer/sublayer split), at half the program of tiny's
+# four-layer pattern (each arm below is a compile: ~12 s each at tiny's pattern on 2 cores).
+TWO_BLOCKS = ("model.layer_pattern=[gdn,attention]", "model.num_layers=4")
 
 
 @functools.cache
-def _eight_layers(*overrides: str):
-    """(loss and gradients, the program's jaxpr) of tiny at eight layers under `overrides`, on one set
+def _two_blocks(*overrides: str):
+    """(loss and gradients, the program's jaxpr) of tiny at TWO_BLOCKS under `overrides`, on one set
     of params and one batch (remat settings do not change either): traced once per config for the
     remat family's tests, which compare many arms against the same reference."""
-    cfg = tiny_config(*EIGHT_LAYERS, *overrides)
+    cfg = tiny_config(*TWO_BLOCKS, *overrides)
     params, batch = tiny_params(cfg), packed_batch(0, 2, 64, cfg.model.vocab_size)
     traced = jax.jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0])).trace(params)
     return jax.device_get(traced.lower().compile()(params)), traced.jaxpr
@@ -126,7 +132,7 @@ def test_scan_and_remat_variants_equal_the_scanned_full_remat(overrides):
     # Remat changes what is recomputed, hence XLA's fusion and float32 summation order (~5e-6 at
     # LLVM -O2, up to 2.3e-5 at the suite's -O0: tests/conftest.py), never the maths: a wrong save
     # or replay is O(1).
-    assert_rel_l2(_eight_layers("remat.policy=full")[0], _eight_layers(*overrides)[0], 1e-4)
+    assert_rel_l2(_two_blocks("remat.policy=full")[0], _two_blocks(*overrides)[0], 1e-4)
 
 
 def _block_residuals(cfg, B=2, T=64):
@@ -178,10 +184,10 @@ def test_expert_grad_barrier_ties_each_layers_input_cotangent_to_its_moe_gradien
     from hybridmoe.analysis.program import iter_eqns
 
     overrides = ("remat.policy=full", f"remat.unit={unit}")
-    (off, off_jaxpr), (on, on_jaxpr) = _eight_layers(*overrides), _eight_layers(*overrides, "remat.expert_grad_barrier=true")
+    (off, off_jaxpr), (on, on_jaxpr) = _two_blocks(*overrides), _two_blocks(*overrides, "remat.expert_grad_barrier=true")
     assert_rel_l2(off, on, 1e-4)
 
-    m = tiny_config(*EIGHT_LAYERS).model
+    m = tiny_config(*TWO_BLOCKS).model
     wi = off[1]["blocks"][0]["moe"]["wi"].shape[1:]
     barriers = lambda eqns: [e for e in eqns if e.primitive.name == "optimization_barrier"]  # noqa: E731
     assert barriers(iter_eqns(off_jaxpr)) == []
@@ -202,7 +208,7 @@ def test_layer_remat_lowers_the_compiled_backwards_temporaries():
     from hybridmoe.analysis import program
 
     def temp(unit):
-        cfg = tiny_config("model.num_layers=8", "remat.policy=full", f"remat.unit={unit}")
+        cfg = tiny_config(*TWO_BLOCKS, "remat.policy=full", f"remat.unit={unit}")
         params = tiny_params(cfg)
         batch = packed_batch(0, 2, 256, cfg.model.vocab_size)
         f = jax.jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0]))

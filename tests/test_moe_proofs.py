@@ -24,7 +24,7 @@ import pytest
 from broken_variants import BROKEN, BROKEN_MOE
 # The lever override sets and the shared epilogue-variant fixture of the lever tests.
 from test_moe_levers import BF16, EP2, PALLAS, R, TILED, WI, WO, broken_epilogue  # noqa: F401
-from helpers import TWO_LAYERS, packed_batch, tiny_config, tiny_params
+from helpers import ATTENTION_LAYERS, TWO_LAYERS, packed_batch, tiny_config, tiny_params
 from hybridmoe.analysis import program
 from hybridmoe.kernels.gmm import row_tiled_dot
 from hybridmoe.model import moe as moe_mod
@@ -67,8 +67,9 @@ def _tokens(cfg):
 
 
 def model_run(*overrides):
-    """Loss, logits and every gradient of the training loss on the 8-device mesh (float32)."""
-    cfg = tiny_config(*TWO_LAYERS, *overrides)
+    """Loss, logits and every gradient of the training loss on the 8-device mesh (float32), attention
+    layers only (the router is every layer's; a GDN layer would only add to each compile)."""
+    cfg = tiny_config(*ATTENTION_LAYERS, *overrides)
     params = tiny_params(cfg)
     batch = packed_batch(0, 8, 64, cfg.model.vocab_size)
     setup = build(cfg)

@@ -12,7 +12,7 @@ import pytest
 import hybridmoe.rl.grpo as grpo_module
 import hybridmoe.train.loop as loop
 import hybridmoe.run.step as step_module
-from helpers import TWO_LAYERS, tiny_config, tiny_params
+from helpers import ATTENTION_LAYERS, tiny_config, tiny_params
 from hybridmoe.analysis.program import primitive_counts
 from hybridmoe.cli import main
 from hybridmoe.config.schema import TrainConfig
@@ -24,7 +24,10 @@ from hybridmoe.run.guard import NonFiniteGuard, NonFiniteStop
 from hybridmoe.run.metrics import read_metrics
 from test_grpo import _advantages, _config as grpo_config, _rollout
 
-OVER = ("train.batch_size=8", "train.seq_len=16", "train.checkpoint_every=0", "train.warmup_steps=0", *TWO_LAYERS)
+# The guard selects over the state's leaves whatever the layers are: attention layers only
+# (helpers.ATTENTION_LAYERS, the supervised and the GRPO step alike), about half of a two-mixer
+# model's compile for each of the file's step programs.
+OVER = ("train.batch_size=8", "train.seq_len=16", "train.checkpoint_every=0", "train.warmup_steps=0", *ATTENTION_LAYERS)
 MARK = 0  # a first token of 0 (padding) never starts a real batch: it marks a poisoned step
 
 
@@ -154,7 +157,7 @@ def _train_steps(policy: str):
 
 
 def _grpo_steps(policy: str):
-    cfg = grpo_config(f"train.on_nonfinite={policy}")
+    cfg = grpo_config(*ATTENTION_LAYERS, f"train.on_nonfinite={policy}")
     setup, opt = build(cfg), rl_optimizer(cfg)
     step_fn = jit_grpo_step(setup, with_reference=False)
     init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},
@@ -257,7 +260,7 @@ def test_grpo_step_with_a_nonfinite_gradient_keeps_params_and_optimizer_state(va
     monkeypatch.setattr(grpo_module, "micro_batch_loss", _poisoned_micro_batch_loss(grpo_module.micro_batch_loss))
     if GRPO_BROKEN_GUARDS[variant] is not None:
         monkeypatch.setattr(grpo_module, "skip_if_nonfinite", GRPO_BROKEN_GUARDS[variant])
-    cfg = grpo_config("rl.micro_batches=2")
+    cfg = grpo_config(*ATTENTION_LAYERS, "rl.micro_batches=2")
     setup, opt = build(cfg), rl_optimizer(cfg)
     step_fn = jit_grpo_step(setup, with_reference=False)
     init = jax.jit(lambda p: {"params": p, "opt_state": opt.init(p), "step": jnp.int32(0)},

@@ -29,9 +29,12 @@ from hybridmoe.run import setup as setup_mod
 from hybridmoe.run import step as step_mod
 from hybridmoe.train import loop as train_loop
 from broken_variants import mutated
-from helpers import tiny_config, tiny_params
+from helpers import TWO_LAYERS, tiny_config, tiny_params
 
-OVERRIDES = ("train.learning_rate=2e-3", "train.warmup_steps=3", "train.weight_decay=0.5", "train.b1=0.8",
+# TWO_LAYERS: one layer of each mixer, so every kind of parameter (GDN's, attention's, the MoE
+# block's, norms, embeddings) is in the tree the optimizers update, at half of tiny's leaves (each
+# loop's update is a compile over the whole tree).
+OVERRIDES = (*TWO_LAYERS, "train.learning_rate=2e-3", "train.warmup_steps=3", "train.weight_decay=0.5", "train.b1=0.8",
              "train.b2=0.97", "train.grad_clip=0.5", "rl.learning_rate=7e-4", "rl.lr_warmup_steps=2")
 STEPS = 6
 GRAD_NORMS = (2.0, 0.1, 3.0, 0.3, 1.5, 0.05)  # above and below train.grad_clip (0.5): the clip on and off

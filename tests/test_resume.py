@@ -4,14 +4,17 @@ overwrites it when asked), and metrics.jsonl and TensorBoard keep one record per
 
 import pytest
 
-from helpers import TWO_LAYERS, tiny_config
+from helpers import ATTENTION_LAYERS, tiny_config
 from hybridmoe.run.checkpoint import finished_steps
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.train.loop import train
 from hybridmoe.run.metrics import read_metrics
 from run_checks import assert_tensorboard_matches_jsonl, comparable
 
-OVER = ("train.steps=4", "train.checkpoint_every=2", "train.batch_size=8", "train.seq_len=16", *TWO_LAYERS)
+# Attention layers only (helpers.ATTENTION_LAYERS): which checkpoint a resume takes and what it writes
+# do not depend on the mixers. The step program of tests/test_train.py's resume tests and of the kill
+# trials (tests/kill_harness.py): one compile in a cold run.
+OVER = ("train.steps=4", "train.checkpoint_every=2", "train.batch_size=8", "train.seq_len=16", *ATTENTION_LAYERS)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 
 import hybridmoe.rl.loop as rl_loop
 import hybridmoe.run.session as run_session
-from helpers import TWO_LAYERS, tiny_config
+from helpers import ATTENTION_LAYERS, TWO_LAYERS, tiny_config
 from hybridmoe.config import ConfigError
 from hybridmoe.model.params import abstract_params
 from hybridmoe.rl.loop import run_rl
@@ -374,8 +374,8 @@ def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_e
     # as the caller's task, the run meets it step by step.
     from hybridmoe.data.arithmetic import task_from_config
 
-    cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=1", "rl.steps=5", "rl.checkpoint_every=0", "rl.max_prompt_len=2",
-                      "rl.beta=0")
+    cfg = tiny_config(*OVERRIDES, *ATTENTION_LAYERS, "rl.warmup_steps=1", "rl.steps=5", "rl.checkpoint_every=0",
+                      "rl.max_prompt_len=2", "rl.beta=0")  # counting and stopping: whatever the mixers
     out = tmp_path / "run"
     with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample \(last: step 3;.*raise rl.max_prompt_len"):
         run_rl(cfg, out, progress=False, task=task_from_config(cfg))
@@ -408,7 +408,9 @@ def test_grpo_levers_together_run_and_log_what_they_do(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(rl_loop, "policy_updates", recording_updates)
-    cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=0", "rl.steps=2", "rl.checkpoint_every=0", "rl.beta=0",
+    # Attention layers only: the levers act on the rollout and the update whatever the mixers (the
+    # hybrid's RL run is the module's finished_run).
+    cfg = tiny_config(*OVERRIDES, *ATTENTION_LAYERS, "rl.warmup_steps=0", "rl.steps=2", "rl.checkpoint_every=0", "rl.beta=0",
                       "rl.temperature=0.8", "rl.top_p=0.95", "rl.importance_correction=tis",
                       "rl.updates_per_rollout=2", "rl.dynamic_sampling=true", "rl.dynamic_sampling_rounds=2",
                       "moe.routing_replay=true", "rl.prompts_per_step=2", "rl.group_size=8")

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from helpers import tiny_config, tiny_params
+from helpers import TWO_LAYERS, tiny_config, tiny_params
 from hybridmoe.model.forward import decoder_hidden, logits
 from hybridmoe.kernels.logprobs import chunked_token_logprobs
 from hybridmoe.rl.sampler import SamplingOptions, choose_tokens, left_pad_prompts, make_generate, sampling_logits
@@ -23,8 +23,10 @@ def _prompts(vocab: int, seed: int = 0):
 
 
 def _setup():
-    # gdn.chunk_size=4: the prefill and the trainer forward both cross chunk boundaries.
-    cfg = tiny_config("gdn.chunk_size=4")
+    # gdn.chunk_size=4: the prefill and the trainer forward both cross chunk boundaries. One layer of
+    # each mixer (TWO_LAYERS): the decode carries a GDN state and a KV cache, at about half of tiny's
+    # four layers' compiles.
+    cfg = tiny_config(*TWO_LAYERS, "gdn.chunk_size=4")
     return cfg, build(cfg), tiny_params(cfg)
 
 

@@ -21,7 +21,7 @@ import pytest
 import hybridmoe.rl.loop as rl_loop
 import hybridmoe.rl.memory_plan as memory_plan_mod
 from broken_variants import mutated
-from helpers import TWO_LAYERS, tiny_config
+from helpers import ATTENTION_LAYERS, tiny_config
 from hybridmoe.config.schema import Config, Section
 from hybridmoe.run import setup as setup_mod
 
@@ -178,9 +178,11 @@ def test_broken_keys_are_caught(variant):
 # completions, 3 new tokens, rl.beta=0.05, one layer of each mixer): the first run's programs are
 # that run's, read from the compile cache when it ran before; the second compiles its own step.
 
+# Attention layers only (helpers.ATTENTION_LAYERS): which GRPO step a run meets does not depend on
+# the mixers, and each run's programs compile in about half of a two-mixer model's time.
 RL_OVERRIDES = ("rl.warmup_steps=0", "rl.steps=1", "rl.checkpoint_every=0", "rl.prompts_per_step=2",
                 "rl.group_size=4", "rl.max_prompt_len=6", "rl.max_new_tokens=3", "rl.beta=0.05", "train.batch_size=8",
-                "train.seq_len=32", "gdn.chunk_size=8", *TWO_LAYERS)
+                "train.seq_len=32", "gdn.chunk_size=8", *ATTENTION_LAYERS)
 LR_A, LR_B = 1e-3, 4e-3
 SCALE_TOL = 1e-4  # relative L2 of the B update against LR_B / LR_A times A's (float32 Adam, eps 1e-8)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TWO_LAYERS
+from helpers import ATTENTION_LAYERS
 from hybridmoe.analysis import hlo_cost as hc
 from hybridmoe.analysis import step_estimate as se
 from hybridmoe.analysis.program import iter_eqns
@@ -389,7 +389,9 @@ def test_inspect_prints_and_records_the_estimate(tmp_path, capsys):
     from hybridmoe.cli import main
 
     out = tmp_path / "inspect.json"
-    rc = main(["inspect", "recipe=tiny", *TWO_LAYERS, "train.batch_size=8", "--target", "cpu:8",
+    # The step tests/test_inspect_gates.py's inspect runs compile (attention layers only): one compile
+    # in a cold run, the other read from the cache.
+    rc = main(["inspect", "recipe=tiny", *ATTENTION_LAYERS, "train.batch_size=8", "--target", "cpu:8",
                "--estimate-for", "h200", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out

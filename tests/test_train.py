@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TWO_LAYERS, assert_rel_l2, tiny_config, tiny_params
+from helpers import ATTENTION_LAYERS, TWO_LAYERS, assert_rel_l2, tiny_config, tiny_params
 from hybridmoe.data.synthetic import synthetic_batch
 from hybridmoe.run.run_dir import RunError
 from hybridmoe.train.loop import train
@@ -23,7 +23,12 @@ def test_loss_falls_on_8_devices():
 
 
 def test_resume_after_a_stop_continues_exactly(tmp_path):
-    over = ("train.steps=6", "train.checkpoint_every=3", "train.batch_size=8", "train.seq_len=32", *TWO_LAYERS)
+    # The step program of the two tests below (train.steps and checkpoint_every are not in it): a
+    # cold run compiles it once, and the others read it from the compile cache. Attention layers
+    # only (helpers.ATTENTION_LAYERS): what a resume, or a set-up kept, carries over does not depend
+    # on the mixers (the loss falling above is the hybrid's; a hybrid run resumes exactly in
+    # tests/test_rl_run.py and tests/test_data.py).
+    over = ("train.steps=6", "train.checkpoint_every=3", "train.batch_size=8", "train.seq_len=16", *ATTENTION_LAYERS)
     straight = train(tiny_config(*over), tmp_path / "a", progress=False)
     # A run that stops after step 3 (as if killed after its checkpoint), then resumes.
     train(tiny_config(*over[:1], "train.steps=3", *over[1:]), tmp_path / "b", progress=False)
@@ -44,7 +49,7 @@ def test_a_run_of_an_equal_config_in_the_same_process_reuses_its_programs(tmp_pa
 
     made, real = [], train_loop.jit_train_step
     monkeypatch.setattr(train_loop, "jit_train_step", lambda setup: made.append(setup.cfg) or real(setup))
-    over = ("train.steps=2", "train.batch_size=8", "train.seq_len=16", *TWO_LAYERS)
+    over = ("train.steps=2", "train.batch_size=8", "train.seq_len=16", *ATTENTION_LAYERS)
     first = train(tiny_config(*over), tmp_path / "a", progress=False)
     second = train(tiny_config(*over), tmp_path / "b", progress=False)
     assert len(made) == 1, made
@@ -57,7 +62,7 @@ def test_a_run_of_an_equal_config_in_the_same_process_reuses_its_programs(tmp_pa
 
 
 def test_existing_run_is_not_overwritten(tmp_path):
-    over = ("train.steps=1", "train.batch_size=8", "train.seq_len=16", *TWO_LAYERS)
+    over = ("train.steps=1", "train.batch_size=8", "train.seq_len=16", *ATTENTION_LAYERS)
     train(tiny_config(*over), tmp_path / "a", progress=False)
     before = (tmp_path / "a" / "metrics.jsonl").read_text()
     with pytest.raises(RunError, match="--resume"):
@@ -66,7 +71,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
 
 
 def test_micro_batch_accumulation_equals_one_big_batch():
-    cfg = tiny_config(*TWO_LAYERS)  # accumulation is the model's business only through its loss
+    cfg = tiny_config(*ATTENTION_LAYERS)  # accumulation is the model's business only through its loss
     params = tiny_params(cfg)
     two = synthetic_batch(0, 0, 2, 2, 32, cfg.model.vocab_size)
     one = {k: v.reshape(1, 4, 32) for k, v in two.items()}
