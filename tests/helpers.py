@@ -67,3 +67,18 @@ def benchmark_script(name: str):
     sys.modules.setdefault(name, module)
     spec.loader.exec_module(module)
     return module
+
+
+class SteppingClock:
+    """A stand-in for a module's `time`: perf_counter moves `wall` seconds a call, process_time `cpu`."""
+
+    def __init__(self, wall: float, cpu: float = 0.0):
+        self.wall, self.cpu, self.t, self.c = wall, cpu, 0.0, 0.0
+
+    def perf_counter(self) -> float:
+        self.t += self.wall
+        return self.t
+
+    def process_time(self) -> float:
+        self.c += self.cpu
+        return self.c

@@ -418,12 +418,11 @@ ENTRY %main (a: f32[{G},{K},{M}], b: f32[{G},{K},{N}]) -> f32[{G},{M},{N}] {{
     assert hc.hlo_flops(text) == 2 * G * M * N * K
 
 
-def test_a_collective_offloaded_to_an_async_call_is_counted():
-    """The TPU7x compiler runs the weights' all-gathers and the gradients' reduce-scatters on the
-    SparseCore, each as an async call-start of a computation holding the collective: it is a
-    collective of the step (ring bytes over the links), not a memory op of its call's size."""
-    n, rows, width = 4, 1024, 512
-    text = f"""HloModule offloaded
+def _offloaded_gather(n: int, rows: int, width: int, *, negate_first: bool = False) -> str:
+    """A program as the TPU7x compiler offloads an all-gather over n devices: an async call-start of a
+    computation holding the collective (the SparseCore), of x or of -x (some compute before it)."""
+    neg = f"  %neg = bf16[{rows},{width}]{{1,0}} negate(%x)\n" if negate_first else ""
+    return f"""HloModule offloaded
 
 %gather (p: bf16[{rows},{width}]) -> bf16[{n * rows},{width}] {{
   %p = bf16[{rows},{width}]{{1,0}} parameter(0)
@@ -432,11 +431,18 @@ def test_a_collective_offloaded_to_an_async_call_is_counted():
 
 ENTRY %main (x: bf16[{rows},{width}]) -> bf16[{n * rows},{width}] {{
   %x = bf16[{rows},{width}]{{1,0}} parameter(0)
-  %start = ((bf16[{rows},{width}]{{1,0}}), bf16[{n * rows},{width}]{{1,0}}, u32[]) call-start(%x), async_execution_thread="sparsecore", to_apply=%gather
+{neg}  %start = ((bf16[{rows},{width}]{{1,0}}), bf16[{n * rows},{width}]{{1,0}}, u32[]) call-start(%{"neg" if negate_first else "x"}), async_execution_thread="sparsecore", to_apply=%gather
   ROOT %done = bf16[{n * rows},{width}]{{1,0}} call-done(%start)
 }}
 """
-    est = se.estimate(text, se.HARDWARE["tpu7x"], tokens_per_step=1, chips=2, devices=n)
+
+
+def test_a_collective_offloaded_to_an_async_call_is_counted():
+    """The TPU7x compiler runs the weights' all-gathers and the gradients' reduce-scatters on the
+    SparseCore, each as an async call-start of a computation holding the collective: it is a
+    collective of the step (ring bytes over the links), not a memory op of its call's size."""
+    n, rows, width = 4, 1024, 512
+    est = se.estimate(_offloaded_gather(n, rows, width), se.HARDWARE["tpu7x"], tokens_per_step=1, chips=2, devices=n)
     gathered = n * rows * width * 2
     assert est["collectives"]["all-gather"]["wire_bytes"] == pytest.approx(gathered * (n - 1) / n)
     assert est["categories"]["the rest"]["bytes"] == 0, est["categories"]["the rest"]
@@ -469,21 +475,7 @@ def test_a_grpo_steps_estimate_per_chip_and_its_overlap_by_hand():
                                "rl.epochs_per_rollout=2"])
     tokens = 16 // 2 * cfg.rl.sequence_len  # 16 rows in 2 mini-batches (4 updates over 2 epochs)
     assert se.tokens_per_step(cfg, "grpo") == tokens
-    n, rows, width = 4, 1024, 512
-    text = f"""HloModule offloaded
-
-%gather (p: bf16[{rows},{width}]) -> bf16[{n * rows},{width}] {{
-  %p = bf16[{rows},{width}]{{1,0}} parameter(0)
-  ROOT %ag = bf16[{n * rows},{width}]{{1,0}} all-gather(%p), channel_id=1, replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}
-}}
-
-ENTRY %main (x: bf16[{rows},{width}]) -> bf16[{n * rows},{width}] {{
-  %x = bf16[{rows},{width}]{{1,0}} parameter(0)
-  %neg = bf16[{rows},{width}]{{1,0}} negate(%x)
-  %start = ((bf16[{rows},{width}]{{1,0}}), bf16[{n * rows},{width}]{{1,0}}, u32[]) call-start(%neg), async_execution_thread="sparsecore", to_apply=%gather
-  ROOT %done = bf16[{n * rows},{width}]{{1,0}} call-done(%start)
-}}
-"""
+    text = _offloaded_gather(4, 1024, 512, negate_first=True)
     step = SimpleNamespace(cfg=cfg, program_name="grpo", program=SimpleNamespace(compiled_text=text),
                            target=SimpleNamespace(name="tpu7x:2x2x1", num_devices=8, devices=[], platform="tpu"))
     est = se.estimate_step(step)

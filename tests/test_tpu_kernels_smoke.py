@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from helpers import benchmark_script
+from helpers import SteppingClock, benchmark_script
 
 
 def _benchmark():
@@ -34,24 +34,9 @@ def test_tiny_grouped_matmul_runs_end_to_end(tmp_path):
         assert 0 < r["fwd_rel_err"] < 1e-2 and 0 < r["rel_err"] < 1e-2, r
 
 
-class _Clock:
-    """A stand-in for a module's `time`: perf_counter moves `wall` seconds a call, process_time `cpu`."""
-
-    def __init__(self, wall: float, cpu: float = 0.0):
-        self.wall, self.cpu, self.t, self.c = wall, cpu, 0.0, 0.0
-
-    def perf_counter(self) -> float:
-        self.t += self.wall
-        return self.t
-
-    def process_time(self) -> float:
-        self.c += self.cpu
-        return self.c
-
-
 def test_the_matmul_ceiling_is_2_n_cubed_flops_over_the_median_call(monkeypatch):
     benchmark = _benchmark()
-    monkeypatch.setattr(benchmark, "time", _Clock(0.5))  # every timed call: 0.5 s
+    monkeypatch.setattr(benchmark, "time", SteppingClock(0.5))  # every timed call: 0.5 s
     assert benchmark.matmul_ceiling_tflops(8, repeats=3) == 2 * 8**3 / 0.5 / 1e12
 
 
@@ -61,7 +46,7 @@ def test_interleaved_records_one_calls_time_per_round(monkeypatch):
     harness = benchmark.harness
     calls = []
     # The clock moves 2 s between a round's two readings (the CPU clock 1 s), the round 3 calls.
-    monkeypatch.setattr(harness, "time", _Clock(2.0, 1.0))
+    monkeypatch.setattr(harness, "time", SteppingClock(2.0, 1.0))
     times = harness.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2, reps=3)
     assert calls == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3  # the order rotated in the second round
     assert times == {name: {"wall_s": [2.0 / 3, 2.0 / 3], "cpu_s": [1.0 / 3, 1.0 / 3]} for name in ("a", "b")}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import benchmark_script
+from helpers import SteppingClock, benchmark_script
 
 
 def _benchmark():
@@ -107,20 +107,9 @@ def test_the_script_runs_each_part_in_a_watched_child(tmp_path):
     _check_learn(tmp_path, record["learn"], "chip-learn")
 
 
-class _Clock:
-    """A stand-in for the benchmark's `time` module whose perf_counter moves `step` seconds a call."""
-
-    def __init__(self, step: float):
-        self.now, self.step = 0.0, step
-
-    def perf_counter(self) -> float:
-        self.now += self.step
-        return self.now
-
-
 def test_the_hbm_probe_rates_are_bytes_moved_over_the_clocks_seconds(monkeypatch):
     benchmark = _benchmark()
-    monkeypatch.setattr(benchmark, "time", _Clock(0.25))  # every timed call: 0.25 s
+    monkeypatch.setattr(benchmark, "time", SteppingClock(0.25))  # every timed call: 0.25 s
     probe = benchmark.hbm_probe(1, repeats=3)
     # 1 MiB of bf16: 2^19 elements. The sum reads them once (2^20 bytes); the copy reads and writes (2^21).
     assert probe == {"probe_mib": 1, "read_bytes_per_s": 2**20 / 0.25, "copy_bytes_per_s": 2**21 / 0.25}
