@@ -360,10 +360,10 @@ def _variants():
         "layers_of_the_pattern_once": (lambda: fl("step_flops", "for kind in m.layer_kinds", "for kind in m.layer_pattern"),
                                        repeated),
         # a device's memory time at its chip's HBM bandwidth (per chip and per device confused)
-        "memory_time_at_the_chips_bandwidth": (lambda: est("estimate", "memory = c.bytes / hw.hbm_bytes_per_s",
+        "memory_time_at_the_chips_bandwidth": (lambda: est("op_seconds", "memory = c.bytes / hw.hbm_bytes_per_s",
                                                            "memory = c.bytes / hw.hbm_bytes_per_s_chip"), mixed),
         # an fp8 matmul timed at the bf16 peak
-        "fp8_at_the_bf16_peak": (lambda: est("estimate", "(hw.fp8_flops if c.fp8 else hw.bf16_flops)", "hw.bf16_flops"),
+        "fp8_at_the_bf16_peak": (lambda: est("op_seconds", "(hw.fp8_flops if c.fp8 else hw.bf16_flops)", "hw.bf16_flops"),
                                  mixed),
         # an all-reduce's ring sending its buffer once (the reduce-scatter half only)
         "all_reduce_sent_once": (lambda: wire('"all-reduce": 2 * result_bytes', '"all-reduce": result_bytes'), mixed),
