@@ -53,3 +53,23 @@ def test_tiny_run_writes_both_arms_and_the_gdn_layer(tmp_path):
     for side in ("ours", "maxtext"):
         assert record["gdn_layer"][side]["mean_s"] > 0
     assert record["gdn_layer_over_ours"] > 0
+
+
+def test_a_later_run_keeps_the_earlier_runs_other_arms_of_the_same_device(tmp_path):
+    """One chip call times ours beside MaxText at remat full, the next ours beside remat minimal: the
+    record holds both MaxText arms, each with its own run's over_ours and commit, the later ours; a
+    record of another device is not merged into."""
+    from helpers import benchmark_script
+
+    module = benchmark_script("peer_maxtext")
+    out = tmp_path / "tpu_peer.json"
+    out.write_text(json.dumps({"device": "TPU v5 lite x 1", "arms": {
+        "ours": {"measured_s": 0.4, "over_ours": 1.0, "commit": "aaa"},
+        "maxtext_remat_full": {"measured_s": 0.8, "over_ours": 2.0, "commit": "aaa"}}}))
+    now = {"ours": {"measured_s": 0.5, "over_ours": 1.0}, "maxtext_remat_minimal": {"measured_s": 0.75, "over_ours": 1.5}}
+    merged = module.merged_rows(str(out), "TPU v5 lite x 1", now, "bbb")
+    assert merged == {"ours": {"measured_s": 0.5, "over_ours": 1.0, "commit": "bbb"},
+                      "maxtext_remat_full": {"measured_s": 0.8, "over_ours": 2.0, "commit": "aaa"},
+                      "maxtext_remat_minimal": {"measured_s": 0.75, "over_ours": 1.5, "commit": "bbb"}}
+    assert module.merged_rows(str(out), "cpu", now, "bbb") == {n: {**r, "commit": "bbb"} for n, r in now.items()}
+    assert module.merged_rows(str(tmp_path / "none.json"), "cpu", now, "c")["ours"]["commit"] == "c"
