@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -122,6 +123,17 @@ def write(out: str | Path, benchmark: str, *, versions: dict | None = None, **fi
         record["versions"] = {**record["versions"], **versions}
     write_record(Path(out), record)
     return record
+
+
+def merged_with_earlier(out: str | Path, key: str, now: dict, device: str, commit: str) -> dict:
+    """The entries `now` (each named with `commit`) over the `key` entries of an earlier record of the
+    same device at `out` (none when there is no record or it is another device's): a rerun of some
+    entries (the failed tests, one more arm) replaces theirs, the others keep their figures and the
+    commit they were made at."""
+    path = Path(out)
+    old = json.loads(path.read_text()) if path.is_file() and path.stat().st_size else {}
+    previous = old.get(key, {}) if old.get("device") == device else {}
+    return {**previous, **{name: {**row, "commit": commit} for name, row in now.items()}}
 
 
 # A child process run under `watched` marks each piece of work it starts and ends with these lines

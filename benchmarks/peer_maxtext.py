@@ -380,16 +380,6 @@ def gdn_layer_times(ours_cfg, mt_arm: MaxTextArm, rounds: int) -> dict:
 
 # --- the run --------------------------------------------------------------------------------------------
 
-def merged_rows(out: str, device: str, now: dict, commit: str) -> dict:
-    """The arms of this run (each named with `commit`) over those of an earlier record of the same
-    device at `out`: a chip call can time one MaxText arm beside ours and the next call another,
-    each arm keeping its own run's `over_ours` and commit. This run's `ours` replaces the earlier one."""
-    path = Path(out)
-    old = json.loads(path.read_text()) if path.is_file() and path.stat().st_size else {}
-    previous = old.get("arms", {}) if old.get("device") == device else {}
-    return {**previous, **{name: {**row, "commit": commit} for name, row in now.items()}}
-
-
 def main(argv=None) -> int:
     p = harness.parser(__doc__, __file__, raw=True, record="tpu_peer")
     local = harness.ROOT / ".maxtext-site"
@@ -473,7 +463,9 @@ def main(argv=None) -> int:
         row["over_ours"] = row["measured_s"] / ours_s  # against our arm timed in the same run
     from hybridmoe.tools.record import machine_record, source_commit
 
-    rows = merged_rows(args.out, machine_record()["device"], rows, source_commit())
+    # One chip call can time one MaxText arm beside ours and the next call another: each keeps its own
+    # run's ratio to ours and its commit; this run's `ours` replaces the earlier one.
+    rows = harness.merged_with_earlier(args.out, "arms", rows, machine_record()["device"], source_commit())
     import importlib.metadata
 
     print(f"{'arm':<24}{'s/step':>10}{'tokens/s':>12}{'over ours':>10}")

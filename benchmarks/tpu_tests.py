@@ -12,7 +12,6 @@ written either way).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -44,25 +43,10 @@ class Outcomes:
     def write(self, complete: bool) -> None:
         from hybridmoe.tools.record import machine_record, source_commit
 
-        tests = merged(read_previous(self.out, machine_record()["device"]), self.tests, source_commit())
+        # A rerun of the failed tests after a fix leaves the passed ones standing, with their commit.
+        tests = harness.merged_with_earlier(self.out, "tests", self.tests, machine_record()["device"], source_commit())
         harness.write(self.out, "tpu_tests", **counts_of(tests), collected=self.collected, complete=complete,
                       tests=tests)
-
-
-def read_previous(out: str, device: str) -> dict:
-    """The tests of an earlier record of the same device at `out` ({} when none)."""
-    path = Path(out)
-    if not path.is_file():
-        return {}
-    old = json.loads(path.read_text())
-    return old.get("tests", {}) if old.get("device") == device else {}
-
-
-def merged(previous: dict, now: dict, commit: str) -> dict:
-    """Every test's latest outcome: the tests run now (each named with this commit) replace theirs;
-    the others keep their outcome and the commit they ran at (a rerun of the failed ones after a
-    fix leaves the passed ones standing)."""
-    return {**previous, **{name: {**row, "commit": commit} for name, row in now.items()}}
 
 
 def counts_of(tests: dict) -> dict[str, int]:

@@ -61,15 +61,15 @@ def test_a_later_run_keeps_the_earlier_runs_other_arms_of_the_same_device(tmp_pa
     record of another device is not merged into."""
     from helpers import benchmark_script
 
-    module = benchmark_script("peer_maxtext")
+    harness = benchmark_script("harness")
     out = tmp_path / "tpu_peer.json"
     out.write_text(json.dumps({"device": "TPU v5 lite x 1", "arms": {
         "ours": {"measured_s": 0.4, "over_ours": 1.0, "commit": "aaa"},
         "maxtext_remat_full": {"measured_s": 0.8, "over_ours": 2.0, "commit": "aaa"}}}))
     now = {"ours": {"measured_s": 0.5, "over_ours": 1.0}, "maxtext_remat_minimal": {"measured_s": 0.75, "over_ours": 1.5}}
-    merged = module.merged_rows(str(out), "TPU v5 lite x 1", now, "bbb")
+    merged = harness.merged_with_earlier(out, "arms", now, "TPU v5 lite x 1", "bbb")
     assert merged == {"ours": {"measured_s": 0.5, "over_ours": 1.0, "commit": "bbb"},
                       "maxtext_remat_full": {"measured_s": 0.8, "over_ours": 2.0, "commit": "aaa"},
                       "maxtext_remat_minimal": {"measured_s": 0.75, "over_ours": 1.5, "commit": "bbb"}}
-    assert module.merged_rows(str(out), "cpu", now, "bbb") == {n: {**r, "commit": "bbb"} for n, r in now.items()}
-    assert module.merged_rows(str(tmp_path / "none.json"), "cpu", now, "c")["ours"]["commit"] == "c"
+    assert harness.merged_with_earlier(out, "arms", now, "cpu", "bbb") == {n: {**r, "commit": "bbb"} for n, r in now.items()}
+    assert harness.merged_with_earlier(tmp_path / "none.json", "arms", now, "cpu", "c")["ours"]["commit"] == "c"

@@ -38,4 +38,4 @@ def test_another_devices_record_is_not_merged(tmp_path, monkeypatch):
     rec = _write(tmp_path / "tpu_tests.json", "TPU v5 lite x 1", monkeypatch)
     assert rec["tests"] == {"t::fixed": {"outcome": "passed", "s": 2.5, "commit": "c2"}}
     assert (rec["passed"], rec["failed"], rec["skipped"]) == (1, 0, 0)
-    assert tpu_tests.read_previous(str(tmp_path / "none.json"), "cpu") == {}
+    assert tpu_tests.harness.merged_with_earlier(tmp_path / "none.json", "tests", {}, "cpu", "c2") == {}

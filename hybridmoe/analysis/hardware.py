@@ -172,7 +172,7 @@ def hardware_for(target: str, *, use_calibration: bool = True, table: dict | Non
         raise ValueError(f"no hardware figures for target {target!r}; known: {', '.join(MAKERS)} "
                          "(estimate a CPU compile against one with --estimate-for NAME)")
     hw = MAKERS[gen]
-    rows = (read_calibration() if table is None else table) if use_calibration or calibration_from else {}
+    rows = read_calibration() if table is None else table
     if calibration_from:
         if gen in rows:
             raise ValueError(f"{gen} has its own calibration row (measured on {rows[gen]['measured'].get('device')}); "

@@ -134,11 +134,11 @@ def by_category(ops: dict[str, TracedOp | float], compiled_text: str) -> dict[st
     category = Estimator(compiled_text).instruction_categories()
     out = {c: 0.0 for c in (*CATEGORIES, UNMATCHED)}
     for name, op in ops.items():
-        op = op if isinstance(op, TracedOp) else TracedOp(op)
+        op_name = op.op_name if isinstance(op, TracedOp) else ""
         cat = category.get(name)
-        if cat is None and op.op_name:
-            cat = category_of(op.op_name, bool(re.search(r"dot_general|conv_general|einsum", op.op_name)))
-        out[cat or UNMATCHED] += op.seconds
+        if cat is None and op_name:
+            cat = category_of(op_name, bool(re.search(r"dot_general|conv_general|einsum", op_name)))
+        out[cat or UNMATCHED] += _seconds(op)
     return out
 
 
