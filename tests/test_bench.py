@@ -169,9 +169,11 @@ def test_the_arms_rates_by_hand(monkeypatch):
     monkeypatch.setattr(bench, "_timed_visit", lambda arm, setup, compiled, visit, steps, profile=0:
                         arm.times.extend([step_s] * steps))
     monkeypatch.setattr(bench, "peak_flops", lambda mesh, dtype: (peak, "a stub's peak"))
+    monkeypatch.setattr(bench, "hlo_flops", lambda text: 3.5e9 if "ENTRY" in text else None)  # the program's count
     out = run_bench("tiny", ARMS_COMMON, [("control", ["train.micro_batches=2", "train.batch_size=16"])], 2,
                     free_bytes=None)
     arm = out["control"]
+    assert arm["program"]["flops_per_device"] == 3.5e9 and arm["program"]["xla_cost_flops_per_device"] > 0
     t = arm["config"]["train"]
     assert t["micro_batches"] == 2 and t["batch_size"] == 16
     tokens = 16 * 16  # the step's 16 sequences of 16 tokens, in 2 micro-batches of 8
@@ -179,6 +181,7 @@ def test_the_arms_rates_by_hand(monkeypatch):
     assert arm["tokens_per_s_per_device"] == pytest.approx(tokens / step_s / 8, rel=1e-12)
     assert arm["useful_flops_per_step"] == 551040 * tokens
     assert arm["useful_mfu"] == pytest.approx(551040 * tokens / 8 / step_s / peak, rel=1e-12)
-    assert arm["mfu"] == pytest.approx(arm["program"]["flops_per_device"] / step_s / peak, rel=1e-12)
+    assert arm["mfu"] == pytest.approx(3.5e9 / step_s / peak, rel=1e-12)
     assert arm["peak_flops_per_device"] == peak and arm["peak_source"] == "a stub's peak"
     assert 0 <= arm["useful_mfu"] <= 1 and 0 <= arm["mfu"] <= 1
+
