@@ -407,7 +407,7 @@ def cmd_tune_gmm(args, words):
     tune_gmm.check_host()
     recipe, overrides = split_args(words)
     cfg = load_config(recipe, [*overrides, *tune_gmm.TUNE_OVERRIDES])
-    result = tune_gmm.tune(cfg, budget_s=args.budget_s)
+    result = tune_gmm.tune(cfg, budget_s=args.budget_s, missing_only=args.missing)
     print(tune_gmm.format_result(result))
     if not args.dry_run:
         tune_gmm.write_table(result["generation"], result["entries"], tune_gmm.about(result))
@@ -547,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "tune-gmm":
             p.add_argument("--budget-s", type=float, default=500.0,
                            help="stop timing new shapes after this many seconds (the rest are listed as untuned)")
+            p.add_argument("--missing", action="store_true",
+                           help="time only the shapes the table has no entry for on this chip's generation "
+                                "(a run the budget cut short, continued)")
             p.add_argument("--dry-run", action="store_true", help="measure and print; leave the table as it is")
             p.add_argument("--out", help="write the JSON record here")
         if name == "gates":

@@ -9,6 +9,7 @@
 #   calibrate  hybridmoe calibrate        -> hybridmoe/analysis/chip_calibration.json (+ records/tpu_calibration.json)
 #   tiles      hybridmoe tune-gmm (the one-chip recipe's grouped matmuls) -> hybridmoe/kernels/gmm/tile_table.json
 #              (+ records/tpu_gmm_tiles.json)
+#   tiles-missing  the same for the shapes the table's section has no entry for (+ tpu_gmm_tiles_missing.json)
 #   kernels-one-chip, kernels-cell
 #              benchmarks/tpu_kernels.py --geometry G -> benchmarks/records/tpu_kernels.json (merged; each
 #              stops starting cases after 330 s, so each fits a 10-minute call)
@@ -88,6 +89,8 @@ for stage in "$@"; do
     tests) python3 benchmarks/tpu_tests.py ;;
     calibrate) python3 -m hybridmoe calibrate --out benchmarks/records/tpu_calibration.json ;;
     tiles) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --budget-s 420 --out benchmarks/records/tpu_gmm_tiles.json ;;
+    tiles-missing) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --missing --budget-s 420 \
+      --out benchmarks/records/tpu_gmm_tiles_missing.json ;;
     kernels-one-chip) python3 benchmarks/tpu_kernels.py --geometry one_chip --compile-cache .tpu-cache ;;
     kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache ;;
     kernels-missing) python3 benchmarks/tpu_kernels.py --missing --compile-cache .tpu-cache ;;
@@ -104,6 +107,6 @@ for stage in "$@"; do
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, kernels-one-chip, kernels-cell, kernels-missing, step, step-holdout, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-missing, step, step-holdout, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done

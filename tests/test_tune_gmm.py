@@ -184,3 +184,29 @@ def test_heuristic_tiles_on_a_tpu_are_the_chips_rule_never_128_cubed(monkeypatch
     assert on_tpu[0] == (512, 2048) and on_tpu[1] == (None, 2048, 384), on_tpu  # lhs [tm, tk], rhs [., tk, tn]
     assert blocks(Tiling(from_table=True)) == on_tpu  # the table has no v5e entry for this shape
     assert blocks(Tiling(128, 128, 128))[0] == (128, 128)  # explicit tiles stay as written
+
+
+def test_missing_times_only_the_shapes_the_table_lacks_and_the_table_keeps_both(tmp_path, monkeypatch):
+    """tune-gmm --missing (a run the budget cut short, continued): the two shapes the table holds for
+    this generation are not timed again; the other four are, and the merged section holds all six,
+    each with the commit it was measured at."""
+    cfg = load_config("tiny", ["kernels.interpret=true", *tune_gmm.TUNE_OVERRIDES])
+    monkeypatch.setattr(platform, "generation_of_device", lambda device: GEN)
+    calls = tune_gmm.step_calls(cfg)
+    assert len(calls) == 6
+    earlier = [{**c.key(), "tm": 128, "tk": 128, "tn": 128, "ms": 1.0, "default_ms": 1.0, "timed": 1,
+                "commit": "earlier"} for c in calls[:2]]
+    path = _table(tmp_path / "t.json", earlier)
+    timed = []
+    result = tune_gmm.tune(cfg, seconds=lambda c, t: timed.append(c.key()) or 1e-3, missing_only=True, path=path)
+    assert {tune_gmm.shape_key(k) for k in timed} == {tune_gmm.shape_key(c.key()) for c in calls[2:]}
+    assert result["already_tuned"] == [c.key() for c in calls[:2]] and result["skipped"] == []
+    tune_gmm.write_table(GEN, result["entries"], {"device": "TPU v5 lite", "commit": "now"}, path)
+    entries = tile_table.read_table(path)[GEN]["entries"]
+    by_shape = {tune_gmm.shape_key(e): e["commit"] for e in entries}
+    assert by_shape == {**{tune_gmm.shape_key(c.key()): "earlier" for c in calls[:2]},
+                        **{tune_gmm.shape_key(c.key()): "now" for c in calls[2:]}}
+    # Without --missing every shape is timed again.
+    timed.clear()
+    tune_gmm.tune(cfg, seconds=lambda c, t: timed.append(c.key()) or 1e-3, path=path)
+    assert {tune_gmm.shape_key(k) for k in timed} == {tune_gmm.shape_key(c.key()) for c in calls}

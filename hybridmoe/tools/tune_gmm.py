@@ -106,10 +106,11 @@ def entry(call: Call, found: dict) -> dict:
 
 def merged_section(section: dict, entries: list[dict], about: dict) -> dict:
     """A generation's section with `entries` in place of those of the same shapes."""
-    key = lambda e: tuple(e[k] for k in ("kind", "m", "k", "n", "groups", "itemsize"))  # noqa: E731
-    new = {key(e) for e in entries}
-    kept = [e for e in section.get("entries", []) if key(e) not in new]
-    return {**about, "entries": sorted(kept + entries, key=key)}
+    new = {shape_key(e) for e in entries}
+    kept = [e for e in section.get("entries", []) if shape_key(e) not in new]
+    # Each entry keeps the commit it was measured at (a rerun may tune only the shapes left over).
+    stamped = [{**e, "commit": e.get("commit", about.get("commit"))} for e in entries]
+    return {**about, "entries": sorted(kept + stamped, key=shape_key)}
 
 
 def write_table(generation: str, entries: list[dict], about: dict, path: Path = tile_table.TABLE_FILE) -> None:
@@ -158,10 +159,22 @@ def check_host(devices=None) -> str:
     return generation
 
 
+def shape_key(e: dict) -> tuple:
+    """The shape an entry (or a Call's key()) is measured at: what a later run replaces."""
+    return tuple(e[k] for k in ("kind", "m", "k", "n", "groups", "itemsize"))
+
+
+def tuned_shapes(generation: str, path: Path = tile_table.TABLE_FILE) -> set[tuple]:
+    """The shapes the table already holds for `generation` (tune-gmm --missing leaves them out)."""
+    return {shape_key(e) for e in tile_table.read_table(path).get(generation, {}).get("entries", [])}
+
+
 def tune(cfg, *, budget_s: float = 500.0, repeats: int = 5, seconds: Callable | None = None,
-         devices=None) -> dict:
+         devices=None, missing_only: bool = False, path: Path = tile_table.TABLE_FILE) -> dict:
     """Every plain grouped matmul of the config's step tuned on this host's chip: {"generation",
-    "device", "entries", "skipped"} (shapes left when the budget ran out are listed as skipped)."""
+    "device", "entries", "skipped", "already_tuned"} (shapes left when the budget ran out are listed
+    as skipped; with missing_only, those the table at `path` holds for this generation are not timed
+    again and are listed as already_tuned)."""
     import jax
 
     from hybridmoe.kernels.platform import generation_of_device
@@ -170,13 +183,18 @@ def tune(cfg, *, budget_s: float = 500.0, repeats: int = 5, seconds: Callable | 
     generation = generation_of_device(device) if seconds else check_host(devices)
     seconds = seconds or (lambda call, t: kernel_seconds(call, t, repeats=repeats))
     deadline = time.monotonic() + budget_s
-    entries, skipped = [], []
+    entries, skipped, already = [], [], []
+    have = tuned_shapes(generation, path) if missing_only else set()
     for call in step_calls(cfg, devices):
+        if shape_key(call.key()) in have:
+            already.append(call.key())
+            continue
         if time.monotonic() > deadline:
             skipped.append(call.key())
             continue
         entries.append(entry(call, search(call, seconds, deadline=deadline)))
-    return {"generation": generation, "device": device.device_kind, "entries": entries, "skipped": skipped}
+    return {"generation": generation, "device": device.device_kind, "entries": entries, "skipped": skipped,
+            "already_tuned": already}
 
 
 def about(result: dict) -> dict:
@@ -194,6 +212,8 @@ def format_result(result: dict) -> str:
         lines.append(f"  {e['kind']:<6} {e['m']:>7} {e['k']:>6} {e['n']:>6} {e['groups']:>6}  "
                      f"{e['tm']:>5} {e['tk']:>5} {e['tn']:>5}   {e['ms']:>8.3f} {e['default_ms']:>12.3f} "
                      f"{e['default_ms'] / e['ms']:>7.2f}x")
+    if result.get("already_tuned"):
+        lines.append(f"  {len(result['already_tuned'])} shapes already in the table for {result['generation']}: left as they are")
     if result["skipped"]:
         lines.append(f"  {len(result['skipped'])} shapes left untuned (the budget ran out): run again with a larger --budget-s")
     return "\n".join(lines)
