@@ -129,6 +129,11 @@ CASES: dict[str, Case] = {
     "fused_lever_tile_rule": case("_moe_fused_levers", ["moe.wi_fused_swiglu=true", "kernels.gmm.tiling=explicit",
                                                        "kernels.gmm.wi_fwd_tile_n_per_half=12"],
                                   ("moe.wi_fused_swiglu", "kernel tile rule: tile_n_per_half=12 must divide F=32")),
+    "gather_backward_on_dense": case("_moe_gather_backward", ["moe.gather_backward=true", "moe.impl=dense"],
+                                     ("moe.gather_backward", "needs moe.impl=sparse")),
+    # The tiny recipe's simulated CPU devices: xla_impl=auto is row tiles, whose backward is gathers.
+    "gather_backward_on_row_tiles": case("_moe_gather_backward", ["moe.gather_backward=true"],
+                                         ("moe.gather_backward", "runs row tiles")),
     # (Expert buffers are refused by the rl command's rule too: its rollouts and updates would drop
     # different tokens.)
     "buffers_on_dense": case(("_moe_fused_levers", "_moe_capacity_factor"), ["moe.impl=dense", "moe.capacity_factor=1.0"],
@@ -334,6 +339,9 @@ ACCEPTED: dict[str, Case] = {
     "training_rows_fill_the_context": case((), ["train.seq_len=256"]),
     # rl.max_prompt_len + rl.max_new_tokens = 8 + 248 = model.max_seq_len = 256
     "grpo_rows_fill_the_context": case((), ["rl.max_prompt_len=8", "rl.max_new_tokens=248"]),
+    # the lever where the sort-and-group dispatch runs: ragged_dot named, or the grouped path (a lever on)
+    "gather_backward_on_ragged_dot": case((), ["moe.gather_backward=true", "kernels.gmm.xla_impl=ragged_dot"]),
+    "gather_backward_on_the_grouped_path": case((), ["moe.gather_backward=true", "moe.router_grad_from_wo_input=true"]),
     # every token routed to all 8 experts
     "top_k_is_every_expert": case((), ["model.num_experts_per_tok=8"]),
     # the format task's shortest prompt, 'answer only: 0+0=' with BOS, is 18 characters: it fits 18

@@ -170,6 +170,10 @@ class MoEConfig(Section):
     router_grad_from_wo_input: bool = Field(
         False, description="Routing weight scales the down projection's input (h * w) instead of its output."
     )
+    gather_backward: bool = Field(
+        False, description="The backward of the dispatch's two row moves (tokens to expert order, outputs back) as "
+        "gathers by the inverse permutation, where autodiff writes scatter-adds: the same sums (a token's k rows "
+        "summed in float32), no scatter. On the sort-and-group paths (ragged_dot and the kernel family).")
     routing_replay: bool = Field(
         False, description="Rollout routing replay (GRPO): the sampler records each token's experts per layer and "
         "the trainer's forward routes by them (weights from its own router over those experts)."

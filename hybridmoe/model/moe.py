@@ -64,22 +64,80 @@ def swiglu(h_M2F):
     return jax.nn.silu(gate) * up
 
 
-def sparse_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, grouped_dot=jax.lax.ragged_dot):
+# The dispatch's two row moves: rows [R, D] of the tokens in expert order (buffer_R: the first R of
+# order_M, the (token, slot) rows sorted by expert; R = M = T k unless a capacity drops some), and
+# the grouped MLP's [M, D] output back in (token, slot) order by inverse_M = argsort(order_M).
+# Autodiff makes each backward a scatter-add; moe.gather_backward writes both as gathers by the
+# inverse permutation (docs/levers.md): the same sums, no scatter.
+
+
+def _token_rows(x_TD, buffer_R, inverse_M, k: int, gather_backward: bool):
+    """x_TD[buffer_R // k]: each (token, slot) row of buffer_R, a copy of its token's row."""
+    return _token_rows_gathered(x_TD, buffer_R, inverse_M, k) if gather_backward else x_TD[buffer_R // k]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _token_rows_gathered(x_TD, buffer_R, inverse_M, k):
+    return x_TD[buffer_R // k]
+
+
+def _token_rows_fwd(x_TD, buffer_R, inverse_M, k):
+    return x_TD[buffer_R // k], (buffer_R, inverse_M)
+
+
+def _token_rows_bwd(k, res, g_RD):
+    # A token's gradient is the sum of its k rows' gradients: the rows put back in (token, slot)
+    # order (dropped rows as zeros), then summed over the slots in float32.
+    buffer_R, inverse_M = res
+    M, (R, D) = inverse_M.shape[0], g_RD.shape
+    if R < M:
+        g_RD = jnp.concatenate([g_RD, jnp.zeros((M - R, D), g_RD.dtype)])
+    g_TD = jnp.sum(g_RD[inverse_M].reshape(M // k, k, D).astype(jnp.float32), axis=1).astype(g_RD.dtype)
+    return g_TD, None, None
+
+
+# Looked up when traced (tests/broken_variants.py patches them).
+_token_rows_gathered.defvjp(lambda *a: _token_rows_fwd(*a), lambda *a: _token_rows_bwd(*a))
+
+
+def _unsorted_rows(y_MD, order_M, inverse_M, gather_backward: bool):
+    """y_MD[inverse_M]: the expert-ordered rows back in (token, slot) order."""
+    return _unsorted_rows_gathered(y_MD, order_M, inverse_M) if gather_backward else y_MD[inverse_M]
+
+
+@jax.custom_vjp
+def _unsorted_rows_gathered(y_MD, order_M, inverse_M):
+    return y_MD[inverse_M]
+
+
+def _unsorted_rows_fwd(y_MD, order_M, inverse_M):
+    return y_MD[inverse_M], order_M
+
+
+def _unsorted_rows_bwd(order_M, g_MD):
+    return g_MD[order_M], None, None  # out[i] = y[inverse[i]]: dy[j] = g[i] where inverse[i] = j, i = order[j]
+
+
+_unsorted_rows_gathered.defvjp(lambda *a: _unsorted_rows_fwd(*a), lambda *a: _unsorted_rows_bwd(*a))
+
+
+def sparse_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, grouped_dot=jax.lax.ragged_dot, gather_backward=False):
     """Dropless sort-and-group dispatch through grouped matmuls (`grouped_dot(lhs, rhs, sizes)`)."""
     T, k = idx_Tk.shape
     E = wi_ED2F.shape[0]
     flat_e = idx_Tk.reshape(-1)
     order_M = jnp.argsort(flat_e, stable=True)
+    inverse_M = jnp.argsort(order_M)
     group_sizes_E = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    x_MD = x_TD[order_M // k]
+    x_MD = _token_rows(x_TD, order_M, inverse_M, k, gather_backward)
     dt = x_TD.dtype
     h_M2F = grouped_dot(x_MD, wi_ED2F.astype(dt), group_sizes_E)
     a_MF = swiglu(h_M2F)
     y_MD = grouped_dot(a_MF, wo_EFD.astype(dt), group_sizes_E)
     w_M = w_Tk.reshape(-1)[order_M]
     y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(dt)
-    inverse_M = jnp.argsort(order_M)
-    return jnp.sum(y_MD[inverse_M].reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
+    y_MD = _unsorted_rows(y_MD, order_M, inverse_M, gather_backward)
+    return jnp.sum(y_MD.reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
 
 
 def tiled_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, tile_rows: int):
@@ -152,10 +210,12 @@ class GroupedPlan:
     xla_impl: str = "ragged_dot"
     xla_tile_rows: int = 128
     token_chunks: int = 1
+    gather_backward: bool = False
 
     @classmethod
     def of(cls, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None,
-           quant: QuantConfig | None = None) -> GroupedPlan:
+           quant: QuantConfig | None = None, platform: str | None = None) -> GroupedPlan:
+        """The plan of these keys; `platform` resolves xla_impl=auto (default: the traced program's)."""
         kern = kernels or KernelsConfig()
         g: GmmKernelConfig = kern.gmm
         explicit = g.tiling == "explicit"
@@ -169,7 +229,8 @@ class GroupedPlan:
             interpret=kern.interpret, epilogue=g.epilogue,
             tile_n_per_half=(g.wi_fwd_tile_n_per_half or None) if explicit else None,
             rhs_buffer_count=g.wi_fwd_rhs_buffer_count, fp8=bool(quant and quant.fp8_gmm),
-            xla_impl=K.xla_impl_for(g.xla_impl), xla_tile_rows=g.xla_tile_rows, token_chunks=moe.token_chunks)
+            xla_impl=K.xla_impl_for(g.xla_impl, platform), xla_tile_rows=g.xla_tile_rows, token_chunks=moe.token_chunks,
+            gather_backward=moe.gather_backward)
 
     @property
     def is_default(self) -> bool:
@@ -306,7 +367,8 @@ def _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_
         group_sizes_E = kept_E
         rows = min(M, E * cap)
     buffer_R = order_M[:rows]
-    x_RD = x_TD[buffer_R // k]
+    inverse_M = jnp.argsort(order_M)
+    x_RD = _token_rows(x_TD, buffer_R, inverse_M, k, plan.gather_backward)
     w_R = w_Tk.reshape(-1)[buffer_R]
     y_RD = _expert_mlp(x_RD, w_R, wi_GD2F.astype(dt), wo_GFD.astype(dt), group_sizes_E, plan,
                        group_offset, weights_out=weights_out)
@@ -314,8 +376,8 @@ def _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_
         y_RD, weights = y_RD
     if rows < M:
         y_RD = jnp.concatenate([y_RD, jnp.zeros((M - rows, y_RD.shape[1]), dt)])
-    inverse_M = jnp.argsort(order_M)
-    y_TD = jnp.sum(y_RD[inverse_M].reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
+    y_MD = _unsorted_rows(y_RD, order_M, inverse_M, plan.gather_backward)
+    y_TD = jnp.sum(y_MD.reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
     return (y_TD, dropped, weights) if weights_out else (y_TD, dropped)
 
 
@@ -412,7 +474,7 @@ def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | 
         elif plan.is_default and plan.xla_impl == "row_tiles":
             y = tiled_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan.xla_tile_rows)
         elif plan.is_default:
-            y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], default_grouped_dot(kernels))
+            y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], default_grouped_dot(kernels), plan.gather_backward)
         else:
             y, dropped = grouped_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan)
     if "shared_wi" in p:

@@ -317,6 +317,28 @@ def _moe_token_chunks(cfg: Config, f: Facts) -> list[Problem]:
     return out + _token_chunk_problem(cfg, f, cfg.train.seq_len, "training row (train.seq_len)", "moe.token_chunks")
 
 
+@rule("moe.gather_backward", "moe.impl", "kernels.gmm.xla_impl", "kernels.gmm.backend")
+def _moe_gather_backward(cfg: Config, f: Facts) -> list[Problem]:
+    # The lever rewrites the sort-and-group dispatch's row moves. The dense reference has none, and
+    # the default program on row tiles (CPU) runs kernels/gmm/row_tiles, whose backward is gathers
+    # already: there it would change nothing, so it is refused rather than silently ignored.
+    moe = cfg.moe
+    if not moe.gather_backward:
+        return []
+    if moe.impl != "sparse":
+        return [("moe.gather_backward", "needs moe.impl=sparse (the sort-and-group path); the dense reference "
+                 "moves no rows")]
+    from hybridmoe.model.moe import GroupedPlan
+
+    platform = _run_platform(cfg, f)
+    plan = GroupedPlan.of(cfg.model, moe, cfg.kernels, cfg.quant, platform)
+    if plan.is_default and plan.xla_impl == "row_tiles":
+        return [("moe.gather_backward", f"the default MoE program on {platform} runs row tiles "
+                 "(kernels.gmm.xla_impl=row_tiles), whose backward is already gathers; set "
+                 "kernels.gmm.xla_impl=ragged_dot, or turn the lever off")]
+    return []
+
+
 @rule("kernels.gmm.backend", "kernels.gmm.tiling", "kernels.gmm.wi_fwd_tile_n_per_half", "kernels.gmm.wi_fwd_rhs_buffer_count",
       *(f"kernels.gmm.{k}_{d}" for k in tiling.KERNELS for d in tiling.DIMS))
 def _kernels_gmm(cfg: Config, f: Facts) -> list[Problem]:
