@@ -486,3 +486,30 @@ def test_a_grpo_steps_estimate_per_chip_and_its_overlap_by_hand():
     assert est["overlapped"]["step_s"] == collective_s
     assert est["serial"]["step_s"] == compute_s + collective_s
     assert est["serial"]["tokens_per_s_per_chip"] == tokens / (compute_s + collective_s) / 4
+
+
+def test_a_prefetch_in_slices_moves_its_slices_once_and_the_concatenation_moves_nothing():
+    """The TPU compiler's memory-space assignment brings a [2, 2048, 128] bf16 buffer into the
+    alternate memory as two asynchronous slices, joined by a ConcatBitcast custom call, beside an
+    AllocateBuffer: each slice-start reads and writes its own 2048 x 128 slice (not the operand in
+    its tuple type), the concatenation is a bitcast of adjacent pieces and the allocation moves
+    nothing; the consumer (a negate) reads and writes the whole buffer. Hand count: 2 slices x 2 x
+    512 KiB + 2 x 1 MiB = 4 MiB. (Charging the tuple and the custom calls their operands and result:
+    2 x (1 MiB + 512 KiB + 512 KiB) + 2 MiB + 1 MiB + 2 MiB = 9 MiB.)"""
+    text = """HloModule prefetch
+
+ENTRY %main (p: bf16[2,2048,128]) -> bf16[2,2048,128] {
+  %p = bf16[2,2048,128]{2,1,0} parameter(0)
+  %slice-start.1 = ((bf16[2,2048,128]{2,1,0}), bf16[1,2048,128]{2,1,0:S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[0:1], [0:2048], [0:128]}
+  %slice-start.2 = ((bf16[2,2048,128]{2,1,0}), bf16[1,2048,128]{2,1,0:S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[1:2], [0:2048], [0:128]}
+  %slice-done.1 = bf16[1,2048,128]{2,1,0:S(1)} slice-done(%slice-start.1)
+  %slice-done.2 = bf16[1,2048,128]{2,1,0:S(1)} slice-done(%slice-start.2)
+  %custom-call.1 = bf16[2,2048,128]{2,1,0:S(1)} custom-call(%slice-done.1, %slice-done.2), custom_call_target="ConcatBitcast"
+  %custom-call.2 = bf16[2,2048,128]{2,1,0} custom-call(), custom_call_target="AllocateBuffer"
+  ROOT %negate.1 = bf16[2,2048,128]{2,1,0} negate(%custom-call.1)
+}
+"""
+    moved = {op: c.bytes * k for op, c, k in hc.Estimator(text).named_ops()}
+    slice_bytes = 2048 * 128 * 2
+    assert moved == {"slice-start.1": 2 * slice_bytes, "slice-start.2": 2 * slice_bytes, "negate.1": 4 * slice_bytes}
+    assert sum(moved.values()) == 4 * 2**20

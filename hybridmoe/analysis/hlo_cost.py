@@ -250,6 +250,16 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragg
                "collective-permute")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "iota"}
+# Custom calls that move no data: the TPU compiler's concatenation of adjacent buffers as one (the
+# pieces an asynchronous slice brought into the alternate memory), and an allocation.
+_FREE_CUSTOM_CALLS = {"ConcatBitcast", "AllocateBuffer"}
+
+
+def _custom_call_target(i: Instr) -> str | None:
+    m = re.search(r'custom_call_target="([^"]+)"', i.attrs) if i.opcode == "custom-call" else None
+    return m.group(1) if m else None
+
+
 # Ops that touch part of a buffer: a slice reads what it returns; an in-place update reads and
 # writes its update (Estimator._accessed_bytes).
 _SLICES = {"dynamic-slice", "slice", "gather"}
@@ -439,7 +449,8 @@ class Estimator:
         """One instruction's cost; `context`: the op_name of the loop or branch it runs in, for an
         instruction the compiler left without one."""
         types = self.types[comp]
-        if i.opcode in _FREE or i.opcode.endswith("-done") or i.opcode == "copy-start":
+        if (i.opcode in _FREE or i.opcode.endswith("-done") or i.opcode == "copy-start"
+                or _custom_call_target(i) in _FREE_CUSTOM_CALLS):
             return None
         kind = i.opcode[:-len("-start")] if i.opcode.endswith("-start") else i.opcode
         result_bytes = type_bytes(i.type_text)
@@ -483,6 +494,12 @@ class Estimator:
         types = self.types[comp]
         if i.opcode in _SLICES:
             return 2.0 * type_bytes(i.type_text)
+        if i.opcode == "slice-start":
+            # An asynchronous slice (the TPU compiler's memory-space assignment bringing part of a
+            # buffer into the alternate memory): its type is ((operand), slice, context scalar); it
+            # reads and writes the slice, never the whole operand.
+            shapes = _shapes(i.type_text)
+            return 2.0 * math.prod(shapes[1][1]) * dtype_bytes(shapes[1][0]) if len(shapes) > 1 else 0.0
         if i.opcode in _IN_PLACE:
             return 2.0 * _update_bytes(i, types)
         callee = _fused_callee(i)
