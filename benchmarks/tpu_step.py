@@ -58,12 +58,20 @@ ARMS = {
     # accumulator, one read and one write of it per chunk: 32 chunks of 256 tokens (the schema's
     # default) move 16 GiB a step at the one-chip shape, the recipe's 4 of 2,048 an eighth of that.
     "logprobs_chunk_256": ["kernels.logprobs.chunk_tokens=256"],
+    # One token chunk (the whole 8,192-token sequence): each vocabulary block's weight gradient is
+    # computed once, never accumulated across token chunks (the profile: a 6.6 ms dynamic-update-slice
+    # over 32 runs at 2,048-token chunks); its logits block is [8192, 4096] float32, 128 MiB.
+    "logprobs_chunk_8192": ["kernels.logprobs.chunk_tokens=8192"],
     # The MoE dispatch's two row moves with gather backwards (autodiff's scatter-adds measured 4.1 and
     # 2.8 ms a layer on the chip, where the model's HBM rate gives 1.0 and 0.6).
     "gather_backward": ["moe.gather_backward=true"],
     # The fused pair at the tiles tune-gmm measured (the table's v5e section), both MoE levers.
     "fused_swiglu_auto": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.wi_fused_swiglu=true",
                           "moe.wo_fused_dswiglu=true"],
+    # The candidates above together, for the cumulative effect in one round.
+    "candidates_together": ["moe.gather_backward=true", "kernels.logprobs.chunk_tokens=8192",
+                            "kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.wi_fused_swiglu=true",
+                            "moe.wo_fused_dswiglu=true"],
     "remat_full": ["remat.policy=full"],  # what remat.policy=auto chooses at this size (12.5 GiB of 15.7)
     "remat_sublayer": ["remat.unit=sublayer"],
     "remat_layer": ["remat.unit=layer"],
