@@ -16,6 +16,8 @@
 #   kernels-missing  the cases of both geometries the record has no figures for (at any commit)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #   step-holdout  its default arm at other shapes -> tpu_step_seq4096.json, tpu_step_layers8_experts8.json
+#   peer-full, peer-minimal  benchmarks/peer_maxtext.py -> benchmarks/records/tpu_peer.json: MaxText's own step
+#              at the one-chip shape (remat full or minimal) beside ours; a later run merges into the record
 #   rl         benchmarks/tpu_rl.py       -> benchmarks/records/tpu_rl.json (+ docs/tpu_rl_learn.png): the
 #              16 x 8 x 512 GRPO batch of the one-chip recipe, then the learning run (chip-learn); each
 #              part stopped past its share and recorded as cut, both within 480 s; rl-batch, rl-learn: one part
@@ -104,9 +106,15 @@ for stage in "$@"; do
       python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default --profile 1 \
         --out benchmarks/records/tpu_step_layers8_experts8.json model.num_layers=8 model.num_experts=8 \
         model.num_experts_per_tok=4 ;;
+    peer-full|peer-minimal)
+      # MaxText's step beside ours (benchmarks/peer_maxtext.py), one MaxText remat policy per call: the
+      # wheels carried in .maxtext-wheels/ (scripts/maxtext_wheels.sh fetch, on a host with a registry).
+      [ -d .maxtext-site/maxtext ] || scripts/maxtext_wheels.sh install
+      python3 benchmarks/peer_maxtext.py --maxtext-site .maxtext-site --compile-cache .tpu-cache \
+        --maxtext-remat "${stage#peer-}" ;;
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-missing, step, step-holdout, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-missing, step, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done
