@@ -96,14 +96,19 @@ def summary(name: str, record: dict) -> dict:
 
 def main(argv=None) -> int:
     p = harness.parser(__doc__, __file__, raw=True)
-    p.add_argument("--arms", default=",".join([*ARMS, *PROGRAMS]), help="arms (and programs grpo, sample) to gather")
+    p.add_argument("--arms", default=",".join([*ARMS, *PROGRAMS]),
+                   help="arms (and programs grpo, sample) to compile where they have no record yet; the gathered "
+                        "record holds these and every other arm recorded before")
     p.add_argument("--redo", default="", help="arms to compile again although recorded")
     args = p.parse_args(argv)
     folder = Path(args.out).with_suffix("")
     folder.mkdir(parents=True, exist_ok=True)
     redo = set(filter(None, args.redo.split(",")))
+    asked = set(filter(None, args.arms.split(",")))
     rows = []
-    for name in filter(None, args.arms.split(",")):
+    # In the seed's order; an arm not asked for but recorded before is gathered as it is, never dropped.
+    for name in [n for n in [*ARMS, *PROGRAMS] if n in asked or (folder / f"{n}.json").exists()] + sorted(
+            asked - set(ARMS) - set(PROGRAMS)):
         if name in PROGRAMS:
             program, overrides = name, arm_overrides(PROGRAMS[name])
         elif name in ARMS:

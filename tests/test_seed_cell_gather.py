@@ -1,0 +1,44 @@
+"""benchmarks/seed_cell.py gathers the per-arm records into seed_cell.json: an arm compiled alone
+(--arms NAME) joins the arms recorded before, never replaces them."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import seed_cell  # noqa: E402
+
+
+def _arm_record(gib: float) -> dict:
+    memory = {"argument": 2**30, "temp": int(gib * 2**30), "total": int((gib + 1) * 2**30), "default_space": gib * 2**30,
+              "fits": True}
+    return {"commit": "c0ffee", "date": "2026-12-06", "program": "train",
+            "programs": {"base": {"overrides": [], "memory": memory, "compile_s": 1.0}}}
+
+
+def test_an_arm_compiled_alone_joins_the_arms_recorded_before(tmp_path, monkeypatch):
+    out = tmp_path / "seed_cell.json"
+    folder = tmp_path / "seed_cell"
+    folder.mkdir()
+    for name, gib in (("before", 90.0), ("default", 80.0), ("sample", 40.0)):
+        (folder / f"{name}.json").write_text(json.dumps(_arm_record(gib)))
+    compiled = []
+
+    def run_inspect(name, overrides, program, path):
+        compiled.append(name)
+        path.write_text(json.dumps(_arm_record(60.0)))
+        return _arm_record(60.0)
+
+    monkeypatch.setattr(seed_cell, "run_inspect", run_inspect)
+    last = seed_cell.ORDER[-1]
+    assert seed_cell.main(["--arms", last, "--redo", last, "--out", str(out)]) == 0
+    assert compiled == [last]
+    arms = {a["arm"]: a["memory"]["default_space"] / 2**30 for a in json.loads(out.read_text())["arms"]}
+    assert arms == {"before": 90.0, "default": 80.0, last: 60.0, "sample": 40.0}
+    assert list(arms) == ["before", "default", last, "sample"]  # the seed's order
+    with pytest.raises(SystemExit, match="unknown arm"):
+        seed_cell.main(["--arms", "no_such_arm", "--out", str(out)])
