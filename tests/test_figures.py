@@ -422,3 +422,14 @@ def test_the_broken_variants_are_caught(variant, monkeypatch):
 
 def test_every_broken_variant_is_run():
     assert set(VARIANT_NAMES) == set(_variants())
+
+
+def test_the_row_tiles_routed_rows_round_the_tile_count_up():
+    """CPU row tiles of R = 64 rows, tiny's E 8 experts, k 2: 100 tokens a shard route 200 rows,
+    cdiv(200, 64) = 4 tiles (the last one part-filled) + 8 = 12 tiles of 64 rows computed: 7.68 rows a
+    token; at 128 tokens, 256 / 64 = 4 exactly, 12 x 64 / 128 = 6. Another grouped matmul: k rows."""
+    cfg = tiny_config(*TWO_LAYERS, "kernels.gmm.xla_impl=row_tiles", "kernels.gmm.xla_tile_rows=64")
+    assert flops_module.routed_rows_per_token(cfg, 100) == 12 * 64 / 100
+    assert flops_module.routed_rows_per_token(cfg, 128) == 6.0
+    ragged = tiny_config(*TWO_LAYERS, "kernels.gmm.xla_impl=ragged_dot", "kernels.gmm.xla_tile_rows=64")
+    assert flops_module.routed_rows_per_token(ragged, 100) == 2.0
