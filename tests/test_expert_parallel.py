@@ -164,6 +164,18 @@ def test_dropped_rows_exact_count(mesh):
     assert int(dropped) == want > 0
 
 
+def test_an_uneven_share_rounds_the_buffer_up():
+    """capacity_factor 1.1 over 16 tokens x k 2 = 32 rows and 8 experts: 1.1 x 32 / 8 = 4.4, a buffer
+    of 5 rows (never fewer than the factor asks). Every token routes to experts 0 and 1 first, so
+    each keeps 5 of its 16 rows: 2 x 11 = 22 dropped."""
+    assert [moe_mod.capacity_rows(32, 8, 1.1), moe_mod.capacity_rows(10, 4, 1.0), moe_mod.capacity_rows(1, 8, 1.0),
+            moe_mod.capacity_rows(32, 8, 1.0)] == [5, 3, 1, 4]
+    cfg = tiny_config(*TWO_LAYERS, "moe.capacity_factor=1.1")
+    p, x = _constructed_routing(cfg, 16)
+    (_, (_, dropped)), _ = _layer_value_and_grads(cfg)(p, x)
+    assert int(dropped) == 22
+
+
 def test_generous_buffer_drops_nothing_and_equals_dropless():
     cfg = tiny_config(*TWO_LAYERS, "moe.capacity_factor=8.0")  # cap >= every row: nothing can overflow
     base = tiny_config(*TWO_LAYERS, *TWO_LAYERS)
