@@ -243,3 +243,13 @@ def test_the_steps_tokens_are_every_target_and_loss_tokens_the_masked_ones():
     state = {"params": params, "opt_state": optimizer.init(params), "step": 0}
     _, m = jax.jit(train_step(cfg, optimizer))(state, split_micro_batches(rows, 1))
     assert int(m["tokens"]) == 26 and 0 < int(m["loss_tokens"]) == masked < 26
+
+
+def test_packing_by_hand_first_fit_exact_fills_and_positions_from_zero():
+    """Documents of 4, 6 and 10 tokens into 2 rows of 10: the 6 fills row 0's last 6 slots exactly,
+    the 10 fills row 1 whole; every document's positions count from 0 (RoPE sees each alone)."""
+    a, b, c = np.arange(1, 5), np.arange(11, 17), np.arange(21, 31)
+    rows = pack_documents([a, b, c], 2, 10)
+    np.testing.assert_array_equal(rows["tokens"], [[1, 2, 3, 4, 11, 12, 13, 14, 15, 16], list(range(21, 31))])
+    np.testing.assert_array_equal(rows["segment_ids"], [[1] * 4 + [2] * 6, [1] * 10])
+    np.testing.assert_array_equal(rows["positions"], [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], list(range(10))])
