@@ -129,3 +129,14 @@ def test_a_decode_step_moe_block_equals_the_training_programs():
     err = _rel(decoded, trained)
     print(f"decode step vs training program: relative L2 {err:.2e} (tolerance {TOL:.0e})")
     assert err < TOL
+
+
+@pytest.mark.parametrize("tokens", [6, 8])
+def test_token_chunks_that_do_not_divide_a_decode_steps_rows_run_one_pass(tokens):
+    """moe.token_chunks=4 over a decode step's 6 rows (4 does not divide them): one pass; over 8 rows,
+    two rows a chunk. Either way the numpy loop's result and nothing dropped."""
+    case = _case(tokens)
+    plan = moe_mod.GroupedPlan(num_experts=8, token_chunks=4)
+    y, dropped = moe_mod.grouped_experts(*map(jnp.asarray, case), plan)
+    assert y.shape == (tokens, 16) and int(dropped) == 0
+    assert _rel(y, _numpy_reference(*case)) < TOL

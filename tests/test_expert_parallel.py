@@ -164,6 +164,34 @@ def test_dropped_rows_exact_count(mesh):
     assert int(dropped) == want > 0
 
 
+def test_an_uneven_share_rounds_the_buffer_up():
+    """capacity_factor 1.1 over 16 tokens x k 2 = 32 rows and 8 experts: 1.1 x 32 / 8 = 4.4, a buffer
+    of 5 rows (never fewer than the factor asks). Every token routes to experts 0 and 1 first, so
+    each keeps 5 of its 16 rows: 2 x 11 = 22 dropped."""
+    assert [moe_mod.capacity_rows(32, 8, 1.1), moe_mod.capacity_rows(10, 4, 1.0), moe_mod.capacity_rows(1, 8, 1.0),
+            moe_mod.capacity_rows(32, 8, 1.0)] == [5, 3, 1, 4]
+    cfg = tiny_config(*TWO_LAYERS, "moe.capacity_factor=1.1")
+    p, x = _constructed_routing(cfg, 16)
+    (_, (_, dropped)), _ = _layer_value_and_grads(cfg)(p, x)
+    assert int(dropped) == 22
+
+
+def test_drops_across_the_expert_ranks_boundary_are_counted_once():
+    """mesh.expert=2 holds experts 0-3 on one rank, 4-7 on the other; every token routes to experts
+    3 and 4, one each side of the boundary. 8 token shards, 4 token sets of 32 tokens (each expert rank
+    pair gathers 2 x 16): 64 rows a set over 8 experts, a buffer of 8 rows; experts 3 and 4 each keep
+    8 of their 32 rows, 2 x 24 = 48 dropped a set, 192 in all (each rank counts its own experts' drops)."""
+    cfg = tiny_config(*TWO_LAYERS, "moe.capacity_factor=1.0", "mesh.expert=2")
+    p, x = _constructed_routing(cfg, 128)
+    router = np.full((cfg.model.d_model, cfg.model.num_experts), -1.0, np.float32)
+    router[:, 3], router[:, 4] = 1.0, 0.5
+    p = {**p, "router": jnp.asarray(router)}
+    _, idx, _ = moe_mod.route(p["router"], x.reshape(-1, cfg.model.d_model), cfg.model)
+    assert set(np.unique(np.asarray(idx))) == {3, 4}
+    (_, (_, dropped)), _ = _on_mesh(cfg, _layer_value_and_grads(cfg), p, x)
+    assert int(dropped) == 192
+
+
 def test_generous_buffer_drops_nothing_and_equals_dropless():
     cfg = tiny_config(*TWO_LAYERS, "moe.capacity_factor=8.0")  # cap >= every row: nothing can overflow
     base = tiny_config(*TWO_LAYERS, *TWO_LAYERS)

@@ -422,3 +422,62 @@ def test_the_broken_variants_are_caught(variant, monkeypatch):
 
 def test_every_broken_variant_is_run():
     assert set(VARIANT_NAMES) == set(_variants())
+
+
+def test_the_row_tiles_routed_rows_round_the_tile_count_up():
+    """CPU row tiles of R = 64 rows, tiny's E 8 experts, k 2: 100 tokens a shard route 200 rows,
+    cdiv(200, 64) = 4 tiles (the last one part-filled) + 8 = 12 tiles of 64 rows computed: 7.68 rows a
+    token; at 128 tokens, 256 / 64 = 4 exactly, 12 x 64 / 128 = 6. Another grouped matmul: k rows."""
+    cfg = tiny_config(*TWO_LAYERS, "kernels.gmm.xla_impl=row_tiles", "kernels.gmm.xla_tile_rows=64")
+    assert flops_module.routed_rows_per_token(cfg, 100) == 12 * 64 / 100
+    assert flops_module.routed_rows_per_token(cfg, 128) == 6.0
+    ragged = tiny_config(*TWO_LAYERS, "kernels.gmm.xla_impl=ragged_dot", "kernels.gmm.xla_tile_rows=64")
+    assert flops_module.routed_rows_per_token(ragged, 100) == 2.0
+
+
+# A loop of 3 trips (XLA's known_trip_count) around the all-reduce of MIXED_HLO's f32 [1024, 1024]
+# over the 8 devices: 3 x 7340032 = 22020096 bytes sent per device.
+LOOPED_AR_HLO = """HloModule looped_ar
+
+%sum_f32 (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[1024,1024])) -> (s32[], f32[1024,1024]) {
+  %p = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %g = f32[1024,1024]{1,0} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %ar = f32[1024,1024]{1,0} all-reduce(%g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum_f32
+  ROOT %t = (s32[], f32[1024,1024]{1,0}) tuple(%next, %ar)
+}
+
+%cond (c: (s32[], f32[1024,1024])) -> pred[] {
+  %c = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (g0: f32[1024,1024]) -> f32[1024,1024] {
+  %g0 = f32[1024,1024]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024,1024]{1,0}) tuple(%zero, %g0)
+  %w = (s32[], f32[1024,1024]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = f32[1024,1024]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_collective_in_a_loop_sends_its_bytes_every_trip():
+    """The all-reduce runs 3 times: 22020096 bytes per device, on h100's 450 GB/s links 48.93 us,
+    the GiB printed the same 3 trips' (0.0205 GiB)."""
+    est = se.estimate(LOOPED_AR_HLO, se.HARDWARE["h100"], tokens_per_step=1024, chips=8, devices=DEVICES)
+    ar = est["collectives"]["all-reduce"]
+    assert ar["wire_bytes"] == 3 * AR_WIRE == 22_020_096
+    assert ar["s"] == pytest.approx(3 * AR_WIRE / 450e9, rel=1e-9)
+    assert est["categories"]["collectives"]["bytes"] == 3 * AR_WIRE
+    assert "0.0205 GiB sent per device" in se.format_estimate(est)

@@ -223,3 +223,33 @@ def test_the_step_loss_averages_over_the_masked_targets_only():
     loss, count = jax.jit(lambda p, b: nll_sum(p, cfg, b))(params, rows)
     assert int(count) == int(want_mask.sum()) < int(np.asarray(loss_mask(rows["segment_ids"])).sum())
     np.testing.assert_allclose(float(loss), -lp[want_mask].sum(), rtol=1e-5)
+
+
+def test_the_steps_tokens_are_every_target_and_loss_tokens_the_masked_ones():
+    """One training step over one packed row of documents of 9, 14 and 6 tokens with loss masks:
+    `tokens` counts every next-token target, 8 + 13 + 5 = 26 (the throughput's count), `loss_tokens`
+    only the masked ones, the loss's denominator (fewer)."""
+    from helpers import tiny_config, tiny_params
+    from hybridmoe.data.packing import split_micro_batches
+    from hybridmoe.run.step import make_optimizer, train_step
+    cfg = tiny_config("model.layer_pattern=[attention]", "model.num_layers=1")
+    params = tiny_params(cfg)
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(1, 256, n) for n in (9, 14, 6)]
+    masks = [rng.integers(0, 2, len(d)) for d in docs]
+    rows = pack_documents(docs, 1, 32, masks=masks)
+    masked = int(np.asarray(loss_mask(rows["segment_ids"], rows["loss_mask"])).sum())
+    optimizer = make_optimizer(cfg.train)
+    state = {"params": params, "opt_state": optimizer.init(params), "step": 0}
+    _, m = jax.jit(train_step(cfg, optimizer))(state, split_micro_batches(rows, 1))
+    assert int(m["tokens"]) == 26 and 0 < int(m["loss_tokens"]) == masked < 26
+
+
+def test_packing_by_hand_first_fit_exact_fills_and_positions_from_zero():
+    """Documents of 4, 6 and 10 tokens into 2 rows of 10: the 6 fills row 0's last 6 slots exactly,
+    the 10 fills row 1 whole; every document's positions count from 0 (RoPE sees each alone)."""
+    a, b, c = np.arange(1, 5), np.arange(11, 17), np.arange(21, 31)
+    rows = pack_documents([a, b, c], 2, 10)
+    np.testing.assert_array_equal(rows["tokens"], [[1, 2, 3, 4, 11, 12, 13, 14, 15, 16], list(range(21, 31))])
+    np.testing.assert_array_equal(rows["segment_ids"], [[1] * 4 + [2] * 6, [1] * 10])
+    np.testing.assert_array_equal(rows["positions"], [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], list(range(10))])

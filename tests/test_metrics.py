@@ -76,3 +76,16 @@ def test_plot_metrics_writes_a_png_with_the_present_keys(tmp_path):
     empty.write_text("")
     assert plot_metrics(empty, tmp_path / "empty.png") == []
     assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_a_key_some_records_lack_is_still_plotted(tmp_path):
+    """An RL run: two warm-up records (warmup_loss only), then two GRPO records (reward_mean, loss).
+    Each key appears in some record, so each gets its panel; a key in none gets none."""
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(0, {"warmup_loss": 2.0})
+        writer.write(1, {"warmup_loss": 1.5})
+        writer.write(2, {"reward_mean": 0.25, "loss": 0.5})
+        writer.write(3, {"reward_mean": 0.5, "loss": 0.25})
+    plotted = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "metrics.png",
+                           keys=("reward_mean", "loss", "kl", "warmup_loss"))
+    assert plotted == ["reward_mean", "loss", "warmup_loss"]

@@ -695,3 +695,16 @@ def test_a_grpo_steps_record_takes_each_figure_from_its_own_rows_and_times(monke
     assert (rec["step_time_s"], rec["rollout_time_s"], rec["update_time_s"], rec["old_logprobs_time_s"]) == (
         4.0, 1.0, 0.75, 0.25)
     assert rec["tokens_per_s"] == 72.0 / 4.0 and rec["rollout_tokens_per_s"] == 30.0 / 1.0
+
+
+def test_the_logged_advantage_std_is_the_population_one_over_the_kept_samples():
+    """drgrpo on rewards 1, (skipped), 3, 5: advantages -2, 0, 2 kept (the skipped one 0, not kept):
+    mean 0, std sqrt(8 / 3) over the three kept (not sqrt(8 / 2), nor over all four)."""
+    adv, keep, _ = group_advantages(jnp.array([[1.0, 100.0, 3.0, 5.0]]), estimator="drgrpo",
+                                    skipped_PG=jnp.array([[False, True, False, False]]))
+    stats = advantage_stats(adv, keep)
+    assert float(stats["adv_mean"]) == 0.0
+    assert float(stats["adv_std"]) == pytest.approx(math.sqrt(8 / 3), rel=1e-6)
+    # One group of two: -1 and 1, a population std of exactly 1.
+    stats = advantage_stats(*group_advantages(jnp.array([[0.0, 2.0]]), estimator="drgrpo")[:2])
+    assert float(stats["adv_std"]) == 1.0

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import SteppingClock, benchmark_script
 
 
@@ -50,3 +52,31 @@ def test_interleaved_records_one_calls_time_per_round(monkeypatch):
     times = harness.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2, reps=3)
     assert calls == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3  # the order rotated in the second round
     assert times == {name: {"wall_s": [2.0 / 3, 2.0 / 3], "cpu_s": [1.0 / 3, 1.0 / 3]} for name in ("a", "b")}
+
+
+def test_a_cases_milliseconds_are_its_median_wall_time(monkeypatch):
+    """A stub case (one backend, a jitted doubling) with harness.interleaved stubbed: the forward's
+    wall times 3, 1, 2 ms (median 2), the forward+backward's 9, 5, 6 ms (median 6), every CPU time
+    0.01 ms. 6 and 30 GFLOP: 3 TFLOP/s forward, 5 forward and backward."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+
+    benchmark = _benchmark()
+    x = jnp.arange(4.0)
+    double = jax.jit(lambda a: 2 * a)
+    built = SimpleNamespace(fwd=(double, (x,)), fwd_bwd=(double, (x,)))
+    case = SimpleNamespace(name="stub", shape=(4,), flops=(6e9, 30e9), skipped={},
+                           reference=lambda: SimpleNamespace(fwd=2 * x, fwd_bwd=2 * x), make_inputs=lambda: None,
+                           backends={"stub": lambda inputs: built}, view=lambda result, backward: result)
+    walls = iter(([3e-3, 1e-3, 2e-3], [9e-3, 5e-3, 6e-3]))  # the forward's round, then forward+backward's
+
+    def interleaved(calls, rounds):
+        return {name: {"wall_s": next(walls), "cpu_s": [1e-5] * 3} for name in calls}
+
+    monkeypatch.setattr(benchmark.harness, "interleaved", interleaved)
+    rows, _ = benchmark.run_case(case, 3, lambda *a: None)
+    r = rows["stub"]
+    assert r["fwd_ms"] == pytest.approx(2.0, rel=1e-12) and r["fwd_bwd_ms"] == r["ms"] == pytest.approx(6.0, rel=1e-12)
+    assert r["fwd_tflops"] == pytest.approx(3.0, rel=1e-12) and r["tflops"] == pytest.approx(5.0, rel=1e-12)

@@ -166,3 +166,27 @@ def test_the_learning_runs_median_step_is_of_its_grpo_steps(monkeypatch, tmp_pat
     assert learn["grpo_steps"] == 3 and learn["warmup_steps"] == 4 and learn["reward_first"] == 0.5
     assert learn["reward_last_5_mean"] == pytest.approx(0.8) and learn["first_at_most_0.6"]
     assert not learn["last_5_at_least_0.9"]
+
+
+def test_the_pi_old_figures_count_only_the_steps_that_ran_the_pass():
+    """Two timed steps, only the second with a pi_old pass (1 s over its 300 tokens): the pass's
+    tokens are that step's 300, its rate 300 / 1; the update's are both steps' 100 + 300 over 2 + 4 s."""
+    steps = [_grpo_row(2, step_time_s=5.0, rollout_tokens=10.0, rollout_time_s=2.0, old_logprobs_time_s=0.0,
+                       update_time_s=2.0, tokens=100.0, completion_len_mean=2.0),
+             _grpo_row(3, step_time_s=9.0, rollout_tokens=30.0, rollout_time_s=3.0, old_logprobs_time_s=1.0,
+                       update_time_s=4.0, tokens=300.0, completion_len_mean=4.0)]
+    b = _benchmark().batch_figures(steps)
+    assert b["old_logprobs"] == {"tokens": 300.0, "time_s": 1.0, "tokens_per_s": 300.0}
+    assert b["update"] == {"tokens": 400.0, "time_s": 6.0, "tokens_per_s": 400.0 / 6.0}
+    # Means per step: 2.5 + 0.5 + 3 of the step's 7, rest 1.
+    assert b["step_split_s"] == {"rollout": 2.5, "old_logprobs": 0.5, "update": 3.0, "step": 7.0, "rest": 1.0}
+
+
+def test_the_last_five_steps_mean_reward_is_of_those_five_only():
+    """Seven GRPO steps: the last five rewards 0.6, 0.8, 1.0, 1.0, 1.0 average 0.88 (not their sum
+    over seven, 0.629); under 0.9, so the condition fails."""
+    rows = [{"phase": 0}] + [{"phase": 1, "reward_mean": r} for r in (0.0, 0.2, 0.6, 0.8, 1.0, 1.0, 1.0)]
+    learn = _benchmark().learn_figures(rows)
+    assert learn["grpo_steps"] == 7 and learn["warmup_steps"] == 1 and learn["reward_first"] == 0.0
+    assert learn["reward_last_5_mean"] == pytest.approx(4.4 / 5, rel=1e-12)
+    assert learn["first_at_most_0.6"] and not learn["last_5_at_least_0.9"]
