@@ -161,7 +161,7 @@ def test_a_kernel_over_vmem_is_a_clear_error_naming_the_tiles(monkeypatch):
         tp.compile_step(cfg, tp.host_target(), with_residuals=False)
 
 
-GATE_SHAPES = [*TWO_LAYERS, "rl.prompts_per_step=2", "rl.group_size=4", "rl.max_prompt_len=8", "rl.max_new_tokens=4"]
+GATE_SHAPES = [*ATTENTION_LAYERS, "rl.prompts_per_step=2", "rl.group_size=4", "rl.max_prompt_len=8", "rl.max_new_tokens=4"]
 
 
 def test_gates_fail_a_perturbed_candidate(tmp_path, capsys):

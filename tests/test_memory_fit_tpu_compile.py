@@ -1,11 +1,12 @@
 """On a TPU the micro-batch search judges a program by the default memory space of XLA's
 memory-usage report, which the TPU compiler checks against HBM, not by memory_analysis' sum, whose
 temporaries count far more than the heap buffer assignment packs (run/memory_fit.compile_measured).
-Compiled for compile-only devices of tests/tpu_target.py's topology on this CPU host."""
+Compiled for compile-only devices of tests/tpu_target.py's topology on this CPU host, on attention
+layers only (helpers.ATTENTION_LAYERS: the search reads the program's memory, whatever its mixer)."""
 
 from __future__ import annotations
 
-from helpers import TWO_LAYERS
+from helpers import ATTENTION_LAYERS
 from hybridmoe.recipe.load import load_config
 from hybridmoe.run import memory_fit
 from hybridmoe.run.setup import build
@@ -18,7 +19,7 @@ def test_a_tpu_program_s_need_is_its_default_memory_space_and_the_search_keeps_a
 
     target = tpu_target(TOPOLOGY)
     # 16 sequences of 256 over the 8 devices' batch shards: the counts 1 and 2.
-    cfg = load_config("tiny", ["mesh.cpu_devices=0", "train.batch_size=16", "train.seq_len=256", *TWO_LAYERS],
+    cfg = load_config("tiny", ["mesh.cpu_devices=0", "train.batch_size=16", "train.seq_len=256", *ATTENTION_LAYERS],
                       platform="tpu")
     setup = build(cfg, list(target.devices))
     compiled, need = train_measured(setup, 1)
@@ -42,7 +43,7 @@ def test_inspect_chooses_an_auto_count_for_a_compile_only_target_as_a_run_does()
     from hybridmoe.tools import train_program as tp
 
     target = tp.tpu_target(TOPOLOGY)
-    cfg = load_config("tiny", ["mesh.cpu_devices=0", "train.batch_size=16", "train.seq_len=256", *TWO_LAYERS],
+    cfg = load_config("tiny", ["mesh.cpu_devices=0", "train.batch_size=16", "train.seq_len=256", *ATTENTION_LAYERS],
                       platform="tpu")
     need = {m: tp.fit_bytes(tp.memory_facts(tp.compile_one(with_count(cfg, "train.micro_batches", m), target).program,
                                             None)) for m in (1, 2)}

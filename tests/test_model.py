@@ -53,7 +53,7 @@ def test_moe_sparse_matches_dense_with_empty_experts():
 
 
 def test_causality_through_gradients():
-    cfg = tiny_config("model.vocab_size=256")
+    cfg = tiny_config("model.vocab_size=256", *TWO_LAYERS)  # one layer of each mixer
     params = tiny_params(cfg)
     T, t = 48, 20
     tokens = jnp.asarray(np.random.default_rng(0).permutation(256)[:T][None], jnp.int32)  # distinct ids
@@ -66,7 +66,7 @@ def test_causality_through_gradients():
 
 
 def test_packed_batch_equals_documents_run_separately():
-    cfg = tiny_config()
+    cfg = tiny_config(*TWO_LAYERS)  # one layer of each mixer
     params = tiny_params(cfg)
     rng = np.random.default_rng(1)
     docs = [rng.integers(1, 256, size=n) for n in (7, 70, 40)]  # 70 crosses the 64-token GDN chunk
@@ -74,11 +74,12 @@ def test_packed_batch_equals_documents_run_separately():
     seg = np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)])
     pos = np.concatenate([np.arange(len(d)) for d in docs])
     pad = 128 - len(toks)
-    packed = logits(params, cfg, jnp.asarray(np.pad(toks, (0, pad)))[None], jnp.asarray(np.pad(seg, (0, pad)))[None],
-                    jnp.asarray(np.pad(pos, (0, pad)))[None])[0]
+    run = jax.jit(lambda p, *a: logits(p, cfg, *a))  # a compile per length (eager: every op on its own)
+    packed = run(params, jnp.asarray(np.pad(toks, (0, pad)))[None], jnp.asarray(np.pad(seg, (0, pad)))[None],
+                 jnp.asarray(np.pad(pos, (0, pad)))[None])[0]
     start = 0
     for d in docs:
-        alone = logits(params, cfg, jnp.asarray(d)[None])[0]
+        alone = run(params, jnp.asarray(d)[None])[0]
         _close(packed[start:start + len(d)], alone, 2e-5, 2e-5)
         start += len(d)
 
@@ -96,13 +97,17 @@ TWO_BLOCKS = ("model.layer_pattern=[gdn,attention]", "model.num_layers=4")
 
 @functools.cache
 def _two_blocks(*overrides: str):
-    """(loss and gradients, the program's jaxpr) of tiny at TWO_BLOCKS under `overrides`, on one set
-    of params and one batch (remat settings do not change either): traced once per config for the
-    remat family's tests, which compare many arms against the same reference."""
+    """(loss and gradients, the program's jaxpr, its compiled temporaries' bytes) of tiny at
+    TWO_BLOCKS under `overrides`, on one set of params and one batch (remat settings do not change
+    either): traced and compiled once per config for the remat family's tests, which compare many
+    arms against the same reference."""
+    from hybridmoe.analysis import program
+
     cfg = tiny_config(*TWO_BLOCKS, *overrides)
     params, batch = tiny_params(cfg), packed_batch(0, 2, 64, cfg.model.vocab_size)
     traced = jax.jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0])).trace(params)
-    return jax.device_get(traced.lower().compile()(params)), traced.jaxpr
+    compiled = traced.lower().compile()
+    return jax.device_get(compiled(params)), traced.jaxpr, program.memory_figures(compiled)["temp"]
 
 
 def test_sharded_on_8_devices_equals_one_device():
@@ -184,7 +189,7 @@ def test_expert_grad_barrier_ties_each_layers_input_cotangent_to_its_moe_gradien
     from hybridmoe.analysis.program import iter_eqns
 
     overrides = ("remat.policy=full", f"remat.unit={unit}")
-    (off, off_jaxpr), (on, on_jaxpr) = _two_blocks(*overrides), _two_blocks(*overrides, "remat.expert_grad_barrier=true")
+    (off, off_jaxpr, _), (on, on_jaxpr, _) = _two_blocks(*overrides), _two_blocks(*overrides, "remat.expert_grad_barrier=true")
     assert_rel_l2(off, on, 1e-4)
 
     m = tiny_config(*TWO_BLOCKS).model
@@ -204,15 +209,9 @@ def test_expert_grad_barrier_ties_each_layers_input_cotangent_to_its_moe_gradien
 
 def test_layer_remat_lowers_the_compiled_backwards_temporaries():
     # The backward replays one layer at a time: less live at its peak than replaying the block (XLA's
-    # buffer assignment, exact). Two blocks so the scan loops.
-    from hybridmoe.analysis import program
-
-    def temp(unit):
-        cfg = tiny_config(*TWO_BLOCKS, "remat.policy=full", f"remat.unit={unit}")
-        params = tiny_params(cfg)
-        batch = packed_batch(0, 2, 256, cfg.model.vocab_size)
-        f = jax.jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0]))
-        return program.memory_figures(f.lower(params).compile())["temp"]
-
-    block, layer = temp("block"), temp("layer")
+    # buffer assignment, exact). Two blocks so the scan loops: the remat family's programs
+    # (_two_blocks, unit=block the default; at 2 x 64 tokens layer/block is 0.77).
+    assert tiny_config().remat.unit == "block"
+    block = _two_blocks("remat.policy=full")[2]
+    layer = _two_blocks("remat.policy=full", "remat.unit=layer")[2]
     assert layer < 0.95 * block, (layer, block)
