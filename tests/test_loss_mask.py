@@ -207,17 +207,22 @@ def test_loss_mask_of_targets_against_a_plain_loop():
     np.testing.assert_array_equal(got, want)
 
 
-def test_the_step_loss_averages_over_the_masked_targets_only():
-    """nll_sum of rows with a loss_mask is the plain sum of -log p over the masked targets."""
+def _one_masked_row():
+    """(config, params, rows) of a one-attention-layer model and one packed row of documents of 9,
+    14 and 6 tokens, each token's loss mask drawn at random."""
     from helpers import tiny_config, tiny_params
-    from hybridmoe.model.forward import token_logprobs
-    from hybridmoe.run.step import nll_sum
     cfg = tiny_config("model.layer_pattern=[attention]", "model.num_layers=1")
-    params = tiny_params(cfg)
     rng = np.random.default_rng(2)
     docs = [rng.integers(1, 256, n) for n in (9, 14, 6)]
     masks = [rng.integers(0, 2, len(d)) for d in docs]
-    rows = pack_documents(docs, 1, 32, masks=masks)
+    return cfg, tiny_params(cfg), pack_documents(docs, 1, 32, masks=masks)
+
+
+def test_the_step_loss_averages_over_the_masked_targets_only():
+    """nll_sum of rows with a loss_mask is the plain sum of -log p over the masked targets."""
+    from hybridmoe.model.forward import token_logprobs
+    from hybridmoe.run.step import nll_sum
+    cfg, params, rows = _one_masked_row()
     lp = np.asarray(token_logprobs(params, cfg, rows["tokens"], rows["segment_ids"], rows["positions"]), np.float64)
     want_mask = np.asarray(loss_mask(rows["segment_ids"], rows["loss_mask"]))
     loss, count = jax.jit(lambda p, b: nll_sum(p, cfg, b))(params, rows)
@@ -229,15 +234,9 @@ def test_the_steps_tokens_are_every_target_and_loss_tokens_the_masked_ones():
     """One training step over one packed row of documents of 9, 14 and 6 tokens with loss masks:
     `tokens` counts every next-token target, 8 + 13 + 5 = 26 (the throughput's count), `loss_tokens`
     only the masked ones, the loss's denominator (fewer)."""
-    from helpers import tiny_config, tiny_params
     from hybridmoe.data.packing import split_micro_batches
     from hybridmoe.run.step import make_optimizer, train_step
-    cfg = tiny_config("model.layer_pattern=[attention]", "model.num_layers=1")
-    params = tiny_params(cfg)
-    rng = np.random.default_rng(2)
-    docs = [rng.integers(1, 256, n) for n in (9, 14, 6)]
-    masks = [rng.integers(0, 2, len(d)) for d in docs]
-    rows = pack_documents(docs, 1, 32, masks=masks)
+    cfg, params, rows = _one_masked_row()
     masked = int(np.asarray(loss_mask(rows["segment_ids"], rows["loss_mask"])).sum())
     optimizer = make_optimizer(cfg.train)
     state = {"params": params, "opt_state": optimizer.init(params), "step": 0}
