@@ -105,17 +105,15 @@ def main(argv=None) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     redo = set(filter(None, args.redo.split(",")))
     asked = set(filter(None, args.arms.split(",")))
+    unknown = sorted(asked - set(ARMS) - set(PROGRAMS))
+    if unknown:
+        raise SystemExit(f"unknown arm {unknown[0]!r}; choices: {', '.join([*ARMS, *PROGRAMS])}")
     rows = []
-    # In the seed's order; an arm not asked for but recorded before is gathered as it is, never dropped.
-    for name in [n for n in [*ARMS, *PROGRAMS] if n in asked or (folder / f"{n}.json").exists()] + sorted(
-            asked - set(ARMS) - set(PROGRAMS)):
-        if name in PROGRAMS:
-            program, overrides = name, arm_overrides(PROGRAMS[name])
-        elif name in ARMS:
-            program, overrides = "train", arm_overrides(name)
-        else:
-            raise SystemExit(f"unknown arm {name!r}; choices: {', '.join([*ARMS, *PROGRAMS])}")
+    for name in [*ARMS, *PROGRAMS]:  # the seed's order
         out = folder / f"{name}.json"
+        if name not in asked and not out.exists():
+            continue  # an arm not asked for but recorded before is gathered as it is, never dropped
+        program, overrides = (name, arm_overrides(PROGRAMS[name])) if name in PROGRAMS else ("train", arm_overrides(name))
         record = json.loads(out.read_text()) if out.exists() and name not in redo else run_inspect(
             name, overrides, program, out)
         rows.append(summary(name, record))

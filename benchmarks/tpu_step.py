@@ -44,6 +44,11 @@ RECIPE = "qwen3.5-35b-a3b-v5e-1"
 # heuristic runs on a TPU (kernels/gmm/tile_table.py TPU_RULE) at the one-chip recipe's widths.
 TILED = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "kernels.gmm.tm=512",
          "kernels.gmm.tk=2048", "kernels.gmm.tn=512"]
+# The levers the next round measures, alone and together (ARMS below).
+GATHER_BACKWARD = ["moe.gather_backward=true"]
+ONE_TOKEN_CHUNK = ["kernels.logprobs.chunk_tokens=8192"]
+FUSED_AT_TUNED_TILES = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.wi_fused_swiglu=true",
+                        "moe.wo_fused_dswiglu=true"]
 ARMS = {
     # The recipe's defaults: the Mosaic GDN core (kernels.gdn.backend=auto on a TPU), ragged_dot grouped
     # matmuls, remat.policy=minimal (the recipe's choice, the fastest arm the chip measured).
@@ -61,17 +66,14 @@ ARMS = {
     # One token chunk (the whole 8,192-token sequence): each vocabulary block's weight gradient is
     # computed once, never accumulated across token chunks (the profile: a 6.6 ms dynamic-update-slice
     # over 32 runs at 2,048-token chunks); its logits block is [8192, 4096] float32, 128 MiB.
-    "logprobs_chunk_8192": ["kernels.logprobs.chunk_tokens=8192"],
+    "logprobs_chunk_8192": ONE_TOKEN_CHUNK,
     # The MoE dispatch's two row moves with gather backwards (autodiff's scatter-adds measured 4.1 and
     # 2.8 ms a layer on the chip, where the model's HBM rate gives 1.0 and 0.6).
-    "gather_backward": ["moe.gather_backward=true"],
+    "gather_backward": GATHER_BACKWARD,
     # The fused pair at the tiles tune-gmm measured (the table's v5e section), both MoE levers.
-    "fused_swiglu_auto": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.wi_fused_swiglu=true",
-                          "moe.wo_fused_dswiglu=true"],
+    "fused_swiglu_auto": FUSED_AT_TUNED_TILES,
     # The candidates above together, for the cumulative effect in one round.
-    "candidates_together": ["moe.gather_backward=true", "kernels.logprobs.chunk_tokens=8192",
-                            "kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.wi_fused_swiglu=true",
-                            "moe.wo_fused_dswiglu=true"],
+    "candidates_together": [*GATHER_BACKWARD, *ONE_TOKEN_CHUNK, *FUSED_AT_TUNED_TILES],
     "remat_full": ["remat.policy=full"],  # what remat.policy=auto chooses at this size (12.5 GiB of 15.7)
     "remat_sublayer": ["remat.unit=sublayer"],
     "remat_layer": ["remat.unit=layer"],

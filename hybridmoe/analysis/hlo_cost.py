@@ -462,7 +462,7 @@ class Estimator:
                           wire_bytes=wire_bytes(kind, result_bytes, _group_size(i.attrs)))
         operand_bytes = sum(type_bytes(types.get(o, "")) for o in i.operands)
         accessed = self._accessed_bytes(i, comp)
-        if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.attrs:
+        if _custom_call_target(i) == "tpu_custom_call":
             p = pallas_call_cost(i, types)
             flops = p["flops"] or 0.0
             cat = category_of(f"{p['kernel']} {i.op_name or context}", flops > 0)

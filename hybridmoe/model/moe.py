@@ -233,6 +233,11 @@ class GroupedPlan:
             gather_backward=moe.gather_backward)
 
     @property
+    def runs_row_tiles(self) -> bool:
+        """The default program on row tiles (`tiled_experts`, CPU): no sort-and-group dispatch."""
+        return self.is_default and self.xla_impl == "row_tiles"
+
+    @property
     def is_default(self) -> bool:
         """No lever, no buffer, the xla backend: the default program (`sparse_experts`)."""
         return not (self.capacity_factor or self.wi_fused_swiglu or self.wo_fused_dswiglu
@@ -468,10 +473,10 @@ def moe_local(p, x_TD, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | 
     with jax.named_scope(scopes.GROUPED_MATMUL):
         if moe.impl == "dense":
             y = dense_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
-        elif (decode_step and plan.is_default and plan.xla_impl == "row_tiles"
+        elif (decode_step and plan.runs_row_tiles
               and every_expert_is_cheaper(x_TD.shape[0], m.num_experts_per_tok, m.num_experts, plan.xla_tile_rows)):
             y = every_expert_rows(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"])
-        elif plan.is_default and plan.xla_impl == "row_tiles":
+        elif plan.runs_row_tiles:
             y = tiled_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], plan.xla_tile_rows)
         elif plan.is_default:
             y = sparse_experts(x_TD, w_Tk, idx_Tk, p["wi"], p["wo"], default_grouped_dot(kernels), plan.gather_backward)

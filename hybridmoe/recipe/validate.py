@@ -331,8 +331,7 @@ def _moe_gather_backward(cfg: Config, f: Facts) -> list[Problem]:
     from hybridmoe.model.moe import GroupedPlan
 
     platform = _run_platform(cfg, f)
-    plan = GroupedPlan.of(cfg.model, moe, cfg.kernels, cfg.quant, platform)
-    if plan.is_default and plan.xla_impl == "row_tiles":
+    if GroupedPlan.of(cfg.model, moe, cfg.kernels, cfg.quant, platform).runs_row_tiles:
         return [("moe.gather_backward", f"the default MoE program on {platform} runs row tiles "
                  "(kernels.gmm.xla_impl=row_tiles), whose backward is already gathers; set "
                  "kernels.gmm.xla_impl=ragged_dot, or turn the lever off")]

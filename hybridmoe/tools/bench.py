@@ -146,7 +146,7 @@ def refusal_line(arm: Arm) -> str:
             "(remat.policy=full)")
 
 
-def _estimate(compiled, cfg: Config, devices, hardware: str | None) -> dict | None:
+def _estimate(text: str, cfg: Config, devices, hardware: str | None) -> dict | None:
     """The step-time model's estimate of the compiled step on `hardware` (default: the device's own
     generation; None on a CPU unless named), beside the measured time."""
     from hybridmoe.analysis.flops import model_flops_per_device
@@ -157,7 +157,7 @@ def _estimate(compiled, cfg: Config, devices, hardware: str | None) -> dict | No
     if name is None:
         return None
     hw = hardware_for(name)
-    e = estimate(compiled.as_text(), hw, tokens_per_step=tokens_per_step(cfg, "train"),
+    e = estimate(text, hw, tokens_per_step=tokens_per_step(cfg, "train"),
                  chips=max(1, len(devices) // hw.devices_per_chip), devices=len(devices),
                  model_flops_per_device=model_flops_per_device(cfg, len(devices), "train"))
     return {"hardware": name, "calibrated": hw.measured is not None, "step_s": e["serial"]["step_s"],
@@ -229,13 +229,14 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                     raise
                 continue
             arm.compile_s = time.perf_counter() - t0
-        colls, lowered_colls = parse_hlo(compiled.as_text()), parse_stablehlo(lowered.as_text())
+        text = compiled.as_text()
+        colls, lowered_colls = parse_hlo(text), parse_stablehlo(lowered.as_text())
         per_loop = lambda cs: {loop: dict(c) for loop, c in per_iteration(cs).items()}  # noqa: E731
         # Per loop (micro-batch scan, forward and backward layer scans): collectives per iteration,
         # compiled (every one) and lowered (the explicit ones, before XLA moves any out of a loop).
         # MFU's numerator: the program's own FLOPs (analysis/hlo_cost.hlo_flops: ragged dots by their
         # rows); XLA's cost analysis counts a ragged dot as dense over every group, kept beside it.
-        arm.program = {**memory_figures(compiled), "flops_per_device": hlo_flops(compiled.as_text()),
+        arm.program = {**memory_figures(compiled), "flops_per_device": hlo_flops(text),
                        "xla_cost_flops_per_device": cost_figures(compiled).get("flops", 0.0),
                        "compiled_collectives_per_loop_iteration": per_loop(colls),
                        "lowered_collectives_per_loop_iteration": per_loop(lowered_colls),
@@ -244,7 +245,7 @@ def run_bench(recipe: str, common: list[str], arms: list[tuple[str, list[str]]],
                        "compiled_collectives": dict(Counter(f"{c.kind} {c.dtype}" for c in colls)),
                        "collectives_in_loop": count(colls, in_loop=True),
                        "collectives_outside_loop": count(colls, in_loop=False)}
-        arm.estimate = _estimate(compiled, arm.cfg, setup.mesh.devices.flat, estimate_for)
+        arm.estimate = _estimate(text, arm.cfg, setup.mesh.devices.flat, estimate_for)
         runs.append((arm, setup, compiled))
         del batch0
     if free_bytes == -1:

@@ -87,8 +87,8 @@ def tpu_target(name: str) -> Target:
 
     # libtpu lets one process per host hold it (a lockfile), and on a CPU host any JAX process
     # that probes for a TPU backend takes it. Compile-only devices never touch a chip, so this
-    # process shares libtpu instead of failing on that lock.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # process shares libtpu instead of failing on that lock: set, not read (no switch of ours).
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     try:
         topo = topologies.get_topology_desc(name, platform="tpu")
     except jax.errors.JaxRuntimeError as e:
