@@ -49,6 +49,9 @@ GATHER_BACKWARD = ["moe.gather_backward=true"]
 ONE_TOKEN_CHUNK = ["kernels.logprobs.chunk_tokens=8192"]
 FUSED_AT_TUNED_TILES = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.wi_fused_swiglu=true",
                         "moe.wo_fused_dswiglu=true"]
+# Under remat.policy=minimal the grouped expert matmuls (not dot_generals) run again in the backward's
+# replay; saving their gate and up outputs by name keeps them (128 MiB a layer at the one-chip shape).
+SAVED_EXPERT_MATMULS = ["remat.save=[moe_gate,moe_up]"]
 ARMS = {
     # The recipe's defaults: the Mosaic GDN core (kernels.gdn.backend=auto on a TPU), ragged_dot grouped
     # matmuls, remat.policy=minimal (the recipe's choice, the fastest arm the chip measured).
@@ -72,8 +75,11 @@ ARMS = {
     "gather_backward": GATHER_BACKWARD,
     # The fused pair at the tiles tune-gmm measured (the table's v5e section), both MoE levers.
     "fused_swiglu_auto": FUSED_AT_TUNED_TILES,
-    # The candidates above together, for the cumulative effect in one round.
+    "saved_expert_matmuls": SAVED_EXPERT_MATMULS,
+    # The candidates above together, for the cumulative effect in one round: with the fused pair, and
+    # with the saved gate and up halves instead (the fused kernel keeps [gate | up] as one, unnamed).
     "candidates_together": [*GATHER_BACKWARD, *ONE_TOKEN_CHUNK, *FUSED_AT_TUNED_TILES],
+    "candidates_unfused": [*GATHER_BACKWARD, *ONE_TOKEN_CHUNK, *SAVED_EXPERT_MATMULS],
     "remat_full": ["remat.policy=full"],  # what remat.policy=auto chooses at this size (12.5 GiB of 15.7)
     "remat_sublayer": ["remat.unit=sublayer"],
     "remat_layer": ["remat.unit=layer"],

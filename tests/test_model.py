@@ -128,6 +128,7 @@ def test_sharded_on_8_devices_equals_one_device():
     ("remat.scan_layers=false",),
     ("remat.policy=none",),
     ("remat.policy=minimal",),
+    ("remat.policy=minimal", "remat.save=[moe_gate,moe_up]"),
     ("remat.policy=custom", "remat.save=[gdn_core_out,moe_gate,moe_up,attn_out]"),
     ("remat.policy=full", "remat.unit=layer"),
     ("remat.policy=custom", "remat.save=[moe_gate]", "remat.unit=layer"),
@@ -178,6 +179,32 @@ def test_sublayer_remat_keeps_each_sublayers_input_and_nothing_else():
     assert [shape for shape, _ in kept] == [(2, 64, D)] * (2 * P - 1), kept
     sources = [source.split("(")[-1] for _, source in kept]
     assert sorted(set(sources)) == ["mixer_sublayer)", "moe_sublayer)"], kept
+
+
+def test_minimal_with_a_save_list_keeps_the_named_expert_matmuls_besides_the_dots():
+    # remat.policy=minimal keeps the weight matmuls' outputs (dot_general) but recomputes the grouped
+    # expert matmuls (ragged dots and row tiles are not dot_generals); its save list adds the named
+    # tensors. Per layer of the tiny block (each has a MoE block): the routed experts' moe_gate and
+    # moe_up of [rows >= B * T * k, F], the shared expert's of [B * T, Fs]; the shared expert's fused
+    # [gate | up] dot is then kept as its two named halves instead, every other dot as before.
+    from collections import Counter
+
+    overrides = ("remat.policy=minimal", "moe.impl=sparse")
+    m = tiny_config(*overrides).model
+    B, T, P, F, Fs = 2, 64, len(m.layer_pattern), m.moe_intermediate_size, m.shared_expert_intermediate_size
+    site = lambda source: source.rsplit("(", 1)[-1].rstrip(")")  # noqa: E731  (the function that made it)
+    dots = lambda kept: Counter((shape, site(s)) for shape, s in kept if "dot_general" in s)  # noqa: E731
+    names = lambda kept: Counter((shape, s.split("'")[1]) for shape, s in kept if "named '" in s)  # noqa: E731
+    plain = _block_residuals(tiny_config(*overrides))
+    named = _block_residuals(tiny_config(*overrides, "remat.save=[moe_gate,moe_up]"))
+    assert names(plain) == Counter() and dots(plain), plain
+    assert dots(plain) - dots(named) == Counter({((B * T, 2 * Fs), "shared_expert"): P}), (plain, named)
+    assert dots(named) - dots(plain) == Counter(), (plain, named)
+    shared = Counter({((B * T, Fs), "moe_gate"): P, ((B * T, Fs), "moe_up"): P})
+    routed = names(named) - shared
+    assert names(named) - routed == shared, named
+    assert sorted(routed.values()) == [P, P] and {n for _, n in routed} == {"moe_gate", "moe_up"}, routed
+    assert all(rows >= B * T * m.num_experts_per_tok and f == F for (rows, f), _ in routed), routed
 
 
 @pytest.mark.parametrize("unit", ["sublayer", "layer"])

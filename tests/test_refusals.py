@@ -95,6 +95,8 @@ CASES: dict[str, Case] = {
     "seq_len_over_max": case("_train_seq_len", ["train.seq_len=512"], ("train.seq_len", "exceeds model.max_seq_len=256")),
     # remat
     "save_list_without_custom": case("_remat_save", ["remat.save=[attn_q]"], ("remat.save", "needs remat.policy=custom")),
+    "save_list_under_full": case("_remat_save", ["remat.policy=full", "remat.save=[moe_gate]"],
+                                 ("remat.save", "needs remat.policy=custom or minimal (got full)")),
     "save_list_unknown_name": case("_remat_save", ["remat.policy=custom", "remat.save=[nope]"],
                                    ("remat.save", "unknown checkpoint names ['nope']")),
     # rl shapes (every load)
@@ -123,6 +125,9 @@ CASES: dict[str, Case] = {
     "fused_lever_saves_a_half": case("_moe_fused_levers", ["moe.wo_fused_dswiglu=true", "remat.policy=custom",
                                                           "remat.save=[moe_gate]"],
                                      ("moe.wo_fused_dswiglu", "the gate and up halves cannot be saved")),
+    "fused_lever_saves_a_half_under_minimal": case("_moe_fused_levers", ["moe.wi_fused_swiglu=true",
+                                                                        "remat.policy=minimal", "remat.save=[moe_up]"],
+                                                   ("moe.wi_fused_swiglu", "remat.save names ['moe_up']")),
     "fused_lever_on_fp8": case(("_moe_fused_levers", "_quant_fp8_gmm"), ["moe.wi_fused_swiglu=true", "quant.fp8_gmm=true"],
                                ("moe.wi_fused_swiglu", "needs unquantized grouped matmuls (quant.fp8_gmm is on)"),
                                ("quant.fp8_gmm", "the fused SwiGLU epilogues (moe.wi_fused_swiglu)")),
@@ -342,6 +347,8 @@ ACCEPTED: dict[str, Case] = {
     # the lever where the sort-and-group dispatch runs: ragged_dot named, or the grouped path (a lever on)
     "gather_backward_on_ragged_dot": case((), ["moe.gather_backward=true", "kernels.gmm.xla_impl=ragged_dot"]),
     "gather_backward_on_the_grouped_path": case((), ["moe.gather_backward=true", "moe.router_grad_from_wo_input=true"]),
+    # minimal with a save list: the matmul outputs and the named grouped-matmul halves
+    "save_list_under_minimal": case((), ["remat.policy=minimal", "remat.save=[moe_gate,moe_up]"]),
     # every token routed to all 8 experts
     "top_k_is_every_expert": case((), ["model.num_experts_per_tok=8"]),
     # the format task's shortest prompt, 'answer only: 0+0=' with BOS, is 18 characters: it fits 18

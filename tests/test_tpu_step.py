@@ -76,3 +76,17 @@ def test_a_round_past_the_budget_is_left_out_and_the_finished_ones_are_kept(tmp_
                         str(out), "--profile", "0"]) == 0
     assert calls == [["default", "xla_gdn"]]  # the first round starts at 0 s; the second is past the budget
     assert set(json.loads(out.read_text())["arms"]) == {"default", "xla_gdn"}
+
+
+def test_every_arm_is_a_config_the_validator_accepts_on_one_tpu():
+    """An arm the validator refuses would cost a chip call to learn it: each arm's overrides over the
+    recipe load for a TPU target and build no error on one device."""
+    from hybridmoe.recipe import load_config
+    from hybridmoe.recipe.validate import check_requirements
+
+    module = _script()
+    for name, overrides in module.ARMS.items():
+        cfg = load_config(module.RECIPE, overrides, platform="tpu")
+        check_requirements(cfg, platform="tpu", devices=1)
+    assert module.ARMS["candidates_unfused"] == [*module.ARMS["gather_backward"], *module.ARMS["logprobs_chunk_8192"],
+                                                 *module.ARMS["saved_expert_matmuls"]]

@@ -311,7 +311,9 @@ class RematConfig(Section):
         "auto", description="What the layer scan saves for the backward: nothing extra, only inputs, matmul outputs, or the save list; "
         "auto: none when the estimated residuals fit a quarter of a device's memory, else full (model/remat.py)."
     )
-    save: tuple[str, ...] = Field((), description="Checkpoint names saved under the custom policy.")
+    save: tuple[str, ...] = Field((), description="Checkpoint names saved: under the custom policy, these only; under "
+                                  "minimal, these besides the matmul outputs (moe_gate and moe_up keep the grouped expert "
+                                  "matmuls' outputs, which minimal alone recomputes).")
     unit: Literal["block", "layer", "sublayer"] = Field(
         "block", description="What one checkpoint spans: the repeating block of model.layer_pattern (its input is kept, "
         "the backward replays the whole block and holds every layer's intermediates at once), each layer (every "

@@ -2,7 +2,10 @@
 
 none: no rematerialisation (everything the backward needs is stored);
 full: only the block's input is kept, the whole block is recomputed;
-minimal: weight-matmul outputs are kept, elementwise work and attention are recomputed;
+minimal: weight-matmul outputs are kept, elementwise work and attention are recomputed; with a
+  `remat.save` list, the tensors of those checkpoint names are kept as well (the grouped expert
+  matmuls are not dot_generals, so their outputs are recomputed unless `moe_gate` and `moe_up`
+  are named: on a TPU that replay is two of each MoE layer's three forward matmuls again);
 custom: exactly the checkpoint names of `remat.save` are kept, and the names the levers add.
 auto (the default): none when the residuals it would keep fit, else full (`resolve_policy`).
 
@@ -42,7 +45,8 @@ RESIDUAL_FRACTION = 0.25  # of one device's memory, for the residuals `none` kee
 
 
 def save_names(cfg: Config) -> tuple[str, ...]:
-    """The custom policy's save list: remat.save, then the names the levers save."""
+    """The save list of the custom policy (and the names minimal keeps besides the matmul outputs):
+    remat.save, then the names the levers save."""
     lever = (LB_IDS_NAME,) if cfg.attention.cp_load_balance_hoist_ids and LB_IDS_NAME not in cfg.remat.save else ()
     return tuple(cfg.remat.save) + lever
 
@@ -53,7 +57,12 @@ def remat_policy(cfg: Config, policy: str | None = None):
     if policy == "full":
         return jax.checkpoint_policies.nothing_saveable
     if policy == "minimal":
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        names = save_names(cfg)
+        if not names:
+            return dots
+        return jax.checkpoint_policies.save_from_both_policies(
+            dots, jax.checkpoint_policies.save_only_these_names(*names))
     if policy == "custom":
         return jax.checkpoint_policies.save_only_these_names(*save_names(cfg))
     raise ValueError(f"remat policy {policy!r} has no checkpoint policy")

@@ -179,8 +179,8 @@ def _train_seq_len(cfg: Config, f: Facts) -> list[Problem]:
 def _remat_save(cfg: Config, f: Facts) -> list[Problem]:
     r = cfg.remat
     out = []
-    if r.save and r.policy != "custom":
-        out.append(("remat.save", f"a save list needs remat.policy=custom (got {r.policy})"))
+    if r.save and r.policy not in ("custom", "minimal"):
+        out.append(("remat.save", f"a save list needs remat.policy=custom or minimal (got {r.policy})"))
     unknown = [n for n in r.save if n not in CHECKPOINT_NAMES]
     if unknown:
         out.append(("remat.save", f"unknown checkpoint names {unknown}; known: {list(CHECKPOINT_NAMES)}"))
@@ -271,7 +271,7 @@ def _quantized_gmm(cfg: Config) -> list[str]:
 @rule("moe.wi_fused_swiglu", "moe.wo_fused_dswiglu", "moe.router_grad_from_wo_input", "moe.capacity_factor", "moe.expert_parallel")
 def _moe_fused_levers(cfg: Config, f: Facts) -> list[Problem]:
     moe, out = cfg.moe, []
-    saved_halves = [n for n in cfg.remat.save if n in MOE_GATE_UP_NAMES] if cfg.remat.policy == "custom" else []
+    saved_halves = [n for n in cfg.remat.save if n in MOE_GATE_UP_NAMES] if cfg.remat.policy in ("custom", "minimal") else []
     tiles = _gmm_tile_problems(cfg)
     for key in ("wi_fused_swiglu", "wo_fused_dswiglu", "router_grad_from_wo_input"):
         if not getattr(moe, key):
@@ -466,7 +466,7 @@ def _attention_context_parallel(cfg: Config, f: Facts) -> list[Problem]:
         if P is not None and (P < 2 or P % 2):
             unmet.append(f"needs an even mesh.context >= 2 (got {P})")
         if r.policy != "custom":
-            unmet.append(f"needs remat.policy=custom, the only policy whose save list takes the name (got {r.policy})")
+            unmet.append(f"needs remat.policy=custom, the policy the hoist is proven under (got {r.policy})")
         if not r.scan_layers:
             unmet.append("needs remat.scan_layers=true (the hoist out of the layer loop is the scan's)")
         if unmet:
