@@ -160,6 +160,30 @@ def device_memory() -> dict | None:
     return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats}
 
 
+def steps_per_visit(args) -> int:
+    """Timed steps in each of the two visits: together at least --steps (an odd count rounds up)."""
+    return -(-args.steps // 2)
+
+
+def arm_rows(arms: dict) -> dict:
+    """Each arm's record row from its timed steps: the mean step time, tokens per second, and the time
+    over our arm's (timed in the same run)."""
+    import numpy as np
+
+    rows = {}
+    for name, a in arms.items():
+        sec = float(np.mean(a.times))
+        rows[name] = {"measured_s": sec, "tokens_per_s": a.tokens / sec, "tokens_per_step": a.tokens,
+                      "step_times_s": a.times, "losses": a.losses, "compile_s": a.compile_s,
+                      "memory": {"compiled": a.memory, "device_after_visits": a.device_after_visits},
+                      "kernels": a.kernels,
+                      "settings": (a.overrides if isinstance(a, OursArm) else a.argv[2:])}
+    ours_s = rows["ours"]["measured_s"]
+    for row in rows.values():
+        row["over_ours"] = row["measured_s"] / ours_s  # against our arm timed in the same run
+    return rows
+
+
 def maxtext_argv(maxtext, shape: dict, remat: str, platform: str, weight_dtype: str, out_dir: str) -> list[str]:
     """MaxText's command line for its Qwen3.5-35B-A3B model at `shape` (its own base.yml and model config)."""
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
@@ -400,7 +424,6 @@ def main(argv=None) -> int:
         args.out = str(harness.RECORDS / "peer_maxtext_tiny.json")
     harness.configure(cpu_only=args.tiny, cache_dir=args.compile_cache)
     import jax
-    import numpy as np
 
     maxtext, why_not, shims = import_maxtext(args.maxtext_site)
     if maxtext is None:
@@ -411,7 +434,7 @@ def main(argv=None) -> int:
     remats = ["full"] if args.tiny and args.maxtext_remat == p.get_default("maxtext_remat") else args.maxtext_remat.split(",")
     shape = TINY_MAXTEXT if args.tiny else MAXTEXT_SHAPE
     ours_overrides = [*OURS_PINNED, *(TINY_OURS if args.tiny else []), *args.overrides]
-    per_visit = -(-args.steps // 2)
+    per_visit = steps_per_visit(args)
     out_dir = tempfile.mkdtemp(prefix="peer-maxtext-")
 
     arms = {"ours": OursArm("ours", RECIPE, ours_overrides)}
@@ -450,17 +473,7 @@ def main(argv=None) -> int:
     mt_arms = [a for a in arms.values() if isinstance(a, MaxTextArm)]
     gdn = gdn_layer_times(arms["ours"].cfg, mt_arms[0], args.gdn_rounds) if mt_arms else None
 
-    rows = {}
-    for name, a in arms.items():
-        sec = float(np.mean(a.times))
-        rows[name] = {"measured_s": sec, "tokens_per_s": a.tokens / sec, "tokens_per_step": a.tokens,
-                      "step_times_s": a.times, "losses": a.losses, "compile_s": a.compile_s,
-                      "memory": {"compiled": a.memory, "device_after_visits": a.device_after_visits},
-                      "kernels": a.kernels,
-                      "settings": (a.overrides if isinstance(a, OursArm) else a.argv[2:])}
-    ours_s = rows["ours"]["measured_s"]
-    for row in rows.values():
-        row["over_ours"] = row["measured_s"] / ours_s  # against our arm timed in the same run
+    rows = arm_rows(arms)
     from hybridmoe.tools.record import machine_record, source_commit
 
     # One chip call can time one MaxText arm beside ours and the next call another: each keeps its own

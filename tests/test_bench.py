@@ -38,6 +38,16 @@ def test_the_devices_refusals_are_read_with_its_own_figures():
     assert device_refusal("INVALID_ARGUMENT: shapes differ") is None
 
 
+def test_a_refusals_two_figures_each_keep_their_own_unit():
+    """The runtime asks for gigabytes with megabytes free: 4.39 GiB needed, 512 MiB available (not
+    512 GiB); the compiler's form with a kibibyte figure the same way."""
+    run = device_refusal("RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 4.39G. "
+                         "That was not possible. There are 512.00M free.")
+    assert (run["needed_bytes"], run["available_bytes"]) == (round(4.39 * GIB), 512 * 2**20)
+    compile_no = device_refusal("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 1.50G of 900.00K hbm.")
+    assert (compile_no["needed_bytes"], compile_no["available_bytes"]) == (round(1.5 * GIB), 900 * 2**10)
+
+
 def test_only_the_arguments_are_judged_before_the_device_is_asked():
     """The chip's `default` arm: arguments 2.66 GiB, XLA's temporaries 14.02 (16.68 summed) against
     15.75 free, and `hybridmoe train` runs it: not refused. Arguments of 16 GiB cannot be on the

@@ -114,3 +114,16 @@ def test_only_commands_that_write_a_record_run_git(monkeypatch, tmp_path, capsys
     assert main(["bench", "recipe=tiny", "train.sted=1", "--out", str(tmp_path / "r.json")]) == 2
     assert calls.count("git") == 2 and record.source_commit.cache_info().currsize == 1
     record.source_commit.cache_clear()
+
+
+def test_launch_refuses_fewer_than_one_process_before_starting_any(monkeypatch, capsys):
+    from hybridmoe.parallel import launch as launch_mod
+
+    started = []
+    monkeypatch.setattr(launch_mod, "launch", lambda argv, processes, port: started.append(processes) or 0)
+    assert main(["launch", "--processes", "0", "--", "train", "recipe=tiny"]) == 2
+    assert "--processes 0: at least 1" in capsys.readouterr().err
+    assert main(["launch", "--processes", "-1", "--", "train", "recipe=tiny"]) == 2
+    assert main(["launch", "--processes", "1", "--", "demo"]) == 2
+    assert started == []
+    assert main(["launch", "--processes", "1", "--", "train", "recipe=tiny"]) == 0 and started == [1]

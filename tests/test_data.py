@@ -150,6 +150,19 @@ def test_bad_lines_skipped_are_counted(tmp_path, caplog):
     assert "skipped 4 bad line(s)" in caplog.text
 
 
+def test_an_empty_conversation_is_a_bad_line(tmp_path):
+    """`messages: []` (and a `messages` that is not a list) is no document and no prompt: line 2 is
+    refused by name, and skipped lines leave lines 1 and 4."""
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"text": "1+1=2"}\n{"messages": []}\n{"messages": "hi"}\n{"text": "2+2=4"}\n')
+    with pytest.raises(DataError) as e:
+        read_records(f, "data.path", text_or_messages("text"), "stop")
+    assert f"2 bad line(s); the first is {f}:2: 'messages' must be a non-empty list" in str(e.value)
+    recs, bad = read_records(f, "data.path", text_or_messages("text"), "skip")
+    assert [r.line for r in recs] == [1, 4] and bad.count == 2
+    assert prompt_or_messages({"messages": []}) == "'messages' must be a non-empty list of {role, content} objects"
+
+
 def test_text_the_tokenizer_cannot_encode_names_the_line(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text('{"text": "12+3=15"}\n{"text": "12\u20ac"}\n')

@@ -92,3 +92,28 @@ def test_export_over_an_earlier_one_drops_stale_shards(tmp_path, loaded):
     out, _ = export(tmp_path, loaded)
     assert not (out / "model.safetensors").exists() and (out / "notes.txt").read_text() == "kept"
     hf.load_hf_checkpoint(str(out))
+
+
+def test_the_file_plan_fills_each_file_up_to_its_budget_exactly():
+    """Units packed into files of at most 100 bytes, by hand. One host: 60 + 40 fill file 0 exactly,
+    100 is file 1, 1 + 99 file 2 (3 files). Two hosts, units dealt round robin: host 0 takes 60, 40
+    (file 0, full) and 10 (file 1), host 1 takes 50 + 50 (its file 0, numbered 2 after host 0's two)."""
+    from types import SimpleNamespace
+
+    units = lambda *sizes: [SimpleNamespace(nbytes=n) for n in sizes]  # noqa: E731
+    assert hf_export._file_plan(units(60, 40, 100, 1, 99), 1, 100) == ([(0, 0), (0, 0), (0, 1), (0, 2), (0, 2)], 3)
+    assert hf_export._file_plan(units(60, 50, 40, 50, 10), 2, 100) == ([(0, 0), (1, 2), (0, 0), (1, 2), (0, 1)], 3)
+
+
+def test_experts_go_in_the_largest_chunks_that_fill_a_file_exactly(loaded):
+    """hf_tiny: 8 experts of 3 x 64 x 32 float32 = 24,576 bytes each. A budget of exactly 4 experts
+    (98,304 bytes) takes each layer's experts in 2 chunks of 4 (on the 2-way expert mesh also one
+    shard's worth); a byte less, in 4 chunks of 2."""
+    cfg, params = loaded
+    per_expert = 3 * 64 * 32 * 4
+
+    def chunks(budget):
+        return [(u.name, u.nbytes) for u in hf_export.plan_units(cfg, params, budget) if u.name.startswith("layer 0 experts")]
+
+    assert chunks(4 * per_expert) == [("layer 0 experts 0..3", 4 * per_expert), ("layer 0 experts 4..7", 4 * per_expert)]
+    assert [name for name, _ in chunks(4 * per_expert - 1)] == [f"layer 0 experts {e}..{e + 1}" for e in (0, 2, 4, 6)]

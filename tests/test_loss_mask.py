@@ -163,6 +163,16 @@ def test_broken_variants_are_caught(form, variant, monkeypatch):
     assert errors > 0, variant
 
 
+def test_a_turn_ends_at_the_first_stop_token_after_it():
+    """Two stop tokens after a turn's start: the turn ends with the nearer one, `<|im_end|>` at
+    characters 5-14 (the end, 15), not with the `<|endoftext|>` after it; from past it, the next."""
+    text = "Hi 5.<|im_end|>\nuser<|endoftext|>"
+    stops = ["<|endoftext|>", "<|im_end|>"]
+    assert chat.turn_end(text, 0, stops) == 15
+    assert chat.turn_end(text, 15, stops) == len(text)
+    assert chat.turn_end("no stop here", 0, stops) is None
+
+
 def test_loss_on_all_and_text_records_train_every_token():
     tok = load_tokenizer(HF_TINY)
     ids, mask = tokenize_document({"messages": CONVERSATION}, tok, "text", loss_on="all")

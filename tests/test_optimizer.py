@@ -225,3 +225,23 @@ def test_one_step_moves_each_parameter_by_the_learning_rate(case):
         p0, p1, g = (np.asarray(x, np.float64) for x in (p0, p1, g))
         want = -lr * (g / (np.abs(g) + 1e-8) + wd * p0)
         np.testing.assert_allclose(p1 - p0, want, rtol=0, atol=lr * 1e-3)
+
+
+def test_a_one_step_warm_up_holds_step_0_and_runs_step_1_at_the_full_rate():
+    """train.warmup_steps=1: step 0 runs at rate 0 (the weights stay), step 1 at the full rate.
+    A gradient of 2.0 twice: Adam's bias-corrected update at step 1 is g / |g| = 1, so the weight
+    moves 1.0 -> 1.0 -> 1.0 - 0.1."""
+    from hybridmoe.config.schema import TrainConfig
+
+    t = TrainConfig(learning_rate=0.1, warmup_steps=1, grad_clip=0.0, weight_decay=0.0)
+    optimizer = step_mod.make_optimizer(t)
+    params = {"w": np.ones(3, np.float32)}
+    grads = {"w": np.full(3, 2.0, np.float32)}
+    state = optimizer.init(params)
+    moved = []
+    for _ in range(2):
+        update, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, update)
+        moved.append(np.asarray(params["w"]).tolist())
+    np.testing.assert_allclose(moved[0], [1.0] * 3, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(moved[1], [0.9] * 3, rtol=0, atol=1e-6)

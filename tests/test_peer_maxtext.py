@@ -73,3 +73,46 @@ def test_a_later_run_keeps_the_earlier_runs_other_arms_of_the_same_device(tmp_pa
                       "maxtext_remat_minimal": {"measured_s": 0.75, "over_ours": 1.5, "commit": "bbb"}}
     assert harness.merged_with_earlier(out, "arms", now, "cpu", "bbb") == {n: {**r, "commit": "bbb"} for n, r in now.items()}
     assert harness.merged_with_earlier(tmp_path / "none.json", "arms", now, "cpu", "c")["ours"]["commit"] == "c"
+
+
+def test_the_arms_figures_come_from_their_timed_steps():
+    """Figures by hand from stubbed arms: ours 600 tokens a step in 0.2 and 0.4 s (mean 0.3 s, 2000
+    tokens/s), MaxText's in 0.5, 0.7 and 0.6 s (mean 0.6 s, 1000 tokens/s, twice ours); an odd --steps
+    rounds each visit's timed steps up."""
+    from types import SimpleNamespace
+
+    from helpers import benchmark_script
+
+    peer = benchmark_script("peer_maxtext")
+    common = {"tokens": 600, "losses": [], "compile_s": 1.0, "memory": {}, "device_after_visits": [], "kernels": {}}
+    ours = object.__new__(peer.OursArm)
+    vars(ours).update(common, times=[0.2, 0.4], overrides=["model.num_layers=4"])
+    maxtext = SimpleNamespace(**common, times=[0.5, 0.7, 0.6], argv=["maxtext", "base.yml", "steps=100"])
+    rows = peer.arm_rows({"ours": ours, "maxtext_remat_full": maxtext})
+    assert rows["ours"]["measured_s"] == pytest.approx(0.3) and rows["ours"]["tokens_per_s"] == pytest.approx(2000)
+    assert rows["maxtext_remat_full"]["measured_s"] == pytest.approx(0.6)
+    assert rows["maxtext_remat_full"]["tokens_per_s"] == pytest.approx(1000)
+    assert rows["maxtext_remat_full"]["over_ours"] == pytest.approx(2.0) and rows["ours"]["over_ours"] == 1.0
+    assert rows["ours"]["settings"] == ["model.num_layers=4"] and rows["maxtext_remat_full"]["settings"] == ["steps=100"]
+    assert [peer.steps_per_visit(SimpleNamespace(steps=n)) for n in (1, 2, 3, 4)] == [1, 1, 2, 2]
+
+
+def test_the_device_memory_after_a_visit_keeps_its_peak(monkeypatch):
+    import jax
+
+    from helpers import benchmark_script
+
+    peer = benchmark_script("peer_maxtext")
+    stats = {"bytes_in_use": 3 * 2**30, "peak_bytes_in_use": 5 * 2**30, "bytes_limit": 16 * 2**30, "num_allocs": 7}
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Device(stats)])
+    assert peer.device_memory() == {"bytes_in_use": 3 * 2**30, "peak_bytes_in_use": 5 * 2**30, "bytes_limit": 16 * 2**30}
+
+
+class _Device:
+    """A device that reports these memory stats."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats

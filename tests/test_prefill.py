@@ -188,6 +188,27 @@ def test_broken_chunked_prefill_is_caught(variant, shared, monkeypatch):
     assert gap >= 10 * LOGP_TOL
 
 
+def test_a_prompt_of_whole_chunks_only_is_read_at_its_last_token():
+    """8 prompt slots in chunks of 4: two whole chunks and no remainder. The hidden state the first
+    token is sampled from is the 8th slot's, as the one-piece prefill gives it, and the cache it
+    leaves is the one-piece prefill's."""
+    cfg = tiny_config("model.layer_pattern=[attention]", "model.num_layers=1")
+    rng = np.random.default_rng(1)
+    tokens, seg, pos = left_pad_prompts([rng.integers(3, cfg.model.vocab_size, size=n).tolist() for n in (8, 5)], 8,
+                                        pad_id=0)
+    params = tiny_params(cfg)
+
+    def run(chunk_tokens):
+        cache = decode.init_cache(cfg, 2, 8)
+        return decode.prefill(params, cfg, cache, tokens, seg, pos, chunk_tokens=chunk_tokens)[:2]
+
+    (chunked_BD, chunked_cache), (whole_BD, whole_cache) = jax.device_get(jax.jit(lambda: (run(4), run(8)))())
+    np.testing.assert_allclose(chunked_BD, whole_BD, rtol=0, atol=LOGP_TOL)
+    assert int(chunked_cache["slot"]) == int(whole_cache["slot"]) == 8
+    for a, b in zip(jax.tree.leaves(chunked_cache), jax.tree.leaves(whole_cache)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0, atol=LOGP_TOL)
+
+
 # ---------------------------------------------------------------------------------------------
 # Early stop: the decode loop ends when every row has ended; running on to N changes nothing.
 

@@ -118,3 +118,24 @@ def test_the_default_memory_space_is_read_from_the_usage_report():
     assert default_space_bytes(MEMORY_USAGE_REPORT) == 97050166368
     assert default_space_bytes(MEMORY_USAGE_REPORT.replace("default (color=0)", "color_6 (color=6)")) is None
     assert default_space_bytes("") is None
+
+
+BUFFER_ASSIGNMENT = """\
+allocation 0: size 4096, parameter 0, shape |f32[1024]| at ShapeIndex {}:
+ value: <3 p0 @0> (size=4096,offset=0): f32[1024]{0}
+allocation 1: size 512, parameter 1, shape |f32[128]| at ShapeIndex {}, color 1:
+ value: <4 p1 @0> (size=512,offset=0): f32[128]{0}
+allocation 2: size 2048, parameter 2, output shape is |f32[512]|, maybe-live-out:
+ value: <5 p2 @0> (size=2048,offset=0): f32[512]{0}
+allocation 3: size 1024, output shape is |f32[256]|, maybe-live-out:
+allocation 4: size 8192, preallocated-temp:
+allocation 5: size 64, constant:
+"""
+
+
+def test_the_arguments_are_the_parameter_allocations_in_the_default_space():
+    """4096 + 2048 bytes (parameter 2 is reused by the output, still an argument); the parameter in
+    the on-chip space (color 1), the output, the temporaries and the constant are not arguments."""
+    assert program.argument_bytes(BUFFER_ASSIGNMENT) == 4096 + 2048
+    assert program.value_storage(BUFFER_ASSIGNMENT) == {("p0", "{}"): ("argument", 4096), ("p1", "{}"): ("on-chip", 512),
+                                                        ("p2", "{}"): ("argument", 2048)}

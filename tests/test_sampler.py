@@ -4,6 +4,7 @@ equals greedy decoding by re-running the full forward (8 simulated CPU devices, 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from helpers import TWO_LAYERS, tiny_config, tiny_params
 from hybridmoe.model.forward import decoder_hidden, logits
@@ -124,3 +125,15 @@ def test_the_nucleus_whose_mass_lands_exactly_on_top_p_ends_there():
     assert kept(0.75) == [False, True, False, True]
     assert kept(0.8) == [True, True, True, True]
     assert kept(0.5) == [False, True, False, False]
+
+
+def test_left_padding_by_hand_and_a_prompt_that_cannot_be_one():
+    """Prompts right-aligned in 4 slots: [5, 6] gets 2 padding slots (segment 0, position 0), a
+    4-token prompt fills the row; an empty prompt and one of 5 tokens are refused, naming the prompt."""
+    tokens, seg, pos = left_pad_prompts([[5, 6], [7, 8, 9, 10]], 4, pad_id=0)
+    np.testing.assert_array_equal(tokens, [[0, 0, 5, 6], [7, 8, 9, 10]])
+    np.testing.assert_array_equal(seg, [[0, 0, 1, 1], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(pos, [[0, 0, 0, 1], [0, 1, 2, 3]])
+    for prompts, n in (([[5], []], 0), ([[5], [1, 2, 3, 4, 5]], 5)):
+        with pytest.raises(ValueError, match=f"prompt 1 has {n} tokens; a prompt needs 1 to 4"):
+            left_pad_prompts(prompts, 4, pad_id=0)

@@ -42,3 +42,36 @@ def test_an_arm_compiled_alone_joins_the_arms_recorded_before(tmp_path, monkeypa
     assert list(arms) == ["before", "default", last, "sample"]  # the seed's order
     with pytest.raises(SystemExit, match="unknown arm"):
         seed_cell.main(["--arms", "no_such_arm", "--out", str(out)])
+
+
+def test_redo_compiles_a_recorded_arm_again(tmp_path, monkeypatch):
+    """--redo names an arm already recorded: it is compiled again and its new figures replace the old;
+    an arm recorded and not named keeps its record."""
+    out = tmp_path / "seed_cell.json"
+    folder = tmp_path / "seed_cell"
+    folder.mkdir()
+    for name, gib in (("before", 90.0), ("default", 80.0)):
+        (folder / f"{name}.json").write_text(json.dumps(_arm_record(gib)))
+    compiled = []
+
+    def run_inspect(name, overrides, program, path):
+        compiled.append(name)
+        path.write_text(json.dumps(_arm_record(70.0)))
+        return _arm_record(70.0)
+
+    monkeypatch.setattr(seed_cell, "run_inspect", run_inspect)
+    assert seed_cell.main(["--arms", "before,default", "--redo", "default", "--out", str(out)]) == 0
+    assert compiled == ["default"]
+    arms = {a["arm"]: a["memory"]["default_space"] / 2**30 for a in json.loads(out.read_text())["arms"]}
+    assert arms == {"before": 90.0, "default": 70.0}
+
+
+def test_an_arm_turns_off_only_the_levers_after_it():
+    """Each arm keeps its own lever on and turns off every lever after it, the last lever's keys
+    first: the last lever's arm is the recipe itself (no override)."""
+    assert seed_cell.ORDER[-3:] == ["expert_fsdp", "sublayer", "expert_grad_barrier"]
+    assert seed_cell.arm_overrides("expert_grad_barrier") == []
+    assert seed_cell.arm_overrides("sublayer") == ["remat.expert_grad_barrier=false"]
+    assert seed_cell.arm_overrides("expert_fsdp") == ["remat.expert_grad_barrier=false", "remat.unit=layer"]
+    default = seed_cell.arm_overrides("default")
+    assert default[:2] == ["remat.expert_grad_barrier=false", "remat.unit=layer"] and "kernels.gmm.backend=xla" in default

@@ -513,3 +513,75 @@ ENTRY %main (p: bf16[2,2048,128]) -> bf16[2,2048,128] {
     slice_bytes = 2048 * 128 * 2
     assert moved == {"slice-start.1": 2 * slice_bytes, "slice-start.2": 2 * slice_bytes, "negate.1": 4 * slice_bytes}
     assert sum(moved.values()) == 4 * 2**20
+
+
+def _counted_loop(start: int, limit: int, compare: str) -> str:
+    """A while loop from `start` whose condition compares its counter with `limit` by `compare`
+    (`%i, %limit` or `%limit, %i`), direction LE, the body one f32 [8, 8] @ [8, 8] dot."""
+    return f"""HloModule counted_loop
+
+%cond (c: (s32[], f32[8,8])) -> pred[] {{
+  %c = (s32[], f32[8,8]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %limit = s32[] constant({limit})
+  ROOT %cmp = pred[] compare({compare}), direction=LE
+}}
+
+%body (b: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {{
+  %b = (s32[], f32[8,8]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %x = f32[8,8]{{1,0}} get-tuple-element(%b), index=1
+  %y = f32[8,8]{{1,0}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  ROOT %t = (s32[], f32[8,8]{{1,0}}) tuple(%next, %y)
+}}
+
+ENTRY %main (x: f32[8,8]) -> f32[8,8] {{
+  %x = f32[8,8]{{1,0}} parameter(0)
+  %start = s32[] constant({start})
+  %init = (s32[], f32[8,8]{{1,0}}) tuple(%start, %x)
+  %loop = (s32[], f32[8,8]{{1,0}}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,8]{{1,0}} get-tuple-element(%loop), index=1
+}}
+"""
+
+
+def test_a_loop_to_its_limit_inclusive_runs_the_limit_too():
+    """`i <= 4` from 1 runs i = 1, 2, 3, 4: 4 trips, each a 2 x 8^3 = 1024-FLOP dot; `4 <= i` from 1
+    (the constant first: i >= 4) runs none."""
+    text = _counted_loop(1, 4, "%i, %limit")
+    assert hc.while_trip_counts(text) == {"loop": 4}
+    assert hc.hlo_flops(text) == 4 * 1024
+    assert hc.while_trip_counts(_counted_loop(1, 4, "%limit, %i")) == {"loop": 0}
+    assert hc.while_trip_counts(_counted_loop(0, 0, "%i, %limit")) == {"loop": 1}
+
+
+def _collective(kind: str, groups: str, elements: int) -> str:
+    return f"""HloModule one_collective
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+ENTRY %main (x: f32[4096]) -> f32[{elements}] {{
+  %x = f32[4096]{{0}} parameter(0)
+  ROOT %c = f32[{elements}]{{0}} {kind}(%x), channel_id=1, replica_groups={groups}, dimensions={{0}}, to_apply=%add
+}}
+"""
+
+
+def test_a_collectives_wire_bytes_by_hand_for_each_spelling_of_its_groups():
+    """Ring bytes a device sends, 4 devices a group: an all-reduce of 16 KiB sends 2 x 3/4 of it; the
+    same with its 8 devices printed as 2 groups of 4 (`[2,4]<=[8]`: the group is 4, not 2); a
+    reduce-scatter to a 4 KiB shard sends 3 shards."""
+    def sent(kind, groups, elements):
+        est = se.estimate(_collective(kind, groups, elements), se.HARDWARE["v5e"], tokens_per_step=1, chips=8, devices=8)
+        return est["collectives"][kind]["wire_bytes"]
+
+    assert sent("all-reduce", "{{0,1,2,3},{4,5,6,7}}", 4096) == 2 * 16384 * 3 / 4
+    assert sent("all-reduce", "[2,4]<=[8]", 4096) == 2 * 16384 * 3 / 4
+    assert sent("all-reduce", "[4,2]<=[8]", 4096) == 2 * 16384 * 1 / 2
+    assert sent("reduce-scatter", "[2,4]<=[8]", 1024) == 4096 * 3
