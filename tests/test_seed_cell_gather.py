@@ -20,20 +20,26 @@ def _arm_record(gib: float) -> dict:
             "programs": {"base": {"overrides": [], "memory": memory, "compile_s": 1.0}}}
 
 
-def test_an_arm_compiled_alone_joins_the_arms_recorded_before(tmp_path, monkeypatch):
-    out = tmp_path / "seed_cell.json"
+def _recorded_arms(tmp_path, monkeypatch, recorded: dict, compiled_gib: float):
+    """Arms already recorded in seed_cell/ (name: GiB), and run_inspect stubbed to record each arm it
+    is asked to compile at compiled_gib: (the record's path, the names compiled, in order)."""
     folder = tmp_path / "seed_cell"
     folder.mkdir()
-    for name, gib in (("before", 90.0), ("default", 80.0), ("sample", 40.0)):
+    for name, gib in recorded.items():
         (folder / f"{name}.json").write_text(json.dumps(_arm_record(gib)))
     compiled = []
 
     def run_inspect(name, overrides, program, path):
         compiled.append(name)
-        path.write_text(json.dumps(_arm_record(60.0)))
-        return _arm_record(60.0)
+        path.write_text(json.dumps(_arm_record(compiled_gib)))
+        return _arm_record(compiled_gib)
 
     monkeypatch.setattr(seed_cell, "run_inspect", run_inspect)
+    return tmp_path / "seed_cell.json", compiled
+
+
+def test_an_arm_compiled_alone_joins_the_arms_recorded_before(tmp_path, monkeypatch):
+    out, compiled = _recorded_arms(tmp_path, monkeypatch, {"before": 90.0, "default": 80.0, "sample": 40.0}, 60.0)
     last = seed_cell.ORDER[-1]
     assert seed_cell.main(["--arms", last, "--redo", last, "--out", str(out)]) == 0
     assert compiled == [last]
@@ -47,19 +53,7 @@ def test_an_arm_compiled_alone_joins_the_arms_recorded_before(tmp_path, monkeypa
 def test_redo_compiles_a_recorded_arm_again(tmp_path, monkeypatch):
     """--redo names an arm already recorded: it is compiled again and its new figures replace the old;
     an arm recorded and not named keeps its record."""
-    out = tmp_path / "seed_cell.json"
-    folder = tmp_path / "seed_cell"
-    folder.mkdir()
-    for name, gib in (("before", 90.0), ("default", 80.0)):
-        (folder / f"{name}.json").write_text(json.dumps(_arm_record(gib)))
-    compiled = []
-
-    def run_inspect(name, overrides, program, path):
-        compiled.append(name)
-        path.write_text(json.dumps(_arm_record(70.0)))
-        return _arm_record(70.0)
-
-    monkeypatch.setattr(seed_cell, "run_inspect", run_inspect)
+    out, compiled = _recorded_arms(tmp_path, monkeypatch, {"before": 90.0, "default": 80.0}, 70.0)
     assert seed_cell.main(["--arms", "before,default", "--redo", "default", "--out", str(out)]) == 0
     assert compiled == ["default"]
     arms = {a["arm"]: a["memory"]["default_space"] / 2**30 for a in json.loads(out.read_text())["arms"]}
