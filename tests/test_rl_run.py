@@ -378,24 +378,35 @@ def test_prompt_and_completion_longer_than_the_context_is_a_config_error():
         tiny_config("model.max_seq_len=16", "rl.max_prompt_len=12", "rl.max_new_tokens=8")
 
 
-def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_error(tmp_path, caplog):
-    # rl.max_prompt_len=2 is shorter than every arithmetic prompt: nothing can be scored, ever. The
-    # config's own task is refused for it before the run starts (tests/test_refusals.py); handed in
-    # as the caller's task, the run meets it step by step.
-    from hybridmoe.data.arithmetic import task_from_config
+def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_error(cfg, finished_run, tmp_path,
+                                                                                      monkeypatch, caplog):
+    class TooLongAfterOneStep(ArithmeticTask):
+        """The warm-up's examples, one GRPO step's prompts, then prompts longer than rl.max_prompt_len
+        only: nothing can be scored any more."""
 
-    cfg = tiny_config(*OVERRIDES, *ATTENTION_LAYERS, "rl.warmup_steps=0", "rl.steps=5", "rl.checkpoint_every=0",
-                      "rl.max_prompt_len=2", "rl.beta=0")  # counting and stopping: whatever the mixers
+        grpo_draws = 0
+
+        def sample(self, rng, num_examples):
+            examples = super().sample(rng, num_examples)
+            if num_examples >= 64:  # the warm-up's solved examples
+                return examples
+            self.grpo_draws += 1
+            return examples if self.grpo_draws == 1 else [Example("0" * 8 + e.prompt, e.reference) for e in examples]
+
+    # The finished run's config and programs (counting and stopping do not depend on them): GRPO
+    # steps 3, 4 and 5 score nothing; the schedule checkpointed after step 3 (done = 4).
+    reuse_setup(monkeypatch, finished_run.setup)
     out = tmp_path / "run"
-    with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample \(last: step 2;.*raise rl.max_prompt_len"):
-        run_rl(cfg, out, progress=False, task=task_from_config(cfg))
+    with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample \(last: step 5;.*raise rl.max_prompt_len"):
+        run_rl(cfg, out, progress=False, task=TooLongAfterOneStep(digits=1))
     # The warning names the same step as the error, and the checkpoint it saved.
-    assert "stopped by an error in step 2; checkpointed the state after step 1 (checkpoint 2)" in caplog.text
+    assert "stopped by an error in step 5; checkpointed the state after step 4 (checkpoint 5)" in caplog.text
     records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[2]["scored_samples"] > 0
     assert all(r["scored_samples"] == 0 and r["prompts_skipped"] == 2 and r["update_applied"] == 0
-               for r in records)
-    assert Checkpoints(out / "checkpoints").latest_step() == 2  # the last completed step, saved on the way out
+               for r in records[3:])
+    assert Checkpoints(out / "checkpoints").latest_step() == 5  # the last completed step, saved on the way out
 
 
 def test_grpo_levers_together_run_and_log_what_they_do(tmp_path, monkeypatch):
