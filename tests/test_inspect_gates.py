@@ -142,7 +142,8 @@ def test_other_compile_errors_are_not_taken_for_a_memory_refusal(monkeypatch):
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", fail)
     with pytest.raises(jax.errors.JaxRuntimeError, match="Mosaic"):
-        tp.compile_step(load_config("tiny", ["train.batch_size=8"]), tp.host_target(), with_residuals=False)
+        tp.compile_step(load_config("tiny", [*ATTENTION_LAYERS, "train.batch_size=8"]), tp.host_target(),
+                        with_residuals=False)
 
 
 def test_a_kernel_over_vmem_is_a_clear_error_naming_the_tiles(monkeypatch):
@@ -154,7 +155,7 @@ def test_a_kernel_over_vmem_is_a_clear_error_naming_the_tiles(monkeypatch):
             "allocating on stack for %wi_fused_swiglu_fwd.8 = (bf16[327680,1024]{1,0}) custom-call(%bitcast.1)")
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", fail)
-    cfg = load_config("tiny", ["train.batch_size=8", "moe.wi_fused_swiglu=true"])
+    cfg = load_config("tiny", [*ATTENTION_LAYERS, "train.batch_size=8", "moe.wi_fused_swiglu=true"])
     with pytest.raises(ValueError, match=r"wi_fused_swiglu_fwd does not fit the TPU core's VMEM .*wi_fwd .* at "
                                          r"kernels.gmm.wi_fwd_tm=\d+ kernels.gmm.wi_fwd_tk=\d+ kernels.gmm.wi_fwd_tn=\d+; "
                                          r"lower those tiles"):
