@@ -137,9 +137,13 @@ def test_a_refused_sampler_counts_its_prng_key_among_the_arguments(tmp_path, cap
 def test_other_compile_errors_are_not_taken_for_a_memory_refusal(monkeypatch):
     import jax
 
+    from hybridmoe.analysis import compiled_facts
+
     def fail(self, *a, **k):
         raise jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed to compile the kernel")
 
+    # The compile runs (the CLI's facts cache kept out: test_inspect_cpu_side_by_side's base is this step).
+    monkeypatch.setattr(compiled_facts, "_folder", None)
     monkeypatch.setattr(jax.stages.Lowered, "compile", fail)
     with pytest.raises(jax.errors.JaxRuntimeError, match="Mosaic"):
         tp.compile_step(load_config("tiny", [*ATTENTION_LAYERS, "train.batch_size=8"]), tp.host_target(),
