@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_rel_l2, packed_batch, tiny_config, tiny_params
+from helpers import TWO_LAYERS, assert_rel_l2, packed_batch, tiny_config, tiny_params
 from hybridmoe.analysis import program
 from hybridmoe.model.attention import attention_layer
 from hybridmoe.parallel import context
@@ -211,7 +211,9 @@ def test_sampler_under_context_parallelism_matches_the_cp_trainer():
     from hybridmoe.model.forward import token_logprobs
     from hybridmoe.rl.sampler import SamplingOptions, left_pad_prompts, make_generate
 
-    cfg = tiny_config(*cp_overrides(2, "attention.cp_load_balance=true", "gdn.chunk_size=4"))
+    # One layer of each mixer (helpers.TWO_LAYERS): the decode carries a GDN state and a KV cache,
+    # at about half of tiny's four layers' compile.
+    cfg = tiny_config(*TWO_LAYERS, *cp_overrides(2, "attention.cp_load_balance=true", "gdn.chunk_size=4"))
     params = tiny_params(cfg)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.model.vocab_size, size=n).tolist() for n in (3, 8, 1, 5, 2, 8, 4, 6)]

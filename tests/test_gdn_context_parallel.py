@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import tiny_config, tiny_params
+from helpers import TWO_LAYERS, tiny_config, tiny_params
 from hybridmoe.analysis import program
 from hybridmoe.config.errors import ConfigError
 from hybridmoe.kernels.gdn import context_parallel as cp
@@ -394,7 +394,9 @@ def test_validator_accepts_the_scans_with_sequence_sharding_and_refuses_partial_
 def model_case():
     from helpers import packed_batch
 
-    overrides = ("gdn.chunk_size=16", "train.seq_len=128")
+    # One layer of each mixer (helpers.TWO_LAYERS): the GDN layer's sequence split is what the
+    # whole model adds to the layer tests above; tiny's three GDN layers only added to each compile.
+    overrides = ("gdn.chunk_size=16", "train.seq_len=128", *TWO_LAYERS)
     cfg = tiny_config(*overrides)
     params = tiny_params(cfg)
     # Documents of 32, 64, 9 and 23 tokens, packed first fit: rows of four 32s and of two 64s start

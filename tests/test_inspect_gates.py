@@ -137,12 +137,17 @@ def test_a_refused_sampler_counts_its_prng_key_among_the_arguments(tmp_path, cap
 def test_other_compile_errors_are_not_taken_for_a_memory_refusal(monkeypatch):
     import jax
 
+    from hybridmoe.analysis import compiled_facts
+
     def fail(self, *a, **k):
         raise jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed to compile the kernel")
 
+    # The compile runs (the CLI's facts cache kept out: test_inspect_cpu_side_by_side's base is this step).
+    monkeypatch.setattr(compiled_facts, "_folder", None)
     monkeypatch.setattr(jax.stages.Lowered, "compile", fail)
     with pytest.raises(jax.errors.JaxRuntimeError, match="Mosaic"):
-        tp.compile_step(load_config("tiny", ["train.batch_size=8"]), tp.host_target(), with_residuals=False)
+        tp.compile_step(load_config("tiny", [*ATTENTION_LAYERS, "train.batch_size=8"]), tp.host_target(),
+                        with_residuals=False)
 
 
 def test_a_kernel_over_vmem_is_a_clear_error_naming_the_tiles(monkeypatch):
@@ -153,8 +158,11 @@ def test_a_kernel_over_vmem_is_a_clear_error_naming_the_tiles(monkeypatch):
             "RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:\nRan out of memory in memory space vmem while "
             "allocating on stack for %wi_fused_swiglu_fwd.8 = (bf16[327680,1024]{1,0}) custom-call(%bitcast.1)")
 
+    from hybridmoe.analysis import compiled_facts
+
+    monkeypatch.setattr(compiled_facts, "_folder", None)  # the compile runs, whatever another test kept
     monkeypatch.setattr(jax.stages.Lowered, "compile", fail)
-    cfg = load_config("tiny", ["train.batch_size=8", "moe.wi_fused_swiglu=true"])
+    cfg = load_config("tiny", [*ATTENTION_LAYERS, "train.batch_size=8", "moe.wi_fused_swiglu=true"])
     with pytest.raises(ValueError, match=r"wi_fused_swiglu_fwd does not fit the TPU core's VMEM .*wi_fwd .* at "
                                          r"kernels.gmm.wi_fwd_tm=\d+ kernels.gmm.wi_fwd_tk=\d+ kernels.gmm.wi_fwd_tn=\d+; "
                                          r"lower those tiles"):

@@ -350,19 +350,27 @@ def test_wrong_shape_checkpoints_are_clear_errors(cfg, finished_run, tmp_path):
     assert "model.num_experts" in str(e.value)
 
 
-def test_empty_prompt_set_stops_with_a_clear_error_keeping_checkpoints_and_metrics(tmp_path):
-    class NoPrompts(ArithmeticTask):
-        def sample(self, rng, num_examples):
-            return super().sample(rng, num_examples) if num_examples >= 64 else []
+def test_empty_prompt_set_stops_with_a_clear_error_keeping_checkpoints_and_metrics(cfg, finished_run, tmp_path,
+                                                                                   monkeypatch):
+    class PromptsOnce(ArithmeticTask):
+        """The warm-up's examples, then one GRPO step's prompts, then none."""
 
-    # Attention layers only: stopping and what is kept do not depend on the mixers (the warm-up step
-    # is then the one test_steps_that_score_nothing_... compiles).
-    cfg = tiny_config(*OVERRIDES, *ATTENTION_LAYERS, "rl.warmup_steps=1", "rl.checkpoint_every=0")
+        grpo_draws = 0
+
+        def sample(self, rng, num_examples):
+            if num_examples >= 64:  # the warm-up's solved examples
+                return super().sample(rng, num_examples)
+            self.grpo_draws += 1
+            return super().sample(rng, num_examples) if self.grpo_draws == 1 else []
+
+    # The finished run's config and programs (stopping and what is kept do not depend on them):
+    # checkpointed by the schedule after step 1 (done = 2), stopped in step 3, saved on the way out.
+    reuse_setup(monkeypatch, finished_run.setup)
     out = tmp_path / "run"
-    with pytest.raises(RunError, match="gave 0 prompts"):
-        run_rl(cfg, out, progress=False, task=NoPrompts(digits=1))
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0]
-    assert Checkpoints(out / "checkpoints").latest_step() == 1  # the warm-up step, saved on the way out
+    with pytest.raises(RunError, match="step 3: .* gave 0 prompts"):
+        run_rl(cfg, out, progress=False, task=PromptsOnce(digits=1))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
+    assert Checkpoints(out / "checkpoints").latest_step() == 3  # the GRPO step before, saved on the way out
 
 
 def test_prompt_and_completion_longer_than_the_context_is_a_config_error():
@@ -370,24 +378,35 @@ def test_prompt_and_completion_longer_than_the_context_is_a_config_error():
         tiny_config("model.max_seq_len=16", "rl.max_prompt_len=12", "rl.max_new_tokens=8")
 
 
-def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_error(tmp_path, caplog):
-    # rl.max_prompt_len=2 is shorter than every arithmetic prompt: nothing can be scored, ever. The
-    # config's own task is refused for it before the run starts (tests/test_refusals.py); handed in
-    # as the caller's task, the run meets it step by step.
-    from hybridmoe.data.arithmetic import task_from_config
+def test_steps_that_score_nothing_are_counted_then_stop_the_run_with_one_clear_error(cfg, finished_run, tmp_path,
+                                                                                      monkeypatch, caplog):
+    class TooLongAfterOneStep(ArithmeticTask):
+        """The warm-up's examples, one GRPO step's prompts, then prompts longer than rl.max_prompt_len
+        only: nothing can be scored any more."""
 
-    cfg = tiny_config(*OVERRIDES, *ATTENTION_LAYERS, "rl.warmup_steps=1", "rl.steps=5", "rl.checkpoint_every=0",
-                      "rl.max_prompt_len=2", "rl.beta=0")  # counting and stopping: whatever the mixers
+        grpo_draws = 0
+
+        def sample(self, rng, num_examples):
+            examples = super().sample(rng, num_examples)
+            if num_examples >= 64:  # the warm-up's solved examples
+                return examples
+            self.grpo_draws += 1
+            return examples if self.grpo_draws == 1 else [Example("0" * 8 + e.prompt, e.reference) for e in examples]
+
+    # The finished run's config and programs (counting and stopping do not depend on them): GRPO
+    # steps 3, 4 and 5 score nothing; the schedule checkpointed after step 3 (done = 4).
+    reuse_setup(monkeypatch, finished_run.setup)
     out = tmp_path / "run"
-    with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample \(last: step 3;.*raise rl.max_prompt_len"):
-        run_rl(cfg, out, progress=False, task=task_from_config(cfg))
+    with pytest.raises(RunError, match=r"3 GRPO steps in a row scored no sample \(last: step 5;.*raise rl.max_prompt_len"):
+        run_rl(cfg, out, progress=False, task=TooLongAfterOneStep(digits=1))
     # The warning names the same step as the error, and the checkpoint it saved.
-    assert "stopped by an error in step 3; checkpointed the state after step 2 (checkpoint 3)" in caplog.text
+    assert "stopped by an error in step 5; checkpointed the state after step 4 (checkpoint 5)" in caplog.text
     records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[2]["scored_samples"] > 0
     assert all(r["scored_samples"] == 0 and r["prompts_skipped"] == 2 and r["update_applied"] == 0
-               for r in records[1:])
-    assert Checkpoints(out / "checkpoints").latest_step() == 3  # the last completed step, saved on the way out
+               for r in records[3:])
+    assert Checkpoints(out / "checkpoints").latest_step() == 5  # the last completed step, saved on the way out
 
 
 def test_grpo_levers_together_run_and_log_what_they_do(tmp_path, monkeypatch):
@@ -433,34 +452,46 @@ def test_grpo_levers_together_run_and_log_what_they_do(tmp_path, monkeypatch):
         assert r["update_applied"] == 1.0
 
 
-def test_a_nonfinite_grpo_step_is_skipped_counted_and_leaves_the_checkpointed_state(monkeypatch, tmp_path):
-    """A NaN advantage injected into the second GRPO step (the programs are the finished run's): that
-    step's update is skipped and counted (update_skipped), params and optimizer state are the
-    first step's bit for bit, and the run goes on."""
+def test_a_nonfinite_grpo_step_is_skipped_counted_and_leaves_the_checkpointed_state(cfg, finished_run, monkeypatch,
+                                                                                    tmp_path):
+    """A NaN advantage injected into the second GRPO step (step 3; the finished run's config and
+    programs): that step's update is skipped and counted (update_skipped), params and optimizer
+    state are the step before's bit for bit, and so is the checkpoint written after it (done = 4);
+    the run goes on (step 4 updates)."""
     from hybridmoe.rl import loop as rl_loop
 
-    real_updates = rl_loop.policy_updates
+    real_updates, poisoned = rl_loop.policy_updates, cfg.rl.warmup_steps + 1
 
     def poisoning_updates(cfg, rows, step, *rest):
-        if step == 1:
+        if step == poisoned:
             rows = {**rows, "advantages": np.where(np.arange(len(rows["advantages"])) == 0, np.nan,
                                                    rows["advantages"]).astype(np.float32)}
         return real_updates(cfg, rows, step, *rest)
 
     monkeypatch.setattr(rl_loop, "policy_updates", poisoning_updates)
-    cfg = tiny_config(*OVERRIDES, "rl.warmup_steps=0", "rl.steps=3", "rl.checkpoint_every=1")
+    reuse_setup(monkeypatch, finished_run.setup)
+    recorder = StepRecorder(stop_after=poisoned + 2)  # through the step after the poisoned one
+    recorder.install(monkeypatch)
     task = ArithmeticTask(digits=1)
     noisy = lambda prompt, completion: float(zlib.crc32(completion.encode()) % 3)  # noqa: E731 -- varied rewards
     out = tmp_path / "run"
-    history = run_rl(cfg, out, progress=False, task=task, reward_fns=[(noisy, 1.0)])
-    assert [h["update_skipped"] for h in history] == [0.0, 1.0, 0.0], history
-    assert [h["update_applied"] for h in history] == [1.0, 0.0, 1.0] and history[1]["kept_frac"] > 0
-    setup = build(cfg)
+    with pytest.raises(StopRun):
+        run_rl(cfg, out, progress=False, task=task, reward_fns=[(noisy, 1.0)])
+    grpo = recorder.steps[cfg.rl.warmup_steps:]
+    assert [m["update_skipped"] for *_, m in grpo] == [0.0, 1.0, 0.0], grpo
+    assert [m["update_applied"] for *_, m in grpo] == [1.0, 0.0, 1.0]
+    assert read_metrics(out / "metrics.jsonl")[poisoned]["kept_frac"] > 0  # rows were kept: the NaN skipped it
+    _, before, _, after, _ = grpo[1]
+    for key in ("params", "opt_state"):
+        jax.tree.map(np.testing.assert_array_equal, after[key], before[key])
+    setup = finished_run.setup
     abstract = {"train": setup.abstract_state(), "ref_params": abstract_params(setup.specs, setup.param_shardings)}
     ckpt = Checkpoints(out / "checkpoints")
-    states = {s: jax.device_get(ckpt.restore(s, abstract)[0]["train"]) for s in (1, 2, 3)}
+    assert ckpt.latest_step() == poisoned + 1
+    saved = jax.device_get(ckpt.restore(poisoned + 1, abstract)[0]["train"])
     ckpt.close()
     for key in ("params", "opt_state"):
-        jax.tree.map(np.testing.assert_array_equal, states[2][key], states[1][key])
-    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(states[3]["params"]),
-                                                        jax.tree.leaves(states[2]["params"])))
+        jax.tree.map(np.testing.assert_array_equal, saved[key], before[key])
+    _, before, _, after, _ = grpo[2]
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after["params"]),
+                                                        jax.tree.leaves(before["params"])))

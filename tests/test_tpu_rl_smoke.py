@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SteppingClock, benchmark_script
+from helpers import ATTENTION_LAYERS, SteppingClock, benchmark_script
 
 
 def _benchmark():
@@ -31,8 +31,12 @@ def _run_part(benchmark, tmp_path: Path, part: str) -> dict:
 
 def test_both_parts_record_rates_split_bound_and_curve_from_their_own_metrics(tmp_path, monkeypatch):
     benchmark = _benchmark()
-    # The learning run's code on the batch part's config: its programs are the batch's, compiled once
-    # (chip-learn's own run: the slow test below).
+    # Attention layers only (helpers.ATTENTION_LAYERS): the record's figures come from the run's
+    # metrics and the bound's arithmetic whatever the mixers; tiny's three GDN layers only added to
+    # each compile. The learning run's code on the batch part's config: its programs are the batch's,
+    # compiled once (chip-learn's own run, and tiny's layers for the batch: the slow test below).
+    recipe, words = benchmark.TINY["batch"]
+    monkeypatch.setitem(benchmark.TINY, "batch", (recipe, [*words, *ATTENTION_LAYERS]))
     monkeypatch.setitem(benchmark.TINY, "learn", benchmark.TINY["batch"])
     _check_batch(tmp_path, _run_part(benchmark, tmp_path, "batch"))
     record = _run_part(benchmark, tmp_path, "learn")
