@@ -32,7 +32,9 @@ input, at the same shape, timed interleaved (harness.interleaved).
 MaxText 0.2.x declares Python >= 3.12 and JAX >= 0.11.1; a TPU host here runs Python 3.11 and
 JAX 0.10.2. What it takes (docs/tpu.md, "A peer on the chip: MaxText"): its wheel and those of its
 imports installed with `pip install --no-deps --ignore-requires-python --target DIR`, DIR named by
---maxtext-site (appended to sys.path, so the installed JAX stays the one imported), and two shims
+--maxtext-site (put first on sys.path: a TPU host's own antlr4 and huggingface-hub, at versions
+MaxText's imports refuse, would otherwise shadow the folder's; JAX is not among its wheels, so the
+installed JAX stays the one imported), and two shims
 this script applies before importing it: its two PEP 695 `type X = ...` aliases (maxtext.kernels.mhc,
 imported by every decoder) read as plain assignments at import, and `must_fuse_call`, a fusion hint
 JAX 0.10 lacks (used only by MaxText's jax_flash_attention), as the identity.
@@ -79,7 +81,10 @@ TINY_OURS = ["model.num_layers=4", "model.num_experts=4", "model.num_experts_per
              "train.seq_len=128", "train.batch_size=1", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
              "model.head_dim=16", "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=32",
              "model.gdn_key_dim=16", "model.gdn_value_dim=16", "model.gdn_num_key_heads=2",
-             "model.gdn_num_value_heads=4"]
+             "model.gdn_num_value_heads=4",
+             # On a CPU the grouped matmuls default to row tiles, under which the recipe's gather backwards
+             # are refused (row tiles' backward is gathers already): the chip's program, ragged_dot, instead.
+             "kernels.gmm.xla_impl=ragged_dot"]
 OURS_PINNED = ["mesh.cpu_devices=0", "mesh.data=1", "mesh.fsdp=1", "mesh.expert=1"]
 
 
@@ -121,10 +126,12 @@ def apply_shims() -> list[str]:
 
 
 def import_maxtext(site: str | None) -> tuple[object | None, str | None, list[str]]:
-    """(the maxtext module or None, why not, shims applied). site: a `pip --target` folder, appended to
-    sys.path (after the installed packages: the installed JAX stays the one imported)."""
+    """(the maxtext module or None, why not, shims applied). site: a `pip --target` folder, put first on
+    sys.path: the host's own packages at other versions (antlr4 4.x against omegaconf's 4.9.3,
+    huggingface-hub 1.x against transformers' >= 2.4 on the v5e host) must not shadow the folder's.
+    JAX is not in the folder, so the installed JAX stays the one imported."""
     if site and site not in sys.path:
-        sys.path.append(site)
+        sys.path.insert(0, site)
     try:
         shims = apply_shims()
         import maxtext

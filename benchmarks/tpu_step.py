@@ -44,43 +44,39 @@ RECIPE = "qwen3.5-35b-a3b-v5e-1"
 # heuristic runs on a TPU (kernels/gmm/tile_table.py TPU_RULE) at the one-chip recipe's widths.
 TILED = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "kernels.gmm.tm=512",
          "kernels.gmm.tk=2048", "kernels.gmm.tn=512"]
-# The levers the next round measures, alone and together (ARMS below).
-GATHER_BACKWARD = ["moe.gather_backward=true"]
-ONE_TOKEN_CHUNK = ["kernels.logprobs.chunk_tokens=8192"]
+# The recipe's defaults include the levers the chip measured faster (the recipe's comments); the arms
+# below turn one off each, or try another kernel or remat setting. Under the recipe's save list the
+# fused SwiGLU pair is refused (it keeps [gate | up] as one unnamed pre-activation): its arms and full
+# remat drop the list.
+NO_SAVE_LIST = ["remat.save=[]"]
 FUSED_AT_TUNED_TILES = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.wi_fused_swiglu=true",
-                        "moe.wo_fused_dswiglu=true"]
-# Under remat.policy=minimal the grouped expert matmuls (not dot_generals) run again in the backward's
-# replay; saving their gate and up outputs by name keeps them (128 MiB a layer at the one-chip shape).
-SAVED_EXPERT_MATMULS = ["remat.save=[moe_gate,moe_up]"]
+                        "moe.wo_fused_dswiglu=true", *NO_SAVE_LIST]
 ARMS = {
     # The recipe's defaults: the Mosaic GDN core (kernels.gdn.backend=auto on a TPU), ragged_dot grouped
-    # matmuls, remat.policy=minimal (the recipe's choice, the fastest arm the chip measured).
+    # matmuls, remat.policy=minimal keeping the expert matmuls' gate and up outputs, gather backwards of
+    # the MoE's row moves, the LM head over the whole sequence in one token chunk.
     "default": [],
     "xla_gdn": ["kernels.gdn.backend=xla"],  # the GDN core the defaults ran before the chip's verdict
     "pallas_gmm": ["kernels.gmm.backend=pallas_tpu"],  # at the heuristic: on a TPU the chip's rule
     # Each grouped matmul at the tiles `hybridmoe tune-gmm` measured fastest for its shape on this
     # generation (scripts/tpu_records.sh's tiles stage runs first); the heuristic ones without an entry.
     "pallas_gmm_auto": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto"],
-    "fused_swiglu": [*TILED, "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true"],
-    # The LM head's backward adds each token chunk's float32 gradient into the whole [d_model, vocab]
-    # accumulator, one read and one write of it per chunk: 32 chunks of 256 tokens (the schema's
-    # default) move 16 GiB a step at the one-chip shape, the recipe's 4 of 2,048 an eighth of that.
-    "logprobs_chunk_256": ["kernels.logprobs.chunk_tokens=256"],
-    # One token chunk (the whole 8,192-token sequence): each vocabulary block's weight gradient is
-    # computed once, never accumulated across token chunks (the profile: a 6.6 ms dynamic-update-slice
-    # over 32 runs at 2,048-token chunks); its logits block is [8192, 4096] float32, 128 MiB.
-    "logprobs_chunk_8192": ONE_TOKEN_CHUNK,
-    # The MoE dispatch's two row moves with gather backwards (autodiff's scatter-adds measured 4.1 and
-    # 2.8 ms a layer on the chip, where the model's HBM rate gives 1.0 and 0.6).
-    "gather_backward": GATHER_BACKWARD,
-    # The fused pair at the tiles tune-gmm measured (the table's v5e section), both MoE levers.
+    "fused_swiglu": [*TILED, "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true", *NO_SAVE_LIST],
+    # The fused pair at the tiles tune-gmm measured (the table's v5e section).
     "fused_swiglu_auto": FUSED_AT_TUNED_TILES,
-    "saved_expert_matmuls": SAVED_EXPERT_MATMULS,
-    # The candidates above together, for the cumulative effect in one round: with the fused pair, and
-    # with the saved gate and up halves instead (the fused kernel keeps [gate | up] as one, unnamed).
-    "candidates_together": [*GATHER_BACKWARD, *ONE_TOKEN_CHUNK, *FUSED_AT_TUNED_TILES],
-    "candidates_unfused": [*GATHER_BACKWARD, *ONE_TOKEN_CHUNK, *SAVED_EXPERT_MATMULS],
-    "remat_full": ["remat.policy=full"],  # what remat.policy=auto chooses at this size (12.5 GiB of 15.7)
+    # The LM head's backward adds each token chunk's float32 gradient into the whole [d_model, vocab]
+    # accumulator, one read and one write of it per chunk: 32 chunks of 256 tokens move 16 GiB a step
+    # at the one-chip shape, 4 of 2,048 an eighth of that, the recipe's one chunk none (its logits
+    # block is [8192, 4096] float32, 128 MiB).
+    "logprobs_chunk_256": ["kernels.logprobs.chunk_tokens=256"],
+    "logprobs_chunk_2048": ["kernels.logprobs.chunk_tokens=2048"],
+    # The MoE dispatch's row moves with autodiff's scatter-add backwards (4.1 and 2.8 ms a layer on the
+    # chip, where the model's HBM rate gives 1.0 and 0.6).
+    "scatter_backward": ["moe.gather_backward=false"],
+    # Under remat.policy=minimal alone the grouped expert matmuls (not dot_generals) run again in the
+    # backward's replay: two of each MoE layer's three forward matmuls.
+    "expert_matmuls_replayed": NO_SAVE_LIST,
+    "remat_full": ["remat.policy=full", *NO_SAVE_LIST],  # what remat.policy=auto chooses at this size
     "remat_sublayer": ["remat.unit=sublayer"],
     "remat_layer": ["remat.unit=layer"],
 }

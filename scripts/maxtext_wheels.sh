@@ -11,8 +11,9 @@
 # at 0.0.12, the last release that is Python 3.11 source (0.0.13 on use PEP 695 generics throughout);
 # MaxText imports it but calls it only under use_tokamax_gmm / use_tokamax_splash, both off here.
 # Every wheel goes in with --no-deps at the version below: what the list leaves out comes from the
-# host's packages and .tpu-site (JAX, optax, orbax, pydantic, PyYAML, tokenizers, safetensors, ...),
-# which stay first on the path. .maxtext-site is a folder of its own, named last on the path.
+# host's packages and .tpu-site (JAX, optax, orbax, pydantic, PyYAML, tokenizers, safetensors, ...).
+# .maxtext-site is a folder of its own, put first on the path (the v5e host's own antlr4 and
+# huggingface-hub are at versions MaxText's imports refuse); JAX is not among its wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:?"usage: scripts/maxtext_wheels.sh fetch|install [DIR]"}
@@ -50,7 +51,7 @@ case $what in
   install)
     python3 -m pip install -q --no-index --no-deps --ignore-requires-python --target .maxtext-site --upgrade "$dir"/*.whl
     python3 benchmarks/peer_maxtext.py --help >/dev/null  # the script itself loads
-    PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/benchmarks python3 -c '
+    PYTHONPATH=$PWD/.maxtext-site:${PYTHONPATH:+$PYTHONPATH:}$PWD/benchmarks python3 -c '
 import sys, peer_maxtext
 mod, why, shims = peer_maxtext.import_maxtext(".maxtext-site")
 print("maxtext imports:", mod is not None, why or "", shims)

@@ -110,8 +110,10 @@ for stage in "$@"; do
       # MaxText's step beside ours (benchmarks/peer_maxtext.py), one MaxText remat policy per call: the
       # wheels carried in .maxtext-wheels/ (scripts/maxtext_wheels.sh fetch, on a host with a registry).
       [ -d .maxtext-site/maxtext ] || scripts/maxtext_wheels.sh install
-      python3 benchmarks/peer_maxtext.py --maxtext-site .maxtext-site --compile-cache .tpu-cache \
-        --maxtext-remat "${stage#peer-}" ;;
+      # The folder first on the path from the start, as the chip's records were made: the host's own
+      # antlr4 and huggingface-hub would shadow the versions MaxText's imports need.
+      PYTHONPATH=$PWD/.maxtext-site${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/peer_maxtext.py \
+        --maxtext-site .maxtext-site --compile-cache .tpu-cache --maxtext-remat "${stage#peer-}" ;;
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;

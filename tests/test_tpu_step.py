@@ -88,5 +88,8 @@ def test_every_arm_is_a_config_the_validator_accepts_on_one_tpu():
     for name, overrides in module.ARMS.items():
         cfg = load_config(module.RECIPE, overrides, platform="tpu")
         check_requirements(cfg, platform="tpu", devices=1)
-    assert module.ARMS["candidates_unfused"] == [*module.ARMS["gather_backward"], *module.ARMS["logprobs_chunk_8192"],
-                                                 *module.ARMS["saved_expert_matmuls"]]
+    # The arms that turn a recipe lever off do turn it off.
+    default = load_config(module.RECIPE, platform="tpu")
+    assert default.moe.gather_backward and default.remat.save == ("moe_gate", "moe_up")
+    assert not load_config(module.RECIPE, module.ARMS["scatter_backward"], platform="tpu").moe.gather_backward
+    assert load_config(module.RECIPE, module.ARMS["expert_matmuls_replayed"], platform="tpu").remat.save == ()
