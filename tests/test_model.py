@@ -181,7 +181,7 @@ def test_sublayer_remat_keeps_each_sublayers_input_and_nothing_else():
     assert sorted(set(sources)) == ["mixer_sublayer)", "moe_sublayer)"], kept
 
 
-def test_minimal_with_a_save_list_keeps_the_named_expert_matmuls_besides_the_dots():
+def _check_minimal_save_list():
     # remat.policy=minimal keeps the weight matmuls' outputs (dot_general) but recomputes the grouped
     # expert matmuls (ragged dots and row tiles are not dot_generals); its save list adds the named
     # tensors. Per layer of the tiny block (each has a MoE block): the routed experts' moe_gate and
@@ -205,6 +205,36 @@ def test_minimal_with_a_save_list_keeps_the_named_expert_matmuls_besides_the_dot
     assert names(named) - routed == shared, named
     assert sorted(routed.values()) == [P, P] and {n for _, n in routed} == {"moe_gate", "moe_up"}, routed
     assert all(rows >= B * T * m.num_experts_per_tok and f == F for (rows, f), _ in routed), routed
+
+
+def test_minimal_with_a_save_list_keeps_the_named_expert_matmuls_besides_the_dots():
+    _check_minimal_save_list()
+
+
+def _broken_minimal(keep_dots: bool, keep_names: bool):
+    """remat_policy with minimal's save list handled wrongly: the names ignored, or the dots dropped."""
+    from hybridmoe.model import remat
+
+    real = remat.remat_policy
+
+    def policy(cfg, policy=None):
+        if (policy or cfg.remat.policy) != "minimal" or not cfg.remat.save:
+            return real(cfg, policy)
+        cp = jax.checkpoint_policies
+        if not keep_names:
+            return cp.dots_with_no_batch_dims_saveable
+        return cp.save_only_these_names(*cfg.remat.save) if not keep_dots else real(cfg, policy)
+    return policy
+
+
+@pytest.mark.parametrize("variant", ["save_list_ignored", "save_list_replaces_the_dots"])
+def test_the_minimal_save_lists_broken_variants_are_caught(variant, monkeypatch):
+    from hybridmoe.model import remat
+
+    keep = {"save_list_ignored": (True, False), "save_list_replaces_the_dots": (False, True)}[variant]
+    monkeypatch.setattr(remat, "remat_policy", _broken_minimal(*keep))
+    with pytest.raises(AssertionError):
+        _check_minimal_save_list()
 
 
 @pytest.mark.parametrize("unit", ["sublayer", "layer"])

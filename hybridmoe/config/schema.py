@@ -16,6 +16,9 @@ LayerKind = Literal["gdn", "attention"]
 # Every checkpoint name the layers define (remat.save may only use these).
 CHECKPOINT_NAMES = ("attn_q", "attn_out", "gdn_q", "gdn_k", "gdn_v", "gdn_core_out", "moe_gate", "moe_up",
                     "attn_lb_ids", "gdn_cp_transition", "gdn_cp_state_in")
+# The remat policies that take remat.save: custom keeps only those names, minimal keeps them besides
+# the matmul outputs (model/remat.py).
+SAVE_LIST_POLICIES = ("custom", "minimal")
 DType = Literal["float32", "bfloat16"]
 
 

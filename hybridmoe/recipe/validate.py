@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridmoe.config.errors import ConfigError, Problem
-from hybridmoe.config.schema import CHECKPOINT_NAMES, Config
+from hybridmoe.config.schema import CHECKPOINT_NAMES, SAVE_LIST_POLICIES, Config
 from hybridmoe.kernels.attention import limits as attention_limits
 from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.platform import PALLAS_PLATFORMS
@@ -179,7 +179,7 @@ def _train_seq_len(cfg: Config, f: Facts) -> list[Problem]:
 def _remat_save(cfg: Config, f: Facts) -> list[Problem]:
     r = cfg.remat
     out = []
-    if r.save and r.policy not in ("custom", "minimal"):
+    if r.save and r.policy not in SAVE_LIST_POLICIES:
         out.append(("remat.save", f"a save list needs remat.policy=custom or minimal (got {r.policy})"))
     unknown = [n for n in r.save if n not in CHECKPOINT_NAMES]
     if unknown:
@@ -271,7 +271,7 @@ def _quantized_gmm(cfg: Config) -> list[str]:
 @rule("moe.wi_fused_swiglu", "moe.wo_fused_dswiglu", "moe.router_grad_from_wo_input", "moe.capacity_factor", "moe.expert_parallel")
 def _moe_fused_levers(cfg: Config, f: Facts) -> list[Problem]:
     moe, out = cfg.moe, []
-    saved_halves = [n for n in cfg.remat.save if n in MOE_GATE_UP_NAMES] if cfg.remat.policy in ("custom", "minimal") else []
+    saved_halves = [n for n in cfg.remat.save if n in MOE_GATE_UP_NAMES] if cfg.remat.policy in SAVE_LIST_POLICIES else []
     tiles = _gmm_tile_problems(cfg)
     for key in ("wi_fused_swiglu", "wo_fused_dswiglu", "router_grad_from_wo_input"):
         if not getattr(moe, key):
