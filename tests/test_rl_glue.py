@@ -883,7 +883,7 @@ def check_time_split(monkeypatch):
                                      "update_applied", "update_skipped"), 0.0)
 
     run = rl_loop._Run(cfg, FixedPrompts(), TOK, [(number_reward, 1.0)], build(cfg), None, update, generate, None,
-                       old_logprobs)
+                       old_logprobs=old_logprobs)
     _, rec = rl_loop._grpo_step(run, {"params": None}, None, 0, jax.random.key(0))
     assert (rec["rollout_time_s"], rec["old_logprobs_time_s"], rec["update_time_s"], rec["step_time_s"]) == \
         (2.0, 0.5, 1.5, 4.0)

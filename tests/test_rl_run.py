@@ -8,6 +8,7 @@ import types
 import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -99,6 +100,9 @@ class StepRecorder:
 
     def __init__(self, stop_after: int | None = None):
         self.steps, self.setup, self.stop_after = [], None, stop_after
+        # Per GRPO update: how many arrays the phase's start replaced (the warm-up's train state,
+        # the stand-in reference) are still alive on the device beside the update's arguments.
+        self.replaced_alive = []
 
     def _record(self, *step):
         self.steps.append(step)
@@ -111,22 +115,42 @@ class StepRecorder:
         def recording_build_run(cfg, setup, *rest):
             run = real_build_run(cfg, setup, *rest)
             self.setup, warm, grpo = setup, run.warmup_step, run.grpo_step
+            replaced = []  # what the GRPO phase's start was handed: it has no further use for any of it
+
+            def rl_init(state):
+                replaced.extend(jax.tree.leaves(state))
+                return run.rl_init(state)
+
+            def reference_init(stand_in, params):
+                replaced.extend(jax.tree.leaves(stand_in))
+                return run.reference_init(stand_in, params)
 
             def warmup_step(state, batch):
-                before = jax.device_get(state)  # the step donates its input
+                before = host_copy(state)  # the step donates its input
                 state, m = warm(state, batch)
-                self._record("warmup", before, None, *jax.device_get((state, m)))
+                self._record("warmup", before, None, *host_copy((state, m)))
                 return state, m
 
             def grpo_step(state, ref_params, batch):
-                before, ref = jax.device_get((state, ref_params))
+                kept = {id(x) for x in jax.tree.leaves((state, ref_params, batch))}
+                self.replaced_alive.append(sum(not x.is_deleted() for x in replaced if id(x) not in kept))
+                before, ref = host_copy((state, ref_params))
                 state, m = grpo(state, ref_params, batch)
-                self._record("grpo", before, ref, *jax.device_get((state, m)))
+                self._record("grpo", before, ref, *host_copy((state, m)))
                 return state, m
 
-            return dataclasses.replace(run, warmup_step=warm and warmup_step, grpo_step=grpo and grpo_step)
+            return dataclasses.replace(run, warmup_step=warm and warmup_step, grpo_step=grpo and grpo_step,
+                                       rl_init=rl_init, reference_init=reference_init)
 
         mp.setattr(rl_loop, "_build_run", recording_build_run)
+
+
+
+def host_copy(tree):
+    """Host copies of a tree of device arrays, read from copies made on the device: on a CPU an
+    array read to the host keeps a view of its own buffer, which a later program then cannot take
+    as donated (the copy it makes instead would hide a missing donation from the tests)."""
+    return jax.device_get(jax.tree.map(jnp.copy, tree))
 
 
 def reuse_setup(mp, setup):
@@ -147,7 +171,8 @@ def finished_run(cfg, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         recorder.install(mp)
         history = run_rl(cfg, out, progress=False, task=task, reward_fns=_rewards(task))
-    return types.SimpleNamespace(out=out, history=history, steps=recorder.steps, setup=recorder.setup)
+    return types.SimpleNamespace(out=out, history=history, steps=recorder.steps, setup=recorder.setup,
+                                 replaced_alive=recorder.replaced_alive)
 
 
 def test_run_writes_metrics_plot_tensorboard_checkpoints_and_counts_bad_samples(finished_run):
@@ -297,6 +322,14 @@ def test_grpo_starts_from_the_warmed_up_policy_with_a_fresh_optimizer_on_its_own
     errors = boundary_errors(cfg, steps)
     assert len(steps) == len(history) and not any(v for k, v in errors.items() if k not in FIGURES), errors
     assert errors["move"] < BOUNDARY_TOL and errors["fresh_moments"] < 1e-5, errors  # measured 1.3e-4, 1.7e-7
+
+
+def test_each_grpo_update_has_the_device_its_memory_plan_counted_on(cfg, finished_run):
+    # The update's plan (rl/memory_plan.py) counts its arguments: the train state, the reference and
+    # the batch. What the GRPO phase's start replaced must be gone from the device by the first
+    # update: on a chip the warm-up's optimizer state (two floats a weight) outlived it, and the
+    # update's program no longer fit. Here the stand-in reference is replaced too (rl.beta > 0).
+    assert cfg.rl.beta > 0 and finished_run.replaced_alive == [0] * cfg.rl.steps, finished_run.replaced_alive
 
 
 # One-line bugs at the phase boundary, each patched into the loop: boundary_errors must catch it.

@@ -66,6 +66,7 @@ class _Run:
     grpo_step: object
     generate: object
     rl_init: object
+    reference_init: object = None  # (the stand-in reference, the policy) -> the reference, in the stand-in's buffers
     old_logprobs: object = None
     old_logprobs_micro_batches: int | None = None
     empty_steps: int = 0  # GRPO steps in a row that scored no sample
@@ -341,9 +342,12 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
             shown = {"phase": "warm-up", "loss": f"{rec['warmup_loss']:.3f}"}
         else:
             if i == r.warmup_steps:
-                state = run.rl_init(state)
+                # What the GRPO phase replaces (the warm-up's optimizer state, the stand-in
+                # reference) leaves the device before the first update, which the memory plan sized
+                # for its arguments alone. Donation frees only the buffers an output reuses.
+                state = released(tree["train"], run.rl_init(state))
                 if with_reference:  # the reference is the policy GRPO starts from, frozen
-                    ref_params = jax.tree.map(jnp.copy, state["params"])
+                    ref_params = released(tree["ref_params"], run.reference_init(ref_params, state["params"]))
             key, sample_key = jax.random.split(key)
             state, rec = _grpo_step(run, state, ref_params, i, sample_key)
             shown = {"reward": f"{rec['reward_mean']:.3f}", "kept": f"{rec['kept_frac']:.2f}"}
@@ -361,6 +365,16 @@ def run_rl(cfg: Config, out: Path | None = None, *, resume: bool = False, overwr
                           progress=progress, desc="rl", on_write=plot, on_close=plot)
     session.export(export_hf, session.tree["train"]["params"])
     return history
+
+
+def released(replaced, replacement):
+    """`replacement`, with every device array of `replaced` it does not hold deleted (its memory
+    back to the device now, not when the last Python reference goes)."""
+    kept = {id(x) for x in jax.tree.leaves(replacement)}
+    for x in jax.tree.leaves(replaced):
+        if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
+            x.delete()
+    return replacement
 
 
 def _task_and_rewards(cfg: Config, init_hf: Path | None, task: Task | None, reward_fns):
@@ -428,7 +442,10 @@ def _build_run(cfg: Config, setup, task: Task, tokenizer: Tokenizer, reward_fns,
         # The GRPO phase starts from the warmed-up policy with a fresh optimizer state.
         setup.kept("rl_optimizer_init", lambda: jax.jit(
             lambda s: {"params": s["params"], "opt_state": rl_opt.init(s["params"]), "step": s["step"]},
-            in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings)),
+            in_shardings=(setup.state_shardings,), out_shardings=setup.state_shardings, donate_argnums=(0,))),
+        setup.kept("reference_init", lambda: jax.jit(
+            lambda stand_in, params: jax.tree.map(jnp.copy, params), donate_argnums=(0,), keep_unused=True,
+            in_shardings=(setup.param_shardings, setup.param_shardings), out_shardings=setup.param_shardings)),
         plan.old_logprobs.compiled if plan is not None and plan.old_logprobs is not None else None,
         plan.old_logprobs_micro_batches if plan is not None else None)
 
