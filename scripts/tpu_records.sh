@@ -28,7 +28,7 @@
 #   scripts/tpu_records.sh place DIR                    # back here: each returned file to its place
 #
 # Stages run in the order given; a failing stage stops the rest (its record, if any, is written).
-# --copy-to DIR (first): after each stage, and every 5 s while one runs, copy what the stages have written or changed (the records,
+# --copy-to DIR (first): after each stage, and every 2 s while one runs, copy what the stages have written or changed (the records,
 # the calibration and tile tables; a file left as it was is not copied) into DIR, flat (no folders: an accelerator host's output folder may return only
 # files near its top), so a call cut short still hands back every finished stage's files. `place`
 # puts such a folder's files where they belong in this checkout.
@@ -82,11 +82,11 @@ if [ "${1:-}" = "place" ]; then
   rm -f .source-commit
   exit 0
 fi
-# Also every few seconds while the stages run: a process that has written its record may still be
+# Also every 2 s while the stages run: a process that has written its record may still be
 # shutting the TPU runtime down (seconds, MaxText's more) when the call's time runs out.
 watcher=""
 if [ -n "$copy_to" ]; then
-  (while sleep 5; do copy_results; done) &
+  (while sleep 2; do copy_results; done) &
   watcher=$!
 fi
 trap '[ -z "$watcher" ] || kill "$watcher" 2>/dev/null; copy_results' EXIT

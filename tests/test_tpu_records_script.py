@@ -36,10 +36,10 @@ def test_a_record_written_before_the_time_runs_out_comes_back(tmp_path):
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    # SIGKILL at 8 s, as a call's hard limit ends it: no exit handler of the script runs. Its own
+    # SIGKILL at 4 s, as a call's hard limit ends it: no exit handler of the script runs. Its own
     # session, so that what outlives the kill is killed after.
     with open(tmp_path / "log", "w") as log:
-        proc = subprocess.Popen(["timeout", "-s", "KILL", "8", "bash", str(tree / "scripts" / "tpu_records.sh"),
+        proc = subprocess.Popen(["timeout", "-s", "KILL", "4", "bash", str(tree / "scripts" / "tpu_records.sh"),
                                  "--copy-to", str(out), "tests"], env=env, stdout=log, stderr=log,
                                 start_new_session=True)
         try:
