@@ -78,6 +78,12 @@ ARMS = {
     # Under remat.policy=minimal alone the grouped expert matmuls (not dot_generals) run again in the
     # backward's replay: two of each MoE layer's three forward matmuls.
     "expert_matmuls_replayed": NO_SAVE_LIST,
+    # The kernels' own residuals kept as well: the backward's replay then runs no GDN forward kernel
+    # and no flash attention forward (tests/test_remat_kernel_residuals.py), for about 1 GiB of the
+    # chip's memory at this shape (the GDN start states and inverses, 3 layers).
+    "saved_gdn_core": ["remat.save=[moe_gate,moe_up,gdn_core_out,gdn_core_residuals]"],
+    "saved_attention_core": ["remat.save=[moe_gate,moe_up,attn_core_residuals]"],
+    "saved_kernel_residuals": ["remat.save=[moe_gate,moe_up,gdn_core_out,gdn_core_residuals,attn_core_residuals]"],
     "remat_full": ["remat.policy=full", *NO_SAVE_LIST],  # what remat.policy=auto chooses at this size
     "remat_sublayer": ["remat.unit=sublayer"],
     "remat_layer": ["remat.unit=layer"],

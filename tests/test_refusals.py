@@ -49,6 +49,9 @@ CHARACTERS = load_tokenizer()  # the built-in tokenizer: one id a character, and
 TPU = {"platform": "tpu"}
 GPU = {"platform": "gpu"}
 BUILT = {"devices": 8}  # set-up's pass: the devices the mesh is built on
+MOSAIC_GDN = ("kernels.gdn.backend=pallas_tpu", "kernels.interpret=true")
+KEPT_CORE = ("remat.policy=minimal", "remat.save=[gdn_core_out,gdn_core_residuals]")  # the Mosaic core replays nothing
+KEPT_ATTENTION_CORE = ("remat.policy=minimal", "remat.save=[attn_core_residuals]")  # nor the flash core
 
 CASES: dict[str, Case] = {
     # model shapes
@@ -99,6 +102,26 @@ CASES: dict[str, Case] = {
                                  ("remat.save", "needs remat.policy=custom or minimal (got full)")),
     "save_list_unknown_name": case("_remat_save", ["remat.policy=custom", "remat.save=[nope]"],
                                    ("remat.save", "unknown checkpoint names ['nope']")),
+    # the Mosaic GDN core's residuals kept: one check each
+    "core_residuals_without_gdn_layers": case("_remat_save_gdn_core_residuals", [*ATTENTION_ONLY, *KEPT_CORE],
+                                              ("remat.save", "model.layer_pattern has no GDN layer")),
+    "core_residuals_of_the_xla_core": case("_remat_save_gdn_core_residuals", list(KEPT_CORE),
+                                           ("remat.save", "kernels.gdn.backend is xla here")),
+    "core_residuals_sequence_sharded": case("_remat_save_gdn_core_residuals", [*CP2, "train.seq_len=128", *MOSAIC_GDN,
+                                                                          *KEPT_CORE],
+                                            ("remat.save", "sequence-sharded GDN (mesh.context > 1) keeps its own")),
+    "core_residuals_without_the_output": case("_remat_save_gdn_core_residuals",
+                                              [*MOSAIC_GDN, "remat.policy=minimal", "remat.save=[gdn_core_residuals]"],
+                                              ("remat.save", "add gdn_core_out")),
+    "attn_residuals_without_attention": case("_remat_save_attn_core_residuals",
+                                             ["model.layer_pattern=[gdn]", *KEPT_ATTENTION_CORE],
+                                             ("remat.save", "model.layer_pattern has no attention layer")),
+    "attn_residuals_of_the_blocked_core": case("_remat_save_attn_core_residuals",
+                                               ["kernels.attention.backend=blocked", *KEPT_ATTENTION_CORE],
+                                               ("remat.save", "kernels.attention.backend=blocked keeps none")),
+    "attn_residuals_of_the_ring": case("_remat_save_attn_core_residuals",
+                                       [*CP2, "train.seq_len=128", "attention.cp_impl=ring", *KEPT_ATTENTION_CORE],
+                                       ("remat.save", "attention.cp_impl=ring keeps its own")),
     # rl shapes (every load)
     "rl_rows_over_max_seq_len": case("_rl_shapes", ["rl.max_new_tokens=250"],
                                      ("rl.max_new_tokens", "exceeds model.max_seq_len=256")),
@@ -349,6 +372,10 @@ ACCEPTED: dict[str, Case] = {
     "gather_backward_on_the_grouped_path": case((), ["moe.gather_backward=true", "moe.router_grad_from_wo_input=true"]),
     # minimal with a save list: the matmul outputs and the named grouped-matmul halves
     "save_list_under_minimal": case((), ["remat.policy=minimal", "remat.save=[moe_gate,moe_up]"]),
+    # the Mosaic GDN core's output and residuals kept, on one sequence shard
+    "core_residuals_with_the_output": case((), [*MOSAIC_GDN, *KEPT_CORE]),
+    # the flash core's residuals kept under context parallelism that gathers the keys (the core is local)
+    "attn_residuals_all_gather": case((), [*CP2, "train.seq_len=128", *KEPT_ATTENTION_CORE]),
     # every token routed to all 8 experts
     "top_k_is_every_expert": case((), ["model.num_experts_per_tok=8"]),
     # the format task's shortest prompt, 'answer only: 0+0=' with BOS, is 18 characters: it fits 18

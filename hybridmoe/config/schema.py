@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 LayerKind = Literal["gdn", "attention"]
 
 # Every checkpoint name the layers define (remat.save may only use these).
-CHECKPOINT_NAMES = ("attn_q", "attn_out", "gdn_q", "gdn_k", "gdn_v", "gdn_core_out", "moe_gate", "moe_up",
-                    "attn_lb_ids", "gdn_cp_transition", "gdn_cp_state_in")
+CHECKPOINT_NAMES = ("attn_q", "attn_out", "attn_core_residuals", "gdn_q", "gdn_k", "gdn_v", "gdn_core_out", "gdn_core_residuals", "moe_gate",
+                    "moe_up", "attn_lb_ids", "gdn_cp_transition", "gdn_cp_state_in")
 # The remat policies that take remat.save: custom keeps only those names, minimal keeps them besides
 # the matmul outputs (model/remat.py).
 SAVE_LIST_POLICIES = ("custom", "minimal")
@@ -316,7 +316,10 @@ class RematConfig(Section):
     )
     save: tuple[str, ...] = Field((), description="Checkpoint names saved: under the custom policy, these only; under "
                                   "minimal, these besides the matmul outputs (moe_gate and moe_up keep the grouped expert "
-                                  "matmuls' outputs, which minimal alone recomputes).")
+                                  "matmuls' outputs, which minimal alone recomputes; gdn_core_out with gdn_core_residuals, "
+                                  "the Mosaic GDN core's chunk start states and inverses, spare the backward its second "
+                                  "forward kernel; attn_core_residuals, the flash attention core's output and log-sum-exp, "
+                                  "its second flash forward).")
     unit: Literal["block", "layer", "sublayer"] = Field(
         "block", description="What one checkpoint spans: the repeating block of model.layer_pattern (its input is kept, "
         "the backward replays the whole block and holds every layer's intermediates at once), each layer (every "

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridmoe.config.schema import Config
+from hybridmoe.kernels.attention import limits as attention_limits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,3 +63,9 @@ def _run_platform(cfg: Config, f: Facts) -> str:
     import jax  # only when asked: with simulated devices the backends must start later
 
     return jax.default_backend()
+
+
+def _attention_backend(cfg: Config, f: Facts) -> str:
+    """kernels.attention.backend with `auto` resolved for the platform the program is for."""
+    choice = cfg.kernels.attention.backend
+    return attention_limits.resolve(choice, _run_platform(cfg, f)) if choice == "auto" else choice

@@ -17,7 +17,9 @@ from hybridmoe.config.schema import CHECKPOINT_NAMES, SAVE_LIST_POLICIES, Config
 from hybridmoe.kernels.attention import limits as attention_limits
 from hybridmoe.kernels.gmm import tiling
 from hybridmoe.kernels.platform import PALLAS_PLATFORMS
-from hybridmoe.recipe.facts import Facts, _context_size, _full_mesh_sizes, _mesh_sizes, _run_platform  # noqa: F401
+from hybridmoe.recipe import remat_rules  # noqa: F401 (registers its rules)
+from hybridmoe.recipe.facts import (Facts, _attention_backend, _context_size, _full_mesh_sizes,  # noqa: F401
+                                    _mesh_sizes, _run_platform)
 from hybridmoe.recipe.gdn_rules import _gdn_backend
 from hybridmoe.recipe.kernel_needs import (attention_vmem_needs, gdn_vmem_needs, gmm_tiles, gmm_vmem_needs,
                                            gpu_attention_problems, limit_problems, over_problems)
@@ -475,12 +477,6 @@ def _attention_context_parallel(cfg: Config, f: Facts) -> list[Problem]:
 
 
 # The attention core (kernels.attention): a backend the platform runs, blocks that tile the rows.
-
-
-def _attention_backend(cfg: Config, f: Facts) -> str:
-    """kernels.attention.backend with `auto` resolved for the platform the program is for."""
-    choice = cfg.kernels.attention.backend
-    return attention_limits.resolve(choice, _run_platform(cfg, f)) if choice == "auto" else choice
 
 
 def attention_block_problems(cfg: Config, rows: int, rows_what: str, f: Facts = Facts()) -> list[Problem]:

@@ -53,12 +53,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from hybridmoe.kernels.attention import flash_block as fb
 from hybridmoe.kernels.attention import limits
 from hybridmoe.kernels.attention import xla
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
+RESIDUALS_NAME = "attn_core_residuals"  # the checkpoint name of the output and log-sum-exp _flash_fwd saves
 
 
 def platform_default(platform: str) -> str:
@@ -161,6 +163,9 @@ def _flash(q, k, v, q_pos, kv_pos, q_seg, kv_seg, options):
 
 def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, options):
     o, lse = attention_fwd(q, k, v, q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg, **dict(options))
+    # Named for remat.save: with the output and its log-sum-exp kept, a remat's backward runs no
+    # second flash forward (the output is also what the layer's gate and projection read).
+    o, lse = (checkpoint_name(t, RESIDUALS_NAME) for t in (o, lse))
     return o, (q, k, v, q_pos, kv_pos, q_seg, kv_seg, o, lse)
 
 

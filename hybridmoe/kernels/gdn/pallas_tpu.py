@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -48,6 +49,8 @@ from hybridmoe.kernels.gdn.limits import default_chunks_per_step
 from hybridmoe.kernels.gdn.reference import initial_or_zeros, prepare_query_key, starts_or_none
 from hybridmoe.kernels.gdn.tpu_chunk import PRECISIONS, START_LOG_GATE, ChunkIn, chunk_macs
 from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
+
+RESIDUALS_NAME = "gdn_core_residuals"  # the checkpoint name of the start states and inverses _core_fwd saves
 
 _F32 = jnp.float32
 # The kernels' names in the compiled program (program facts and the step-time model look for them).
@@ -276,6 +279,9 @@ def core(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: 
 def _core_fwd(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings):
     o, final, starts, inverses = forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings,
                                          save=True)
+    # Named for remat.save: kept with the layer's gdn_core_out, a remat's backward needs no second
+    # run of this forward kernel (docs/levers.md, the minimal policy's save list).
+    starts, inverses = (checkpoint_name(r, RESIDUALS_NAME) for r in (starts, inverses))
     return (o, final), (q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, starts, inverses)
 
 
