@@ -258,6 +258,9 @@ class LogprobsKernelConfig(Section):
     chunk_tokens: int = Field(256, gt=0, description="Tokens per chunk of the LM head's log-probs (the supervised "
                               "loss and GRPO's; the full [tokens, vocab] logits are never built).")
     chunk_vocab: int = Field(4096, gt=0, description="Vocabulary columns per chunk of the LM head's log-probs.")
+    save_logits: bool = Field(False, description="The backward reads the forward's logits instead of computing them "
+                              "again: one of the LM head's three matmuls fewer, for the [tokens, vocab] float32 logits "
+                              "kept from the forward to the backward (same gradients; kernels/logprobs.py).")
 
 
 class KernelsConfig(Section):

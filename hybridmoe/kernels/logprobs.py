@@ -11,7 +11,9 @@ forward, per token chunk (lax.scan), per vocab chunk (inner lax.scan), an online
   u' = a (u + (m - m') s) + sum exp(z - m')(z - m')   sum of e (z - m), kept relative to m so the
                                                 entropy is not a difference of two large numbers
   lse = m + log s;  H = log s - u / s;  logp = z_target - lse
-backward recomputes each [token chunk, vocab chunk] block of logits from the saved lse and H:
+backward recomputes each [token chunk, vocab chunk] block of logits from the saved lse and H (with
+save_logits, kernels.logprobs.save_logits, it reads the forward's blocks instead: one matmul of three
+fewer, for [tokens, vocab] float32 kept from the forward to the backward):
   p = exp(z - lse)
   dlogp/dz = onehot(target) - p
   dH/dz    = -p (z - lse + H)                   (= -p (log p + H))
@@ -31,26 +33,29 @@ import jax
 import jax.numpy as jnp
 
 
-def _logits_block(h_CD, lm_head_DV, v_start, chunk_vocab, vocab_size, temperature):
-    """One [chunk_tokens, chunk_vocab] block of float32 logits / temperature and which of its columns
-    are real (the division is the sampler's own op, so both see the same numbers)."""
+def _logits_block(h_CD, lm_head_DV, v_start, chunk_vocab, vocab_size, temperature, with_logits=True):
+    """One [chunk_tokens, chunk_vocab] block of float32 logits / temperature (None without
+    with_logits), which of its columns are real, their ids and the LM head's block (the division is
+    the sampler's own op, so both see the same numbers)."""
     w_DC = jax.lax.dynamic_slice_in_dim(lm_head_DV, v_start, chunk_vocab, axis=1)
-    z_CV = jnp.dot(h_CD, w_DC, preferred_element_type=jnp.float32)
-    if temperature != 1.0:
+    z_CV = jnp.dot(h_CD, w_DC, preferred_element_type=jnp.float32) if with_logits else None
+    if with_logits and temperature != 1.0:
         z_CV = z_CV / temperature
     col_V = v_start + jnp.arange(chunk_vocab)
     return z_CV, col_V < vocab_size, col_V, w_DC
 
 
-def _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size, temperature):
+def _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size, temperature, save_logits=False):
+    """(log p(target), u, s, lse) per token; with save_logits also every vocab chunk's logits block
+    as computed, [vocab chunks, tokens, chunk_vocab] (else None)."""
     num_tokens = h_CD.shape[0]
     num_vocab_chunks = lm_head_DV.shape[1] // chunk_vocab
 
     def over_vocab(carry, v_index):
         m_C, s_C, u_C, z_target_C = carry
-        z_CV, real_V, col_V, _ = _logits_block(h_CD, lm_head_DV, v_index * chunk_vocab, chunk_vocab, vocab_size,
-                                               temperature)
-        z_CV = jnp.where(real_V, z_CV, -jnp.inf)
+        raw_CV, real_V, col_V, _ = _logits_block(h_CD, lm_head_DV, v_index * chunk_vocab, chunk_vocab, vocab_size,
+                                                 temperature)
+        z_CV = jnp.where(real_V, raw_CV, -jnp.inf)
         m_new_C = jnp.maximum(m_C, z_CV.max(axis=1))  # finite after the first chunk (column 0 is real)
         shifted_CV = jnp.where(real_V, z_CV - m_new_C[:, None], 0.0)
         e_CV = jnp.where(real_V, jnp.exp(shifted_CV), 0.0)
@@ -61,50 +66,61 @@ def _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size, tempera
         s_C = rescale_C * s_C + e_CV.sum(axis=1)
         hit_CV = col_V[None, :] == targets_C[:, None]
         z_target_C = z_target_C + jnp.where(hit_CV & real_V, z_CV, 0.0).sum(axis=1)
-        return (m_new_C, s_C, u_C, z_target_C), None
+        return (m_new_C, s_C, u_C, z_target_C), raw_CV if save_logits else None
 
     zeros_C = jnp.zeros((num_tokens,), jnp.float32)
     init = (jnp.full((num_tokens,), -jnp.inf, jnp.float32), zeros_C, zeros_C, zeros_C)
-    (m_C, s_C, u_C, z_target_C), _ = jax.lax.scan(over_vocab, init, jnp.arange(num_vocab_chunks))
+    (m_C, s_C, u_C, z_target_C), z_NCV = jax.lax.scan(over_vocab, init, jnp.arange(num_vocab_chunks))
     lse_C = m_C + jnp.log(s_C)
-    return z_target_C - lse_C, u_C, s_C, lse_C
+    return z_target_C - lse_C, u_C, s_C, lse_C, z_NCV
 
 
-def _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature):
+def _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature, save_logits=False):
     def over_tokens(_, xs):
         h_CD, targets_C = xs
-        logp_C, u_C, s_C, lse_C = _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size, temperature)
+        logp_C, u_C, s_C, lse_C, z_NCV = _forward_chunk(h_CD, targets_C, lm_head_DV, chunk_vocab, vocab_size,
+                                                        temperature, save_logits)
         entropy_C = jnp.log(s_C) - u_C / s_C
-        return None, (logp_C, entropy_C, lse_C)
+        return None, (logp_C, entropy_C, lse_C, z_NCV)
 
-    _, (logp_KC, entropy_KC, lse_KC) = jax.lax.scan(over_tokens, None, (h_KCD, targets_KC))
-    return logp_KC, entropy_KC, lse_KC
+    _, (logp_KC, entropy_KC, lse_KC, z_KNCV) = jax.lax.scan(over_tokens, None, (h_KCD, targets_KC))
+    return logp_KC, entropy_KC, lse_KC, z_KNCV
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature):
-    logp_KC, entropy_KC, _ = _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunked(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature, save_logits):
+    logp_KC, entropy_KC, _, _ = _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature)
     return logp_KC, entropy_KC
 
 
-def _chunked_fwd(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature):
-    logp_KC, entropy_KC, lse_KC = _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature)
-    return (logp_KC, entropy_KC), (h_KCD, lm_head_DV, targets_KC, lse_KC, entropy_KC)
+def _chunked_fwd(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature, save_logits):
+    logp_KC, entropy_KC, lse_KC, z_KNCV = _forward(h_KCD, lm_head_DV, targets_KC, chunk_vocab, vocab_size, temperature,
+                                                   save_logits)
+    return (logp_KC, entropy_KC), (h_KCD, lm_head_DV, targets_KC, lse_KC, entropy_KC, z_KNCV)
 
 
-def _chunked_bwd(chunk_vocab, vocab_size, temperature, residuals, cotangents):
-    h_KCD, lm_head_DV, targets_KC, lse_KC, entropy_KC = residuals
+def backward_logits(saved_NCV, h_CD, lm_head_DV, v_index, chunk_vocab, vocab_size, temperature):
+    """The backward's [token chunk, vocab chunk] block of logits / temperature, which columns are
+    real, their ids and the LM head's block: the forward's block where it was saved (saved_NCV, the
+    token chunk's blocks), else computed again."""
+    z_CV, real_V, col_V, w_DC = _logits_block(h_CD, lm_head_DV, v_index * chunk_vocab, chunk_vocab, vocab_size,
+                                              temperature, with_logits=saved_NCV is None)
+    return (z_CV if saved_NCV is None else saved_NCV[v_index]), real_V, col_V, w_DC
+
+
+def _chunked_bwd(chunk_vocab, vocab_size, temperature, save_logits, residuals, cotangents):
+    h_KCD, lm_head_DV, targets_KC, lse_KC, entropy_KC, z_KNCV = residuals
     g_logp_KC, g_entropy_KC = cotangents
     num_vocab_chunks = lm_head_DV.shape[1] // chunk_vocab
 
     def over_tokens(d_lm_head_DV, xs):
-        h_CD, targets_C, lse_C, entropy_C, g_logp_C, g_entropy_C = xs
+        h_CD, targets_C, lse_C, entropy_C, g_logp_C, g_entropy_C, z_NCV = xs
 
         def over_vocab(carry, v_index):
             d_h_CD, d_lm_head_DV = carry
             v_start = v_index * chunk_vocab
-            z_CV, real_V, col_V, w_DC = _logits_block(h_CD, lm_head_DV, v_start, chunk_vocab, vocab_size,
-                                                      temperature)
+            z_CV, real_V, col_V, w_DC = backward_logits(z_NCV, h_CD, lm_head_DV, v_index, chunk_vocab, vocab_size,
+                                                        temperature)
             log_p_CV = z_CV - lse_C[:, None]
             p_CV = jnp.where(real_V, jnp.exp(log_p_CV), 0.0)
             onehot_CV = (col_V[None, :] == targets_C[:, None]).astype(jnp.float32)
@@ -125,7 +141,7 @@ def _chunked_bwd(chunk_vocab, vocab_size, temperature, residuals, cotangents):
 
     d_lm_head_DV = jnp.zeros(lm_head_DV.shape, jnp.float32)
     xs = (h_KCD, targets_KC, lse_KC, entropy_KC,
-          g_logp_KC.astype(jnp.float32), g_entropy_KC.astype(jnp.float32))
+          g_logp_KC.astype(jnp.float32), g_entropy_KC.astype(jnp.float32), z_KNCV)
     d_lm_head_DV, d_h_KCD = jax.lax.scan(over_tokens, d_lm_head_DV, xs)
     return d_h_KCD.astype(h_KCD.dtype), d_lm_head_DV.astype(lm_head_DV.dtype), None
 
@@ -141,13 +157,16 @@ def chunked_token_logprobs(
     chunk_tokens: int,
     chunk_vocab: int,
     temperature: float = 1.0,
+    save_logits: bool = False,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """(log p(target) float32 [B, T], entropy of the next-token distribution float32 [B, T]).
 
     hidden_BTD: final-normed hidden states; lm_head_DV: the output projection; targets_BT: ids in
     [0, V). Differentiable in hidden and lm_head (custom VJP, same gradients as the unchunked
     `token_logprobs_reference`); chunk sizes need not divide B*T or V. temperature: the logits are
-    divided by it first (the distribution the sampler draws from at that temperature).
+    divided by it first (the distribution the sampler draws from at that temperature). save_logits:
+    the backward reads the forward's logits instead of computing them again (the same gradients;
+    [B * T, V] float32 kept in between).
     """
     if chunk_tokens < 1 or chunk_vocab < 1:
         raise ValueError(f"chunk sizes must be >= 1, got chunk_tokens={chunk_tokens}, chunk_vocab={chunk_vocab}")
@@ -168,7 +187,7 @@ def chunked_token_logprobs(
     num_chunks = (num_tokens + pad_tokens) // chunk_tokens
     logp_KC, entropy_KC = _chunked(h_ND.reshape(num_chunks, chunk_tokens, d_model), lm_head_padded_DV,
                                    targets_N.reshape(num_chunks, chunk_tokens), chunk_vocab, vocab_size,
-                                   float(temperature))
+                                   float(temperature), bool(save_logits))
     logp_BT = logp_KC.reshape(-1)[:num_tokens].reshape(batch, seq_len)
     entropy_BT = entropy_KC.reshape(-1)[:num_tokens].reshape(batch, seq_len)
     return logp_BT, entropy_BT

@@ -320,7 +320,7 @@ def per_shard_token_logprobs(h_BTD, lm_head_DV, targets_BT, cfg: Config, *, temp
 
     def local(h, w, t):
         return chunked_token_logprobs(h, w, t, chunk_tokens=chunks.chunk_tokens, chunk_vocab=chunks.chunk_vocab,
-                                      temperature=temperature)
+                                      temperature=temperature, save_logits=chunks.save_logits)
 
     if jax.sharding.get_abstract_mesh().empty:
         return local(h_BTD, lm_head_DV, targets_BT)
