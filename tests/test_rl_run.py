@@ -338,8 +338,8 @@ BOUNDARY_BROKEN = {
                                                  '"opt_state": s["opt_state"]'),
     "step_counter_restarted_at_grpo": ("_build_run", '"step": s["step"]}', '"step": 0 * s["step"]}'),
     "grpo_optimizer_fresh_one_step_late": ("run_rl", "if i == r.warmup_steps:", "if i == r.warmup_steps + 1:"),
-    "reference_is_the_initial_policy": ("run_rl", 'ref_params = jax.tree.map(jnp.copy, state["params"])',
-                                        "ref_params = ref_params"),
+    "reference_is_the_initial_policy": ("run_rl", 'ref_params = released(tree["ref_params"], '
+                                        'run.reference_init(ref_params, state["params"]))', "ref_params = ref_params"),
 }
 
 
