@@ -618,7 +618,25 @@ def _out_of_memory(error: BaseException) -> str | None:
     if not memory_refusal(error):
         return None
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-    return f"out of device memory ({first[:300]}): {MEMORY_FIX}"
+    return f"out of device memory ({first[:300]}){_device_memory_words()}: {MEMORY_FIX}"
+
+
+def _device_memory_words() -> str:
+    """', with X GiB of arrays in use of the device's Y (largest free block Z)' from the first local
+    device's memory statistics at the refusal, '' where the device keeps none (a CPU). What is in use
+    beside the program that failed is what its memory plan did not count."""
+    import jax
+
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 -- a figure for the message, never a second error
+        return ""
+    if not stats.get("bytes_limit") or "bytes_in_use" not in stats:
+        return ""
+    gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+    free = stats.get("largest_free_block_bytes")
+    return (f", with {gib(stats['bytes_in_use'])} GiB of arrays in use of the device's {gib(stats['bytes_limit'])}"
+            + (f" (largest free block {gib(free)} GiB)" if free is not None else ""))
 
 
 def entry() -> None:

@@ -95,7 +95,33 @@ def test_a_memory_error_at_run_time_is_one_line(monkeypatch, capsys):
     monkeypatch.setitem(__import__("hybridmoe.cli").cli.COMMANDS, "train", (out_of_memory, "train"))
     assert main(["train", "recipe=tiny"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 21 GiB)" in err[0]
+    assert len(err) == 1 and "out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating 21 GiB):" in err[0]
+
+
+class DeviceWithStatistics:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+@pytest.mark.parametrize("stats,words", [
+    # A chip: what is in use at the refusal, of its limit, and the largest block left.
+    ({"bytes_in_use": 3 * GIB // 2, "bytes_limit": 16 * GIB, "largest_free_block_bytes": GIB // 4},
+     ", with 1.50 GiB of arrays in use of the device's 16.00 (largest free block 0.25 GiB):"),
+    ({"bytes_in_use": 5 * GIB, "bytes_limit": 15 * GIB}, ", with 5.00 GiB of arrays in use of the device's 15.00:"),
+    (None, ":"),  # a device without statistics (a CPU): the line as before
+])
+def test_a_memory_error_names_what_the_device_had_in_use(stats, words, monkeypatch, capsys):
+    def out_of_memory(args, words):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 21 GiB")
+
+    monkeypatch.setitem(__import__("hybridmoe.cli").cli.COMMANDS, "train", (out_of_memory, "train"))
+    monkeypatch.setattr(jax, "local_devices", lambda: [DeviceWithStatistics(stats)])
+    assert main(["train", "recipe=tiny"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"allocating 21 GiB){words}" in err[0], err
 
 
 def test_broken_search_is_caught(broken_fit, measured):
