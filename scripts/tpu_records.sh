@@ -90,7 +90,6 @@ if [ -n "$copy_to" ]; then
   watcher=$!
 fi
 trap '[ -z "$watcher" ] || kill "$watcher" 2>/dev/null; copy_results' EXIT
-trap 'exit 143' TERM INT
 for stage in "$@"; do
   copy_results
   echo "== $stage ($(date -u +%H:%M:%S))"

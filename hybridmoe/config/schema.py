@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 LayerKind = Literal["gdn", "attention"]
 
 # Every checkpoint name the layers define (remat.save may only use these).
-CHECKPOINT_NAMES = ("attn_q", "attn_out", "attn_core_residuals", "gdn_q", "gdn_k", "gdn_v", "gdn_core_out", "gdn_core_residuals", "moe_gate",
-                    "moe_up", "attn_lb_ids", "gdn_cp_transition", "gdn_cp_state_in")
+CHECKPOINT_NAMES = ("attn_q", "attn_out", "attn_core_residuals", "gdn_q", "gdn_k", "gdn_v", "gdn_core_out",
+                    "gdn_core_residuals", "moe_gate", "moe_up", "attn_lb_ids", "gdn_cp_transition", "gdn_cp_state_in")
 # The remat policies that take remat.save: custom keeps only those names, minimal keeps them besides
 # the matmul outputs (model/remat.py).
 SAVE_LIST_POLICIES = ("custom", "minimal")

@@ -65,4 +65,3 @@ def _kernels_gdn_backend(cfg: Config, f: Facts) -> list[Problem]:
     if backend == "pallas_gpu":
         unmet += _gdn_pallas_gpu_dims(cfg)
     return [("kernels.gdn.backend", "; ".join(unmet))] if unmet else []
-

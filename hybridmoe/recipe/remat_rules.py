@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from hybridmoe.config.errors import Problem
 from hybridmoe.config.schema import Config
-from hybridmoe.kernels.attention.ops import RESIDUALS_NAME as ATTENTION_RESIDUALS
-from hybridmoe.kernels.gdn.pallas_tpu import RESIDUALS_NAME as GDN_RESIDUALS
+from hybridmoe.kernels.attention.limits import RESIDUALS_NAME as ATTENTION_RESIDUALS
+from hybridmoe.kernels.gdn.limits import RESIDUALS_NAME as GDN_RESIDUALS
 from hybridmoe.recipe.facts import Facts, _attention_backend, _context_size
 from hybridmoe.recipe.gdn_rules import _gdn_backend
 from hybridmoe.recipe.rules import rule
@@ -27,8 +27,8 @@ def _remat_save_gdn_core_residuals(cfg: Config, f: Facts) -> list[Problem]:
     unmet = []
     if "gdn" not in cfg.model.layer_pattern:
         unmet.append("names the GDN core's residuals, and model.layer_pattern has no GDN layer")
-    elif _gdn_backend(cfg, f) != "pallas_tpu":
-        unmet.append(f"names the Mosaic GDN core's residuals; kernels.gdn.backend is {_gdn_backend(cfg, f)} here "
+    elif (backend := _gdn_backend(cfg, f)) != "pallas_tpu":
+        unmet.append(f"names the Mosaic GDN core's residuals; kernels.gdn.backend is {backend} here "
                      "(set pallas_tpu, or drop the name)")
     elif (_context_size(cfg, f) or 1) > 1:
         unmet.append("names the one-shard GDN core's residuals; sequence-sharded GDN (mesh.context > 1) keeps its "

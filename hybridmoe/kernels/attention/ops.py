@@ -57,10 +57,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from hybridmoe.kernels.attention import flash_block as fb
 from hybridmoe.kernels.attention import limits
+from hybridmoe.kernels.attention.limits import RESIDUALS_NAME
 from hybridmoe.kernels.attention import xla
 
 BACKENDS = ("xla", "pallas_tpu", "pallas_gpu")
-RESIDUALS_NAME = "attn_core_residuals"  # the checkpoint name of the output and log-sum-exp _flash_fwd saves
 
 
 def platform_default(platform: str) -> str:

@@ -6,6 +6,9 @@ CP_SCAN_CHUNK_SIZE = 64
 # tpu7x target (checked by hand; the earlier per-chunk kernel's [1, 1] dots did not lower); the
 # floor stays at 2 all the same (tests/test_gdn_tpu_compile.py compiles chunk 2): a chunk of one
 # token is the token recurrence, with no intra-chunk work to put on the MXU.
+# The checkpoint name of the start states and inverses the Mosaic core saves for its backward
+# (pallas_tpu._core_fwd; remat.save), here so the validator reads it without importing the kernel.
+RESIDUALS_NAME = "gdn_core_residuals"
 PALLAS_TPU_MIN_CHUNK = 2
 # Triton: power-of-two value shapes, and tl.dot wants every matmul dim >= 16.
 PALLAS_GPU_MIN_DIM = 16

@@ -45,12 +45,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gdn import limits, tpu_chunk
-from hybridmoe.kernels.gdn.limits import default_chunks_per_step
+from hybridmoe.kernels.gdn.limits import RESIDUALS_NAME, default_chunks_per_step
 from hybridmoe.kernels.gdn.reference import initial_or_zeros, prepare_query_key, starts_or_none
 from hybridmoe.kernels.gdn.tpu_chunk import PRECISIONS, START_LOG_GATE, ChunkIn, chunk_macs
 from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
-
-RESIDUALS_NAME = "gdn_core_residuals"  # the checkpoint name of the start states and inverses _core_fwd saves
 
 _F32 = jnp.float32
 # The kernels' names in the compiled program (program facts and the step-time model look for them).
