@@ -78,21 +78,17 @@ ARMS = {
     # Under remat.policy=minimal alone the grouped expert matmuls (not dot_generals) run again in the
     # backward's replay: two of each MoE layer's three forward matmuls.
     "expert_matmuls_replayed": NO_SAVE_LIST,
-    # The kernels' own residuals kept as well: the backward's replay then runs no GDN forward kernel
-    # and no flash attention forward (tests/test_remat_kernel_residuals.py). At this shape (one layer
-    # block) the compiled program already runs the GDN forward once (the profile: 3 calls), and the
-    # flash forward twice: the v5e:2x2 compile estimates 2.4 ms fewer in attention.
-    "saved_attention_core": ["remat.save=[moe_gate,moe_up,attn_core_residuals]"],
+    # The recipe keeps the flash core's residuals (attn_core_residuals): this arm replays its forward.
+    "attention_core_replayed": ["remat.save=[moe_gate,moe_up]"],
+    # The GDN core's residuals kept as well (at one layer block the compiled program already runs the
+    # GDN forward kernel once a layer: the chip's profile shows 3 calls).
     "saved_kernel_residuals": ["remat.save=[moe_gate,moe_up,gdn_core_out,gdn_core_residuals,attn_core_residuals]"],
-    # The LM head's backward reads the forward's logits (1 GiB float32 at 8,192 tokens x 32,768)
-    # instead of a fourth [8192, 2048] x [2048, 32768] matmul (about 6 ms of the profile's 25 ms).
-    "saved_logits": ["kernels.logprobs.save_logits=true"],
-    # The whole vocabulary in one block: with one token chunk too, the compiler keeps the forward's
-    # logits for the backward by itself (the v5e:2x2 compile: the same program with save_logits or
-    # without, dense matmuls 59.0 -> 52.3 ms estimated, 0.07 GiB more memory).
-    "logprobs_one_vocab_chunk": ["kernels.logprobs.chunk_vocab=32768"],
-    # Both: estimated 0.2817 s against the default's 0.2920 on v5e:2x2 (10.56 GiB against 10.49).
-    "candidates_saved": ["kernels.logprobs.chunk_vocab=32768", "remat.save=[moe_gate,moe_up,attn_core_residuals]"],
+    # The recipe's LM head reads the whole vocabulary in one block, so the compiler keeps the forward's
+    # logits for the backward by itself; at 4,096-column blocks (the schema's default) the backward
+    # computes them again, a fourth [8192, 2048] x [2048, 32768] matmul.
+    "logprobs_vocab_chunk_4096": ["kernels.logprobs.chunk_vocab=4096"],
+    # At 4,096-column blocks, the backward reads the forward's stacked logits blocks instead.
+    "saved_logits": ["kernels.logprobs.chunk_vocab=4096", "kernels.logprobs.save_logits=true"],
     "remat_full": ["remat.policy=full", *NO_SAVE_LIST],  # what remat.policy=auto chooses at this size
     "remat_sublayer": ["remat.unit=sublayer"],
     "remat_layer": ["remat.unit=layer"],
