@@ -46,22 +46,24 @@ TILED = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=explicit", "kerne
          "kernels.gmm.tk=2048", "kernels.gmm.tn=512"]
 # The recipe's defaults include the levers the chip measured faster (the recipe's comments); the arms
 # below turn one off each, or try another kernel or remat setting. Under the recipe's save list the
-# fused SwiGLU pair is refused (it keeps [gate | up] as one unnamed pre-activation): its arms and full
-# remat drop the list.
+# fused SwiGLU pair is refused (it keeps [gate | up] as one unnamed pre-activation): its arms keep only
+# the flash core's residuals; full remat drops the list.
 NO_SAVE_LIST = ["remat.save=[]"]
+NO_EXPERT_SAVES = ["remat.save=[attn_core_residuals]"]
 FUSED_AT_TUNED_TILES = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.wi_fused_swiglu=true",
-                        "moe.wo_fused_dswiglu=true", *NO_SAVE_LIST]
+                        "moe.wo_fused_dswiglu=true", *NO_EXPERT_SAVES]
 ARMS = {
     # The recipe's defaults: the Mosaic GDN core (kernels.gdn.backend=auto on a TPU), ragged_dot grouped
-    # matmuls, remat.policy=minimal keeping the expert matmuls' gate and up outputs, gather backwards of
-    # the MoE's row moves, the LM head over the whole sequence in one token chunk.
+    # matmuls, remat.policy=minimal keeping the expert matmuls' gate and up outputs and the flash core's
+    # residuals, gather backwards of the MoE's row moves, the LM head over the whole sequence in one
+    # token chunk and the whole vocabulary in one block.
     "default": [],
     "xla_gdn": ["kernels.gdn.backend=xla"],  # the GDN core the defaults ran before the chip's verdict
     "pallas_gmm": ["kernels.gmm.backend=pallas_tpu"],  # at the heuristic: on a TPU the chip's rule
     # Each grouped matmul at the tiles `hybridmoe tune-gmm` measured fastest for its shape on this
     # generation (scripts/tpu_records.sh's tiles stage runs first); the heuristic ones without an entry.
     "pallas_gmm_auto": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto"],
-    "fused_swiglu": [*TILED, "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true", *NO_SAVE_LIST],
+    "fused_swiglu": [*TILED, "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true", *NO_EXPERT_SAVES],
     # The fused pair at the tiles tune-gmm measured (the table's v5e section).
     "fused_swiglu_auto": FUSED_AT_TUNED_TILES,
     # The LM head's backward adds each token chunk's float32 gradient into the whole [d_model, vocab]
@@ -77,7 +79,7 @@ ARMS = {
     "scatter_backward": ["moe.gather_backward=false"],
     # Under remat.policy=minimal alone the grouped expert matmuls (not dot_generals) run again in the
     # backward's replay: two of each MoE layer's three forward matmuls.
-    "expert_matmuls_replayed": NO_SAVE_LIST,
+    "expert_matmuls_replayed": NO_EXPERT_SAVES,
     # The recipe keeps the flash core's residuals (attn_core_residuals): this arm replays its forward.
     "attention_core_replayed": ["remat.save=[moe_gate,moe_up]"],
     # The GDN core's residuals kept as well (at one layer block the compiled program already runs the

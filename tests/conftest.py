@@ -22,12 +22,17 @@ tests/test_rl_run.py 245 -> 201 s). HLO passes are untouched, so the program fac
 tpu_compile) run with the defaults, as `hybridmoe inspect` compiles, and outside JAX's cache.
 
 CPU fusions are emitted by XLA's elemental IR emitters, not its newer MLIR fusion emitters
-(--xla_cpu_use_fusion_emitters=false), which compile 2.3x faster (tests/test_model.py's four largest
-model programs from an empty cache: 32.8 -> 14.1 s of backend compile). The fusions are the same; the
-one difference in the optimised HLO is that an op fused with nothing stays a plain op instead of a
-one-op `wrapped_*` fusion. The TPU compiles are untouched (the flag is the CPU backend's).
+(--xla_cpu_use_fusion_emitters=false): they compile 2.3x faster (tests/test_model.py's four largest
+model programs from an empty cache: 32.8 -> 14.1 s of backend compile; the whole suite cold 22.2 ->
+17.0 min). The optimised HLO differs: the older emitters cannot emit a scatter or a sort as a fusion,
+so XLA expands some into loops, and a reduction's order can differ between two programs that the
+default compiler runs bit for bit alike. A test whose claim is about the default CPU program (a fact
+read from its HLO, or two programs equal bit for bit) is marked `default_cpu_codegen`: its programs
+compile with the default emitters (the fixture below passes the option to each compile). The TPU
+compiles are untouched (the flag is the CPU backend's).
 """
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -101,6 +106,48 @@ def _tpu_targets_compile_with_the_defaults(request):
             yield
     finally:
         jax.config.update("jax_disable_most_optimizations", True)
+
+
+@contextlib.contextmanager
+def _default_cpu_emitters():
+    """Every compile inside asks for XLA's default CPU fusion emitters (the module docstring). JAX's
+    in-memory programs are dropped before and after, so no program compiled the other way is reused
+    (the persistent cache keys by the compile options)."""
+    from jax._src import compiler  # JAX has no public switch for one compile option of every compile
+
+    plain = compiler.get_compile_options
+
+    def with_default_emitters(*args, env_options_overrides=None, **kwargs):
+        options = {**(env_options_overrides or {}), "xla_cpu_use_fusion_emitters": True}
+        return plain(*args, env_options_overrides=options, **kwargs)
+
+    jax.clear_caches()
+    compiler.get_compile_options = with_default_emitters
+    try:
+        yield
+    finally:
+        compiler.get_compile_options = plain
+        jax.clear_caches()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _default_cpu_codegen_in_marked_modules(request):
+    """A module marked default_cpu_codegen (pytestmark): its module fixtures compile that way too."""
+    if request.node.get_closest_marker("default_cpu_codegen") is None:
+        yield
+        return
+    with _default_cpu_emitters():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _default_cpu_codegen_in_marked_tests(request):
+    """A test marked default_cpu_codegen itself (its own compiles; a marked module's are above)."""
+    if not any(mark.name == "default_cpu_codegen" for mark in request.node.own_markers):
+        yield
+        return
+    with _default_cpu_emitters():
+        yield
 
 
 # Named here (conftest imports no project code at load: JAX's devices are set up first).

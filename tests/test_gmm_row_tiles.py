@@ -144,6 +144,7 @@ def test_model_loss_and_gradients_equal_ragged_dot_on_the_mesh(path):
 
 
 @pytest.mark.parametrize("mesh", ["one_device", "expert2"])
+@pytest.mark.default_cpu_codegen
 def test_no_loop_and_no_collective_inside_a_loop(mesh):
     from hybridmoe.run.setup import build
     cfg = tiny_config(*(("mesh.expert=2",) if mesh == "expert2" else ("mesh.data=1",)))

@@ -109,6 +109,7 @@ def test_top4_and_the_layer_on_the_mesh_equal_off_to_float32_rounding():
         assert err < 1e-5, (path, err)  # clean ~1e-7; each broken variant below > 1e-2
 
 
+@pytest.mark.default_cpu_codegen
 def test_no_scatter_left_in_the_moe_backward():
     """The lever's point: the compiled backward of the default program holds no scatter of
     [rows, d_model] (the lever off: two, the token rows' gradient and the outputs' move back)."""

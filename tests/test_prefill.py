@@ -213,6 +213,7 @@ def test_a_prompt_of_whole_chunks_only_is_read_at_its_last_token():
 # Early stop: the decode loop ends when every row has ended; running on to N changes nothing.
 
 
+@pytest.mark.default_cpu_codegen
 def test_early_stop_changes_nothing_but_time(monkeypatch):
     cfg = _config()
     # Half the vocabulary ends a row: every row ends within a few tokens, long before N = 24.

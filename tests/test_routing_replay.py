@@ -18,6 +18,9 @@ from hybridmoe.run.setup import build
 
 PROMPT_LEN, NEW_TOKENS, ROWS = 6, 6, 8
 
+# Claims of bit equality between two programs: the default CPU compiler's (tests/conftest.py).
+pytestmark = pytest.mark.default_cpu_codegen
+
 
 def _config(*overrides):
     return tiny_config("gdn.chunk_size=4", "moe.routing_replay=true", *overrides)

@@ -90,6 +90,10 @@ def test_every_arm_is_a_config_the_validator_accepts_on_one_tpu():
         check_requirements(cfg, platform="tpu", devices=1)
     # The arms that turn a recipe lever off do turn it off.
     default = load_config(module.RECIPE, platform="tpu")
-    assert default.moe.gather_backward and default.remat.save == ("moe_gate", "moe_up")
-    assert not load_config(module.RECIPE, module.ARMS["scatter_backward"], platform="tpu").moe.gather_backward
-    assert load_config(module.RECIPE, module.ARMS["expert_matmuls_replayed"], platform="tpu").remat.save == ()
+    assert default.moe.gather_backward and default.remat.save == ("moe_gate", "moe_up", "attn_core_residuals")
+    assert default.kernels.logprobs.chunk_vocab == default.model.vocab_size
+    arm = lambda name: load_config(module.RECIPE, module.ARMS[name], platform="tpu")  # noqa: E731
+    assert not arm("scatter_backward").moe.gather_backward
+    assert arm("expert_matmuls_replayed").remat.save == ("attn_core_residuals",)
+    assert arm("attention_core_replayed").remat.save == ("moe_gate", "moe_up")
+    assert arm("logprobs_vocab_chunk_4096").kernels.logprobs.chunk_vocab == 4096

@@ -30,6 +30,9 @@ from hybridmoe.run.step import nll_sum
 MESH = ("mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "mesh.expert=2", "gdn.chunk_size=32")
 FSDP_ONLY = {**rules.DEFAULT_RULES, rules.FSDP_AXIS: "fsdp"}  # the layout before: weights over fsdp alone
 
+# Claims of bit equality between two programs: the default CPU compiler's (tests/conftest.py).
+pytestmark = pytest.mark.default_cpu_codegen
+
 
 def test_the_layout_of_dense_expert_and_activation_arrays():
     with rules.use_rules(rules.DEFAULT_RULES):
