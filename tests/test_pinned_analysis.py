@@ -24,7 +24,7 @@ GIB, MIB = 2**30, 2**20
 # analysis/peak_memory.py
 
 # D 16, F 4 (2F 8), 3 experts; the parameter shapes below; 5 blocks.
-SHAPES = pm.ModelShapes(16, 4, 3, frozenset({(3, 16, 8), (16, 16), (7, 16)}), num_blocks=5)
+SHAPES = pm.ModelShapes(16, 4, 3, frozenset({(3, 16, 8), (16, 16), (7, 16), (2, 7, 9)}), num_blocks=5)
 
 
 def _buf(shape, op_name="", nbytes=100, storage="temp"):
@@ -62,6 +62,8 @@ def test_the_innermost_named_scope_of_an_op_wins():
     ("f32[7,16]", "jit(s)/layers/moe/dot", pm.MOE_ROWS),          # a row buffer of the MoE block
     ("f32[3,16,8]", "jit(s)/layers/layer_weights/convert", pm.EXPERT_WEIGHTS),
     ("f32[7,16]", "jit(s)/layers/layer_weights/convert", pm.OTHER),  # a dense weight at use
+    ("f32[2,7,9]", "jit(s)/layers/moe/reduce_scatter", pm.EXPERT_WEIGHTS),  # a parameter shard's gradient
+    ("f32[2,7,9]", "jit(s)/layers/layer_weights/convert", pm.OTHER),  # not expert-shaped: shape alone tells
     ("f32[7,16]", "jit(s)/layers/attention/dot", pm.ATTENTION),
     ("f32[7,16]", "jit(s)/layers/gdn/dot", pm.GDN),
     ("f32[7,16]", "jit(s)/lm_head/dot", pm.LM_HEAD),
@@ -158,6 +160,12 @@ def test_a_refusal_keeps_its_first_refusing_line_cut_at_400_characters():
     assert got["message"].startswith("XlaRuntimeError: RESOURCE_EXHAUSTED")
     assert len(got["message"]) == 400
     assert got["when"] == "run" and got["what"] is None and got["needed_bytes"] is None
+
+
+def test_a_refusal_in_a_known_form_keeps_400_characters_of_its_line():
+    text = ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 3.00G of 2.00G hbm. " + "y" * 600)
+    got = dr.device_refusal(text)
+    assert got["what"] == "the program's HBM" and got["message"] == text[:400]
 
 
 def test_describe_names_where_and_the_figures_in_gib():
@@ -470,10 +478,10 @@ allocation 6: size 40, parameter 1, shape |f32[10]| at ShapeIndex {}:
 
 LIVE_RANGE = """Peak:
 Live ranges at 7 (peak):
-  mul.1: 32 bytes
-  p{1}: 32 bytes
   rs: 8 bytes
   add.1: 32 bytes
+  p{1}: 32 bytes
+  mul.1: 32 bytes
 """
 
 
