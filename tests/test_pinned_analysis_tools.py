@@ -151,6 +151,24 @@ def test_extrapolation_over_two_blocks_apart_divides_by_their_distance():
     assert depth.extrapolate(mem, 2, 20, hbm=None)["fits"] is None
 
 
+def test_the_extrapolated_step_fits_by_its_default_space_where_both_depths_report_one():
+    """Default space 200 -> 230 over one block (blocks of 4: 8 and 12 layers) is 290 at 20 layers (5
+    blocks): it fits 300 though the summed total, 250 -> 300, extrapolates to 400."""
+    mem = {8: {"argument": 50, "temp": 200, "total": 250, "default_space": 200},
+           12: {"argument": 60, "temp": 240, "total": 300, "default_space": 230}}
+    d = depth.extrapolate(mem, 4, 20, hbm=300)
+    assert d["extrapolated"]["default_space"] == 290 and d["extrapolated"]["total"] == 400
+    assert d["fits"] is True and depth.extrapolate(mem, 4, 20, hbm=289)["fits"] is False
+
+
+def test_the_two_depths_may_reach_the_models_own():
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(layer_pattern=("gdn", "gdn", "gdn", "attention"),
+                                                            num_layers=12))
+    assert depth.depths(cfg, 8) == (8, 12)  # 8 + 4 = the model's 12 layers
+    with pytest.raises(ValueError, match="the model has 12 layers"):
+        depth.depths(cfg, 12)
+
+
 def test_the_depth_table_prints_gib_rows_and_the_verdict():
     d = {"block_layers": 4, "hbm": 16 * GIB, "fits": False,
          "compiled": [{"layers": 8, "blocks": 2, "argument": GIB, "temp": 2 * GIB, "total": 3 * GIB,
@@ -310,6 +328,7 @@ def test_a_set_count_over_the_budget_is_refused_naming_the_smallest_that_fits():
 
 def test_counts_shards_and_a_resolved_setting():
     assert mf.divisor_counts(12, 2) == [1, 2, 3, 6]  # 12 / m rows a micro-batch, even
+    assert mf.divisor_counts(6) == [1, 2, 3, 6]  # one row a micro-batch too
     assert mf.fits(10, 10) and not mf.fits(11, 10) and mf.fits(10**12, None)
     from hybridmoe.config.schema import Config
 
@@ -352,7 +371,7 @@ def _plan_setup(monkeypatch, **rl):
     def choose_count(key, setting, counts, compile_at, budget, what, fixed_bytes=0):
         offered[what] = {"key": key, "setting": setting, "counts": list(counts), "budget": budget,
                          "fixed": fixed_bytes}
-        return mf.Fit(counts[0], None, 0)
+        return mf.Fit(counts[-1], None, 0)  # the most micro-batches offered
 
     monkeypatch.setattr(mp, "choose_count", choose_count)
     monkeypatch.setattr(mp, "batch_shards", lambda setup: 2)
@@ -377,7 +396,7 @@ def test_the_update_plan_offers_its_rows_counts_and_holds_the_state_and_referenc
                                           "fixed": 500}
     assert offered["the pi_old pass"] == {"key": "rl.micro_batches", "setting": 3, "counts": [1, 2, 3, 6],
                                           "budget": 1000, "fixed": 100}
-    assert plan.micro_batches == 1 and plan.old_logprobs_micro_batches == 1
+    assert plan.micro_batches == 3 and plan.old_logprobs_micro_batches == 6
     mp2, setup2, offered2 = _plan_setup(monkeypatch, updates_per_rollout=1, micro_batches="auto")
     plan2 = mp2.plan_updates(setup2, False, None)
     assert "the pi_old pass" not in offered2 and plan2.old_logprobs is None
@@ -397,6 +416,10 @@ def test_the_sampler_plan_leaves_room_for_what_stays_beside_it(monkeypatch):
     assert offered["the sampler"]["budget"] == 700 and offered["the sampler"]["setting"] == 2
     mp.plan_rollout(setup, None, False, None)
     assert offered["the sampler"]["budget"] is None
+    # Groups of 2: every pass (12, 6, 4, 2 rows) splits over the 2 shards.
+    mp, setup, offered = _plan_setup(monkeypatch, group_size=2)
+    assert mp.plan_rollout(setup, None, False, 1000).count == 6
+    assert offered["the sampler"]["counts"] == [1, 2, 3, 6]
 
 
 def test_the_abstract_update_batch_has_each_fields_shape(monkeypatch):
