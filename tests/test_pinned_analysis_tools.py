@@ -437,3 +437,17 @@ def test_the_abstract_update_batch_has_each_fields_shape(monkeypatch):
                       "mask": ((2, 4, 9), "float32"), "advantages": ((2, 4), "float32"), "keep": ((2, 4), "bool"),
                       "normalizer": ((2,), "float32"), "logp_old": ((2, 4, 9), "float32"),
                       "on_policy": ((2,), "bool"), "routing": ((2, 4, 10, 3, 2), "int32")}
+
+
+def test_the_gates_log_prob_figures_from_a_rows_per_position_log_probs():
+    """Rows of 5 tokens after a prompt of 3: positions 2.. score the completion's tokens 3.."""
+    logp = np.array([[-9.0, -9.0, -1.0, -2.0], [-9.0, -9.0, -3.0, -4.0], [-9.0, -9.0, -5.0, -6.0]])
+    assert (gates.completion_logprobs(logp, 3) == logp[:, 2:]).all()
+    sampler = np.array([[-1.5, -2.0], [-3.0, -3.0], [-5.0, -6.25]])
+    assert gates.sampler_gap_of(logp, sampler, 3) == {"sampler_gap_mean": (0.5 + 0 + 0 + 1 + 0 + 0.25) / 6,
+                                                      "sampler_gap_max": 1.0}
+    # The last micro-batch: the batch's last 2 rows, masked: (-9 x 0 + -3 + -4 + -5 + -6 x 0 ...) over the mask.
+    mask = np.array([[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    assert gates.last_micro_batch_logp(logp, mask) == (-3.0 - 4.0 - 9.0 - 5.0) / 4
+    m = gates.step_metrics(_rl_cfg(), {"kept_tokens": np.float32(12), "loss": np.float32(0.5)}, -2.5)
+    assert m == {"kept_tokens": 12.0, "loss": 0.5, "kept_frac": 12 / (6 * 4), "logp_mean_last": -2.5}
