@@ -6,6 +6,7 @@ hand-written inputs and small fakes; nothing compiles."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -527,3 +528,70 @@ def test_the_compiled_memory_and_cost_figures_read_as_they_are_named():
     prog = program.Program("", "", program.memory_figures(compiled), program.cost_figures(compiled))
     assert prog.temp_bytes == 1 and prog.bytes_accessed == 9.0
     assert program.memory_figures(types.SimpleNamespace(memory_analysis=lambda: None)) == {}
+
+
+STABLEHLO = """module @jit_f {
+  func.func public @main(%arg0: tensor<8xf32>) -> (tensor<8xf32>) {
+    %0 = "stablehlo.all_gather"(%arg0) {all_gather_dim = 0 : i64} : (tensor<8xf32>) -> tensor<32xbf16>
+    %1:2 = stablehlo.while(%iterArg = %c, %iterArg_0 = %arg0) : tensor<i32>, tensor<8xf32>
+     cond {
+      stablehlo.return %c : tensor<i1>
+    } do {
+      %2 = "stablehlo.all_reduce"(%iterArg_0) ({
+      ^bb0(%a: tensor<i32>, %b: tensor<i32>):
+        %s = stablehlo.add %a, %b : tensor<i32>
+        stablehlo.return %s : tensor<i32>
+      }) : (tensor<8x4xi32>) -> tensor<8x4xi32>
+      %3 = func.call @inner(%iterArg_0) : (tensor<8xf32>) -> tensor<8xf32>
+      stablehlo.return %iterArg, %3 : tensor<i32>, tensor<8xf32>
+    }
+    return %1#1 : tensor<8xf32>
+  }
+  func.func private @inner(%arg0: tensor<8xf32>) -> (tensor<8xf32>) {
+    %0 = "stablehlo.reduce_scatter"(%arg0) ({
+    ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+      %s = stablehlo.add %a, %b : tensor<f32>
+      stablehlo.return %s : tensor<f32>
+    }) : (tensor<8xf32>) -> tensor<2xf8E4M3FN>
+    return %0 : tensor<8xf32>
+  }
+}
+"""
+
+
+def test_collectives_of_a_lowered_module_through_its_loops_and_calls():
+    colls = {c.kind: c for c in program.parse_stablehlo(STABLEHLO)}
+    assert set(colls) == {"all-gather", "all-reduce", "reduce-scatter"}
+    ag, ar, rs = colls["all-gather"], colls["all-reduce"], colls["reduce-scatter"]
+    assert (ag.dtype, ag.shape, ag.bytes, ag.loop_depth) == ("bf16", (32,), 64, 0)
+    # i32 spelled s32 as in HLO; the result type after the region's `})`.
+    assert (ar.dtype, ar.shape, ar.bytes, ar.loop_depth) == ("s32", (8, 4), 128, 1)
+    # Called from the loop body: inside the loop, one byte an element.
+    assert (rs.dtype, rs.shape, rs.bytes, rs.loop_depth, rs.computation) == ("f8e4m3fn", (2,), 2, 1, "inner")
+    assert rs.loop == ar.loop == "main/while#1"
+
+
+@pytest.mark.parametrize("text", ["INTERNAL: Out of memory allocating 12 bytes", "resource_exhausted: no room",
+                                  "Ran out of memory in memory space vmem", "CompileTimeScopedVmemOom: kernel"])
+def test_each_spelling_of_a_refusal_is_one(text):
+    got = dr.device_refusal(text, "compile")
+    assert got is not None and got["when"] == "compile" and got["message"] == text
+
+
+def test_the_largest_dump_file_is_the_main_modules():
+    dumps = program._Dumps("jit_step")
+    try:
+        assert dumps.options == {"xla_dump_to": dumps.folder, "xla_dump_hlo_as_text": True,
+                                 "xla_dump_hlo_module_re": "jit_step"}
+        assert dumps.sizes() is None and dumps.read("after_optimizations.txt") == ""
+        for name, size in (("module_0001.kernel.after_optimizations.txt", 3),
+                           ("module_0002.jit_step.after_optimizations.txt", 9)):
+            with open(os.path.join(dumps.folder, name), "w") as f:
+                f.write("x" * size)
+        assert dumps.read("after_optimizations.txt") == "x" * 9
+        assert dumps.sizes() is None  # the buffer assignment not yet written
+    finally:
+        dumps.remove()
+    every = program._Dumps(None)
+    every.remove()
+    assert "xla_dump_hlo_module_re" not in every.options
