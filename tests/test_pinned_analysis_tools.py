@@ -451,3 +451,67 @@ def test_the_gates_log_prob_figures_from_a_rows_per_position_log_probs():
     assert gates.last_micro_batch_logp(logp, mask) == (-3.0 - 4.0 - 9.0 - 5.0) / 4
     m = gates.step_metrics(_rl_cfg(), {"kept_tokens": np.float32(12), "loss": np.float32(0.5)}, -2.5)
     assert m == {"kept_tokens": 12.0, "loss": 0.5, "kept_frac": 12 / (6 * 4), "logp_mean_last": -2.5}
+
+
+def test_a_set_count_refused_rules_out_the_counts_its_figure_puts_over_the_budget():
+    """Count 1 needs 9 GiB against 4: count 2 would need at least 9 / 2 = 4.5 (passed over, never compiled),
+    count 4 at least 2.25 (compiled: 4 GiB, fits)."""
+    needs = {1: 9 * GIB, 2: 3 * GIB, 4: 4 * GIB, 8: 3 * GIB}
+    compiled = []
+
+    def compile_at(count):
+        compiled.append(count)
+        return object(), needs[count]
+
+    with pytest.raises(RunError, match="the smallest count that fits is n.m=4"):
+        mf.choose_count("n.m", 1, [1, 2, 4, 8], compile_at, 4 * GIB, "x")
+    assert compiled == [1, 4]
+    compiled.clear()
+    assert mf.choose_count("n.m", "auto", [1, 2, 4, 8], compile_at, 4 * GIB, "x").count == 4
+    assert compiled == [1, 4]
+
+
+def test_a_kept_measurement_compiles_for_the_set_ups_platform_once(monkeypatch):
+    seen = []
+    monkeypatch.setattr(mf, "compile_measured", lambda lowered, platform: seen.append((lowered, platform)) or ("c", 7))
+    kept = {}
+
+    class Setup:
+        mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="tpu")]))
+
+        def context(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+        def kept(self, key, make):
+            if key not in kept:
+                kept[key] = make()
+            return kept[key]
+
+    assert mf.kept_measured(Setup(), "k", lambda: "lowered") == ("c", 7)
+    assert mf.kept_measured(Setup(), "k", lambda: "other") == ("c", 7)
+    assert seen == [("lowered", "tpu")]
+
+
+def test_the_machine_record_names_the_accelerator_and_its_count(monkeypatch):
+    from hybridmoe.tools import record
+
+    monkeypatch.setattr(record, "source_commit", lambda: "abc")
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")])
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    rec = record.machine_record()
+    assert rec["device"] == "TPU v5 lite x 4" and rec["backend"] == "tpu" and rec["commit"] == "abc"
+    assert rec["versions"]["jax"] == jax.__version__ and rec["date"].endswith("+00:00")
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(platform="cpu", device_kind="cpu")])
+    assert record.machine_record()["device"] == "cpu"
+
+
+def test_the_depth_verdict_says_fits_or_unknown():
+    base = {"block_layers": 4, "hbm": 2 * GIB, "fits": True,
+            "compiled": [{"layers": 8, "blocks": 2, "argument": 1, "temp": 1, "total": GIB, "default_space": 5}] * 2,
+            "per_block": {"argument": 0, "temp": 0, "total": 0, "default_space": 0},
+            "extrapolated": {"layers": 60, "blocks": 15, "argument": 1, "temp": 1, "total": GIB, "default_space": 5}}
+    assert depth.format_depth(base).endswith("HBM per device 2.00 GiB: the extrapolated step fits")
+    assert depth.format_depth({**base, "fits": None}).endswith("the extrapolated step -")
+    assert "HBM per device" not in depth.format_depth({**base, "hbm": None})
