@@ -515,3 +515,18 @@ def test_the_depth_verdict_says_fits_or_unknown():
     assert depth.format_depth(base).endswith("HBM per device 2.00 GiB: the extrapolated step fits")
     assert depth.format_depth({**base, "fits": None}).endswith("the extrapolated step -")
     assert "HBM per device" not in depth.format_depth({**base, "hbm": None})
+
+
+def test_counts_are_ruled_out_by_the_first_counts_figure_not_a_later_ones():
+    """Needs 10 GiB at 1, 12 at 2 (the compiler packed it worse), 3 at 4, against 5: 2 is compiled (10 / 2
+    = 5 is not over), 4 is compiled too (10 / 4 = 2.5), though 2's 12 GiB scaled (12 x 2 / 4 = 6) would
+    have passed it over."""
+    needs = {1: 10 * GIB, 2: 12 * GIB, 4: 3 * GIB}
+    compiled = []
+
+    def compile_at(count):
+        compiled.append(count)
+        return object(), needs[count]
+
+    assert mf.fewest_that_fit([1, 2, 4], compile_at, 5 * GIB).count == 4
+    assert compiled == [1, 2, 4]
