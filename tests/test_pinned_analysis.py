@@ -595,3 +595,56 @@ def test_the_largest_dump_file_is_the_main_modules():
     every = program._Dumps(None)
     every.remove()
     assert "xla_dump_hlo_module_re" not in every.options
+
+
+def test_a_host_target_takes_its_devices_generation():
+    host = types.SimpleNamespace(name="tpu:1", devices=[types.SimpleNamespace(device_kind="TPU v5 lite")])
+    assert se.default_hardware(host) == "v5e"
+    v5p = types.SimpleNamespace(name="tpu:4", devices=[types.SimpleNamespace(device_kind="TPU v5")])
+    assert se.default_hardware(v5p) == "v5p"
+    assert se.default_hardware(types.SimpleNamespace(name="cpu:1", devices=[types.SimpleNamespace(device_kind="cpu")])) \
+        is None
+
+
+REPORT = "Memory Space: default (color=0)\nTotal bytes: 4321\n"
+
+
+class _DumpingLowered:
+    """A lowered program whose compile writes XLA's dumps (the texts above) where it is told, or refuses."""
+
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+        self.folder = None
+
+    def compile(self, compiler_options):
+        self.folder = compiler_options["xla_dump_to"]
+        for suffix, text in (("after_optimizations.txt", HLO),
+                             ("after_optimizations-buffer-assignment.txt", BUFFER_ASSIGNMENT),
+                             ("after_optimizations-live-range.txt", LIVE_RANGE),
+                             ("after_optimizations-memory-usage-report.txt", REPORT)):
+            with open(os.path.join(self.folder, f"module_0001.jit_f.{suffix}"), "w") as f:
+                f.write(text)
+        if self.refuse:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory")
+        return types.SimpleNamespace(as_text=lambda: HLO)
+
+
+def test_a_compile_with_its_dumps_reads_the_peak_and_the_default_space_then_removes_them():
+    lowered = _DumpingLowered()
+    compiled, buffers, space = program.compile_with_buffers(lowered, "jit_f")
+    assert space == 4321 and compiled.as_text() == HLO
+    assert [(b.value, b.bytes) for b in buffers] == [("mul.1", 1024), ("p{1}", 512), ("rs", 128), ("add.1", 96)]
+    assert not os.path.exists(lowered.folder)
+    lowered = _DumpingLowered()
+    assert program.compile_with_buffers(lowered, buffers=False)[1:] == ([], 4321)
+    read = program.read_buffer_assignment(_DumpingLowered(), "jit_f", poll_s=0.01)
+    assert (read.default_space, read.argument, read.hlo_text) == (4321, 104, HLO)
+    assert [b.value for b in read.buffers] == ["mul.1", "p{1}", "rs", "add.1"]
+
+
+def test_a_refused_compile_says_what_filled_memory():
+    lowered = _DumpingLowered(refuse=True)
+    with pytest.raises(RuntimeError) as err:
+        program.compile_with_buffers(lowered, "jit_f")
+    assert [b.value for b in err.value.peak_buffers] == ["mul.1", "p{1}", "rs", "add.1"]
+    assert not os.path.exists(lowered.folder)
