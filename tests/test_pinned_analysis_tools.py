@@ -530,3 +530,28 @@ def test_counts_are_ruled_out_by_the_first_counts_figure_not_a_later_ones():
 
     assert mf.fewest_that_fit([1, 2, 4], compile_at, 5 * GIB).count == 4
     assert compiled == [1, 2, 4]
+
+
+def test_the_measured_programs_lower_their_batches_rows(monkeypatch):
+    """The update lowers one update's rows (12 / 2 mini-batches = 6) with pi_old's log-probs when a rollout
+    takes several updates, and the params as the reference; the pi_old pass all 12 rows, without them."""
+    import hybridmoe.rl.memory_plan as mp
+
+    mp_, setup, _ = _plan_setup(monkeypatch)
+    batches = []
+    monkeypatch.setattr(mp, "kept_measured", lambda setup, key, lower: (key, lower()))
+    monkeypatch.setattr(mp, "abstract_update_batch",
+                        lambda cfg, setup, M, rows, with_old: batches.append((M, rows, with_old)) or "batch")
+    lowered = types.SimpleNamespace(lower=lambda *args: args)
+    monkeypatch.setattr(mp, "jit_grpo_step", lambda setup, with_reference: lowered)
+    monkeypatch.setattr(mp, "jit_old_logprobs", lambda setup: lowered)
+    setup.abstract_state = lambda: {"params": "P", "opt_state": "O"}
+    key, args = mp.update_measured(setup, True, 3)
+    assert key == ("grpo_update_program", True, 3) and args == ({"params": "P", "opt_state": "O"}, "P", "batch")
+    assert batches == [(3, 6, True)]
+    assert mp.update_measured(setup, False, 2)[1][1] is None
+    key, args = mp.old_logprobs_measured(setup, 4)
+    assert key == ("old_logprobs_program", 4) and args == ("P", "batch") and batches[-1] == (4, 12, False)
+    setup.cfg.rl.updates_per_rollout = 1
+    mp.update_measured(setup, False, 1)
+    assert batches[-1] == (1, 6, False)
