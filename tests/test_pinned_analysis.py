@@ -602,8 +602,8 @@ def test_a_host_target_takes_its_devices_generation():
     assert se.default_hardware(host) == "v5e"
     v5p = types.SimpleNamespace(name="tpu:4", devices=[types.SimpleNamespace(device_kind="TPU v5")])
     assert se.default_hardware(v5p) == "v5p"
-    assert se.default_hardware(types.SimpleNamespace(name="cpu:1", devices=[types.SimpleNamespace(device_kind="cpu")])) \
-        is None
+    cpu = types.SimpleNamespace(name="cpu:1", devices=[types.SimpleNamespace(device_kind="cpu")])
+    assert se.default_hardware(cpu) is None
 
 
 REPORT = "Memory Space: default (color=0)\nTotal bytes: 4321\n"

@@ -26,7 +26,8 @@ ROW_TILES = ("kernels.gmm.xla_impl=row_tiles", "kernels.gmm.xla_tile_rows=64")
 def test_the_chunked_gdn_core_by_hand():
     # C 8, K = V = 16: 3 C K + 2 C V + 3 K V = 384 + 256 + 768.
     assert flops.gdn_chunk_core_macs_per_token(ModelConfig(), 8) == 1408
-    assert flops.gdn_chunk_core_macs_per_token(ModelConfig(gdn_value_dim=32), 4) == 3 * 4 * 16 + 2 * 4 * 32 + 3 * 16 * 32
+    wide = ModelConfig(gdn_value_dim=32)
+    assert flops.gdn_chunk_core_macs_per_token(wide, 4) == 3 * 4 * 16 + 2 * 4 * 32 + 3 * 16 * 32
 
 
 def test_the_designed_count_on_cpu_row_tiles_by_hand():

@@ -337,7 +337,9 @@ def test_counts_shards_and_a_resolved_setting():
     assert cfg.rl.micro_batches == 4 and cfg.rl.rollouts_per_step == base.rl.rollouts_per_step
     assert cfg.train == base.train and base.rl.micro_batches != 4
     mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 3, "tensor": 5})
-    spec = lambda s: types.SimpleNamespace(batch_sharding=lambda i: types.SimpleNamespace(spec=(s,)), mesh=mesh)  # noqa: E731
+    def spec(s):
+        return types.SimpleNamespace(batch_sharding=lambda i: types.SimpleNamespace(spec=(s,)), mesh=mesh)
+
     assert mf.batch_shards(spec(("data", "fsdp"))) == 6
     assert mf.batch_shards(spec("fsdp")) == 3 and mf.batch_shards(spec(None)) == 1
 
