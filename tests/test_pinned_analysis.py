@@ -225,6 +225,7 @@ def test_a_carried_calibration_scales_the_makers_rates_by_the_sources_fractions(
     assert hw.hbm_bytes_per_s_chip == pytest.approx(7380e9 * 700 / 819, rel=1e-12)
     assert (hw.grid_step_s, hw.op_overhead_s, hw.link_bytes_per_s_chip) == (0.5e-6, 3e-6, 600e9)
     assert hw.measured == {**ROW["measured"], "carried_from": "v5e"} and hw.devices_per_chip == 2
+    assert hw.kernel_factors == (("a", 0.5), ("b", 2.0))  # the source's, as they are
 
 
 def test_hardware_for_reads_the_generation_of_each_spelling_of_a_target():

@@ -167,6 +167,10 @@ def test_the_two_depths_may_reach_the_models_own():
     assert depth.depths(cfg, 8) == (8, 12)  # 8 + 4 = the model's 12 layers
     with pytest.raises(ValueError, match="the model has 12 layers"):
         depth.depths(cfg, 12)
+    with pytest.raises(ValueError, match="at least two blocks"):
+        depth.depths(cfg, 4)
+    with pytest.raises(ValueError, match="not a whole number of layer blocks"):
+        depth.depths(cfg, 6)
 
 
 def test_the_depth_table_prints_gib_rows_and_the_verdict():
@@ -265,6 +269,8 @@ def test_the_budget_is_the_set_figure_or_the_devices_free_memory(monkeypatch):
     cfg = lambda gib: types.SimpleNamespace(run=types.SimpleNamespace(memory_budget_gib=gib))  # noqa: E731
     assert mf.memory_budget_bytes(cfg(None)) == 700
     assert mf.memory_budget_bytes(cfg(0.25)) == GIB // 4
+    dev.memory_stats = lambda: {"bytes_in_use": 300}  # no limit reported: unknown
+    assert mf.memory_budget_bytes(cfg(None)) is None
 
 
 def test_a_count_is_passed_over_when_its_scaled_need_is_over_the_budget():
@@ -557,3 +563,23 @@ def test_the_measured_programs_lower_their_batches_rows(monkeypatch):
     setup.cfg.rl.updates_per_rollout = 1
     mp.update_measured(setup, False, 1)
     assert batches[-1] == (1, 6, False)
+
+
+def test_a_count_the_compiler_refused_never_fits_even_unchecked():
+    def compile_at(count):
+        if count == 1:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. "
+                                             "Used 3.00G of 2.00G hbm.")
+        return object(), 1
+
+    assert mf.fewest_that_fit([1, 2], compile_at, None).count == 2
+    with pytest.raises(RunError, match="n.m=1: the device's compiler refused x for memory"):
+        mf.choose_count("n.m", 1, [1], compile_at, None, "x")
+
+
+def test_the_sampler_gaps_prompts_are_full_length_rows_of_real_tokens():
+    cfg = _rl_cfg(max_prompt_len=7, rollouts_per_step=40)
+    cfg.model.vocab_size = 3
+    prompts = np.array(gates.sampler_gap_prompts(cfg))
+    assert prompts.shape == (40, 7) and set(np.unique(prompts)) == {1, 2}  # never the pad id 0
+    assert (np.array(gates.sampler_gap_prompts(cfg)) == prompts).all()

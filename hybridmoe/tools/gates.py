@@ -80,13 +80,19 @@ def random_rollout(cfg: Config, step: int) -> tuple[dict, np.ndarray]:
     return rollout, rng.standard_normal(B).astype(np.float32)
 
 
+def sampler_gap_prompts(cfg: Config) -> list[list[int]]:
+    """The sampler gap's prompts: rl.rollouts_per_step random full-length prompts of tokens 1.. (0 pads),
+    a pure function of train.seed."""
+    r = cfg.rl
+    rng = np.random.default_rng([cfg.train.seed, 11])
+    return rng.integers(1, cfg.model.vocab_size, size=(r.rollouts_per_step, r.max_prompt_len)).tolist()
+
+
 def sampler_gap(cfg: Config, params, logprobs) -> dict:
     """sampler_gap_mean / sampler_gap_max of completions the arm's sampler draws from `params`
     (random full-length prompts, every new-token slot sampled), against the trainer's log-probs."""
     r = cfg.rl
-    rng = np.random.default_rng([cfg.train.seed, 11])
-    prompts = rng.integers(1, cfg.model.vocab_size, size=(r.rollouts_per_step, r.max_prompt_len)).tolist()
-    rows = left_pad_prompts(prompts, r.max_prompt_len, pad_id=0)
+    rows = left_pad_prompts(sampler_gap_prompts(cfg), r.max_prompt_len, pad_id=0)
     opts = SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, eos_id=-1, pad_id=0, top_k=r.top_k)
     out = fetch_global(make_generate(cfg, opts)(params, *rows, jax.random.key(cfg.train.seed + 11)))
     args = [out[k] for k in ("tokens", "segment_ids", "positions")] + ([out["routing"]] if cfg.moe.routing_replay else [])
