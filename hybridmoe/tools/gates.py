@@ -80,19 +80,50 @@ def random_rollout(cfg: Config, step: int) -> tuple[dict, np.ndarray]:
     return rollout, rng.standard_normal(B).astype(np.float32)
 
 
+def sampler_gap_prompts(cfg: Config) -> list[list[int]]:
+    """The sampler gap's prompts: rl.rollouts_per_step random full-length prompts of tokens 1.. (0 pads),
+    a pure function of train.seed."""
+    r = cfg.rl
+    rng = np.random.default_rng([cfg.train.seed, 11])
+    return rng.integers(1, cfg.model.vocab_size, size=(r.rollouts_per_step, r.max_prompt_len)).tolist()
+
+
 def sampler_gap(cfg: Config, params, logprobs) -> dict:
     """sampler_gap_mean / sampler_gap_max of completions the arm's sampler draws from `params`
     (random full-length prompts, every new-token slot sampled), against the trainer's log-probs."""
     r = cfg.rl
-    rng = np.random.default_rng([cfg.train.seed, 11])
-    prompts = rng.integers(1, cfg.model.vocab_size, size=(r.rollouts_per_step, r.max_prompt_len)).tolist()
-    rows = left_pad_prompts(prompts, r.max_prompt_len, pad_id=0)
+    rows = left_pad_prompts(sampler_gap_prompts(cfg), r.max_prompt_len, pad_id=0)
     opts = SamplingOptions(r.max_new_tokens, r.temperature, r.top_p, eos_id=-1, pad_id=0, top_k=r.top_k)
     out = fetch_global(make_generate(cfg, opts)(params, *rows, jax.random.key(cfg.train.seed + 11)))
     args = [out[k] for k in ("tokens", "segment_ids", "positions")] + ([out["routing"]] if cfg.moe.routing_replay else [])
-    trainer = np.asarray(fetch_global(logprobs(params, *args)))[:, r.max_prompt_len - 1:]
-    gap = np.abs(trainer - np.asarray(out["logprobs"]))
+    return sampler_gap_of(np.asarray(fetch_global(logprobs(params, *args))), np.asarray(out["logprobs"]),
+                          r.max_prompt_len)
+
+
+def completion_logprobs(logp_BT: np.ndarray, prompt_len: int) -> np.ndarray:
+    """The log-probs of the tokens after a prompt of `prompt_len` from a row's per-position log-probs
+    (position t scores token t + 1)."""
+    return logp_BT[:, prompt_len - 1:]
+
+
+def sampler_gap_of(trainer_BT: np.ndarray, sampler_BN: np.ndarray, prompt_len: int) -> dict:
+    """sampler_gap_mean / max: |the trainer's log-probs of the completions - the sampler's|."""
+    gap = np.abs(completion_logprobs(trainer_BT, prompt_len) - sampler_BN)
     return {"sampler_gap_mean": float(gap.mean()), "sampler_gap_max": float(gap.max())}
+
+
+def last_micro_batch_logp(logp_BT: np.ndarray, mask_last: np.ndarray) -> float:
+    """The mean token log-prob over the last micro-batch (the batch's last rows) where it is masked in."""
+    return float((logp_BT[-mask_last.shape[0]:, :] * mask_last).sum() / mask_last.sum())
+
+
+def step_metrics(cfg: Config, metrics: dict, logp_last: float) -> dict:
+    """A GRPO step's metrics as floats, with kept_frac (kept tokens over the batch's completion
+    tokens) and logp_mean_last."""
+    m = {k: float(v) for k, v in metrics.items()}
+    m["kept_frac"] = m["kept_tokens"] / float(batch_tokens(cfg))
+    m["logp_mean_last"] = logp_last
+    return m
 
 
 def run_arm(cfg: Config, steps: int, with_sampler_gap: bool = True) -> dict:
@@ -117,19 +148,15 @@ def run_arm(cfg: Config, steps: int, with_sampler_gap: bool = True) -> dict:
             logp_BT = np.asarray(fetch_global(logprobs(state["params"], rows["tokens"], rows["segment_ids"],
                                                        rows["positions"])))
             P = cfg.rl.max_prompt_len
-            rollout["logprobs"] = logp_BT[:, P - 1:]
+            rollout["logprobs"] = completion_logprobs(logp_BT, P)
             if step == 0:
                 logp_tokens = rollout["logprobs"]
             B = adv_B.shape[0]
             batch = build_update_batch(cfg, rollout, adv_B, np.ones((B,), bool))
-            last = batch["mask"][-1]
-            logp_last = float((logp_BT[-last.shape[0]:, :] * last).sum() / last.sum())
+            logp_last = last_micro_batch_logp(logp_BT, batch["mask"][-1])
             batch = put_global(batch, update_batch_shardings(setup))
             state, m = step_fn(state, None, batch)
-            m = {k: float(v) for k, v in fetch_global(m).items()}
-            m["kept_frac"] = m["kept_tokens"] / float(batch_tokens(cfg))
-            m["logp_mean_last"] = logp_last
-            out.append(m)
+            out.append(step_metrics(cfg, fetch_global(m), logp_last))
     return {"steps": out, "logp_tokens": logp_tokens, "sampler_gap": gap}
 
 
