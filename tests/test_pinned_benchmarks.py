@@ -126,19 +126,22 @@ def test_rollout_without_a_reference_records_no_ratios(monkeypatch):
 def _train_answer(name, req):
     """Step seconds by (side, batch index): ours round 0 steps 1, 2, 9 s (median 2), round 1 steps
     3, 4, 5 s (median 4); the reference (sent the tokens of that index) twice as slow on the wall,
-    4x on the CPU; `fast` half as slow; warm-up batches (10**6 + w) 1000 s."""
+    3x on the CPU; `fast` half as slow; warm-up batches (10**6 + w) 1000 s."""
+    _train_answer.asked.append((name, req.get("index")))
     if req["cmd"] == "tokens":
         return {"tokens": [[req["index"], 7]]}
     index = req["tokens"][0] if name == "reference" else req["index"]
     wall = {0: 1.0, 1: 2.0, 2: 9.0, 3: 3.0, 4: 4.0, 5: 5.0}.get(index, 1000.0)
-    wall_x, cpu_x = {"ours": (1, 1), "fast": (0.5, 0.5), "reference": (2, 4)}[name]
+    wall_x, cpu_x = {"ours": (1, 1), "fast": (0.5, 0.5), "reference": (2, 3)}[name]
     return {"wall_s": wall * wall_x, "cpu_s": wall / 2 * cpu_x, "loss": 1.0, "token_sum": 6, "shape": [1, 2]}
 
 
 def test_train_step_seconds_are_the_median_of_each_rounds_median_and_warmup_is_untimed(monkeypatch):
     """ours: round medians 2 and 4 s -> median 3 s/step, min 2, max 4; 8 tokens / 3 s; an arm at half
-    the time: 1.5 s. Ratios ours / reference per round: 2/4 and 4/8 = 0.5 (wall), (1/8, 2/16) CPU."""
+    the time: 1.5 s. Ratios ours / reference per round: 2/4 and 4/8 = 0.5 (wall); CPU (w/2) / (3w/2) = 1/3.
+    The warm-up step asks for batch 10**6, never a timed one."""
     module = benchmark_script("train_step")
+    _train_answer.asked = []
     name, rec = _run_main(module, monkeypatch, ["--hf-python", "python", "--rounds", "2", "--steps-per-round", "3",
                                                "--warmup", "1", "--arm", "fast:train.lr=1"], _train_answer)
     assert name == "train_step_small"
@@ -152,7 +155,8 @@ def test_train_step_seconds_are_the_median_of_each_rounds_median_and_warmup_is_u
     assert rec["sides"]["reference"]["seconds_per_step"]["median"] == pytest.approx(6.0)
     assert rec["ratios"]["ours"]["time_ratio"]["median"] == pytest.approx(0.5)
     assert rec["ratios"]["fast"]["time_ratio"]["median"] == pytest.approx(0.25)
-    assert rec["ratios"]["ours"]["cpu_time_ratio"]["median"] == pytest.approx(0.25)
+    assert rec["ratios"]["ours"]["cpu_time_ratio"]["median"] == pytest.approx(1 / 3)
+    assert _train_answer.asked[0] == ("ours", 10**6) and ("ours", 0) not in _train_answer.asked[:3]
     assert set(rec["ratios"]) == {"ours", "fast"}
     assert rec["tokens_per_step"] == 8 and rec["same_tokens"] is True
     assert rec["arms"]["fast"]["overrides"] == [*module.ONE_DEVICE, "train.lr=1"]
