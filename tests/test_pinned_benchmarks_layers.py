@@ -1,0 +1,161 @@
+"""The record rows of the layer benchmarks (gdn_core, gmm, gmm_vmem, decode_moe, fp8_hoist) from
+hand-made timings and program facts: means, ratios to the right baseline arm, units, the
+bisection's resolution, the fastest path, the collectives counted per loop. Nothing compiles; the
+scripts' JAX set-up on import is stubbed so this process keeps its own."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from helpers import benchmark_script
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name):
+    sys.path.insert(0, str(ROOT))
+    import benchmarks.harness as harness
+
+    configure = harness.configure
+    harness.configure = lambda *a, **k: None
+    try:
+        return benchmark_script(name)
+    finally:
+        harness.configure = configure
+
+
+def _gdn_arm(what, code, backend, chunk, times, cpu_times, **more):
+    return {"what": what, "code": code, "backend": backend, "chunk_size": chunk, "times": times,
+            "cpu_times": cpu_times, "gflops": 1.5, "temp_bytes": 2048, "core_residual_bytes": 4096, **more}
+
+
+def test_gdn_core_ratios_are_to_the_before_autodiff_arm_of_the_same_kind():
+    """Layer baseline: mean of 0.1, 0.3 s = 200 ms (CPU 0.4 s = 400 ms); core baseline 10 ms (CPU 20).
+    `layer now custom` 50 ms (CPU 100): 0.25 both; `core now custom` 5 ms (CPU 5): 0.5 and 0.25.
+    A Pallas core off its platform: residual bytes, no times."""
+    gdn = _load("gdn_core")
+    arms = {
+        "layer before autodiff C64": _gdn_arm("layer", "before", "xla_autodiff", 64, [0.1, 0.3], [0.4, 0.4]),
+        "layer now custom C64": _gdn_arm("layer", "now", "xla", 64, [0.04, 0.06], [0.1, 0.1]),
+        "core before autodiff C64": _gdn_arm("core", "before", "xla_autodiff", 64, [0.01, 0.01], [0.02, 0.02]),
+        "core now custom C64": _gdn_arm("core", "now", "xla", 64, [0.004, 0.006], [0.005, 0.005]),
+        "core now pallas_tpu C64": {"what": "core", "code": "now", "backend": "pallas_tpu", "chunk_size": 64,
+                                    "times": None, "core_residual_bytes": 777},
+    }
+    rows = {r["arm"]: r for r in gdn.table_rows(arms, "cpu")}
+    base = rows["layer before autodiff C64"]
+    assert base["mean_ms"] == pytest.approx(200.0) and base["time_ratio_to_baseline"] == pytest.approx(1.0)
+    assert base["min_ms"] == pytest.approx(100.0) and base["std_ms"] == pytest.approx(100.0)
+    assert base["mean_cpu_ms"] == pytest.approx(400.0)
+    layer = rows["layer now custom C64"]
+    assert layer["mean_ms"] == pytest.approx(50.0) and layer["time_ratio_to_baseline"] == pytest.approx(0.25)
+    assert layer["cpu_time_ratio_to_baseline"] == pytest.approx(0.25)
+    core = rows["core now custom C64"]
+    assert core["time_ratio_to_baseline"] == pytest.approx(0.5) and core["cpu_time_ratio_to_baseline"] == pytest.approx(0.25)
+    assert (core["gflops"], core["temp_bytes"], core["core_residual_bytes"]) == (1.5, 2048, 4096)
+    assert (core["what"], core["code"], core["backend"], core["chunk_size"]) == ("core", "now", "xla", 64)
+    pallas = rows["core now pallas_tpu C64"]
+    assert pallas["timed"] is False and pallas["why_not_timed"] == "interpreted on cpu"
+    assert pallas["core_residual_bytes"] == 777 and "mean_ms" not in pallas
+    assert gdn.BASELINE == {"layer": "layer before autodiff C64", "core": "core before autodiff C64"}
+
+
+def test_gdn_core_residual_bytes_are_elements_times_item_size(monkeypatch):
+    """Residuals f32 [2, 3, 4] (96 bytes) and bf16 [5] (10 bytes): 106."""
+    gdn = _load("gdn_core")
+    residuals = [SimpleNamespace(shape=(2, 3, 4), dtype=np.float32), SimpleNamespace(shape=(5,), dtype="bfloat16")]
+    monkeypatch.setattr(gdn.program, "saved_residuals", lambda f, *args: residuals)
+    assert gdn.core_residual_bytes((), None, "xla", 64, None) == 106
+
+
+def test_gdn_core_pallas_cores_are_interpreted_off_their_platform(monkeypatch):
+    gdn = _load("gdn_core")
+    monkeypatch.setattr(gdn.jax, "default_backend", lambda: "cpu")
+    assert gdn.interpreted("pallas_tpu") and gdn.interpreted("pallas_gpu") and not gdn.interpreted("xla")
+    monkeypatch.setattr(gdn.jax, "default_backend", lambda: "tpu")
+    assert not gdn.interpreted("pallas_tpu") and gdn.interpreted("pallas_gpu")
+
+
+def test_gmm_ratio_is_each_arms_mean_over_the_levers_off_arms():
+    """off: mean of 0.2, 0.4 s = 300 ms, spread 100 ms; wi+wo: 150 ms -> 0.5; all three 450 ms -> 1.5."""
+    gmm = _load("gmm")
+    arm = lambda times, extra=(): {"times": times, "overrides": list(extra), "bytes_accessed": 10,  # noqa: E731
+                                   "temp_bytes": 20, "flops": 30.0}
+    rows = {r["arm"]: r for r in gmm.table_rows({"wi+wo": arm([0.1, 0.2], ["a=1"]), "off": arm([0.2, 0.4]),
+                                                  "all three": arm([0.45, 0.45])})}
+    assert rows["off"]["mean_ms"] == pytest.approx(300.0) and rows["off"]["std_ms"] == pytest.approx(100.0)
+    assert rows["off"]["time_ratio_to_off"] == pytest.approx(1.0)
+    assert rows["wi+wo"]["mean_ms"] == pytest.approx(150.0) and rows["wi+wo"]["time_ratio_to_off"] == pytest.approx(0.5)
+    assert rows["all three"]["time_ratio_to_off"] == pytest.approx(1.5)
+    assert rows["wi+wo"]["overrides"] == ["a=1"]
+    assert (rows["wi+wo"]["bytes_accessed"], rows["wi+wo"]["temp_bytes"], rows["wi+wo"]["flops"]) == (10, 20, 30.0)
+
+
+def test_gmm_vmem_bisection_finds_the_smallest_accepted_limit_to_4_kib():
+    """The compiler accepts from 50.95 MiB: the answer is the first 4 KiB step at or above it, within
+    4 KiB (52172.8 KiB -> between 52172 and 52176 KiB)."""
+    vmem = _load("gmm_vmem")
+    got = vmem.smallest_limit_mib(lambda mib: mib >= 50.95)
+    assert 50.95 <= got <= 50.95 + 4 / 1024
+    assert vmem.smallest_limit_mib(lambda mib: True) == 4 / 1024  # accepted everywhere: one step
+    assert vmem.smallest_limit_mib(lambda mib: mib >= 16) == 16.0
+    assert vmem.SEED_TILE == (512, 4096, 1024)
+
+
+def test_decode_moe_per_call_seconds_are_a_rounds_time_over_its_calls_and_fastest_by_cpu():
+    """A round is CALLS_PER_ROUND = 20 calls: rounds of 2, 4, 6 s CPU -> median 0.2 s a call. The
+    fastest path is by median CPU time even when its wall time is the slowest."""
+    moe = _load("decode_moe")
+    assert moe.CALLS_PER_ROUND == 20
+    times = {"ragged_dot": {"cpu_s": [2.0, 4.0, 6.0], "wall_s": [1.0, 1.0, 1.0]},
+             "every_expert": {"cpu_s": [1.0, 1.0, 9.0], "wall_s": [8.0, 8.0, 8.0]}}
+    per_call, fastest = moe.per_call_figures(times)
+    assert per_call["ragged_dot"]["cpu_s"]["median"] == pytest.approx(0.2)
+    assert per_call["ragged_dot"]["cpu_s"]["max"] == pytest.approx(0.3)
+    assert per_call["ragged_dot"]["wall_s"]["median"] == pytest.approx(0.05)
+    assert per_call["every_expert"]["cpu_s"]["median"] == pytest.approx(0.05)
+    assert fastest == "every_expert"
+
+
+def _collective(kind, *, shape=(2, 4, 8), nbytes=128, depth=2, loop="while#1", trip=None, dtype="f8e4m3fn",
+                op_name=""):
+    return SimpleNamespace(kind=kind, shape=shape, bytes=nbytes, loop_depth=depth, loop=loop, trip_count=trip,
+                           dtype=dtype, op_name=op_name)
+
+
+def test_fp8_hoist_counts_expert_gathers_per_layer_loop_and_absmax_reduces_per_step():
+    """Lowered: two expert-shaped f8 gathers in while#1 (128 + 64 bytes), one bf16 in while#2, and gathers
+    that do not count (another shape, the micro-batch loop's depth 1, an all-reduce). Compiled: absmax
+    all-reduces, two in a loop of 3 trips and one outside (1 trip): 3 + 3 + 1 = 7 executed, by loop
+    {depth 1, trip 3: 2; depth 0, trip None: 1}; an all-reduce outside the scope is not counted."""
+    fp8 = _load("fp8_hoist")
+    assert fp8.LAYER_LOOP_DEPTH == 2
+    shapes = {(2, 4, 8), (2, 8, 4)}
+    lowered = [_collective("all-gather"), _collective("all-gather", shape=(2, 8, 4), nbytes=64),
+               _collective("all-gather", loop="while#2", dtype="bf16", nbytes=256),
+               _collective("all-gather", shape=(9, 9)), _collective("all-gather", depth=1, loop="while#0"),
+               _collective("all-reduce")]
+    scope = "jit(step)/fp8_absmax/reduce_max"
+    compiled = [_collective("all-reduce", depth=1, trip=3, op_name=scope),
+                _collective("all-reduce", depth=1, trip=3, op_name=scope),
+                _collective("all-reduce", depth=0, trip=None, op_name=scope),
+                _collective("all-reduce", depth=1, trip=3, op_name="jit(step)/grad_norm"),
+                _collective("all-gather", depth=1, trip=3, op_name=scope)]
+    got = fp8.collective_facts(lowered, compiled, shapes)
+    assert got["expert_weight_gathers_per_layer_iteration"] == [
+        {"loop": "while#1", "ops": 2, "bytes": 192, "dtypes": ["f8e4m3fn"]},
+        {"loop": "while#2", "ops": 1, "bytes": 256, "dtypes": ["bf16"]}]
+    assert got["absmax_all_reduces_executed_per_step"] == 7
+    assert got["absmax_all_reduce_ops_by_loop"] == {"depth 1, trip count 3": 2, "depth 0, trip count None": 1}
+
+
+def test_fp8_hoist_expert_weight_shapes_are_a_devices_share_of_wi_and_wo():
+    """16 experts over 2-way expert parallelism: 8 a device; D = 256, F = 128: wi [8, 256, 256] (gate
+    and up side by side), wo [8, 128, 256]."""
+    fp8 = _load("fp8_hoist")
+    m = SimpleNamespace(num_experts=16, d_model=256, moe_intermediate_size=128)
+    assert fp8.expert_weight_shapes(m, 2) == {(8, 256, 256), (8, 128, 256)}
+    assert fp8.expert_weight_shapes(m, 1) == {(16, 256, 256), (16, 128, 256)}
