@@ -159,3 +159,36 @@ def test_fp8_hoist_expert_weight_shapes_are_a_devices_share_of_wi_and_wo():
     m = SimpleNamespace(num_experts=16, d_model=256, moe_intermediate_size=128)
     assert fp8.expert_weight_shapes(m, 2) == {(8, 256, 256), (8, 128, 256)}
     assert fp8.expert_weight_shapes(m, 1) == {(16, 256, 256), (16, 128, 256)}
+
+
+def test_gmm_vmem_record_rows_model_mib_disagreements_seed_and_triton(monkeypatch):
+    """The compiler stubbed: it agrees with the model except at the first tile. gmm at tiles (256, 512,
+    256), bf16: lhs 256 x 512 x 2 + rhs 512 x 256 x 2 + out 256 x 256 x 4 bytes = 768 KiB, two buffers
+    each: 1.5 MiB against the 4 MiB limit. The seed's wi forward tile: 53 MiB at depth 2, 37 at depth
+    1 (one weight buffer of 4096 x 2048 x 2 bytes = 16 MiB fewer); the compiler's bisection at 52.75
+    -> 52.75. Triton at blocks 32 x 32, 3 stages, head dim 256: 114 / 130 / 130 KiB of 227."""
+    import hybridmoe.tools.train_program as train_program
+
+    vmem = _load("gmm_vmem")
+    sweep = vmem.vmem_sweep
+    first = sweep.POINTS[0]
+    monkeypatch.setattr(train_program, "tpu_target", lambda topology: SimpleNamespace(devices=["dev"]))
+    monkeypatch.setattr(sweep, "compile_verdict", lambda k, t, lim, dev: (
+        (not sweep.model_verdict(k, t, lim), "vmem") if (k, t) == first else (sweep.model_verdict(k, t, lim), "")))
+    monkeypatch.setattr(vmem, "seed_tile_compiles", lambda dev, depth, lim: lim >= 52.75)
+    records = []
+    monkeypatch.setattr(vmem.harness, "write", lambda out, name, **f: records.append(f))
+    monkeypatch.setattr(sys, "argv", ["gmm_vmem.py"])
+    vmem.main()
+    (rec,) = records
+    assert rec["disagree"] == 1 and len(rec["rows"]) == len(sweep.POINTS)
+    gmm = rec["rows"][0]
+    assert (gmm["kernel"], gmm["tiles"], gmm["model_mib"], gmm["limit_mib"]) == ("gmm", [256, 512, 256], 1.5, 4.0)
+    assert gmm["model_fits"] is True and gmm["compiler_fits"] is False and gmm["compiler_error"] == "vmem"
+    assert rec["rows"][1]["compiler_error"] is None
+    assert [(s["depth"], s["model_mib"], s["compiler_min_limit_mib"]) for s in rec["seed_tile"]] == [
+        (2, 53.0, 52.75), (1, 37.0, 52.75)]
+    fits = rec["triton"][3]
+    assert fits["blocks"] == "fits" and fits["limit_kib"] == 227.0
+    assert fits["shared_kib"] == {"flash_attention_forward": 114.0, "flash_attention_dq": 130.0,
+                                  "flash_attention_dkv": 130.0}
