@@ -80,3 +80,25 @@ def test_write_names_the_benchmark_adds_the_machine_and_merges_versions(tmp_path
     assert got == {"benchmark": "gmm", "date": "d", "commit": "c", "versions": {"jax": "1", "libtpu": "2"}, "rows": [1]}
     assert json.loads(out.read_text()) == got
     assert harness.package_versions("surely-not-a-package-xyz") == {"surely-not-a-package-xyz": None}
+
+
+def test_spread_is_the_median_quartiles_and_extremes(monkeypatch):
+    """1, 2, 3, 4, 100: median 3, quartiles 2 and 4 (linear), min 1, max 100, n 5."""
+    sys.path.insert(0, str(ROOT))
+    import benchmarks.pinned as pinned
+
+    assert pinned.spread([4.0, 100.0, 1.0, 3.0, 2.0]) == {"n": 5, "median": 3.0, "min": 1.0, "p25": 2.0, "p75": 4.0,
+                                                          "max": 100.0}
+    assert pinned.spread([1.0, 2.0])["median"] == 1.5
+
+
+def test_cores_are_ids_and_ranges_within_this_processes_affinity(monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    import benchmarks.pinned as pinned
+
+    monkeypatch.setattr(pinned.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert pinned.parse_cores("0") == [0] and pinned.parse_cores("2,0") == [0, 2]
+    assert pinned.parse_cores("1-3") == [1, 2, 3]
+    for bad in ("4", "0-4", "x"):
+        with pytest.raises(SystemExit):
+            pinned.parse_cores(bad)
