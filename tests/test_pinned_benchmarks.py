@@ -2,6 +2,7 @@
 answers (no worker process, no compile): rates, warm-up rounds, ratios and which side divides."""
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -171,3 +172,84 @@ def test_train_step_an_arm_is_name_commit_and_overrides_on_the_one_device_base()
     for bad in ("reference:a.b=1", ":a.b=1"):
         with pytest.raises(SystemExit):
             module.parse_arm(bad)
+
+
+class _Compiled:
+    """A compiled program stand-in: `lower(...).compile()` gives it back; calling it runs `fn`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def lower(self, *args):
+        return self
+
+    def compile(self):
+        return self
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+
+def _worker_handlers(module, monkeypatch, run, arg):
+    import contextlib
+
+    import hybridmoe.run.setup as setup_module
+
+    setup = SimpleNamespace(context=contextlib.nullcontext, batch_sharding=lambda n: None, abstract_state=lambda: None)
+    monkeypatch.setattr(setup_module, "build", lambda cfg: setup)
+    monkeypatch.setattr(setup_module, "init_state", lambda setup, key: {"n": 0})
+    monkeypatch.setattr(setup_module, "jit_train_step", lambda setup: _Compiled(run))
+    handlers = {}
+    monkeypatch.setattr(module, "serve", lambda h: handlers.update(h))
+    module.our_worker(arg)
+    return handlers
+
+
+def test_train_step_worker_reports_tokens_per_step_and_its_batch(monkeypatch):
+    """`small` one-device: 4 rows x 512 tokens = 2048 tokens a step; batch index 3's tokens in one
+    micro-batch [1, 4, 512], their sum as the side's check that both sides trained on the same."""
+    from hybridmoe.data.synthetic import synthetic_batch
+
+    module = benchmark_script("train_step")
+    handlers = _worker_handlers(module, monkeypatch, lambda state, batch: ({"n": state["n"] + 1}, {"loss": 2.5}),
+                                module.ONE_DEVICE)
+    assert handlers["info"]({})["tokens_per_step"] == 2048
+    got = handlers["step"]({"index": 3})
+    assert got["shape"] == [1, 4, 512] and got["loss"] == 2.5
+    assert got["token_sum"] == int(synthetic_batch(0, 3, 1, 4, 512, 1024)["tokens"].sum())
+    assert handlers["tokens"]({"index": 3})["tokens"] == synthetic_batch(0, 3, 1, 4, 512, 1024)["tokens"].tolist()
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_rollout_worker_prefills_each_prompt_once_or_every_row(share, monkeypatch):
+    """Q = 2 prompts of 3 tokens, G = 4: shared, the sampler gets 2 rows and group 4; unshared, the
+    8 rows (each prompt repeated 4 times) and group 1. Rows and new tokens are counted from the
+    rollout's lengths (5 each: 8 rows, 40 tokens)."""
+    import numpy as np
+
+    import hybridmoe.model.params as params_module
+    import hybridmoe.rl.sampler as sampler
+    import hybridmoe.run.setup as setup_module
+
+    module = benchmark_script("rollout")
+    made = []
+
+    def make_generate(cfg, options, group_size):
+        made.append(group_size)
+        return _Compiled(lambda params, tokens, seg, pos, key: (made.append(tokens.shape[0]),
+                                                                {"lengths": np.full(8, 5)})[1])
+
+    import contextlib
+
+    monkeypatch.setattr(module.harness, "configure", lambda *a, **k: None)
+    monkeypatch.setattr(setup_module, "build", lambda cfg: SimpleNamespace(context=contextlib.nullcontext))
+    monkeypatch.setattr(params_module, "init_params", lambda specs, key: {})
+    monkeypatch.setattr(sampler, "make_generate", make_generate)
+    handlers = {}
+    monkeypatch.setattr(module, "serve", lambda h: handlers.update(h))
+    module.our_worker({"overrides": [], "share": share})
+    got = handlers["generate"]({"prompts": [[5, 6, 7], [8, 9, 10]], "group_size": 4, "new_tokens": 5, "seed": 0})
+    assert made[:2] == ([4, 2] if share else [1, 8])
+    assert (got["rows"], got["new_tokens"]) == (8, 40)
+    info = handlers["info"]({})
+    assert info["prefill_once_per_prompt"] is share and list(info["compile_s"]) == [f"G{4 if share else 1}_N5"]
