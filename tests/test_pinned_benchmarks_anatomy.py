@@ -92,17 +92,20 @@ def test_anatomy_markdown_rows_are_milliseconds_of_all_instances_and_ours_over_r
 
 
 def test_anatomy_main_uses_the_larger_matmul_peak_and_records_both_sides(anatomy, monkeypatch):
-    """Each of ours' calls takes 2 s, each of the reference's 4 s (its worker's figures); JAX's peak
+    """Each of ours' calls takes 2 s (1 s of CPU), each of the reference's 4 s (its worker's figures, CPU
+    4 s too: CPU ratio 0.25); JAX's peak
     4 GFLOP/s, torch's 5: MFU is against 5. The step's 20 GFLOP in 2 s: 10 GFLOP/s, MFU 2; ratio 0.5.
     3 rounds: 3 loads recorded, round 0 left out of the medians."""
     from types import SimpleNamespace
 
-    clock = {"t": 0.0}
+    clock = {"t": 0.0, "cpu": 0.0}
 
     def call():
         clock["t"] += 2.0
+        clock["cpu"] += 1.0
 
-    monkeypatch.setattr(anatomy, "time", SimpleNamespace(perf_counter=lambda: clock["t"], process_time=lambda: clock["t"]))
+    monkeypatch.setattr(anatomy, "time", SimpleNamespace(perf_counter=lambda: clock["t"],
+                                                         process_time=lambda: clock["cpu"]))
     monkeypatch.setattr(anatomy, "pin", lambda cores: None)
     monkeypatch.setattr(anatomy, "jax_components", lambda o: ({"step": call, "moe": call}, {"batch": 4, "seq_len": 512}))
 
@@ -123,9 +126,10 @@ def test_anatomy_main_uses_the_larger_matmul_peak_and_records_both_sides(anatomy
 
     monkeypatch.setattr(anatomy, "HFWorker", Ref)
     monkeypatch.setattr(anatomy, "measure_peak_flops", lambda mesh, dtype: 4e9)
-    monkeypatch.setattr(anatomy, "component_flops", lambda m, b, t: {"moe": 8e9, "gdn": 1.0, "attention": 1.0,
-                                                                      "embed_head": 1.0})
-    monkeypatch.setattr(anatomy, "step_flops", lambda cfg, b, t: 20e9)
+    at_shape = lambda b, t: (b, t) == (4, 512)  # noqa: E731 - the FLOPs are of the timed shape
+    monkeypatch.setattr(anatomy, "component_flops", lambda m, b, t: {"moe": 8e9 if at_shape(b, t) else 0.0,
+                                                                      "gdn": 1.0, "attention": 1.0, "embed_head": 1.0})
+    monkeypatch.setattr(anatomy, "step_flops", lambda cfg, b, t: 20e9 if at_shape(b, t) else 1.0)
     records = []
     monkeypatch.setattr(anatomy.harness, "write", lambda out, name, **rec: records.append(rec) or rec)
     monkeypatch.setattr(sys, "argv", ["step_anatomy.py", "--hf-python", "py", "--rounds", "3"])
@@ -136,4 +140,6 @@ def test_anatomy_main_uses_the_larger_matmul_peak_and_records_both_sides(anatomy
     assert step["median_s"] == 2.0 and step["useful_gflops"] == pytest.approx(10.0) and step["mfu"] == pytest.approx(2.0)
     assert rec["ours"]["moe"]["all_instances_s"] == 8.0 and rec["reference"]["moe"]["all_instances_s"] == 16.0
     assert rec["step_time_ratio"] == pytest.approx(0.5) and rec["step_flops"] == 20e9
+    assert step["median_cpu_s"] == 1.0 and rec["step_cpu_time_ratio"] == pytest.approx(0.25)
+    assert rec["ours"]["moe"]["useful_gflops"] == pytest.approx(4.0)
     assert len(rec["load_average_per_round"]) == 3 and len(step["times_s"]) == 3
