@@ -119,3 +119,27 @@ def test_gdn_cp_scan_error_is_relative_to_the_trees_largest_magnitude():
     results = {"cp_m_tree": np.array([2.0, -4.0]), "cp_m_scan": np.array([2.5, -5.0])}
     assert gcp.error_vs_tree(results, "cp_m_scan") == pytest.approx(0.25)
     assert gcp.error_vs_tree(results, "cp_m_tree") == 0.0
+
+
+def test_cp_ring_each_arm_is_one_row_per_context_group_and_kv_is_classed_by_smalls_heads(monkeypatch):
+    """8 devices: context 2, 4, 8 leave 4, 2, 1 rows; `small`'s kv heads 2 of dim 64 mark a K/V
+    collective [.., 2, 64] (a [.., 64, 2] one is other)."""
+    ring = _load("cp_ring")
+    seen = []
+
+    def layer_program(cfg, tokens, rows):
+        seen.append((cfg.mesh.context, rows, tokens, cfg.train.batch_size))
+        return SimpleNamespace(temp_bytes=1, memory={}, compiled_collectives=[
+            _c("all-gather", "f32", (1, 64, 2, 64), 1000), _c("all-gather", "f32", (1, 64, 64, 2), 10)])
+
+    records = []
+    monkeypatch.setattr(ring, "layer_program", layer_program)
+    monkeypatch.setattr(ring.harness, "write", lambda out, name, **f: records.append(f))
+    monkeypatch.setattr(sys, "argv", ["cp_ring.py", "--tokens", "512"])
+    ring.main()
+    assert sorted(set(seen)) == [(2, 4, 512, 4), (4, 2, 512, 2), (8, 1, 512, 1)]
+    arms = records[0]["arms"]
+    assert len(arms) == 9 and arms["context4 ring"]["context"] == 4
+    assert arms["context4 ring"]["kv_bytes"] == 1000 and arms["context4 ring"]["other_bytes"] == 10
+    assert arms["context2 all_gather"]["kv_wire_bytes"] == 500  # (P - 1) / P of 1000 at P = 2
+    assert records[0]["tokens"] == 512

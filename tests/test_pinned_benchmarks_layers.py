@@ -192,3 +192,15 @@ def test_gmm_vmem_record_rows_model_mib_disagreements_seed_and_triton(monkeypatc
     assert fits["blocks"] == "fits" and fits["limit_kib"] == 227.0
     assert fits["shared_kib"] == {"flash_attention_forward": 114.0, "flash_attention_dq": 130.0,
                                   "flash_attention_dkv": 130.0}
+
+
+def test_gdn_core_inputs_have_the_layers_head_shapes_and_model_gates():
+    """q, k [B, T, key heads 2, key dim 8]; v [B, T, value heads 4, value dim 6]; g = -0.1 softplus(.)
+    in (-inf, 0); beta a sigmoid in (0, 1); both [B, T, value heads]."""
+    gdn = _load("gdn_core")
+    m = SimpleNamespace(gdn_num_key_heads=2, gdn_key_dim=8, gdn_num_value_heads=4, gdn_value_dim=6)
+    q, k, v, g, beta = gdn.core_inputs(m, 3, 5)
+    assert q.shape == k.shape == (3, 5, 2, 8) and v.shape == (3, 5, 4, 6)
+    assert g.shape == beta.shape == (3, 5, 4)
+    assert float(g.max()) < 0 and float(g.min()) > -0.1 * 10  # softplus of a standard normal stays below 10
+    assert 0 < float(beta.min()) and float(beta.max()) < 1
