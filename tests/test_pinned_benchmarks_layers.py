@@ -204,3 +204,51 @@ def test_gdn_core_inputs_have_the_layers_head_shapes_and_model_gates():
     assert g.shape == beta.shape == (3, 5, 4)
     assert float(g.max()) < 0 and float(g.min()) > -0.1 * 10  # softplus of a standard normal stays below 10
     assert 0 < float(beta.min()) and float(beta.max()) < 1
+
+
+def test_gdn_core_main_records_gflops_temporaries_and_skips_pallas_off_its_platform(monkeypatch):
+    """Every program: 2.5e9 FLOPs (2.5 GFLOP); a layer step's temporaries 3 MiB, a core's 1 MiB; layer
+    arms take 0.2 s, core arms 0.1 s, `now` arms half that: ratio 0.5 to the before-autodiff baseline
+    of their kind. On CPU the two Pallas cores record residual bytes only."""
+    gdn = _load("gdn_core")
+
+    def tagged(tag):
+        def fn(*args):
+            return tag
+        fn.tag = tag
+        return fn
+
+    fake_jax = SimpleNamespace(jit=lambda f: tagged("core"), grad=lambda f, argnums=None: f,
+                               block_until_ready=lambda x: x, default_backend=lambda: "cpu",
+                               devices=lambda: [SimpleNamespace(device_kind="cpu")])
+    monkeypatch.setattr(gdn, "jax", fake_jax)
+    monkeypatch.setattr(gdn, "before_code", lambda: ("rule_before", "layer_before"))
+    monkeypatch.setattr(gdn, "core_inputs", lambda m, b, t: ("core",))
+    monkeypatch.setattr(gdn, "core_residual_bytes", lambda args, rule, backend, chunk, seg: 4096)
+    monkeypatch.setattr(gdn, "layer_step", lambda layer, m, backend, chunk: tagged("layer"))
+    monkeypatch.setattr(gdn.harness, "layer_case", lambda cfg, kind, part: ("p", "x", "seg"))
+    monkeypatch.setattr(gdn.program, "analyze", lambda fn, *a: SimpleNamespace(
+        temp_bytes=(3 if fn.tag == "layer" else 1) * 2**20, cost={"flops": 2.5e9}))
+
+    def interleaved(fns, rounds):
+        out = {}
+        for name in fns:
+            what, version = gdn.ARMS[name][:2]
+            s = (0.2 if what == "layer" else 0.1) * (0.5 if version == "now" else 1.0)
+            out[name] = {"wall_s": [s] * rounds, "cpu_s": [2 * s] * rounds}
+        return out
+
+    monkeypatch.setattr(gdn.harness, "interleaved", interleaved)
+    records = []
+    monkeypatch.setattr(gdn.harness, "write", lambda out, name, **f: records.append(f))
+    assert gdn.main(["--steps", "2"]) == 0
+    rows = {r["arm"]: r for r in records[0]["rows"]}
+    assert len(rows) == 12
+    timed = [r for r in rows.values() if r.get("timed", True)]
+    assert len(timed) == 10 and all(r["gflops"] == 2.5 for r in timed)
+    assert rows["layer now custom C32"]["temp_bytes"] == 3 * 2**20 and rows["core now custom C32"]["temp_bytes"] == 2**20
+    assert rows["layer now custom C32"]["mean_ms"] == pytest.approx(100.0)
+    assert rows["layer now custom C32"]["time_ratio_to_baseline"] == pytest.approx(0.5)
+    assert rows["core now autodiff C64"]["mean_ms"] == pytest.approx(50.0)
+    assert rows["core now autodiff C64"]["cpu_time_ratio_to_baseline"] == pytest.approx(0.5)
+    assert rows["core now pallas_gpu C64"]["timed"] is False and rows["core now pallas_gpu C64"]["core_residual_bytes"] == 4096
