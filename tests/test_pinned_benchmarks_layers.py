@@ -252,3 +252,34 @@ def test_gdn_core_main_records_gflops_temporaries_and_skips_pallas_off_its_platf
     assert rows["core now autodiff C64"]["mean_ms"] == pytest.approx(50.0)
     assert rows["core now autodiff C64"]["cpu_time_ratio_to_baseline"] == pytest.approx(0.5)
     assert rows["core now pallas_gpu C64"]["timed"] is False and rows["core now pallas_gpu C64"]["core_residual_bytes"] == 4096
+
+
+def test_gmm_main_runs_each_arm_with_its_levers_and_records_its_program(monkeypatch):
+    """A stubbed program whose bytes say which levers its config turned on (wi 1, wo 2, router 4):
+    each arm's row carries its own; `all three` 7. Its temporaries are 10 x the batch: the command
+    line's train.batch_size=3 reaches every arm (30). Times: off 0.4 s, every lever arm 0.1 s: 0.25."""
+    gmm = _load("gmm")
+
+    def layer_step(cfg):
+        levers = cfg.moe.wi_fused_swiglu * 1 + cfg.moe.wo_fused_dswiglu * 2 + cfg.moe.router_grad_from_wo_input * 4
+
+        def fn(*args):
+            return levers
+        fn.levers, fn.batch = levers, cfg.train.batch_size
+        return fn
+
+    monkeypatch.setattr(gmm, "_layer_step", layer_step)
+    monkeypatch.setattr(gmm.harness, "layer_case", lambda cfg, kind, part: ("p", "x", "seg"))
+    monkeypatch.setattr(gmm.program, "analyze", lambda fn, *a: SimpleNamespace(
+        bytes_accessed=fn.levers, temp_bytes=10 * fn.batch, cost={"flops": 100.0 * fn.levers}))
+    monkeypatch.setattr(gmm.harness, "interleaved", lambda fns, rounds: {
+        n: {"wall_s": [0.4 if n == "off" else 0.1] * rounds, "cpu_s": [0.0] * rounds} for n in fns})
+    records = []
+    monkeypatch.setattr(gmm.harness, "write", lambda out, name, **f: records.append(f))
+    assert gmm.main(["recipe=tiny", "train.batch_size=3", "--steps", "2"]) == 0
+    rows = {r["arm"]: r for r in records[0]["rows"]}
+    assert {n: r["bytes_accessed"] for n, r in rows.items()} == {
+        "off": 0, "wi_fused_swiglu": 1, "wo_fused_dswiglu": 2, "router_grad_from_wo_input": 4, "wi+wo": 3,
+        "all three": 7}
+    assert all(r["temp_bytes"] == 30 for r in rows.values()) and rows["wi+wo"]["flops"] == 300.0
+    assert rows["wi+wo"]["time_ratio_to_off"] == pytest.approx(0.25) and rows["off"]["mean_ms"] == pytest.approx(400.0)
