@@ -3,6 +3,7 @@ hand-made timings and program facts: means, ratios to the right baseline arm, un
 bisection's resolution, the fastest path, the collectives counted per loop. Nothing compiles; the
 scripts' JAX set-up on import is stubbed so this process keeps its own."""
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -283,3 +284,50 @@ def test_gmm_main_runs_each_arm_with_its_levers_and_records_its_program(monkeypa
         "all three": 7}
     assert all(r["temp_bytes"] == 30 for r in rows.values()) and rows["wi+wo"]["flops"] == 300.0
     assert rows["wi+wo"]["time_ratio_to_off"] == pytest.approx(0.25) and rows["off"]["mean_ms"] == pytest.approx(400.0)
+
+
+def _fp8_stubbed(monkeypatch, argv):
+    fp8 = _load("fp8_hoist")
+    calls = []
+
+    def program_facts(overrides, recipe="small", common=None):
+        calls.append((recipe, tuple(overrides)))
+        return {"expert_weight_gathers_per_layer_iteration": [{"bytes": 8, "dtypes": ["f8e4m3fn"]}],
+                "absmax_all_reduces_executed_per_step": 1, "memory": {"temp": 2**20},
+                "absmax_all_reduce_ops_by_loop": {}, "recipe": recipe}
+
+    monkeypatch.setattr(fp8, "program_facts", program_facts)
+    monkeypatch.setattr(fp8, "run_bench", lambda recipe, common, arms, rounds: {
+        name: {"seconds_per_step": 1.0 + i} for i, (name, _) in enumerate(arms)})
+    records = []
+    monkeypatch.setattr(fp8.harness, "write", lambda out, name, **f: records.append(f))
+    monkeypatch.setattr(sys, "argv", ["fp8_hoist.py", *argv])
+    fp8.main()
+    return fp8, calls, records
+
+
+def test_fp8_hoist_records_every_arms_facts_the_two_block_ones_and_the_timed_steps(monkeypatch):
+    """Arms no_fake_quant, off, absmax, gather8 (the hoist modes with the fake quant on); the two-block
+    stack for the three fake-quant arms only, on `tiny`; step times from the interleaved run."""
+    fp8, calls, records = _fp8_stubbed(monkeypatch, ["--rounds", "2"])
+    (rec,) = records
+    assert list(rec["program"]) == ["no_fake_quant", "off", "absmax", "gather8"]
+    assert list(rec["program_two_blocks"]) == ["off", "absmax", "gather8"]
+    assert all(f["recipe"] == "tiny" for f in rec["program_two_blocks"].values())
+    assert dict(fp8.ARMS)["absmax"] == ["quant.fp8_moe_fake_quant=true", "quant.fp8_fake_quant_hoist=absmax"]
+    assert rec["step_time"]["gather8"]["seconds_per_step"] == 4.0 and rec["recipe"] == "small"
+    _, _, facts_only = _fp8_stubbed(monkeypatch, ["--facts-only"])
+    assert facts_only[0]["step_time"] is None
+
+
+def test_fp8_hoist_program_only_keeps_the_records_step_times(monkeypatch, tmp_path):
+    import hybridmoe.tools.record as record
+
+    out = tmp_path / "fp8_hoist.json"
+    out.write_text(json.dumps({"benchmark": "fp8_hoist", "step_time": {"off": {"seconds_per_step": 9.0}},
+                               "program": {"old": 1}}))
+    monkeypatch.setattr(record, "machine_record", lambda: {"date": "d2", "commit": "c2"})
+    _fp8_stubbed(monkeypatch, ["--program-only", "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert got["step_time"] == {"off": {"seconds_per_step": 9.0}} and "old" not in got["program"]
+    assert got["program_regenerated"] == {"date": "d2", "commit": "c2"} and list(got["program"])[0] == "no_fake_quant"
