@@ -336,7 +336,7 @@ def test_fp8_hoist_program_only_keeps_the_records_step_times(monkeypatch, tmp_pa
 def test_decode_moe_records_per_token_count_the_prediction_and_the_fastest_path(monkeypatch):
     """Paths stubbed to the identity (all agree); `small`'s MoE: 16 experts, top-4, D 256, F 128,
     128-row tiles, which the prediction is asked with (T, k, E, tile rows). Rounds of 20 calls:
-    every_expert 0.2 s of CPU a round (0.01 s a call) is the fastest."""
+    tiled128 0.1 s of CPU a round (0.005 s a call) is the fastest."""
     import numpy as np
 
     import benchmarks.pinned as pinned
@@ -355,7 +355,7 @@ def test_decode_moe_records_per_token_count_the_prediction_and_the_fastest_path(
         monkeypatch.setattr(moe, name, lambda x, *a, **k: x)
     monkeypatch.setattr(moe, "every_expert_rows", lambda x, *a: x)
     monkeypatch.setattr(moe, "every_expert_is_cheaper", lambda *a: asked.append(a) or True)
-    cpu = {"ragged_dot": 0.4, "tiled128": 0.6, "row_tiles8": 0.8, "every_expert": 0.2}
+    cpu = {"ragged_dot": 0.4, "tiled128": 0.1, "row_tiles8": 0.8, "every_expert": 0.2}
     monkeypatch.setattr(dm.harness, "interleaved", lambda fns, rounds: {
         n: {"cpu_s": [cpu[n]] * rounds, "wall_s": [1.0] * rounds} for n in fns})
     records = []
@@ -367,7 +367,7 @@ def test_decode_moe_records_per_token_count_the_prediction_and_the_fastest_path(
     assert rec["shape"] == {"experts": 16, "top_k": 4, "d_model": 256, "moe_intermediate_size": 128,
                             "dtype": "float32", "tile_rows_default": 128}
     t8 = rec["tokens"]["8"]
-    assert t8["fastest_by_cpu_time"] == "every_expert" and t8["every_expert_is_cheaper"] is True
-    assert t8["per_call"]["tiled128"]["cpu_s"]["median"] == pytest.approx(0.03)
+    assert t8["fastest_by_cpu_time"] == "tiled128" and t8["every_expert_is_cheaper"] is True
+    assert t8["per_call"]["every_expert"]["cpu_s"]["median"] == pytest.approx(0.01)
     assert t8["max_abs_diff_vs_ragged_dot"] == {"ragged_dot": 0.0, "tiled128": 0.0, "row_tiles8": 0.0, "every_expert": 0.0}
     assert rec["method"]["calls_per_round"] == 20 and rec["method"]["rounds"] == 2 and list(rec["tokens"]) == ["8", "16"]
