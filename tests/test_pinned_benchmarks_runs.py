@@ -210,3 +210,35 @@ def test_attention_cpu_backend_medians_and_ratios_to_blocked_and_agreement_with_
             "blocked": (jnp.array([2.0, -3.5]), jnp.array([1.0, 1.1]))}
     got = acb.agreement_with(outs)
     assert got["blocked"] == pytest.approx(0.125) and got["masked"] == 0.0
+
+
+def test_bf16_gaps_refuses_tokens_not_in_whole_chunks_per_rank_and_writes_twice(monkeypatch):
+    """--tokens must be a multiple of 4 ranks x 64: 1000 is refused before anything runs, 512 runs.
+    Parts 1 and 2 are written first (complete: false), then everything (complete: true). Each part's
+    three arms: float32, bfloat16, bfloat16 with the broken chain."""
+    gaps = _load("bf16_gaps")
+    arms = []
+    monkeypatch.setattr(gaps, "context_parallel_gap", lambda tokens, dtype, bf16_chain=False: arms.append(
+        ("cp", tokens, dtype, bf16_chain)) or {"dtype": dtype, "cross_rank_chain": "x", "targets": 1, "gap_mean": 0.0,
+                                              "gap_max": 0.0, "gap_max_row0_one_document": 0.0,
+                                              "gap_max_row1_packed": 0.0, "kl_k3_mean": 0.0, "routing_flips": 0,
+                                              "routings": 1})
+    monkeypatch.setattr(gaps, "layer_chain_gap", lambda tokens, dtype, bf16_chain=False: arms.append(
+        ("layer", tokens, dtype, bf16_chain)) or {"dtype": dtype, "cross_rank_chain": "x", "rel_l2": 0.0, "rel_max": 0.0})
+    monkeypatch.setattr(gaps, "sampler_gap", lambda dtype, warmup, steps: arms.append(("sampler", dtype, warmup, steps))
+                        or {"dtype": dtype, "sampler_gap_mean": 0.0, "sampler_gap_max": 0.0, "steps": []})
+    records = []
+    monkeypatch.setattr(gaps.harness, "write", lambda out, name, **f: records.append(f))
+    monkeypatch.setattr(sys, "argv", ["bf16_gaps.py", "--tokens", "1000"])
+    with pytest.raises(SystemExit):
+        gaps.main()
+    assert arms == [] and records == []
+    monkeypatch.setattr(sys, "argv", ["bf16_gaps.py", "--tokens", "512", "--warmup-steps", "7", "--grpo-steps", "2"])
+    gaps.main()
+    assert [r["complete"] for r in records] == [False, True]
+    assert records[0]["sampler"] is None and len(records[1]["sampler"]) == 2
+    assert arms[:3] == [("cp", 512, "float32", False), ("cp", 512, "bfloat16", False), ("cp", 512, "bfloat16", True)]
+    assert arms[3:6] == [("layer", 512, "float32", False), ("layer", 512, "bfloat16", False),
+                         ("layer", 512, "bfloat16", True)]
+    assert arms[6:] == [("sampler", "float32", 7, 2), ("sampler", "bfloat16", 7, 2)]
+    assert records[1]["shard_edges"] == [128, 256, 384] and records[1]["ranks"] == 4
