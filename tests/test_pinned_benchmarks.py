@@ -253,3 +253,17 @@ def test_rollout_worker_prefills_each_prompt_once_or_every_row(share, monkeypatc
     assert (got["rows"], got["new_tokens"]) == (8, 40)
     info = handlers["info"]({})
     assert info["prefill_once_per_prompt"] is share and list(info["compile_s"]) == [f"G{4 if share else 1}_N5"]
+
+
+def test_rollout_refuses_arms_it_does_not_have(monkeypatch):
+    module = benchmark_script("rollout")
+    for arms in ("ours,bogus", ","):
+        with pytest.raises(SystemExit, match="--arms"):
+            _run_main(module, monkeypatch, ["--arms", arms], _rollout_answer)
+
+
+def test_train_step_refuses_two_arms_of_one_name(monkeypatch):
+    module = benchmark_script("train_step")
+    for argv in (["--arm", "a:x.y=1", "--arm", "a:x.y=2"], ["--arm", "ours:x.y=1"]):
+        with pytest.raises(SystemExit, match="distinct"):
+            _run_main(module, monkeypatch, argv, _train_answer)

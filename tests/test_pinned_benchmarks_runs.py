@@ -242,3 +242,35 @@ def test_bf16_gaps_refuses_tokens_not_in_whole_chunks_per_rank_and_writes_twice(
                          ("layer", 512, "bfloat16", True)]
     assert arms[6:] == [("sampler", "float32", 7, 2), ("sampler", "bfloat16", 7, 2)]
     assert records[1]["shard_edges"] == [128, 256, 384] and records[1]["ranks"] == 4
+
+
+def test_inspect_depth_step_estimate_error_is_against_the_full_compiles_own(tmp_path, monkeypatch):
+    """The line's estimate 1.1 s against the full compile's 1.0 s: +10%; categories: matmul 0.55
+    against 0.5 (+10%), collectives 0.2 against 0.25 (-20%), one the full compile gives 0 s is left out."""
+    depth_script = _load("inspect_depth")
+    import hybridmoe.tools.depth as depth
+
+    full_estimate = {"serial": {"step_s": 1.0}, "model_flops_per_device": 7.0,
+                     "categories": {"matmul": {"s": 0.5}, "collectives": {"s": 0.25}, "idle": {"s": 0.0}}}
+
+    def fake_run(argv, **kw):
+        layers = int(next(a for a in argv if a.startswith("model.num_layers="))[len("model.num_layers="):])
+        out = Path(argv[argv.index("--out") + 1])
+        memory = {"argument": layers, "temp": layers, "total": 2 * layers}
+        out.write_text(json.dumps({"programs": {"base": {"compile_s": 1.0, "memory": memory, "step_estimate": (
+            full_estimate if layers == 20 else {"serial": {"step_s": 0.1 * layers}})}}}))
+        return SimpleNamespace(returncode=0, stderr="")
+
+    flops_asked = []
+    monkeypatch.setattr(depth, "extrapolate_estimate", lambda est, block, n, flops: flops_asked.append(flops) or {
+        "serial": {"step_s": 1.1}, "categories": {"matmul": {"s": 0.55}, "collectives": {"s": 0.2}, "idle": {"s": 0.1}}})
+    records = []
+    monkeypatch.setattr(depth_script.subprocess, "run", fake_run)
+    monkeypatch.setattr(depth_script.harness, "configure", lambda *a, **k: None)
+    monkeypatch.setattr(depth_script.harness, "write", lambda out, name, **f: records.append(f))
+    depth_script.main(["--layers", "8,12", "--full", "20", "--out", str(tmp_path / "d.json")])
+    est = records[0]["extrapolations"][0]["step_estimate"]
+    assert flops_asked == [7.0]
+    assert (est["step_s"], est["full_step_s"]) == (1.1, 1.0) and est["relative_error"] == pytest.approx(0.1)
+    assert est["category_relative_error"] == pytest.approx({"matmul": 0.1, "collectives": -0.2})
+    assert [d["step_s"] for d in records[0]["depths"]] == pytest.approx([0.8, 1.2, 1.0])
