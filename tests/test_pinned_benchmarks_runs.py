@@ -274,3 +274,23 @@ def test_inspect_depth_step_estimate_error_is_against_the_full_compiles_own(tmp_
     assert (est["step_s"], est["full_step_s"]) == (1.1, 1.0) and est["relative_error"] == pytest.approx(0.1)
     assert est["category_relative_error"] == pytest.approx({"matmul": 0.1, "collectives": -0.2})
     assert [d["step_s"] for d in records[0]["depths"]] == pytest.approx([0.8, 1.2, 1.0])
+
+
+def test_attention_cpu_backend_arms_shapes_scale_and_documents_per_row(monkeypatch):
+    """Rows with segments [1 1 2 2 0 0] and [1 1 1 1 1 1]: 2 and 1 documents (padding is none); q
+    and the cotangent [B, T, 4 heads, 8], k and v [B, T, 2 kv heads, 8]; scale 8 ** -0.5; a flash
+    arm per block size."""
+    import numpy as np
+
+    acb = _load("attention_cpu_backend")
+    seg = np.array([[[1, 1, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1]]])
+    monkeypatch.setattr(acb, "synthetic_batch", lambda *a: {"positions": np.zeros_like(seg), "segment_ids": seg})
+    cfg = SimpleNamespace(train=SimpleNamespace(seed=0, batch_size=2, seq_len=6),
+                          model=SimpleNamespace(vocab_size=10, num_heads=4, num_kv_heads=2, head_dim=8))
+    cores, inputs, shape = acb.arms(cfg)
+    assert shape == {"batch": 2, "tokens": 6, "query_heads": 4, "kv_heads": 2, "head_dim": 8, "dtype": "float32",
+                     "documents_per_row": [2, 1]}
+    assert [x.shape for x in inputs] == [(2, 6, 4, 8), (2, 6, 2, 8), (2, 6, 2, 8), (2, 6, 4, 8)]
+    assert cores["blocked"].keywords["scale"] == pytest.approx(8 ** -0.5)
+    assert list(cores) == ["masked", "blocked", "xla-b32", "xla-b64", "xla-b128", "xla-b256"]
+    assert cores["xla-b64"].keywords["block_q"] == cores["xla-b64"].keywords["block_k"] == 64
