@@ -62,9 +62,12 @@ def program_facts(overrides: list[str], recipe: str = RECIPE, common=COMMON) -> 
         lowered = jit_train_step(setup).lower(setup.abstract_state(), batch)
         compiled = lowered.compile()
     expert_shapes = expert_weight_shapes(m, cfg.mesh.expert)
+    facts = collective_facts(parse_stablehlo(lowered.as_text()), parse_hlo(compiled.as_text()), expert_shapes)
     return {
-        **collective_facts(parse_stablehlo(lowered.as_text()), parse_hlo(compiled.as_text()), expert_shapes),
+        "absmax_all_reduce_ops_by_loop": facts["absmax_all_reduce_ops_by_loop"],
+        "absmax_all_reduces_executed_per_step": facts["absmax_all_reduces_executed_per_step"],
         "num_blocks": m.num_blocks,
+        "expert_weight_gathers_per_layer_iteration": facts["expert_weight_gathers_per_layer_iteration"],
         "memory": memory_figures(compiled),
         "layers_per_scan_iteration": len(m.layer_pattern),
     }
