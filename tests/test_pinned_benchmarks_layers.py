@@ -371,3 +371,34 @@ def test_decode_moe_records_per_token_count_the_prediction_and_the_fastest_path(
     assert t8["per_call"]["every_expert"]["cpu_s"]["median"] == pytest.approx(0.01)
     assert t8["max_abs_diff_vs_ragged_dot"] == {"ragged_dot": 0.0, "tiled128": 0.0, "row_tiles8": 0.0, "every_expert": 0.0}
     assert rec["method"]["calls_per_round"] == 20 and rec["method"]["rounds"] == 2 and list(rec["tokens"]) == ["8", "16"]
+
+
+def test_fp8_hoist_program_facts_read_gathers_from_the_lowered_text_and_reduces_from_the_compiled(monkeypatch):
+    """`small` in bf16 at 8 rows: 16 experts, D 256, F 128, no expert axis: wi [16, 256, 256]. The
+    lowered program's collectives give the gathers, the compiled program's the absmax all-reduces."""
+    import contextlib
+
+    fp8 = _load("fp8_hoist")
+    scope = "jit(step)/fp8_absmax/x"
+    texts = {"lowered": [_collective("all-gather", shape=(16, 256, 256), nbytes=64)],
+             "compiled": [_collective("all-reduce", depth=1, trip=4, op_name=scope)]}
+
+    class Lowered:
+        def as_text(self):
+            return "lowered"
+
+        def compile(self):
+            return SimpleNamespace(as_text=lambda: "compiled")
+
+    setup = SimpleNamespace(batch_sharding=lambda n: None, context=contextlib.nullcontext, abstract_state=lambda: None)
+    monkeypatch.setattr(fp8, "build", lambda cfg: setup)
+    monkeypatch.setattr(fp8, "jit_train_step", lambda s: SimpleNamespace(lower=lambda *a: Lowered()))
+    monkeypatch.setattr(fp8, "parse_stablehlo", lambda text: texts[text])
+    monkeypatch.setattr(fp8, "parse_hlo", lambda text: texts[text])
+    monkeypatch.setattr(fp8, "memory_figures", lambda compiled: {"temp": 5})
+    got = fp8.program_facts([])
+    assert got["expert_weight_gathers_per_layer_iteration"] == [{"loop": "while#1", "ops": 1, "bytes": 64,
+                                                                  "dtypes": ["f8e4m3fn"]}]
+    assert got["absmax_all_reduces_executed_per_step"] == 4
+    assert got["absmax_all_reduce_ops_by_loop"] == {"depth 1, trip count 4": 1}
+    assert (got["num_blocks"], got["layers_per_scan_iteration"], got["memory"]) == (1, 4, {"temp": 5})
