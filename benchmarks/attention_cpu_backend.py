@@ -64,6 +64,20 @@ def fwd_bwd(core):
     return jax.jit(go)
 
 
+def medians(times: dict) -> tuple[dict, dict]:
+    """Each arm's median seconds per call over the rounds, and its ratio to the blocked arm's."""
+    median = {name: float(np.median(t)) for name, t in times.items()}
+    return median, {n: median[n] / median["blocked"] for n in median}
+
+
+def agreement_with(outs: dict, ref_name: str = "masked") -> dict:
+    """Per arm, the largest of its outputs' max |difference| from the reference arm's, relative to
+    that output's max |value| in the reference."""
+    ref = outs[ref_name]
+    return {name: max(float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r))) for a, r in zip(out, ref))
+            for name, out in outs.items()}
+
+
 def main() -> None:
     ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--rounds", type=int, default=7)
@@ -74,17 +88,15 @@ def main() -> None:
     fns = {name: fwd_bwd(core) for name, core in cores.items()}
     outs = {name: jax.block_until_ready(fn(*inputs)) for name, fn in fns.items()}
     # The arms compute the same thing: every one within float32 rounding of the masked core.
-    ref = outs["masked"]
-    agreement = {name: max(float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r))) for a, r in zip(out, ref))
-                 for name, out in outs.items()}
+    agreement = agreement_with(outs)
     times = {name: t["wall_s"] for name, t in harness.interleaved(
         {name: functools.partial(fn, *inputs) for name, fn in fns.items()}, args.rounds, args.reps).items()}
-    median = {name: float(np.median(t)) for name, t in times.items()}
+    median, ratio_to_blocked = medians(times)
     print(f"{'arm':<10} {'median ms':>10} {'/ blocked':>10} {'max rel err vs masked':>22}")
     for name in fns:
         print(f"{name:<10} {median[name] * 1e3:>10.1f} {median[name] / median['blocked']:>10.3f} {agreement[name]:>22.1e}")
     harness.write(args.out, "attention_cpu_backend", recipe=RECIPE, shape=shape, rounds=args.rounds, reps=args.reps,
-                  median_seconds=median, ratio_to_blocked={n: median[n] / median["blocked"] for n in median},
+                  median_seconds=median, ratio_to_blocked=ratio_to_blocked,
                   seconds_per_round=times, max_rel_error_vs_masked=agreement)
 
 

@@ -80,6 +80,38 @@ def _bf16_chain(a_BHKK, b_BHKV, axis_name, *, reverse=False):
 _REAL_ALL_GATHER = cp.exclusive_prefix_all_gather
 
 
+def logprob_gap(logp_1, logp_cp, routing_1, routing_cp, seg) -> dict:
+    """The gap between one device's next-token log-probs [B, T - 1] and the context-parallel ones
+    over the targets inside a document: mean and max |difference| (and each row's max), the mean k3
+    estimate of KL(one device || cp), and the (token, layer) routings [B, T, L, k] that picked other
+    experts."""
+    logp_1, logp_cp = np.asarray(logp_1, np.float64), np.asarray(logp_cp, np.float64)
+    flipped = np.any(np.sort(np.asarray(routing_1), -1) != np.sort(np.asarray(routing_cp), -1), axis=-1)  # [B, T, L]
+    inside = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)  # targets inside a document
+    d = (logp_1 - logp_cp)[inside]
+    per_row = [float(np.abs(logp_1 - logp_cp)[r][inside[r]].max()) for r in range(2)]
+    return {"targets": int(inside.sum()), "gap_mean": float(np.abs(d).mean()), "gap_max": float(np.abs(d).max()),
+            "gap_max_row0_one_document": per_row[0], "gap_max_row1_packed": per_row[1],
+            "kl_k3_mean": float(np.mean(np.exp(-d) + d - 1.0)), "logp_mean": float(logp_1[inside].mean()),
+            "routing_flips": int(flipped.sum()), "tokens_with_a_flip": int(flipped.any(-1).sum()),
+            "routings": int(flipped.size)}
+
+
+def output_gap(y_1, y_cp) -> dict:
+    """The context-parallel output against one device's: relative L2 and max |difference| / max |output|."""
+    return {"rel_l2": float(np.linalg.norm(y_cp - y_1) / np.linalg.norm(y_1)),
+            "rel_max": float(np.abs(y_cp - y_1).max() / np.abs(y_1).max())}
+
+
+def grpo_gap(history: list[dict]) -> dict:
+    """The GRPO steps' (phase 1) sampler gaps: each step's figures, the mean of the means, the max of the maxes."""
+    grpo = [h for h in history if h["phase"] == 1]
+    return {"steps": [{k: h[k] for k in ("step", "sampler_gap_mean", "sampler_gap_max", "reward_mean", "kl",
+                                         "entropy")} for h in grpo],
+            "sampler_gap_mean": float(np.mean([h["sampler_gap_mean"] for h in grpo])),
+            "sampler_gap_max": float(np.max([h["sampler_gap_max"] for h in grpo]))}
+
+
 def context_parallel_gap(tokens: int, dtype: str, bf16_chain: bool = False) -> dict:
     base = ["gdn.chunk_size=64", f"model.max_seq_len={tokens}", f"train.seq_len={tokens}",
             f"model.compute_dtype={dtype}", "train.batch_size=2"]
@@ -106,18 +138,8 @@ def context_parallel_gap(tokens: int, dtype: str, bf16_chain: bool = False) -> d
                                                 b["segment_ids"], b["positions"])
     finally:
         cp.exclusive_prefix_all_gather = _REAL_ALL_GATHER
-    logp_1, logp_cp = np.asarray(logp_1, np.float64), np.asarray(logp_cp, np.float64)
-    flipped = np.any(np.sort(np.asarray(routing_1), -1) != np.sort(np.asarray(routing_cp), -1), axis=-1)  # [B, T, L]
-    seg = rows["segment_ids"]
-    inside = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)  # targets inside a document
-    d = (logp_1 - logp_cp)[inside]
-    per_row = [float(np.abs(logp_1 - logp_cp)[r][inside[r]].max()) for r in range(2)]
     return {"dtype": dtype, "cross_rank_chain": "bfloat16 (broken variant)" if bf16_chain else "float32",
-            "targets": int(inside.sum()), "gap_mean": float(np.abs(d).mean()), "gap_max": float(np.abs(d).max()),
-            "gap_max_row0_one_document": per_row[0], "gap_max_row1_packed": per_row[1],
-            "kl_k3_mean": float(np.mean(np.exp(-d) + d - 1.0)), "logp_mean": float(logp_1[inside].mean()),
-            "routing_flips": int(flipped.sum()), "tokens_with_a_flip": int(flipped.any(-1).sum()),
-            "routings": int(flipped.size),
+            **logprob_gap(logp_1, logp_cp, routing_1, routing_cp, rows["segment_ids"]),
             "seconds": time.perf_counter() - t0,
             "config": {"one_device": json.loads(one.model_dump_json()), "context": json.loads(many.model_dump_json())}}
 
@@ -146,8 +168,7 @@ def layer_chain_gap(tokens: int, dtype: str, bf16_chain: bool = False) -> dict:
     finally:
         cp.exclusive_prefix_all_gather = _REAL_ALL_GATHER
     return {"dtype": dtype, "cross_rank_chain": "bfloat16 (broken variant)" if bf16_chain else "float32",
-            "rel_l2": float(np.linalg.norm(y_cp - y_1) / np.linalg.norm(y_1)),
-            "rel_max": float(np.abs(y_cp - y_1).max() / np.abs(y_1).max())}
+            **output_gap(y_1, y_cp)}
 
 
 def sampler_gap(dtype: str, warmup_steps: int, grpo_steps: int) -> dict:
@@ -155,12 +176,7 @@ def sampler_gap(dtype: str, warmup_steps: int, grpo_steps: int) -> dict:
                                f"rl.steps={grpo_steps}", "rl.checkpoint_every=0"])
     t0 = time.perf_counter()
     history = run_rl(cfg, None, progress=False)
-    grpo = [h for h in history if h["phase"] == 1]
-    return {"dtype": dtype, "warmup_steps": warmup_steps,
-            "steps": [{k: h[k] for k in ("step", "sampler_gap_mean", "sampler_gap_max", "reward_mean", "kl",
-                                         "entropy")} for h in grpo],
-            "sampler_gap_mean": float(np.mean([h["sampler_gap_mean"] for h in grpo])),
-            "sampler_gap_max": float(np.max([h["sampler_gap_max"] for h in grpo])),
+    return {"dtype": dtype, "warmup_steps": warmup_steps, **grpo_gap(history),
             "seconds": time.perf_counter() - t0, "config": json.loads(cfg.model_dump_json())}
 
 

@@ -28,6 +28,17 @@ from benchmarks import harness  # noqa: E402
 CALLS_PER_ROUND = 20
 
 
+def per_call_figures(times: dict) -> tuple[dict, str]:
+    """Per path, the spread over rounds of one call's seconds (a round times CALLS_PER_ROUND calls),
+    CPU and wall; and the path fastest by median CPU time."""
+    from benchmarks.pinned import spread
+
+    per_call = {n: {k: spread([v / CALLS_PER_ROUND for v in t[k]]) for k in ("cpu_s", "wall_s")}
+                for n, t in times.items()}
+    fastest = min(per_call, key=lambda n: per_call[n]["cpu_s"]["median"])
+    return per_call, fastest
+
+
 def main() -> None:
     p = harness.parser(__doc__, __file__)
     p.add_argument("--cores", default="0", help="the cores this process is pinned to (default 0)")
@@ -81,10 +92,8 @@ def main() -> None:
             return run
 
         times = harness.interleaved({n: calls(f) for n, f in jitted.items()}, args.steps)
-        per_call = {n: {k: spread([v / CALLS_PER_ROUND for v in t[k]]) for k in ("cpu_s", "wall_s")}
-                    for n, t in times.items()}
+        per_call, fastest = per_call_figures(times)
         cheaper = M.every_expert_is_cheaper(T, m.num_experts_per_tok, m.num_experts, cfg.kernels.gmm.xla_tile_rows)
-        fastest = min(per_call, key=lambda n: per_call[n]["cpu_s"]["median"])
         results[str(T)] = {"per_call": per_call, "max_abs_diff_vs_ragged_dot": errors,
                            "every_expert_is_cheaper": cheaper, "fastest_by_cpu_time": fastest}
         print(f"{T:>6} " + " ".join(f"{per_call[n]['cpu_s']['median'] * 1e3:>11.2f}ms" for n in paths)

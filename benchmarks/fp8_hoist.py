@@ -61,16 +61,37 @@ def program_facts(overrides: list[str], recipe: str = RECIPE, common=COMMON) -> 
     with setup.context():
         lowered = jit_train_step(setup).lower(setup.abstract_state(), batch)
         compiled = lowered.compile()
-    e_local = m.num_experts // cfg.mesh.expert
-    expert_shapes = {(e_local, m.d_model, 2 * m.moe_intermediate_size), (e_local, m.moe_intermediate_size, m.d_model)}
+    expert_shapes = expert_weight_shapes(m, cfg.mesh.expert)
+    facts = collective_facts(parse_stablehlo(lowered.as_text()), parse_hlo(compiled.as_text()), expert_shapes)
+    return {
+        "absmax_all_reduce_ops_by_loop": facts["absmax_all_reduce_ops_by_loop"],
+        "absmax_all_reduces_executed_per_step": facts["absmax_all_reduces_executed_per_step"],
+        "num_blocks": m.num_blocks,
+        "expert_weight_gathers_per_layer_iteration": facts["expert_weight_gathers_per_layer_iteration"],
+        "memory": memory_figures(compiled),
+        "layers_per_scan_iteration": len(m.layer_pattern),
+    }
+
+
+def expert_weight_shapes(m, expert: int) -> set:
+    """The shapes of one layer's routed-expert weights on a device of an `expert`-way expert mesh:
+    wi [E / expert, D, 2F] (gate and up) and wo [E / expert, F, D]."""
+    e_local = m.num_experts // expert
+    return {(e_local, m.d_model, 2 * m.moe_intermediate_size), (e_local, m.moe_intermediate_size, m.d_model)}
+
+
+def collective_facts(lowered_collectives, compiled_collectives, expert_shapes) -> dict:
+    """The expert-weight all-gathers per layer-loop iteration (the lowered program's, at
+    LAYER_LOOP_DEPTH, of the expert weights' shapes): ops, bytes, dtypes per loop; and the fake
+    quant's absmax all-reduces (the compiled program's): ops by loop and executed per step."""
     per_loop: dict = defaultdict(lambda: {"ops": 0, "bytes": 0, "dtypes": set()})
-    for c in parse_stablehlo(lowered.as_text()):
+    for c in lowered_collectives:
         if c.kind == "all-gather" and c.loop_depth == LAYER_LOOP_DEPTH and c.shape in expert_shapes:
             row = per_loop[c.loop]
             row["ops"] += 1
             row["bytes"] += c.bytes
             row["dtypes"].add(c.dtype)
-    absmax = [c for c in parse_hlo(compiled.as_text()) if c.kind == "all-reduce" and ABSMAX_SCOPE in c.op_name]
+    absmax = [c for c in compiled_collectives if c.kind == "all-reduce" and ABSMAX_SCOPE in c.op_name]
     # XLA removes while loops of one trip (the micro-batch scan at micro_batches=1, and the layer
     # scan of a one-block stack such as `small`'s): in the compiled text a layer loop is a loop
     # whose trip count is the number of blocks, at whatever depth.
@@ -80,12 +101,9 @@ def program_facts(overrides: list[str], recipe: str = RECIPE, common=COMMON) -> 
     return {
         "absmax_all_reduce_ops_by_loop": dict(by_loop),
         "absmax_all_reduces_executed_per_step": sum(c.trip_count or 1 for c in absmax),
-        "num_blocks": m.num_blocks,
         "expert_weight_gathers_per_layer_iteration": [
             {"loop": k, "ops": v["ops"], "bytes": v["bytes"], "dtypes": sorted(v["dtypes"])}
             for k, v in sorted(per_loop.items())],
-        "memory": memory_figures(compiled),
-        "layers_per_scan_iteration": len(m.layer_pattern),
     }
 
 

@@ -123,6 +123,29 @@ def core_residual_bytes(core_args, rule, backend, chunk_size, seg):
     return sum(int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize for r in residuals)
 
 
+def table_rows(arms: dict, platform: str) -> list[dict]:
+    """A record row per arm: its mean wall and CPU milliseconds over the rounds and their ratios to the
+    baseline arm of its kind (BASELINE); an arm not timed (a Pallas core off its platform) its
+    residual bytes alone."""
+    base_ms = {what: 1e3 * float(np.mean(arms[name]["times"])) for what, name in BASELINE.items()}
+    base_cpu_ms = {what: 1e3 * float(np.mean(arms[name]["cpu_times"])) for what, name in BASELINE.items()}
+    rows = []
+    for name, a in arms.items():
+        if a["times"] is None:
+            rows.append({"arm": name, "what": a["what"], "code": a["code"], "backend": a["backend"],
+                         "chunk_size": a["chunk_size"], "timed": False, "why_not_timed": f"interpreted on {platform}",
+                         "core_residual_bytes": a["core_residual_bytes"]})
+            continue
+        ms, cpu_ms = 1e3 * float(np.mean(a["times"])), 1e3 * float(np.mean(a["cpu_times"]))
+        rows.append({"arm": name, "what": a["what"], "code": a["code"], "backend": a["backend"],
+                     "chunk_size": a["chunk_size"], "mean_ms": ms, "min_ms": 1e3 * float(np.min(a["times"])),
+                     "std_ms": 1e3 * float(np.std(a["times"])), "time_ratio_to_baseline": ms / base_ms[a["what"]],
+                     "mean_cpu_ms": cpu_ms, "cpu_time_ratio_to_baseline": cpu_ms / base_cpu_ms[a["what"]],
+                     "gflops": a["gflops"], "temp_bytes": a["temp_bytes"],
+                     "core_residual_bytes": a["core_residual_bytes"]})
+    return rows
+
+
 def main(argv=None) -> int:
     args, recipe, overrides, cfg, steps = harness.one_device_config(__doc__, __file__, argv)
     m, t = cfg.model, cfg.train
@@ -152,22 +175,7 @@ def main(argv=None) -> int:
     for name, a in timed.items():
         a["times"], a["cpu_times"] = times[name]["wall_s"], times[name]["cpu_s"]
 
-    base_ms = {what: 1e3 * float(np.mean(arms[name]["times"])) for what, name in BASELINE.items()}
-    base_cpu_ms = {what: 1e3 * float(np.mean(arms[name]["cpu_times"])) for what, name in BASELINE.items()}
-    rows = []
-    for name, a in arms.items():
-        if a["times"] is None:
-            rows.append({"arm": name, "what": a["what"], "code": a["code"], "backend": a["backend"],
-                         "chunk_size": a["chunk_size"], "timed": False, "why_not_timed": f"interpreted on {jax.default_backend()}",
-                         "core_residual_bytes": a["core_residual_bytes"]})
-            continue
-        ms, cpu_ms = 1e3 * float(np.mean(a["times"])), 1e3 * float(np.mean(a["cpu_times"]))
-        rows.append({"arm": name, "what": a["what"], "code": a["code"], "backend": a["backend"],
-                     "chunk_size": a["chunk_size"], "mean_ms": ms, "min_ms": 1e3 * float(np.min(a["times"])),
-                     "std_ms": 1e3 * float(np.std(a["times"])), "time_ratio_to_baseline": ms / base_ms[a["what"]],
-                     "mean_cpu_ms": cpu_ms, "cpu_time_ratio_to_baseline": cpu_ms / base_cpu_ms[a["what"]],
-                     "gflops": a["gflops"], "temp_bytes": a["temp_bytes"],
-                     "core_residual_bytes": a["core_residual_bytes"]})
+    rows = table_rows(arms, jax.default_backend())
     print(f"GDN layer forward+backward, {t.batch_size}x{t.seq_len} tokens, D={m.d_model} "
           f"Hk={m.gdn_num_key_heads} Hv={m.gdn_num_value_heads} dk={m.gdn_key_dim} dv={m.gdn_value_dim} "
           f"{m.compute_dtype}, {steps} interleaved rounds on {jax.devices()[0].device_kind}; before = {BEFORE_COMMIT}")

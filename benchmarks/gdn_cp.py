@@ -42,6 +42,13 @@ def _mean_ms(fns: dict, rounds: int) -> dict:
     return {name: 1e3 * float(np.mean(t["wall_s"])) for name, t in harness.interleaved(fns, rounds).items()}
 
 
+def error_vs_tree(results: dict, name: str) -> float:
+    """An arm's largest absolute difference from its tree arm's result, relative to the tree's
+    largest magnitude (0 for a tree arm)."""
+    tree = results[name.replace("scan", "tree")]
+    return float(jnp.abs(results[name] - tree).max() / jnp.abs(tree).max())
+
+
 def scans_vs_trees(tokens: int, heads: int, dim: int, rounds: int) -> list[dict]:
     rng = np.random.default_rng(0)
     chunk = 64
@@ -67,8 +74,7 @@ def scans_vs_trees(tokens: int, heads: int, dim: int, rounds: int) -> list[dict]
     ms = _mean_ms({n: (lambda j=j, a=a: j(*a)) for n, (_, j, a) in compiled.items()}, rounds)
     rows = []
     for name in arms:
-        tree = results[name.replace("scan", "tree")]
-        err = float(jnp.abs(results[name] - tree).max() / jnp.abs(tree).max())
+        err = error_vs_tree(results, name)
         rows.append({"arm": name, "mean_ms": ms[name], "temp_bytes": compiled[name][0],
                      "rel_max_error_vs_tree": err})
     return rows
@@ -106,6 +112,12 @@ def layer_on_context_ranks(rounds: int) -> list[dict]:
             return a["fn"](params, x, seg)
 
     ms = _mean_ms({name: (lambda a=a: run(a)) for name, a in arms.items()}, rounds)
+    return layer_rows(arms, ms)
+
+
+def layer_rows(arms: dict, ms: dict) -> list[dict]:
+    """A record row per arm: its mean milliseconds and their ratio to the one-device arm's, its
+    compiled figures."""
     base = ms["P=1 none"]
     return [{"arm": name, "ranks": a["ranks"], "prefix": a["prefix"], "mean_ms": ms[name],
              "time_ratio_to_1_device": ms[name] / base, "temp_bytes": a["temp_bytes"],

@@ -50,6 +50,20 @@ def _layer_step(cfg):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
+def table_rows(arms: dict) -> list[dict]:
+    """A record row per arm: its mean and spread of wall milliseconds, their ratio to the levers-off
+    arm, and the compiled program's figures."""
+    off_ms = 1e3 * float(np.mean(arms["off"]["times"]))
+    rows = []
+    for name, a in arms.items():
+        ms = 1e3 * float(np.mean(a["times"]))
+        rows.append({"arm": name, "overrides": a["overrides"], "mean_ms": ms,
+                     "std_ms": 1e3 * float(np.std(a["times"])), "time_ratio_to_off": ms / off_ms,
+                     "bytes_accessed": a["bytes_accessed"], "temp_bytes": a["temp_bytes"],
+                     "flops": a["flops"]})
+    return rows
+
+
 def main(argv=None) -> int:
     args, recipe, overrides, base, steps = harness.one_device_config(__doc__, __file__, argv)
     m, t = base.model, base.train
@@ -68,14 +82,7 @@ def main(argv=None) -> int:
     for name, a in arms.items():
         a["times"] = times[name]["wall_s"]
 
-    off_ms = 1e3 * float(np.mean(arms["off"]["times"]))
-    rows = []
-    for name, a in arms.items():
-        ms = 1e3 * float(np.mean(a["times"]))
-        rows.append({"arm": name, "overrides": a["overrides"], "mean_ms": ms,
-                     "std_ms": 1e3 * float(np.std(a["times"])), "time_ratio_to_off": ms / off_ms,
-                     "bytes_accessed": a["bytes_accessed"], "temp_bytes": a["temp_bytes"],
-                     "flops": a["flops"]})
+    rows = table_rows(arms)
     print(f"MoE layer forward+backward, {t.batch_size}x{t.seq_len} tokens, D={m.d_model} "
           f"E={m.num_experts} k={m.num_experts_per_tok} F={m.moe_intermediate_size} "
           f"{m.compute_dtype}, {steps} interleaved rounds on {jax.devices()[0].device_kind}")

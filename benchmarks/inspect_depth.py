@@ -36,7 +36,8 @@ def compile_at(recipe: str, overrides: list[str], layers: int, target: str, fold
         raise SystemExit(f"{layers} layers failed ({done.returncode}):\n{done.stderr[-4000:]}")
     prog = json.loads(out.read_text())["programs"]["base"]
     row = {"layers": layers, "compile_s": prog["compile_s"],
-           **{k: prog["memory"][k] for k in ("argument", "temp", "total")}, "step_estimate": prog["step_estimate"]}
+           **{k: prog["memory"][k] for k in ("argument", "temp", "total")},
+           "default_space": prog["memory"].get("default_space"), "step_estimate": prog["step_estimate"]}
     print(f"  {layers} layers: temps {row['temp'] / 2**20:.2f} MiB, total {row['total'] / 2**20:.2f} MiB, "
           f"{row['compile_s']:.0f} s", flush=True)
     return row
@@ -66,7 +67,9 @@ def main(argv=None) -> int:
         if n + block not in rows or n + block == args.full:
             continue
         d = depth.extrapolate({k: rows[k] for k in (n, n + block)}, block, args.full, hbm=None)
-        err = {k: (d["extrapolated"][k] - full[k]) / full[k] for k in depth.KEYS}
+        # default_space: only where the compiler reports one (a TPU target's)
+        err = {k: (d["extrapolated"][k] - full[k]) / full[k] for k in depth.KEYS
+               if d["extrapolated"][k] is not None and full.get(k)}
         extrapolations.append({"layers_flag": n, "compiled": [n, n + block], "per_block": d["per_block"],
                                "extrapolated": d["extrapolated"], "relative_error": err,
                                "compile_s": rows[n]["compile_s"] + rows[n + block]["compile_s"]})

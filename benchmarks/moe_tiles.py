@@ -26,6 +26,16 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.pinned import parse_cores, pin, spread  # noqa: E402
 
 
+def figures(times: dict) -> tuple[dict, dict, dict]:
+    """`times`: {arm: [(cpu s, wall s) per round]} -> per arm the spread of each clock, and the
+    spreads of the per-round ratios tiles / sorted, CPU and wall."""
+    res = {n: {"cpu_s": spread([c for c, _ in v]), "wall_s": spread([w for _, w in v]), "times": v}
+           for n, v in times.items()}
+    ratio_cpu = spread([a[0] / b[0] for a, b in zip(times["tiles"], times["sorted"])])
+    ratio_wall = spread([a[1] / b[1] for a, b in zip(times["tiles"], times["sorted"])])
+    return res, ratio_cpu, ratio_wall
+
+
 def main() -> None:
     ap = harness.parser(__doc__, __file__, raw=True)
     ap.add_argument("--cores", default="0")
@@ -72,10 +82,7 @@ def main() -> None:
             jax.block_until_ready(progs[n](x, router, wi, wo))
             times[n].append((time.process_time() - c0, time.perf_counter() - t0))
         loads.append(os.getloadavg())
-    res = {n: {"cpu_s": spread([c for c, _ in v]), "wall_s": spread([w for _, w in v]), "times": v}
-           for n, v in times.items()}
-    ratio_cpu = spread([a[0] / b[0] for a, b in zip(times["tiles"], times["sorted"])])
-    ratio_wall = spread([a[1] / b[1] for a, b in zip(times["tiles"], times["sorted"])])
+    res, ratio_cpu, ratio_wall = figures(times)
     for n, v in res.items():
         c, w = v["cpu_s"], v["wall_s"]
         print(f"{n:<7} cpu ms {1e3 * c['median']:7.1f} (p25 {1e3 * c['p25']:.1f}, p75 {1e3 * c['p75']:.1f})  "

@@ -232,23 +232,6 @@ def main() -> None:
     flops = component_flops(cfg.model, facts["batch"], facts["seq_len"])
     total = step_flops(cfg, facts["batch"], facts["seq_len"])
 
-    def summary(times: dict) -> dict:
-        out = {}
-        for n, both in times.items():
-            base = n.split("[")[0]
-            count, kind = COMPONENTS[base]
-            kept = both[1:] if len(both) > 1 else both
-            sec = float(np.median([w for w, _ in kept]))
-            cpu = float(np.median([c for _, c in kept]))
-            fl = total if base == "step" else (flops[kind] if kind else 0.0)
-            per_step = 1 if base == "step" else count
-            out[n] = {"instances": count, "median_s": sec, "all_instances_s": sec * per_step,
-                      "median_cpu_s": cpu, "all_instances_cpu_s": cpu * per_step,
-                      "spread_s": spread([w for w, _ in kept]), "spread_cpu_s": spread([c for _, c in kept]),
-                      "times_s": [w for w, _ in both], "cpu_times_s": [c for _, c in both], "flops": fl,
-                      "useful_gflops": fl / sec / 1e9 if fl else None, "mfu": fl / sec / peak if fl else None}
-        return out
-
     rec = {"recipe": RECIPE, "overrides": OVERRIDES,
            "rounds": args.rounds, "load_average_before": load_before, "load_average_after": load_after,
            "load_average_per_round": loads,
@@ -257,15 +240,44 @@ def main() -> None:
                       "order": "sides alternate round by round; our components' order rotates",
                       "figure": "median over rounds 1.. (round 0 warms up)"},
            "matmul_peak_flops": peaks, "peak_used": peak, "step_flops": total, **facts,
-           "ours": summary(ours)}
+           "ours": summary(ours, flops, total, peak)}
     if hf:
-        rec["reference"] = summary(ref)
+        rec["reference"] = summary(ref, flops, total, peak)
         rec["reference_info"] = hf.info
-        rec["step_time_ratio"] = rec["ours"]["step"]["median_s"] / rec["reference"]["step"]["median_s"]
-        rec["step_cpu_time_ratio"] = rec["ours"]["step"]["median_cpu_s"] / rec["reference"]["step"]["median_cpu_s"]
-        rec["step_time_ratio_per_round"] = spread([a / b for (a, _), (b, _) in zip(ours["step"][1:], ref["step"][1:])])
+        rec.update(step_ratios(rec["ours"], rec["reference"], ours, ref))
     rec = harness.write(args.out, "step_anatomy", **rec)
     print(format_table(rec))
+
+
+def summary(times: dict, flops: dict, total: float, peak: float) -> dict:
+    """Per component: the median over rounds 1.. (round 0 warms up) of its wall and CPU seconds, times
+    its instances per step; its FLOPs (`flops` by kind; the whole step's `total`), GFLOP/s and MFU
+    against `peak`."""
+    out = {}
+    for n, both in times.items():
+        base = n.split("[")[0]
+        count, kind = COMPONENTS[base]
+        kept = both[1:] if len(both) > 1 else both
+        sec = float(np.median([w for w, _ in kept]))
+        cpu = float(np.median([c for _, c in kept]))
+        fl = total if base == "step" else (flops[kind] if kind else 0.0)
+        per_step = 1 if base == "step" else count
+        out[n] = {"instances": count, "median_s": sec, "all_instances_s": sec * per_step,
+                  "median_cpu_s": cpu, "all_instances_cpu_s": cpu * per_step,
+                  "spread_s": spread([w for w, _ in kept]), "spread_cpu_s": spread([c for _, c in kept]),
+                  "times_s": [w for w, _ in both], "cpu_times_s": [c for _, c in both], "flops": fl,
+                  "useful_gflops": fl / sec / 1e9 if fl else None, "mfu": fl / sec / peak if fl else None}
+    return out
+
+
+def step_ratios(ours_summary: dict, ref_summary: dict, ours: dict, ref: dict) -> dict:
+    """The whole step's time ratios, ours over the reference's: of the medians (wall, CPU) and per
+    round (rounds 1..)."""
+    rec = {}
+    rec["step_time_ratio"] = ours_summary["step"]["median_s"] / ref_summary["step"]["median_s"]
+    rec["step_cpu_time_ratio"] = ours_summary["step"]["median_cpu_s"] / ref_summary["step"]["median_cpu_s"]
+    rec["step_time_ratio_per_round"] = spread([a / b for (a, _), (b, _) in zip(ours["step"][1:], ref["step"][1:])])
+    return rec
 
 
 def format_table(rec: dict) -> str:
