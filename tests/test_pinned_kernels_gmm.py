@@ -305,3 +305,12 @@ def test_routed_tiles_place_each_token_slot_row():
     assert np.asarray(r.token_P)[real].tolist() == [0, 2, 0, 1, 1, 2]   # flat // 2 for 1, 4, 0, 2, 3, 5
     assert np.asarray(r.slot_P)[real].tolist() == [1, 0, 0, 0, 1, 1]    # flat % 2
     assert real.tolist()[:8] == [True, True, True, True, True, False, True, False]
+
+
+def test_row_tiles_bound_counts_a_partial_last_tile():
+    # 11 rows in groups of 5 and 6, 4 rows a tile: ceil(11 / 4) + 2 = 5 tiles; padded sizes 8, 8
+    lay = row_tiles.row_tiles(jnp.array([5, 6]), 11, group_offset=0, num_local=2, rows_per_tile=4)
+    assert lay.num_tiles == 5
+    assert np.asarray(lay.src_P).tolist() == [0, 1, 2, 3, 4, 0, 0, 0, *range(5, 11), 0, 0, 0, 0, 0, 0]
+    assert np.asarray(lay.dest_M).tolist() == [0, 1, 2, 3, 4, *range(8, 14)]
+    assert np.asarray(lay.group_T).tolist() == [0, 0, 1, 1, 1]
