@@ -147,18 +147,18 @@ def test_float32_swiglu_epilogues_by_hand():
 
 def test_chunked_logprobs_and_entropy_by_hand_at_padded_chunks():
     # D 1, V 4, lm_head (0, ln 2, ln 5, ln 3): a hidden of 1 gives probabilities (1, 2, 5, 3) / 11; a
-    # hidden of 2 gives (1, 4, 25, 9) / 39. 3 tokens in chunks of 2 and 4 columns in chunks of 3: both
-    # padded (one token, two columns).
+    # hidden of 2 gives (1, 4, 25, 9) / 39. 4 tokens and 4 columns in chunks of 3: both padded by 2.
     head = jnp.array([[0.0, math.log(2.0), math.log(5.0), math.log(3.0)]])
-    hidden = jnp.array([[[1.0], [1.0], [2.0]]])
-    targets = jnp.array([[1, 2, 0]])
-    logp, ent = logprobs.chunked_token_logprobs(hidden, head, targets, chunk_tokens=2, chunk_vocab=3)
+    hidden = jnp.array([[[1.0], [1.0], [2.0], [1.0]]])
+    targets = jnp.array([[1, 2, 0, 3]])
+    logp, ent = logprobs.chunked_token_logprobs(hidden, head, targets, chunk_tokens=3, chunk_vocab=3)
     p1, p2 = np.array([1, 2, 5, 3]) / 11, np.array([1, 4, 25, 9]) / 39
-    np.testing.assert_allclose(np.asarray(logp), [[math.log(2 / 11), math.log(5 / 11), math.log(1 / 39)]], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(logp), [[math.log(2 / 11), math.log(5 / 11), math.log(1 / 39), math.log(3 / 11)]],
+                               rtol=1e-5)
     h1, h2 = -(p1 * np.log(p1)).sum(), -(p2 * np.log(p2)).sum()
-    np.testing.assert_allclose(np.asarray(ent), [[h1, h1, h2]], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent), [[h1, h1, h2, h1]], rtol=1e-5)
     # temperature 2 on the hidden of 2: the hidden of 1's distribution
-    logp, ent = logprobs.chunked_token_logprobs(hidden[:, 2:], head, jnp.array([[1]]), chunk_tokens=4,
+    logp, ent = logprobs.chunked_token_logprobs(hidden[:, 2:3], head, jnp.array([[1]]), chunk_tokens=4,
                                                 chunk_vocab=4, temperature=2.0)
     np.testing.assert_allclose(np.asarray(logp), [[math.log(2 / 11)]], rtol=1e-5)
     np.testing.assert_allclose(np.asarray(ent), [[h1]], rtol=1e-5)
