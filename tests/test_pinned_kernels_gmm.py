@@ -314,3 +314,57 @@ def test_row_tiles_bound_counts_a_partial_last_tile():
     assert np.asarray(lay.src_P).tolist() == [0, 1, 2, 3, 4, 0, 0, 0, *range(5, 11), 0, 0, 0, 0, 0, 0]
     assert np.asarray(lay.dest_M).tolist() == [0, 1, 2, 3, 4, *range(8, 14)]
     assert np.asarray(lay.group_T).tolist() == [0, 0, 1, 1, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# xla.py and ops.py: ragged_dot chunks, sharding, per-role tiles, entry checks
+
+
+@pytest.mark.parametrize("num_local, sharded, platform, chunks", [
+    (512, True, "cpu", [(0, 512)]),                    # no cap off TPU
+    (256, False, "tpu", [(0, 256)]),                   # exactly the cap
+    (255, True, "tpu", [(0, 255)]),                    # 255 + the zero group = 256
+    (256, True, "tpu", [(0, 255), (255, 1)]),          # 257 groups: chunks of 255 + the zero group
+    (257, False, "tpu", [(0, 255), (255, 2)]),
+    (512, True, "tpu", [(0, 255), (255, 255), (510, 2)]),
+])
+def test_ragged_dot_group_chunks_under_the_tpu_cap(num_local, sharded, platform, chunks):
+    from hybridmoe.kernels.gmm import xla
+
+    assert xla.ragged_group_chunks(num_local, sharded, platform) == chunks
+
+
+def test_sharded_means_fewer_groups_or_a_nonzero_offset():
+    from hybridmoe.kernels.gmm import ops
+
+    sizes = jnp.zeros((8,), jnp.int32)
+    assert not ops._sharded(sizes, 8, 0)
+    assert ops._sharded(sizes, 4, 0)
+    assert ops._sharded(sizes, 8, 2)
+    assert ops._sharded(sizes, 8, jnp.int32(0))  # a traced offset: not known to be 0
+
+
+def test_each_role_takes_its_own_tiles_else_the_forwards():
+    from hybridmoe.kernels.gmm import ops
+
+    fwd, dlhs, drhs = Tiling(8), Tiling(16), Tiling(24)
+    assert ops._role_kws("pallas_tpu", fwd, dlhs, drhs, True, "ragged_dot", 64) == (
+        dict(tiling=fwd, interpret=True), dict(tiling=dlhs, interpret=True), dict(tiling=drhs, interpret=True))
+    assert ops._role_kws("pallas_tpu", fwd, None, None, False, "ragged_dot", 64) == (
+        dict(tiling=fwd, interpret=False),) * 3
+    assert ops._role_kws("xla", fwd, dlhs, drhs, False, "row_tiles", 64) == (dict(impl="row_tiles", tile_rows=64),) * 3
+
+
+def test_gmm_entry_checks():
+    from hybridmoe.kernels.gmm import ops
+
+    lhs, rhs, sizes = jnp.zeros((6, 4)), jnp.zeros((2, 4, 3)), jnp.array([3, 3], jnp.int32)
+    ops._check(lhs, rhs, sizes, 1)
+    with pytest.raises(ValueError, match="contraction mismatch"):
+        ops._check(lhs, rhs, sizes, 2)
+    with pytest.raises(ValueError, match="group_sizes must be int32"):
+        ops._check(lhs, rhs, sizes.astype(jnp.float32), 1)
+    with pytest.raises(ValueError, match="rhs holds 2 groups but group_sizes has 1"):
+        ops._check(lhs, rhs, sizes[:1], 1)
+    with pytest.raises(ValueError, match="unknown gmm backend"):
+        ops.backend_module("triton")
