@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import pytest
 import numpy as np
 
 from hybridmoe.config.schema import ModelConfig
@@ -93,3 +94,72 @@ def test_causal_conv_reads_a_decode_tail_as_the_first_tokens_document():
     y, _ = _conv([3], x=jnp.array([7.0]).reshape(1, 1, 1, 1), tail=jnp.array([5.0, 6.0]).reshape(1, 2, 1, 1),
                  tail_seg=jnp.array([[2, 3]]))
     np.testing.assert_allclose(y, [_silu(7.6)], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# model/decode.py: the cache; model/forward.py: batch defaults and the routing layout
+
+DECODE_MODEL = dict(num_layers=4, layer_pattern=("gdn", "attention"), num_kv_heads=2, head_dim=8, gdn_num_key_heads=2,
+                    gdn_num_value_heads=4, gdn_key_dim=3, gdn_value_dim=5, gdn_conv_kernel=4)
+
+
+def _decode_cfg(**over):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=ModelConfig(**{**DECODE_MODEL, **over}))
+
+
+def test_init_cache_shapes_per_layer_kind():
+    from hybridmoe.model import decode
+
+    cache = decode.init_cache(_decode_cfg(compute_dtype="bfloat16"), 3, 5)
+    gdn_cache, attn_cache = cache["layers"]
+    # 2 blocks; attention k, v [L, B, slots, G, A]; GDN tails [L, B, W - 1, heads, dim], state [L, B, U, k, v]
+    assert attn_cache["k"].shape == attn_cache["v"].shape == (2, 3, 5, 2, 8)
+    assert attn_cache["k"].dtype == jnp.bfloat16
+    assert gdn_cache["conv_q"].shape == gdn_cache["conv_k"].shape == (2, 3, 3, 2, 3)
+    assert gdn_cache["conv_v"].shape == (2, 3, 3, 4, 5)
+    assert gdn_cache["ssm"].shape == (2, 3, 4, 3, 5) and gdn_cache["ssm"].dtype == jnp.float32
+    assert np.asarray(cache["kv_seg"]).tolist() == [[-1] * 5] * 3  # unwritten: no document
+    assert np.asarray(cache["kv_pos"]).tolist() == [[0] * 5] * 3 and int(cache["slot"]) == 0
+
+
+def test_grow_cache_pads_slots_as_unwritten_and_cache_rows_picks_rows():
+    from hybridmoe.model import decode
+
+    cache = decode.init_cache(_decode_cfg(), 3, 2)
+    cache = {**cache, "kv_pos": jnp.array([[0, 1], [0, 1], [5, 6]]), "kv_seg": jnp.array([[1, 1], [2, 2], [3, 3]]),
+             "slot": jnp.int32(2)}
+    grown = decode.grow_cache(cache, 4)
+    assert np.asarray(grown["kv_seg"]).tolist() == [[1, 1, -1, -1], [2, 2, -1, -1], [3, 3, -1, -1]]
+    assert np.asarray(grown["kv_pos"]).tolist() == [[0, 1, 0, 0], [0, 1, 0, 0], [5, 6, 0, 0]]
+    assert grown["layers"][1]["k"].shape == (2, 3, 4, 2, 8) and grown["layers"][0]["ssm"].shape == (2, 3, 4, 3, 5)
+    assert int(grown["slot"]) == 2
+    with pytest.raises(ValueError, match="cannot shrink a cache of 2 slots to 1"):
+        decode.grow_cache(cache, 1)
+    picked = decode.cache_rows(cache, jnp.array([2, 0]))
+    assert np.asarray(picked["kv_pos"]).tolist() == [[5, 6], [0, 1]]
+    assert np.asarray(picked["kv_seg"]).tolist() == [[3, 3], [1, 1]]
+    assert picked["layers"][1]["v"].shape == (2, 2, 2, 2, 8)  # rows are axis 1 under the stacked blocks
+
+
+def test_batch_defaults_are_one_document_counting_from_zero():
+    from hybridmoe.model import forward
+
+    seg, pos = forward.default_batch_fields(jnp.zeros((2, 3), jnp.int32))
+    assert np.asarray(seg).tolist() == [[1, 1, 1]] * 2 and np.asarray(pos).tolist() == [[0, 1, 2]] * 2
+    seg, pos, packed = forward._batch_fields(jnp.zeros((1, 3), jnp.int32), jnp.array([[4, 4, 5]]), None)
+    assert packed and np.asarray(seg).tolist() == [[4, 4, 5]] and np.asarray(pos).tolist() == [[0, 1, 2]]
+    seg, pos, packed = forward._batch_fields(jnp.zeros((1, 3), jnp.int32), None, jnp.array([[7, 8, 9]]))
+    assert not packed and np.asarray(seg).tolist() == [[1, 1, 1]] and np.asarray(pos).tolist() == [[7, 8, 9]]
+
+
+def test_routing_layers_are_block_major():
+    from hybridmoe.model import forward
+
+    # 4 layers = 2 blocks x pattern 2: layer l = block * 2 + position; B 1, T 1, k 1
+    routing = jnp.arange(4).reshape(1, 1, 4, 1)
+    blocks = forward.routing_to_blocks(routing, _decode_cfg())
+    assert blocks.shape == (2, 2, 1, 1, 1)
+    assert np.asarray(blocks)[:, :, 0, 0, 0].tolist() == [[0, 1], [2, 3]]
+    assert np.asarray(forward.routing_from_blocks(blocks)).tolist() == np.asarray(routing).tolist()
