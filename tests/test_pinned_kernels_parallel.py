@@ -140,3 +140,57 @@ def test_load_balanced_order_evens_the_work():
     seg = np.zeros((1, 8), int)
     assert context.unmasked_scores_per_rank(pos, seg, 2).tolist() == [10, 26]
     assert context.unmasked_scores_per_rank(pos[:, idx], seg, 2).tolist() == [18, 18]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes under a mesh (an abstract one: no devices needed)
+
+
+def _mesh(data=1, fsdp=1, context_=1, expert=1, tensor=1):
+    import jax
+
+    from hybridmoe.parallel.mesh import MESH_AXES
+
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((data, fsdp, context_, expert, tensor), MESH_AXES))
+
+
+def test_context_axes_and_size_under_a_mesh():
+    assert context.context_axes() == ()  # no mesh
+    with _mesh(fsdp=2, context_=3):
+        assert context.context_axes() == ("context",) and context.context_size(("context",)) == 3
+    with _mesh(fsdp=2, context_=1):
+        assert context.context_axes() == ()  # a split of 1 is none
+
+
+def test_tokens_per_device_divide_over_the_batch_and_sequence_shards():
+    from hybridmoe.model.remat import tokens_per_device
+
+    assert tokens_per_device(100) == 100  # no mesh
+    with _mesh(data=2, fsdp=2, context_=3, tensor=4):
+        # batch over data x fsdp x expert = 4, sequence over context 3: 12 shards (tensor holds copies)
+        assert tokens_per_device(96) == 8
+        assert tokens_per_device(97) == 9  # rounded up
+    with _mesh(expert=2, context_=2), rules.use_rules(CP_AS_EP_RULES):
+        assert tokens_per_device(96) == 48  # cp_as_ep: the batch is not split over expert
+
+
+def test_splits_evenly_over_the_axes_a_spec_names():
+    with _mesh(fsdp=2, context_=3):
+        assert rules.splits_evenly(PS(("fsdp", "context")), (12,))
+        assert not rules.splits_evenly(PS(("fsdp", "context")), (8,))
+        assert rules.splits_evenly(PS("fsdp", None), (8, 7))
+        assert not rules.splits_evenly(PS(None, "context"), (8, 7))
+
+
+def test_make_mesh_orders_the_five_axes():
+    import jax
+
+    from hybridmoe.parallel.mesh import MESH_AXES, make_mesh
+
+    assert MESH_AXES == ("data", "fsdp", "context", "expert", "tensor")
+    n = len(jax.devices())
+    mesh = make_mesh({"data": 1, "fsdp": n, "context": 1, "expert": 1, "tensor": 1})
+    assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 1, "fsdp": n, "context": 1, "expert": 1,
+                                                                 "tensor": 1}
+    one = make_mesh({a: 1 for a in MESH_AXES}, devices=jax.devices()[:1])
+    assert dict(one.shape) == {a: 1 for a in MESH_AXES}
