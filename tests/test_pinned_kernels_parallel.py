@@ -178,6 +178,7 @@ def test_splits_evenly_over_the_axes_a_spec_names():
     with _mesh(fsdp=2, context_=3):
         assert rules.splits_evenly(PS(("fsdp", "context")), (12,))
         assert not rules.splits_evenly(PS(("fsdp", "context")), (8,))
+        assert not rules.splits_evenly(PS(("fsdp", "context")), (3,))  # 3 splits over context alone, not both
         assert rules.splits_evenly(PS("fsdp", None), (8, 7))
         assert not rules.splits_evenly(PS(None, "context"), (8, 7))
 
