@@ -225,3 +225,12 @@ def test_only_mosaic_takes_a_vmem_limit_and_query_runs():
     assert ops._limit("pallas_tpu", 24.0, ((0, 4),)) == {"vmem_limit_mib": 24.0, "query_runs": ((0, 4),)}
     assert ops._limit("pallas_gpu", 24.0) == {}
     assert ops.platform_default("tpu") == "pallas_tpu" and ops.platform_default("cpu") == "xla"
+
+
+@pytest.mark.parametrize("t, blocks", [(256, 4), (512, 4), (128, 2), (254, 2), (255, 1), (126, 1), (127, 1)])
+def test_blocked_core_splits_into_the_most_blocks_of_at_least_64_tokens(t, blocks):
+    # 256: 4 x 64 (exactly the least); 128: 4 x 32 too small -> 2 x 64; 254: 4 does not divide -> 2 x 127;
+    # 126: 2 x 63 too small -> 1
+    from hybridmoe.kernels.attention import blocked
+
+    assert blocked.num_query_blocks(t) == blocks
