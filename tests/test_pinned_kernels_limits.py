@@ -322,3 +322,12 @@ def test_gpu_attention_blocks_fit_the_local_rows():
     # over 16 ranks: 32 local rows -> 32 x 32; dk-dv 3 x 2 x 32 x 256 x 2 + 2 x 32 x 256 x 2 + 32 x 32 x 2
     # = 133,120 B fits
     assert kernel_needs.gpu_attention_problems(_cfg(seq_len=512, head_dim=256), context_ranks=16) == []
+
+
+def test_per_generation_tables():
+    assert vmem.TPU_DEFAULT_LIMIT_MIB_BY_GENERATION == {"v5e": 16.0, "v5p": 16.0, "v6e": 32.0, "tpu7x": 32.0}
+    assert vmem.TPU_VMEM_MIB_BY_GENERATION == {"v5e": 128.0, "v5p": 64.0, "v6e": 128.0, "tpu7x": 64.0}
+    assert (vmem.AUTO_MARGIN, vmem.AUTO_MARGIN_MIB, vmem.AUTO_FLOOR_MIB) == (1.25, 4.0, 32.0)
+    assert limits.DEFAULT_BLOCKS == {"xla": (256, 256), "pallas_tpu": (128, 512), "pallas_gpu": (64, 64)}
+    assert limits.JAX_GPU_ATTENTION_DEFAULTS == {"block_q": 128, "block_k": 128, "block_q_bwd": 32, "block_k_bwd": 32,
+                                                 "num_stages": 2}
