@@ -81,6 +81,12 @@ def test_initialisers_hit_their_ranges():
     assert dt.min() >= 1e-3 * 0.999 and dt.max() <= 1e-1 * 1.001 and dt.min() < 1.2e-3 and dt.max() > 0.09
     x = np.asarray(P.normal(0.5)(key, (20000,), jnp.float32))
     assert abs(x.std() - 0.5) < 0.01
+    # the declared initialisers: conv taps at 1 / sqrt(W) = 1 / 2 (W 4), projections at init_std
+    gdn = P.declare_params(ModelConfig(**{**DIMS, "init_std": 0.03}))["blocks"][0]["mixer"]
+    taps = np.asarray(gdn["conv_q"].init(key, (20000,), jnp.float32))
+    assert abs(taps.std() - 0.5) < 0.01
+    assert abs(np.asarray(gdn["wq"].init(key, (20000,), jnp.float32)).std() - 0.03) < 0.001
+    assert np.all(np.asarray(gdn["norm"].init(key, (3,), jnp.float32)) == 1.0)  # GDN's norm multiplies directly
 
 
 # ---------------------------------------------------------------------------------------------
