@@ -368,3 +368,16 @@ def test_gmm_entry_checks():
         ops._check(lhs, rhs, sizes[:1], 1)
     with pytest.raises(ValueError, match="unknown gmm backend"):
         ops.backend_module("triton")
+
+
+def test_dlhs_plan_pads_rows_and_tiles_the_model_width():
+    # g [20, D 256], wo [G 2, F 128, D 256]; tm 16 -> 32 padded rows; tk 256 tiles D (not F 128)
+    g, wo, pre = jnp.ones((20, 256)), jnp.ones((2, 128, 256)), jnp.ones((20, 256), jnp.bfloat16)
+    plan = metadata.dlhs_plan(g, wo, pre, jnp.ones((20,)), None, Tiling(tm=16, tk=256))
+    assert (plan.m, plan.d, plan.f, plan.num_local, plan.tm, plan.m_pad, plan.tk) == (20, 256, 128, 2, 16, 32, 256)
+    assert (plan.has_scale, plan.has_h, plan.pre_dtype) == (True, False, jnp.bfloat16)
+    assert [a.shape for a in plan.args] == [(32, 256), (2, 128, 256), (32, 256), (32, 1)]
+    assert plan.optional_refs(("s", "a", "b")) == ("s", None, ["a", "b"])
+    plan = metadata.dlhs_plan(g, wo, pre, None, jnp.ones((20, 128)), None)  # default tiles: tm 128 -> 24
+    assert (plan.tm, plan.m_pad, plan.tk, plan.has_scale, plan.has_h) == (24, 24, 128, False, True)
+    assert plan.optional_refs(("h", "a")) == (None, "h", ["a"])
