@@ -234,3 +234,43 @@ def test_blocked_core_splits_into_the_most_blocks_of_at_least_64_tokens(t, block
     from hybridmoe.kernels.attention import blocked
 
     assert blocked.num_query_blocks(t) == blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# model/attention.py: the core the config names, with the blocks and query runs it hands the kernel
+
+
+def _core_call(monkeypatch, attention_keys, *, interpret=False, T=200, S=400, load_balanced=None):
+    from hybridmoe.config.schema import KernelsConfig
+    from hybridmoe.model import attention as layer
+
+    seen = {}
+    monkeypatch.setattr(layer, "flash_attention", lambda *a, **kw: seen.update(kw))
+    kc = KernelsConfig.model_validate({"attention": attention_keys, "interpret": interpret})
+    core = layer.attention_core(kc, self_attention=False, load_balanced=load_balanced)
+    q, k = jnp.zeros((1, T, 4, 8)), jnp.zeros((1, S, 2, 8))
+    ids_q, ids_k = jnp.zeros((1, T), jnp.int32), jnp.zeros((1, S), jnp.int32)
+    core(q, k, k, q_pos_BT=ids_q, kv_pos_BS=ids_k, q_seg_BT=ids_q, kv_seg_BS=ids_k, scale=0.5)
+    return seen
+
+
+def test_attention_core_fits_mosaic_blocks_and_states_load_balanced_query_runs(monkeypatch):
+    # 200 local queries against 400 gathered keys, 2 ranks: Mosaic blocks 40 (8, 40, 200 divide 200)
+    # and 400; balanced runs: half-chunks 0 and 3 of 100 tokens
+    seen = _core_call(monkeypatch, {"backend": "pallas_tpu", "vmem_limit_mib": 24.0}, load_balanced=True)
+    assert (seen["backend"], seen["block_q"], seen["block_k"], seen["scale"]) == ("pallas_tpu", 40, 400, 0.5)
+    assert seen["query_runs"] == ((0, 100), (300, 100)) and seen["vmem_limit_mib"] == 24.0
+    assert seen["interpret"] is False
+    assert _core_call(monkeypatch, {"backend": "pallas_tpu"}, load_balanced=False)["query_runs"] == ((200, 200),)
+    assert _core_call(monkeypatch, {"backend": "pallas_tpu"})["query_runs"] is None
+    assert _core_call(monkeypatch, {"backend": "pallas_tpu"}, S=300, load_balanced=True)["query_runs"] is None
+
+
+def test_attention_core_interpreted_or_xla_takes_any_divisor(monkeypatch):
+    # no Mosaic rule: 128 -> 100 for 200 queries; 512 -> 400 keys
+    seen = _core_call(monkeypatch, {"backend": "pallas_tpu"}, interpret=True)
+    assert (seen["block_q"], seen["block_k"], seen["interpret"]) == (100, 400, True)
+    seen = _core_call(monkeypatch, {"backend": "xla"})
+    assert (seen["backend"], seen["block_q"], seen["block_k"]) == ("xla", 200, 200)  # xla's 256 defaults
+    seen = _core_call(monkeypatch, {"backend": "xla", "block_q": 50, "block_k": 80})
+    assert (seen["block_q"], seen["block_k"]) == (50, 80)
