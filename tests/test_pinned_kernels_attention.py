@@ -274,3 +274,20 @@ def test_attention_core_interpreted_or_xla_takes_any_divisor(monkeypatch):
     assert (seen["backend"], seen["block_q"], seen["block_k"]) == ("xla", 200, 200)  # xla's 256 defaults
     seen = _core_call(monkeypatch, {"backend": "xla", "block_q": 50, "block_k": 80})
     assert (seen["block_q"], seen["block_k"]) == (50, 80)
+
+
+def test_blocked_core_takes_its_block_count_from_block_q(monkeypatch):
+    from hybridmoe.config.schema import KernelsConfig
+    from hybridmoe.model import attention as layer
+
+    seen = {}
+    monkeypatch.setattr(layer, "causal_attention_blocked", lambda q, *a, **kw: seen.update(kw))
+    q = jnp.zeros((1, 200, 4, 8))
+    layer.attention_core(KernelsConfig.model_validate({"attention": {"backend": "blocked", "block_q": 50}}),
+                         self_attention=True)(q)
+    assert seen["num_blocks"] == 4  # 200 / 50
+    layer.attention_core(KernelsConfig.model_validate({"attention": {"backend": "blocked"}}), self_attention=True)(q)
+    assert seen["num_blocks"] is None  # the core's own count
+    # not self-attention (the gathered keys of context parallelism): the masked core over every key
+    core = layer.attention_core(KernelsConfig.model_validate({"attention": {"backend": "blocked"}}), self_attention=False)
+    assert core is layer.attention
