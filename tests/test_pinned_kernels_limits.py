@@ -331,3 +331,12 @@ def test_per_generation_tables():
     assert limits.DEFAULT_BLOCKS == {"xla": (256, 256), "pallas_tpu": (128, 512), "pallas_gpu": (64, 64)}
     assert limits.JAX_GPU_ATTENTION_DEFAULTS == {"block_q": 128, "block_k": 128, "block_q_bwd": 32, "block_k_bwd": 32,
                                                  "num_stages": 2}
+
+
+def test_gmm_vmem_needs_compile_under_the_gmm_limit_key():
+    cfg = _gmm_cfg()
+    cfg.kernels.gmm.vmem_limit_mib = 30.0
+    needs = kernel_needs.gmm_vmem_needs(cfg)
+    assert set(needs) == {"wi_fwd", "wi_dlhs", "wi_drhs", "wo_fwd", "wo_dlhs", "wo_drhs"}
+    assert {n.limit_bytes for n in needs.values()} == {30 * MIB}
+    assert needs["wi_fwd"].kernel == "wi_fwd (wi_fused_swiglu_fwd)" and needs["wo_dlhs"].kernel == "wo_dlhs (gmm_t)"
