@@ -146,6 +146,12 @@ def test_a_session_stopped_by_an_error_checkpoints_the_last_completed_step(tmp_p
         s.run(failing, 9, checkpoint_every=4, step_meta=lambda d: {"pos": d}, progress=False, desc="t")
     # done = 4 saved by the cadence; steps 4 done (done = 5), step 5 raised: saved at 5.
     assert ckpt.saved == [(4, 4, 4), (5, 5, 5)] and ckpt.closed
+    # An error right after a cadence save (step 4 raises, done = 4 is saved): nothing saved twice.
+    s = _session(tmp_path, out=False)
+    with pytest.raises(KeyboardInterrupt):
+        s.run(lambda tree, step: failing(tree, step + 1), 9, checkpoint_every=4, step_meta=lambda d: {"pos": d},
+              progress=False, desc="t")
+    assert s.ckpt.saved == [(4, 4, 4)]
 
 
 def test_a_nonfinite_stop_is_recorded_off_cadence_and_checkpointed(tmp_path, monkeypatch):
@@ -160,9 +166,9 @@ def test_a_nonfinite_stop_is_recorded_off_cadence_and_checkpointed(tmp_path, mon
 
     with pytest.raises(NonFiniteStop, match="steps 3..4"):
         s.run(bad_from_3, 9, checkpoint_every=0, step_meta=lambda d: {"pos": d}, progress=False, desc="t",
-              log_every=4)
-    # Records at steps 0 and 4 (the cadence), and step 4 is also the stop; saved once, at done = 5.
-    assert [(r["step"], r["update_skipped"]) for r in _records(tmp_path)] == [(0, 0.0), (4, 1.0)]
+              log_every=3)
+    # Records at steps 0 and 3 (the cadence) and 4 (the stop, off the cadence); saved once, at done = 5.
+    assert [(r["step"], r["update_skipped"]) for r in _records(tmp_path)] == [(0, 0.0), (3, 1.0), (4, 1.0)]
     assert ckpt.saved == [(5, 5, 5)]
 
 
@@ -180,6 +186,9 @@ def test_packing_is_first_fit_with_segments_positions_and_masks():
     assert out["segment_ids"].tolist() == [[1, 1, 1, 2, 2], [1, 1, 1, 1, 0]]
     assert out["positions"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]
     assert out["loss_mask"].tolist() == [[1, 0, 1, 1, 1], [0, 1, 1, 1, 0]]
+    # Row 0 too full (4 + 2 > 5), row 1 exactly full (3 + 2 = 5): the last document goes to row 1.
+    exact = pack_documents([np.array([1, 1, 1, 1]), np.array([2, 2, 2]), np.array([3, 3])], rows=2, seq_len=5)
+    assert exact["tokens"].tolist() == [[1, 1, 1, 1, 0], [2, 2, 2, 3, 3]]
     one = pack_documents([np.arange(1, 8)], rows=1, seq_len=4)  # longer than a row: its first 4 tokens
     assert one["tokens"].tolist() == [[1, 2, 3, 4]] and "loss_mask" not in one
 
