@@ -1,0 +1,191 @@
+"""The GRPO update's host-side glue pinned on tiny hand-made arrays: the logged ratios from the step's
+sums, the rows and normaliser handed to the step, the mini-batch schedule, the updates of a rollout
+with a fake step, and `generate`'s figures with a fake sampler and clock. No model is built."""
+
+import types
+
+import numpy as np
+import pytest
+
+from hybridmoe.rl import grpo
+from hybridmoe.rl.grpo import (combine_update_metrics, mini_batch_rows, policy_updates, split_update_batch,
+                               step_metrics, step_normalizer, update_rows)
+
+
+def _cfg(**rl):
+    base = dict(aggregation="token_mean", max_new_tokens=3, fewest_micro_batches=1, mini_batches=1,
+                epochs_per_rollout=1, updates_per_rollout=1)
+    return types.SimpleNamespace(rl=types.SimpleNamespace(**{**base, **rl}),
+                                 moe=types.SimpleNamespace(routing_replay=False), train=types.SimpleNamespace(seed=0))
+
+
+SUMS = {"kept_tokens": 8.0, "completion_tokens": 10.0, "entropy_sum": 15.0, "logp_sum": -20.0, "kl_sum": 2.0,
+        "clipped_sum": 4.0, "clipped_high_sum": 1.0, "clipped_low_sum": 3.0, "ratio_sum": 9.0, "pg_loss": 0.25,
+        "gap_sum": 5.0, "is_weight_sum": 6.0, "is_masked_rows": 1.0, "rows_with_tokens": 4.0,
+        "ratio_max": 1.5, "ratio_min": 0.5, "gap_max": 0.75}
+
+
+def test_step_metrics_divide_each_sum_by_its_own_count():
+    m = step_metrics(SUMS, True)
+    # Over all completion tokens (10): entropy 15/10, logp -20/10, sampler gap 5/10.
+    assert (m["entropy"], m["logp_mean"], m["sampler_gap_mean"]) == (1.5, -2.0, 0.5)
+    # Over the kept tokens (8): kl 2/8, clip fractions 4/8, 1/8, 3/8, ratio 9/8, is weight 6/8.
+    assert (m["kl"], m["pg_clipfrac"], m["pg_clipfrac_high"], m["pg_clipfrac_low"]) == (0.25, 0.5, 0.125, 0.375)
+    assert (m["ratio_mean"], m["is_weight_mean"]) == (1.125, 0.75)
+    assert (m["ratio_max"], m["ratio_min"], m["sampler_gap_max"]) == (1.5, 0.5, 0.75)
+    assert m["is_masked_frac"] == 0.25  # 1 masked row of 4 with tokens
+
+
+def test_step_metrics_of_an_update_that_kept_nothing_are_neutral():
+    m = step_metrics({**SUMS, "kept_tokens": 0.0, "rows_with_tokens": 0.0, "is_masked_rows": 0.0}, False)
+    assert (m["ratio_mean"], m["ratio_max"], m["ratio_min"], m["is_weight_mean"]) == (1.0, 1.0, 1.0, 1.0)
+    assert m["kl"] == 2.0 and m["is_masked_frac"] == 0.0  # divided by max(0, 1) = 1
+
+
+def test_combined_updates_add_sums_and_average_the_loss_and_grad_norm():
+    one = {**SUMS, "loss": 1.0, "grad_norm": 3.0, "update_applied": 1.0, "update_skipped": 0.0}
+    two = {**SUMS, "kept_tokens": 2.0, "completion_tokens": 6.0, "entropy_sum": 1.0, "ratio_sum": 3.0,
+           "ratio_max": 1.25, "ratio_min": 0.25, "gap_max": 1.0, "pg_loss": 0.75, "loss": 2.0, "grad_norm": 5.0,
+           "update_applied": 0.0, "update_skipped": 1.0}
+    m = combine_update_metrics([one, two])
+    assert m["kept_tokens"] == 10.0 and m["completion_tokens"] == 16.0
+    assert m["entropy"] == 16.0 / 16.0 and m["ratio_mean"] == 12.0 / 10.0
+    assert (m["ratio_max"], m["ratio_min"], m["sampler_gap_max"]) == (1.5, 0.25, 1.0)
+    assert (m["loss"], m["pg_loss"], m["grad_norm"], m["update_applied"]) == (1.5, 0.5, 4.0, 0.5)
+    assert (m["grad_norm_max"], m["update_skipped"], m["updates"]) == (5.0, 1.0, 2.0)
+
+
+def test_the_normaliser_counts_kept_tokens_or_kept_sequences_with_a_token():
+    mask = np.array([[1, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]], np.float32)
+    keep = np.array([1, 1, 0, 1], np.float32)
+    assert step_normalizer(_cfg(), mask, keep) == 5.0  # 2 + 0 + (dropped) + 3
+    assert step_normalizer(_cfg(aggregation="seq_mean_token_mean"), mask, keep) == 2.0  # rows 0 and 3
+
+
+def test_update_rows_put_completion_token_j_at_index_p_minus_1_plus_j():
+    # Prompt slots P = 5 - 3 = 2; targets T - 1 = 4: index 0 predicts prompt token 1, then completion.
+    rollout = {"tokens": np.arange(10).reshape(2, 5), "segment_ids": np.ones((2, 5), np.int32),
+               "positions": np.tile(np.arange(5), (2, 1)), "lengths": np.array([1, 3]),
+               "logprobs": np.array([[-0.5, -0.25, -2.0], [-1.0, -2.0, -3.0]], np.float32)}
+    out = update_rows(_cfg(), rollout, np.array([0.5, -0.5]), np.array([True, False]))
+    assert out["mask"].tolist() == [[0, 1, 0, 0], [0, 1, 1, 1]]
+    # The sampler's log-probs of the completion, zero past each row's length.
+    assert out["logp_sampler"].tolist() == [[0, -0.5, 0, 0], [0, -1.0, -2.0, -3.0]]
+    assert out["advantages"].tolist() == [0.5, -0.5] and out["keep"].tolist() == [True, False]
+    assert "routing" not in out
+
+
+def test_an_update_batch_is_split_in_order_with_the_update_wide_normaliser():
+    rows = {"tokens": np.arange(8).reshape(4, 2), "mask": np.array([[1, 0], [1, 1], [0, 0], [1, 1]], np.float32),
+            "keep": np.array([True, True, True, False])}
+    out = split_update_batch(_cfg(), rows, micro_batches=2)
+    assert out["tokens"].tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert out["normalizer"].tolist() == [3.0, 3.0] and "on_policy" not in out  # 1 + 2, row 3 dropped
+    with_old = split_update_batch(_cfg(), {**rows, "logp_old": np.zeros((4, 2))}, on_policy=True, micro_batches=2)
+    assert with_old["on_policy"].tolist() == [True, True]
+    with pytest.raises(ValueError, match="rl.micro_batches=3 does not divide an update's 4 rows"):
+        split_update_batch(_cfg(), rows, micro_batches=3)
+
+
+def test_mini_batches_cover_every_row_once_per_epoch():
+    assert [p.tolist() for p in mini_batch_rows(_cfg(epochs_per_rollout=2), 4, step=0)] == [[0, 1, 2, 3]] * 2
+    parts = mini_batch_rows(_cfg(mini_batches=3, epochs_per_rollout=2), 6, step=1)
+    assert [len(p) for p in parts] == [2] * 6
+    assert sorted(np.concatenate(parts[:3]).tolist()) == sorted(np.concatenate(parts[3:]).tolist()) == list(range(6))
+    with pytest.raises(ValueError, match="4 mini-batches do not divide the 6 rollouts"):
+        mini_batch_rows(_cfg(mini_batches=4), 6, step=0)
+
+
+def _metric(loss, kept):
+    return {**SUMS, "kept_tokens": kept, "loss": loss, "grad_norm": 1.0, "update_applied": 1.0,
+            "update_skipped": 0.0}
+
+
+def test_one_update_per_rollout_steps_once_on_the_whole_rollout(monkeypatch):
+    rows = {"tokens": np.zeros((4, 2)), "mask": np.ones((4, 2), np.float32), "keep": np.ones(4, bool)}
+    seen = []
+
+    def step(state, ref, batch):
+        seen.append(batch)
+        return state + 1, _metric(0.5, 8.0)
+    state, m = policy_updates(_cfg(), rows, 0, 0, None, step, None, lambda b, old: b, lambda x: x)
+    assert state == 1 and len(seen) == 1 and seen[0]["normalizer"].tolist() == [8.0]
+    assert m["old_logprobs_time_s"] == 0.0 and m["updates"] == 1.0 and m["loss"] == 0.5
+
+
+def test_several_updates_read_pi_old_once_and_only_the_first_is_on_policy(monkeypatch):
+    clock = iter([10.0, 12.5])
+    monkeypatch.setattr(grpo.time, "perf_counter", lambda: next(clock))
+    cfg = _cfg(updates_per_rollout=2, mini_batches=2)
+    rows = {"tokens": np.arange(8).reshape(4, 2), "mask": np.ones((4, 2), np.float32), "keep": np.ones(4, bool)}
+    old_calls, seen = [], []
+
+    def old(params, batch):
+        old_calls.append(batch["tokens"].shape)
+        return batch["tokens"] * 10.0  # pi_old per target: [M, b, T] -> reshaped to [B, T]
+
+    def step(state, ref, batch):
+        seen.append(batch)
+        return state, _metric(float(len(seen)), 2.0)
+    _, m = policy_updates(cfg, rows, 0, {"params": None}, None, step, old, lambda b, with_old: b, lambda x: x,
+                          old_micro_batches=2)
+    assert old_calls == [(2, 2, 2)]  # once, in the 2 micro-batches asked for
+    assert [b["on_policy"].tolist() for b in seen] == [[True], [False]]
+    for b in seen:  # each row's pi_old travels with it through the shuffle
+        np.testing.assert_array_equal(b["logp_old"][0], b["tokens"][0] * 10.0)
+    assert m["old_logprobs_time_s"] == 2.5 and m["updates"] == 2.0 and m["loss"] == 1.5
+
+
+# ------------------------------------------------------------------------------------------------
+# generate's figures, with a fake sampler, mesh and clock
+
+
+def test_generate_counts_real_rows_tokens_over_generation_seconds_without_the_compile(monkeypatch):
+    from hybridmoe.data.tokenizer import CharTokenizer
+    from hybridmoe.rl import policy_io
+
+    tok = CharTokenizer()
+    calls = []
+
+    def compiled(params, tokens, seg, pos, key):
+        calls.append(tokens.shape)
+        B = tokens.shape[0]
+        # Every row generates 3 + its index tokens (the padding rows too: they must not be counted).
+        lengths = np.array([3 + i for i in range(B)])
+        return {"lengths": lengths, "completion": np.full((B, 8), tok.encode("a")[0]), "truncated": lengths == 8}
+
+    fake_gen = types.SimpleNamespace(lower=lambda *a: types.SimpleNamespace(compile=lambda: compiled))
+    monkeypatch.setattr(policy_io, "make_generate", lambda *a, **k: fake_gen)
+    monkeypatch.setattr(policy_io, "put_global", lambda x, sh: x)
+    monkeypatch.setattr(policy_io, "fetch_global", lambda x: x)
+    monkeypatch.setattr(policy_io, "NamedSharding", lambda *a: None)
+    # compile 100 -> 104 (4 s), batch 1 200 -> 201 (1 s), batch 2 300 -> 303 (3 s)
+    clock = iter([100.0, 104.0, 200.0, 201.0, 300.0, 303.0])
+    monkeypatch.setattr(policy_io, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    setup = types.SimpleNamespace(batch_sharding=lambda i: types.SimpleNamespace(spec=(("data", "fsdp"),)),
+                                  mesh=types.SimpleNamespace(shape={"data": 2, "fsdp": 2}), param_shardings=None,
+                                  context=lambda: __import__("contextlib").nullcontext())
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(max_seq_len=64))
+    policy = policy_io.Policy(cfg, setup, None, tok)
+    prompts = ["ab", "c", "de", "f", "gh"]
+    records, figures = policy_io.generate_texts(policy, prompts, max_new_tokens=8, temperature=0.0, top_p=1.0,
+                                                batch_size=3)
+    # 4 batch shards: 3 rows round up to 4. Five prompts: a batch of 4, then one of 1 (+ 3 padding rows).
+    assert figures["rows_per_batch"] == 4 and figures["batches"] == 2 and calls == [(4, 3)] * 2
+    # Real rows: 3+4+5+6 = 18 in batch 1, 3 in batch 2: 21 tokens in 1 + 3 s; the compile's 4 s apart.
+    assert (figures["new_tokens"], figures["seconds"], figures["compile_s"]) == (21, 4.0, 4.0)
+    assert figures["tokens_per_s"] == 21 / 4.0
+    assert [r["tokens"] for r in records] == [3, 4, 5, 6, 3]
+    assert [r["prompt"] for r in records] == prompts and records[4]["completion"] == "aaa"
+    assert records[0]["prompt_ids"] == [tok.bos_id, *tok.encode("ab")]
+
+
+def test_generate_refuses_a_prompt_that_leaves_no_room_for_the_new_tokens():
+    from hybridmoe.data.tokenizer import CharTokenizer
+    from hybridmoe.rl import policy_io
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(max_seq_len=10))
+    policy = policy_io.Policy(cfg, None, None, CharTokenizer())
+    # bos + 4 characters = 5 tokens, + 6 new = 11 > 10; with 5 new it is exactly 10 and would pass this check.
+    with pytest.raises(ValueError, match=r"the longest prompt \(5 tokens\) \+ --max-new-tokens 6 exceeds "
+                                         r"model.max_seq_len=10"):
+        policy_io.generate_texts(policy, ["abcd", "a"], max_new_tokens=6, temperature=0.0, top_p=1.0, batch_size=1)
