@@ -189,3 +189,85 @@ def test_generate_refuses_a_prompt_that_leaves_no_room_for_the_new_tokens():
     with pytest.raises(ValueError, match=r"the longest prompt \(5 tokens\) \+ --max-new-tokens 6 exceeds "
                                          r"model.max_seq_len=10"):
         policy_io.generate_texts(policy, ["abcd", "a"], max_new_tokens=6, temperature=0.0, top_p=1.0, batch_size=1)
+    with pytest.raises(AttributeError):  # exactly 10 passes the check and reaches the (absent) mesh
+        policy_io.generate_texts(policy, ["abcd", "a"], max_new_tokens=5, temperature=0.0, top_p=1.0, batch_size=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# advantages and the objective's logged figures
+
+
+def test_advantage_stats_are_over_the_kept_samples_only():
+    import jax.numpy as jnp
+    from hybridmoe.rl.advantages import advantage_stats
+    adv = jnp.array([[1.0, -1.0, 0.5], [2.0, 0.0, -3.0]])
+    keep = jnp.array([[True, True, True], [False, True, False]])
+    s = {k: float(v) for k, v in advantage_stats(adv, keep).items()}
+    # Kept: 1, -1, 0.5, 0 -> mean 0.5 / 4 = 0.125; deviations 0.875, -1.125, 0.375, -0.125;
+    # population variance (0.765625 + 1.265625 + 0.140625 + 0.015625) / 4 = 0.546875.
+    assert s["adv_mean"] == 0.125 and s["adv_std"] == pytest.approx(0.546875 ** 0.5, rel=1e-6)
+    assert (s["adv_min"], s["adv_max"]) == (-1.0, 1.0)  # not the dropped 2 and -3
+    none = {k: float(v) for k, v in advantage_stats(adv, jnp.zeros((2, 3), bool)).items()}
+    assert none == {"adv_mean": 0.0, "adv_std": 0.0, "adv_min": 0.0, "adv_max": 0.0}
+
+
+def test_group_advantages_leave_out_skipped_rewards_and_mask_truncated_rows():
+    import jax.numpy as jnp
+    from hybridmoe.rl.advantages import group_advantages
+    rewards = jnp.array([[1.0, 0.0, 0.0, 5.0]])
+    skipped = jnp.array([[False, False, False, True]])
+    # Valid 1, 0, 0: mean 1/3, centred 2/3, -1/3, -1/3; rloo scales by n / (n - 1) = 3 / 2.
+    adv, keep, frac = group_advantages(rewards, estimator="rloo", skipped_PG=skipped)
+    np.testing.assert_allclose(np.asarray(adv), [[1.0, -0.5, -0.5, 0.0]], rtol=1e-6)
+    assert np.asarray(keep).tolist() == [[True, True, True, False]] and float(frac) == 0.75
+    # drgrpo: centred only; the truncated row 1 keeps its place in the mean but carries no loss.
+    adv, keep, frac = group_advantages(rewards, estimator="drgrpo", skipped_PG=skipped, mask_truncated=True,
+                                       truncated_PG=jnp.array([[False, True, False, False]]))
+    np.testing.assert_allclose(np.asarray(adv), [[2 / 3, 0.0, -1 / 3, 0.0]], rtol=1e-6)
+    assert float(frac) == 0.5
+    # grpo: std of 1, 0 (population) is 0.5, so the advantages are +-0.5 / (0.5 + 1e-6).
+    adv, _, _ = group_advantages(jnp.array([[1.0, 0.0]]))
+    np.testing.assert_allclose(np.asarray(adv), [[0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)]], rtol=1e-6)
+    # One valid sample: no leave-one-out baseline (rloo drops it); a single distinct value is zero variance.
+    _, keep, _ = group_advantages(jnp.array([[1.0, 3.0]]), estimator="rloo", skipped_PG=jnp.array([[False, True]]),
+                                  mask_zero_variance=False)
+    assert np.asarray(keep).tolist() == [[False, False]]
+
+
+def _objective_case(**kw):
+    import jax.numpy as jnp
+    from hybridmoe.rl.objective import clipped_policy_loss
+    # Row 0 (advantage +1): ratios 1.5, 0.5, 1.1; row 1 (advantage -1): 0.5, 1.1 and a masked 3.0.
+    ratios = np.array([[1.5, 0.5, 1.1], [0.5, 1.1, 3.0]], np.float32)
+    logp = jnp.log(jnp.asarray(ratios))
+    mask = jnp.array([[1, 1, 1], [1, 1, 0]])
+    return clipped_policy_loss(logp, jnp.zeros((2, 3)), jnp.array([1.0, -1.0]), mask, eps=0.2, **kw)
+
+
+def test_the_objectives_clip_fractions_and_ratio_figures_by_hand():
+    loss, m = _objective_case()
+    m = {k: float(v) for k, v in m.items()}
+    # High clip: advantage > 0 and ratio > 1.2: row 0's 1.5. Low: advantage < 0 and ratio < 0.8: row 1's 0.5.
+    assert m["num_tokens"] == 5.0
+    assert (m["pg_clipfrac"], m["pg_clipfrac_high"], m["pg_clipfrac_low"]) == pytest.approx((0.4, 0.2, 0.2))
+    assert m["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.1 + 0.5 + 1.1) / 5, rel=1e-6)
+    assert (m["ratio_max"], m["ratio_min"]) == pytest.approx((1.5, 0.5), rel=1e-6)  # the masked 3.0 left out
+    # pg = max(-A r, -A clip(r, 0.8, 1.2)): row 0: -1.2, -0.5, -1.1; row 1: 0.8, 1.1. Token mean -0.9 / 5.
+    assert float(loss) == pytest.approx(-0.18, rel=1e-5) and m["pg_loss"] == pytest.approx(-0.18, rel=1e-5)
+    # A wider upper clip (1 + 0.6) no longer clips 1.5; the lower one still clips 0.5.
+    _, wide = _objective_case(eps_high=0.6)
+    assert (float(wide["pg_clipfrac_high"]), float(wide["pg_clipfrac_low"])) == pytest.approx((0.0, 0.2))
+
+
+def test_the_objectives_sequence_mean_and_kl_by_hand():
+    import jax.numpy as jnp
+    # Per sequence: row 0 (-1.2 - 0.5 - 1.1) / 3, row 1 (0.8 + 1.1) / 2; then their mean.
+    loss, _ = _objective_case(aggregation="seq_mean_token_mean")
+    assert float(loss) == pytest.approx((-2.8 / 3 + 1.9 / 2) / 2, rel=1e-5)
+    # k3 KL to a reference at the old policy (log-prob 0): exp(-logp) + logp - 1 = 1 / r + log r - 1.
+    k3 = lambda r: 1 / r + np.log(r) - 1  # noqa: E731
+    loss_kl, m = _objective_case(beta=0.5, logp_ref_BT=jnp.zeros((2, 3)))
+    kl = (k3(1.5) + k3(0.5) + k3(1.1) + k3(0.5) + k3(1.1)) / 5
+    assert float(m["kl"]) == pytest.approx(kl, rel=1e-5)
+    assert float(loss_kl) == pytest.approx(-0.18 + 0.5 * kl, rel=1e-5)
+    assert float(m["pg_loss"]) == pytest.approx(-0.18, rel=1e-5)  # the pg part alone
