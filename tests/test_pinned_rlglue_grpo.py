@@ -255,7 +255,9 @@ def test_the_objectives_clip_fractions_and_ratio_figures_by_hand():
     # pg = max(-A r, -A clip(r, 0.8, 1.2)): row 0: -1.2, -0.5, -1.1; row 1: 0.8, 1.1. Token mean -0.9 / 5.
     assert float(loss) == pytest.approx(-0.18, rel=1e-5) and m["pg_loss"] == pytest.approx(-0.18, rel=1e-5)
     # A wider upper clip (1 + 0.6) no longer clips 1.5; the lower one still clips 0.5.
-    _, wide = _objective_case(eps_high=0.6)
+    wide_loss, wide = _objective_case(eps_high=0.6)
+    # Row 0's first pg becomes max(-1.5, -clip(1.5, 0.8, 1.6)) = -1.5: (-1.5 - 0.5 - 1.1 + 0.8 + 1.1) / 5.
+    assert float(wide_loss) == pytest.approx(-0.24, rel=1e-5)
     assert (float(wide["pg_clipfrac_high"]), float(wide["pg_clipfrac_low"])) == pytest.approx((0.0, 0.2))
 
 
@@ -264,6 +266,9 @@ def test_the_objectives_sequence_mean_and_kl_by_hand():
     # Per sequence: row 0 (-1.2 - 0.5 - 1.1) / 3, row 1 (0.8 + 1.1) / 2; then their mean.
     loss, _ = _objective_case(aggregation="seq_mean_token_mean")
     assert float(loss) == pytest.approx((-2.8 / 3 + 1.9 / 2) / 2, rel=1e-5)
+    # Row 1 dropped by the keep mask: it has no token left and is not counted; row 0's mean alone.
+    dropped, _ = _objective_case(aggregation="seq_mean_token_mean", keep_B=jnp.array([True, False]))
+    assert float(dropped) == pytest.approx(-2.8 / 3, rel=1e-5)
     # k3 KL to a reference at the old policy (log-prob 0): exp(-logp) + logp - 1 = 1 / r + log r - 1.
     k3 = lambda r: 1 / r + np.log(r) - 1  # noqa: E731
     loss_kl, m = _objective_case(beta=0.5, logp_ref_BT=jnp.zeros((2, 3)))
