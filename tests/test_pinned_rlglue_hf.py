@@ -157,6 +157,7 @@ def test_a_units_spec_drops_the_stacked_axis_and_unshards_an_axis_its_size_does_
     # 8 experts split 4 ways; 2 of them do not (2 % 4 != 0) and stay whole.
     assert hf_export._spec_without(sharding, 1, keep_axis=0, size=8)[:2] == ["expert", "data"]
     assert hf_export._spec_without(sharding, 1, keep_axis=0, size=2)[:2] == [None, "data"]
+    assert hf_export._spec_without(sharding, 1, keep_axis=0, size=6)[:2] == [None, "data"]  # 6 % 4 != 0
     two = types.SimpleNamespace(spec=(None, ("data", "expert")), mesh=mesh)
     assert hf_export._spec_without(two, 1, keep_axis=0, size=4)[:1] == [None]  # 4 % (2 x 4) != 0
     assert hf_export._spec_without(two, 1, keep_axis=0, size=16)[:1] == [("data", "expert")]
