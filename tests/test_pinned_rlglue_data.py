@@ -81,6 +81,9 @@ def test_arithmetic_examples_are_in_range_and_answer_their_own_prompt():
         assert e.prompt == f"{a}{op}{b}=" and op in "-*"
         assert int(e.reference) == (int(a) - int(b) if op == "-" else int(a) * int(b))
         assert task.reward(e.prompt, e.reference) == 1.0
+    # Each operand runs over 0 .. 9: 0 and 9 both drawn in 200 examples.
+    many = task.sample(np.random.default_rng(4), 200)
+    assert {int(e.prompt[0]) for e in many} == {int(e.prompt[2]) for e in many} == set(range(10))
     assert FormatTask(correct_bonus=0.5).sample(np.random.default_rng(0), 1)[0].prompt.startswith("answer only: ")
     assert FormatTask(correct_bonus=0.5).reward("answer only: 3-5=", "-2") == 1.5
 
@@ -127,7 +130,7 @@ def test_synthetic_rows_follow_a_chain_with_four_successors_a_token():
 
 
 @pytest.mark.parametrize("completion, answer, want", [
-    ("#### 42.", "42", 1.0),                 # a full stop after the number is not part of it
+    ("#### 42..", "42", 1.0),                # full stops after the number are not part of it
     ("\\boxed{New   York}", "New York", 1.0),  # text compares whitespace-collapsed
     ("\\boxed{new york}", "New York", 0.0),  # but not case-folded
     ("#### 0.50", "0.5", 1.0),
@@ -157,9 +160,10 @@ def test_rewards_without_weights_weigh_one_each_and_a_count_mismatch_is_refused(
         load_rewards([spec, spec], [0.5])
 
 
-def test_a_reward_module_path_with_colons_splits_at_the_last(tmp_path):
+def test_a_reward_file_path_with_colons_splits_at_the_last(tmp_path):
     from hybridmoe.rl.reward_loading import RewardSpecError, load_reward
-    f = tmp_path / "r.py"
+    (tmp_path / "a:b").mkdir()
+    f = tmp_path / "a:b" / "r.py"
     f.write_text("def score(prompt, completion, example):\n    return len(completion) * 0.5\n")
     assert load_reward(f"{f}:score")("p", "abcd", {}) == 2.0
     with pytest.raises(RewardSpecError, match="expected path/to/file.py:function"):
