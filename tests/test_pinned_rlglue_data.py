@@ -168,3 +168,87 @@ def test_a_reward_file_path_with_colons_splits_at_the_last(tmp_path):
     assert load_reward(f"{f}:score")("p", "abcd", {}) == 2.0
     with pytest.raises(RewardSpecError, match="expected path/to/file.py:function"):
         load_reward(f"{f}:")
+
+
+# ------------------------------------------------------------------------------------------------
+# training documents from files
+
+
+def test_a_document_trains_something_only_with_a_trained_token_after_the_first():
+    from hybridmoe.data.text import has_target
+    assert not has_target(np.array([5, 6]), np.array([1, 0]))  # the first token is never a target
+    assert has_target(np.array([5, 6]), np.array([0, 1]))
+    assert not has_target(np.array([5]), np.array([1]))
+
+
+class _ChatTokenizer:
+    """Characters as ids (their code points), BOS 1, a ChatML-like template, '|' ends a turn."""
+    bos_id, eos_id, stop_ids = 1, 2, (3,)
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def token_text(self, i):
+        return "|" if i == 3 else None
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        text = "".join(f"<{m['role'][0]}>{m['content']}|" for m in messages)
+        return text + ("<a>" if add_generation_prompt else "")
+
+    def render_chat_marked(self, messages):
+        return None
+
+
+def test_a_conversation_trains_its_assistant_turn_through_the_end_of_turn_and_never_bos():
+    from hybridmoe.data.text import tokenize_document
+    ids, mask = tokenize_document({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                                                   "content": "yo"}]},
+                                  _ChatTokenizer(), "text")
+    # BOS, then "<u>hi|" (6, untrained), "<a>" (3, the generation prompt, untrained), "yo|" (3, trained).
+    assert ids == [1] + [ord(c) for c in "<u>hi|<a>yo|"]
+    assert mask == [0] + [0] * 9 + [1] * 3
+    all_ids, all_mask = tokenize_document({"messages": [{"role": "user", "content": "hi"}]}, _ChatTokenizer(),
+                                          "text", loss_on="all")
+    assert all_ids == [1] + [ord(c) for c in "<u>hi|"] and all_mask == [1] * 7
+    with pytest.raises(ValueError, match="no assistant turn"):
+        tokenize_document({"messages": [{"role": "user", "content": "hi"}]}, _ChatTokenizer(), "text")
+
+
+def test_file_rows_must_split_evenly_over_the_hosts():
+    from hybridmoe.data.text import TextSource
+    cfg = types.SimpleNamespace(data=types.SimpleNamespace(), train=types.SimpleNamespace(rows_per_micro_batch=4,
+                                                                                          batch_size=8))
+    with pytest.raises(DataError, match=r"train.batch_size=8 \(4 per micro-batch\) does not split over 3 hosts"):
+        TextSource(cfg, CharTokenizer(), host_index=0, host_count=3)
+
+
+def _source(docs, rows, seq_len, micro_batches=1):
+    from hybridmoe.data.text import TextSource
+    src = TextSource.__new__(TextSource)
+    src.docs = [np.asarray(d, np.int32) for d in docs]
+    src.masks = [np.ones(len(d), np.int32) for d in docs]
+    src.seed, src.shuffle, src.pad_id = 0, False, 0
+    src.micro_batches, src.rows, src.seq_len, src._orders = micro_batches, rows, seq_len, {}
+    return src
+
+
+def test_a_step_packs_documents_from_the_cursor_until_one_fits_no_row():
+    src = _source([[1, 2, 3], [4, 5], [6, 7, 8, 9]], rows=1, seq_len=5)
+    rows, cursor = src.batch(0)
+    # 3 + 2 tokens fill the row exactly; the 4-token document opens the next step.
+    assert rows["tokens"].tolist() == [[[1, 2, 3, 4, 5]]] and cursor == 2
+    rows, cursor = src.batch(2)
+    # Document 2, then the next epoch's document 0 does not fit beside it (4 + 3 > 5).
+    assert rows["tokens"].tolist() == [[[6, 7, 8, 9, 0]]] and cursor == 3
+    rows, cursor = src.batch(3)  # cursor 3 = epoch 1, document 0
+    assert rows["tokens"].tolist() == [[[1, 2, 3, 4, 5]]] and cursor == 5
+
+
+def test_a_steps_rows_are_packed_together_then_split_into_micro_batches():
+    src = _source([[1, 2], [3, 4], [5, 6], [7, 8], [9, 9, 9]], rows=2, seq_len=4, micro_batches=2)
+    rows, cursor = src.batch(0)
+    # 2 micro-batches x 2 rows of 4, first fit: [1 2 3 4], [5 6 7 8], [9 9 9] in row 2; the next epoch's
+    # [1 2] does not fit beside it (3 + 2 > 4): row 3, and [3 4] fills row 3; [5 6] fits nowhere.
+    assert rows["tokens"].shape == (2, 2, 4)
+    assert rows["tokens"].reshape(4, 4).tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 0], [1, 2, 3, 4]]
+    assert cursor == 7
