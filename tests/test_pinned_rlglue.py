@@ -296,3 +296,61 @@ def test_skip_group_masks_each_group_with_a_failure_of_three():
     failed = np.array([False, False, True, False, False, False])
     got = apply_reward_error_policy("skip_group", failed, np.zeros(6, bool), 3)
     assert got.tolist() == [True, True, True, False, False, False]
+
+
+# ------------------------------------------------------------------------------------------------
+# opening a session: fresh start or resume, with fake checkpoints
+
+
+class _Saved:
+    def __init__(self, latest, meta, restore_error=None):
+        self.latest, self.meta, self.restore_error, self.closed = latest, meta, restore_error, False
+
+    def latest_step(self):
+        return self.latest
+
+    def restore_meta(self, step):
+        assert step == self.latest
+        return self.meta
+
+    def restore(self, step, abstract):
+        if self.restore_error:
+            raise self.restore_error
+        return ("restored", step, abstract), {}
+
+    def close(self):
+        self.closed = True
+
+
+def _open(monkeypatch, ckpt, cfg_model="m", **kw):
+    from hybridmoe.run import session
+    monkeypatch.setattr(session, "read_hf_weights", lambda hf_dir, out, resume: "hf-tree")
+    monkeypatch.setattr(session, "build", lambda cfg: "setup")
+    monkeypatch.setattr(session, "open_checkpoints", lambda out, resume, overwrite: ckpt)
+    monkeypatch.setattr(session, "config_record", lambda cfg: {"model": cfg_model})
+    return session.open_session("cfg", "out", resume=True, overwrite=False, init_hf=None,
+                                abstract_tree=lambda setup: "abstract", fresh_tree=lambda setup, hf: ("fresh", hf),
+                                **kw)
+
+
+def test_a_session_without_a_checkpoint_starts_fresh_from_the_hf_weights(monkeypatch):
+    s = _open(monkeypatch, _Saved(None, None))
+    assert (s.tree, s.start, s.saved_meta) == (("fresh", "hf-tree"), 0, None)
+
+
+def test_a_resume_restores_the_latest_checkpoint_and_starts_there(monkeypatch):
+    seen = []
+    meta = {"config": {"model": "m"}, "pos": 3}
+    s = _open(monkeypatch, _Saved(6, meta), check_saved=seen.append)
+    assert s.tree == ("restored", 6, "abstract") and s.start == 6 and s.saved_meta == meta and seen == [meta]
+
+
+def test_a_resume_of_another_model_or_an_unfitting_checkpoint_is_refused_and_closes(monkeypatch):
+    other = _Saved(6, {"config": {"model": "other"}})
+    with pytest.raises(RunError, match="holds a model of another shape or kind"):
+        _open(monkeypatch, other)
+    assert other.closed
+    bad = _Saved(4, {"config": {"model": "m"}}, restore_error=ValueError("shape (2,) != (3,)"))
+    with pytest.raises(RunError, match=r"the checkpoint at step 4 in out does not fit the model: shape \(2,\)"):
+        _open(monkeypatch, bad)
+    assert bad.closed
