@@ -327,7 +327,7 @@ def _open(monkeypatch, ckpt, cfg_model="m", **kw):
     monkeypatch.setattr(session, "read_hf_weights", lambda hf_dir, out, resume: "hf-tree")
     monkeypatch.setattr(session, "build", lambda cfg: "setup")
     monkeypatch.setattr(session, "open_checkpoints", lambda out, resume, overwrite: ckpt)
-    monkeypatch.setattr(session, "config_record", lambda cfg: {"model": cfg_model})
+    monkeypatch.setattr(session, "config_record", lambda cfg: {"model": cfg_model, "train": {"steps": 9}})
     return session.open_session("cfg", "out", resume=True, overwrite=False, init_hf=None,
                                 abstract_tree=lambda setup: "abstract", fresh_tree=lambda setup, hf: ("fresh", hf),
                                 **kw)
@@ -340,7 +340,7 @@ def test_a_session_without_a_checkpoint_starts_fresh_from_the_hf_weights(monkeyp
 
 def test_a_resume_restores_the_latest_checkpoint_and_starts_there(monkeypatch):
     seen = []
-    meta = {"config": {"model": "m"}, "pos": 3}
+    meta = {"config": {"model": "m", "train": {"steps": 6}}, "pos": 3}  # more steps asked: same model
     s = _open(monkeypatch, _Saved(6, meta), check_saved=seen.append)
     assert s.tree == ("restored", 6, "abstract") and s.start == 6 and s.saved_meta == meta and seen == [meta]
 
@@ -354,3 +354,46 @@ def test_a_resume_of_another_model_or_an_unfitting_checkpoint_is_refused_and_clo
     with pytest.raises(RunError, match=r"the checkpoint at step 4 in out does not fit the model: shape \(2,\)"):
         _open(monkeypatch, bad)
     assert bad.closed
+
+
+# ------------------------------------------------------------------------------------------------
+# metrics: what reaches TensorBoard, and which lines count as records
+
+
+class _FakeTB:
+    def __init__(self, logdir):
+        self.scalars = []
+        _FakeTB.last = self
+
+    def add_scalar(self, key, value, global_step):
+        self.scalars.append((key, value, global_step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_tensorboard_gets_every_finite_metric_at_its_step_and_never_the_step_itself(tmp_path, monkeypatch):
+    import tensorboardX
+    from hybridmoe.run.metrics import MetricsWriter
+    monkeypatch.setattr(tensorboardX, "SummaryWriter", _FakeTB)
+    with MetricsWriter(tmp_path) as w:
+        w.write(0, {"loss": 2.0, "kl": float("inf")})
+        w.write(1, {"loss": 1.5})
+        w.write(2, {"loss": 1.0})
+    assert _FakeTB.last.scalars == [("loss", 2.0, 0), ("loss", 1.5, 1), ("loss", 1.0, 2)]
+    assert _records(tmp_path)[0] == {"step": 0, "loss": 2.0, "kl": None}
+    # A resume from step 2 keeps steps 0 and 1 and replays them to a fresh TensorBoard folder.
+    with MetricsWriter(tmp_path, resume_from_step=2):
+        pass
+    assert _FakeTB.last.scalars == [("loss", 2.0, 0), ("loss", 1.5, 1)]
+    assert [r["step"] for r in _records(tmp_path)] == [0, 1]
+
+
+def test_only_objects_with_an_integer_step_are_records(tmp_path):
+    from hybridmoe.run.metrics import read_metrics
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 0, "a": 1}\n{"step": "1"}\n[1]\n{"a": 2}\n\n{"step": 3, "a": 3}\n{"step": 4, "a"')
+    assert read_metrics(f) == [{"step": 0, "a": 1}, {"step": 3, "a": 3}]
