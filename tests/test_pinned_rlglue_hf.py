@@ -161,3 +161,63 @@ def test_a_units_spec_drops_the_stacked_axis_and_unshards_an_axis_its_size_does_
     two = types.SimpleNamespace(spec=(None, ("data", "expert")), mesh=mesh)
     assert hf_export._spec_without(two, 1, keep_axis=0, size=4)[:1] == [None]  # 4 % (2 x 4) != 0
     assert hf_export._spec_without(two, 1, keep_axis=0, size=16)[:1] == [("data", "expert")]
+
+
+# ------------------------------------------------------------------------------------------------
+# a source checkpoint's form, read from its headers, and the byte-for-byte copy
+
+
+@pytest.fixture
+def source_dir(tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    d = tmp_path / "src"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    for name in ("tokenizer.json", "chat_template.jinja", "LICENSE", "model.safetensors.index.json", ".hidden.json",
+                 "weights.bin"):
+        (d / name).write_text("x")
+    save_file({"model.language_model.norm.weight": np.ones(4, ml_dtypes.bfloat16),         # 8 bytes
+               "model.visual.proj": np.arange(6, dtype=np.float32).reshape(2, 3),          # 24 bytes, kept
+               "lm_head.weight": np.zeros((2, 2), np.float32)}, str(d / "a.safetensors"))
+    save_file({"model.language_model.layers.0.mlp.experts.gate_up_proj": np.zeros((2, 2), np.float16),
+               "mtp.fc": np.arange(5, dtype=np.int64)}, str(d / "b.safetensors"))          # 40 bytes, kept
+    return d
+
+
+def test_a_sources_form_separates_the_trained_tensors_from_the_kept_ones(source_dir):
+    shards = [str(source_dir / "a.safetensors"), str(source_dir / "b.safetensors")]
+    form = hf.read_source_form(str(source_dir), shards)
+    assert form.multimodal and form.expert_layout == "fused" and form.gdn_projections == "split"
+    assert form.trained == {"model.language_model.norm.weight": "BF16", "lm_head.weight": "F32",
+                            "model.language_model.layers.0.mlp.experts.gate_up_proj": "F16"}
+    assert form.kept == {shards[0]: ["model.visual.proj"], shards[1]: ["mtp.fc"]}
+    assert form.kept_bytes == 2 * 3 * 4 + 5 * 8
+    assert form.source_name("model.norm.weight") == "model.language_model.norm.weight"
+    assert form.source_name("lm_head.weight") == "lm_head.weight"
+    assert form.side_files() == ["LICENSE", "chat_template.jinja", "config.json", "tokenizer.json"]
+    assert len(form.names) == 5
+
+
+def test_tensors_are_copied_byte_for_byte_in_small_pieces(source_dir, tmp_path):
+    from safetensors import safe_open
+    dst = tmp_path / "out.safetensors"
+    copied = hf.copy_tensors(str(source_dir / "b.safetensors"), ["mtp.fc"], str(dst), chunk_bytes=3)
+    assert copied == 40
+    with safe_open(str(dst), framework="numpy") as fh:
+        assert list(fh.keys()) == ["mtp.fc"] and fh.get_tensor("mtp.fc").tolist() == [0, 1, 2, 3, 4]
+    both = hf.copy_tensors(str(source_dir / "a.safetensors"), ["model.visual.proj", "lm_head.weight"], str(dst))
+    assert both == 24 + 16
+    with safe_open(str(dst), framework="numpy") as fh:
+        assert fh.get_tensor("model.visual.proj").tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_a_truncated_shard_is_named(tmp_path):
+    from hybridmoe.hf.source import shard_header
+    f = tmp_path / "t.safetensors"
+    f.write_bytes((100).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="header of 100 bytes"):
+        shard_header(str(f))
+    f.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="no header"):
+        shard_header(str(f))
