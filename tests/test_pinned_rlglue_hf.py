@@ -218,6 +218,9 @@ def test_a_truncated_shard_is_named(tmp_path):
     f.write_bytes((100).to_bytes(8, "little") + b"{}")
     with pytest.raises(ValueError, match="header of 100 bytes"):
         shard_header(str(f))
+    f.write_bytes((5).to_bytes(8, "little") + b"{}")  # 5 header bytes said, 2 there
+    with pytest.raises(ValueError, match="header of 5 bytes"):
+        shard_header(str(f))
     f.write_bytes(b"abc")
     with pytest.raises(ValueError, match="no header"):
         shard_header(str(f))
