@@ -252,3 +252,42 @@ def test_a_steps_rows_are_packed_together_then_split_into_micro_batches():
     assert rows["tokens"].shape == (2, 2, 4)
     assert rows["tokens"].reshape(4, 4).tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 0], [1, 2, 3, 4]]
     assert cursor == 7
+
+
+# ------------------------------------------------------------------------------------------------
+# training sources
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused():
+    from hybridmoe.data.sources import FileSource
+    n = CharTokenizer().vocab_size
+    cfg = types.SimpleNamespace(data=types.SimpleNamespace(tokenizer=None),
+                                model=types.SimpleNamespace(vocab_size=n - 1))
+    with pytest.raises(DataError, match=f"the tokenizer \\(built-in\\) has {n} ids but model.vocab_size={n - 1}"):
+        FileSource(cfg)
+
+
+def test_the_long_document_figures_of_one_host_are_its_own_and_step_rows_have_none():
+    from hybridmoe.data.sources import long_document_metrics
+    from hybridmoe.data.text import LongDocuments
+    counts = LongDocuments(documents=9, split=2, pieces=5, truncated=1, targets_cut=7, trained_targets_cut=3,
+                           longest=40)
+    src = types.SimpleNamespace(text=types.SimpleNamespace(long_documents=counts))
+    assert long_document_metrics(src) == {"data_docs_split": 2, "data_split_pieces": 5, "data_docs_truncated": 1,
+                                          "data_targets_cut": 7, "data_trained_targets_cut": 3,
+                                          "data_longest_doc": 40}
+    assert long_document_metrics(types.SimpleNamespace()) == {}
+
+
+def test_step_rows_are_synthetic_or_solved_and_leave_the_position_alone():
+    from hybridmoe.data.sources import StepSource
+    train = types.SimpleNamespace(data="synthetic", seed=0, fewest_micro_batches=1, rows_per_micro_batch=2,
+                                  seq_len=8, batch_size=2)
+    cfg = types.SimpleNamespace(train=train, model=types.SimpleNamespace(vocab_size=16),
+                                rl=types.SimpleNamespace(task="arithmetic", digits=1, operators="+"))
+    rows, position = StepSource(cfg).batch(3, 11)
+    assert position == 11 and rows["tokens"].shape == (1, 2, 8)
+    np.testing.assert_array_equal(rows["tokens"], synthetic_batch(0, 3, 1, 2, 8, 16)["tokens"])
+    train.data = "arithmetic"
+    rows, position = StepSource(cfg).batch(3, 11)
+    assert position == 11 and CharTokenizer().decode(rows["tokens"][0, 0, 1:]).count("+") == 1
