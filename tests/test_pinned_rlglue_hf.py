@@ -224,3 +224,35 @@ def test_a_truncated_shard_is_named(tmp_path):
     f.write_bytes(b"abc")
     with pytest.raises(ValueError, match="no header"):
         shard_header(str(f))
+
+
+# ------------------------------------------------------------------------------------------------
+# --init-hf weights against the model's
+
+
+def test_init_hf_weights_are_checked_leaf_by_leaf_and_cast_to_the_models_dtypes(monkeypatch):
+    import jax
+    from hybridmoe.run import hf_io
+    from hybridmoe.run.run_dir import RunError
+    want = {"a": jax.ShapeDtypeStruct((2, 3), np.float32), "b": jax.ShapeDtypeStruct((4,), np.int32)}
+    monkeypatch.setattr(hf_io, "abstract_params", lambda specs: want)
+    monkeypatch.setattr(hf_io, "put_global", lambda tree, shardings: (tree, shardings))
+    setup = types.SimpleNamespace(specs=None, param_shardings="sh")
+    tree, sh = hf_io.params_from_hf(setup, "dir", {"a": np.ones((2, 3), np.float64), "b": np.arange(4.0)})
+    assert sh == "sh" and tree["a"].dtype == np.float32 and tree["b"].dtype == np.int32
+    assert tree["b"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(RunError, match=r"--init-hf dir: weight shapes differ from the model's: \['\(3, 2\) != \(2, 3\)'\]"):
+        hf_io.params_from_hf(setup, "dir", {"a": np.ones((3, 2)), "b": np.arange(4.0)})
+    with pytest.raises(RunError, match="--init-hf dir: its weight tree does not match the model's"):
+        hf_io.params_from_hf(setup, "dir", {"a": np.ones((2, 3))})
+
+
+def test_init_hf_weights_are_not_read_on_a_resume_that_will_restore(tmp_path, monkeypatch):
+    import hybridmoe.hf as hf_pkg
+    from hybridmoe.run import hf_io
+    monkeypatch.setattr(hf_pkg, "load_hf_checkpoint", lambda path: ("fields", f"tree of {path}"))
+    assert hf_io.read_hf_weights(None, tmp_path, False) is None
+    assert hf_io.read_hf_weights("ck", tmp_path, True) == "tree of ck"  # nothing finished to restore yet
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    assert hf_io.read_hf_weights("ck", tmp_path, True) is None
+    assert hf_io.read_hf_weights("ck", tmp_path, False) == "tree of ck"  # a fresh start reads them
