@@ -256,3 +256,14 @@ def test_init_hf_weights_are_not_read_on_a_resume_that_will_restore(tmp_path, mo
     (tmp_path / "checkpoints" / "2").mkdir(parents=True)
     assert hf_io.read_hf_weights("ck", tmp_path, True) is None
     assert hf_io.read_hf_weights("ck", tmp_path, False) == "tree of ck"  # a fresh start reads them
+
+
+def test_init_hf_takes_the_checkpoints_fields_but_names_a_shape_the_recipe_disagrees_on():
+    from hybridmoe.config import ConfigError
+    from hybridmoe.recipe import load_config
+    from hybridmoe.run.hf_io import config_with_hf_model
+    # The recipe's rope_theta 1e7 gives way to the checkpoint's 1e4 (not a shape field).
+    cfg = config_with_hf_model(load_config("tiny", ["model.rope_theta=1e7"]), FIXTURE)
+    assert cfg.model.rope_theta == 10000.0 and cfg.model.d_model == 64
+    with pytest.raises(ConfigError, match="model.d_model: .* recipe 128, checkpoint 64; .* pass: model.d_model=64"):
+        config_with_hf_model(load_config("tiny", ["model.d_model=128"]), FIXTURE)
