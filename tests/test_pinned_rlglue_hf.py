@@ -267,3 +267,45 @@ def test_init_hf_takes_the_checkpoints_fields_but_names_a_shape_the_recipe_disag
     assert cfg.model.rope_theta == 10000.0 and cfg.model.d_model == 64
     with pytest.raises(ConfigError, match="model.d_model: .* recipe 128, checkpoint 64; .* pass: model.d_model=64"):
         config_with_hf_model(load_config("tiny", ["model.d_model=128"]), FIXTURE)
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint folders: shards, the index, tensors outside the text model, the saved folder's mode
+
+
+def _fixture_copy(tmp_path):
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(FIXTURE, d)
+    return d
+
+
+def test_an_index_lists_each_shard_once_and_every_shard_it_names_must_be_there(tmp_path):
+    d = _fixture_copy(tmp_path)
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model.safetensors"}}))
+    assert hf.checkpoint_shards(str(d)) == [str(d / "model.safetensors")]
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-2.safetensors"}}))
+    with pytest.raises(hf.CheckpointError, match="names shard\\(s\\) missing from the folder: model-2.safetensors"):
+        hf.checkpoint_shards(str(d))
+
+
+def test_a_tensor_in_two_shards_is_refused_and_tensors_outside_the_text_model_are_not_read(tmp_path):
+    import shutil
+    from safetensors.numpy import save_file
+    d = _fixture_copy(tmp_path)
+    save_file({"model.visual.patch_embed.weight": np.ones((2, 2), np.float32)}, str(d / "vision.safetensors"))
+    fields, tree = hf.load_hf_checkpoint(str(d))
+    assert fields["d_model"] == 64 and "visual" not in json.dumps(list(tree))
+    shutil.copyfile(d / "model.safetensors", d / "model-copy.safetensors")
+    with pytest.raises(hf.CheckpointError, match="is also in"):
+        hf.load_hf_checkpoint(str(d))
+
+
+def test_a_saved_checkpoint_folder_is_an_ordinary_folder(tmp_path):
+    fields, tree = hf.load_hf_checkpoint(FIXTURE)
+    out = tmp_path / "saved"
+    hf.save_hf_checkpoint(str(out), fields, tree)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o755)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
