@@ -180,3 +180,40 @@ def test_init_hf_puts_the_checkpoint_under_the_recipe():
     assert cli._recipe(["recipe=small", "a.b=1"], "ckpt") == ("hf:ckpt@small", ["a.b=1"])
     assert cli._recipe(["recipe=hf:other"], "ckpt") == ("hf:other", [])
     assert cli._recipe(["a.b=1"], None) == ("tiny", ["a.b=1"])
+
+
+def test_describes_kernel_rows_give_each_kernels_tiles_and_vmem_in_mib(monkeypatch):
+    from hybridmoe.kernels.gmm import tiling
+    import hybridmoe.recipe.kernel_needs as needs
+    monkeypatch.setattr(needs, "gmm_layer", lambda cfg: {})
+    monkeypatch.setattr(tiling, "layer_kernels", lambda **kw: {"fwd": ("gmm_fwd", [8, 16, 32]),
+                                                               "dlhs": ("gmm_dlhs", [4, 2, 1])})
+    monkeypatch.setattr(tiling, "resolved_tiles", lambda buffers: tuple(buffers))
+    need = types.SimpleNamespace(need_bytes=3 * 2**20 + 2**19, limit_bytes=16 * 2**20)
+    monkeypatch.setattr(needs, "gmm_vmem_needs", lambda cfg: {"fwd": need})
+    gmm = types.SimpleNamespace(tiling="explicit", backend="pallas_tpu")
+    cfg = types.SimpleNamespace(kernels=types.SimpleNamespace(gmm=gmm))
+    assert cli.kernel_rows(cfg) == [
+        {"kernel": "fwd", "pallas": "gmm_fwd", "tm": 8, "tk": 16, "tn": 32, "vmem_mib": 3.5, "limit_mib": 16.0},
+        {"kernel": "dlhs", "pallas": "gmm_dlhs", "tm": 4, "tk": 2, "tn": 1}]
+    gmm.backend = "pallas_gpu"  # VMEM is a Mosaic TPU figure
+    assert "vmem_mib" not in cli.kernel_rows(cfg)[0]
+    gmm.backend = "xla"
+    assert cli.kernel_rows(cfg) == []
+    gmm.backend, gmm.tiling = "pallas_tpu", "auto"
+    assert cli.kernel_rows(cfg) == []
+
+
+def test_describe_prints_the_totals_in_billions_and_each_kernels_row(monkeypatch, capsys):
+    import hybridmoe.model.params as params
+    monkeypatch.setattr(params, "count_params", lambda specs: 1_234_567_890)
+    monkeypatch.setattr(params, "count_active_params", lambda model: 346_000_000)
+    monkeypatch.setattr(cli, "kernel_rows", lambda cfg: [
+        {"kernel": "fwd", "pallas": "gmm_fwd", "tm": 8, "tk": 16, "tn": 32, "vmem_mib": 3.5, "limit_mib": 16.0},
+        {"kernel": "dlhs", "pallas": "gmm_dlhs", "tm": 4, "tk": 2, "tn": 1}])
+    assert main(["describe"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "total parameters:  1,234,567,890 (1.23 B)" in lines
+    assert "active per token:  346,000,000 (0.35 B)" in lines
+    assert "  fwd      gmm_fwd                tm 8     tk 16    tn 32     3.50 / 16.00 MiB" in lines
+    assert "  dlhs     gmm_dlhs               tm 4     tk 2     tn 1    " in lines
