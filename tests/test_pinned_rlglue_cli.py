@@ -142,6 +142,11 @@ def test_eval_without_a_reward_is_refused(monkeypatch, capsys):
     (["gates"], "gates needs --candidate"),
     (["gates", "--candidate", "oops"], "--candidate takes overrides section.key=value"),
     (["train", "--resume"], "--resume continues the run in --out"),
+    (["score", "--hf", "h", "--tokens", "t.npy", "--out", "o.npy", "a.b=1"], "score takes no overrides"),
+    (["inspect", "--compare", "oops"], "--compare takes overrides section.key=value"),
+    (["inspect", "--memory-only", "--layers", "2"], "--memory-only reads one program's buffer assignment"),
+    (["inspect", "--memory-only", "--compare", "train.steps=3"], "--memory-only reads one program's buffer"),
+    (["inspect", "--layers", "2", "--compare", "train.steps=3"], "--layers compiles two depths of one program"),
 ])
 def test_refusals_are_one_line_with_exit_code_2(argv, needle, capsys):
     assert main(argv) == 2
