@@ -276,3 +276,42 @@ def test_the_objectives_sequence_mean_and_kl_by_hand():
     assert float(m["kl"]) == pytest.approx(kl, rel=1e-5)
     assert float(loss_kl) == pytest.approx(-0.18 + 0.5 * kl, rel=1e-5)
     assert float(m["pg_loss"]) == pytest.approx(-0.18, rel=1e-5)  # the pg part alone
+
+
+# ------------------------------------------------------------------------------------------------
+# a policy from a run's checkpoint: which tree is restored
+
+
+@pytest.mark.parametrize("meta, beta, want_abstract", [
+    ({}, 0.0, "state"),                                                      # a train run: the state itself
+    ({"phase": "grpo"}, 0.0, {"train": "state"}),                            # an rl run: under "train"
+    ({"phase": "grpo"}, 0.1, {"train": "state", "ref_params": "ref"}),       # with its reference policy
+])
+def test_a_runs_policy_restores_the_tree_the_run_saved(monkeypatch, meta, beta, want_abstract):
+    import hybridmoe.model.params as params_mod
+    import hybridmoe.run.checkpoint as checkpoint
+    from hybridmoe.rl import policy_io
+    restored = []
+
+    class FakeCheckpoints:
+        def __init__(self, directory):
+            self.directory, self.closed = directory, False
+
+        def restore(self, step, abstract):
+            restored.append((str(self.directory), step, abstract))
+            params = {"params": "P"}
+            return ({"train": params} if "phase" in meta else params), {}
+
+        def close(self):
+            restored.append("closed")
+
+    setup = types.SimpleNamespace(abstract_state=lambda: "state", specs=None, param_shardings=None)
+    monkeypatch.setattr(policy_io, "build", lambda cfg: setup)
+    monkeypatch.setattr(policy_io, "run_config", lambda run_dir: (None, 7, meta))
+    monkeypatch.setattr(policy_io, "config_tokenizer", lambda cfg: "tok")
+    monkeypatch.setattr(params_mod, "abstract_params", lambda specs, shardings=None: "ref")
+    monkeypatch.setattr(checkpoint, "Checkpoints", FakeCheckpoints)
+    cfg = types.SimpleNamespace(rl=types.SimpleNamespace(beta=beta))
+    policy = policy_io.load_policy(cfg, run_dir="runs/x")
+    assert policy.params == "P" and policy.tokenizer == "tok"
+    assert restored == [("runs/x/checkpoints", 7, want_abstract), "closed"]
