@@ -73,6 +73,11 @@ def test_update_rows_put_completion_token_j_at_index_p_minus_1_plus_j():
     assert out["logp_sampler"].tolist() == [[0, -0.5, 0, 0], [0, -1.0, -2.0, -3.0]]
     assert out["advantages"].tolist() == [0.5, -0.5] and out["keep"].tolist() == [True, False]
     assert "routing" not in out
+    replay = _cfg()
+    replay.moe.routing_replay = True
+    routing = np.arange(2 * 5 * 1 * 2).reshape(2, 5, 1, 2)
+    out = update_rows(replay, {**rollout, "routing": routing}, np.array([0.5, -0.5]), np.array([True, False]))
+    assert out["routing"].dtype == np.int32 and out["routing"].tolist() == routing.tolist()  # aligned with tokens
 
 
 def test_an_update_batch_is_split_in_order_with_the_update_wide_normaliser():
