@@ -397,3 +397,19 @@ def test_only_objects_with_an_integer_step_are_records(tmp_path):
     f = tmp_path / "metrics.jsonl"
     f.write_text('{"step": 0, "a": 1}\n{"step": "1"}\n[1]\n{"a": 2}\n\n{"step": 3, "a": 3}\n{"step": 4, "a"')
     assert read_metrics(f) == [{"step": 0, "a": 1}, {"step": 3, "a": 3}]
+
+
+def test_checkpoints_keep_the_last_three_steps_each_with_its_own_state_and_metadata(tmp_path):
+    import jax.numpy as jnp
+    from hybridmoe.run.checkpoint import Checkpoints, finished_steps
+    ckpt = Checkpoints(tmp_path / "checkpoints")
+    try:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, {"a": jnp.arange(3.0) * step}, {"pos": step * 10})
+        ckpt.wait()
+        assert finished_steps(tmp_path / "checkpoints") == [2, 3, 4] and ckpt.latest_step() == 4
+        assert ckpt.restore_meta(4) == {"pos": 40}
+        state, meta = ckpt.restore(3, {"a": jnp.zeros(3)})
+        assert state["a"].tolist() == [0.0, 3.0, 6.0] and meta == {"pos": 30}
+    finally:
+        ckpt.close()
