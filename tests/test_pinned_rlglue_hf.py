@@ -309,3 +309,14 @@ def test_a_saved_checkpoint_folder_is_an_ordinary_folder(tmp_path):
     hf.save_hf_checkpoint(str(out), fields, tree)
     assert oct(out.stat().st_mode & 0o777) == oct(0o755)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_mtp_layers_are_ignored_and_unused_tensors_are_counted_past_the_eighth():
+    from safetensors.numpy import load_file
+    fields = hf.model_fields_from_hf_config(_config())
+    state = load_file(os.path.join(FIXTURE, "model.safetensors"))
+    extra = {"model.mtp.layers.0.w": np.ones(2, np.float32), "mtp.fc.weight": np.ones(2, np.float32)}
+    hf.hf_to_native({**state, **extra}, fields)  # multi-token-prediction layers are not the trainer's
+    unused = {f"model.layers.0.extra{i}": np.ones(1, np.float32) for i in range(10)}
+    with pytest.raises(ValueError, match=r"extra1, .*, \.\.\. \(10 in all\)"):
+        hf.hf_to_native({**state, **unused}, fields, where="ck")
