@@ -222,3 +222,18 @@ def test_describe_prints_the_totals_in_billions_and_each_kernels_row(monkeypatch
     assert "active per token:  346,000,000 (0.35 B)" in lines
     assert "  fwd      gmm_fwd                tm 8     tk 16    tn 32     3.50 / 16.00 MiB" in lines
     assert "  dlhs     gmm_dlhs               tm 4     tk 2     tn 1    " in lines
+
+
+def test_a_runs_policy_takes_the_runs_config_with_the_overrides_on_top(monkeypatch, tmp_path):
+    import hybridmoe.rl.policy_io as policy_io
+    from hybridmoe.recipe import load_config
+    saved = load_config("tiny", ["rl.temperature=0.5"])
+    monkeypatch.setattr(policy_io, "run_config", lambda run_dir: (saved, 3, {}))
+    monkeypatch.setattr(cli, "_runtime", lambda cfg: None)
+    got = {}
+    monkeypatch.setattr(policy_io, "load_policy", lambda cfg, hf_dir, run_dir: got.update(cfg=cfg, hf=hf_dir,
+                                                                                         run=run_dir) or "policy")
+    args = types.SimpleNamespace(hf=None, run=str(tmp_path))
+    assert cli._policy(args, ["rl.top_p=0.75"]) == "policy"
+    assert (got["cfg"].rl.temperature, got["cfg"].rl.top_p) == (0.5, 0.75)  # the run's, then the override
+    assert got["hf"] is None and str(got["run"]) == str(tmp_path)
