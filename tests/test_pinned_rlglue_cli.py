@@ -237,3 +237,19 @@ def test_a_runs_policy_takes_the_runs_config_with_the_overrides_on_top(monkeypat
     assert cli._policy(args, ["rl.top_p=0.75"]) == "policy"
     assert (got["cfg"].rl.temperature, got["cfg"].rl.top_p) == (0.5, 0.75)  # the run's, then the override
     assert got["hf"] is None and str(got["run"]) == str(tmp_path)
+
+
+def test_eval_writes_a_record_naming_its_source_prompts_and_rewards(fake_eval, monkeypatch, tmp_path):
+    import hybridmoe.tools.record as record
+    written = {}
+    monkeypatch.setattr(record, "source_commit", lambda: "c0ffee")
+    monkeypatch.setattr(record, "machine_record", lambda: {"machine": "m"})
+    monkeypatch.setattr(record, "write_record", lambda path, rec: written.update(path=path, rec=rec))
+    fake_eval["value"] = _eval_result(1, 0)
+    out = tmp_path / "e.json"
+    assert main(["eval", "--run", "r", "--prompts", "p.jsonl", "--out", str(out)]) == 0
+    rec = written["rec"]
+    assert written["path"] == out and rec["benchmark"] == "eval" and rec["machine"] == "m"
+    assert rec["source"] == {"hf": None, "run": "r"} and rec["prompts"] == "p.jsonl"
+    assert rec["rewards"] == ["r.py:f"] and rec["reward_weights"] == [] and rec["reward_errors"] == 1
+    assert rec["tasks"]["add"]["pass@4"] == 0.75
