@@ -182,3 +182,110 @@ def test_skip_if_nonfinite_keeps_the_old_state_on_a_nan_loss_or_inf_norm():
     assert (float(kept), int(skipped)) == (0.0, 1)
     kept, skipped = skip_if_nonfinite(jnp.float32(2.0), jnp.float32(jnp.inf), new, old)
     assert (float(kept), int(skipped)) == (0.0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/train_program.py: what inspect prints and records
+
+
+def _tp():
+    from hybridmoe.tools import train_program as tp
+    return tp
+
+
+def test_collective_rows_group_by_place_kind_and_dtype():
+    """Two bf16 all-gathers outside loops (1 + 2 MiB) make one row of 2 ops, 3 MiB; one in a loop of
+    unknown trip count reads '?' iterations; one at depth 2 of 6 iterations its own row."""
+    from hybridmoe.analysis.program import Collective
+
+    M = 2**20
+
+    def coll(kind, dtype, nbytes, depth=0, trips=None):
+        return Collective(kind, dtype, (1,), nbytes, depth, "w" if depth else None, trips, "main", "")
+
+    rows = _tp().collective_rows([coll("all-gather", "bf16", M), coll("all-gather", "bf16", 2 * M),
+                                  coll("all-reduce", "f32", 5, depth=1), coll("all-reduce", "f32", 7, depth=2, trips=6)])
+    assert rows == [
+        {"where": "loop depth 1, ? iterations", "kind": "all-reduce", "dtype": "f32", "ops": 1, "bytes": 5},
+        {"where": "loop depth 2, 6 iterations", "kind": "all-reduce", "dtype": "f32", "ops": 1, "bytes": 7},
+        {"where": "outside loops", "kind": "all-gather", "dtype": "bf16", "ops": 2, "bytes": 3 * M}]
+
+
+def test_residual_rows_count_named_residuals_and_residual_bytes_all():
+    """wi_out twice as bf16 [4, 8] (64 B each: 128 B), gdn f32 [2, 3] (24 B); the unnamed f32 [10]
+    (40 B) has no row but counts in the block's bytes: 128 + 24 + 40 = 192."""
+    from hybridmoe.analysis.program import Residual
+
+    res = [Residual((4, 8), "bfloat16", "", "wi_out"), Residual((2, 3), "float32", "", "gdn"),
+           Residual((4, 8), "bfloat16", "", "wi_out"), Residual((10,), "float32", "", None)]
+    tp = _tp()
+    assert tp.residual_rows(res) == [
+        {"name": "gdn", "count": 1, "shape": [2, 3], "dtype": "float32", "bytes": 24},
+        {"name": "wi_out", "count": 2, "shape": [4, 8], "dtype": "bfloat16", "bytes": 128}]
+    assert tp.residual_bytes(res) == 192
+
+
+def test_memory_facts_fit_at_the_exact_budget_and_the_memory_only_branch():
+    """A step needing exactly the HBM fits, one byte more does not; a memory-only read fits by its
+    default space alone and leaves the analysis figures None."""
+    from types import SimpleNamespace
+
+    tp = _tp()
+    mem = {"argument": 40, "output": 30, "alias": 20, "temp": 50, "generated_code": 1}  # total 40+30-20+50 = 100
+    facts = tp.memory_facts(SimpleNamespace(memory=mem), 100)
+    assert facts["total"] == 100 and facts["fits"] is True and facts["generated_code"] == 1
+    assert tp.memory_facts(SimpleNamespace(memory=mem), 99)["fits"] is False
+    assert tp.memory_facts(SimpleNamespace(memory=mem), None)["fits"] is None
+    only = {"memory_only": True, "argument": 7, "default_space": 64}
+    facts = tp.memory_facts(SimpleNamespace(memory=only), 64)
+    assert facts["fits"] is True and facts["argument"] == 7 and facts["total"] is None and facts["memory_only"]
+    assert tp.memory_facts(SimpleNamespace(memory=only), 63)["fits"] is False
+    assert tp.memory_facts(SimpleNamespace(memory={**only, "default_space": None}), 63)["fits"] is None
+
+
+def test_count_search_line_of_a_refused_count_and_of_none_fitting():
+    """Count 1 refused with 3 GiB of temporaries, count 2 needing 9 GiB over a 4 GiB budget."""
+    G = 2**30
+    line = _tp().format_count_search({
+        "key": "rl.micro_batches", "chosen": None, "budget": 4 * G, "held": G // 2, "tried": [
+            {"count": 1, "compiled": True, "need": None, "refused_temp": 3 * G, "fits": False},
+            {"count": 2, "compiled": True, "need": 9 * G, "refused_temp": None, "fits": False}]})
+    assert line == ("rl.micro_batches=auto: none fits against 4.00 GiB per device (held state 0.50 GiB): "
+                    "1 refused by the compiler (3.00 GiB of temporaries); 2 needs 9.00 GiB (over)")
+
+
+def test_printed_table_rows_for_outputs_aliases_hbm_fit_compile_and_refusal():
+    """Figures in MiB (the need stays under a GiB): outputs 2, aliased 1, HBM 8; fits yes / NO / -;
+    compile seconds to one decimal; the cache column; a refused column's message."""
+    M = 2**20
+
+    def column(fits, cached, refused=None):
+        memory = {"argument": 3 * M, "output": 2 * M, "alias": M, "temp": 4 * M, "generated_code": 0,
+                  "total": 8 * M, "default_space": None, "hbm": 8 * M, "fits": fits}
+        if refused:
+            memory["refused"] = refused
+        return {"memory": memory, "flops": None, "model_flops": None, "compile_s": 2.34, "compile_cached": cached,
+                "collectives": [], "saved_residuals": [], "saved_residual_bytes_per_block": None,
+                "peak_buffers": [], "peak_by_category": None}
+
+    text = _tp().format_facts({"a": column(True, True), "b": column(False, False, "too big"), "c": column(None, False)})
+    cells = lambda label: [x for x in text.splitlines() if x.startswith(label)][0][len(label):].split()  # noqa: E731
+    assert cells("outputs MiB") == ["2.00"] * 3
+    assert cells("aliased (donated) MiB") == ["1.00"] * 3
+    assert cells("HBM MiB") == ["8.00"] * 3
+    assert cells("fits HBM (default space)") == ["yes", "NO", "-"]
+    assert cells("TFLOPs per device (XLA)") == ["-"] * 3
+    assert cells("compile s") == ["2.3"] * 3
+    assert cells("  read from the compile cache") == ["yes", "no", "no"]
+    assert "b: the compiler refused the step for memory" in text and text.rstrip().endswith("too big")
+    assert "a: the compiler refused" not in text
+
+
+def test_buffer_rows_keep_the_top_rows_and_say_where():
+    from hybridmoe.analysis.program import LiveBuffer
+
+    bufs = [LiveBuffer(f"v{i}", 100 - i, "f32[4]", "op", "main", "while.1" if i == 0 else None, "argument")
+            for i in range(3)]
+    rows = _tp().buffer_rows(bufs, top=2)
+    assert [(r["value"], r["bytes"], r["where"], r["category"]) for r in rows] == [
+        ("v0", 100, "in loop while.1", "argument"), ("v1", 99, "outside loops", "argument")]
