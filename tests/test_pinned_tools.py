@@ -289,3 +289,83 @@ def test_buffer_rows_keep_the_top_rows_and_say_where():
     rows = _tp().buffer_rows(bufs, top=2)
     assert [(r["value"], r["bytes"], r["where"], r["category"]) for r in rows] == [
         ("v0", 100, "in loop while.1", "argument"), ("v1", 99, "outside loops", "argument")]
+
+
+# ---------------------------------------------------------------------------------------------
+# data/tokenizer.py: ids, stop tokens and special tokens
+
+
+class _FakeHF:
+    """A tokenizers.Tokenizer stand-in: a fixed vocabulary; decode joins the kept ids' texts."""
+    vocab = {"<pad>": 1, "<bos>": 2, "<|im_end|>": 3, "a": 4, "b": 5, "<eos>": 6}
+
+    def get_vocab_size(self, with_added_tokens):
+        return 7 if with_added_tokens else 4
+
+    def token_to_id(self, t):
+        return self.vocab.get(t)
+
+    def decode(self, ids, skip_special_tokens):
+        return ",".join(str(i) for i in ids)
+
+
+def test_hf_tokenizer_ids_stop_tokens_and_pad_fallback():
+    """Vocabulary with added tokens (7); no pad token: pad = eos; stop ids eos then the generation
+    config's (duplicates dropped); decode stops before the first stop id."""
+    from hybridmoe.data.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(_FakeHF(), eos_token="<eos>", pad_token=None, bos_token="<bos>", stop_ids=[3, 6, 3])
+    assert (tok.vocab_size, tok.eos_id, tok.pad_id, tok.bos_id) == (7, 6, 6, 2)
+    assert tok.stop_ids == (6, 3)
+    assert tok.decode([4, 5, 3, 4]) == "4,5" and tok.decode([5, 6, 4]) == "5"
+    tok = HFTokenizer(_FakeHF(), eos_token="<|im_end|>", pad_token="<pad>", bos_token=None)
+    assert (tok.eos_id, tok.pad_id, tok.bos_id, tok.stop_ids) == (3, 1, None, (3,))
+    with pytest.raises(ValueError, match="pad_token '<nope>' is not in the tokenizer's vocabulary"):
+        HFTokenizer(_FakeHF(), eos_token="<eos>", pad_token="<nope>", bos_token=None)
+
+
+def test_char_tokenizer_decode_stops_at_eos_and_drops_specials():
+    from hybridmoe.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
+
+    tok = CharTokenizer()
+    ids = tok.encode("12+3")
+    # ids 0, 1, 2 are PAD, BOS, EOS; then digits 0-9 (3..12), then "+-*=" (13..16)
+    assert ids == [4, 5, 13, 6] and tok.encode("0=") == [3, 16]
+    assert tok.decode([PAD_ID, BOS_ID, *ids, EOS_ID, *ids]) == "12+3"
+    assert tok.decode([*ids[:2], 10_000]) == "12"
+    assert tok.vocab_size == 3 + 10 + 4 + 1 + 26 + 26 + 17  # specials, digits, +-*=, space, letters, punctuation
+
+
+def test_special_tokens_and_generation_stop_ids_from_their_files(tmp_path):
+    from hybridmoe.data.tokenizer import _generation_stop_ids, _special_token
+
+    assert _special_token({"eos_token": {"content": "<e>"}}, "eos_token") == "<e>"
+    assert _special_token({"eos_token": ""}, "eos_token") is None
+    path = tmp_path / "generation_config.json"
+    assert _generation_stop_ids(path) == []
+    path.write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert _generation_stop_ids(path) == [7, 9]
+    path.write_text(json.dumps({"eos_token_id": 7}))
+    assert _generation_stop_ids(path) == [7]
+
+
+# ---------------------------------------------------------------------------------------------
+# parallel/host.py: a host's rows make a global array the hosts' count times taller
+
+
+def test_process_local_rows_make_the_global_shape_over_the_hosts(monkeypatch):
+    """[2 micro-batches, 3 rows, 5] on each of 4 hosts: global [2, 12, 5]."""
+    import jax
+
+    from hybridmoe.parallel import host
+
+    seen = []
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    monkeypatch.setattr(jax, "make_array_from_process_local_data",
+                        lambda sharding, a, shape: seen.append((a.shape, shape)) or shape)
+    out = host.put_process_local({"tokens": np.zeros((2, 3, 5), np.int32)}, None)
+    assert out == {"tokens": (2, 12, 5)} and seen == [((2, 3, 5), (2, 12, 5))]
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    assert host.is_lead_host()
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert not host.is_lead_host()
