@@ -369,3 +369,62 @@ def test_process_local_rows_make_the_global_shape_over_the_hosts(monkeypatch):
     assert host.is_lead_host()
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     assert not host.is_lead_host()
+
+
+# ---------------------------------------------------------------------------------------------
+# model/decode.py: a prompt prefilled in chunks (the chunk and slot arithmetic)
+
+
+def _fake_cached_hidden(params, cfg, cache, tokens, seg, pos, with_routing=False):
+    """A decoder whose hidden state of a token is its id (D = 1), whose routing is the position
+    (one layer, k = 1), and whose cache counts the slots and sums the positions it was given."""
+    T = tokens.shape[1]
+    hidden = tokens[..., None].astype(jnp.float32)
+    new = {"slot": cache["slot"] + T, "pos_sum": cache["pos_sum"] + pos.sum()}
+    return (hidden, new, pos[..., None, None]) if with_routing else (hidden, new)
+
+
+@pytest.mark.parametrize("P,C", [(7, 3), (6, 3), (3, 3), (2, 3)])
+def test_prefill_in_chunks_writes_every_token_once_and_returns_the_last(monkeypatch, P, C):
+    """P prompt tokens in chunks of C: the cache's slot ends at P, every position is run once
+    (their sum 0 + 1 + ... + P-1 per row), the hidden state is the last token's and the routing
+    lists the P positions in order."""
+    from hybridmoe.model import decode
+
+    monkeypatch.setattr(decode, "cached_hidden", _fake_cached_hidden)
+    B = 2
+    pos = jnp.tile(jnp.arange(P, dtype=jnp.int32), (B, 1))
+    tokens = pos + 100 * jnp.arange(1, B + 1, dtype=jnp.int32)[:, None]  # row b: 100 b + position
+    cache = {"slot": jnp.int32(0), "pos_sum": jnp.int32(0)}
+    hidden, cache, routing = decode.prefill(None, None, cache, tokens, jnp.ones_like(tokens), pos,
+                                            chunk_tokens=C, with_routing=True)
+    assert int(cache["slot"]) == P
+    assert int(cache["pos_sum"]) == B * P * (P - 1) // 2
+    assert np.asarray(hidden).tolist() == [[100.0 + P - 1], [200.0 + P - 1]]
+    assert routing.shape == (B, P, 1, 1)
+    assert np.asarray(routing)[:, :, 0, 0].tolist() == [list(range(P))] * B
+    hidden, _, none = decode.prefill(None, None, {"slot": jnp.int32(0), "pos_sum": jnp.int32(0)}, tokens,
+                                     jnp.ones_like(tokens), pos, chunk_tokens=C)
+    assert none is None and np.asarray(hidden)[:, 0].tolist() == [100.0 + P - 1, 200.0 + P - 1]
+
+
+@pytest.mark.parametrize("P,C,calls", [(3, 3, [("one", 3)]), (2, 3, [("one", 2)]), (6, 3, [("scan", 3)]),
+                                       (7, 3, [("scan", 3), ("one", 1)])])
+def test_prefill_runs_a_prompt_within_a_chunk_in_one_call_and_whole_chunks_in_a_scan(monkeypatch, P, C, calls):
+    """A prompt of at most C tokens: one call over all of it; longer: the whole chunks in one scan
+    (traced once, C tokens) and the remainder, if any, in one call after it."""
+    import jax
+
+    from hybridmoe.model import decode
+
+    seen = []
+
+    def recording(params, cfg, cache, tokens, *rest, **kw):
+        seen.append(("scan" if isinstance(tokens, jax.core.Tracer) else "one", tokens.shape[1]))
+        return _fake_cached_hidden(params, cfg, cache, tokens, *rest, **kw)
+
+    monkeypatch.setattr(decode, "cached_hidden", recording)
+    pos = jnp.tile(jnp.arange(P, dtype=jnp.int32), (1, 1))
+    decode.prefill(None, None, {"slot": jnp.int32(0), "pos_sum": jnp.int32(0)}, pos, jnp.ones_like(pos), pos,
+                   chunk_tokens=C)
+    assert seen == calls
