@@ -428,3 +428,38 @@ def test_prefill_runs_a_prompt_within_a_chunk_in_one_call_and_whole_chunks_in_a_
     decode.prefill(None, None, {"slot": jnp.int32(0), "pos_sum": jnp.int32(0)}, pos, jnp.ones_like(pos), pos,
                    chunk_tokens=C)
     assert seen == calls
+
+
+# ---------------------------------------------------------------------------------------------
+# hf/weights.py: the source of a checkpoint's tensors
+
+
+def test_hf_source_names_the_file_of_a_wrong_shape_and_lists_unused_tensors():
+    """A multimodal name maps to model.*, its file too; the vision tower and MTP layers are not
+    read; 8 unused tensors are all listed, 9 list 8 and say 9 in all."""
+    from hybridmoe.hf.weights import _Source, is_text_tensor, text_prefix
+
+    state = {"model.language_model.norm.weight": np.zeros(4), "model.visual.x": np.zeros(1),
+             "mtp.fc.weight": np.zeros(1), "lm_head.weight": np.zeros((2, 4))}
+    assert text_prefix(state) == "model.language_model."
+    assert text_prefix({"model.norm.weight": 0}) == "model."
+    assert not is_text_tensor("model.mtp.x", "model.") and is_text_tensor("lm_head.weight", "model.language_model.")
+    src = _Source(state, {"model.language_model.norm.weight": "shard-2.safetensors"}, "ckpt")
+    assert sorted(src.state) == ["lm_head.weight", "model.norm.weight"]
+    with pytest.raises(ValueError, match=r"^shard-2.safetensors: model.norm.weight: expected \(5,\), got \(4,\)$"):
+        src.take("model.norm.weight", (5,))
+    with pytest.raises(ValueError, match=r"ckpt: missing tensor model.x \(expected shape \(3,\)\)"):
+        src.take("model.x", (3,))
+    assert src.take("model.norm.weight", (4,)).shape == (4,)
+    with pytest.raises(ValueError, match=r"does not use \(wrong config or layout\?\): lm_head.weight$"):
+        src.check_all_used()
+    src.take("lm_head.weight", (2, 4))
+    src.check_all_used()
+
+    eight = _Source({f"model.t{i}": np.zeros(1) for i in range(8)}, None, "c")
+    with pytest.raises(ValueError) as refused:
+        eight.check_all_used()
+    assert "in all" not in str(refused.value) and "model.t7" in str(refused.value)
+    nine = _Source({f"model.t{i}": np.zeros(1) for i in range(9)}, None, "c")
+    with pytest.raises(ValueError, match=r"model.t7, \.\.\. \(9 in all\)$"):
+        nine.check_all_used()
