@@ -463,3 +463,54 @@ def test_hf_source_names_the_file_of_a_wrong_shape_and_lists_unused_tensors():
     nine = _Source({f"model.t{i}": np.zeros(1) for i in range(9)}, None, "c")
     with pytest.raises(ValueError, match=r"model.t7, \.\.\. \(9 in all\)$"):
         nine.check_all_used()
+
+
+# ---------------------------------------------------------------------------------------------
+# rl/loop.py: the warm-up step's record, which groups teach, and a round's groups picked
+
+
+def test_rl_warmup_step_record_from_a_stubbed_step_and_clock(monkeypatch):
+    """A warm-up step of 120 tokens in 0.5 s (clock 10.0 -> 10.5): tokens_per_s 240; its loss,
+    norm and skip from the step's metrics; the micro-batches the fewest count of train.micro_batches."""
+    from types import SimpleNamespace
+
+    from hybridmoe.config.schema import Config, TrainConfig
+    from hybridmoe.rl import loop as rl_loop
+
+    clock = iter([10.0, 10.5])
+    monkeypatch.setattr(rl_loop, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(rl_loop, "solved_batch", lambda cfg, step, task, tok: {"step": step})
+    monkeypatch.setattr(rl_loop, "put_global", lambda batch, sharding: batch)
+    monkeypatch.setattr(rl_loop, "fetch_global", lambda m: m)
+    metrics = {"loss": 2.5, "grad_norm": 0.75, "tokens": 120.0, "update_skipped": 1.0}
+    run = SimpleNamespace(cfg=Config(train=TrainConfig(batch_size=8, micro_batches=4)), task=None, tokenizer=None,
+                          setup=SimpleNamespace(batch_sharding=lambda n: None),
+                          warmup_step=lambda state, batch: ({**state, "seen": batch["step"]}, metrics))
+    state, rec = rl_loop._warmup_step(run, {"w": 1}, 3)
+    assert state == {"w": 1, "seen": 3}
+    assert rec == {"phase": rl_loop.WARMUP, "warmup_loss": 2.5, "grad_norm": 0.75, "tokens": 120.0,
+                   "tokens_per_s": 240.0, "step_time_s": 0.5, "update_skipped": 1.0, "warmup_micro_batches": 4.0}
+
+
+def test_informative_groups_need_two_valid_samples_whose_rewards_differ():
+    """G = 3. Group 0 rewards 1, 0, 1: informative. Group 1 all 1: not. Group 2: only one valid
+    sample (the 0 is skipped): not. Group 3: 5, 5 valid and a skipped 9: not (the skipped one's
+    reward does not count)."""
+    from hybridmoe.rl.loop import _informative_groups
+
+    sample = {"rewards": np.array([1, 0, 1, 1, 1, 1, 1, 0, 0, 5, 5, 9], np.float32),
+              "skipped": np.array([0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 1], bool)}
+    assert _informative_groups(sample, 3).tolist() == [True, False, False, False]
+    sample["skipped"] = np.zeros(12, bool)
+    assert _informative_groups(sample, 3).tolist() == [True, False, True, True]
+
+
+def test_pick_groups_takes_each_groups_rows_and_its_per_prompt_fields():
+    """Groups 2 and 0 of G = 2: rows 4, 5, 0, 1; a per-prompt array [P] its entries 2, 0; a scalar kept."""
+    from hybridmoe.rl.loop import _pick_groups
+
+    sample = {"rewards": np.arange(6.0), "lengths": np.arange(6) * 10, "prompt_skipped": np.array([7, 8, 9]),
+              "new_tokens": 5.0}
+    out = _pick_groups(sample, np.array([2, 0]), 2)
+    assert out["rewards"].tolist() == [4.0, 5.0, 0.0, 1.0] and out["lengths"].tolist() == [40, 50, 0, 10]
+    assert out["prompt_skipped"].tolist() == [9, 7] and out["new_tokens"] == 5.0
