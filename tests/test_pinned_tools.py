@@ -514,3 +514,34 @@ def test_pick_groups_takes_each_groups_rows_and_its_per_prompt_fields():
     out = _pick_groups(sample, np.array([2, 0]), 2)
     assert out["rewards"].tolist() == [4.0, 5.0, 0.0, 1.0] and out["lengths"].tolist() == [40, 50, 0, 10]
     assert out["prompt_skipped"].tolist() == [9, 7] and out["new_tokens"] == 5.0
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/score.py: the config a checkpoint is scored under
+
+
+@pytest.mark.parametrize("length,want_max", [(5, 64), (200, 200)])
+def test_score_runs_in_float32_at_the_longest_of_the_file_and_the_defaults(monkeypatch, length, want_max):
+    """Sequences of 5 tokens: max_seq_len the defaults' longest, train.seq_len 64 (rl 16 + 8 = 24 is
+    shorter); of 200: 200. Both dtypes float32, the weights cast to float32, train.seq_len the file's."""
+    from hybridmoe.tools import score
+
+    seen = {}
+    monkeypatch.setattr(score, "hf_model_section", lambda d: {"vocab_size": 50, "param_dtype": "bfloat16",
+                                                              "compute_dtype": "bfloat16"})
+    monkeypatch.setattr(score, "load_hf_checkpoint", lambda d: (None, {"w": np.ones(2, np.float16)}))
+    monkeypatch.setattr(score, "check_requirements", lambda cfg: seen.setdefault("cfg", cfg))
+
+    def logprobs(params, cfg, tokens):
+        seen["dtype"] = params["w"].dtype
+        return jnp.zeros((tokens.shape[0], tokens.shape[1] - 1), jnp.float32) + tokens[:, 1:]
+
+    monkeypatch.setattr(score, "token_logprobs", logprobs)
+    tokens = np.arange(2 * length).reshape(2, length) % 50
+    out = score.score_tokens("dir", tokens)
+    cfg = seen["cfg"]
+    assert cfg.model.max_seq_len == want_max and cfg.train.seq_len == length
+    assert (cfg.model.param_dtype, cfg.model.compute_dtype, seen["dtype"]) == ("float32", "float32", jnp.float32)
+    assert out.dtype == np.float32 and out.shape == (2, length - 1) and out[0, 0] == 1.0
+    with pytest.raises(ValueError, match=r"\[0, 50\)"):
+        score.score_tokens("dir", np.array([[0, 50]]))
