@@ -545,3 +545,26 @@ def test_score_runs_in_float32_at_the_longest_of_the_file_and_the_defaults(monke
     assert out.dtype == np.float32 and out.shape == (2, length - 1) and out[0, 0] == 1.0
     with pytest.raises(ValueError, match=r"\[0, 50\)"):
         score.score_tokens("dir", np.array([[0, 50]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/train_program.py: a TPU target's HBM per device
+
+
+@pytest.mark.parametrize("name,devices,want_gib", [("tpu7x:2x2x1", 8, 96), ("v5e:2x2", 4, 16), ("v5p:2x2x2", 8, 95),
+                                                   ("v6e:4x4", 16, 32)])
+def test_tpu_target_hbm_per_device_is_the_chips_over_its_devices(monkeypatch, name, devices, want_gib):
+    """tpu7x: 192 GiB a chip shared by its 2 devices (8 devices on 4 chips) = 96 GiB each; one device
+    a chip: the chip's whole HBM (v5e 16, v5p 95, v6e 32)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from jax.experimental import topologies
+
+    tp = _tp()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n: object())
+    monkeypatch.setattr(topologies, "get_topology_desc",
+                        lambda n, platform: SimpleNamespace(devices=[object()] * devices))
+    target = tp.tpu_target(name)
+    assert target.hbm_bytes_per_device == want_gib * 2**30
+    assert (target.name, target.platform, target.num_devices) == (name, "tpu", devices)
