@@ -568,3 +568,54 @@ def test_tpu_target_hbm_per_device_is_the_chips_over_its_devices(monkeypatch, na
     target = tp.tpu_target(name)
     assert target.hbm_bytes_per_device == want_gib * 2**30
     assert (target.name, target.platform, target.num_devices) == (name, "tpu", devices)
+
+
+def test_grpo_count_search_where_none_fits_returns_the_last_compiled(monkeypatch):
+    """rl.micro_batches=auto over [1, 2, 4] against 8 GiB with 2 GiB held (the reference counted,
+    rl.beta > 0): 1 needs 20 GiB; 2 (2 + 18 / 2 = 11 GiB at the least) is passed over; 4 (6.5 at the
+    least) compiles and needs 9 GiB: none fits, the step is count 4's, every count is listed."""
+    from types import SimpleNamespace
+
+    import hybridmoe.rl.memory_plan as memory_plan
+    import hybridmoe.run.setup as run_setup
+    from hybridmoe.recipe import load_config
+
+    tp = _tp()
+    G = 2**30
+    needs, compiled, held_with = {1: 20 * G, 4: 9 * G}, [], []
+
+    def compile_one(cfg, target, **kw):
+        compiled.append((cfg.rl.micro_batches, kw["program_name"]))
+        return SimpleNamespace(program=SimpleNamespace(need=needs[cfg.rl.micro_batches]), out_of_memory=None,
+                               count_search=None)
+
+    monkeypatch.setattr(run_setup, "build", lambda cfg, devices: SimpleNamespace())
+    monkeypatch.setattr(memory_plan, "update_counts", lambda setup: [1, 2, 4])
+    monkeypatch.setattr(memory_plan, "update_held_bytes", lambda setup, ref: held_with.append(ref) or 2 * G)
+    monkeypatch.setattr(tp, "compile_one", compile_one)
+    monkeypatch.setattr(tp, "memory_facts", lambda prog, budget: {"total": prog.need})
+    cfg = load_config("tiny", ["rl.micro_batches=auto", "rl.beta=0.1"])
+    step = tp.compile_step(cfg, tp.Target("tpu7x:2x2x1", "tpu", (), 8 * G), program_name="grpo")
+    assert compiled == [(1, "grpo"), (4, "grpo")] and held_with == [True]
+    assert step.program.need == 9 * G
+    search = step.count_search
+    assert (search["key"], search["chosen"], search["held"], search["budget"]) == ("rl.micro_batches", None, 2 * G, 8 * G)
+    assert [(t["count"], t["compiled"], t["need"], t["fits"]) for t in search["tried"]] == [
+        (1, True, 20 * G, False), (2, False, None, False), (4, True, 9 * G, False)]
+
+
+def test_count_search_is_skipped_for_a_set_count_or_a_target_without_hbm(monkeypatch):
+    """train.micro_batches=2, or a CPU target (no HBM figure): one compile, no count search."""
+    from types import SimpleNamespace
+
+    from hybridmoe.recipe import load_config
+
+    tp = _tp()
+    calls = []
+    monkeypatch.setattr(tp, "compile_one", lambda cfg, target, **kw: calls.append(cfg.train.micro_batches)
+                        or SimpleNamespace(count_search=None))
+    assert tp.compile_step(load_config("tiny", ["train.micro_batches=2"]),
+                           tp.Target("tpu7x:2x2x1", "tpu", (), 2**30)).count_search is None
+    assert tp.compile_step(load_config("tiny", ["train.micro_batches=auto"]),
+                           tp.Target("cpu:1", "cpu", (), None)).count_search is None
+    assert calls == [2, "auto"]
