@@ -168,3 +168,34 @@ def test_fused_dswiglu_refuses_a_wrong_preact_and_a_row_dot_without_scale():
         gmm_ops.wo_fused_dswiglu(h, wo, sizes, preact=Z((6, 10)), preact_tile_n_per_half=None, with_row_dot=True)
     with pytest.raises(ValueError, match="tile_n_per_half=2 must divide F=5"):
         gmm_ops.wo_fused_dswiglu(h, wo, sizes, preact=Z((6, 10)), preact_tile_n_per_half=2)
+
+
+# Chunked token logprobs: chunk sizes, the model width, and the chunk grid.
+def test_chunked_logprobs_refuse_a_zero_vocab_chunk():
+    from hybridmoe.kernels import logprobs
+
+    with pytest.raises(ValueError, match="chunk sizes must be >= 1, got chunk_tokens=2, chunk_vocab=0"):
+        logprobs.chunked_token_logprobs(Z((1, 1, 2)), Z((2, 3)), Z((1, 1), jnp.int32), chunk_tokens=2, chunk_vocab=0)
+
+
+@pytest.mark.parametrize("chunk_tokens, chunk_vocab, chunks, tokens, vocab_cols, vocab_chunk", [
+    (8, 2, 1, 4, 6, 2),  # 4 tokens: a chunk of 8 is capped to 4; V 5 padded to 6 for chunks of 2
+    (3, 8, 2, 3, 5, 5),  # 4 tokens padded by 2 to 6 = 2 chunks of 3; a vocab chunk of 8 is capped to V 5
+])
+def test_chunked_logprobs_cap_chunks_at_the_sizes_and_pad_the_rest(monkeypatch, chunk_tokens, chunk_vocab, chunks,
+                                                                   tokens, vocab_cols, vocab_chunk):
+    from hybridmoe.kernels import logprobs
+
+    seen = {}
+
+    def fake(h_KCD, lm_head_DV, targets_KC, chunk_vocab_, vocab_size, temperature, save_logits):
+        seen.update(h=h_KCD.shape, head=lm_head_DV.shape, targets=targets_KC.shape, chunk_vocab=chunk_vocab_,
+                    vocab=vocab_size)
+        return Z(targets_KC.shape), Z(targets_KC.shape)
+
+    monkeypatch.setattr(logprobs, "_chunked", fake)
+    logp, _ = logprobs.chunked_token_logprobs(Z((1, 4, 2)), Z((2, 5)), Z((1, 4), jnp.int32),
+                                              chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
+    assert seen == dict(h=(chunks, tokens, 2), head=(2, vocab_cols), targets=(chunks, tokens),
+                        chunk_vocab=vocab_chunk, vocab=5)
+    assert logp.shape == (1, 4)
