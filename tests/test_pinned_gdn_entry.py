@@ -179,8 +179,8 @@ def test_chunked_logprobs_refuse_a_zero_vocab_chunk():
 
 
 @pytest.mark.parametrize("chunk_tokens, chunk_vocab, chunks, tokens, vocab_cols, vocab_chunk", [
-    (8, 2, 1, 4, 6, 2),  # 4 tokens: a chunk of 8 is capped to 4; V 5 padded to 6 for chunks of 2
-    (3, 8, 2, 3, 5, 5),  # 4 tokens padded by 2 to 6 = 2 chunks of 3; a vocab chunk of 8 is capped to V 5
+    (8, 3, 1, 4, 9, 3),  # 4 tokens: a chunk of 8 is capped to 4; V 7 padded by 2 to 9 for chunks of 3
+    (3, 8, 2, 3, 7, 7),  # 4 tokens padded by 2 to 6 = 2 chunks of 3; a vocab chunk of 8 is capped to V 7
 ])
 def test_chunked_logprobs_cap_chunks_at_the_sizes_and_pad_the_rest(monkeypatch, chunk_tokens, chunk_vocab, chunks,
                                                                    tokens, vocab_cols, vocab_chunk):
@@ -194,8 +194,8 @@ def test_chunked_logprobs_cap_chunks_at_the_sizes_and_pad_the_rest(monkeypatch, 
         return Z(targets_KC.shape), Z(targets_KC.shape)
 
     monkeypatch.setattr(logprobs, "_chunked", fake)
-    logp, _ = logprobs.chunked_token_logprobs(Z((1, 4, 2)), Z((2, 5)), Z((1, 4), jnp.int32),
+    logp, _ = logprobs.chunked_token_logprobs(Z((1, 4, 2)), Z((2, 7)), Z((1, 4), jnp.int32),
                                               chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
     assert seen == dict(h=(chunks, tokens, 2), head=(2, vocab_cols), targets=(chunks, tokens),
-                        chunk_vocab=vocab_chunk, vocab=5)
+                        chunk_vocab=vocab_chunk, vocab=7)
     assert logp.shape == (1, 4)
