@@ -88,3 +88,16 @@ def test_tree_fold_is_the_ordered_product_at_odd_and_even_counts(n, expected):
     m = jnp.array([[[1, 1], [0, 1]], [[1, 0], [1, 1]], [[2, 0], [0, 1]], [[1, 0], [0, 3]]], jnp.float32)[:n]
     (out,) = cp._fold_pairs((m,), lambda early, late: (late[0] @ early[0],), (jnp.eye(2),))
     np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def test_decode_step_and_sequence_return_v_dtype_outputs_and_float32_states():
+    from hybridmoe.kernels.gdn import ops
+
+    # q, k float32 and v bfloat16: the output follows v, the state is float32 (B 1, Hk 1, Hv 2, dk 2, dv 2)
+    q = jnp.ones((1, 1, 2), jnp.float32)
+    v = jnp.ones((1, 2, 2), jnp.bfloat16)
+    g, beta, state = jnp.zeros((1, 2)), jnp.full((1, 2), 0.5), jnp.zeros((1, 2, 2, 2), jnp.bfloat16)
+    o, new_state = ops.gated_delta_step(q, q, v, g, beta, state)
+    assert (o.dtype, o.shape, new_state.dtype, new_state.shape) == (jnp.bfloat16, (1, 2, 2), jnp.float32, (1, 2, 2, 2))
+    o, final = ops.gated_delta_rule(q[:, None], q[:, None], v[:, None], g[:, None], beta[:, None], chunk_size=2)
+    assert (o.dtype, o.shape, final.dtype, final.shape) == (jnp.bfloat16, (1, 1, 2, 2), jnp.float32, (1, 2, 2, 2))
