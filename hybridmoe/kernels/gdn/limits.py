@@ -69,6 +69,8 @@ def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, g
     writes the backward's residuals); itemsize: v's and the output's (q and k are float32)."""
     from hybridmoe.kernels.vmem import Buffer
 
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown GDN kernel {kernel!r}; choose one of {KERNELS}")
     C, K, V, H = chunk_size, key_dim, value_dim, group
     n = chunks_per_step or default_chunks_per_step(C, H)
     tokens = n * C
@@ -88,7 +90,6 @@ def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, g
                  Buffer("dlog_gates", (n, H, C), 4), Buffer("dbeta", (n, H, C), 4)]
         return [*inputs, *residuals, Buffer("do", (H, tokens, V), itemsize), Buffer("d_final", (H, K, V), 4),
                 *grads, Buffer("d_initial", (H, K, V), 4), state, *values]
-    raise ValueError(f"unknown GDN kernel {kernel!r}; choose one of {KERNELS}")
 
 
 # ([C, C], [C, max(K, V)], [K, V]) float32 values live at once: the base, and per further chunk-head
