@@ -69,6 +69,23 @@ def benchmark_script(name: str):
     return module
 
 
+def benchmark_script_unconfigured(name: str):
+    """benchmark_script(name) with the harness's JAX set-up (harness.configure) a no-op while it loads,
+    so a script that configures JAX at import leaves this process's devices and cache as they are."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import benchmarks.harness as harness
+
+    configure = harness.configure
+    harness.configure = lambda *a, **k: None
+    try:
+        return benchmark_script(name)
+    finally:
+        harness.configure = configure
+
+
 class SteppingClock:
     """A stand-in for a module's `time`: perf_counter moves `wall` seconds a call, process_time `cpu`."""
 

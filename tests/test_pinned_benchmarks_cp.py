@@ -4,27 +4,14 @@ the spread of work over ranks, ratios to the one-device arm. Nothing compiles; t
 set-up on import is stubbed so this process keeps its own."""
 
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from helpers import benchmark_script
+from helpers import benchmark_script_unconfigured
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name):
-    sys.path.insert(0, str(ROOT))
-    import benchmarks.harness as harness
-
-    configure = harness.configure
-    harness.configure = lambda *a, **k: None
-    try:
-        return benchmark_script(name)
-    finally:
-        harness.configure = configure
+_load = benchmark_script_unconfigured
 
 
 def _c(kind, dtype, shape, nbytes, trip=None):

@@ -12,21 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from helpers import benchmark_script
+from helpers import benchmark_script_unconfigured
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name):
-    sys.path.insert(0, str(ROOT))
-    import benchmarks.harness as harness
-
-    configure = harness.configure
-    harness.configure = lambda *a, **k: None
-    try:
-        return benchmark_script(name)
-    finally:
-        harness.configure = configure
+_load = benchmark_script_unconfigured
 
 
 def test_bf16_gaps_logprob_gap_counts_targets_inside_documents_only():

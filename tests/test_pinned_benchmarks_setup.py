@@ -2,24 +2,10 @@
 recipe, which mesh, which arms with which overrides, which defaults. A record's figures are only
 comparable across runs when these hold."""
 
-import sys
-from pathlib import Path
 
-from helpers import benchmark_script
+from helpers import benchmark_script_unconfigured
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name):
-    sys.path.insert(0, str(ROOT))
-    import benchmarks.harness as harness
-
-    configure = harness.configure
-    harness.configure = lambda *a, **k: None
-    try:
-        return benchmark_script(name)
-    finally:
-        harness.configure = configure
+_load = benchmark_script_unconfigured
 
 
 def test_rollout_and_train_step_run_small_on_one_cpu_device():
