@@ -68,12 +68,13 @@ def axis_candidates(call: Call) -> dict[str, list[int]]:
 
 
 def search(call: Call, seconds: Callable[[Call, Tiling], float], *, rounds: int = 2,
-           deadline: float | None = None) -> dict:
-    """The fastest tiles by coordinate search from the heuristic ones a TPU runs without the table
-    (tile_table.tpu_rule; the 128^3 DEFAULT where the rule's blocks would not fit), each tiling timed
-    once: {"tiling", "s", "default_s" (the heuristic's), "timed"}."""
-    rule = tile_table.tpu_rule(call.k, call.n)
-    start = rule if fits(call, rule) else DEFAULT
+           deadline: float | None = None, start: Tiling | None = None) -> dict:
+    """The fastest tiles by coordinate search from `start`, by default the heuristic ones a TPU runs
+    without the table (tile_table.tpu_rule; the 128^3 DEFAULT where the rule's blocks would not fit),
+    each tiling timed once: {"tiling", "s", "default_s" (the start's), "timed"}."""
+    if start is None:
+        rule = tile_table.tpu_rule(call.k, call.n)
+        start = rule if fits(call, rule) else DEFAULT
     times: dict[Tiling, float] = {}
 
     def timed(t: Tiling) -> float:
@@ -122,8 +123,9 @@ def write_table(generation: str, entries: list[dict], about: dict, path: Path = 
     write_json_atomically(path, {"about": tile_table.ABOUT, "generations": generations})
 
 
-def kernel_seconds(call: Call, t: Tiling, *, repeats: int = 5, interpret: bool = False) -> float:
-    """The kernel of `call` alone, at tiles `t`, its rows spread evenly over its groups."""
+def kernel_seconds(call: Call, t: Tiling, *, repeats: int = 5, interpret: bool = False, sizes=None) -> float:
+    """The kernel of `call` alone, at tiles `t`, its rows split over its groups by `sizes` (int [groups],
+    summing to the rows), by default spread evenly."""
     import jax
     import jax.numpy as jnp
 
@@ -131,7 +133,12 @@ def kernel_seconds(call: Call, t: Tiling, *, repeats: int = 5, interpret: bool =
     from hybridmoe.tools.calibrate import median_seconds
 
     dtype = {2: jnp.bfloat16, 4: jnp.float32, 1: jnp.float8_e4m3fn}[call.itemsize]
-    sizes = jnp.full((call.groups,), call.m // call.groups, jnp.int32).at[0].add(call.m % call.groups)
+    if sizes is None:
+        sizes = jnp.full((call.groups,), call.m // call.groups, jnp.int32).at[0].add(call.m % call.groups)
+    elif len(sizes) != call.groups or int(sum(sizes)) != call.m:
+        raise ValueError(f"sizes: {len(sizes)} groups summing to {int(sum(sizes))} rows; the call has "
+                         f"{call.groups} groups of {call.m} rows in all")
+    sizes = jnp.asarray(sizes, jnp.int32)
     key = jax.random.key(0)
     lhs = jax.random.normal(key, (call.m, call.k), jnp.float32).astype(dtype)
     common = dict(group_offset=0, sharded=False, out_dtype=dtype, tiling=t, interpret=interpret)

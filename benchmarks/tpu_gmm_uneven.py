@@ -1,0 +1,168 @@
+"""The MoE layer's six grouped matmuls at the seed cell's per-device shapes, tiled for uneven groups.
+
+    python3 benchmarks/tpu_gmm_uneven.py                 # on a TPU host (docs/tpu.md), ~5 minutes
+    python3 benchmarks/tpu_gmm_uneven.py --tiny          # CPU, interpret mode, tiny shapes: a smoke run
+
+Real routing never fills the experts evenly. With rows sorted by expert, a row tile that straddles
+two groups' edge is computed once for each (kernels/gmm/metadata.py), so at the cell (65,536 rows
+over 128 local experts, about 512 rows each) a 512-row tile computes about twice the useful rows. The
+tile table (`hybridmoe tune-gmm`) is measured at even groups, where large row tiles win. This script
+times each kernel at the uneven split tools/chip_cases.py's cases use (`group_sizes`: every group a
+different size, one empty) and searches its tiles there, by tune-gmm's coordinate search (three
+rounds, from the seed recipe's tiles for that kernel). Per kernel: the seed tiles' and the found
+tiles' milliseconds at the uneven split, and both again at an even split (the cost of unevenness).
+
+The kernels (M rows, D = 4096 model width, F = 1024 expert width, 128 groups): wi forward gmm
+[M, D] x [G, D, 2F]; its input gradient gmm_t [M, 2F] x [G, D, 2F]^T; its weight gradient tgmm
+[M, D]^T [M, 2F]; wo forward gmm [M, F] x [G, F, D]; its input gradient gmm_t; its weight gradient
+tgmm. The wi triple is chip_cases' `gmm_cell` case (forward + backward), whose useful TFLOP/s is the
+row `gmm_cell (wi fwd + bwd)`.
+
+Writes benchmarks/records/tpu_gmm_uneven.json: device, commit, ceiling_tflops (a bf16 8192^3 matmul,
+median of 10), sizes (the uneven split), kernels: name -> {kind, m, k, n, groups, seed_tiles,
+seed_ms, tiles, ms, tflops (useful 2 M K N per second, of ms), seed_tflops, even_seed_ms, even_ms,
+timed}, totals: gmm_cell and moe_mlp_cell fwd + bwd at the seed and the found tiles.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+# Each kernel of the MoE layer: (name, kind, K, N) over the geometry's model width d and expert
+# width f; the seed recipe's tiles for it are kernel_tiles(...)'s entry of the same name.
+KERNELS = (
+    ("wi_fwd", "gmm", "d", "2f"),
+    ("wi_dlhs", "gmm_t", "2f", "d"),
+    ("wi_drhs", "tgmm", "d", "2f"),
+    ("wo_fwd", "gmm", "f", "d"),
+    ("wo_dlhs", "gmm_t", "d", "f"),
+    ("wo_drhs", "tgmm", "f", "d"),
+)
+TOTALS = {"gmm_cell (wi fwd + bwd)": ("wi_fwd", "wi_dlhs", "wi_drhs"),
+          "moe_mlp_cell (wi + wo, fwd + bwd)": tuple(name for name, *_ in KERNELS)}
+
+
+def calls(g: dict) -> dict:
+    """name -> tune_gmm Call of each kernel at the geometry's moe_mlp shape (bf16 operands)."""
+    from hybridmoe.kernels.gmm.tile_table import Call
+
+    dims = {"d": g["d"], "f": g["f"], "2f": 2 * g["f"]}
+    return {name: Call(kind, g["rows"], dims[k], dims[n], g["groups"], 2, None) for name, kind, k, n in KERNELS}
+
+
+def useful_tflops(call, seconds: float) -> float:
+    """2 M K N useful FLOPs (every row once, however the tiles fall) per second, in TFLOP/s."""
+    return 2 * call.m * call.k * call.n / seconds / 1e12
+
+
+def totals(rows: dict, calls_: dict) -> dict:
+    """Per total of TOTALS: its kernels' useful TFLOP/s together at the seed and the found tiles."""
+    out = {}
+    for label, names in TOTALS.items():
+        if not all(n in rows and "ms" in rows[n] for n in names):
+            continue
+        flops = sum(2 * calls_[n].m * calls_[n].k * calls_[n].n for n in names)
+        seed_ms = sum(rows[n]["seed_ms"] for n in names)
+        ms = sum(rows[n]["ms"] for n in names)
+        out[label] = {"seed_ms": seed_ms, "ms": ms, "seed_tflops": flops / seed_ms / 1e9, "tflops": flops / ms / 1e9}
+    return out
+
+
+def format_table(rows: dict, total: dict, ceiling: float) -> str:
+    lines = [f"{'kernel':<34} {'seed tiles':>16} {'ms':>8} {'TFLOP/s':>8}   {'found tiles':>16} {'ms':>8} "
+             f"{'TFLOP/s':>8} {'of ceiling':>10}   {'even: seed':>10} {'found':>8}"]
+    for name, r in rows.items():
+        if "ms" not in r:
+            lines.append(f"{name:<34} {r.get('error', 'not run')}")
+            continue
+        lines.append(f"{name:<34} {'x'.join(map(str, r['seed_tiles'])):>16} {r['seed_ms']:>8.3f} {r['seed_tflops']:>8.1f}   "
+                     f"{'x'.join(map(str, r['tiles'])):>16} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['tflops'] / ceiling:>10.2f}"
+                     f"   {r['even_seed_ms']:>10.3f} {r['even_ms']:>8.3f}")
+    for label, t in total.items():
+        lines.append(f"{label:<34} {'':>16} {t['seed_ms']:>8.3f} {t['seed_tflops']:>8.1f}   {'':>16} {t['ms']:>8.3f} "
+                     f"{t['tflops']:>8.1f} {t['tflops'] / ceiling:>10.2f}")
+    lines.append(f"ceiling (bf16 8192^3 matmul): {ceiling:.1f} TFLOP/s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = harness.parser(__doc__, __file__, raw=True)
+    p.add_argument("--budget-s", type=float, default=330.0, help="start no timing after this many seconds (default 330)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per tiling (median); default 5")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU, interpret mode, the tiny geometry; writes a temporary record unless --out is given")
+    p.add_argument("--compile-cache", help="JAX's persistent compile cache folder")
+    args = p.parse_args(argv)
+    if args.tiny and args.out == p.get_default("out"):
+        args.out = tempfile.mkstemp(prefix="tpu_gmm_uneven_tiny_", suffix=".json")[1]
+    harness.configure(cpu_only=args.tiny, cache_dir=args.compile_cache)
+    import jax
+
+    from hybridmoe.kernels.gmm import kernel_tiles
+    from hybridmoe.kernels.gmm.tiling import Tiling
+    from hybridmoe.tools import chip_cases, tune_gmm
+
+    if not args.tiny and jax.default_backend() != "tpu":
+        raise SystemExit(f"tpu_gmm_uneven times the Pallas TPU kernels on a TPU chip; this host's JAX sees "
+                         f"{jax.default_backend()} (--tiny runs tiny shapes interpreted on CPU)")
+    g = chip_cases.GEOMETRIES["tiny" if args.tiny else "cell"]["moe_mlp"]
+    keys = chip_cases.seed_gmm_keys() if g["tiles"] == "seed" else g["tiles"]
+    seed = kernel_tiles(keys)
+    uneven = [int(s) for s in chip_cases.group_sizes(g["rows"], g["groups"])]
+    start = time.perf_counter()
+    deadline = time.monotonic() + args.budget_s
+    log = lambda msg: print(f"[{time.perf_counter() - start:6.1f} s] {msg}", flush=True)  # noqa: E731
+
+    from tpu_kernels import matmul_ceiling_tflops
+
+    ceiling = matmul_ceiling_tflops(256 if args.tiny else 8192, 3 if args.tiny else 10)
+    log(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s on {jax.devices()[0].device_kind}")
+    kernel_calls = calls(g)
+    rows: dict[str, dict] = {}
+
+    def seconds(call, t, sizes=None):
+        return tune_gmm.kernel_seconds(call, t, repeats=args.repeats, interpret=args.tiny, sizes=sizes)
+
+    def write():
+        harness.write(args.out, "tpu_gmm_uneven", ceiling_tflops=ceiling, geometry=g, sizes=uneven, kernels=rows,
+                      totals=totals(rows, kernel_calls), interpret=args.tiny,
+                      method=f"tune_gmm.kernel_seconds (median of {args.repeats} after one warm call) of each kernel "
+                             "alone at the uneven split; the tiles by tune_gmm.search (3 rounds) from the seed "
+                             "recipe's; useful TFLOP/s 2 M K N per second; the even split for both tilings")
+
+    for name, call in kernel_calls.items():
+        if time.monotonic() > deadline:
+            rows[name] = {"kind": call.kind, "error": f"past the {args.budget_s:.0f} s budget"}
+            continue
+        base = getattr(seed, name)
+        start_t = Tiling(tm=base.tm, tk=min(base.tk, call.k), tn=min(base.tn, call.n))
+        log(f"{name} ({call.kind} {call.m} x {call.k} -> {call.n}, {call.groups} groups) from {start_t.tm}x{start_t.tk}x{start_t.tn}")
+        try:
+            found = tune_gmm.search(call, lambda c, t: seconds(c, t, uneven), rounds=3, deadline=deadline,
+                                    start=start_t)
+            best = found["tiling"]
+            row = {**call.key(), "seed_tiles": [start_t.tm, start_t.tk, start_t.tn],
+                   "seed_ms": found["default_s"] * 1e3, "tiles": [best.tm, best.tk, best.tn], "ms": found["s"] * 1e3,
+                   "timed": found["timed"]}
+            row["seed_tflops"] = useful_tflops(call, found["default_s"])
+            row["tflops"] = useful_tflops(call, found["s"])
+            row["even_seed_ms"] = seconds(call, start_t) * 1e3
+            row["even_ms"] = seconds(call, best) * 1e3
+        except Exception as e:  # noqa: BLE001 - one kernel's failure is recorded, the others go on
+            row = {**call.key(), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        rows[name] = row
+        log(f"{name}: {row.get('seed_ms', float('nan')):.3f} -> {row.get('ms', float('nan')):.3f} ms at {row.get('tiles')}")
+        write()
+    write()
+    print(format_table(rows, totals(rows, kernel_calls), ceiling))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
