@@ -1,0 +1,104 @@
+"""benchmarks/tpu_gmm_uneven.py: which kernels it times at which shapes, and the figures its record
+holds, from a stubbed timer (the chip run itself is a record, not a test)."""
+
+import json
+
+import pytest
+
+from helpers import benchmark_script, benchmark_script_unconfigured
+
+
+@pytest.fixture(scope="module")
+def script():
+    return benchmark_script_unconfigured("tpu_gmm_uneven")
+
+
+def test_the_six_kernels_take_the_layers_contraction_and_width(script):
+    """The cell (65,536 rows, d 4096, f 1024, 128 groups): wi maps d -> 2f = 2048, wo maps f -> d;
+    an input gradient (gmm_t) contracts over the forward's output width."""
+    from hybridmoe.tools import chip_cases
+
+    got = {name: (c.kind, c.m, c.k, c.n, c.groups, c.itemsize) for name, c in
+           script.calls(chip_cases.GEOMETRIES["cell"]["moe_mlp"]).items()}
+    assert got == {
+        "wi_fwd": ("gmm", 65536, 4096, 2048, 128, 2),
+        "wi_dlhs": ("gmm_t", 65536, 2048, 4096, 128, 2),
+        "wi_drhs": ("tgmm", 65536, 4096, 2048, 128, 2),
+        "wo_fwd": ("gmm", 65536, 1024, 4096, 128, 2),
+        "wo_dlhs": ("gmm_t", 65536, 4096, 1024, 128, 2),
+        "wo_drhs": ("tgmm", 65536, 1024, 4096, 128, 2),
+    }
+
+
+def test_useful_tflops_count_every_row_once(script):
+    """2 x 65,536 x 4,096 x 2,048 = 1.0995e12 FLOPs in 10 ms: 109.95 TFLOP/s."""
+    from hybridmoe.kernels.gmm.tile_table import Call
+
+    got = script.useful_tflops(Call("gmm", 65536, 4096, 2048, 128, 2, None), 0.010)
+    assert got == pytest.approx(109.951, rel=1e-4)
+
+
+def test_totals_are_the_flops_of_their_kernels_over_their_summed_time(script):
+    """gmm_cell is the wi triple: 3 x 2 x 8 x 16 x 32 = 24,576 FLOPs; seed 1 + 2 + 3 ms, found
+    0.5 + 1 + 1.5 ms: 4.096 and 8.192 MFLOP/s = 4.096e-6 and 8.192e-6 TFLOP/s. moe_mlp needs all six
+    kernels and is left out while one is missing."""
+    from hybridmoe.kernels.gmm.tile_table import Call
+
+    calls = {n: Call("gmm", 8, 16, 32, 2, 2, None) for n in ("wi_fwd", "wi_dlhs", "wi_drhs", "wo_fwd")}
+    rows = {"wi_fwd": {"seed_ms": 1.0, "ms": 0.5}, "wi_dlhs": {"seed_ms": 2.0, "ms": 1.0},
+            "wi_drhs": {"seed_ms": 3.0, "ms": 1.5}, "wo_fwd": {"seed_ms": 1.0, "ms": 1.0}}
+    got = script.totals(rows, calls)
+    assert list(got) == ["gmm_cell (wi fwd + bwd)"]
+    t = got["gmm_cell (wi fwd + bwd)"]
+    assert t["seed_ms"] == 6.0 and t["ms"] == 3.0
+    assert t["seed_tflops"] == pytest.approx(4.096e-6) and t["tflops"] == pytest.approx(8.192e-6)
+
+
+def test_record_holds_the_search_from_the_seed_tiles_at_the_uneven_split(script, monkeypatch, tmp_path):
+    """A stubbed timer: (1 ms x tm / 64 + 0.1 ms x 128 / tk), twice that at uneven sizes. The tiny
+    geometry (200 rows, d 256, f 128, 5 groups, seed tiles 64 x 128 x 128): the search keeps tm 64 (128
+    is slower), takes the whole K where K is 256 (0.05 ms less), and keeps tn (no faster choice). wi
+    forward: seed (1 + 0.1) x 2 = 2.2 ms, found (1 + 0.05) x 2 = 2.1 ms, even 1.1 and 1.05 ms."""
+    from hybridmoe.tools import chip_cases, tune_gmm
+
+    kernels = benchmark_script("tpu_kernels")
+    monkeypatch.setattr(kernels, "matmul_ceiling_tflops", lambda size, repeats: 100.0)
+    monkeypatch.setattr(script.harness, "configure", lambda *a, **k: None)
+    seen = []
+
+    def fake(call, t, *, repeats, interpret, sizes=None):
+        seen.append(sizes)
+        return (1e-3 * t.tm / 64 + 1e-4 * 128 / t.tk) * (2 if sizes is not None else 1)
+
+    monkeypatch.setattr(tune_gmm, "kernel_seconds", fake)
+    out = tmp_path / "r.json"
+    assert script.main(["--tiny", "--out", str(out), "--repeats", "1"]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["sizes"] == [int(s) for s in chip_cases.group_sizes(200, 5)] and sum(rec["sizes"]) == 200
+    assert all(s is None or list(s) == rec["sizes"] for s in seen)
+    wi = rec["kernels"]["wi_fwd"]
+    assert wi["seed_tiles"] == [64, 128, 128] and wi["tiles"] == [64, 256, 128]
+    assert wi["seed_ms"] == pytest.approx(2.2) and wi["ms"] == pytest.approx(2.1)
+    assert wi["even_seed_ms"] == pytest.approx(1.1) and wi["even_ms"] == pytest.approx(1.05)
+    assert wi["tflops"] == pytest.approx(2 * 200 * 256 * 256 / 2.1e-3 / 1e12)
+    assert wi["seed_tflops"] == pytest.approx(2 * 200 * 256 * 256 / 2.2e-3 / 1e12)
+    # wo forward contracts over f = 128: nothing larger to take, the seed tiles stay.
+    wo = rec["kernels"]["wo_fwd"]
+    assert wo["tiles"] == [64, 128, 128] and wo["ms"] == pytest.approx(2.2) and wo["ms"] == wo["seed_ms"]
+    total = rec["totals"]["moe_mlp_cell (wi + wo, fwd + bwd)"]
+    # wi_fwd, wi_dlhs (k 2f = 256), wi_drhs, wo_dlhs (k d = 256) at 2.1 ms; wo_fwd, wo_drhs at 2.2.
+    assert total["ms"] == pytest.approx(4 * 2.1 + 2 * 2.2) and total["seed_ms"] == pytest.approx(6 * 2.2)
+    assert rec["ceiling_tflops"] == 100.0
+
+
+def test_kernel_seconds_refuses_sizes_of_another_split():
+    """Sizes over the wrong number of groups, or not summing to the rows, are named before anything runs."""
+    from hybridmoe.kernels.gmm.tile_table import Call
+    from hybridmoe.kernels.gmm.tiling import Tiling
+    from hybridmoe.tools import tune_gmm
+
+    call = Call("gmm", 64, 128, 128, 3, 2, None)
+    with pytest.raises(ValueError, match="2 groups summing to 64 rows; the call has 3 groups of 64"):
+        tune_gmm.kernel_seconds(call, Tiling(), sizes=[32, 32])
+    with pytest.raises(ValueError, match="3 groups summing to 63 rows"):
+        tune_gmm.kernel_seconds(call, Tiling(), sizes=[21, 21, 21])
