@@ -18,6 +18,11 @@ The kernels (M rows, D = 4096 model width, F = 1024 expert width, 128 groups): w
 tgmm. The wi triple is chip_cases' `gmm_cell` case (forward + backward), whose useful TFLOP/s is the
 row `gmm_cell (wi fwd + bwd)`.
 
+On the chip the found tiles also go into the tile table's section of its generation
+(kernels/gmm/tile_table.json, `kernels.gmm.tiling=auto`; each entry marked "split": "uneven"), where
+they serve calls at about the cell's rows per group: chip_cases' `gmm_cell` case times them as its
+backend `pallas_tpu_table`.
+
 Writes benchmarks/records/tpu_gmm_uneven.json: device, commit, ceiling_tflops (a bf16 8192^3 matmul,
 median of 10), sizes (the uneven split), kernels: name -> {kind, m, k, n, groups, seed_tiles,
 seed_ms, tiles, ms, tflops (useful 2 M K N per second, of ms), seed_tflops, even_seed_ms, even_ms,
@@ -74,6 +79,19 @@ def totals(rows: dict, calls_: dict) -> dict:
     return out
 
 
+def table_entries(rows: dict) -> list[dict]:
+    """The tile table's entries (tune_gmm.entry's form) of the kernels searched, marked as measured at
+    the uneven split; the seed tiles' time is the entry's before."""
+    out = []
+    for r in rows.values():
+        if "ms" not in r:
+            continue
+        tm, tk, tn = r["tiles"]
+        out.append({**{k: r[k] for k in ("kind", "m", "k", "n", "groups", "itemsize")}, "tm": tm, "tk": tk, "tn": tn,
+                    "ms": r["ms"], "default_ms": r["seed_ms"], "timed": r["timed"], "split": "uneven"})
+    return out
+
+
 def format_table(rows: dict, total: dict, ceiling: float) -> str:
     lines = [f"{'kernel':<34} {'seed tiles':>16} {'ms':>8} {'TFLOP/s':>8}   {'found tiles':>16} {'ms':>8} "
              f"{'TFLOP/s':>8} {'of ceiling':>10}   {'even: seed':>10} {'found':>8}"]
@@ -106,7 +124,9 @@ def main(argv=None) -> int:
 
     from hybridmoe.kernels.gmm import kernel_tiles
     from hybridmoe.kernels.gmm.tiling import Tiling
+    from hybridmoe.kernels.gmm import tile_table
     from hybridmoe.tools import chip_cases, tune_gmm
+    from hybridmoe.tools.record import source_commit
 
     if not args.tiny and jax.default_backend() != "tpu":
         raise SystemExit(f"tpu_gmm_uneven times the Pallas TPU kernels on a TPU chip; this host's JAX sees "
@@ -160,6 +180,11 @@ def main(argv=None) -> int:
         log(f"{name}: {row.get('seed_ms', float('nan')):.3f} -> {row.get('ms', float('nan')):.3f} ms at {row.get('tiles')}")
         write()
     write()
+    if not args.tiny:
+        entries = table_entries(rows)
+        tune_gmm.write_table(tune_gmm.check_host(), entries, {**tune_gmm.about({"device": jax.devices()[0].device_kind}),
+                                                              "commit": source_commit()})
+        log(f"{len(entries)} entries into the tile table ({tile_table.TABLE_FILE})")
     print(format_table(rows, totals(rows, kernel_calls), ceiling))
     return 0
 

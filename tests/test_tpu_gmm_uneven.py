@@ -2,10 +2,12 @@
 holds, from a stubbed timer (the chip run itself is a record, not a test)."""
 
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 
-from helpers import benchmark_script, benchmark_script_unconfigured
+from helpers import benchmark_script_unconfigured
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +63,7 @@ def test_record_holds_the_search_from_the_seed_tiles_at_the_uneven_split(script,
     forward: seed (1 + 0.1) x 2 = 2.2 ms, found (1 + 0.05) x 2 = 2.1 ms, even 1.1 and 1.05 ms."""
     from hybridmoe.tools import chip_cases, tune_gmm
 
-    kernels = benchmark_script("tpu_kernels")
-    monkeypatch.setattr(kernels, "matmul_ceiling_tflops", lambda size, repeats: 100.0)
+    monkeypatch.setitem(sys.modules, "tpu_kernels", SimpleNamespace(matmul_ceiling_tflops=lambda size, repeats: 100.0))
     monkeypatch.setattr(script.harness, "configure", lambda *a, **k: None)
     seen = []
 
@@ -102,3 +103,14 @@ def test_kernel_seconds_refuses_sizes_of_another_split():
         tune_gmm.kernel_seconds(call, Tiling(), sizes=[32, 32])
     with pytest.raises(ValueError, match="3 groups summing to 63 rows"):
         tune_gmm.kernel_seconds(call, Tiling(), sizes=[21, 21, 21])
+
+
+def test_table_entries_carry_the_found_tiles_and_the_seed_time_as_before(script):
+    """A searched kernel becomes a tile-table entry at its own shape, marked uneven; one that failed or
+    was left out by the budget gives none."""
+    rows = {"wi_fwd": {"kind": "gmm", "m": 65536, "k": 4096, "n": 2048, "groups": 128, "itemsize": 2,
+                       "tiles": [256, 4096, 1024], "ms": 9.5, "seed_ms": 14.3, "timed": 17},
+            "wo_fwd": {"kind": "gmm", "error": "past the 330 s budget"}}
+    assert script.table_entries(rows) == [
+        {"kind": "gmm", "m": 65536, "k": 4096, "n": 2048, "groups": 128, "itemsize": 2, "tm": 256, "tk": 4096,
+         "tn": 1024, "ms": 9.5, "default_ms": 14.3, "timed": 17, "split": "uneven"}]

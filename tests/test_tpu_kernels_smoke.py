@@ -25,8 +25,8 @@ def test_tiny_grouped_matmul_runs_end_to_end(tmp_path):
     fwd_flops, both_flops = 2 * 200 * 256 * 256, 3 * 2 * 200 * 256 * 256
     assert record["cases"]["gmm_tiny"]["flops_fwd"] == fwd_flops
     skipped = record["cases"]["gmm_tiny"]["skipped"]
-    assert set(rows) | set(skipped) == {"ragged_dot", "pallas_tpu", "pallas_tpu_128", "tokamax"}
-    for backend in ("ragged_dot", "pallas_tpu", "pallas_tpu_128"):
+    assert set(rows) | set(skipped) == {"ragged_dot", "pallas_tpu", "pallas_tpu_128", "pallas_tpu_table", "tokamax"}
+    for backend in ("ragged_dot", "pallas_tpu", "pallas_tpu_128", "pallas_tpu_table"):
         r = rows[backend]
         assert "error" not in r, r
         assert r["ms"] == r["fwd_bwd_ms"] > 0 and r["fwd_ms"] > 0

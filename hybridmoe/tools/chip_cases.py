@@ -15,8 +15,11 @@ every Pallas kernel on the chip against the XLA path and the reference) and `hyb
 Families (one case per family and geometry, named `<family>_<geometry>`):
   gmm         a grouped matmul lhs [M, K] x rhs [G, K, N] over G groups of sorted rows:
               `ragged_dot` (kernels.gmm, backend xla, xla_impl ragged_dot: jax.lax.ragged_dot),
-              `pallas_tpu` at the geometry's tiles, `pallas_tpu_128` (the kernels' default 128^3
-              tiles), `tokamax` (tokamax.ragged_dot, where the package imports);
+              `pallas_tpu` at the geometry's tiles, `pallas_tpu_128` (no tiles given: on a TPU the
+              chip's rule, tile_table.TPU_RULE; the kernels' 128^3 default elsewhere; the name is the
+              records'), `pallas_tpu_table` (each kernel at the tile table's entry for its shape,
+              benchmarks/tpu_gmm_uneven.py's at the cell), `tokamax` (tokamax.ragged_dot, where the
+              package imports);
   moe_mlp     the routed experts' MLP y = (s * swiglu(x @ wi)) @ wo per group, s the routing weight
               (model/moe.py's _expert_mlp with router_grad_from_wo_input): `xla`, `pallas_tpu`
               (unfused) and `pallas_tpu_fused` (wi_fused_swiglu + wo_fused_dswiglu), both Pallas
@@ -253,6 +256,10 @@ def _gmm_backends(g, interpret):
         "ragged_dot": functools.partial(K.gmm, backend="xla", xla_impl="ragged_dot"),
         "pallas_tpu": functools.partial(K.gmm, backend="pallas_tpu", tiling=K.Tiling(tm, tk, tn), interpret=interpret),
         "pallas_tpu_128": functools.partial(K.gmm, backend="pallas_tpu", interpret=interpret),
+        # Each of the three kernels at the chip's measured tiles for its shape (kernels/gmm/tile_table.py;
+        # the heuristic tiles where the table has no entry near it).
+        "pallas_tpu_table": functools.partial(K.gmm, backend="pallas_tpu", tiling=K.Tiling(from_table=True),
+                                              interpret=interpret),
     }
     tokamax = _tokamax()
     if tokamax is None:
