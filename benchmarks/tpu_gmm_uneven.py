@@ -31,6 +31,8 @@ timed}, totals: gmm_cell and moe_mlp_cell fwd + bwd at the seed and the found ti
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 import tempfile
 import time
@@ -49,6 +51,9 @@ KERNELS = (
     ("wo_dlhs", "gmm_t", "d", "f"),
     ("wo_drhs", "tgmm", "f", "d"),
 )
+# Row tiles searched: tune-gmm's, and 64 (at about 512 rows per group a smaller tile wastes less at
+# each group's edges; 64 is a multiple of bf16's 16-row sublane packing).
+ROW_TILES = (64, 128, 256, 512, 1024)
 TOTALS = {"gmm_cell (wi fwd + bwd)": ("wi_fwd", "wi_dlhs", "wi_drhs"),
           "moe_mlp_cell (wi + wo, fwd + bwd)": tuple(name for name, *_ in KERNELS)}
 
@@ -73,10 +78,20 @@ def totals(rows: dict, calls_: dict) -> dict:
         if not all(n in rows and "ms" in rows[n] for n in names):
             continue
         flops = sum(2 * calls_[n].m * calls_[n].k * calls_[n].n for n in names)
-        seed_ms = sum(rows[n]["seed_ms"] for n in names)
         ms = sum(rows[n]["ms"] for n in names)
-        out[label] = {"seed_ms": seed_ms, "ms": ms, "seed_tflops": flops / seed_ms / 1e9, "tflops": flops / ms / 1e9}
+        out[label] = {"ms": ms, "tflops": flops / ms / 1e9}
+        if all("seed_ms" in rows[n] for n in names):  # else a seed tiling did not compile
+            seed_ms = sum(rows[n]["seed_ms"] for n in names)
+            out[label].update(seed_ms=seed_ms, seed_tflops=flops / seed_ms / 1e9)
     return out
+
+
+def earlier_rows(out: Path, device: str) -> dict:
+    """The kernels of an earlier record of the same device at `out` (a run with --only replaces its own)."""
+    if not out.is_file() or not out.stat().st_size:
+        return {}
+    old = json.loads(out.read_text())
+    return old.get("kernels", {}) if old.get("device") == device else {}
 
 
 def table_entries(rows: dict) -> list[dict]:
@@ -88,7 +103,7 @@ def table_entries(rows: dict) -> list[dict]:
             continue
         tm, tk, tn = r["tiles"]
         out.append({**{k: r[k] for k in ("kind", "m", "k", "n", "groups", "itemsize")}, "tm": tm, "tk": tk, "tn": tn,
-                    "ms": r["ms"], "default_ms": r["seed_ms"], "timed": r["timed"], "split": "uneven"})
+                    "ms": r["ms"], "default_ms": r.get("seed_ms"), "timed": r["timed"], "split": "uneven"})
     return out
 
 
@@ -99,12 +114,14 @@ def format_table(rows: dict, total: dict, ceiling: float) -> str:
         if "ms" not in r:
             lines.append(f"{name:<34} {r.get('error', 'not run')}")
             continue
-        lines.append(f"{name:<34} {'x'.join(map(str, r['seed_tiles'])):>16} {r['seed_ms']:>8.3f} {r['seed_tflops']:>8.1f}   "
+        nan = float("nan")
+        lines.append(f"{name:<34} {'x'.join(map(str, r['seed_tiles'])):>16} {r.get('seed_ms', nan):>8.3f} "
+                     f"{r.get('seed_tflops', nan):>8.1f}   "
                      f"{'x'.join(map(str, r['tiles'])):>16} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['tflops'] / ceiling:>10.2f}"
-                     f"   {r['even_seed_ms']:>10.3f} {r['even_ms']:>8.3f}")
+                     f"   {r.get('even_seed_ms', nan):>10.3f} {r['even_ms']:>8.3f}")
     for label, t in total.items():
-        lines.append(f"{label:<34} {'':>16} {t['seed_ms']:>8.3f} {t['seed_tflops']:>8.1f}   {'':>16} {t['ms']:>8.3f} "
-                     f"{t['tflops']:>8.1f} {t['tflops'] / ceiling:>10.2f}")
+        lines.append(f"{label:<34} {'':>16} {t.get('seed_ms', float('nan')):>8.3f} {t.get('seed_tflops', float('nan')):>8.1f}"
+                     f"   {'':>16} {t['ms']:>8.3f} {t['tflops']:>8.1f} {t['tflops'] / ceiling:>10.2f}")
     lines.append(f"ceiling (bf16 8192^3 matmul): {ceiling:.1f} TFLOP/s")
     return "\n".join(lines)
 
@@ -116,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="CPU, interpret mode, the tiny geometry; writes a temporary record unless --out is given")
     p.add_argument("--compile-cache", help="JAX's persistent compile cache folder")
+    p.add_argument("--only", help="comma-separated kernels (of wi_fwd, wi_dlhs, wi_drhs, wo_fwd, wo_dlhs, wo_drhs); "
+                                  "merged into --out's record of the same device")
     args = p.parse_args(argv)
     if args.tiny and args.out == p.get_default("out"):
         args.out = tempfile.mkstemp(prefix="tpu_gmm_uneven_tiny_", suffix=".json")[1]
@@ -144,10 +163,24 @@ def main(argv=None) -> int:
     ceiling = matmul_ceiling_tflops(256 if args.tiny else 8192, 3 if args.tiny else 10)
     log(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s on {jax.devices()[0].device_kind}")
     kernel_calls = calls(g)
-    rows: dict[str, dict] = {}
+    names = args.only.split(",") if args.only else list(kernel_calls)
+    unknown = sorted(set(names) - set(kernel_calls))
+    if unknown:
+        raise SystemExit(f"--only: unknown kernels {unknown}; known: {', '.join(kernel_calls)}")
+    rows: dict[str, dict] = earlier_rows(Path(args.out), jax.devices()[0].device_kind) if args.only else {}
+    refused: dict[str, list] = {}
 
     def seconds(call, t, sizes=None):
-        return tune_gmm.kernel_seconds(call, t, repeats=args.repeats, interpret=args.tiny, sizes=sizes)
+        """The kernel's seconds; a tiling the compiler refuses (its blocks past the chip's VMEM) is
+        noted and timed as never finishing, so the search goes on without it."""
+        try:
+            return tune_gmm.kernel_seconds(call, t, repeats=args.repeats, interpret=args.tiny, sizes=sizes)
+        except Exception as e:  # noqa: BLE001 - recorded per tiling
+            refused.setdefault(current[0], []).append(
+                {"tiles": [t.tm, t.tk, t.tn], "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+            return math.inf
+
+    current = [""]
 
     def write():
         harness.write(args.out, "tpu_gmm_uneven", ceiling_tflops=ceiling, geometry=g, sizes=uneven, kernels=rows,
@@ -156,7 +189,8 @@ def main(argv=None) -> int:
                              "alone at the uneven split; the tiles by tune_gmm.search (3 rounds) from the seed "
                              "recipe's; useful TFLOP/s 2 M K N per second; the even split for both tilings")
 
-    for name, call in kernel_calls.items():
+    for name in names:
+        call, current[0] = kernel_calls[name], name
         if time.monotonic() > deadline:
             rows[name] = {"kind": call.kind, "error": f"past the {args.budget_s:.0f} s budget"}
             continue
@@ -165,17 +199,20 @@ def main(argv=None) -> int:
         log(f"{name} ({call.kind} {call.m} x {call.k} -> {call.n}, {call.groups} groups) from {start_t.tm}x{start_t.tk}x{start_t.tn}")
         try:
             found = tune_gmm.search(call, lambda c, t: seconds(c, t, uneven), rounds=3, deadline=deadline,
-                                    start=start_t)
+                                    start=start_t, row_tiles=ROW_TILES)
             best = found["tiling"]
+            if not math.isfinite(found["s"]):
+                raise RuntimeError("no tiling compiled")
             row = {**call.key(), "seed_tiles": [start_t.tm, start_t.tk, start_t.tn],
-                   "seed_ms": found["default_s"] * 1e3, "tiles": [best.tm, best.tk, best.tn], "ms": found["s"] * 1e3,
-                   "timed": found["timed"]}
-            row["seed_tflops"] = useful_tflops(call, found["default_s"])
-            row["tflops"] = useful_tflops(call, found["s"])
-            row["even_seed_ms"] = seconds(call, start_t) * 1e3
-            row["even_ms"] = seconds(call, best) * 1e3
+                   "tiles": [best.tm, best.tk, best.tn], "ms": found["s"] * 1e3, "timed": found["timed"],
+                   "tflops": useful_tflops(call, found["s"]), "even_ms": seconds(call, best) * 1e3}
+            if math.isfinite(found["default_s"]):  # else the seed tiles did not compile (refused lists why)
+                row.update(seed_ms=found["default_s"] * 1e3, seed_tflops=useful_tflops(call, found["default_s"]),
+                           even_seed_ms=seconds(call, start_t) * 1e3)
         except Exception as e:  # noqa: BLE001 - one kernel's failure is recorded, the others go on
             row = {**call.key(), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        if refused.get(name):
+            row["refused"] = refused[name]
         rows[name] = row
         log(f"{name}: {row.get('seed_ms', float('nan')):.3f} -> {row.get('ms', float('nan')):.3f} ms at {row.get('tiles')}")
         write()

@@ -24,7 +24,7 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               (model/moe.py's _expert_mlp with router_grad_from_wo_input): `xla`, `pallas_tpu`
               (unfused) and `pallas_tpu_fused` (wi_fused_swiglu + wo_fused_dswiglu), both Pallas
               arms at the seed's tiles (recipe qwen3.5-397b-a17b-v7x-128) where the geometry says
-              "seed";
+              "seed"; `pallas_tpu_table` (unfused, each kernel at the tile table's tiles);
   gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
               `xla`, `pallas_tpu`;
   attention   causal flash attention over packed documents, positions restarting per document:
@@ -308,7 +308,7 @@ def seed_gmm_keys() -> dict:
 def moe_plans(g, interpret: bool) -> dict:
     """The MoE MLP's arms as model/moe.py's GroupedPlan: xla, pallas_tpu (unfused), pallas_tpu_fused,
     the Pallas ones at the geometry's tiles ("seed": the seed recipe's; its tile per half clamped to F)."""
-    from hybridmoe.kernels.gmm import kernel_tiles
+    from hybridmoe.kernels.gmm import KernelTiles, Tiling, kernel_tiles
     from hybridmoe.model.moe import GroupedPlan
 
     keys = seed_gmm_keys() if g["tiles"] == "seed" else g["tiles"]
@@ -318,6 +318,9 @@ def moe_plans(g, interpret: bool) -> dict:
     pallas = dict(common, backend="pallas_tpu", tiles=tiles, interpret=interpret)
     return {"xla": GroupedPlan(**common, backend="xla"),
             "pallas_tpu": GroupedPlan(**pallas),
+            # Each of the six unfused kernels at the tile table's tiles for its shape (at the cell: those
+            # benchmarks/tpu_gmm_uneven.py found at uneven groups).
+            "pallas_tpu_table": GroupedPlan(**dict(pallas, tiles=KernelTiles.shared(Tiling(from_table=True)))),
             "pallas_tpu_fused": GroupedPlan(**pallas, wi_fused_swiglu=True, wo_fused_dswiglu=True,
                                             tile_n_per_half=per_half,
                                             rhs_buffer_count=int(keys.get("wi_fwd_rhs_buffer_count", 0)))}

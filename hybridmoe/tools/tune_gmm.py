@@ -62,13 +62,14 @@ def fits(call: Call, t: Tiling, cap_mib: float = AUTO_LIMIT_CAP_MIB) -> bool:
     return need <= cap_mib * MIB
 
 
-def axis_candidates(call: Call) -> dict[str, list[int]]:
+def axis_candidates(call: Call, row_tiles: tuple[int, ...] = ROW_TILES) -> dict[str, list[int]]:
     rows = -(-call.m // SUBLANE) * SUBLANE
-    return {"tm": [t for t in ROW_TILES if t <= max(rows, ROW_TILES[0])], "tk": dim_tiles(call.k), "tn": dim_tiles(call.n)}
+    return {"tm": [t for t in row_tiles if t <= max(rows, row_tiles[0])], "tk": dim_tiles(call.k), "tn": dim_tiles(call.n)}
 
 
 def search(call: Call, seconds: Callable[[Call, Tiling], float], *, rounds: int = 2,
-           deadline: float | None = None, start: Tiling | None = None) -> dict:
+           deadline: float | None = None, start: Tiling | None = None,
+           row_tiles: tuple[int, ...] = ROW_TILES) -> dict:
     """The fastest tiles by coordinate search from `start`, by default the heuristic ones a TPU runs
     without the table (tile_table.tpu_rule; the 128^3 DEFAULT where the rule's blocks would not fit),
     each tiling timed once: {"tiling", "s", "default_s" (the start's), "timed"}."""
@@ -84,7 +85,7 @@ def search(call: Call, seconds: Callable[[Call, Tiling], float], *, rounds: int 
 
     best = start
     timed(best)
-    candidates = axis_candidates(call)
+    candidates = axis_candidates(call, row_tiles)
     for _ in range(rounds):
         before = best
         for axis, values in candidates.items():
