@@ -49,6 +49,14 @@ def _steps(m: int, tm: int, num_local: int, group_sizes_E, table_len: int) -> in
     return min(table_len, -(-int(_local_rows(m, num_local, group_sizes_E)) // tm) + num_local - 1)
 
 
+def _weight_fetches(stated_steps: int, num_local: int, tiles_k: int) -> int:
+    """How many times the stated bytes count a group's weight slab (per N tile): with one K tile a
+    step's weight block index is (group, 0, N tile), unchanged across a group's consecutive row tiles,
+    and the grid pipeline fetches a block only when its index changes: once per local group (at the
+    balanced share every local group has rows). With several K tiles the block changes every step."""
+    return num_local if tiles_k == 1 else stated_steps
+
+
 def _itemsize(x) -> int:
     return jnp.dtype(x.dtype).itemsize
 
@@ -120,10 +128,11 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
         name="gmm_t" if transpose_rhs else "gmm",
         # The local groups' rows through their weights, 2 m k n over the balanced local share;
         # bytes as the grid fetches blocks: the lhs row tile once per N tile, the group's weight
-        # slab once per step, the output tile once per step (steps at the balanced share: `_steps`).
+        # slab once per step (once per group with one K tile: `_weight_fetches`), the output tile
+        # once per step (steps at the balanced share: `_steps`).
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
                             (n // tn) * stated_steps * tm * k * _itemsize(lhs_MK)
-                            + stated_steps * k * n * _itemsize(rhs_GKN)
+                            + _weight_fetches(stated_steps, num_local, tiles_k) * k * n * _itemsize(rhs_GKN)
                             + stated_steps * tm * n * jnp.dtype(out_dtype).itemsize),
     )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
     return metadata.keep_local_rows(out, m, group_sizes_E, group_offset, num_local)
@@ -291,11 +300,11 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
         interpret=interpret,
         name=name,
         # x @ [gate | up]: 2 m d 2f over the local share of the rows, one sigmoid per h element;
-        # x's row tile once per N tile, the two weight slabs once per step, h and the
-        # pre-activations written per step.
+        # x's row tile once per N tile, the two weight slabs once per step (once per group with one
+        # K tile), h and the pre-activations written per step.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * 2 * f,
                             nt * stated_steps * tm * d * _itemsize(x_MD)
-                            + stated_steps * d * 2 * f * _itemsize(wi_GD2F)
+                            + _weight_fetches(stated_steps, num_local, tiles_k) * d * 2 * f * _itemsize(wi_GD2F)
                             + stated_steps * tm * 3 * f * _itemsize(x_MD), m * f),
     )(lo, hi, grp, tile, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
     return (metadata.keep_local_rows(h, m, group_sizes_E, group_offset, num_local),
@@ -368,12 +377,13 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         name="wo_fused_dswiglu_dlhs",
         # g @ wo^T: 2 m d f over the local share of the rows (the SwiGLU VJP epilogue is
         # elementwise, one sigmoid per gate element);
-        # per step a row tile of g and the group's [F, D] weight; the pre-activations read and
-        # their gradient written per step (plus the row scale and h where given).
+        # per step a row tile of g and the group's [F, D] weight (once per group with one K tile);
+        # the pre-activations read and their gradient written per step (plus the row scale and h
+        # where given).
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * f,
-                            stated_steps * (tm * d * _itemsize(g_MD) + f * d * _itemsize(wo_GFD)
-                                                     + 2 * tm * 2 * f * jnp.dtype(pre_dtype).itemsize
-                                                     + tm * 4 * (1 + has_scale) + (tm * f * _itemsize(h_MF) if has_h else 0)),
+                            stated_steps * (tm * d * _itemsize(g_MD) + 2 * tm * 2 * f * jnp.dtype(pre_dtype).itemsize
+                                            + tm * 4 * (1 + has_scale) + (tm * f * _itemsize(h_MF) if has_h else 0))
+                            + _weight_fetches(stated_steps, num_local, tiles_k) * f * d * _itemsize(wo_GFD),
                             m * f),
     )(lo, hi, grp, tile, *args)
     return (metadata.keep_local_rows(d_out, m, group_sizes_E, group_offset, num_local),
