@@ -1,0 +1,65 @@
+"""Public entry points of the grouped matmuls and the Gated DeltaNet core at their smallest
+accepted sizes, with results worked out by hand on one-element heads and weights (the XLA
+backend, eager: nothing compiles a kernel)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybridmoe.kernels.gdn import ops as gdn_ops
+from hybridmoe.kernels.gmm import ops as gmm_ops
+
+
+def _gdn(q, k, v, g, beta, tokens, chunk_size, **kw):
+    shape = (1, tokens, 1, 1)
+    full = lambda x, s: jnp.full(s, x, jnp.float32)  # noqa: E731
+    return gdn_ops.gated_delta_rule(full(q, shape), full(k, shape), full(v, shape), full(g, shape[:3]),
+                                    full(beta, shape[:3]), chunk_size=chunk_size, normalize_qk=False, **kw)
+
+
+def test_gdn_accepts_a_chunk_of_one_token_and_runs_the_delta_rule():
+    # dk = dv = 1, no normalisation (q scaled by 1^-1/2 = 1), q 2, k 3, v 5, beta 0.5:
+    # token 1: S = 0 + 0.5 * 3 * (5 - 0) = 7.5, o = 2 * 7.5 = 15
+    # token 2 (gate 0.5): S' = 3.75; S = 3.75 + 0.5 * 3 * (5 - 3 * 3.75) = -5.625; o = 2 * S = -11.25
+    o, final = _gdn(2.0, 3.0, 5.0, float(np.log(0.5)), 0.5, 2, 1)
+    np.testing.assert_allclose(np.asarray(o).ravel(), [15.0, -11.25], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(final).ravel(), [-5.625], rtol=1e-6)
+
+
+def test_gdn_chunk_longer_than_the_sequence_pads_without_changing_the_result():
+    # the same two tokens in one chunk of 4 (two padding tokens that leave the state alone)
+    o, final = _gdn(2.0, 3.0, 5.0, float(np.log(0.5)), 0.5, 2, 4)
+    np.testing.assert_allclose(np.asarray(o).ravel(), [15.0, -11.25], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(final).ravel(), [-5.625], rtol=1e-5)
+    with pytest.raises(ValueError, match="chunk_size must be positive; got 0"):
+        _gdn(2.0, 3.0, 5.0, 0.0, 0.5, 2, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# wo_fused_dswiglu: the routing weight's gradient is the row dot unless turned off
+
+
+def _row_scale_grad(**kw):
+    # two rows of one group; F = D = 1; wo 3; preact [gate 20 | up 0.5]: silu(20) = 20 in float32
+    # (sigmoid(20) rounds to 1), so h = 20 * 0.5 = 10; y_r = s_r * h_r * wo; loss sum(y * g), g = 1, 2
+    h, wo = jnp.full((2, 1), 10.0), jnp.full((1, 1, 1), 3.0)
+    pre, g = jnp.array([[20.0, 0.5], [20.0, 0.5]]), jnp.array([[1.0], [2.0]])
+    sizes = jnp.array([2], jnp.int32)
+
+    def loss(s):
+        y = gmm_ops.wo_fused_dswiglu(h, wo, sizes, preact=pre, preact_tile_n_per_half=None, row_scale=s, **kw)
+        return jnp.sum(y * g)
+
+    return np.asarray(jax.grad(loss)(jnp.ones((2,))))
+
+
+def test_row_scale_gradient_is_the_row_dot_by_default():
+    # d loss / d s_r = <g_r wo^T, silu(gate_r) up_r> = g_r * 3 * 10: 30, 60
+    np.testing.assert_allclose(_row_scale_grad(), [30.0, 60.0], rtol=1e-6)
+
+
+def test_row_scale_is_a_constant_when_the_row_dot_is_turned_off():
+    np.testing.assert_array_equal(_row_scale_grad(with_row_dot=False), [0.0, 0.0])
