@@ -117,3 +117,36 @@ def test_fused_input_gradient_states_its_row_operands(scale, with_h):
                 + (16 * 128 * 4 if with_h else 0))  # the stored h (f32 here)
     assert nbytes == 3 * per_step
     assert trans == 40 * 128
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused forward's weight pipeline depth: applied (and named) only with one K tile
+
+
+def _fused_call(module, tk):
+    x, wi = jnp.ones((16, 32), F32), jnp.ones((2, 32, 64), F32)
+    fn = lambda: module.wi_fused_swiglu(x, wi, jnp.array([8, 8], jnp.int32), group_offset=0, sharded=False,  # noqa: E731
+                                        tile_n_per_half=16, mode="float32", tiling=Tiling(16, tk, 16),
+                                        interpret=True, rhs_buffer_count=3 if module is not gp else 1)
+    (eqn,) = [e for e in iter_eqns(jax.make_jaxpr(fn)()) if e.primitive.name == "pallas_call"]
+    name = eqn.params.get("name") or eqn.params["name_and_src_info"].name
+    return str(name), eqn.params["compiler_params"]
+
+
+def test_triton_fused_forward_takes_the_depth_as_its_stage_count_with_one_k_tile_only():
+    from hybridmoe.kernels.gmm import pallas_gpu
+
+    name, params = _fused_call(pallas_gpu, 32)        # D 32 in one K tile: 3 stages
+    assert name == "wi_fused_swiglu_fwd_stages3" and params.num_stages == 3
+    name, params = _fused_call(pallas_gpu, 16)        # two K tiles: Triton's default
+    assert name == "wi_fused_swiglu_fwd" and params.num_stages is None
+
+
+def test_mosaic_fused_forward_buffers_the_weight_only_with_one_k_tile():
+    from jax.experimental import pallas as pl
+
+    assert gp.weight_pipeline(2, 1) == {"pipeline_mode": pl.Buffered(2)}
+    assert gp.weight_pipeline(1, 1) == {"pipeline_mode": pl.Buffered(1)}
+    assert gp.weight_pipeline(2, 2) == {} and gp.weight_pipeline(0, 1) == {}
+    assert _fused_call(gp, 32)[0] == "wi_fused_swiglu_fwd_rhsbuf1"
+    assert _fused_call(gp, 16)[0] == "wi_fused_swiglu_fwd"

@@ -4,6 +4,8 @@ backend, eager: nothing compiles a kernel)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +18,9 @@ from hybridmoe.kernels.gmm import ops as gmm_ops
 def _gdn(q, k, v, g, beta, tokens, chunk_size, **kw):
     shape = (1, tokens, 1, 1)
     full = lambda x, s: jnp.full(s, x, jnp.float32)  # noqa: E731
-    return gdn_ops.gated_delta_rule(full(q, shape), full(k, shape), full(v, shape), full(g, shape[:3]),
-                                    full(beta, shape[:3]), chunk_size=chunk_size, normalize_qk=False, **kw)
+    # jit: one small compile is faster than the chunked core's many eager ops
+    run = jax.jit(functools.partial(gdn_ops.gated_delta_rule, chunk_size=chunk_size, normalize_qk=False, **kw))
+    return run(full(q, shape), full(k, shape), full(v, shape), full(g, shape[:3]), full(beta, shape[:3]))
 
 
 def test_gdn_accepts_a_chunk_of_one_token_and_runs_the_delta_rule():
@@ -63,3 +66,27 @@ def test_row_scale_gradient_is_the_row_dot_by_default():
 
 def test_row_scale_is_a_constant_when_the_row_dot_is_turned_off():
     np.testing.assert_array_equal(_row_scale_grad(with_row_dot=False), [0.0, 0.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The xla weight gradient in chunks of groups (TPU's ragged_dot cap), adding into a carried one
+
+
+SIZES = [9, 0, 17, 8, 0, 0, 21, 5, 13, 0, 16]  # 105 rows of 11 groups; 7 rows of padding past them
+
+
+@pytest.mark.parametrize("offset, num_local", [(2, 7), (0, 11)])
+def test_chunked_weight_gradient_adds_each_chunks_share_of_the_carried_gradient(monkeypatch, offset, num_local):
+    from hybridmoe.kernels.gmm import xla
+
+    # traced for TPU with the cap lowered to 4 groups: 7 local groups run as chunks of 3, 3, 1 (sharded:
+    # each chunk with its zero group); 11 as 3, 3, 3, 2
+    monkeypatch.setattr(xla, "trace_platform", lambda: "tpu")
+    monkeypatch.setattr(xla, "TPU_RAGGED_DOT_MAX_GROUPS", 4)
+    # lhs and grad all ones [112, 1]: group g's gradient is its row count; the carried one is 100 g
+    ones = jnp.ones((112, 1), jnp.float32)
+    acc = (100.0 * jnp.arange(num_local, dtype=jnp.float32))[:, None, None]
+    out = gmm_ops.tgmm(ones, ones, jnp.asarray(SIZES, jnp.int32), num_local=num_local, group_offset=offset,
+                       acc=acc)
+    expected = [size + 100.0 * g for g, size in enumerate(SIZES[offset:offset + num_local])]
+    np.testing.assert_array_equal(np.asarray(out)[:, 0, 0], expected)
