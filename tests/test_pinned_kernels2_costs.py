@@ -150,3 +150,55 @@ def test_mosaic_fused_forward_buffers_the_weight_only_with_one_k_tile():
     assert gp.weight_pipeline(2, 2) == {} and gp.weight_pipeline(0, 1) == {}
     assert _fused_call(gp, 32)[0] == "wi_fused_swiglu_fwd_rhsbuf1"
     assert _fused_call(gp, 16)[0] == "wi_fused_swiglu_fwd"
+
+
+# ---------------------------------------------------------------------------------------------
+# The buffers each Mosaic kernel sizes its VMEM limit by: its own kind, tiles, itemsizes and flags
+
+
+def _buffers(monkeypatch, fn):
+    """{buffer: (shape, itemsize, count)} the one kernel fn traces passes to its compiler parameters."""
+    seen = []
+    real = gp._params
+    monkeypatch.setattr(gp, "_params", lambda t, buffers, *a: seen.append(buffers) or real(t, buffers, *a))
+    jax.make_jaxpr(fn)()
+    (buffers,) = seen
+    return {b.what: (b.shape, b.itemsize, b.count) for b in buffers}
+
+
+def test_gmm_kernels_size_their_vmem_by_their_own_blocks(monkeypatch):
+    lhs = jnp.ones((M, 256), BF16)
+    b = _buffers(monkeypatch, lambda: gp.gmm(lhs, jnp.ones((G, 256, 384), BF16), SIZES, transpose_rhs=False,
+                                             out_dtype=F32, **COMMON))
+    # lhs [tm 16, tk 128] bf16, rhs [tk, tn 128], out [tm, tn] float32
+    assert (b["lhs"], b["rhs"], b["out"]) == (((16, 128), 2, 2), ((128, 128), 2, 2), ((16, 128), 4, 2))
+    b = _buffers(monkeypatch, lambda: gp.gmm(lhs, jnp.ones((G, 384, 256), BF16), SIZES, transpose_rhs=True,
+                                             out_dtype=BF16, **COMMON))
+    assert (b["rhs"], b["out"]) == (((128, 128), 2, 2), ((16, 128), 2, 2))
+    # tgmm: the operands' promoted dtype (bf16 with f32: float32), the carried accumulator as a block
+    b = _buffers(monkeypatch, lambda: gp.tgmm(lhs, jnp.ones((M, 384), F32), SIZES, num_local=G, out_dtype=BF16,
+                                              acc_GKN=jnp.zeros((G, 256, 384), BF16), **COMMON))
+    assert (b["lhs"], b["grad"], b["acc_in"], b["out"]) == (
+        ((16, 128), 4, 2), ((16, 128), 4, 2), ((128, 128), 2, 2), ((128, 128), 2, 2))
+
+
+@pytest.mark.parametrize("tk, weight_buffers", [(256, 1), (128, 2)])
+def test_fused_forward_sizes_its_weight_buffers_as_mosaic_pipelines_them(monkeypatch, tk, weight_buffers):
+    # depth 1 applies with one K tile (D 256 = tk); over two K tiles Mosaic keeps its 2 buffers
+    x, wi = jnp.ones((M, 256), BF16), jnp.ones((G, 256, 512), BF16)
+    b = _buffers(monkeypatch, lambda: gp.wi_fused_swiglu(
+        x, wi, SIZES, tile_n_per_half=128, mode="float32", rhs_buffer_count=1,
+        **dict(COMMON, tiling=Tiling(tm=16, tk=tk, tn=128))))
+    assert b["w_gate"] == b["w_up"] == ((tk, 128), 2, weight_buffers)
+    assert b["x"] == ((16, tk), 2, 2)
+
+
+def test_fused_input_gradient_sizes_its_vmem_with_its_row_operands(monkeypatch):
+    g, wo, pre = jnp.ones((M, 256), BF16), jnp.ones((G, 128, 256), BF16), jnp.ones((M, 256), BF16)
+    b = _buffers(monkeypatch, lambda: gp.wo_fused_dswiglu_dlhs(
+        g, wo, SIZES, pre, preact_tile_n_per_half=128, row_scale_M=jnp.ones((M,), F32), out_tile_n_per_half=128,
+        mode="float32", **COMMON))
+    # one N tile spans F 128; the row scale as float32 [tm, 1]; no h
+    assert (b["g"], b["wo"], b["preact"], b["row_scale"]) == (
+        ((16, 128), 2, 2), ((128, 128), 2, 2), ((16, 256), 2, 2), ((16, 1), 4, 2))
+    assert "h" not in b
