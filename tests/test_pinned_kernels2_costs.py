@@ -54,10 +54,12 @@ def test_stated_steps_are_the_local_share_in_row_tiles_plus_a_boundary_per_group
     assert gp._steps(41, 16, 3, SIZES, 9) == 4
 
 
-def test_gmm_states_its_local_flops_and_the_blocks_each_step_fetches():
-    # lhs [40, K 256] bf16, rhs [2, 256, N 384] f32, out bf16; tk 128, tn 128: 3 N tiles
+@pytest.mark.parametrize("tk", [128, 256])
+def test_gmm_states_its_local_flops_and_the_blocks_each_step_fetches(tk):
+    # lhs [40, K 256] bf16, rhs [2, 256, N 384] f32, out bf16; tn 128: 3 N tiles (tk changes no term)
     lhs, rhs = jnp.ones((M, 256), BF16), jnp.ones((G, 256, 384), F32)
-    flops, nbytes, trans = _estimate(lambda: gp.gmm(lhs, rhs, SIZES, transpose_rhs=False, out_dtype=BF16, **COMMON))
+    kw = dict(COMMON, tiling=Tiling(tm=16, tk=tk, tn=128))
+    flops, nbytes, trans = _estimate(lambda: gp.gmm(lhs, rhs, SIZES, transpose_rhs=False, out_dtype=BF16, **kw))
     assert flops == 2 * 20 * 256 * 384
     assert nbytes == (3 * 3 * 16 * 256 * 2      # the lhs row tile per N tile per step (bf16)
                       + 3 * 256 * 384 * 4       # the group's weight slab per step (f32)
@@ -73,17 +75,18 @@ def test_gmm_t_states_n_from_the_transposed_weight():
     assert nbytes == 3 * 3 * 16 * 256 * 2 + 3 * 256 * 384 * 2 + 3 * 16 * 384 * 4
 
 
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_tgmm_states_both_row_operands_per_tile_and_the_output_once_or_twice(accumulate):
-    # lhs [40, K 256] bf16, grad [40, N 384] f32, out f32 [2, 256, 384]; k // tk 2, n // tn 3
+@pytest.mark.parametrize("accumulate, tk", [(False, 128), (True, 128), (False, 256)])
+def test_tgmm_states_both_row_operands_per_tile_and_the_output_once_or_twice(accumulate, tk):
+    # lhs [40, K 256] bf16, grad [40, N 384] f32, out f32 [2, 256, 384]; k // tk 2 or 1, n // tn 3
     lhs, grad = jnp.ones((M, 256), BF16), jnp.ones((M, 384), F32)
     acc = jnp.zeros((G, 256, 384), F32) if accumulate else None
+    kw = dict(COMMON, tiling=Tiling(tm=16, tk=tk, tn=128))
     flops, nbytes, trans = _estimate(lambda: gp.tgmm(lhs, grad, SIZES, num_local=G, out_dtype=F32, acc_GKN=acc,
-                                                     **COMMON))
+                                                     **kw))
     assert flops == 2 * 20 * 256 * 384
     out = 2 * 256 * 384 * 4                       # the [G, K, N] float32 output written once
     assert nbytes == (3 * 16 * (3 * 256 * 2       # per step: the lhs row tile per N tile (bf16)
-                                + 2 * 384 * 4)    # and the grad row tile per K tile (f32)
+                                + (256 // tk) * 384 * 4)  # and the grad row tile per K tile (f32)
                       + (2 if accumulate else 1) * out)  # the carried accumulator read as well
     assert trans == 0
 
@@ -172,6 +175,10 @@ def test_gmm_kernels_size_their_vmem_by_their_own_blocks(monkeypatch):
                                              out_dtype=F32, **COMMON))
     # lhs [tm 16, tk 128] bf16, rhs [tk, tn 128], out [tm, tn] float32
     assert (b["lhs"], b["rhs"], b["out"]) == (((16, 128), 2, 2), ((128, 128), 2, 2), ((16, 128), 4, 2))
+    # tk 256 spans K 256, tn 128 tiles N 384
+    b = _buffers(monkeypatch, lambda: gp.gmm(lhs, jnp.ones((G, 256, 384), BF16), SIZES, transpose_rhs=False,
+                                             out_dtype=F32, **dict(COMMON, tiling=Tiling(16, 256, 128))))
+    assert (b["lhs"], b["rhs"], b["out"]) == (((16, 256), 2, 2), ((256, 128), 2, 2), ((16, 128), 4, 2))
     b = _buffers(monkeypatch, lambda: gp.gmm(lhs, jnp.ones((G, 384, 256), BF16), SIZES, transpose_rhs=True,
                                              out_dtype=BF16, **COMMON))
     assert (b["rhs"], b["out"]) == (((128, 128), 2, 2), ((16, 128), 2, 2))
