@@ -179,9 +179,10 @@ def test_gmm_kernels_size_their_vmem_by_their_own_blocks(monkeypatch):
     b = _buffers(monkeypatch, lambda: gp.gmm(lhs, jnp.ones((G, 256, 384), BF16), SIZES, transpose_rhs=False,
                                              out_dtype=F32, **dict(COMMON, tiling=Tiling(16, 256, 128))))
     assert (b["lhs"], b["rhs"], b["out"]) == (((16, 256), 2, 2), ((256, 128), 2, 2), ((16, 128), 4, 2))
+    # transposed: the weight block is [tn 128, tk 256]
     b = _buffers(monkeypatch, lambda: gp.gmm(lhs, jnp.ones((G, 384, 256), BF16), SIZES, transpose_rhs=True,
-                                             out_dtype=BF16, **COMMON))
-    assert (b["rhs"], b["out"]) == (((128, 128), 2, 2), ((16, 128), 2, 2))
+                                             out_dtype=BF16, **dict(COMMON, tiling=Tiling(16, 256, 128))))
+    assert (b["lhs"], b["rhs"], b["out"]) == (((16, 256), 2, 2), ((128, 256), 2, 2), ((16, 128), 2, 2))
     # tgmm: the operands' promoted dtype (bf16 with f32: float32), the carried accumulator as a block
     b = _buffers(monkeypatch, lambda: gp.tgmm(lhs, jnp.ones((M, 384), F32), SIZES, num_local=G, out_dtype=BF16,
                                               acc_GKN=jnp.zeros((G, 256, 384), BF16), **COMMON))
