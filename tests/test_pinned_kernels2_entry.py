@@ -90,3 +90,26 @@ def test_chunked_weight_gradient_adds_each_chunks_share_of_the_carried_gradient(
                        acc=acc)
     expected = [size + 100.0 * g for g, size in enumerate(SIZES[offset:offset + num_local])]
     np.testing.assert_array_equal(np.asarray(out)[:, 0, 0], expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# The unfused SwiGLU pieces the fused epilogues are proven against
+
+
+def test_unfused_swiglu_splits_the_row_in_halves():
+    from hybridmoe.kernels.gmm import epilogue
+
+    gate, up = epilogue.split_halves(jnp.array([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]))
+    assert np.asarray(gate).tolist() == [[1, 2, 3]] and np.asarray(up).tolist() == [[4, 5, 6]]
+    # [gate 20, 0 | up 0.5, 7]: silu(20) = 20 in float32 (sigmoid rounds to 1), silu(0) = 0
+    np.testing.assert_array_equal(np.asarray(epilogue.swiglu(jnp.array([[20.0, 0.0, 0.5, 7.0]]))), [[10.0, 0.0]])
+
+
+def test_scale_rows_multiplies_in_float32_and_rounds_once_to_h_dtype():
+    from hybridmoe.kernels.gmm import epilogue
+
+    # bfloat16 h 3 times 1/3: 1.0 in float32 (0.99999994 -> 1 when rounded to bfloat16); h 1 times 1/3 rounds
+    # to bfloat16's 0.333984375 (= 171 / 512)
+    out = epilogue.scale_rows(jnp.array([[3.0, 1.0]], jnp.bfloat16), jnp.array([1 / 3], jnp.float32))
+    assert out.dtype == jnp.bfloat16
+    assert np.asarray(out, np.float32).tolist() == [[1.0, 171 / 512]]
