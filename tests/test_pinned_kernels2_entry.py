@@ -108,8 +108,9 @@ def test_unfused_swiglu_splits_the_row_in_halves():
 def test_scale_rows_multiplies_in_float32_and_rounds_once_to_h_dtype():
     from hybridmoe.kernels.gmm import epilogue
 
-    # bfloat16 h 3 times 1/3: 1.0 in float32 (0.99999994 -> 1 when rounded to bfloat16); h 1 times 1/3 rounds
-    # to bfloat16's 0.333984375 (= 171 / 512)
-    out = epilogue.scale_rows(jnp.array([[3.0, 1.0]], jnp.bfloat16), jnp.array([1 / 3], jnp.float32))
+    # bfloat16 h [100, 3] times the float32 scale 1.012: 101.2 and 3.036 in float32, rounded once to bfloat16
+    # (spacing 0.5 at 64..128, 1/64 at 2..4): 101.0 and 194 / 64 = 3.03125. (Rounding the scale to
+    # bfloat16 first, 1.015625, would give 101.5 and 3.046875.)
+    out = epilogue.scale_rows(jnp.array([[100.0, 3.0]], jnp.bfloat16), jnp.array([1.012], jnp.float32))
     assert out.dtype == jnp.bfloat16
-    assert np.asarray(out, np.float32).tolist() == [[1.0, 171 / 512]]
+    assert np.asarray(out, np.float32).tolist() == [[101.0, 194 / 64]]
