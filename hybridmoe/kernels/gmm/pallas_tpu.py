@@ -295,8 +295,9 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
             ),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tm, tn), jnp.float32)],
         ),
+        # The depth only where the weight is pipelined with it (one K tile), as layer_kernels counts it.
         compiler_params=_params(t, tpu_buffers("wi_fused", tm=tm, tk=tk, tn=tn, itemsize=_itemsize(x_MD),
-                                               depth=rhs_buffer_count)),
+                                               depth=rhs_buffer_count if mode_kw else 0)),
         interpret=interpret,
         name=name,
         # x @ [gate | up]: 2 m d 2f over the local share of the rows, one sigmoid per h element;
