@@ -54,15 +54,16 @@ def test_stated_steps_are_the_local_share_in_row_tiles_plus_a_boundary_per_group
     assert gp._steps(41, 16, 3, SIZES, 9) == 4
 
 
-@pytest.mark.parametrize("tk", [128, 256])
-def test_gmm_states_its_local_flops_and_the_blocks_each_step_fetches(tk):
-    # lhs [40, K 256] bf16, rhs [2, 256, N 384] f32, out bf16; tn 128: 3 N tiles (tk changes no term)
+@pytest.mark.parametrize("tk, slabs", [(128, 3), (256, 2)])
+def test_gmm_states_its_local_flops_and_the_blocks_each_step_fetches(tk, slabs):
+    # lhs [40, K 256] bf16, rhs [2, 256, N 384] f32, out bf16; tn 128: 3 N tiles. The weight slab is
+    # fetched per step (3) over two K tiles, once per local group (2) when one K tile spans K.
     lhs, rhs = jnp.ones((M, 256), BF16), jnp.ones((G, 256, 384), F32)
     kw = dict(COMMON, tiling=Tiling(tm=16, tk=tk, tn=128))
     flops, nbytes, trans = _estimate(lambda: gp.gmm(lhs, rhs, SIZES, transpose_rhs=False, out_dtype=BF16, **kw))
     assert flops == 2 * 20 * 256 * 384
     assert nbytes == (3 * 3 * 16 * 256 * 2      # the lhs row tile per N tile per step (bf16)
-                      + 3 * 256 * 384 * 4       # the group's weight slab per step (f32)
+                      + slabs * 256 * 384 * 4   # the group's weight slab (f32)
                       + 3 * 16 * 384 * 2)       # the output tile per step (bf16)
     assert trans == 0
 
