@@ -26,7 +26,7 @@ backend `pallas_tpu_table`.
 Writes benchmarks/records/tpu_gmm_uneven.json: device, commit, ceiling_tflops (a bf16 8192^3 matmul,
 median of 10), sizes (the uneven split), kernels: name -> {kind, m, k, n, groups, seed_tiles,
 seed_ms, tiles, ms, tflops (useful 2 M K N per second, of ms), seed_tflops, even_seed_ms, even_ms,
-timed}, totals: gmm_cell and moe_mlp_cell fwd + bwd at the seed and the found tiles.
+timed, commit}, totals: gmm_cell and moe_mlp_cell fwd + bwd at the seed and the found tiles.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def totals(rows: dict, calls_: dict) -> dict:
 
 
 def earlier_rows(out: Path, device: str) -> dict:
-    """The kernels of an earlier record of the same device at `out` (a run with --only replaces its own)."""
+    """The kernels of an earlier record of the same device at `out` (a run with --only replaces its own;
+    each row keeps the commit it was measured at)."""
     if not out.is_file() or not out.stat().st_size:
         return {}
     old = json.loads(out.read_text())
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     from hybridmoe.kernels.gmm.tiling import Tiling
     from hybridmoe.kernels.gmm import tile_table
     from hybridmoe.tools import chip_cases, tune_gmm
-    from hybridmoe.tools.record import source_commit
+    from hybridmoe.tools.record import machine_record, source_commit
 
     if not args.tiny and jax.default_backend() != "tpu":
         raise SystemExit(f"tpu_gmm_uneven times the Pallas TPU kernels on a TPU chip; this host's JAX sees "
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(names) - set(kernel_calls))
     if unknown:
         raise SystemExit(f"--only: unknown kernels {unknown}; known: {', '.join(kernel_calls)}")
-    rows: dict[str, dict] = earlier_rows(Path(args.out), jax.devices()[0].device_kind) if args.only else {}
+    rows: dict[str, dict] = earlier_rows(Path(args.out), machine_record()["device"]) if args.only else {}
     refused: dict[str, list] = {}
 
     def seconds(call, t, sizes=None):
@@ -213,6 +214,7 @@ def main(argv=None) -> int:
             row = {**call.key(), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
         if refused.get(name):
             row["refused"] = refused[name]
+        row["commit"] = source_commit()
         rows[name] = row
         log(f"{name}: {row.get('seed_ms', float('nan')):.3f} -> {row.get('ms', float('nan')):.3f} ms at {row.get('tiles')}")
         write()

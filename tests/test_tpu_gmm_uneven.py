@@ -78,7 +78,7 @@ def test_record_holds_the_search_from_the_seed_tiles_at_the_uneven_split(script,
     assert rec["sizes"] == [int(s) for s in chip_cases.group_sizes(200, 5)] and sum(rec["sizes"]) == 200
     assert all(s is None or list(s) == rec["sizes"] for s in seen)
     wi = rec["kernels"]["wi_fwd"]
-    assert wi["seed_tiles"] == [64, 128, 128] and wi["tiles"] == [64, 256, 128]
+    assert wi["seed_tiles"] == [64, 128, 128] and wi["tiles"] == [64, 256, 128] and wi["commit"]
     assert wi["seed_ms"] == pytest.approx(2.2) and wi["ms"] == pytest.approx(2.1)
     assert wi["even_seed_ms"] == pytest.approx(1.1) and wi["even_ms"] == pytest.approx(1.05)
     assert wi["tflops"] == pytest.approx(2 * 200 * 256 * 256 / 2.1e-3 / 1e12)
@@ -114,3 +114,13 @@ def test_table_entries_carry_the_found_tiles_and_the_seed_time_as_before(script)
     assert script.table_entries(rows) == [
         {"kind": "gmm", "m": 65536, "k": 4096, "n": 2048, "groups": 128, "itemsize": 2, "tm": 256, "tk": 4096,
          "tn": 1024, "ms": 9.5, "default_ms": 14.3, "timed": 17, "split": "uneven"}]
+
+
+def test_a_rerun_of_some_kernels_keeps_the_others_of_the_same_device_only(script, tmp_path):
+    """--only merges into the record of the device named as the records name it (machine_record's
+    device, e.g. 'TPU v5 lite x 1'); another device's rows are not kept; no record gives none."""
+    out = tmp_path / "r.json"
+    assert script.earlier_rows(out, "TPU v5 lite x 1") == {}
+    out.write_text(json.dumps({"device": "TPU v5 lite x 1", "kernels": {"wo_fwd": {"ms": 7.1, "commit": "abc"}}}))
+    assert script.earlier_rows(out, "TPU v5 lite x 1") == {"wo_fwd": {"ms": 7.1, "commit": "abc"}}
+    assert script.earlier_rows(out, "TPU v6 lite x 1") == {}
