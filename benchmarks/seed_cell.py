@@ -35,7 +35,9 @@ SEED_TOTAL_GIB = 78.00  # the seed's build with every key on (seed 000, "78.00 G
 LEVERS = {
     "moe": (["moe.wi_fused_swiglu=false", "moe.wo_fused_dswiglu=false", "moe.router_grad_from_wo_input=false",
              "kernels.gmm.backend=xla", "kernels.gmm.tiling=heuristic", "kernels.gmm.wi_fwd_tk=0",
-             "kernels.gmm.wo_dlhs_tk=0"], []),  # the per-kernel tiles need explicit tiling
+             "kernels.gmm.wo_dlhs_tk=0",
+             *[f"kernels.gmm.{k}_{d}=0" for k in ("wi_dlhs", "wi_drhs", "wo_fwd", "wo_drhs") for d in ("tm", "tk", "tn")]],
+            []),  # the per-kernel tiles need explicit tiling
     "fp8_gather8": (["quant.fp8_moe_fake_quant=false", "quant.fp8_fake_quant_hoist=off"], []),
     "attention": (["attention.cp_load_balance=false", "attention.cp_load_balance_hoist_ids=false",
                    "remat.policy=full", "remat.save=[]"], []),
