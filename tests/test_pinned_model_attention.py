@@ -1,0 +1,174 @@
+"""Flash attention's entry checks and the Mosaic kernels' stated cost, pinned to hand-worked
+numbers: kernels/attention/ops.py's shape checks, pallas_tpu.py's block checks, visited block count
+and CostEstimate, pallas_gpu.py's checks. Pure arithmetic or zero arrays; nothing compiles."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from hybridmoe.kernels.attention import ops, pallas_gpu, pallas_tpu
+
+
+def _qkv(B=1, T=8, S=8, N=4, G=2, A=4, Bk=None, Ak=None):
+    return (jnp.zeros((B, T, N, A)), jnp.zeros((Bk or B, S, G, Ak or A)), jnp.zeros((Bk or B, S, G, Ak or A)))
+
+
+OK = dict(q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, backend="xla", block_q=4, block_k=8)
+
+# ---------------------------------------------------------------------------------------------
+# ops._check
+
+
+def test_flash_refuses_keys_of_another_batch_or_rank():
+    q, k, v = _qkv(B=2, Bk=1)
+    with pytest.raises(ValueError, match="q must be"):
+        ops._check(q, k, v, **OK)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="q must be"):
+        ops._check(q[..., None], k, v, **OK)  # q of rank 5 (its batch and head dim still match k's)
+    with pytest.raises(ValueError, match="q must be"):
+        ops._check(q, k[0], v[0], **OK)   # k, v of rank 3
+
+
+def test_flash_checks_every_id_array_against_its_own_length():
+    q, k, v = _qkv(T=4, S=12)
+    ok = {**OK, "block_q": 4, "block_k": 6}
+    good_q, good_k = jnp.zeros((1, 4)), jnp.zeros((1, 12))
+    ops._check(q, k, v, **{**ok, "q_pos": good_q, "kv_pos": good_k, "q_seg": good_q, "kv_seg": good_k})
+    # each id array named, with the length it must have: queries 4, keys 12
+    for name, bad, want in (("q_pos", good_k, 4), ("q_seg", good_k, 4), ("kv_pos", good_q, 12), ("kv_seg", good_q, 12)):
+        with pytest.raises(ValueError, match=rf"{name} must be \[B, {want}\] = \(1, {want}\)"):
+            ops._check(q, k, v, **{**ok, name: bad})
+    # the batch dim counts too
+    with pytest.raises(ValueError, match=r"q_seg must be \[B, 4\]"):
+        ops._check(q, k, v, **{**ok, "q_seg": jnp.zeros((2, 4))})
+
+
+def test_flash_refuses_a_block_of_zero_tokens_as_its_own_error():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="block_q=0 must divide the query length 8"):
+        ops._check(q, k, v, **{**OK, "block_q": 0})
+    with pytest.raises(ValueError, match="block_k=0 must divide the key length 8"):
+        ops._check(q, k, v, **{**OK, "block_k": 0})
+    with pytest.raises(ValueError, match="block_k=-8 must divide"):
+        ops._check(q, k, v, **{**OK, "block_k": -8})
+    # the whole length is a block
+    ops._check(q, k, v, **{**OK, "block_q": 8, "block_k": 8})
+    ops._check(q, k, v, **{**OK, "block_q": 1, "block_k": 1})
+
+
+def test_flash_accepts_query_heads_a_multiple_of_kv_heads():
+    q, k, v = _qkv(N=6, G=3)
+    ops._check(q, k, v, **OK)
+    q, k, v = _qkv(N=3, G=6)
+    with pytest.raises(ValueError, match="query heads 3 must be a multiple of kv heads 6"):
+        ops._check(q, k, v, **OK)
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_tpu: block checks
+
+
+def test_mosaic_block_check_on_hardware_takes_multiples_of_8_or_the_whole_length():
+    pallas_tpu._check_blocks(16, 24, 32, 48, interpret=False)   # 16 | 32, 24 | 48, both multiples of 8
+    pallas_tpu._check_blocks(12, 20, 12, 20, interpret=False)   # whole lengths
+    with pytest.raises(ValueError, match=r"flash attention pallas_tpu: block_q=12 must be a multiple of 8 .*"
+                                         r"the queries: 24"):
+        pallas_tpu._check_blocks(12, 8, 24, 16, interpret=False)
+    with pytest.raises(ValueError, match=r"pallas_tpu: block_k=4 must be a multiple of 8 .*the keys: 16"):
+        pallas_tpu._check_blocks(8, 4, 16, 16, interpret=False)
+    with pytest.raises(ValueError, match="pallas_tpu: block_k=16 does not divide the 24 keys"):
+        pallas_tpu._check_blocks(8, 16, 16, 24, interpret=True)
+    with pytest.raises(ValueError, match="pallas_tpu: block_q=16 does not divide the 24 queries"):
+        pallas_tpu._check_blocks(16, 8, 24, 16, interpret=True)
+    # interpreted: any divisor
+    pallas_tpu._check_blocks(12, 4, 24, 16, interpret=True)
+
+
+def test_triton_check_joins_every_problem_and_checks_the_head_dim_on_hardware():
+    pallas_gpu._check(16, 32, 64, 64, 64, interpret=False)
+    with pytest.raises(ValueError) as e:
+        pallas_gpu._check(8, 24, 64, 48, 96, interpret=False)
+    assert str(e.value) == ("flash attention pallas_gpu: block_q=8 must be a power of two >= 16 (Triton); the queries: 64; "
+                            "block_k=24 must be a power of two >= 16 (Triton); the keys: 48; "
+                            "model.head_dim=96 must be a power of two >= 16 for the Triton kernels")
+    with pytest.raises(ValueError, match=r"^flash attention pallas_gpu: model.head_dim=96 must be"):
+        pallas_gpu._check(16, 16, 64, 64, 96, interpret=False)
+    with pytest.raises(ValueError, match=r"^flash attention pallas_gpu: block_k=16 does not divide the 40 keys$"):
+        pallas_gpu._check(16, 16, 64, 40, 64, interpret=True)
+    pallas_gpu._check(8, 24, 64, 48, 96, interpret=True)  # interpreted: any divisor, any head dim
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_tpu.visited_blocks and cost
+
+
+def test_visited_blocks_cap_at_the_key_blocks_and_fall_back_to_all_on_an_unknown_layout():
+    # 128 queries at keys 128..255 of 256, blocks 64 x 64: query block 0 ends at 191 -> ceil(192 / 64) = 3
+    # key blocks, block 1 at 255 -> 4
+    assert pallas_tpu.visited_blocks(128, 256, 64, 64, query_runs=((128, 128),)) == 3 + 4
+    # a run past the keys: ceil(264 / 64) = 5 and ceil(328 / 64) = 6, each capped at the 4 key blocks
+    assert pallas_tpu.visited_blocks(128, 256, 64, 64, query_runs=((200, 128),)) == 4 + 4
+    # runs that do not add up to the queries, or a run not in whole query blocks: every block (2 x 4)
+    assert pallas_tpu.visited_blocks(128, 256, 64, 64, query_runs=((0, 64),)) == 8
+    assert pallas_tpu.visited_blocks(128, 256, 64, 64, query_runs=((0, 96), (160, 32))) == 8
+    # square, no runs: causal over one document: 1 + 2 + 3 + 4 + 5 key blocks of 32 for 5 query blocks
+    assert pallas_tpu.visited_blocks(160, 160, 32, 32) == 15
+    # query blocks of 64 against key blocks of 32 (160 tokens is not 64s: every block) vs 128 in 64 x 32:
+    # query block 0 sees ceil(64 / 32) = 2, block 1 ceil(128 / 32) = 4
+    assert pallas_tpu.visited_blocks(128, 128, 64, 32) == 6
+
+
+# B 2, G 3, R 5, T = S = 256, A 16, blocks 64 x 128, 2-byte inputs. Query block i (of 4) ends at
+# 64 (i + 1) - 1 and sees ceil(64 (i + 1) / 128) key blocks: 1, 1, 2, 2 = 6 per (b, g); 36 in all.
+B, G, R, T, A, BQ, BK, ITEM = 2, 3, 5, 256, 16, 64, 128, 2
+VISITS = B * G * 6
+PAIR_FLOPS = 2 * R * BQ * BK * A             # one matmul of one visited block pair
+Q_ROWS = B * G * R * T * A * ITEM            # every query row once: 491,520 bytes
+KV_ROWS = B * G * T * A * ITEM               # every key row once
+
+
+def _cost(kernel, **kw):
+    return pallas_tpu.cost(kernel, B, G, R, T, T, A, BQ, BK, ITEM, **kw)
+
+
+def test_forward_cost_is_two_matmuls_per_visited_block_and_one_exp_per_score():
+    c = _cost("flash_attention_forward")
+    assert c.flops == 2 * PAIR_FLOPS * VISITS                      # q k^T and p v: 70,778,880
+    assert c.transcendentals == R * BQ * BK * VISITS              # 1,474,560
+    # q in and o out once, (k, v) blocks per visit, lse float32 per row
+    assert c.bytes_accessed == 2 * Q_ROWS + VISITS * 2 * BK * A * ITEM + B * G * R * T * 4
+
+
+def test_backward_costs_are_three_and_four_matmuls_per_visited_block():
+    dq = _cost("flash_attention_dq")
+    assert dq.flops == 3 * PAIR_FLOPS * VISITS
+    assert dq.transcendentals == R * BQ * BK * VISITS
+    # q, do in, dq out once, (k, v) per visit, lse and delta float32 per row
+    assert dq.bytes_accessed == 3 * Q_ROWS + VISITS * 2 * BK * A * ITEM + B * G * R * T * 8
+    dkv = _cost("flash_attention_dkv")
+    assert dkv.flops == 4 * PAIR_FLOPS * VISITS
+    assert dkv.transcendentals == R * BQ * BK * VISITS
+    # k, v in, dk, dv out once; per visit the R heads' q and do blocks and their two float32 stats
+    assert dkv.bytes_accessed == 4 * KV_ROWS + VISITS * (2 * R * BQ * A * ITEM + R * BQ * 8)
+
+
+def test_cost_counts_the_query_runs_blocks_under_context_parallelism():
+    # 128 queries at keys 0..127 of 256, blocks 64 x 128: ceil(64 / 128) = 1 and ceil(128 / 128) = 1
+    # key block each (without the runs: every block, 2 x 2)
+    c = pallas_tpu.cost("flash_attention_forward", 1, 1, 1, 128, 256, 8, 64, 128, 4, query_runs=((0, 128),))
+    assert c.flops == 2 * (2 * 1 * 64 * 128 * 8) * 2
+    assert c.transcendentals == 64 * 128 * 2
+    assert c.bytes_accessed == 2 * 128 * 8 * 4 + 2 * 2 * 128 * 8 * 4 + 128 * 4
+    assert pallas_tpu.cost("flash_attention_forward", 1, 1, 1, 128, 256, 8, 64, 128, 4).flops == 2 * (2 * 64 * 128 * 8) * 4
+
+
+def test_dkv_cost_reads_every_key_row_once_of_the_keys_not_the_queries():
+    # B 1, G 2, R 3, 64 queries against 256 keys (no layout: every block, 1 x 2), A 8, float32
+    c = pallas_tpu.cost("flash_attention_dkv", 1, 2, 3, 64, 256, 8, 64, 128, 4)
+    visits = 2 * 2
+    assert c.bytes_accessed == 4 * (2 * 256 * 8 * 4) + visits * (2 * 3 * 64 * 8 * 4 + 3 * 64 * 8)
+    assert c.flops == 4 * (2 * 3 * 64 * 128 * 8) * visits
+    with pytest.raises(KeyError):
+        pallas_tpu.cost("flash_attention_bwd", 1, 1, 1, 128, 256, 8, 64, 128, 4)
