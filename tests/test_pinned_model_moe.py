@@ -83,3 +83,51 @@ def test_capacity_keeps_a_row_only_below_the_buffer():
     assert moe_mod.capacity_rows(3, 8, 0.5) == 1
     assert moe_mod.capacity_rows(24, 8, 0.5) == 2    # 0.5 x 3 = 1.5 -> 2
     assert moe_mod.capacity_rows(20, 8, 0.5) == 2    # 0.5 x 2.5 = 1.25 -> 2: up, not to the nearest
+
+
+# ---------------------------------------------------------------------------------------------
+# which program runs: grouped_experts' token chunks and moe_local's dispatch
+
+
+def test_token_chunks_run_only_where_they_divide_the_tokens(monkeypatch):
+    ran = []
+    monkeypatch.setattr(moe_mod, "_grouped_rows", lambda x, *a: ran.append(("one", x.shape[0])) or (x, 0))
+    monkeypatch.setattr(moe_mod, "token_chunked_experts", lambda x, *a: ran.append(("chunks", x.shape[0])) or (x, 0))
+    x, idx = jnp.zeros((6, 2)), jnp.zeros((6, 2), jnp.int32)
+    for chunks in (1, 2, 3, 4, 6):
+        moe_mod.grouped_experts(x, None, idx, None, None, moe_mod.GroupedPlan(num_experts=4, token_chunks=chunks))
+    # 1: one piece; 2, 3 and 6 divide 6 tokens; 4 does not (a decode step's few rows): one piece
+    assert ran == [("one", 6), ("chunks", 6), ("chunks", 6), ("one", 6), ("chunks", 6)]
+
+
+def _stub_programs(monkeypatch):
+    ran = []
+    for name in ("dense_experts", "every_expert_rows", "sparse_experts"):
+        monkeypatch.setattr(moe_mod, name, lambda x, *a, name=name, **kw: ran.append(name) or jnp.zeros_like(x))
+    monkeypatch.setattr(moe_mod, "tiled_experts", lambda x, *a, **kw: ran.append(("tiled", a[-1])) or jnp.zeros_like(x))
+    monkeypatch.setattr(moe_mod, "grouped_experts", lambda x, *a, **kw: ran.append("grouped") or (jnp.zeros_like(x), 7))
+    return ran
+
+
+def _moe_local(tokens, moe=None, gmm=None, decode_step=False, return_dropped=False):
+    m = ModelConfig(d_model=4, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=0)
+    p = {"router": jnp.zeros((4, 8)), "wi": None, "wo": None}
+    kernels = KernelsConfig.model_validate({"gmm": {"xla_impl": "row_tiles", "xla_tile_rows": 8, **(gmm or {})}})
+    return moe_mod.moe_local(p, jnp.zeros((tokens, 4)), m, MoEConfig.model_validate(moe or {}), kernels,
+                             decode_step=decode_step, return_dropped=return_dropped)
+
+
+def test_moe_local_runs_the_program_its_keys_and_the_step_ask_for(monkeypatch):
+    ran = _stub_programs(monkeypatch)
+    _moe_local(4, moe={"impl": "dense"})
+    # a decode step of 3 tokens: ceil(3 x 2 / 8) + 8 = 9 tiles of 8 = 72 rows against 3 x 8 = 24: every expert
+    _moe_local(3, decode_step=True)
+    # 16 tokens: ceil(32 / 8) + 8 = 12 tiles = 96 rows against 128: row tiles of 8 rows
+    _moe_local(16, decode_step=True)
+    _moe_local(3)                                   # not a decode step: row tiles
+    _moe_local(3, gmm={"xla_impl": "ragged_dot"})   # the default program on ragged_dot
+    _, dropped = _moe_local(3, moe={"capacity_factor": 1.0}, return_dropped=True)  # a lever: grouped
+    assert ran == ["dense_experts", "every_expert_rows", ("tiled", 8), ("tiled", 8), "sparse_experts", "grouped"]
+    assert dropped == 7
+    # the default program reports no drops
+    assert int(_moe_local(3, return_dropped=True)[1]) == 0
