@@ -172,3 +172,50 @@ def test_dkv_cost_reads_every_key_row_once_of_the_keys_not_the_queries():
     assert c.flops == 4 * (2 * 3 * 64 * 128 * 8) * visits
     with pytest.raises(KeyError):
         pallas_tpu.cost("flash_attention_bwd", 1, 1, 1, 128, 256, 8, 64, 128, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# model/attention.py: the layer's glue under context parallelism (mixers and mesh stubbed)
+
+
+def _cp_layer(monkeypatch, cp_impl, backend, ranks=4, T=64, head_dim=8, interpret=False):
+    from hybridmoe.config.schema import AttentionConfig, KernelsConfig, ModelConfig
+    from hybridmoe.model import attention as layer
+
+    seen = {}
+    monkeypatch.setattr(layer.context, "context_axes", lambda: ("context",))
+    monkeypatch.setattr(layer.context, "context_size", lambda axes: ranks)
+    q, k = jnp.zeros((1, T, 4, head_dim)), jnp.zeros((1, T, 2, head_dim))
+    monkeypatch.setattr(layer, "project_qkv", lambda p, x, pos, m: (q, None, k, k))
+    monkeypatch.setattr(layer, "gated_output", lambda p, o, gate: o)
+    monkeypatch.setattr(layer, "ring_attention", lambda *a, **kw: seen.update(kw, impl="ring") or q)
+    monkeypatch.setattr(layer, "context_parallel_attention", lambda *a, **kw: seen.update(kw, impl="allgather") or q)
+    m = ModelConfig(head_dim=head_dim, num_heads=4, num_kv_heads=2)
+    a = AttentionConfig.model_validate({"cp_impl": cp_impl, "cp_load_balance": False})
+    kc = KernelsConfig.model_validate({"attention": {"backend": backend, "vmem_limit_mib": 20.0}, "interpret": interpret})
+    layer.attention_layer({}, jnp.zeros((1, T, 16)), None, None, m, a, kernels=kc)
+    return seen
+
+
+def test_ring_steps_fit_blocks_to_one_ranks_share_of_the_tokens(monkeypatch):
+    # 64 tokens over 4 ranks: 16 a rank; Mosaic's 128 x 512 defaults fit to 16 x 16
+    seen = _cp_layer(monkeypatch, "ring", "pallas_tpu")
+    assert seen["impl"] == "ring" and (seen["block_q"], seen["block_k"]) == (16, 16)
+    assert seen["scale"] == 8 ** -0.5 and seen["backend"] == "pallas_tpu" and seen["vmem_limit_mib"] == 20.0
+    assert seen["interpret"] is False and seen["axes"] == ("context",)
+    # 800 tokens over 4 ranks: 200 a rank. On hardware (Mosaic: multiples of 8 or the whole length)
+    # block_q is 40 (8, 40, 200 divide 200); interpreted, any divisor: 100; block_k the whole 200 (<= 512)
+    seen = _cp_layer(monkeypatch, "ring", "pallas_tpu", T=800)
+    assert (seen["block_q"], seen["block_k"]) == (40, 200)
+    seen = _cp_layer(monkeypatch, "ring", "pallas_tpu", T=800, interpret=True)
+    assert (seen["block_q"], seen["block_k"], seen["interpret"]) == (100, 200, True)
+    # 80 tokens over 2 ranks on hardware: 40 a rank, multiples of 8 dividing 40: 8, 40 -> 40
+    seen = _cp_layer(monkeypatch, "ring", "pallas_tpu", T=80, ranks=2, head_dim=32)
+    assert (seen["block_q"], seen["block_k"], seen["scale"]) == (40, 40, 32 ** -0.5)
+
+
+def test_allgather_context_parallelism_runs_the_configured_core(monkeypatch):
+    seen = _cp_layer(monkeypatch, "all_gather", "xla", head_dim=16)
+    assert seen["impl"] == "allgather" and seen["scale"] == 0.25 and seen["axes"] == ("context",)
+    assert seen["check_vma"] is True
+    assert _cp_layer(monkeypatch, "all_gather", "pallas_tpu")["check_vma"] is False
