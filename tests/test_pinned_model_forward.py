@@ -90,3 +90,58 @@ def test_blocked_core_is_self_attention_over_a_block_count_that_divides_the_toke
         _blocked(8, 8, num_blocks=3)
     assert _blocked(8, 8, num_blocks=4).shape == (1, 8, 2, 4)   # 4 blocks of 2
     assert _blocked(8, 8, num_blocks=8).shape == (1, 8, 2, 4)   # one token a block
+
+
+# ---------------------------------------------------------------------------------------------
+# model/decode.py: one cached layer
+
+
+def _decode_cfg(chunk_size=4, backend="auto"):
+    from types import SimpleNamespace
+
+    from hybridmoe.config.schema import ModelConfig
+
+    return SimpleNamespace(model=ModelConfig(head_dim=16, num_heads=2, num_kv_heads=1), gdn=SimpleNamespace(chunk_size=chunk_size),
+                           kernels=SimpleNamespace(gdn=SimpleNamespace(backend=backend), interpret=True))
+
+
+def test_a_cached_gdn_layer_runs_one_token_as_the_chunk_1_xla_recurrence(monkeypatch):
+    from hybridmoe.model import decode
+
+    seen = []
+
+    def gdn_layer(p, h, seg, m, *, chunk_size, backend, interpret, state):
+        seen.append((h.shape[1], chunk_size, backend, interpret))
+        return h, {name: (a + 1).astype(jnp.float32) for name, a in state.items()}
+
+    monkeypatch.setattr(decode, "gdn_layer", gdn_layer)
+    cache = {"conv_q": jnp.zeros((1, 3, 1, 2), jnp.bfloat16), "ssm": jnp.zeros((1, 1, 2, 2), jnp.float32)}
+    cfg = _decode_cfg(chunk_size=4, backend="pallas_tpu")
+    ctx = (None, jnp.ones((1, 1), jnp.int32), None, None, jnp.int32(0))
+    _, new = decode._cached_mixer("gdn", {}, jnp.zeros((1, 1, 8)), cache, ctx, cfg)
+    decode._cached_mixer("gdn", {}, jnp.zeros((1, 5, 8)), cache, ctx, cfg)
+    assert seen == [(1, 1, "xla", True), (5, 4, "pallas_tpu", True)]
+    # the new state keeps the cache's dtypes
+    assert new["conv_q"].dtype == jnp.bfloat16 and new["ssm"].dtype == jnp.float32
+    assert float(new["conv_q"][0, 0, 0, 0]) == 1.0
+
+
+def test_a_cached_attention_layer_writes_its_keys_at_the_slot_and_scales_by_the_head_dim(monkeypatch):
+    from hybridmoe.model import decode
+
+    seen = {}
+    k_new = jnp.full((1, 2, 1, 16), 5.0)
+    monkeypatch.setattr(decode, "project_qkv", lambda p, h, pos, m: (jnp.zeros((1, 2, 2, 16)), None, k_new, 2 * k_new))
+    monkeypatch.setattr(decode, "attention", lambda q, k, v, **kw: seen.update(kw, k=k, v=v) or q)
+    monkeypatch.setattr(decode, "gated_output", lambda p, o, gate: o)
+    cache = {"k": jnp.zeros((1, 6, 1, 16), jnp.bfloat16), "v": jnp.zeros((1, 6, 1, 16), jnp.bfloat16)}
+    ctx = (jnp.array([[3, 4]]), jnp.ones((1, 2), jnp.int32), jnp.zeros((1, 6), jnp.int32), jnp.ones((1, 6), jnp.int32),
+           jnp.int32(3))
+    _, new = decode._cached_mixer("attention", {}, jnp.zeros((1, 2, 8)), cache, ctx, _decode_cfg())
+    # slots 3 and 4 of 6 written
+    assert np.asarray(new["k"][0, :, 0, 0], np.float32).tolist() == [0, 0, 0, 5, 5, 0]
+    assert np.asarray(new["v"][0, :, 0, 0], np.float32).tolist() == [0, 0, 0, 10, 10, 0]
+    assert new["k"].dtype == jnp.bfloat16
+    assert seen["scale"] == 0.25                     # 16 ** -0.5
+    assert np.asarray(seen["q_pos_BT"]).tolist() == [[3, 4]] and seen["kv_seg_BS"].shape == (1, 6)
+    assert np.asarray(seen["k"][0, :, 0, 0]).tolist() == [0, 0, 0, 5, 5, 0]
