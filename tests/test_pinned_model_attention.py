@@ -219,3 +219,20 @@ def test_allgather_context_parallelism_runs_the_configured_core(monkeypatch):
     assert seen["impl"] == "allgather" and seen["scale"] == 0.25 and seen["axes"] == ("context",)
     assert seen["check_vma"] is True
     assert _cp_layer(monkeypatch, "all_gather", "pallas_tpu")["check_vma"] is False
+
+
+def test_mosaic_kernels_ask_the_vmem_of_their_blocks_group_head_dim_and_dtypes():
+    import jax
+
+    # q [B 1, G 1, R 2, T 256, A 128] bf16, blocks 128 x 512: rows 256; each term one buffer's tiled
+    # bytes x its count (blocks 2, scratch and values 1), as in the limits module's model
+    q = jax.ShapeDtypeStruct((1, 1, 2, 256, 128), jnp.bfloat16)
+    Q, KV = 2 * 128 * 128 * 2 * 2, 512 * 128 * 2 * 2              # q [2, 128, 128], k or v [512, 128]
+    IDS = 8 * 256 * 4 * 2 + 8 * 512 * 4 * 2                        # q_ids [2, 256], kv_ids [2, 512] int32
+    STAT, ACC, SCORES = 8 * 256 * 4 * 2, 256 * 128 * 4, 256 * 512 * 4
+    assert pallas_tpu._vmem_need("flash_attention_forward", q, 128, 512) == (
+        Q + 2 * KV + IDS + Q + STAT + 2 * ACC + ACC + SCORES + 256 * 512 * 2)  # o, lse, m and l, acc, probabilities
+    # dq in the inputs' dtype unless a gradient dtype is given: float32 doubles its two buffers
+    dq = Q + 2 * KV + Q + IDS + STAT + ACC + SCORES
+    assert pallas_tpu._vmem_need("flash_attention_dq", q, 128, 512) == dq + Q
+    assert pallas_tpu._vmem_need("flash_attention_dq", q, 128, 512, grad_dtype=jnp.float32) == dq + 2 * Q
