@@ -4,6 +4,7 @@ and CostEstimate, pallas_gpu.py's checks. Pure arithmetic or zero arrays; nothin
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -222,8 +223,6 @@ def test_allgather_context_parallelism_runs_the_configured_core(monkeypatch):
 
 
 def test_mosaic_kernels_ask_the_vmem_of_their_blocks_group_head_dim_and_dtypes():
-    import jax
-
     # q [B 1, G 1, R 2, T 256, A 128] bf16, blocks 128 x 512: rows 256; each term one buffer's tiled
     # bytes x its count (blocks 2, scratch and values 1), as in the limits module's model
     q = jax.ShapeDtypeStruct((1, 1, 2, 256, 128), jnp.bfloat16)
@@ -236,3 +235,61 @@ def test_mosaic_kernels_ask_the_vmem_of_their_blocks_group_head_dim_and_dtypes()
     dq = Q + 2 * KV + Q + IDS + STAT + ACC + SCORES
     assert pallas_tpu._vmem_need("flash_attention_dq", q, 128, 512) == dq + Q
     assert pallas_tpu._vmem_need("flash_attention_dq", q, 128, 512, grad_dtype=jnp.float32) == dq + 2 * Q
+
+
+def _record_calls(monkeypatch):
+    calls = []
+    monkeypatch.setattr(pallas_tpu, "cost", lambda *a: ("cost", *a))
+    monkeypatch.setattr(pallas_tpu, "_vmem_need", lambda name, q, bq, bk, grad_dtype=None: ("need", name, bq, bk, grad_dtype))
+
+    def call(kernel, name, grid, in_specs, out_specs, out_shape, scratch, interpret, estimate=None, limit=0.0, need=None):
+        calls.append(dict(name=name, grid=grid, interpret=interpret, cost=estimate, limit=limit, need=need))
+        zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
+        return lambda *args: [zeros(s) for s in out_shape] if isinstance(out_shape, list) else zeros(out_shape)
+
+    monkeypatch.setattr(pallas_tpu, "_call", call)
+    return calls
+
+
+def test_mosaic_forward_and_backward_hand_each_kernel_its_grid_cost_and_vmem(monkeypatch):
+    calls = _record_calls(monkeypatch)
+    # B 1, G 2, R 3, T 16 queries, S 32 keys, A 8, bf16; blocks 8 x 16: 2 query blocks, 2 key blocks
+    q = jnp.zeros((1, 2, 3, 16, 8), jnp.bfloat16)
+    k = jnp.zeros((1, 2, 32, 8), jnp.bfloat16)
+    ids_q, ids_k = jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 32), jnp.int32)
+    runs = ((16, 16),)
+    kw = dict(scale=0.5, block_q=8, block_k=16, interpret=True, vmem_limit_mib=12.0, query_runs=runs)
+    # traced only (eval_shape): the glue runs, nothing executes
+    o, lse = jax.eval_shape(lambda: pallas_tpu.forward(q, k, k, ids_q, ids_q, ids_k, ids_k, **kw))
+    assert o.shape == q.shape and lse.shape == (1, 2, 3, 16)
+    stats = jnp.zeros((1, 2, 3, 16), jnp.float32)
+    dq, dk, dv = jax.eval_shape(lambda: pallas_tpu.backward(q, k, k, q, stats, stats, ids_q, ids_q, ids_k, ids_k,
+                                                            grad_dtypes=(jnp.bfloat16, jnp.float32, jnp.float16), **kw))
+    assert (dq.dtype, dk.dtype, dv.dtype) == (jnp.bfloat16, jnp.float32, jnp.float16)
+    assert dk.shape == dv.shape == k.shape
+    shape = (1, 2, 3, 16, 32, 8, 8, 16, 2, runs)  # B, G, R, T, S, A, block_q, block_k, itemsize, runs
+    fwd, dq_call, dkv = calls
+    assert fwd == dict(name="flash_attention_forward", grid=(1, 2, 2, 2), interpret=True,
+                       cost=("cost", "flash_attention_forward", *shape), limit=12.0,
+                       need=("need", "flash_attention_forward", 8, 16, None))
+    assert dq_call == dict(name="flash_attention_dq", grid=(1, 2, 2, 2), interpret=True,
+                           cost=("cost", "flash_attention_dq", *shape), limit=12.0,
+                           need=("need", "flash_attention_dq", 8, 16, jnp.bfloat16))
+    # dk-dv: outer key blocks (32 / 16 = 2), inner query blocks (16 / 8 = 2); dk's dtype for the need
+    assert dkv == dict(name="flash_attention_dkv", grid=(1, 2, 2, 2), interpret=True,
+                       cost=("cost", "flash_attention_dkv", *shape), limit=12.0,
+                       need=("need", "flash_attention_dkv", 8, 16, jnp.float32))
+
+
+def test_mosaic_grids_run_outer_blocks_then_inner_ones(monkeypatch):
+    calls = _record_calls(monkeypatch)
+    # 24 queries in blocks of 8 (3), 32 keys in blocks of 16 (2): forward and dq (B, G, 3, 2), dk-dv (B, G, 2, 3)
+    q, k = jnp.zeros((2, 1, 1, 24, 8)), jnp.zeros((2, 1, 32, 8))
+    ids_q, ids_k = jnp.zeros((2, 24), jnp.int32), jnp.zeros((2, 32), jnp.int32)
+    stats = jnp.zeros((2, 1, 1, 24))
+    jax.eval_shape(lambda: (
+        pallas_tpu.forward(q, k, k, ids_q, ids_q, ids_k, ids_k, scale=1.0, block_q=8, block_k=16, interpret=True),
+        pallas_tpu.backward(q, k, k, q, stats, stats, ids_q, ids_q, ids_k, ids_k, scale=1.0, block_q=8, block_k=16,
+                            interpret=True)))
+    assert [c["grid"] for c in calls] == [(2, 1, 3, 2), (2, 1, 3, 2), (2, 1, 2, 3)]
+    assert [c["limit"] for c in calls] == [0.0, 0.0, 0.0]
