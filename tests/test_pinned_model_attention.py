@@ -293,3 +293,43 @@ def test_mosaic_grids_run_outer_blocks_then_inner_ones(monkeypatch):
                             interpret=True)))
     assert [c["grid"] for c in calls] == [(2, 1, 3, 2), (2, 1, 3, 2), (2, 1, 2, 3)]
     assert [c["limit"] for c in calls] == [0.0, 0.0, 0.0]
+
+
+def test_triton_drivers_run_a_program_per_query_head_and_block_and_per_kv_head_and_key_block(monkeypatch):
+    calls = []
+
+    def call(kernel, name, grid, in_specs, out_specs, out_shape, interpret):
+        calls.append((name, grid, interpret))
+        zeros = lambda s: jnp.zeros(s.shape, s.dtype)  # noqa: E731
+        return lambda *args: [zeros(s) for s in out_shape] if isinstance(out_shape, list) else zeros(out_shape)
+
+    monkeypatch.setattr(pallas_gpu, "_call", call)
+    # B 2, G 3, R 2 (6 query heads), 32 queries in blocks of 16 (2), 64 keys in blocks of 16 (4), A 16
+    q, k = jnp.zeros((2, 3, 2, 32, 16)), jnp.zeros((2, 3, 64, 16))
+    ids_q, ids_k = jnp.zeros((2, 32), jnp.int32), jnp.zeros((2, 64), jnp.int32)
+    stats = jnp.zeros((2, 3, 2, 32))
+    o, lse = jax.eval_shape(lambda: pallas_gpu.forward(q, k, k, ids_q, ids_q, ids_k, ids_k, scale=1.0, block_q=16,
+                                                       block_k=16, interpret=True))
+    dq, dk, dv = jax.eval_shape(lambda: pallas_gpu.backward(
+        q, k, k, q, stats, stats, ids_q, ids_q, ids_k, ids_k, scale=1.0, block_q=16, block_k=16,
+        grad_dtypes=(jnp.bfloat16, jnp.float32, jnp.float16), interpret=True))
+    assert calls == [("flash_attention_forward_gpu", (2, 6, 2), True), ("flash_attention_dq_gpu", (2, 6, 2), True),
+                     ("flash_attention_dkv_gpu", (2, 3, 4), True)]
+    assert (o.shape, o.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 3, 2, 32), jnp.float32)
+    assert (dq.dtype, dk.dtype, dv.dtype) == (jnp.bfloat16, jnp.float32, jnp.float16)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+def test_flash_backward_gives_each_input_its_dtype_only_when_asked():
+    q = jnp.zeros((1, 8, 2, 4), jnp.bfloat16)
+    k = jnp.zeros((1, 8, 1, 4), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, 8), jnp.float32)
+    ids = jnp.zeros((1, 8), jnp.int32)
+    kw = dict(q_pos=ids, kv_pos=ids, scale=0.5, block_q=4, block_k=4)
+    out = jax.eval_shape(lambda: ops.attention_bwd(q, k, k, q, lse, q, **kw))
+    assert [a.dtype for a in out] == [jnp.float32] * 3                      # default: float32 for summing
+    out = jax.eval_shape(lambda: ops.attention_bwd(q, k, k, q, lse, q, grad_dtype=None, **kw))
+    assert [a.dtype for a in out] == [jnp.bfloat16] * 3
+    assert [a.shape for a in out] == [(1, 8, 2, 4), (1, 8, 1, 4), (1, 8, 1, 4)]
+    o, lse = jax.eval_shape(lambda: ops.attention_fwd(q, k, k, **kw))
+    assert (o.shape, o.dtype, lse.shape, lse.dtype) == ((1, 8, 2, 4), jnp.bfloat16, (1, 2, 8), jnp.float32)
