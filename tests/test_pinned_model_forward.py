@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from tests.helpers import tiny_config
+from helpers import tiny_config
 
 from hybridmoe.model import forward
 from hybridmoe.model.params import declare_params, is_spec

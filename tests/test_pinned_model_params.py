@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from hybridmoe.config.schema import ModelConfig
 from hybridmoe.model import params as P
