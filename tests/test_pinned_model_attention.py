@@ -333,3 +333,29 @@ def test_flash_backward_gives_each_input_its_dtype_only_when_asked():
     assert [a.shape for a in out] == [(1, 8, 2, 4), (1, 8, 1, 4), (1, 8, 1, 4)]
     o, lse = jax.eval_shape(lambda: ops.attention_fwd(q, k, k, **kw))
     assert (o.shape, o.dtype, lse.shape, lse.dtype) == ((1, 8, 2, 4), jnp.bfloat16, (1, 2, 8), jnp.float32)
+
+
+def test_flash_attention_hands_its_options_to_both_passes_and_its_gradients_their_inputs_dtypes(monkeypatch):
+    seen = {}
+
+    def fwd(q, k, v, **kw):
+        seen["fwd"] = kw
+        return q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+    def bwd(q, k, v, o, lse, do, **kw):
+        seen["bwd"] = kw
+        return q, k, v
+
+    monkeypatch.setattr(ops, "attention_fwd", fwd)
+    monkeypatch.setattr(ops, "attention_bwd", bwd)
+    q, k, v = _qkv()
+    pos = jnp.zeros((1, 8), jnp.int32)
+    kw = dict(q_pos_BT=pos, kv_pos_BS=pos, scale=0.5, backend="pallas_tpu", block_q=4, block_k=8, interpret=True,
+              vmem_limit_mib=12.0, query_runs=[(0, 8)])
+    jax.vjp(lambda q, k, v: ops.flash_attention(q, k, v, **kw), q, k, v)[1](q)
+    options = dict(scale=0.5, backend="pallas_tpu", block_q=4, block_k=8, interpret=True, vmem_limit_mib=12.0,
+                   query_runs=((0, 8),))
+    assert {n: seen["fwd"][n] for n in options} == options
+    assert {n: seen["bwd"][n] for n in options} == options
+    assert seen["bwd"]["grad_dtype"] is None            # each gradient in its input's dtype
+    assert seen["fwd"]["q_seg"].shape == (1, 8)         # no segment ids: all zeros (one segment)
