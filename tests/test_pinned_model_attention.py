@@ -359,3 +359,11 @@ def test_flash_attention_hands_its_options_to_both_passes_and_its_gradients_thei
     assert {n: seen["bwd"][n] for n in options} == options
     assert seen["bwd"]["grad_dtype"] is None            # each gradient in its input's dtype
     assert seen["fwd"]["q_seg"].shape == (1, 8)         # no segment ids: all zeros (one segment)
+
+
+def test_an_8_byte_dtype_tiles_in_8_sublanes_like_32_bit():
+    from hybridmoe.kernels import vmem
+
+    # (3, 5) of 8-byte items -> (8, 128) x 8 bytes: never fewer than 8 sublanes
+    assert vmem.tpu_tile_bytes((3, 5), 8) == 8 * 128 * 8
+    assert vmem.tpu_tile_bytes((9,), 8) == 8 * 128 * 8
