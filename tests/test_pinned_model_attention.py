@@ -1,6 +1,8 @@
-"""Flash attention's entry checks and the Mosaic kernels' stated cost, pinned to hand-worked
-numbers: kernels/attention/ops.py's shape checks, pallas_tpu.py's block checks, visited block count
-and CostEstimate, pallas_gpu.py's checks. Pure arithmetic or zero arrays; nothing compiles."""
+"""Flash attention's glue pinned to hand-worked numbers: kernels/attention/ops.py's shape checks and
+options, pallas_tpu.py's block checks, visited block count, CostEstimate, VMEM ask and grids,
+pallas_gpu.py's checks and grids, model/attention.py's context-parallel glue and one VMEM tile
+(kernels/vmem.py). Pure arithmetic, zero arrays, or traced only with the kernels stubbed; nothing
+compiles."""
 
 from __future__ import annotations
 

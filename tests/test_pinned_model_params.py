@@ -1,6 +1,6 @@
 """Every declared weight's name, shape, dtype, logical axes and initial value, written out by hand
-for a tiny model whose sizes all differ (model/params.py), and the remat wrapper's choice of unit
-and policy (model/remat.py). A wrong axis name changes how a weight shards, not what the model
+for a tiny model whose sizes all differ (model/params.py), the remat wrapper's choice of unit
+and policy (model/remat.py) and the weight-split refusal's text (model/fit.py). A wrong axis name changes how a weight shards, not what the model
 computes, so only a table like this one sees it. Nothing compiles."""
 
 from __future__ import annotations
@@ -118,3 +118,28 @@ def test_checkpointed_wraps_only_its_own_unit_and_not_under_none(monkeypatch):
     assert seen == [(fn, jax.checkpoint_policies.nothing_saveable, False)]  # scanned: no CSE prevention
     remat.checkpointed(fn, _cfg(policy="minimal", unit="layer", scan_layers=False), 16, unit="layer")
     assert seen[-1] == (fn, jax.checkpoint_policies.dots_with_no_batch_dims_saveable, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# model/fit.py: a dimension more than one field sizes
+
+
+def test_weight_split_refusal_names_the_other_fields_behind_the_dimension(monkeypatch):
+    from hybridmoe.model import fit
+    from hybridmoe.parallel.rules import DEFAULT_RULES
+
+    monkeypatch.setattr(fit, "_fields_behind", lambda perturbed, name, dim, size: ["num_experts", "vocab_size", "d_model"])
+    m = ModelConfig(**{**DIMS, "param_dtype": "float32"})
+    # 6 experts over expert=4: wi and wo of both layers; the first field is the key, the others named with it
+    assert fit.sharding_problems(m, DEFAULT_RULES, {"expert": 4}) == [(
+        "model.num_experts", "a dimension of 6 (with model.vocab_size, model.d_model) does not split over the 4 shards "
+        "of mesh.expert=4, which the rules give logical axis 'exp' (blocks/0/moe/wi, blocks/0/moe/wo, blocks/1/moe/wi "
+        "and 1 more); make it a multiple of 4 or change the mesh")]
+
+
+def test_fields_behind_a_dimension_are_those_whose_change_alters_it():
+    from hybridmoe.model import fit
+
+    perturbed = {"a": {"w": ((4, 6), None)}, "b": {"w": ((2, 12), None)}, "c": {"v": ((2, 3), None)}}
+    assert fit._fields_behind(perturbed, "w", 1, 6) == ["b"]
+    assert fit._fields_behind(perturbed, "w", 0, 2) == ["a"]
