@@ -140,3 +140,25 @@ def test_inspect_adds_the_targets_device_count_last_and_checks_a_tpu_target_for_
     assert cli._inspect_config(words, "tpu", None) == ("small", ["mesh.cpu_devices=2", "mesh.cpu_devices=0"], "cfg")
     assert cli._inspect_config(words, None, None) == ("small", ["mesh.cpu_devices=2"], "cfg")
     assert [p for _, _, p in seen] == [None, "tpu", None]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["launch", "--processes", "2", "--", "describe"], "launch runs a command in N processes"),
+    (["launch", "--processes", "2", "--", "launch", "train"], "launch runs a command in N processes"),
+    (["launch", "--processes", "0", "--", "train"], "--processes 0: at least 1"),
+    (["launch", "--processes", "-1", "--", "rl"], "--processes -1: at least 1"),
+])
+def test_launch_refuses_a_command_it_cannot_spread_and_a_count_below_one(argv, needle, capsys):
+    from hybridmoe.cli import main
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_launch_hands_the_command_after_the_separator_with_the_count_and_port(monkeypatch):
+    from hybridmoe.cli import main
+    from hybridmoe.parallel import launch
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda argv, n, port: seen.append((argv, n, port)) or 0)
+    assert main(["launch", "--processes", "1", "--port", "77", "--", "train", "recipe=tiny"]) == 0
+    assert main(["launch", "--processes", "3", "score", "--hf", "d"]) == 0
+    assert seen == [(["train", "recipe=tiny"], 1, 77), (["score", "--hf", "d"], 3, 0)]
