@@ -145,10 +145,12 @@ def test_a_header_that_fits_the_file_exactly_is_read(tmp_path):
 
 def test_a_source_form_refuses_a_trained_tensor_in_an_unwritable_dtype(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    _header_file(tmp_path / "a.safetensors", {"model.norm.weight": {"dtype": "I8", "shape": [2],
-                                                                    "data_offsets": [0, 2]}}, b"\x00\x00")
-    with pytest.raises(ValueError, match=r"model.norm.weight is stored as I8; .* one of \['BF16', 'F16', 'F32', 'F64'\]"):
-        hf.read_source_form(str(tmp_path), [str(tmp_path / "a.safetensors")])
+    for dtype in ("I8", "F8_E4M3", "I32"):
+        _header_file(tmp_path / "a.safetensors", {"model.norm.weight": {"dtype": dtype, "shape": [2],
+                                                                        "data_offsets": [0, 2]}}, b"\x00\x00")
+        with pytest.raises(ValueError, match=rf"model.norm.weight is stored as {dtype}; .* one of "
+                                             r"\['BF16', 'F16', 'F32', 'F64'\]"):
+            hf.read_source_form(str(tmp_path), [str(tmp_path / "a.safetensors")])
 
 
 def test_a_text_only_source_with_per_expert_and_interleaved_projections(tmp_path):
@@ -197,6 +199,11 @@ def test_a_copy_starts_its_data_8_byte_aligned_and_packs_the_tensors_in_source_o
     offsets = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
     assert offsets == {"a": [0, 3], "c": [3, 7]} and header["__metadata__"] == {"format": "pt"}
     assert dst.read_bytes()[start:] == b"AAACCCC"
+    for n in range(1, 9):  # headers of every length mod 8: the data still starts aligned
+        _header_file(src, {"x" * n: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}, b"Z")
+        hf.copy_tensors(str(src), ["x" * n], str(dst))
+        header, start = shard_header(str(dst))
+        assert start % 8 == 0 and dst.read_bytes()[start:] == b"Z"
     assert dst.stat().st_size == start + 7
 
 
