@@ -243,3 +243,17 @@ def test_an_index_lists_its_shards_in_name_order_and_names_each_missing_one(tmp_
     (tmp_path / "model.safetensors.index.json").unlink()
     assert hf.checkpoint_shards(str(tmp_path)) == [str(tmp_path / n) for n in
                                                    ("a.safetensors", "b.safetensors", "stray.safetensors")]
+
+
+def test_a_save_over_a_sharded_checkpoint_leaves_only_its_own_two_files(tmp_path):
+    """The earlier save's shards and index would otherwise be read beside the new weights; other files stay."""
+    import os
+    fields, tree = hf.load_hf_checkpoint(os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny"))
+    out = tmp_path / "ck"
+    out.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                 "model.safetensors.index.json", "tokenizer.json"):
+        (out / name).write_text("old")
+    hf.save_hf_checkpoint(str(out), fields, tree)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert hf.load_hf_checkpoint(str(out))[0] == fields
