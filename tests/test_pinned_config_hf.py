@@ -257,3 +257,59 @@ def test_a_save_over_a_sharded_checkpoint_leaves_only_its_own_two_files(tmp_path
     hf.save_hf_checkpoint(str(out), fields, tree)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert hf.load_hf_checkpoint(str(out))[0] == fields
+
+
+# ------------------------------------------------------------------------------------------------
+# the weight tree's refusals (the tiny fixture: 4 layers, pattern gdn, gdn, gdn, attention; V 256, D 64)
+
+
+def _fixture_state():
+    import os
+
+    from safetensors.numpy import load_file
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
+    fields, tree = hf.load_hf_checkpoint(fixture)
+    return fields, tree, load_file(os.path.join(fixture, "model.safetensors"))
+
+
+def test_layers_that_are_not_whole_patterns_are_refused_both_ways():
+    fields, tree, state = _fixture_state()
+    for layers in (6, 5, 2):
+        bad = {**fields, "num_layers": layers}
+        with pytest.raises(ValueError, match=f"model.num_layers={layers} is not a multiple of "
+                                             r"len\(model.layer_pattern\)=4"):
+            hf.hf_to_native(state, bad)
+        with pytest.raises(ValueError, match=f"model.num_layers={layers} is not a multiple of "
+                                             r"len\(model.layer_pattern\)=4"):
+            hf.native_to_hf(tree, bad)
+
+
+def test_a_tree_with_another_block_count_than_the_pattern_is_refused():
+    fields, tree, _ = _fixture_state()
+    for blocks in (tree["blocks"][:3], tree["blocks"] + tree["blocks"][:1]):
+        with pytest.raises(ValueError, match=f"native tree: blocks has {len(blocks)} entries for a layer pattern of 4"):
+            hf.native_to_hf({**tree, "blocks": blocks}, fields)
+
+
+def test_a_tied_checkpoint_whose_head_differs_at_all_from_the_embedding_is_refused():
+    fields, _, state = _fixture_state()
+    tied = {**fields, "tie_word_embeddings": True}
+    embed = state["model.embed_tokens.weight"]
+    tree = hf.hf_to_native({**state, "lm_head.weight": embed.copy()}, tied)  # equal: read once, as the embedding
+    assert "lm_head" not in tree
+    near = embed.copy()
+    near[3, 5] += 1e-4
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        hf.hf_to_native({**state, "lm_head.weight": near}, tied)
+    with pytest.raises(ValueError, match="an lm_head leaf with model.tie_word_embeddings=true"):
+        hf.native_to_hf({**tree, "lm_head": np.zeros((64, 256), np.float32)}, tied)
+    out = hf.native_to_hf(tree, tied)
+    assert "lm_head.weight" not in out and out["model.embed_tokens.weight"].shape == (256, 64)
+
+
+def test_a_layer_without_expert_tensors_names_the_fused_tensor():
+    fields, _, state = _fixture_state()
+    no_experts = {k: v for k, v in state.items() if not k.startswith("model.layers.1.mlp.experts.")}
+    with pytest.raises(ValueError, match=r"missing tensor model.layers.1.mlp.experts.gate_up_proj \(expected shape "
+                                         r"\(8, 64, 64\)\)"):
+        hf.hf_to_native(no_experts, fields)
