@@ -313,3 +313,22 @@ def test_a_layer_without_expert_tensors_names_the_fused_tensor():
     with pytest.raises(ValueError, match=r"missing tensor model.layers.1.mlp.experts.gate_up_proj \(expected shape "
                                          r"\(8, 64, 64\)\)"):
         hf.hf_to_native(no_experts, fields)
+
+
+def test_a_piece_of_a_layers_experts_is_written_under_its_own_expert_numbers():
+    """Experts 2 and 3 of layer 0 (8 in all): named experts.2 and experts.3, gate the first F=32 columns of
+    wi, up the next; the fused layout has no pieces."""
+    from hybridmoe.hf.weights import layer_to_hf
+    fields, tree, state = _fixture_state()
+    layer = {k: ({kk: np.asarray(vv)[0] for kk, vv in v.items()} if isinstance(v, dict) else np.asarray(v)[0])
+             for k, v in tree["blocks"][0].items()}
+    layer["moe"] = {**layer["moe"], "wi": layer["moe"]["wi"][2:4], "wo": layer["moe"]["wo"][2:4]}
+    out = layer_to_hf("gdn", 0, layer, fields, experts=(2, 4), parts=("experts",))
+    pre = "model.layers.0.mlp.experts."
+    assert sorted(out) == sorted(f"{pre}{e}.{w}_proj.weight" for e in (2, 3) for w in ("gate", "up", "down"))
+    for e in (2, 3):
+        for w in ("gate", "up", "down"):
+            name = f"{pre}{e}.{w}_proj.weight"
+            assert np.array_equal(out[name], state[name])
+    with pytest.raises(ValueError, match="a piece of a layer's experts has only the per_expert layout"):
+        layer_to_hf("gdn", 0, layer, fields, experts=(2, 4), parts=("experts",), expert_layout="fused")
