@@ -55,6 +55,8 @@ def test_global_arrays_take_one_sharding_for_every_leaf():
 def test_load_balancing_refuses_an_odd_shard_and_splits_an_even_one():
     with pytest.raises(ValueError, match="load balancing needs an even shard length; got 3 tokens per rank"):
         context._halves(np.zeros((1, 3)), 1)
+    with pytest.raises(ValueError, match="got 1 tokens per rank"):
+        context._halves(np.zeros((2, 1, 4)), 1)
     a, b = context._halves(np.arange(4).reshape(1, 4), 1)
     assert a.tolist() == [[0, 1]] and b.tolist() == [[2, 3]]
 
