@@ -332,3 +332,86 @@ def test_a_piece_of_a_layers_experts_is_written_under_its_own_expert_numbers():
             assert np.array_equal(out[name], state[name])
     with pytest.raises(ValueError, match="a piece of a layer's experts has only the per_expert layout"):
         layer_to_hf("gdn", 0, layer, fields, experts=(2, 4), parts=("experts",), expert_layout="fused")
+
+
+# ------------------------------------------------------------------------------------------------
+# the weight tree <-> HF tensors at the distinct dimensions of FIELDS (6 layers, pattern gdn, attention,
+# gdn: 2 stacked blocks; D 40, V 96, E 10, F 11, S 13, N 5, G 1, A 12, K 3, U 6, k 7, v 9, W 3)
+
+# Per layer kind, every HF tensor's shape by hand: GDN conv channels 2 K k + U v = 42 + 54 = 96.
+HF_SHAPES = {
+    "gdn": {"linear_attn.in_proj_qkv.weight": (96, 40), "linear_attn.in_proj_z.weight": (54, 40),
+            "linear_attn.in_proj_b.weight": (6, 40), "linear_attn.in_proj_a.weight": (6, 40),
+            "linear_attn.conv1d.weight": (96, 1, 3), "linear_attn.A_log": (6,), "linear_attn.dt_bias": (6,),
+            "linear_attn.norm.weight": (9,), "linear_attn.out_proj.weight": (40, 54)},
+    "attention": {"self_attn.q_proj.weight": (120, 40), "self_attn.k_proj.weight": (12, 40),
+                  "self_attn.v_proj.weight": (12, 40), "self_attn.o_proj.weight": (40, 60),
+                  "self_attn.q_norm.weight": (12,), "self_attn.k_norm.weight": (12,)},
+}
+COMMON = {"input_layernorm.weight": (40,), "post_attention_layernorm.weight": (40,), "mlp.gate.weight": (10, 40),
+          "mlp.shared_expert.gate_proj.weight": (13, 40), "mlp.shared_expert.up_proj.weight": (13, 40),
+          "mlp.shared_expert.down_proj.weight": (40, 13), "mlp.shared_expert_gate.weight": (1, 40)}
+
+
+def _random_tree():
+    from hybridmoe.hf.weights import _dims, layer_shapes
+    rng = np.random.default_rng(0)
+    d = _dims(FIELDS)
+    blocks = []
+    for kind in FIELDS["layer_pattern"]:
+        block = {}
+        for path, shape in layer_shapes(kind, d).items():
+            node = block
+            *parents, leaf = path.split("/")
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = rng.standard_normal((2, *shape)).astype(np.float32)
+        blocks.append(block)
+    return {"embed": rng.standard_normal((96, 40)).astype(np.float32), "blocks": blocks,
+            "final_norm": rng.standard_normal(40).astype(np.float32),
+            "lm_head": rng.standard_normal((40, 96)).astype(np.float32)}
+
+
+def test_every_hf_tensor_has_its_shape_at_distinct_dimensions_and_reads_back():
+    tree = _random_tree()
+    out = hf.native_to_hf(tree, FIELDS)
+    want = {"model.embed_tokens.weight": (96, 40), "model.norm.weight": (40,), "lm_head.weight": (96, 40)}
+    for i, kind in enumerate(["gdn", "attention", "gdn"] * 2):
+        pre = f"model.layers.{i}."
+        want.update({pre + k: v for k, v in {**HF_SHAPES[kind], **COMMON}.items()})
+        for e in range(10):
+            want.update({f"{pre}mlp.experts.{e}.gate_proj.weight": (11, 40), f"{pre}mlp.experts.{e}.up_proj.weight":
+                         (11, 40), f"{pre}mlp.experts.{e}.down_proj.weight": (40, 11)})
+    assert {k: v.shape for k, v in out.items()} == want
+    back = hf.hf_to_native(out, FIELDS)
+    import jax
+    a, b = ({jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+            for t in (tree, back))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    # Layer 4 is block 1 (gdn) of its stacked axis 1: layer i is blocks[i % 3][i // 3].
+    assert np.array_equal(out["model.layers.3.linear_attn.A_log"], tree["blocks"][0]["mixer"]["A_log"][1])
+    assert np.array_equal(out["model.layers.4.self_attn.q_norm.weight"], tree["blocks"][1]["mixer"]["q_norm"][1])
+
+
+def test_the_fused_and_interleaved_layouts_have_their_shapes_and_read_back():
+    """Fused experts [E, 2F, D] = [10, 22, 40] and [E, D, F] = [10, 40, 11]; Qwen3-Next's in_proj_qkvz
+    [2 K k + 2 U v, D] = [150, 40], in_proj_ba [2 U, D] = [12, 40]."""
+    tree = _random_tree()
+    out = hf.native_to_hf(tree, FIELDS, expert_layout="fused", gdn_projections="interleaved")
+    assert out["model.layers.0.mlp.experts.gate_up_proj"].shape == (10, 22, 40)
+    assert out["model.layers.0.mlp.experts.down_proj"].shape == (10, 40, 11)
+    assert out["model.layers.2.linear_attn.in_proj_qkvz.weight"].shape == (150, 40)
+    assert out["model.layers.2.linear_attn.in_proj_ba.weight"].shape == (12, 40)
+    split = hf.native_to_hf(tree, FIELDS)
+    qkvz, qkv = out["model.layers.2.linear_attn.in_proj_qkvz.weight"], split["model.layers.2.linear_attn.in_proj_qkv.weight"]
+    # Key head g = 1 of 3 (r = 2 value heads each): its group starts at row 1 x (14 + 18 + 18) = 50; its
+    # k rows at 50 + 7 are split rows 21 + 7; its first value row (50 + 14) is split row 42 + 1 x 18.
+    assert np.array_equal(qkvz[50 + 7:50 + 14], qkv[21 + 7:21 + 14])
+    assert np.array_equal(qkvz[64:82], qkv[60:78])
+    ba, b = out["model.layers.2.linear_attn.in_proj_ba.weight"], split["model.layers.2.linear_attn.in_proj_b.weight"]
+    a = split["model.layers.2.linear_attn.in_proj_a.weight"]
+    # Group g holds rows 4g .. 4g + 3: [b of its value heads 2g, 2g + 1 | a of the same].
+    assert np.array_equal(ba[0:2], b[0:2]) and np.array_equal(ba[4:6], b[2:4]) and np.array_equal(ba[6:8], a[2:4])
+    back = hf.hf_to_native(out, FIELDS)
+    assert np.array_equal(back["blocks"][2]["mixer"]["wz"], tree["blocks"][2]["mixer"]["wz"])
+    assert np.array_equal(back["blocks"][0]["moe"]["wo"], tree["blocks"][0]["moe"]["wo"])
