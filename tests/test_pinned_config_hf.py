@@ -415,3 +415,15 @@ def test_the_fused_and_interleaved_layouts_have_their_shapes_and_read_back():
     back = hf.hf_to_native(out, FIELDS)
     assert np.array_equal(back["blocks"][2]["mixer"]["wz"], tree["blocks"][2]["mixer"]["wz"])
     assert np.array_equal(back["blocks"][0]["moe"]["wo"], tree["blocks"][0]["moe"]["wo"])
+
+
+def test_a_tensor_of_the_right_size_but_another_shape_is_refused_on_both_sides():
+    tree = _random_tree()
+    out = hf.native_to_hf(tree, FIELDS)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match=rf"ck: {name}: expected \(120, 40\), got \(40, 120\)"):
+        hf.hf_to_native({**out, name: out[name].T.copy()}, FIELDS, where="ck")
+    wk = tree["blocks"][0]["mixer"]["wk"]  # [2, 40, 3, 7] -> [2, 40, 7, 3]: the same size
+    bad = {**tree["blocks"][0], "mixer": {**tree["blocks"][0]["mixer"], "wk": wk.transpose(0, 1, 3, 2).copy()}}
+    with pytest.raises(ValueError, match=r"native tree: blocks\[0\]/mixer/wk: expected \(2, 40, 3, 7\), got \(2, 40, 7, 3\)"):
+        hf.native_to_hf({**tree, "blocks": [bad, *tree["blocks"][1:]]}, FIELDS)
