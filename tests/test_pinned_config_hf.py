@@ -86,6 +86,7 @@ def test_tied_embeddings_default_to_untied_and_the_outer_value_wins_alone():
     ({"layer_types": ["linear_attention"] * 5 + ["sliding_attention"]}, "layer_types=['sliding_attention']"),
     ({"layer_types": ["linear_attention"] * 5}, "has 5 entries for num_hidden_layers=6"),
     ({"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size=-1 is not supported"),
+    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0 is not supported"),
     ({"num_experts": -2}, "num_experts=-2 is not supported"),
     ({"model_type": "qwen3_moe"}, "model_type='qwen3_moe' is not supported"),
 ])
