@@ -164,3 +164,11 @@ def test_launch_hands_the_command_after_the_separator_with_the_count_and_port(mo
     assert main(["launch", "--processes", "1", "--port", "77", "--", "train", "recipe=tiny"]) == 0
     assert main(["launch", "--processes", "3", "score", "--hf", "d"]) == 0
     assert seen == [(["train", "recipe=tiny"], 1, 77), (["score", "--hf", "d"], 3, 0)]
+
+
+def test_the_context_size_over_several_axes_is_their_product():
+    from hybridmoe.parallel.mesh import MESH_AXES
+    mesh = jax.sharding.AbstractMesh((1, 2, 3, 4, 1), MESH_AXES)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert context.context_size(("context", "expert")) == 12 and context.context_size(("fsdp", "context")) == 6
+        assert context.context_size(()) == 1
