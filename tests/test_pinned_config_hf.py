@@ -404,7 +404,8 @@ def test_the_fused_and_interleaved_layouts_have_their_shapes_and_read_back():
     assert out["model.layers.2.linear_attn.in_proj_qkvz.weight"].shape == (150, 40)
     assert out["model.layers.2.linear_attn.in_proj_ba.weight"].shape == (12, 40)
     split = hf.native_to_hf(tree, FIELDS)
-    qkvz, qkv = out["model.layers.2.linear_attn.in_proj_qkvz.weight"], split["model.layers.2.linear_attn.in_proj_qkv.weight"]
+    g2 = "model.layers.2.linear_attn."
+    qkvz, qkv = out[g2 + "in_proj_qkvz.weight"], split[g2 + "in_proj_qkv.weight"]
     # Key head g = 1 of 3 (r = 2 value heads each): its group starts at row 1 x (14 + 18 + 18) = 50; its
     # k rows at 50 + 7 are split rows 21 + 7; its first value row (50 + 14) is split row 42 + 1 x 18.
     assert np.array_equal(qkvz[50 + 7:50 + 14], qkv[21 + 7:21 + 14])
@@ -426,5 +427,6 @@ def test_a_tensor_of_the_right_size_but_another_shape_is_refused_on_both_sides()
         hf.hf_to_native({**out, name: out[name].T.copy()}, FIELDS, where="ck")
     wk = tree["blocks"][0]["mixer"]["wk"]  # [2, 40, 3, 7] -> [2, 40, 7, 3]: the same size
     bad = {**tree["blocks"][0], "mixer": {**tree["blocks"][0]["mixer"], "wk": wk.transpose(0, 1, 3, 2).copy()}}
-    with pytest.raises(ValueError, match=r"native tree: blocks\[0\]/mixer/wk: expected \(2, 40, 3, 7\), got \(2, 40, 7, 3\)"):
+    with pytest.raises(ValueError, match=r"native tree: blocks\[0\]/mixer/wk: expected \(2, 40, 3, 7\), "
+                                         r"got \(2, 40, 7, 3\)"):
         hf.native_to_hf({**tree, "blocks": [bad, *tree["blocks"][1:]]}, FIELDS)
