@@ -124,3 +124,20 @@ def test_a_rerun_of_some_kernels_keeps_the_others_of_the_same_device_only(script
     out.write_text(json.dumps({"device": "TPU v5 lite x 1", "kernels": {"wo_fwd": {"ms": 7.1, "commit": "abc"}}}))
     assert script.earlier_rows(out, "TPU v5 lite x 1") == {"wo_fwd": {"ms": 7.1, "commit": "abc"}}
     assert script.earlier_rows(out, "TPU v6 lite x 1") == {}
+
+
+def test_seed_recipe_runs_the_tiles_the_chip_found_for_its_plain_kernels():
+    """The seed cell's four plain grouped matmuls (its wi forward and wo input gradient are the fused
+    kernels, with their own tiles) run the tiles benchmarks/records/tpu_gmm_uneven.json found fastest
+    at the cell's shapes and uneven groups; a rerun that finds others must move the recipe with it."""
+    from pathlib import Path
+
+    from hybridmoe.kernels.gmm import kernel_tiles
+    from hybridmoe.recipe import load_config
+
+    record = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "records"
+                         / "tpu_gmm_uneven.json").read_text())
+    tiles = kernel_tiles(load_config("qwen3.5-397b-a17b-v7x-128", [], platform="tpu").kernels.gmm.model_dump())
+    for name in ("wi_dlhs", "wi_drhs", "wo_fwd", "wo_drhs"):
+        t = getattr(tiles, name)
+        assert [t.tm, t.tk, t.tn] == record["kernels"][name]["tiles"], name
