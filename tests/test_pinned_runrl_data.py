@@ -1,0 +1,149 @@
+"""Data figures pinned on tiny hand-made documents: a text document's ids and mask, what the long
+documents of a source became (split, truncated, targets cut), the epoch order of a shuffled source
+and the arithmetic tasks' edges."""
+
+import types
+
+import numpy as np
+import pytest
+
+from hybridmoe.data.tokenizer import CharTokenizer
+
+
+class _Tok:
+    """Characters as their code points, BOS 1, EOS 2."""
+    bos_id, eos_id, pad_id = 1, 2, 0
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_a_text_document_is_bos_its_text_eos_and_trains_every_token():
+    from hybridmoe.data.text import tokenize_document
+    ids, mask = tokenize_document({"text": "ab"}, _Tok(), "text")
+    assert ids == [1, 97, 98, 2]  # BOS, 'a', 'b', EOS
+    assert mask == [1, 1, 1, 1]
+    no_bos = _Tok()
+    no_bos.bos_id = None
+    assert tokenize_document({"body": "a"}, no_bos, "body") == ([97, 2], [1, 1])
+
+
+def _bare_source():
+    from hybridmoe.data.text import LongDocuments, TextSource
+    src = TextSource.__new__(TextSource)
+    src.docs, src.masks, src.long_documents = [], [], LongDocuments()
+    return src
+
+
+def test_split_documents_count_their_pieces_and_keep_every_trained_target():
+    src = _bare_source()
+    # 7 tokens at seq_len 3: pieces start at 0, 2, 4 (step seq_len - 1 = 2): [0:3], [2:5], [4:7];
+    # a start at 6 would hold only the last token (no target): range(0, 6, 2) stops before it.
+    src._add(np.arange(10, 17), np.ones(7, np.int32), 3, "split")
+    n = src.long_documents
+    assert (n.documents, n.split, n.pieces, n.truncated, n.targets_cut, n.longest) == (1, 1, 3, 0, 0, 7)
+    assert [d.tolist() for d in src.docs] == [[10, 11, 12], [12, 13, 14], [14, 15, 16]]
+    # A document that fits is neither split nor counted as a piece.
+    src._add(np.array([5, 6, 7]), np.ones(3, np.int32), 3, "split")
+    assert (n.documents, n.split, n.pieces, n.longest) == (2, 1, 3, 7)
+    assert src.docs[-1].tolist() == [5, 6, 7]
+
+
+def test_a_split_piece_without_a_trained_target_is_left_out_but_not_the_document():
+    src = _bare_source()
+    # 5 tokens at seq_len 3: pieces [0:3] and [2:5]; only the last token is trained, so the first
+    # piece (targets 1, 2) trains nothing and is dropped.
+    src._add(np.array([1, 2, 3, 4, 5]), np.array([0, 0, 0, 0, 1], np.int32), 3, "split")
+    n = src.long_documents
+    assert (n.documents, n.split, n.pieces) == (1, 1, 1)
+    assert [d.tolist() for d in src.docs] == [[3, 4, 5]]
+
+
+def test_truncation_counts_the_targets_past_the_limit_and_the_trained_ones_among_them():
+    src = _bare_source()
+    # 6 tokens at seq_len 4: tokens 4 and 5 are cut (2 targets), of which token 5 is trained.
+    src._add(np.array([1, 2, 3, 4, 5, 6]), np.array([0, 1, 1, 1, 0, 1], np.int32), 4, "truncate")
+    n = src.long_documents
+    assert (n.documents, n.split, n.pieces, n.truncated, n.targets_cut, n.trained_targets_cut, n.longest) == (
+        1, 0, 0, 1, 2, 1, 6)
+    assert src.docs[0].tolist() == [1, 2, 3, 4] and src.masks[0].tolist() == [0, 1, 1, 1]
+
+
+def test_a_document_without_a_trained_target_counts_toward_the_longest_only():
+    src = _bare_source()
+    src._add(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]), np.array([1, 0, 0, 0, 0, 0, 0, 0, 0], np.int32), 4, "truncate")
+    n = src.long_documents
+    assert (n.documents, n.truncated, n.longest) == (0, 0, 9) and src.docs == []
+
+
+def test_a_document_of_exactly_seq_len_is_kept_whole():
+    from hybridmoe.data.text import fit_document
+    ids, mask = np.arange(4), np.ones(4)
+    out = fit_document(ids, mask, 4, "split")
+    assert len(out) == 1 and out[0][0].tolist() == [0, 1, 2, 3]
+    out = fit_document(np.arange(5), np.ones(5), 4, "truncate")
+    assert [o[0].tolist() for o in out] == [[0, 1, 2, 3]]
+
+
+def test_a_shuffled_source_visits_each_epoch_in_the_order_of_its_own_stream():
+    from hybridmoe.data.text import TextSource
+    src = TextSource.__new__(TextSource)
+    src.docs = [np.array([i]) for i in range(6)]
+    src.masks = [np.array([1]) for _ in range(6)]
+    src.seed, src.shuffle, src._orders = 5, True, {}
+    # The documented stream: (train.seed, 3, epoch); 1 and 2 are the warm-up's and the prompts'.
+    want0 = np.random.default_rng([5, 3, 0]).permutation(6).tolist()
+    want1 = np.random.default_rng([5, 3, 1]).permutation(6).tolist()
+    assert [int(src.document(c)[0]) for c in range(6)] == want0
+    assert [int(src.document(c)[0]) for c in range(6, 12)] == want1
+    assert want0 != np.random.default_rng([5, 1, 0]).permutation(6).tolist()
+
+
+# ------------------------------------------------------------------------------------------------
+# arithmetic tasks
+
+
+def test_an_arithmetic_answer_must_be_the_whole_integer_and_may_be_signed():
+    from hybridmoe.data.arithmetic import ArithmeticTask
+    t = ArithmeticTask(digits=1, operators="-")
+    assert t.reward("3-5=", " -2\n") == 1.0
+    assert t.reward("3-5=", "2") == 0.0
+    assert t.reward("3-5=", "-2 apples") == 0.0
+    assert ArithmeticTask(operators="*").reward("12*3=", "36") == 1.0
+
+
+def test_a_task_of_zero_digits_or_no_operator_is_refused_and_one_digit_is_accepted():
+    from hybridmoe.data.arithmetic import ArithmeticTask, get_task
+    with pytest.raises(ValueError, match="digits must be >= 1, got 0"):
+        ArithmeticTask(digits=0)
+    assert ArithmeticTask(digits=1).max_completion_chars == 2  # 9 + 9 = 18
+    with pytest.raises(ValueError, match="non-empty subset"):
+        ArithmeticTask(operators="")
+    with pytest.raises(ValueError, match="non-empty subset"):
+        ArithmeticTask(operators="+/")
+    with pytest.raises(KeyError, match="known tasks: arithmetic, format"):
+        get_task("nope")
+
+
+def test_the_format_reward_is_one_for_a_bare_integer_plus_the_bonus_when_right():
+    from hybridmoe.data.arithmetic import FormatTask
+    t = FormatTask(correct_bonus=0.5)
+    assert t.reward("answer only: 1+2=", "3") == 1.5
+    assert t.reward("answer only: 1+2=", "4") == 1.0
+    assert t.reward("answer only: 1+2=", " 3") == 0.0
+    assert FormatTask().reward("answer only: 1+2=", "3") == 1.0
+
+
+def test_a_prompt_that_does_not_end_with_its_expression_is_not_scored():
+    from hybridmoe.data.arithmetic import _evaluate
+    assert _evaluate("12+34=") == 46 and _evaluate("x 7*6=") == 42 and _evaluate("2-9=") == -7
+    with pytest.raises(ValueError, match="does not end with"):
+        _evaluate("1+2= and more")
+
+
+def test_solved_examples_train_on_the_answer_and_eos_only():
+    from hybridmoe.data.arithmetic import Example, solved_token_ids
+    tok = CharTokenizer()
+    ids, mask = solved_token_ids(Example("1+2=", "3"), tok)
+    assert ids == [1] + tok.encode("1+2=") + tok.encode("3") + [2]
+    assert mask == [False] * 5 + [True, True]  # BOS + 4 prompt characters; '3' and EOS
