@@ -30,3 +30,47 @@ def test_a_record_holds_the_step_and_each_metric_as_a_float_with_nonfinite_as_nu
             w.write(4, {"x": [1, 2]})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x) for x in lines] == [{"step": 3, "loss": 0.25, "n": 7.0, "bad": None, "nan": None}]
+
+
+# ------------------------------------------------------------------------------------------------
+# session
+
+
+class _Ckpt:
+    def __init__(self):
+        self.saved = []
+
+    def save(self, step, tree, meta):
+        self.saved.append((step, tree, meta))
+
+    def close(self):
+        pass
+
+
+def _session(tmp_path, monkeypatch, start=0):
+    import contextlib
+    import types
+
+    from hybridmoe.config.schema import TrainConfig
+    from hybridmoe.run.session import Session
+    monkeypatch.setattr("hybridmoe.run.session.Session.meta", property(lambda self: {"config": "c", "pos": -1}))
+    setup = types.SimpleNamespace(context=contextlib.nullcontext)
+    return Session(types.SimpleNamespace(train=TrainConfig()), tmp_path, None, setup, 0, start, None, _Ckpt())
+
+
+def _step(tree, step):
+    return tree + 1, {"update_skipped": 0, "loss": float(step)}, {}
+
+
+def test_a_session_writes_a_record_every_step_by_default_and_follows_each_with_on_write(tmp_path, monkeypatch):
+    s = _session(tmp_path, monkeypatch)
+    written, closed = [], []
+    s.run(_step, 3, checkpoint_every=0, step_meta=lambda done: {"pos": done}, progress=False, desc="t",
+          on_write=lambda w, done: written.append(done), on_close=lambda w: closed.append(w.jsonl_path.name))
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert written == [1, 2, 3]  # steps done after each record
+    assert closed == ["metrics.jsonl"]
+    # checkpoint_every=0: only the save after the last step, its meta the session's and the loop's
+    # (the loop's fields win: pos is the steps done, not the session's -1).
+    assert s.ckpt.saved == [(3, 3, {"config": "c", "pos": 3})]
