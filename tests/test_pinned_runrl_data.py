@@ -147,3 +147,82 @@ def test_solved_examples_train_on_the_answer_and_eos_only():
     ids, mask = solved_token_ids(Example("1+2=", "3"), tok)
     assert ids == [1] + tok.encode("1+2=") + tok.encode("3") + [2]
     assert mask == [False] * 5 + [True, True]  # BOS + 4 prompt characters; '3' and EOS
+
+
+# ------------------------------------------------------------------------------------------------
+# chat: the spans an assistant turn trains
+
+
+def test_generation_markers_give_the_outermost_blocks_spans_and_an_empty_block_none():
+    from hybridmoe.data.chat import GENERATION_CLOSE as C, GENERATION_OPEN as O, generation_spans
+    text, spans = generation_spans(f"a{O}bc{C}d{O}{O}e{C}f{C}{O}{C}g")
+    assert text == "abcdefg"
+    assert spans == [(1, 3), (4, 6)]  # 'bc'; 'ef' with the nested 'e' counted once; the empty block none
+
+
+def test_a_turn_ends_after_the_first_stop_token_at_or_after_its_start():
+    from hybridmoe.data.chat import turn_end
+    assert turn_end("<e>z", 0, ["<e>"]) == 3  # a stop at the very start counts
+    assert turn_end("x<e>y<ff>", 0, ["<ff>", "<e>"]) == 4  # the earliest of the stops: '<e>' at 1, 3 long
+    assert turn_end("x<e>y<ff>", 2, ["<ff>", "<e>"]) == 9  # from 2 on: '<ff>' at 5, 4 long
+    assert turn_end("xyz", 0, ["<e>"]) is None
+
+
+class _Chat:
+    """'<r>content|' per turn, '<a>' the generation prompt; id 3 is the end-of-turn '|', id 2 none."""
+    stop_ids = (2, 3)
+
+    def token_text(self, i):
+        return "|" if i == 3 else None
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def render_chat(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role'][0]}>{m['content']}|" for m in messages) + ("<a>" if add_generation_prompt else "")
+
+    def render_chat_marked(self, messages):
+        return None
+
+
+def test_every_assistant_turn_trains_from_its_generation_prompt_through_its_end_of_turn():
+    from hybridmoe.data.chat import assistant_spans, end_of_turn_tokens
+    assert end_of_turn_tokens(_Chat()) == ["|"]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"},
+            {"role": "user", "content": "r"}, {"role": "assistant", "content": "c"}]
+    full, spans = assistant_spans(_Chat(), msgs)
+    assert full == "<u>q|<a>ab|<u>r|<a>c|"
+    # Turn 1: after '<u>q|<a>' (5 + 3 characters) through 'ab|' (3); turn 3: after
+    # '<u>q|<a>ab|<u>r|<a>' (5 + 6 + 5 + 3 = 19) through 'c|' (2).
+    assert spans == [(8, 11), (19, 21)]
+
+
+def test_a_template_that_renders_a_prefix_otherwise_is_refused():
+    from hybridmoe.data.chat import prefix_spans
+
+    class Odd(_Chat):
+        def render_chat(self, messages, add_generation_prompt=True):
+            return super().render_chat(messages, add_generation_prompt) + ("!" if add_generation_prompt else "")
+
+    with pytest.raises(ValueError, match="before assistant turn 1 differently"):
+        prefix_spans(Odd(), [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
+
+
+def test_a_turn_without_an_end_of_turn_token_runs_to_the_end_of_its_rendering():
+    from hybridmoe.data.chat import prefix_spans
+
+    class NoStop(_Chat):
+        stop_ids = (2,)
+
+    full, spans = prefix_spans(NoStop(), [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"},
+                                          {"role": "user", "content": "r"}])
+    assert spans == [(8, 11)]  # 'ab|' ends where the rendering of the first two turns ends
+
+
+def test_text_is_encoded_piece_by_piece_with_the_spans_trained():
+    from hybridmoe.data.chat import encode_with_spans
+    ids, mask = encode_with_spans(_Chat(), "abcdef", [(3, 5), (1, 3)])
+    assert ids == [97, 98, 99, 100, 101, 102]
+    assert mask == [0, 1, 1, 1, 1, 0]  # spans sorted; adjacent spans are not an overlap
+    with pytest.raises(ValueError, match="overlap at character 2"):
+        encode_with_spans(_Chat(), "abcdef", [(1, 3), (2, 4)])
