@@ -81,6 +81,9 @@ def test_a_document_of_exactly_seq_len_is_kept_whole():
     ids, mask = np.arange(4), np.ones(4)
     out = fit_document(ids, mask, 4, "split")
     assert len(out) == 1 and out[0][0].tolist() == [0, 1, 2, 3]
+    # 7 tokens at seq_len 3: pieces at 0, 2, 4 only; a piece at 6 would hold the last token alone.
+    assert [o[0].tolist() for o in fit_document(np.arange(7), np.ones(7), 3, "split")] == [[0, 1, 2], [2, 3, 4],
+                                                                                         [4, 5, 6]]
     out = fit_document(np.arange(5), np.ones(5), 4, "truncate")
     assert [o[0].tolist() for o in out] == [[0, 1, 2, 3]]
 
@@ -117,6 +120,7 @@ def test_a_task_of_zero_digits_or_no_operator_is_refused_and_one_digit_is_accept
     with pytest.raises(ValueError, match="digits must be >= 1, got 0"):
         ArithmeticTask(digits=0)
     assert ArithmeticTask(digits=1).max_completion_chars == 2  # 9 + 9 = 18
+    assert ArithmeticTask(digits=1, operators="-").max_completion_chars == 2  # 0 - 9 = -9: the sign counts
     with pytest.raises(ValueError, match="non-empty subset"):
         ArithmeticTask(operators="")
     with pytest.raises(ValueError, match="non-empty subset"):
