@@ -74,3 +74,49 @@ def test_a_session_writes_a_record_every_step_by_default_and_follows_each_with_o
     # checkpoint_every=0: only the save after the last step, its meta the session's and the loop's
     # (the loop's fields win: pos is the steps done, not the session's -1).
     assert s.ckpt.saved == [(3, 3, {"config": "c", "pos": 3})]
+
+
+# ------------------------------------------------------------------------------------------------
+# compile cache, policy folders, the RL loop's phases
+
+
+def test_the_compile_cache_is_pruned_past_8_gib_down_to_4_gib():
+    import inspect
+
+    from hybridmoe.run.compile_cache import prune
+    params = inspect.signature(prune).parameters
+    assert params["above"].default == 8 * 2**30 and params["to"].default == 4 * 2**30
+
+
+def test_prune_stops_as_soon_as_what_remains_is_at_most_the_target(tmp_path):
+    import os
+
+    from hybridmoe.run.compile_cache import prune
+    for i, name in enumerate("abc"):  # 100 bytes each, a written first
+        (tmp_path / name).write_bytes(b"x" * 100)
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))
+    assert prune(tmp_path, above=299, to=200) == 100  # 300 > 299: a goes, 200 remain (at the target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c"]
+    assert prune(tmp_path, above=200, to=0) == 0  # 200 is not past 200
+
+
+def test_a_runs_policy_is_its_latest_numbered_checkpoint(tmp_path):
+    from hybridmoe.config.schema import Config
+    from hybridmoe.rl.policy_io import PolicyError, run_config
+    with pytest.raises(PolicyError, match="no checkpoint under"):
+        run_config(tmp_path)
+    for step in (2, 10, 9):
+        meta = tmp_path / "checkpoints" / str(step) / "meta"
+        meta.mkdir(parents=True)
+        cfg = Config().model_dump(mode="json")
+        cfg["train"]["seed"] = step
+        (meta / "metadata").write_text(json.dumps({"config": cfg, "phase": 1, "step": step}))
+    (tmp_path / "checkpoints" / "tmp_11").mkdir()  # not a step: never taken
+    cfg, step, meta = run_config(tmp_path)
+    assert step == 10 and cfg.train.seed == 10 and meta["step"] == 10  # 10 sorts after 9 as a number
+
+
+def test_the_rl_records_phase_is_0_for_the_warm_up_and_1_for_grpo():
+    from hybridmoe.rl import loop
+    assert (loop.WARMUP, loop.GRPO) == (0, 1)
+    assert loop.MAX_EMPTY_STEPS == 3

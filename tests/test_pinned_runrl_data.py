@@ -230,3 +230,48 @@ def test_text_is_encoded_piece_by_piece_with_the_spans_trained():
     assert mask == [0, 1, 1, 1, 1, 0]  # spans sorted; adjacent spans are not an overlap
     with pytest.raises(ValueError, match="overlap at character 2"):
         encode_with_spans(_Chat(), "abcdef", [(1, 3), (2, 4)])
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer, sources, prompt sets
+
+
+def test_the_character_tokenizer_ids_are_pad_bos_eos_then_the_alphabet_in_order():
+    tok = CharTokenizer()
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.stop_ids) == (0, 1, 2, (2,))
+    # 3 special ids, then digits (3..12), '+-*=' (13..16), ' ' (17), a..z (18..43), A..Z (44..69),
+    # then ':' (70) and 16 more punctuation characters: 3 + 10 + 4 + 1 + 26 + 26 + 17 = 87 ids.
+    assert tok.encode("09+=  azAZ:") == [3, 12, 13, 16, 17, 17, 18, 43, 44, 69, 70]
+    assert tok.vocab_size == 87
+    assert tok.decode([1, 3, 0, 200, 13, 2, 4]) == "0+"  # PAD, BOS, unknown ids decode to nothing; EOS stops
+
+
+def test_a_tokenizer_as_large_as_the_models_vocabulary_is_accepted(monkeypatch):
+    import hybridmoe.data.text as text
+    from hybridmoe.data.sources import FileSource
+    monkeypatch.setattr(text, "TextSource", lambda cfg, tok, index, count: ("text", tok.vocab_size, index, count))
+    cfg = types.SimpleNamespace(data=types.SimpleNamespace(tokenizer=None),
+                                model=types.SimpleNamespace(vocab_size=CharTokenizer().vocab_size))
+    assert FileSource(cfg).text == ("text", 87, 0, 1)
+
+
+def test_a_prompt_set_has_no_answer_length_of_its_own():
+    from hybridmoe.data.prompts import PromptSetTask
+    assert PromptSetTask(()).max_completion_chars == 0
+    assert PromptSetTask(()).name == "prompts"
+
+
+def test_a_prompt_set_keeps_prompts_up_to_the_limit_and_warns_of_the_longer_ones(tmp_path, caplog):
+    import json
+    import logging
+
+    from hybridmoe.data.prompts import PromptSetTask
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc", "abcd", "abcdefg")))
+    cfg = types.SimpleNamespace(data=types.SimpleNamespace(prompts=str(f), on_bad_line="stop"),
+                                rl=types.SimpleNamespace(max_prompt_len=5))
+    with caplog.at_level(logging.WARNING, logger="hybridmoe.data.prompts"):
+        task = PromptSetTask.from_config(cfg, CharTokenizer())
+    # With BOS: 4, 5 and 8 tokens; 5 is at the limit (kept), 8 is over it.
+    assert len(task.examples) == 3
+    assert "1 of 3 prompts exceed rl.max_prompt_len=5 tokens (longest 8)" in caplog.text
