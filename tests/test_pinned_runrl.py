@@ -120,3 +120,57 @@ def test_the_rl_records_phase_is_0_for_the_warm_up_and_1_for_grpo():
     from hybridmoe.rl import loop
     assert (loop.WARMUP, loop.GRPO) == (0, 1)
     assert loop.MAX_EMPTY_STEPS == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# the supervised loop's record, with its step, data and clock stubbed
+
+
+def test_a_train_record_holds_the_steps_figures_and_its_rate_over_the_stubbed_clock(monkeypatch):
+    import types
+
+    import hybridmoe.train.loop as train_loop
+    from hybridmoe.data.text import LongDocuments
+
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(fewest_micro_batches=2, steps=2, checkpoint_every=0,
+                                                            log_every=1))
+    counts = LongDocuments(documents=4, split=1, pieces=3, longest=99)
+    source = types.SimpleNamespace(host_local=False, fields=(), text=types.SimpleNamespace(long_documents=counts),
+                                   batch=lambda i, position: ({"tokens": i}, position + 1))
+    clock = iter([10.0, 12.5, 20.0, 20.5])  # step 0 takes 2.5 s, step 1 0.5 s
+
+    def step_fn(state, batch):
+        return state + 1, {"loss": 1.5, "grad_norm": 0.25, "tokens": 100.0 + batch["tokens"], "loss_tokens": 60.0,
+                           "update_skipped": 0.0, "moe_dropped": 7.0}
+
+    class Session:
+        saved_meta = None
+        setup = types.SimpleNamespace(kept=lambda name, make: step_fn, batch_sharding=lambda axis: None)
+
+        def run(self, step, total, **kw):
+            out, state = [], 0
+            for i in range(total):
+                state, rec, _ = step(state, i)
+                out.append(rec)
+            return out
+
+        def export(self, export_hf, params):
+            pass
+
+    monkeypatch.setattr(train_loop, "start_config", lambda cfg, out, **kw: cfg)
+    monkeypatch.setattr(train_loop, "training_source", lambda cfg: source)
+    monkeypatch.setattr(train_loop, "memory_budget_bytes", lambda cfg: None)
+    monkeypatch.setattr(train_loop, "open_session", lambda *a, **kw: Session())
+    monkeypatch.setattr(train_loop, "split_micro_batches", lambda rows, m: rows)
+    monkeypatch.setattr(train_loop, "put_global", lambda rows, sharding: rows)
+    monkeypatch.setattr(train_loop, "fetch_global", lambda m: m)
+    monkeypatch.setattr(train_loop, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(Session, "tree", {"params": None}, raising=False)
+    first, second = train_loop.train(cfg, None, progress=False)
+    assert first == {"loss": 1.5, "grad_norm": 0.25, "tokens": 100, "loss_tokens": 60, "tokens_per_s": 40.0,
+                     "step_time_s": 2.5, "moe_dropped": 7, "update_skipped": 0, "micro_batches": 2,
+                     "data_docs_split": 1, "data_split_pieces": 3, "data_docs_truncated": 0, "data_targets_cut": 0,
+                     "data_trained_targets_cut": 0, "data_longest_doc": 99}  # 100 tokens / 2.5 s
+    # Step 1: 101 tokens in 0.5 s; the data counts are the first record's only.
+    assert second == {"loss": 1.5, "grad_norm": 0.25, "tokens": 101, "loss_tokens": 60, "tokens_per_s": 202.0,
+                      "step_time_s": 0.5, "moe_dropped": 7, "update_skipped": 0, "micro_batches": 2}
