@@ -174,3 +174,34 @@ def test_a_train_record_holds_the_steps_figures_and_its_rate_over_the_stubbed_cl
     # Step 1: 101 tokens in 0.5 s; the data counts are the first record's only.
     assert second == {"loss": 1.5, "grad_norm": 0.25, "tokens": 101, "loss_tokens": 60, "tokens_per_s": 202.0,
                       "step_time_s": 0.5, "moe_dropped": 7, "update_skipped": 0, "micro_batches": 2}
+
+
+# ------------------------------------------------------------------------------------------------
+# the memory budget and the data cursors
+
+
+def test_the_memory_budget_is_the_set_gib_else_the_devices_free_bytes(monkeypatch):
+    import types
+
+    import jax
+
+    from hybridmoe.run.memory_fit import memory_budget_bytes
+    cfg = lambda gib: types.SimpleNamespace(run=types.SimpleNamespace(memory_budget_gib=gib))  # noqa: E731
+    assert memory_budget_bytes(cfg(1.5)) == 3 * 2**29  # 1.5 GiB
+    stats = {"bytes_limit": 1000, "bytes_in_use": 300}
+    monkeypatch.setattr(jax, "local_devices", lambda: [types.SimpleNamespace(memory_stats=lambda: stats)])
+    assert memory_budget_bytes(cfg(None)) == 700
+    del stats["bytes_in_use"]
+    assert memory_budget_bytes(cfg(None)) == 1000  # nothing in use reported: all of it free
+    stats["bytes_limit"] = 0
+    assert memory_budget_bytes(cfg(None)) is None  # no limit reported (a CPU)
+
+
+def test_a_hosts_cursor_is_read_from_a_checkpoint_of_as_many_hosts(monkeypatch):
+    from hybridmoe.data.records import DataError
+    from hybridmoe.data.sources import position_record, start_position
+    assert position_record(12) == [12]
+    assert start_position({"data_position": [12]}) == 12
+    assert start_position(None) == 0 and start_position({"data_position": [12]}, host_local=False) == 0
+    with pytest.raises(DataError, match=r"those of 2 host\(s\).*this run has 1 process\(es\); resume it on 2"):
+        start_position({"data_position": [12, 7]})

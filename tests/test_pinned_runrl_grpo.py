@@ -71,3 +71,18 @@ def test_the_default_arithmetic_task_is_two_digit_addition():
     ex = ArithmeticTask().sample(np.random.default_rng(0), 50)
     assert all(0 <= int(a) <= 99 and 0 <= int(b) <= 99 for a, b in (e.prompt[:-1].split("+") for e in ex))
     assert max(int(e.prompt.split("+")[0]) for e in ex) >= 10  # two digits are drawn, not one
+
+
+def test_prompts_up_to_the_limit_are_kept_and_longer_or_unencodable_ones_skipped(caplog):
+    import logging
+
+    from hybridmoe.data.tokenizer import CharTokenizer
+    from hybridmoe.rl.loop import _encode_prompts
+    tok = CharTokenizer()
+    run = types.SimpleNamespace(tokenizer=tok, cfg=types.SimpleNamespace(rl=types.SimpleNamespace(max_prompt_len=4)))
+    with caplog.at_level(logging.WARNING, logger="hybridmoe.rl.loop"):
+        ids, skipped = _encode_prompts(run, ["1+2", "10+2", "\u00e9"])
+    # With BOS: 4 tokens (at the limit, kept), 5 (over it), none (the tokenizer cannot encode it).
+    assert ids == [[1, *tok.encode("1+2")], [0], [0]] and skipped.tolist() == [False, True, True]
+    assert "1 of 3 prompts skipped: longer than rl.max_prompt_len=4 (the longest has 5 tokens)" in caplog.text
+    assert "1 of 3 prompts skipped: the tokenizer cannot encode them" in caplog.text
