@@ -205,3 +205,14 @@ def test_a_hosts_cursor_is_read_from_a_checkpoint_of_as_many_hosts(monkeypatch):
     assert start_position(None) == 0 and start_position({"data_position": [12]}, host_local=False) == 0
     with pytest.raises(DataError, match=r"those of 2 host\(s\).*this run has 1 process\(es\); resume it on 2"):
         start_position({"data_position": [12, 7]})
+
+
+def test_on_three_hosts_the_second_reads_its_own_cursor_and_a_shorter_list_is_refused(monkeypatch):
+    import hybridmoe.data.sources as sources
+    from hybridmoe.data.records import DataError
+    monkeypatch.setattr(sources.jax, "process_count", lambda: 3)
+    monkeypatch.setattr(sources.jax, "process_index", lambda: 1)
+    assert sources.start_position({"data_position": [12, 7, 5]}) == 7
+    for positions in ([12, 7], [12, 7, 5, 1]):
+        with pytest.raises(DataError, match=f"those of {len(positions)} host"):
+            sources.start_position({"data_position": positions})
