@@ -216,3 +216,18 @@ def test_on_three_hosts_the_second_reads_its_own_cursor_and_a_shorter_list_is_re
     for positions in ([12, 7], [12, 7, 5, 1]):
         with pytest.raises(DataError, match=f"those of {len(positions)} host"):
             sources.start_position({"data_position": positions})
+
+
+def test_an_error_stop_logs_the_step_that_failed_and_the_last_completed_one(tmp_path, monkeypatch, caplog):
+    s = _session(tmp_path, monkeypatch)
+
+    def failing(tree, step):
+        if step == 2:
+            raise RuntimeError("boom")
+        return _step(tree, step)
+
+    with caplog.at_level(logging.WARNING, logger="hybridmoe.run.session"), pytest.raises(RuntimeError):
+        s.run(failing, 5, checkpoint_every=0, step_meta=lambda done: {"pos": done}, progress=False, desc="t")
+    # Steps 0 and 1 done (done = 2); step 2 raised: checkpoint 2 holds the state after step 1.
+    assert "run stopped by an error in step 2; checkpointed the state after step 1 (checkpoint 2)" in caplog.text
+    assert s.ckpt.saved == [(2, 2, {"config": "c", "pos": 2})]
