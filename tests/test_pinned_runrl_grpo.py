@@ -45,7 +45,7 @@ def test_a_later_updates_sums_count_its_clipped_tokens_and_ratios_against_pi_old
                         lambda params, cfg, tokens, *rest: (jnp.full(tokens.shape, -1.0), jnp.full(tokens.shape, 0.5)))
     cfg = types.SimpleNamespace(rl=types.SimpleNamespace(importance_correction="none", importance_cap=2.0, eps=0.2,
                                                          eps_high=None, beta=0.0, aggregation="token_mean"))
-    mask = jnp.array([[0, 1, 1], [0, 1, 0], [0, 0, 0], [0, 0, 1]], jnp.float32)
+    mask = jnp.array([[0, 1, 1], [0, 1, 0], [0, 0, 0], [0, 1, 1]], jnp.float32)
     mb = {"tokens": jnp.zeros((4, 3), jnp.int32), "segment_ids": None, "positions": None, "mask": mask,
           "logp_sampler": jnp.array([[0, -1.5, -0.5], [0, -1.0, 0], [0, 0, 0], [0, 0, -4.0]], jnp.float32),
           "logp_old": jnp.array([[0, -1.5, -0.5], [0, 0, 0], [0, 0, 0], [0, 0, 0]], jnp.float32),
@@ -55,16 +55,16 @@ def test_a_later_updates_sums_count_its_clipped_tokens_and_ratios_against_pi_old
     _, sums = grpo.micro_batch_loss(None, None, cfg, mb)
     got = {k: float(v) for k, v in sums.items()}
     # Kept tokens: row 0's (ratios e^0.5 with A = 1: over 1.2, clipped high; e^-0.5: not clipped, A > 0)
-    # and row 3's (e^-1 with A = -1: under 0.8, clipped low).
-    assert got["kept_tokens"] == 3.0
-    assert got["clipped_sum"] == pytest.approx(2.0) and got["clipped_high_sum"] == pytest.approx(1.0)
-    assert got["clipped_low_sum"] == pytest.approx(1.0)
-    assert got["ratio_sum"] == pytest.approx(math.exp(0.5) + math.exp(-0.5) + math.exp(-1.0), rel=1e-6)
+    # and row 3's two (e^-1 each with A = -1: under 0.8, clipped low).
+    assert got["kept_tokens"] == 4.0
+    assert got["clipped_sum"] == pytest.approx(3.0) and got["clipped_high_sum"] == pytest.approx(1.0)
+    assert got["clipped_low_sum"] == pytest.approx(2.0)
+    assert got["ratio_sum"] == pytest.approx(math.exp(0.5) + math.exp(-0.5) + 2 * math.exp(-1.0), rel=1e-6)
     assert got["ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-6)
     assert got["ratio_min"] == pytest.approx(math.exp(-1.0), rel=1e-6)
-    # |pi_old - sampler| on every completion token: 0 + 0 (row 0), 1 (row 1), 4 (row 3).
+    # |pi_old - sampler| on every completion token: 0 + 0 (row 0), 1 (row 1), 0 + 4 (row 3).
     assert got["gap_sum"] == 5.0 and got["gap_max"] == 4.0
-    assert got["is_weight_sum"] == 3.0 and got["is_masked_rows"] == 0.0  # no correction: weight 1, none masked
+    assert got["is_weight_sum"] == 4.0 and got["is_masked_rows"] == 0.0  # no correction: weight 1, none masked
 
 
 def test_an_rl_run_is_its_warm_up_steps_then_its_grpo_steps():
