@@ -1,0 +1,98 @@
+"""Figures of benchmark scripts no other test reads: the memory-only read against the whole compile
+(benchmarks/inspect_memory_only.py) and the GPU attention benchmark's model FLOPs
+(benchmarks/attention_gpu.py). Nothing compiles; the scripts' JAX set-up on import is stubbed."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from helpers import benchmark_script_unconfigured
+
+_load = benchmark_script_unconfigured
+GIB = 2**30
+
+
+def _program(default_space, argument, buffers, categories, collectives, step_s):
+    return {"memory": {"default_space": default_space, "argument": argument}, "peak_buffers": buffers,
+            "peak_by_category": {"categories": categories}, "collectives": collectives,
+            "step_estimate": None if step_s is None else {"serial": {"step_s": step_s},
+                                                           "overlapped": {"step_s": step_s / 2}}}
+
+
+def test_memory_only_compare_pairs_each_figure_with_the_whole_compiles_own():
+    mod = _load("inspect_memory_only")
+    fast = _program(10 * GIB, 3 * GIB, [{"bytes": 1}], {"moe": 5}, [{"kind": "all-gather"}], 2.0)
+    whole = _program(10 * GIB, 4 * GIB, [{"bytes": 1}], {"moe": 6}, [{"kind": "all-gather"}], 2.5)
+    rows = mod.compare(fast, whole)
+    assert list(rows) == ["default_space", "argument", "peak_buffers", "peak_categories", "collectives",
+                          "step_estimate_s"]
+    # Scalars and dicts carry both values; the lists (buffers, collectives) only their verdict.
+    assert rows["default_space"] == {"equal": True, "memory_only": 10 * GIB, "whole": 10 * GIB}
+    assert rows["argument"] == {"equal": False, "memory_only": 3 * GIB, "whole": 4 * GIB}
+    assert rows["peak_buffers"] == {"equal": True}
+    assert rows["peak_categories"] == {"equal": False, "memory_only": {"moe": 5}, "whole": {"moe": 6}}
+    assert rows["collectives"] == {"equal": True}
+    # The serial step seconds, not the overlapped ones.
+    assert rows["step_estimate_s"] == {"equal": False, "memory_only": 2.0, "whole": 2.5}
+    # A side without an estimate reads None.
+    none = mod.compare(_program(1, 1, [], {}, [], None), whole)["step_estimate_s"]
+    assert none == {"equal": False, "memory_only": None, "whole": 2.5}
+    # Only the argument differs in the fixture's other fields: each figure is read from its own key.
+    other = mod.compare(fast, {**fast, "memory": {"default_space": 9 * GIB, "argument": 3 * GIB}})
+    assert other["default_space"]["equal"] is False and other["argument"]["equal"] is True
+    assert mod.compare(fast, {**fast, "peak_buffers": []})["peak_buffers"] == {"equal": False}
+    assert mod.compare(fast, {**fast, "collectives": []})["collectives"] == {"equal": False}
+
+
+def test_memory_only_record_times_the_read_and_the_whole_compile_from_the_call(tmp_path, monkeypatch, capsys):
+    import json
+    import threading
+
+    import hybridmoe.analysis.step_estimate as se
+    import hybridmoe.recipe as recipe_mod
+    from hybridmoe.tools import train_program as tp
+
+    mod = _load("inspect_memory_only")
+    whole = _program(10 * GIB, 3 * GIB, [], {}, [], 2.0)
+    whole.update(recipe="small", overrides=["a=1"])
+    against = tmp_path / "whole.json"
+    against.write_text(json.dumps({"programs": {"base": whole}, "target": "tpu7x:2x2x1", "commit": "abcdef123456"}))
+    seen = {}
+    monkeypatch.setattr(recipe_mod, "load_config", lambda r, o, platform: seen.update(cfg=(r, o, platform)) or "cfg")
+    monkeypatch.setattr(tp, "tpu_target", lambda name: f"target:{name}")
+    monkeypatch.setattr(tp, "compile_step", lambda cfg, target, **kw: seen.update(step=(cfg, target, kw)) or "step")
+    # The read's default space: 5.5 GiB exactly (5.5 * 2**30), recorded as 5.5.
+    monkeypatch.setattr(tp, "step_facts", lambda step: _program(int(5.5 * GIB), 3 * GIB, [], {}, [], None))
+    monkeypatch.setattr(se, "estimate_step", lambda step: {"serial": {"step_s": 2.0}})
+    # perf_counter: 100 at the call, 130 after the read, 190 once the compile's thread is done.
+    clock = iter([100.0, 130.0, 190.0])
+    monkeypatch.setattr(mod, "time", types.SimpleNamespace(perf_counter=lambda: next(clock),
+                                                           strftime=lambda fmt: "00:00:00"))
+    monkeypatch.setattr(threading, "enumerate", lambda: [])
+    written = {}
+    monkeypatch.setattr(mod.harness, "write", lambda out, name, **f: written.update(out=out, name=name, **f))
+    assert mod.main(["--against", str(against), "--out", str(tmp_path / "rec.json")]) == 0
+    assert seen["cfg"] == ("small", ["a=1"], "tpu")
+    assert seen["step"] == ("cfg", "target:tpu7x:2x2x1", {"program_name": "train", "with_residuals": False,
+                                                          "memory_only": True})
+    assert written["name"] == "inspect_memory_only" and written["program"] == "train"
+    assert (written["read_s"], written["whole_s"]) == (30.0, 90.0)
+    assert written["read_before_the_end"] is False
+    assert written["default_space_gib"] == 5.5
+    assert written["against_commit"] == "abcdef123456" and written["target"] == "tpu7x:2x2x1"
+    assert written["figures"]["step_estimate_s"] == {"equal": True, "memory_only": 2.0, "whole": 2.0}
+    assert written["figures"]["default_space"]["equal"] is False
+    out = capsys.readouterr().out
+    assert "read at 30 s; the same compile done at 90 s" in out and "(commit abcdef1)" in out
+
+
+def test_attention_gpu_model_flops_are_three_and_a_half_causal_forwards():
+    mod = _load("attention_gpu")
+    # Forward: 2 matmuls of B N T T A multiply-adds (2 FLOPs each), half of them under the causal mask:
+    # 4 B N T^2 A / 2; with the backward's 2.5 forwards, 3.5 forwards.
+    B, T, N, A = 2, 1024, 16, 256
+    forward = 4 * B * N * T * T * A / 2
+    assert mod.model_flops(B, T, N, A) == forward * 3.5 == 2 * 2 * 16 * 1024 * 1024 * 256 * 3.5
+    assert mod.model_flops(1, 2048, 16, 256) == pytest.approx(2 * 16 * 2048**2 * 256 * 3.5, rel=0)
