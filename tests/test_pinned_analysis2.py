@@ -1,0 +1,116 @@
+"""Single checks and small formulas of the program analysis, by hand: a while loop's trip count in
+each compare direction, the devices of a collective's group in each spelling and its ring wire
+bytes (analysis/hlo_cost.py), and a program's executed collective bytes (analysis/program.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridmoe.analysis import hlo_cost as hc
+from hybridmoe.analysis import program
+
+
+def _loop(start: int, limit: int, operands: str, direction: str) -> str:
+    """A while from `start` whose condition is compare(operands) by `direction` against `limit`, no
+    known_trip_count, the body one f32 [8, 8] @ [8, 8] dot (1024 FLOPs)."""
+    return f"""HloModule loop
+
+%cond (c: (s32[], f32[8,8])) -> pred[] {{
+  %c = (s32[], f32[8,8]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %limit = s32[] constant({limit})
+  ROOT %cmp = pred[] compare({operands}), direction={direction}
+}}
+
+%body (b: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {{
+  %b = (s32[], f32[8,8]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %x = f32[8,8]{{1,0}} get-tuple-element(%b), index=1
+  %y = f32[8,8]{{1,0}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  ROOT %t = (s32[], f32[8,8]{{1,0}}) tuple(%next, %y)
+}}
+
+ENTRY %main (x: f32[8,8]) -> f32[8,8] {{
+  %x = f32[8,8]{{1,0}} parameter(0)
+  %start = s32[] constant({start})
+  %init = (s32[], f32[8,8]{{1,0}}) tuple(%start, %x)
+  %loop = (s32[], f32[8,8]{{1,0}}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,8]{{1,0}} get-tuple-element(%loop), index=1
+}}
+"""
+
+
+@pytest.mark.parametrize("start, limit, operands, direction, trips", [
+    (1, 4, "%i, %limit", "LT", 3),    # i < 4 from 1: 1, 2, 3
+    (1, 4, "%i, %limit", "NE", 3),    # i != 4 from 1: 1, 2, 3
+    (1, 4, "%i, %limit", "LE", 4),    # i <= 4 from 1: 1, 2, 3, 4
+    (10, 4, "%i, %limit", "GT", 6),   # i > 4 from 10: 10 .. 5 (a count from the start down)
+    (10, 4, "%i, %limit", "GE", 7),   # i >= 4 from 10: 10 .. 4
+    (1, 4, "%limit, %i", "GT", 3),    # 4 > i: i < 4
+    (1, 4, "%limit, %i", "GE", 4),    # 4 >= i: i <= 4
+    (10, 4, "%limit, %i", "LT", 6),   # 4 < i: i > 4
+    (10, 4, "%limit, %i", "LE", 7),   # 4 <= i: i >= 4
+    (5, 4, "%i, %limit", "LT", 0),    # already past: none, never negative
+    (2, 4, "%i, %limit", "EQ", None),  # not a counted loop
+])
+def test_a_loops_trip_count_from_its_condition_in_each_direction(start, limit, operands, direction, trips):
+    text = _loop(start, limit, operands, direction)
+    assert hc.while_trip_counts(text) == {"loop": trips}
+    if trips is not None:
+        assert hc.hlo_flops(text) == trips * 2 * 8 * 8 * 8  # each trip's dot: 2 x 64 results x 8
+
+
+def test_the_known_trip_count_wins_over_the_condition():
+    text = _loop(1, 4, "%i, %limit", "LT").replace(
+        "condition=%cond, body=%body", 'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"9"}}')
+    assert hc.while_trip_counts(text) == {"loop": 9}
+
+
+@pytest.mark.parametrize("attrs, n", [
+    ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4),
+    ("replica_groups={{0,1}}", 2),
+    ("replica_groups=[2,4]<=[8]", 4),
+    ("replica_groups=[8,1]<=[8]", 1),
+    ("replica_groups=mesh['data'=2,'model'=4]{'model'}", 4),
+    ("replica_groups=mesh['data'=2,'model'=4]{'data'}", 2),
+    ("replica_groups=mesh['data'=2,'model'=4]{'data','model'}", 8),
+    ("source_target_pairs={{0,1},{1,0}}", 2),
+    ("replica_groups={}", 1),
+    ("", 1),
+])
+def test_the_devices_of_a_collectives_group_in_each_spelling(attrs, n):
+    assert hc._group_size(attrs) == n
+
+
+def test_ring_wire_bytes_of_each_collective_kind_by_hand():
+    # 4 devices a group, a 1000-byte result.
+    assert hc.wire_bytes("all-gather", 1000, 4) == 750.0        # the 3 shards of the others
+    assert hc.wire_bytes("all-to-all", 1000, 4) == 750.0        # all but its own quarter
+    assert hc.wire_bytes("ragged-all-to-all", 1000, 4) == 750.0
+    assert hc.wire_bytes("reduce-scatter", 1000, 4) == 3000.0   # the result is one shard: 3 shards sent
+    assert hc.wire_bytes("all-reduce", 1000, 4) == 1500.0       # reduce-scatter + all-gather: 2 x 3/4
+    assert hc.wire_bytes("collective-permute", 1000, 2) == 1000.0  # its whole buffer to one peer
+    # A group of one sends nothing, except a permute (its pairs, not its groups, say where it goes).
+    for kind in ("all-gather", "all-to-all", "reduce-scatter", "all-reduce"):
+        assert hc.wire_bytes(kind, 1000, 1) == 0.0
+    assert hc.wire_bytes("collective-permute", 1000, 1) == 1000.0
+    assert hc.wire_bytes("all-gather", 1000, 2) == 500.0
+
+
+def _coll(kind, nbytes, depth, trips):
+    return program.Collective(kind, "f32", (nbytes // 4,), nbytes, depth, "while.1" if depth else None, trips,
+                              "c", "")
+
+
+def test_executed_bytes_count_a_loops_collectives_per_known_trip_and_once_when_unknown():
+    colls = [_coll("all-reduce", 100, 1, 5),      # in a loop of 5: 500
+             _coll("all-gather", 40, 1, None),    # in a loop of unknown trips: once, 40
+             _coll("reduce-scatter", 8, 0, 7)]    # outside every loop: once, whatever the field says
+    assert program.executed_bytes(colls) == 500 + 40 + 8
+    assert program.count(colls, in_loop=True) == 2 and program.count(colls, in_loop=False) == 1
+    assert program.per_iteration(colls) == {"while.1": {"all-reduce": 1, "all-gather": 1}}
+    two = program.table([*colls, _coll("all-reduce", 60, 1, 5)])
+    assert two[("all-reduce", "f32", True)] == {"ops": 2, "bytes": 160}
+    assert two[("reduce-scatter", "f32", False)] == {"ops": 1, "bytes": 8}
