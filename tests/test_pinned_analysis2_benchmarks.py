@@ -96,3 +96,26 @@ def test_attention_gpu_model_flops_are_three_and_a_half_causal_forwards():
     forward = 4 * B * N * T * T * A / 2
     assert mod.model_flops(B, T, N, A) == forward * 3.5 == 2 * 2 * 16 * 1024 * 1024 * 256 * 3.5
     assert mod.model_flops(1, 2048, 16, 256) == pytest.approx(2 * 16 * 2048**2 * 256 * 3.5, rel=0)
+
+
+def test_fp8_gmm_train_final_loss_is_the_last_ten_steps_mean_and_the_gap_fp8_over_bf16(tmp_path, monkeypatch):
+    import sys
+
+    mod = _load("fp8_gmm_train")
+    # Twelve steps: two of loss 100 then ten of 2.0 (bf16) or 2.5 (fp8): final losses 2.0 and 2.5.
+    curves = {False: [100.0, 100.0] + [2.0] * 10, True: [100.0, 100.0] + [2.5] * 10}
+    monkeypatch.setattr(mod, "load_config", lambda recipe, over: (recipe, tuple(over)))
+    monkeypatch.setattr(mod, "train", lambda cfg, _, progress: [{"loss": x} for x in curves["quant.fp8_gmm=true" in cfg[1]]])
+    written = {}
+    monkeypatch.setattr(mod.harness, "write", lambda out, name, **f: written.update(name=name, **f))
+    monkeypatch.setattr(sys, "argv", ["fp8_gmm_train.py", "--steps", "12", "--plot", str(tmp_path / "p.png"),
+                                      "--out", str(tmp_path / "r.json")])
+    mod.main()
+    arms = written["arms"]
+    assert arms["bf16"]["final_loss"] == 2.0 and arms["fp8_gmm"]["final_loss"] == 2.5
+    assert arms["fp8_gmm"]["overrides"] == ["model.compute_dtype=bfloat16", "quant.fp8_gmm=true"]
+    assert written["final_gap"] == 0.5 and written["margin"] == 0.05 and written["within_margin"] is False
+    assert written["steps"] == 12 and written["recipe"] == "tiny"
+    curves[True] = curves[False]
+    mod.main()
+    assert written["final_gap"] == 0.0 and written["within_margin"] is True
