@@ -100,8 +100,12 @@ def test_attention_gpu_model_flops_are_three_and_a_half_causal_forwards():
 
 def test_fp8_gmm_train_final_loss_is_the_last_ten_steps_mean_and_the_gap_fp8_over_bf16(tmp_path, monkeypatch):
     import sys
+    from unittest import mock
+
+    import matplotlib.pyplot as plt
 
     mod = _load("fp8_gmm_train")
+    monkeypatch.setattr(plt, "subplots", lambda **kw: (mock.MagicMock(), mock.MagicMock()))  # no figure drawn
     # Twelve steps: two of loss 100 then ten of 2.0 (bf16) or 2.5 (fp8): final losses 2.0 and 2.5.
     curves = {False: [100.0, 100.0] + [2.0] * 10, True: [100.0, 100.0] + [2.5] * 10}
     monkeypatch.setattr(mod, "load_config", lambda recipe, over: (recipe, tuple(over)))
@@ -122,3 +126,49 @@ def test_fp8_gmm_train_final_loss_is_the_last_ten_steps_mean_and_the_gap_fp8_ove
     curves[True] = [100.0, 100.0] + [1.5] * 10  # fp8 lower by 0.5: within the margin, which bounds only excess
     mod.main()
     assert written["final_gap"] == -0.5 and written["within_margin"] is True
+
+
+def test_robustness_fuzz_counts_every_draw_by_outcome_and_keeps_twenty_failures(monkeypatch):
+    import sys
+
+    from hypothesis import strategies as st
+
+    mod = _load("robustness")
+
+    def check(x):
+        if x[0] % 3 == 0:
+            raise RuntimeError(f"bad {x[0]}")
+        return "accepted" if x[0] % 3 == 1 else "refused"
+
+    fake = types.SimpleNamespace(check=check, override_sets=lambda: st.tuples(st.integers(0, 10**9)))
+    monkeypatch.setitem(sys.modules, "config_fuzz", fake)
+    out = mod.fuzz(40)
+    kinds = {k: out.get(k, 0) for k in ("accepted", "refused", "other_exception")}
+    # Every draw counted once, whatever its outcome: the kinds add up to the 40 draws.
+    assert out["draws"] == sum(kinds.values()) == 40
+    assert min(kinds.values()) > 0
+    assert len(out["failures"]) == min(20, kinds["other_exception"])
+    assert out["failures"][0]["error"].startswith("RuntimeError: bad ")
+
+    def always(x):
+        raise ValueError("no")
+
+    monkeypatch.setitem(sys.modules, "config_fuzz", types.SimpleNamespace(check=always, override_sets=fake.override_sets))
+    every = mod.fuzz(22)
+    assert every["draws"] == every["other_exception"] == 22 and len(every["failures"]) == 20
+
+
+def test_robustness_a_failed_kill_command_keeps_its_trials_and_the_message(monkeypatch, tmp_path):
+    import sys
+
+    mod = _load("robustness")
+
+    def run_trials(command, trials, work):
+        if command == "rl":
+            raise AssertionError("x" * 3000)
+        return {"trials": trials, "ok": trials}
+
+    monkeypatch.setitem(sys.modules, "kill_harness", types.SimpleNamespace(run_trials=run_trials))
+    out = mod.kills(4, tmp_path)
+    assert out["train"] == {"trials": 4, "ok": 4}
+    assert out["rl"] == {"trials": 4, "failed": "x" * 2000}
