@@ -126,6 +126,10 @@ def test_fp8_gmm_train_final_loss_is_the_last_ten_steps_mean_and_the_gap_fp8_ove
     curves[True] = [100.0, 100.0] + [1.5] * 10  # fp8 lower by 0.5: within the margin, which bounds only excess
     mod.main()
     assert written["final_gap"] == -0.5 and written["within_margin"] is True
+    monkeypatch.setattr(mod, "MARGIN", 0.5)
+    curves[True] = [100.0, 100.0] + [2.5] * 10  # exactly at a margin of 0.5: within
+    mod.main()
+    assert written["final_gap"] == 0.5 and written["within_margin"] is True
 
 
 def test_robustness_fuzz_counts_every_draw_by_outcome_and_keeps_twenty_failures(monkeypatch):
