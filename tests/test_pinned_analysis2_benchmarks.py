@@ -176,3 +176,85 @@ def test_robustness_a_failed_kill_command_keeps_its_trials_and_the_message(monke
     out = mod.kills(4, tmp_path)
     assert out["train"] == {"trials": 4, "ok": 4}
     assert out["rl"] == {"trials": 4, "failed": "x" * 2000}
+
+
+def _est(step_s):
+    return {"hardware": {"name": "tpu7x", "grid_step_s": 3e-6, "measured": None},
+            "serial": {"step_s": step_s, "tokens_per_s_per_chip": 1.0, "mfu": 0.5},
+            "overlapped": {"step_s": step_s / 2, "tokens_per_s_per_chip": 2.0, "mfu": 1.0},
+            "categories": {"gmm": {"s": step_s}}, "collectives": {}, "kernels": {},
+            "kernels_without_cost_estimate": [], "loops_with_unknown_trip_count": [],
+            "hlo_flops_per_device": 1.0, "model_flops_per_device": 2.0, "tokens_per_step": 8, "chips": 4,
+            "devices": 8}
+
+
+def _step_estimate_main(monkeypatch, tmp_path, argv, estimate_of):
+    """benchmarks/step_estimate.py's main with the compiles stubbed: a 20-layer model in blocks of 4
+    on an 8-device TPU target; `estimate_of(layers)` is the estimate of a compile at that depth."""
+    import hybridmoe.analysis.flops as flops_mod
+    import hybridmoe.analysis.step_estimate as se
+    import hybridmoe.cli as cli
+    import hybridmoe.tools.record as record
+    from hybridmoe.tools import depth
+    from hybridmoe.tools import train_program as tp
+
+    mod = _load("step_estimate")
+    seen = {"compiled": [], "extrapolate": None}
+
+    def inspect_config(words, kind, count):
+        layers = next((int(w.split("=")[1]) for w in words if w.startswith("model.num_layers=")), 20)
+        model = types.SimpleNamespace(layer_pattern=("gdn", "gdn", "gdn", "attention"), num_layers=layers)
+        return words[0].split("=")[1], words[1:], types.SimpleNamespace(model=model, mesh=None)
+
+    def compile_step(cfg, target, with_residuals):
+        seen["compiled"].append(cfg.model.num_layers)
+        return types.SimpleNamespace(layers=cfg.model.num_layers, out_of_memory={"message": "too big"})
+
+    def extrapolate(estimates, block, num_layers, model_flops):
+        seen["extrapolate"] = (sorted(estimates), block, num_layers, model_flops)
+        return _est(100.0)
+
+    monkeypatch.setattr(mod.harness, "configure", lambda: None)
+    monkeypatch.setattr(cli, "_inspect_config", inspect_config)
+    monkeypatch.setattr(tp, "parse_target", lambda name: ("tpu", None))
+    monkeypatch.setattr(tp, "tpu_target", lambda name: types.SimpleNamespace(name=name, num_devices=8))
+    monkeypatch.setattr(tp, "compile_step", compile_step)
+    monkeypatch.setattr(se, "estimate_step", lambda step, hw, recipe, grid_step_s: estimate_of(step.layers))
+    monkeypatch.setattr(se, "format_estimate", lambda est, ref: "")
+    monkeypatch.setattr(flops_mod, "model_flops_per_device", lambda cfg, devices: cfg.model.num_layers * 1000 / devices)
+    monkeypatch.setattr(depth, "extrapolate_estimate", extrapolate)
+    monkeypatch.setattr(record, "source_commit", lambda: "c0ffee")
+    clock = iter(float(t) for t in range(100, 1000, 7))  # from 100 s, 7 s between reads of the clock
+    monkeypatch.setattr(mod, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    written = {}
+    monkeypatch.setattr(mod.harness, "write", lambda out, name, **f: written.update(name=name, **f))
+    assert mod.main([*argv, "--out", str(tmp_path / "r.json")]) == 0
+    return written, seen
+
+
+def test_step_estimate_with_layers_compiles_two_depths_and_extrapolates_to_the_models(tmp_path, monkeypatch):
+    written, seen = _step_estimate_main(monkeypatch, tmp_path, ["--target", "tpu7x:2x2x2", "--arm", "a=x=1",
+                                                                "--layers", "8"], lambda n: _est(float(n)))
+    # --layers 8 at blocks of 4: compiles at 8 and 12 layers; the line goes to the model's 20 layers
+    # with the model's FLOPs at its full depth over the target's 8 devices (20 x 1000 / 8).
+    assert seen["compiled"] == [8, 12]
+    assert seen["extrapolate"] == ([8, 12], 4, 20, 2500.0)
+    arm = written["arms"]["a"]
+    assert arm["step_s"] == 100.0 and arm["overlapped_step_s"] == 50.0
+    assert {k: v["step_s"] for k, v in arm["extrapolated_from"].items()} == {"8": 8.0, "12": 12.0}
+    assert arm["compile_s"] == 7.0 and arm["commit"] == "c0ffee" and arm["overrides"] == ["x=1"]
+    assert arm["target"] == "tpu7x:2x2x2" and arm["recipe"] == "small"
+
+
+def test_step_estimate_without_layers_records_the_whole_models_estimate(tmp_path, monkeypatch):
+    written, seen = _step_estimate_main(monkeypatch, tmp_path, ["--arm", "b="], lambda n: _est(float(n)))
+    assert seen["compiled"] == [20] and seen["extrapolate"] is None
+    arm = written["arms"]["b"]
+    assert arm["step_s"] == 20.0 and arm["mfu"] == 0.5 and arm["overlapped_mfu"] == 1.0
+    assert "extrapolated_from" not in arm
+
+
+def test_step_estimate_an_arm_refused_at_either_depth_records_the_refusal(tmp_path, monkeypatch):
+    written, _ = _step_estimate_main(monkeypatch, tmp_path, ["--arm", "c=", "--layers", "8"],
+                                     lambda n: None if n == 12 else _est(float(n)))
+    assert written["arms"]["c"] == {"recipe": "small", "overrides": [], "target": "tpu7x:2x2x1", "refused": "too big"}
