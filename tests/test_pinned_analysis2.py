@@ -114,3 +114,58 @@ def test_executed_bytes_count_a_loops_collectives_per_known_trip_and_once_when_u
     two = program.table([*colls, _coll("all-reduce", 60, 1, 5)])
     assert two[("all-reduce", "f32", True)] == {"ops": 2, "bytes": 160}
     assert two[("reduce-scatter", "f32", False)] == {"ops": 1, "bytes": 8}
+
+
+_OPS = """HloModule ops
+
+%light (a: f32[8,8]) -> f32[8,8] {
+  %a = f32[8,8]{1,0} parameter(0)
+  ROOT %l = f32[8,8]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%heavy (h: f32[8,8]) -> f32[8,8] {
+  %h = f32[8,8]{1,0} parameter(0)
+  %h1 = f32[8,8]{1,0} dot(%h, %h), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %h2 = f32[8,8]{1,0} dot(%h1, %h1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %z = f32[] add(%x, %y)
+}
+
+ENTRY %main (p0: f32[8,8], p1: bf16[8,8], p2: f32[16,8], idx: s32[2,1], upd: f32[2,8], i0: s32[], q: pred[]) -> f32[8,8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %p1 = bf16[8,8]{1,0} parameter(1)
+  %p2 = f32[16,8]{1,0} parameter(2)
+  %idx = s32[2,1]{1,0} parameter(3)
+  %upd = f32[2,8]{1,0} parameter(4)
+  %i0 = s32[] parameter(5)
+  %q = pred[] parameter(6)
+  %highest = f32[8,8]{1,0} dot(%p0, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
+  %high = f32[8,8]{1,0} dot(%p0, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={high,high}
+  %half = bf16[8,8]{1,0} dot(%p1, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
+  %dus = f32[16,8]{1,0} dynamic-update-slice(%p2, %upd, %i0, %i0)
+  %sc = f32[16,8]{1,0} scatter(%p2, %idx, %upd), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+  %sl = f32[2,8]{1,0} slice(%p2), slice={[0:2], [0:8]}
+  %cond = f32[8,8]{1,0} conditional(%q, %p0, %p0), true_computation=%light, false_computation=%heavy
+  ROOT %out = f32[8,8]{1,0} add(%highest, %cond)
+}
+"""
+
+
+def test_mxu_passes_in_place_updates_slices_and_the_heavier_branch_by_hand():
+    ops = {name: c for name, c, _ in hc.Estimator(_OPS).named_ops()}
+    one = 2 * 8 * 8 * 8  # a [8, 8] @ [8, 8] dot: 1024 useful FLOPs
+    # A float32 dot at HIGHEST precision is 6 bfloat16 MXU passes, HIGH 3; a bfloat16 dot one, whatever it says.
+    assert (ops["highest"].useful_flops, ops["highest"].flops) == (one, 6 * one)
+    assert (ops["high"].useful_flops, ops["high"].flops) == (one, 3 * one)
+    assert (ops["half"].useful_flops, ops["half"].flops) == (one, one)
+    # An in-place update moves its update (2 x 8 f32 = 64 bytes) in and out, not the 512-byte buffer.
+    assert ops["dus"].bytes == 2 * 64 and ops["sc"].bytes == 2 * 64
+    assert ops["sl"].bytes == 2 * 64  # a slice reads what it returns and writes it
+    # The conditional costs its heavier branch: two dots, not one.
+    assert sum(c.useful_flops for name, c in ops.items() if name in ("l", "h1", "h2")) == 2 * one
+    assert "l" not in ops
+    assert hc.hlo_flops(_OPS) == 3 * one + 2 * one
