@@ -169,3 +169,31 @@ def test_mxu_passes_in_place_updates_slices_and_the_heavier_branch_by_hand():
     assert sum(c.useful_flops for name, c in ops.items() if name in ("l", "h1", "h2")) == 2 * one
     assert "l" not in ops
     assert hc.hlo_flops(_OPS) == 3 * one + 2 * one
+
+
+def test_a_kernels_flops_are_the_mxus_while_its_category_counts_the_useful_ones(monkeypatch):
+    from hybridmoe.analysis import hardware as hwmod
+    from hybridmoe.analysis import step_estimate as se
+    from hybridmoe.analysis.hlo_cost import OpCost
+
+    hw = hwmod.Hardware("toy", 1, 1e12, 1e12, 1e9, 2**30, 2**20, 1e8, 0.0)
+    # A float32 kernel at HIGHEST: 6e9 MXU FLOPs for 1e9 useful, run 2 times; 6 ms compute = 6 ms memory.
+    op = OpCost("GDN", flops=6e9, useful_flops=1e9, bytes=6e6, kernel="k")
+
+    class Fake:
+        def __init__(self, text, apply_trip_counts=True):
+            self.unknown_trips = []
+
+        def ops(self):
+            return [(op, 2.0)]
+
+        def named_ops(self):
+            return [("f.1", op, 2.0)]
+
+    monkeypatch.setattr(se, "Estimator", Fake)
+    e = se.estimate("", hw, tokens_per_step=100, chips=1, devices=1)
+    assert e["kernels"]["k"]["flops"] == 12e9 and e["categories"]["GDN"]["flops"] == 2e9
+    assert e["hlo_flops_per_device"] == 2e9
+    assert e["serial"]["mfu"] is None  # no model FLOPs given
+    # Compute and memory equal: the op is said to be compute bound.
+    assert se.op_estimates("", hw)["f.1"] == {"category": "GDN", "s": 2 * 6e-3, "bound": "compute", "runs": 2.0}
