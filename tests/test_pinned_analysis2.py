@@ -198,3 +198,79 @@ def test_a_kernels_flops_are_the_mxus_while_its_category_counts_the_useful_ones(
     # Compute and memory equal: the op is said to be compute bound.
     got = se.op_estimates("", hw)["f.1"]
     assert got == {"category": "GDN", "s": pytest.approx(5 * 6e-3), "bound": "compute", "runs": 5.0}
+
+
+_CALLS = """module @jit_g {
+  func.func private @helper(%arg0: tensor<8xf32>) -> (tensor<8xf32>) {
+    %0 = "stablehlo.all_gather"(%arg0) {all_gather_dim = 0 : i64} : (tensor<8xf32>) -> tensor<16xf32>
+    return %arg0 : tensor<8xf32>
+  }
+  func.func private @deep(%arg0: tensor<8xf32>) -> (tensor<8xf32>) {
+    %1:2 = stablehlo.while(%iterArg = %c, %iterArg_0 = %arg0) : tensor<i32>, tensor<8xf32>
+     cond {
+      stablehlo.return %c : tensor<i1>
+    } do {
+      %2 = "stablehlo.all_to_all"(%iterArg_0) {split_dimension = 0 : i64} : (tensor<8xf32>) -> tensor<8xf32>
+      stablehlo.return %iterArg, %2 : tensor<i32>, tensor<8xf32>
+    }
+    return %1#1 : tensor<8xf32>
+  }
+  func.func private @mid(%arg0: tensor<8xf32>) -> (tensor<8xf32>) {
+    %0 = func.call @deep(%arg0) : (tensor<8xf32>) -> tensor<8xf32>
+    return %0 : tensor<8xf32>
+  }
+  func.func public @main(%arg0: tensor<8xf32>) -> (tensor<8xf32>) {
+    %0 = "stablehlo.collective_permute"(%arg0) {source_target_pairs = dense<[[0, 1]]> : tensor<1x2xi64>} : (tensor<f32>) -> tensor<f32>
+    %1:2 = stablehlo.while(%iterArg = %c, %iterArg_0 = %arg0) : tensor<i32>, tensor<8xf32>
+     cond {
+      stablehlo.return %c : tensor<i1>
+    } do {
+      %3 = func.call @mid(%iterArg_0) : (tensor<8xf32>) -> tensor<8xf32>
+      stablehlo.return %iterArg, %3 : tensor<i32>, tensor<8xf32>
+    }
+    return %1#1 : tensor<8xf32>
+  }
+}
+"""
+
+
+def test_lowered_collectives_start_at_main_and_add_the_loops_of_each_call():
+    colls = {c.kind: c for c in program.parse_stablehlo(_CALLS)}
+    # helper is written first but nothing calls it: main is the entry, so its gather is not counted.
+    assert set(colls) == {"collective-permute", "all-to-all"}
+    cp, a2a = colls["collective-permute"], colls["all-to-all"]
+    assert (cp.shape, cp.bytes, cp.loop_depth, cp.loop) == ((), 4, 0, None)  # a scalar: one f32
+    # In deep's own loop, deep called by mid, mid from main's loop: two loops deep, deep's loop innermost.
+    assert (a2a.loop_depth, a2a.loop, a2a.computation) == (2, "deep/while#1", "deep")
+
+
+_ASSIGNMENT = """BufferAssignment:
+allocation 0: size 64, parameter 0, shape |f32[8]| at ShapeIndex {}:
+ value: <1 a0 @0> (size=32,offset=0): f32[8]{0}
+allocation 1: size 4096, preallocated-temp:
+ value: <3 big @0> (size=2048,offset=0): f32[512]{0}
+"""
+
+_LIVE = """Peak:
+Live ranges at 3 (peak):
+  a0: 32 bytes
+  small: 16 bytes
+  big: 2048 bytes
+"""
+
+_ENTRY = """HloModule m
+
+ENTRY %main (a0: f32[8]) -> f32[512] {
+  %a0 = f32[8]{0} parameter(0)
+  ROOT %big = f32[512]{0} broadcast(%a0), dimensions={}, metadata={op_name="jit(f)/big"}
+}
+"""
+
+
+def test_peak_buffers_outside_loops_keep_their_own_op_name_and_unassigned_ones_are_temporaries():
+    bufs = program.peak_buffers(_LIVE, _ASSIGNMENT, _ENTRY)
+    assert [(b.value, b.bytes, b.storage, b.op_name, b.loop) for b in bufs] == [
+        ("big", 2048, "temp", "jit(f)/big", None),
+        ("a0", 32, "argument", "", None),     # an entry parameter: no op, not carried by any loop
+        ("small", 16, "temp", "", None)]      # in no allocation listed: a temporary at its live-range size
+    assert bufs[2].shape == "?" and bufs[2].computation == "?"
