@@ -274,3 +274,26 @@ def test_peak_buffers_outside_loops_keep_their_own_op_name_and_unassigned_ones_a
         ("a0", 32, "argument", "", None),     # an entry parameter: no op, not carried by any loop
         ("small", 16, "temp", "", None)]      # in no allocation listed: a temporary at its live-range size
     assert bufs[2].shape == "?" and bufs[2].computation == "?"
+
+
+def test_the_dumps_main_module_is_the_largest_file_whatever_its_name_and_sizes_wait_for_every_file():
+    import os
+
+    dumps = program._Dumps(None)
+    try:
+        def write(name, size):
+            with open(os.path.join(dumps.folder, name), "w") as f:
+                f.write("x" * size)
+
+        # The kernel's file sorts last by name but is the smaller one.
+        write("module_0001.jit_step.after_optimizations.txt", 9)
+        write("module_0002.kernel.after_optimizations.txt", 3)
+        assert dumps.read("after_optimizations.txt") == "x" * 9
+        write("module_0001.jit_step.after_optimizations-buffer-assignment.txt", 5)
+        write("module_0001.jit_step.after_optimizations-live-range.txt", 4)
+        write("module_0001.jit_step.after_optimizations-memory-usage-report.txt", 0)
+        assert dumps.sizes() is None  # the report is there but still empty
+        write("module_0001.jit_step.after_optimizations-memory-usage-report.txt", 2)
+        assert dumps.sizes() == (9, 5, 4, 2)
+    finally:
+        dumps.remove()
