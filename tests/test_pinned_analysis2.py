@@ -297,3 +297,36 @@ def test_the_dumps_main_module_is_the_largest_file_whatever_its_name_and_sizes_w
         assert dumps.sizes() == (9, 5, 4, 2)
     finally:
         dumps.remove()
+
+
+def test_a_generation_with_its_own_calibration_refuses_another_ones():
+    from hybridmoe.analysis import hardware as hwmod
+
+    row = {"bf16_flops_chip": 150e12, "hbm_bytes_per_s_chip": 700e9, "grid_step_s": 0.5e-6, "op_overhead_s": 3e-6,
+           "measured": {"device": "TPU v5 lite", "commit": "c" * 12}}
+    table = {"v5e": row, "v6e": {**row, "measured": {"device": "TPU v6 lite", "commit": "d" * 12}}}
+    with pytest.raises(ValueError, match=r"v5e has its own calibration row \(measured on TPU v5 lite\); "
+                                         "drop --calibration-from v6e"):
+        hwmod.hardware_for("v5e:2x2", table=table, calibration_from="v6e")
+    carried = hwmod.hardware_for("v5p", table=table, calibration_from="v6e")
+    assert carried.measured["carried_from"] == "v6e"
+
+
+def test_only_a_training_step_of_the_seed_recipe_is_shown_beside_the_seeds_measured_step(monkeypatch):
+    import types
+
+    from hybridmoe.analysis import step_estimate as se
+
+    monkeypatch.setattr(se, "estimate", lambda text, hw, **kw: {})
+    monkeypatch.setattr(se, "model_flops_per_device", lambda cfg, devices, name: 1.0)
+    monkeypatch.setattr(se, "designed_flops_per_device", lambda cfg, devices, platform: 2.0)
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(batch_size=2, seq_len=8),
+                                rl=types.SimpleNamespace(rollouts_per_step=8, mini_batches=2, sequence_len=16))
+    target = types.SimpleNamespace(name="tpu7x:2x2x1", devices=[], num_devices=8, platform="tpu")
+    grpo = types.SimpleNamespace(cfg=cfg, program_name="grpo", program=types.SimpleNamespace(compiled_text=""),
+                                 target=target)
+    out = se.estimate_step(grpo, recipe=se.SEED_CELL["recipe"])
+    assert out == {}  # no reference and no design count: both are the training step's
+    train = types.SimpleNamespace(**{**vars(grpo), "program_name": "train"})
+    assert se.estimate_step(train, recipe=se.SEED_CELL["recipe"]) == {"designed_flops_per_device": 2.0,
+                                                                     "reference": se.SEED_CELL}
