@@ -330,3 +330,11 @@ def test_only_a_training_step_of_the_seed_recipe_is_shown_beside_the_seeds_measu
     train = types.SimpleNamespace(**{**vars(grpo), "program_name": "train"})
     assert se.estimate_step(train, recipe=se.SEED_CELL["recipe"]) == {"designed_flops_per_device": 2.0,
                                                                      "reference": se.SEED_CELL}
+
+
+def test_loop_instructions_count_only_what_loops_run():
+    loops = program.loop_instructions(_loop(1, 4, "%i, %limit", "LT"))
+    # The body's add and dot (and the condition's compare) under the loop's name; the entry's own ops under none.
+    assert set(loops) == {"loop"}
+    assert loops["loop"][("dot", "f32")] == 1 and loops["loop"][("add", "s32")] == 1
+    assert loops["loop"][("compare", "pred")] == 1
