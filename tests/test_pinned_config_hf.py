@@ -158,7 +158,7 @@ def test_a_text_only_source_with_per_expert_and_interleaved_projections(tmp_path
     """Text prefix, per-expert experts, Qwen3-Next's in_proj_qkvz; kept bytes count each kept tensor's
     own span (offsets 4..10 and 10..13: 6 + 3 bytes), and __metadata__ is no tensor."""
     (tmp_path / "config.json").write_text("{}")
-    for name in ("model.safetensors.index.json", ".cache.json", "README.md", "notes.md", "vocab.txt", "w.bin"):
+    for name in ("model.safetensors.index.json", ".cache.json", "README.md", "notes.txt", "vocab.txt", "w.bin"):
         (tmp_path / name).write_text("x")
     (tmp_path / "sub.json").mkdir()
     header = {"__metadata__": {"format": "pt"},
@@ -175,7 +175,7 @@ def test_a_text_only_source_with_per_expert_and_interleaved_projections(tmp_path
     assert len(form.names) == 5 and "__metadata__" not in form.names
     assert form.source_name("model.norm.weight") == "model.norm.weight"
     assert form.numpy_dtype("model.layers.0.mlp.experts.0.gate_proj.weight") is np.float64
-    assert form.side_files() == ["README.md", "config.json", "notes.md", "vocab.txt"]
+    assert form.side_files() == ["README.md", "config.json", "notes.txt", "vocab.txt"]
 
 
 def test_a_fused_head_only_name_does_not_make_the_layout_fused(tmp_path):
