@@ -99,3 +99,36 @@ class SteppingClock:
     def process_time(self) -> float:
         self.c += self.cpu
         return self.c
+
+
+def counted_loop_hlo(start: int, limit: int, operands: str, direction: str) -> str:
+    """HLO text of a while loop `loop` from `start` whose condition is compare(operands) by `direction`
+    (operands `%i, %limit` or `%limit, %i`: the counter and the constant `limit`), no known_trip_count,
+    the body one f32 [8, 8] @ [8, 8] dot (1024 FLOPs a trip)."""
+    return f"""HloModule loop
+
+%cond (c: (s32[], f32[8,8])) -> pred[] {{
+  %c = (s32[], f32[8,8]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %limit = s32[] constant({limit})
+  ROOT %cmp = pred[] compare({operands}), direction={direction}
+}}
+
+%body (b: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {{
+  %b = (s32[], f32[8,8]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %x = f32[8,8]{{1,0}} get-tuple-element(%b), index=1
+  %y = f32[8,8]{{1,0}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  ROOT %t = (s32[], f32[8,8]{{1,0}}) tuple(%next, %y)
+}}
+
+ENTRY %main (x: f32[8,8]) -> f32[8,8] {{
+  %x = f32[8,8]{{1,0}} parameter(0)
+  %start = s32[] constant({start})
+  %init = (s32[], f32[8,8]{{1,0}}) tuple(%start, %x)
+  %loop = (s32[], f32[8,8]{{1,0}}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,8]{{1,0}} get-tuple-element(%loop), index=1
+}}
+"""

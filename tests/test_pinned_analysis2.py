@@ -9,37 +9,7 @@ import pytest
 from hybridmoe.analysis import hlo_cost as hc
 from hybridmoe.analysis import program
 
-
-def _loop(start: int, limit: int, operands: str, direction: str) -> str:
-    """A while from `start` whose condition is compare(operands) by `direction` against `limit`, no
-    known_trip_count, the body one f32 [8, 8] @ [8, 8] dot (1024 FLOPs)."""
-    return f"""HloModule loop
-
-%cond (c: (s32[], f32[8,8])) -> pred[] {{
-  %c = (s32[], f32[8,8]{{1,0}}) parameter(0)
-  %i = s32[] get-tuple-element(%c), index=0
-  %limit = s32[] constant({limit})
-  ROOT %cmp = pred[] compare({operands}), direction={direction}
-}}
-
-%body (b: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {{
-  %b = (s32[], f32[8,8]{{1,0}}) parameter(0)
-  %i = s32[] get-tuple-element(%b), index=0
-  %one = s32[] constant(1)
-  %next = s32[] add(%i, %one)
-  %x = f32[8,8]{{1,0}} get-tuple-element(%b), index=1
-  %y = f32[8,8]{{1,0}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-  ROOT %t = (s32[], f32[8,8]{{1,0}}) tuple(%next, %y)
-}}
-
-ENTRY %main (x: f32[8,8]) -> f32[8,8] {{
-  %x = f32[8,8]{{1,0}} parameter(0)
-  %start = s32[] constant({start})
-  %init = (s32[], f32[8,8]{{1,0}}) tuple(%start, %x)
-  %loop = (s32[], f32[8,8]{{1,0}}) while(%init), condition=%cond, body=%body
-  ROOT %out = f32[8,8]{{1,0}} get-tuple-element(%loop), index=1
-}}
-"""
+from helpers import counted_loop_hlo
 
 
 @pytest.mark.parametrize("start, limit, operands, direction, trips", [
@@ -56,14 +26,14 @@ ENTRY %main (x: f32[8,8]) -> f32[8,8] {{
     (2, 4, "%i, %limit", "EQ", None),  # not a counted loop
 ])
 def test_a_loops_trip_count_from_its_condition_in_each_direction(start, limit, operands, direction, trips):
-    text = _loop(start, limit, operands, direction)
+    text = counted_loop_hlo(start, limit, operands, direction)
     assert hc.while_trip_counts(text) == {"loop": trips}
     if trips is not None:
         assert hc.hlo_flops(text) == trips * 2 * 8 * 8 * 8  # each trip's dot: 2 x 64 results x 8
 
 
 def test_the_known_trip_count_wins_over_the_condition():
-    text = _loop(1, 4, "%i, %limit", "LT").replace(
+    text = counted_loop_hlo(1, 4, "%i, %limit", "LT").replace(
         "condition=%cond, body=%body", 'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"9"}}')
     assert hc.while_trip_counts(text) == {"loop": 9}
 
@@ -333,7 +303,7 @@ def test_only_a_training_step_of_the_seed_recipe_is_shown_beside_the_seeds_measu
 
 
 def test_loop_instructions_count_only_what_loops_run():
-    loops = program.loop_instructions(_loop(1, 4, "%i, %limit", "LT"))
+    loops = program.loop_instructions(counted_loop_hlo(1, 4, "%i, %limit", "LT"))
     # The body's add and dot (and the condition's compare) under the loop's name; the entry's own ops under none.
     assert set(loops) == {"loop"}
     assert loops["loop"][("dot", "f32")] == 1 and loops["loop"][("add", "s32")] == 1

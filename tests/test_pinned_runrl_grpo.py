@@ -8,13 +8,20 @@ import numpy as np
 import pytest
 
 
-def test_a_micro_batchs_sums_take_each_figure_from_its_own_rows(monkeypatch):
+def _grpo_with_a_stubbed_policy(monkeypatch, importance_correction: str):
+    """rl/grpo with the policy's log-prob -1 at every target and its entropy 0.5 (no model), and an RL
+    config: importance cap 2, clip 0.2 both ways, no KL, token-mean aggregation."""
     import hybridmoe.rl.grpo as grpo
-    # The policy's log-prob is -1 at every target and its entropy 0.5 (stubbed: no model).
+
     monkeypatch.setattr(grpo, "sequence_logprobs",
                         lambda params, cfg, tokens, *rest: (jnp.full(tokens.shape, -1.0), jnp.full(tokens.shape, 0.5)))
-    cfg = types.SimpleNamespace(rl=types.SimpleNamespace(importance_correction="mis", importance_cap=2.0, eps=0.2,
-                                                         eps_high=None, beta=0.0, aggregation="token_mean"))
+    cfg = types.SimpleNamespace(rl=types.SimpleNamespace(importance_correction=importance_correction, importance_cap=2.0,
+                                                         eps=0.2, eps_high=None, beta=0.0, aggregation="token_mean"))
+    return grpo, cfg
+
+
+def test_a_micro_batchs_sums_take_each_figure_from_its_own_rows(monkeypatch):
+    grpo, cfg = _grpo_with_a_stubbed_policy(monkeypatch, "mis")
     # Row 0: 2 completion tokens, kept; sampler log-probs -1.5, -0.5: log w = 0.5 - 0.5 = 0, weight 1.
     # Row 1: 1 completion token, dropped; sampler -1: weight 1.
     # Row 2: no completion token, kept.
@@ -40,11 +47,7 @@ def test_a_micro_batchs_sums_take_each_figure_from_its_own_rows(monkeypatch):
 def test_a_later_updates_sums_count_its_clipped_tokens_and_ratios_against_pi_old(monkeypatch):
     import math
 
-    import hybridmoe.rl.grpo as grpo
-    monkeypatch.setattr(grpo, "sequence_logprobs",
-                        lambda params, cfg, tokens, *rest: (jnp.full(tokens.shape, -1.0), jnp.full(tokens.shape, 0.5)))
-    cfg = types.SimpleNamespace(rl=types.SimpleNamespace(importance_correction="none", importance_cap=2.0, eps=0.2,
-                                                         eps_high=None, beta=0.0, aggregation="token_mean"))
+    grpo, cfg = _grpo_with_a_stubbed_policy(monkeypatch, "none")
     mask = jnp.array([[0, 1, 1], [0, 1, 0], [0, 0, 0], [0, 1, 1]], jnp.float32)
     mb = {"tokens": jnp.zeros((4, 3), jnp.int32), "segment_ids": None, "positions": None, "mask": mask,
           "logp_sampler": jnp.array([[0, -1.5, -0.5], [0, -1.0, 0], [0, 0, 0], [0, 0, -4.0]], jnp.float32),

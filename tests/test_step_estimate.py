@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import ATTENTION_LAYERS
+from helpers import ATTENTION_LAYERS, counted_loop_hlo
 from hybridmoe.analysis import hlo_cost as hc
 from hybridmoe.analysis import step_estimate as se
 from hybridmoe.analysis.program import iter_eqns
@@ -515,46 +515,14 @@ ENTRY %main (p: bf16[2,2048,128]) -> bf16[2,2048,128] {
     assert sum(moved.values()) == 4 * 2**20
 
 
-def _counted_loop(start: int, limit: int, compare: str) -> str:
-    """A while loop from `start` whose condition compares its counter with `limit` by `compare`
-    (`%i, %limit` or `%limit, %i`), direction LE, the body one f32 [8, 8] @ [8, 8] dot."""
-    return f"""HloModule counted_loop
-
-%cond (c: (s32[], f32[8,8])) -> pred[] {{
-  %c = (s32[], f32[8,8]{{1,0}}) parameter(0)
-  %i = s32[] get-tuple-element(%c), index=0
-  %limit = s32[] constant({limit})
-  ROOT %cmp = pred[] compare({compare}), direction=LE
-}}
-
-%body (b: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {{
-  %b = (s32[], f32[8,8]{{1,0}}) parameter(0)
-  %i = s32[] get-tuple-element(%b), index=0
-  %one = s32[] constant(1)
-  %next = s32[] add(%i, %one)
-  %x = f32[8,8]{{1,0}} get-tuple-element(%b), index=1
-  %y = f32[8,8]{{1,0}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-  ROOT %t = (s32[], f32[8,8]{{1,0}}) tuple(%next, %y)
-}}
-
-ENTRY %main (x: f32[8,8]) -> f32[8,8] {{
-  %x = f32[8,8]{{1,0}} parameter(0)
-  %start = s32[] constant({start})
-  %init = (s32[], f32[8,8]{{1,0}}) tuple(%start, %x)
-  %loop = (s32[], f32[8,8]{{1,0}}) while(%init), condition=%cond, body=%body
-  ROOT %out = f32[8,8]{{1,0}} get-tuple-element(%loop), index=1
-}}
-"""
-
-
 def test_a_loop_to_its_limit_inclusive_runs_the_limit_too():
     """`i <= 4` from 1 runs i = 1, 2, 3, 4: 4 trips, each a 2 x 8^3 = 1024-FLOP dot; `4 <= i` from 1
     (the constant first: i >= 4) runs none."""
-    text = _counted_loop(1, 4, "%i, %limit")
+    text = counted_loop_hlo(1, 4, "%i, %limit", "LE")
     assert hc.while_trip_counts(text) == {"loop": 4}
     assert hc.hlo_flops(text) == 4 * 1024
-    assert hc.while_trip_counts(_counted_loop(1, 4, "%limit, %i")) == {"loop": 0}
-    assert hc.while_trip_counts(_counted_loop(0, 0, "%i, %limit")) == {"loop": 1}
+    assert hc.while_trip_counts(counted_loop_hlo(1, 4, "%limit, %i", "LE")) == {"loop": 0}
+    assert hc.while_trip_counts(counted_loop_hlo(0, 0, "%i, %limit", "LE")) == {"loop": 1}
 
 
 def _collective(kind: str, groups: str, elements: int) -> str:
