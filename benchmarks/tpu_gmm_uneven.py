@@ -142,9 +142,8 @@ def main(argv=None) -> int:
     harness.configure(cpu_only=args.tiny, cache_dir=args.compile_cache)
     import jax
 
-    from hybridmoe.kernels.gmm import kernel_tiles
+    from hybridmoe.kernels.gmm import kernel_tiles, tile_table
     from hybridmoe.kernels.gmm.tiling import Tiling
-    from hybridmoe.kernels.gmm import tile_table
     from hybridmoe.tools import chip_cases, tune_gmm
     from hybridmoe.tools.record import machine_record, source_commit
 
@@ -221,8 +220,7 @@ def main(argv=None) -> int:
     write()
     if not args.tiny:
         entries = table_entries(rows)
-        tune_gmm.write_table(tune_gmm.check_host(), entries, {**tune_gmm.about({"device": jax.devices()[0].device_kind}),
-                                                              "commit": source_commit()})
+        tune_gmm.write_table(tune_gmm.check_host(), entries, tune_gmm.about({"device": jax.devices()[0].device_kind}))
         log(f"{len(entries)} entries into the tile table ({tile_table.TABLE_FILE})")
     print(format_table(rows, totals(rows, kernel_calls), ceiling))
     return 0
