@@ -31,7 +31,6 @@ timed, commit}, totals: gmm_cell and moe_mlp_cell fwd + bwd at the seed and the 
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import tempfile
@@ -86,15 +85,6 @@ def totals(rows: dict, calls_: dict) -> dict:
     return out
 
 
-def earlier_rows(out: Path, device: str) -> dict:
-    """The kernels of an earlier record of the same device at `out` (a run with --only replaces its own;
-    each row keeps the commit it was measured at)."""
-    if not out.is_file() or not out.stat().st_size:
-        return {}
-    old = json.loads(out.read_text())
-    return old.get("kernels", {}) if old.get("device") == device else {}
-
-
 def table_entries(rows: dict) -> list[dict]:
     """The tile table's entries (tune_gmm.entry's form) of the kernels searched, marked as measured at
     the uneven split; the seed tiles' time is the entry's before."""
@@ -135,7 +125,7 @@ def main(argv=None) -> int:
                    help="CPU, interpret mode, the tiny geometry; writes a temporary record unless --out is given")
     p.add_argument("--compile-cache", help="JAX's persistent compile cache folder")
     p.add_argument("--only", help="comma-separated kernels (of wi_fwd, wi_dlhs, wi_drhs, wo_fwd, wo_dlhs, wo_drhs); "
-                                  "merged into --out's record of the same device")
+                                  "every run is merged into --out's record of the same device")
     args = p.parse_args(argv)
     if args.tiny and args.out == p.get_default("out"):
         args.out = tempfile.mkstemp(prefix="tpu_gmm_uneven_tiny_", suffix=".json")[1]
@@ -167,7 +157,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(names) - set(kernel_calls))
     if unknown:
         raise SystemExit(f"--only: unknown kernels {unknown}; known: {', '.join(kernel_calls)}")
-    rows: dict[str, dict] = earlier_rows(Path(args.out), machine_record()["device"]) if args.only else {}
+    now: dict[str, dict] = {}  # this run's kernels; the record keeps the same device's others (their commits)
+    rows: dict[str, dict] = {}
     refused: dict[str, list] = {}
 
     def seconds(call, t, sizes=None):
@@ -183,6 +174,8 @@ def main(argv=None) -> int:
     current = [""]
 
     def write():
+        rows.clear()
+        rows.update(harness.merged_with_earlier(args.out, "kernels", now, machine_record()["device"], source_commit()))
         harness.write(args.out, "tpu_gmm_uneven", ceiling_tflops=ceiling, geometry=g, sizes=uneven, kernels=rows,
                       totals=totals(rows, kernel_calls), interpret=args.tiny,
                       method=f"tune_gmm.kernel_seconds (median of {args.repeats} after one warm call) of each kernel "
@@ -192,7 +185,7 @@ def main(argv=None) -> int:
     for name in names:
         call, current[0] = kernel_calls[name], name
         if time.monotonic() > deadline:
-            rows[name] = {"kind": call.kind, "error": f"past the {args.budget_s:.0f} s budget"}
+            now[name] = {"kind": call.kind, "error": f"past the {args.budget_s:.0f} s budget"}
             continue
         base = getattr(seed, name)
         start_t = Tiling(tm=base.tm, tk=min(base.tk, call.k), tn=min(base.tn, call.n))
@@ -213,8 +206,7 @@ def main(argv=None) -> int:
             row = {**call.key(), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
         if refused.get(name):
             row["refused"] = refused[name]
-        row["commit"] = source_commit()
-        rows[name] = row
+        now[name] = row
         log(f"{name}: {row.get('seed_ms', float('nan')):.3f} -> {row.get('ms', float('nan')):.3f} ms at {row.get('tiles')}")
         write()
     write()

@@ -116,14 +116,23 @@ def test_table_entries_carry_the_found_tiles_and_the_seed_time_as_before(script)
          "tn": 1024, "ms": 9.5, "default_ms": 14.3, "timed": 17, "split": "uneven"}]
 
 
-def test_a_rerun_of_some_kernels_keeps_the_others_of_the_same_device_only(script, tmp_path):
-    """--only merges into the record of the device named as the records name it (machine_record's
-    device, e.g. 'TPU v5 lite x 1'); another device's rows are not kept; no record gives none."""
+def test_a_rerun_of_some_kernels_keeps_the_others_of_the_same_device_only(script, monkeypatch, tmp_path):
+    """--only wi_fwd over a record of this device keeps its wo_fwd row (left out by an earlier run's
+    budget) with the commit it was written at and stamps the new row with this commit; over another
+    device's record nothing old is kept."""
+    from hybridmoe.tools import tune_gmm
+    from hybridmoe.tools.record import machine_record, source_commit
+
+    monkeypatch.setitem(sys.modules, "tpu_kernels", SimpleNamespace(matmul_ceiling_tflops=lambda size, repeats: 100.0))
+    monkeypatch.setattr(script.harness, "configure", lambda *a, **k: None)
+    monkeypatch.setattr(tune_gmm, "kernel_seconds", lambda call, t, *, repeats, interpret, sizes=None: 1e-3)
     out = tmp_path / "r.json"
-    assert script.earlier_rows(out, "TPU v5 lite x 1") == {}
-    out.write_text(json.dumps({"device": "TPU v5 lite x 1", "kernels": {"wo_fwd": {"ms": 7.1, "commit": "abc"}}}))
-    assert script.earlier_rows(out, "TPU v5 lite x 1") == {"wo_fwd": {"ms": 7.1, "commit": "abc"}}
-    assert script.earlier_rows(out, "TPU v6 lite x 1") == {}
+    for device, kept in ((machine_record()["device"], True), ("TPU v6 lite x 1", False)):
+        out.write_text(json.dumps({"device": device, "kernels": {"wo_fwd": {"kind": "gmm", "error": "past the 330 s budget", "commit": "abc"}}}))
+        assert script.main(["--tiny", "--out", str(out), "--repeats", "1", "--only", "wi_fwd"]) == 0
+        got = json.loads(out.read_text())["kernels"]
+        assert got["wi_fwd"]["commit"] == source_commit() and got["wi_fwd"]["ms"] == pytest.approx(1.0)
+        assert (got.get("wo_fwd", {}).get("commit") == "abc") is kept and (len(got) == 2) is kept
 
 
 def test_seed_recipe_runs_the_tiles_the_chip_found_for_its_plain_kernels():
@@ -141,3 +150,14 @@ def test_seed_recipe_runs_the_tiles_the_chip_found_for_its_plain_kernels():
     for name in ("wi_dlhs", "wi_drhs", "wo_fwd", "wo_drhs"):
         t = getattr(tiles, name)
         assert [t.tm, t.tk, t.tn] == record["kernels"][name]["tiles"], name
+
+
+def test_the_search_takes_the_row_tiles_it_is_given(script):
+    """tune-gmm's own row tiles start at 128; the uneven search adds 64. Each list is cut at the rows
+    (rounded up to 8: 200 rows keep 64 and 128, not 256)."""
+    from hybridmoe.kernels.gmm.tile_table import Call
+    from hybridmoe.tools import tune_gmm
+
+    call = Call("gmm", 200, 256, 256, 5, 2, None)
+    assert tune_gmm.axis_candidates(call)["tm"] == [128]
+    assert tune_gmm.axis_candidates(call, script.ROW_TILES)["tm"] == [64, 128]

@@ -307,7 +307,8 @@ def seed_gmm_keys() -> dict:
 
 def moe_plans(g, interpret: bool) -> dict:
     """The MoE MLP's arms as model/moe.py's GroupedPlan: xla, pallas_tpu (unfused), pallas_tpu_fused,
-    the Pallas ones at the geometry's tiles ("seed": the seed recipe's; its tile per half clamped to F)."""
+    those two at the geometry's tiles ("seed": the seed recipe's; its tile per half clamped to F), and
+    pallas_tpu_table (unfused, at the tile table's tiles)."""
     from hybridmoe.kernels.gmm import KernelTiles, Tiling, kernel_tiles
     from hybridmoe.model.moe import GroupedPlan
 
