@@ -9,6 +9,7 @@ hypothesis-drawn group sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broken_variants import BROKEN, READER_VARIANTS
+from broken_variants import BROKEN, BROKEN_GMM_TPU, READER_VARIANTS
 from hybridmoe.kernels import gmm as K
 from hybridmoe.kernels.gmm import epilogue as epi
 from hybridmoe.kernels.gmm import reference as R
@@ -62,7 +63,7 @@ group_sizes_st = st.integers(1, 4).flatmap(
 
 
 def _check_gmm(backend, sizes, dtype, offset=0, num_local=None, transpose=False, m=24, k=16,
-               n=16, seed=0):
+               n=16, seed=0, tiling=None):
     e = len(sizes)
     num_local = e if num_local is None else num_local
     gs = jnp.asarray(sizes, jnp.int32)
@@ -76,8 +77,9 @@ def _check_gmm(backend, sizes, dtype, offset=0, num_local=None, transpose=False,
     def loss(fn, lhs, rhs):
         return jnp.sum(fn(lhs, rhs).astype(jnp.float32) * cot)
 
+    kw = _kw(backend) | ({"tiling": tiling} if tiling else {})
     ours = lambda a, b: K.gmm(a, b, gs, transpose_rhs=transpose, group_offset=offset,  # noqa: E731
-                              **_kw(backend))
+                              **kw)
     ref = lambda a, b: R.gmm(jnp.nan_to_num(a), b, gs, transpose_rhs=transpose,  # noqa: E731
                              group_offset=offset)
     out = ours(lhs, rhs)
@@ -131,6 +133,53 @@ def test_gmm_pallas(backend, case):
     sizes, offset, num_local, transpose = case
     _check_gmm(backend, sizes, jnp.float32, offset=offset, num_local=num_local,
                transpose=transpose)
+
+
+# The Mosaic kernels' K loop: one K tile (the product stored without a float32 scratch) and three
+# (the scratch started, added into, and summed on the last tile); tm 8 over these sizes puts whole
+# tiles inside a group (stored without the row mask) beside tiles shared by two groups.
+K_TILES = {"one K tile": (16, Tiling(tm=8, tk=16, tn=8)), "three K tiles": (24, Tiling(tm=8, tk=8, tn=8))}
+# Groups exactly one row off a tile's edge: group 1 starts one row into tile 0 (a tile taken as inside
+# it would overwrite group 0's row 0), group 2 ends one row before tile 1's end (its weight gradient
+# would take group 3's row 15), group 3 fills tile 2.
+EDGE_CASES = [([1, 7, 7, 9], 0, None, False), ([1, 7, 7, 9], 0, None, True)]
+
+
+@pytest.mark.parametrize("k_tiles", list(K_TILES))
+@pytest.mark.parametrize("case", PALLAS_CASES + EDGE_CASES,
+                         ids=["zeros-pad", "one-group-T", "offset", "edges", "edges-T"])
+def test_gmm_pallas_tpu_k_tiles(k_tiles, case):
+    sizes, offset, num_local, transpose = case
+    k, tiling = K_TILES[k_tiles]
+    _check_gmm("pallas_tpu", sizes, jnp.float32, offset=offset, num_local=num_local, transpose=transpose,
+               k=k, tiling=tiling)
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN_GMM_TPU))
+def test_broken_gmm_tpu_variant_caught(variant, monkeypatch):
+    for target, name, broken in BROKEN_GMM_TPU[variant]():
+        monkeypatch.setattr(target, name, broken)
+    for k_tiles, (k, tiling) in K_TILES.items():
+        for sizes, offset, num_local, transpose in EDGE_CASES:
+            try:
+                _check_gmm("pallas_tpu", sizes, jnp.float32, offset=offset, num_local=num_local, transpose=transpose,
+                           k=k, tiling=tiling)
+            except AssertionError:
+                return
+    pytest.fail(f"{variant}: no k_tiles edge case caught it")
+
+
+@pytest.mark.parametrize("k_tiles", list(K_TILES))
+def test_pair_pallas_tpu_k_tiles(k_tiles):
+    # D 16: one K tile at tk 16, two at tk 8 (the middle tiles: test_gmm_pallas_tpu_k_tiles).
+    tiling = dataclasses.replace(K_TILES[k_tiles][1], tk=16 if k_tiles == "one K tile" else 8)
+    x, wi, wo, s, cot = _pair_data(jnp.float32)
+    gs = jnp.asarray([5, 0, 11, 3], jnp.int32)
+    y, g = _grads(fused_loss, x, wi, wo, s, gs, cot, backend="pallas_tpu", interpret=True, tiling=tiling)
+    y_r, g_r = _grads(ref_loss, x, wi, wo, s, gs, cot)
+    _close(y, y_r, jnp.float32, "y")
+    for name, a, b in zip(["dx", "dwi", "dwo", "ds"], g, g_r):
+        _close(a, b, jnp.float32, name)
 
 
 @pytest.mark.parametrize("backend", PALLAS)
