@@ -126,6 +126,10 @@ def main(argv=None) -> int:
     p.add_argument("--compile-cache", help="JAX's persistent compile cache folder")
     p.add_argument("--only", help="comma-separated kernels (of wi_fwd, wi_dlhs, wi_drhs, wo_fwd, wo_dlhs, wo_drhs); "
                                   "every run is merged into --out's record of the same device")
+    p.add_argument("--start", choices=("seed", "record"), default="seed",
+                   help="where each kernel's search starts: the seed recipe's tiles (default), or the tiles the "
+                        "record at --out found (the seed's timed beside them)")
+    p.add_argument("--rounds", type=int, default=3, help="coordinate-search rounds per kernel (default 3)")
     args = p.parse_args(argv)
     if args.tiny and args.out == p.get_default("out"):
         args.out = tempfile.mkstemp(prefix="tpu_gmm_uneven_tiny_", suffix=".json")[1]
@@ -172,6 +176,11 @@ def main(argv=None) -> int:
             return math.inf
 
     current = [""]
+    # --start record: this device's rows of the record at --out (merged_with_earlier over no new rows)
+    earlier = (harness.merged_with_earlier(args.out, "kernels", {}, machine_record()["device"], source_commit())
+               if args.start == "record" else {})
+    start_from = ("the tiles an earlier run found (the seed recipe's timed beside them)" if args.start == "record"
+                  else "the seed recipe's")
 
     def write():
         rows.clear()
@@ -179,8 +188,8 @@ def main(argv=None) -> int:
         harness.write(args.out, "tpu_gmm_uneven", ceiling_tflops=ceiling, geometry=g, sizes=uneven, kernels=rows,
                       totals=totals(rows, kernel_calls), interpret=args.tiny,
                       method=f"tune_gmm.kernel_seconds (median of {args.repeats} after one warm call) of each kernel "
-                             "alone at the uneven split; the tiles by tune_gmm.search (3 rounds) from the seed "
-                             "recipe's; useful TFLOP/s 2 M K N per second; the even split for both tilings")
+                             f"alone at the uneven split; the tiles by tune_gmm.search ({args.rounds} rounds) from "
+                             f"{start_from}; useful TFLOP/s 2 M K N per second; the even split for both tilings")
 
     for name in names:
         call, current[0] = kernel_calls[name], name
@@ -188,20 +197,25 @@ def main(argv=None) -> int:
             now[name] = {"kind": call.kind, "error": f"past the {args.budget_s:.0f} s budget"}
             continue
         base = getattr(seed, name)
-        start_t = Tiling(tm=base.tm, tk=min(base.tk, call.k), tn=min(base.tn, call.n))
+        seed_t = Tiling(tm=base.tm, tk=min(base.tk, call.k), tn=min(base.tn, call.n))
+        tiles_before = earlier.get(name, {}).get("tiles")
+        start_t = Tiling(*tiles_before) if tiles_before else seed_t
         log(f"{name} ({call.kind} {call.m} x {call.k} -> {call.n}, {call.groups} groups) from {start_t.tm}x{start_t.tk}x{start_t.tn}")
         try:
-            found = tune_gmm.search(call, lambda c, t: seconds(c, t, uneven), rounds=3, deadline=deadline,
+            found = tune_gmm.search(call, lambda c, t: seconds(c, t, uneven), rounds=args.rounds, deadline=deadline,
                                     start=start_t, row_tiles=ROW_TILES)
             best = found["tiling"]
             if not math.isfinite(found["s"]):
                 raise RuntimeError("no tiling compiled")
-            row = {**call.key(), "seed_tiles": [start_t.tm, start_t.tk, start_t.tn],
+            seed_s = found["default_s"] if start_t == seed_t else seconds(call, seed_t, uneven)
+            row = {**call.key(), "seed_tiles": [seed_t.tm, seed_t.tk, seed_t.tn],
                    "tiles": [best.tm, best.tk, best.tn], "ms": found["s"] * 1e3, "timed": found["timed"],
                    "tflops": useful_tflops(call, found["s"]), "even_ms": seconds(call, best) * 1e3}
-            if math.isfinite(found["default_s"]):  # else the seed tiles did not compile (refused lists why)
-                row.update(seed_ms=found["default_s"] * 1e3, seed_tflops=useful_tflops(call, found["default_s"]),
-                           even_seed_ms=seconds(call, start_t) * 1e3)
+            if start_t != seed_t:
+                row.update(start_tiles=[start_t.tm, start_t.tk, start_t.tn])
+            if math.isfinite(seed_s):  # else the seed tiles did not compile (refused lists why)
+                row.update(seed_ms=seed_s * 1e3, seed_tflops=useful_tflops(call, seed_s),
+                           even_seed_ms=seconds(call, seed_t) * 1e3)
         except Exception as e:  # noqa: BLE001 - one kernel's failure is recorded, the others go on
             row = {**call.key(), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
         if refused.get(name):

@@ -42,7 +42,8 @@ BF16_OUT, MOE, GDN, F32 = 1e-2, 2e-2, 5e-2, 1e-4
 TOLERANCE = {"gmm": BF16_OUT, "moe_mlp": MOE, "gdn": GDN, "attention": BF16_OUT}
 XLA_PATH = {"gmm": "ragged_dot", "moe_mlp": "xla", "gdn": "xla", "attention": "xla"}
 # Our Pallas kernels of each family (the benchmark's other arms, splash and tokamax, are not ours to test).
-PALLAS = {"gmm": ("pallas_tpu", "pallas_tpu_128", "pallas_tpu_table"), "moe_mlp": ("pallas_tpu", "pallas_tpu_fused", "pallas_tpu_table"),
+PALLAS = {"gmm": ("pallas_tpu", "pallas_tpu_128", "pallas_tpu_table"), "moe_mlp": ("pallas_tpu", "pallas_tpu_fused", "pallas_tpu_table",
+                                                                        "pallas_tpu_fused_table"),
           "gdn": ("pallas_tpu",), "attention": ("pallas_tpu", "pallas_tpu_256x512")}
 
 

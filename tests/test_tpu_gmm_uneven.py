@@ -92,6 +92,34 @@ def test_record_holds_the_search_from_the_seed_tiles_at_the_uneven_split(script,
     assert rec["ceiling_tflops"] == 100.0
 
 
+def test_a_search_from_the_record_starts_at_its_tiles_and_times_the_seed_beside(script, monkeypatch, tmp_path):
+    """--start record --rounds 0: each kernel is timed at the tiles this device's record found (start_tiles),
+    and at the seed's, which keep their own time; a kernel the record lacks starts at the seed's."""
+    from hybridmoe.tools import tune_gmm
+    from hybridmoe.tools.record import machine_record
+
+    monkeypatch.setitem(sys.modules, "tpu_kernels", SimpleNamespace(matmul_ceiling_tflops=lambda size, repeats: 100.0))
+    monkeypatch.setattr(script.harness, "configure", lambda *a, **k: None)
+    timed = []
+
+    def fake(call, t, *, repeats, interpret, sizes=None):
+        timed.append((t.tm, t.tk, t.tn))
+        return 1e-3 * t.tm / 64 * (2 if sizes is not None else 1)
+
+    monkeypatch.setattr(tune_gmm, "kernel_seconds", fake)
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"device": machine_record()["device"],
+                               "kernels": {"wi_fwd": {"kind": "gmm", "tiles": [128, 256, 128], "commit": "abc"}}}))
+    assert script.main(["--tiny", "--out", str(out), "--repeats", "1", "--only", "wi_fwd,wo_fwd",
+                        "--start", "record", "--rounds", "0"]) == 0
+    got = json.loads(out.read_text())
+    wi, wo = got["kernels"]["wi_fwd"], got["kernels"]["wo_fwd"]
+    assert wi["start_tiles"] == wi["tiles"] == [128, 256, 128] and wi["ms"] == pytest.approx(4.0)
+    assert wi["seed_tiles"] == [64, 128, 128] and wi["seed_ms"] == pytest.approx(2.0)
+    assert "start_tiles" not in wo and wo["tiles"] == wo["seed_tiles"] == [64, 128, 128]
+    assert "from the tiles an earlier run found" in got["method"] and "(0 rounds)" in got["method"]
+
+
 def test_kernel_seconds_refuses_sizes_of_another_split():
     """Sizes over the wrong number of groups, or not summing to the rows, are named before anything runs."""
     from hybridmoe.kernels.gmm.tile_table import Call

@@ -25,6 +25,7 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               (unfused) and `pallas_tpu_fused` (wi_fused_swiglu + wo_fused_dswiglu), both Pallas
               arms at the seed's tiles (recipe qwen3.5-397b-a17b-v7x-128) where the geometry says
               "seed"; `pallas_tpu_table` (unfused, each kernel at the tile table's tiles);
+              `pallas_tpu_fused_table` (the fused pair at the table's tiles of the kernels it replaces);
   gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
               `xla`, `pallas_tpu`;
   attention   causal flash attention over packed documents, positions restarting per document:
@@ -317,14 +318,47 @@ def moe_plans(g, interpret: bool) -> dict:
     per_half = min(int(keys.get("wi_fwd_tile_n_per_half") or g["f"]), g["f"])
     common = dict(num_experts=g["groups"], router_grad_from_wo_input=True, xla_impl="ragged_dot")
     pallas = dict(common, backend="pallas_tpu", tiles=tiles, interpret=interpret)
+    fused = dict(wi_fused_swiglu=True, wo_fused_dswiglu=True)
     return {"xla": GroupedPlan(**common, backend="xla"),
             "pallas_tpu": GroupedPlan(**pallas),
             # Each of the six unfused kernels at the tile table's tiles for its shape (at the cell: those
             # benchmarks/tpu_gmm_uneven.py found at uneven groups).
             "pallas_tpu_table": GroupedPlan(**dict(pallas, tiles=KernelTiles.shared(Tiling(from_table=True)))),
-            "pallas_tpu_fused": GroupedPlan(**pallas, wi_fused_swiglu=True, wo_fused_dswiglu=True,
-                                            tile_n_per_half=per_half,
-                                            rhs_buffer_count=int(keys.get("wi_fwd_rhs_buffer_count", 0)))}
+            "pallas_tpu_fused": GroupedPlan(**pallas, **fused, tile_n_per_half=per_half,
+                                            rhs_buffer_count=int(keys.get("wi_fwd_rhs_buffer_count", 0))),
+            # The fused pair where the unfused table arm runs its kernels: the fused up projection at the
+            # wi forward's table tiles (its N tile both halves), the fused input gradient at the wo input
+            # gradient's, the other four as the table arm.
+            "pallas_tpu_fused_table": GroupedPlan(**dict(pallas, tiles=fused_table_tiles(g)), **fused,
+                                                  tile_n_per_half=fused_table_tiles(g).wi_fwd.tn // 2)}
+
+
+def fused_table_tiles(g):
+    """The fused pair's KernelTiles from the tile table at the geometry's shapes on this host's chip:
+    the fused up projection at the plain wi forward's entry (gmm, D -> 2F), the fused input gradient
+    at the wo input gradient's (gmm_t, D -> F), the other kernels from the table as they run; where
+    the table has no entry (another chip, the tiny geometry), the kernels' heuristic tiles."""
+    import jax
+
+    from hybridmoe.kernels.gmm import KernelTiles, Tiling, tile_table
+    from hybridmoe.kernels.gmm.tiling import pick
+    from hybridmoe.kernels.platform import generation_of_device
+
+    m, d, f, groups = g["rows"], g["d"], g["f"], g["groups"]
+    generation = generation_of_device(jax.devices()[0])
+
+    def entry(kind, k, n):
+        found = tile_table.lookup(tile_table.Call(kind, m, k, n, groups, 2, generation))
+        heuristic = tile_table.tpu_rule(k, n)
+        t = found or Tiling(tm=heuristic.tm, tk=heuristic.tk, tn=heuristic.tn)
+        return Tiling(tm=t.tm, tk=pick(k, t.tk), tn=pick(n, t.tn))
+
+    table = Tiling(from_table=True)
+    wi = entry("gmm", d, 2 * f)
+    # The fused forward's N tile spans T gate and T up columns: an even split of the entry's.
+    wi = Tiling(tm=wi.tm, tk=wi.tk, tn=wi.tn if wi.tn % 2 == 0 and f % (wi.tn // 2) == 0 else 2 * f)
+    return KernelTiles(wi_fwd=wi, wi_dlhs=table, wi_drhs=table, wo_fwd=table, wo_dlhs=entry("gmm_t", d, f),
+                       wo_drhs=table)
 
 
 def _moe_backends(g, interpret):
