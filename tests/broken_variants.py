@@ -115,17 +115,16 @@ BROKEN_TILE_PLUMBING = {
 
 from hybridmoe.kernels.gmm import pallas_tpu as _gmm_tpu  # noqa: E402
 
-# The Mosaic grouped matmuls' whole-tile store and K loop (tests/test_gmm_kernels.py's k_tiles cases).
+# The Mosaic grouped matmuls' row mask and K loop (tests/test_gmm_kernels.py's k_tiles cases).
 BROKEN_GMM_TPU = {
-    # A tile whose group starts one row into it is taken as inside the group (the earlier group's row lost).
-    "inside_from_one_row_late": lambda: [(_gmm_tpu, "_tile_inside_group", mutated(
-        _gmm_tpu, "_tile_inside_group", "(first >= lo_ref[g])", "(first + 1 >= lo_ref[g])"))],
-    # A tile whose group ends one row before its end is taken as inside (the next group's row taken in).
-    "inside_to_one_row_past": lambda: [(_gmm_tpu, "_tile_inside_group", mutated(
-        _gmm_tpu, "_tile_inside_group", "(first + tm <= hi_ref[g])", "(first + tm <= hi_ref[g] + 1)"))],
+    # The row mask starts one row late: a group's first row is left to the block's earlier content.
+    "mask_from_one_row_late": lambda: [(_gmm_tpu, "_rows_in_group", mutated(
+        _gmm_tpu, "_rows_in_group", "(rows >= lo_ref[g])", "(rows > lo_ref[g])"))],
+    # The row mask runs one row past the group's end: the next group's row taken in.
+    "mask_to_one_row_past": lambda: [(_gmm_tpu, "_rows_in_group", mutated(
+        _gmm_tpu, "_rows_in_group", "(rows < hi_ref[g])", "(rows <= hi_ref[g])"))],
     # The K scratch zeroed on the second K tile instead of the first (the first tile's product lost).
-    "k_scratch_zeroed_late": lambda: [(_gmm_tpu, "_sum_k_tiles", mutated(
-        _gmm_tpu, "_sum_k_tiles", "pl.when(ki == 0)", "pl.when(ki == 1)"))],
+    "k_scratch_zeroed_late": lambda: [(_gmm_tpu, "gmm", mutated(_gmm_tpu, "gmm", "pl.when(ki == 0)", "pl.when(ki == 1)"))],
 }
 
 BROKEN_VMEM_MODEL = {

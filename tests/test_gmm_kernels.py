@@ -135,12 +135,11 @@ def test_gmm_pallas(backend, case):
                transpose=transpose)
 
 
-# The Mosaic kernels' K loop: one K tile (the product stored without a float32 scratch) and three
-# (the scratch started, added into, and summed on the last tile); tm 8 over these sizes puts whole
-# tiles inside a group (stored without the row mask) beside tiles shared by two groups.
+# The Mosaic kernels' K loop at one K tile and at three; tm 8 over these sizes puts whole tiles inside
+# a group beside tiles shared by two groups.
 K_TILES = {"one K tile": (16, Tiling(tm=8, tk=16, tn=8)), "three K tiles": (24, Tiling(tm=8, tk=8, tn=8))}
-# Groups exactly one row off a tile's edge: group 1 starts one row into tile 0 (a tile taken as inside
-# it would overwrite group 0's row 0), group 2 ends one row before tile 1's end (its weight gradient
+# Groups exactly one row off a tile's edge: group 1 starts one row into tile 0 (a mask one row wide of
+# it would overwrite or drop a row there), group 2 ends one row before tile 1's end (its weight gradient
 # would take group 3's row 15), group 3 fills tile 2.
 EDGE_CASES = [([1, 7, 7, 9], 0, None, False), ([1, 7, 7, 9], 0, None, True)]
 

@@ -30,9 +30,8 @@ T, N, G = 16384, 8, 2
 GDN_B, GDN_N, GDN_H = 1, 64, 4
 
 # (kernel, tiles): gmm kernels (tm, tk, tn), flash (block_q, block_k, head_dim), GDN (chunk, key dim, value dim).
-# tk = D (2048) is one K tile: the product stored without a float32 scratch, whole tiles without the
-# row mask (kernels/gmm/pallas_tpu.py), on both sides of the limit. (gmm_t at one K tile needs less
-# than the model counts: at (256, 2048, 256) the compiler takes 2.0 to 2.5 MiB, the model 4.5.)
+# tk = D (2048) is one K tile, on both sides of the limit. (gmm_t at one K tile needs less than the
+# model counts: at (256, 2048, 256) the compiler takes 2.0 to 2.5 MiB, the model 4.5.)
 POINTS = [
     *[("gmm", t) for t in [(256, 512, 256), (512, 512, 256), (512, 512, 512), (512, 1024, 512), (128, 2048, 256),
                            (256, 2048, 256)]],

@@ -73,66 +73,6 @@ def _merge(out_ref, mask, value, sl=slice(None)):
     out_ref[:, sl] = jnp.where(mask, value.astype(out_ref.dtype), out_ref[:, sl])
 
 
-def _tile_inside_group(step, lo_ref, hi_ref, grp_ref, tile_ref, tm: int):
-    """Whether this step's whole row tile belongs to its group: no other group's rows, no padding."""
-    g = grp_ref[step]
-    first = tile_ref[step] * tm
-    return (first >= lo_ref[g]) & (first + tm <= hi_ref[g])
-
-
-def _store_group_rows(step, lo_ref, hi_ref, grp_ref, tile_ref, tm: int, store, whole_tiles: bool):
-    """Run store(write) once, write(out_ref, value, sl=all columns) putting this step's group's rows of
-    value into a resident output block under the row mask, keeping the other groups' rows. With
-    whole_tiles, a tile inside its group is written whole instead (no read of the block); only the one
-    K tile kernels take it: after a K loop, the two stores cost Mosaic one more [tm, tn] float32 value
-    in VMEM (tests/test_vmem_tpu_compile.py)."""
-    def masked():
-        mask = _rows_in_group(step, lo_ref, hi_ref, grp_ref, tile_ref, tm)
-        store(lambda out_ref, value, sl=slice(None): _merge(out_ref, mask, value, sl))
-
-    if not whole_tiles:
-        masked()
-        return
-    inside = _tile_inside_group(step, lo_ref, hi_ref, grp_ref, tile_ref, tm)
-
-    @pl.when(inside)
-    def _():
-        def write(out_ref, value, sl=slice(None)):
-            out_ref[:, sl] = value.astype(out_ref.dtype)
-        store(write)
-
-    pl.when(jnp.logical_not(inside))(masked)
-
-
-def _sum_k_tiles(ki, tiles_k: int, acc_refs, products, finish):
-    """Sum the K tiles' float32 products (products(): this K tile's, a list) and call finish(*totals)
-    on the last K tile. With one K tile the products go straight to finish, no scratch pass. With more,
-    each scratch starts at zero and every K tile adds its product in one statement, which Mosaic
-    lowers as a matmul accumulating into the scratch (a product kept apart from it, as the first
-    tile's assigned or the last tile's handed on unstored, costs one more [tm, tn] float32 value in
-    VMEM: tests/test_vmem_tpu_compile.py)."""
-    if tiles_k == 1:
-        finish(*products())
-        return
-
-    @pl.when(ki == 0)
-    def _():
-        for acc_ref in acc_refs:
-            acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    for acc_ref, part in zip(acc_refs, products()):
-        acc_ref[...] += part
-
-    @pl.when(ki == tiles_k - 1)
-    def _():
-        finish(*[acc_ref[...] for acc_ref in acc_refs])
-
-
-def _k_scratch(tiles_k: int, shape, count: int = 1) -> list:
-    """The float32 accumulators over K tiles; none with one K tile."""
-    return [pltpu.VMEM(shape, jnp.float32) for _ in range(count)] if tiles_k > 1 else []
-
-
 # ---------------------------------------------------------------------------------------------
 # gmm
 
@@ -150,12 +90,20 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
     stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
     tiles_k = k // tk
 
-    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, lhs_ref, rhs_ref, out_ref, *acc_refs):
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, lhs_ref, rhs_ref, out_ref, acc_ref):
         s, ki = pl.program_id(1), pl.program_id(2)
+
+        @pl.when(ki == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
         contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-        _sum_k_tiles(ki, tiles_k, acc_refs, lambda: [jax.lax.dot_general(
-            lhs_ref[...], rhs_ref[...], contract, preferred_element_type=jnp.float32)], lambda total: _store_group_rows(
-            s, lo_ref, hi_ref, grp_ref, tile_ref, tm, lambda write: write(out_ref, total), tiles_k == 1))
+        acc_ref[...] += jax.lax.dot_general(lhs_ref[...], rhs_ref[...], contract,
+                                            preferred_element_type=jnp.float32)
+
+        @pl.when(ki == tiles_k - 1)
+        def _():
+            _merge(out_ref, _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm), acc_ref[...])
 
     def rhs_map(ni, s, ki, lo, hi, grp, tile):
         return (grp[s], ni, ki) if transpose_rhs else (grp[s], ki, ni)
@@ -172,7 +120,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
                 pl.BlockSpec(rhs_block, rhs_map),
             ],
             out_specs=pl.BlockSpec((tm, tn), lambda ni, s, ki, lo, hi, grp, tile: (tile[s], ni)),
-            scratch_shapes=_k_scratch(tiles_k, (tm, tn)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         compiler_params=_params(t, tpu_buffers("gmm_t" if transpose_rhs else "gmm", tm=tm, tk=tk, tn=tn,
                                                itemsize=_itemsize(lhs_MK), out_itemsize=jnp.dtype(out_dtype).itemsize)),
@@ -220,9 +168,6 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
         new_group = (s == 0) | (grp_ref[jnp.maximum(s - 1, 0)] != g)
         ends_group = (s == last) | (grp_ref[jnp.minimum(s + 1, last)] != g)
 
-        nonempty = hi_ref[g] > lo_ref[g]
-        inside = _tile_inside_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
-
         @pl.when(new_group)
         def _():
             if accumulate:
@@ -230,19 +175,14 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
             else:
                 acc_ref[...] = jnp.zeros_like(acc_ref)
 
-        def add(a, b):
-            acc_ref[...] += jnp.dot(a.T.astype(in_dtype), b.astype(in_dtype), preferred_element_type=jnp.float32)
-
-        @pl.when(nonempty & inside)
-        def _():
-            add(lhs_ref[...], grad_ref[...])
-
-        @pl.when(nonempty & jnp.logical_not(inside))
+        @pl.when(hi_ref[g] > lo_ref[g])
         def _():
             mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
             # Mask both operands: padding rows may hold anything (0 * nan is nan).
-            add(jnp.where(mask, lhs_ref[...].astype(jnp.float32), 0.0),
-                jnp.where(mask, grad_ref[...].astype(jnp.float32), 0.0))
+            a = jnp.where(mask, lhs_ref[...].astype(jnp.float32), 0.0)
+            b = jnp.where(mask, grad_ref[...].astype(jnp.float32), 0.0)
+            acc_ref[...] += jnp.dot(a.T.astype(in_dtype), b.astype(in_dtype),
+                                    preferred_element_type=jnp.float32)
 
         @pl.when(ends_group)
         def _():
@@ -310,18 +250,26 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
     stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
     out_dtype = x_MD.dtype
 
-    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, x_ref, wg_ref, wu_ref, h_ref, pre_ref, *acc_refs):
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, x_ref, wg_ref, wu_ref, h_ref, pre_ref,
+               accg_ref, accu_ref):
         s, ki = pl.program_id(1), pl.program_id(2)
 
-        def finish(gate, up):
-            def store(write):
-                write(h_ref, epilogue.swiglu_fwd(gate, up, out_dtype, mode))
-                write(pre_ref, gate, slice(0, tn))
-                write(pre_ref, up, slice(tn, 2 * tn))
-            _store_group_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, tm, store, tiles_k == 1)
+        @pl.when(ki == 0)
+        def _():
+            accg_ref[...] = jnp.zeros_like(accg_ref)
+            accu_ref[...] = jnp.zeros_like(accu_ref)
 
-        _sum_k_tiles(ki, tiles_k, acc_refs, lambda: [
-            jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32) for w_ref in (wg_ref, wu_ref)], finish)
+        xb = x_ref[...]
+        accg_ref[...] += jnp.dot(xb, wg_ref[...], preferred_element_type=jnp.float32)
+        accu_ref[...] += jnp.dot(xb, wu_ref[...], preferred_element_type=jnp.float32)
+
+        @pl.when(ki == tiles_k - 1)
+        def _():
+            mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
+            gate, up = accg_ref[...], accu_ref[...]
+            _merge(h_ref, mask, epilogue.swiglu_fwd(gate, up, out_dtype, mode))
+            _merge(pre_ref, mask, gate, slice(0, tn))
+            _merge(pre_ref, mask, up, slice(tn, 2 * tn))
 
     mode_kw = weight_pipeline(rhs_buffer_count, tiles_k)
     gate_spec = pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile: (grp[s], ki, j),
@@ -345,7 +293,7 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
                 pl.BlockSpec((tm, tn), lambda j, s, ki, lo, hi, grp, tile: (tile[s], j)),
                 pl.BlockSpec((tm, 2 * tn), lambda j, s, ki, lo, hi, grp, tile: (tile[s], j)),
             ),
-            scratch_shapes=_k_scratch(tiles_k, (tm, tn), 2),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         # The depth only where the weight is pipelined with it (one K tile), as layer_kernels counts it.
         compiler_params=_params(t, tpu_buffers("wi_fused", tm=tm, tk=tk, tn=tn, itemsize=_itemsize(x_MD),
@@ -383,20 +331,24 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
     stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, g_ref, wo_ref, pre_ref, *rest):
-        s_ref, h_ref, (d_ref, dot_ref, *acc_refs) = plan.optional_refs(rest)
+        s_ref, h_ref, (d_ref, dot_ref, acc_ref) = plan.optional_refs(rest)
         s, ki = pl.program_id(0), pl.program_id(1)
 
-        def finish(u):
-            def store(write):
-                epilogue.dswiglu_store(
-                    u, pre_ref[...], s_ref[...] if has_scale else None, h_ref[...] if has_h else None,
-                    mode=mode, pre_dtype=pre_dtype, f=f, tile_in=preact_tile_n_per_half, tile_out=out_tile_n_per_half,
-                    store_d=lambda v, at: write(d_ref, v, slice(at, at + out_tile_n_per_half)),
-                    store_dot=lambda dot: write(dot_ref, dot))
-            _store_group_rows(s, lo_ref, hi_ref, grp_ref, tile_ref, tm, store, tiles_k == 1)
+        @pl.when(ki == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
 
-        _sum_k_tiles(ki, tiles_k, acc_refs, lambda: [jax.lax.dot_general(
-            g_ref[...], wo_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)], finish)
+        acc_ref[...] += jax.lax.dot_general(g_ref[...], wo_ref[...], (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+
+        @pl.when(ki == tiles_k - 1)
+        def _():
+            mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
+            epilogue.dswiglu_store(
+                acc_ref[...], pre_ref[...], s_ref[...] if has_scale else None, h_ref[...] if has_h else None,
+                mode=mode, pre_dtype=pre_dtype, f=f, tile_in=preact_tile_n_per_half, tile_out=out_tile_n_per_half,
+                store_d=lambda v, at: _merge(d_ref, mask, v, slice(at, at + out_tile_n_per_half)),
+                store_dot=lambda dot: _merge(dot_ref, mask, dot))
 
     row_map = lambda s, ki, lo, hi, grp, tile: (tile[s], 0)  # noqa: E731
     in_specs = [
@@ -418,7 +370,7 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
             grid=(steps, tiles_k),
             in_specs=in_specs,
             out_specs=(pl.BlockSpec((tm, 2 * f), row_map), pl.BlockSpec((tm, 1), row_map)),
-            scratch_shapes=_k_scratch(tiles_k, (tm, f)),
+            scratch_shapes=[pltpu.VMEM((tm, f), jnp.float32)],
         ),
         compiler_params=_params(t, tpu_buffers("wo_fused_dlhs", tm=tm, tk=tk, tn=f, f=f, itemsize=_itemsize(g_MD),
                                                row_scale=has_scale, with_h=has_h), ("arbitrary", "arbitrary")),
