@@ -44,7 +44,7 @@ XLA_PATH = {"gmm": "ragged_dot", "moe_mlp": "xla", "gdn": "xla", "attention": "x
 # Our Pallas kernels of each family (the benchmark's other arms, splash and tokamax, are not ours to test).
 PALLAS = {"gmm": ("pallas_tpu", "pallas_tpu_128", "pallas_tpu_table"), "moe_mlp": ("pallas_tpu", "pallas_tpu_fused", "pallas_tpu_table",
                                                                         "pallas_tpu_fused_table"),
-          "gdn": ("pallas_tpu",), "attention": ("pallas_tpu", "pallas_tpu_256x512")}
+          "gdn": ("pallas_tpu", *cc.GDN_SETTINGS), "attention": ("pallas_tpu", "pallas_tpu_256x512")}
 
 
 def on_chip() -> bool:

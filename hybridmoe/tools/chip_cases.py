@@ -27,7 +27,8 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               "seed"; `pallas_tpu_table` (unfused, each kernel at the tile table's tiles);
               `pallas_tpu_fused_table` (the fused pair at the table's tiles of the kernels it replaces);
   gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
-              `xla`, `pallas_tpu`;
+              `xla`, `pallas_tpu`, and the Mosaic core at other settings (GDN_SETTINGS: the bfloat16
+              precision, chunk 128, both);
   attention   causal flash attention over packed documents, positions restarting per document:
               `xla` (flash in XLA ops), `pallas_tpu` (default blocks), `pallas_tpu_256x512`,
               `splash` (jax's splash attention: causal by token index with segment ids, the same
@@ -401,14 +402,27 @@ def _gdn_make(g):
     return (*_gdn_raw(g), segment_ids), _normal(26, (1, g["tokens"], g["value_heads"], g["value_dim"]), BF16)
 
 
+# The Mosaic GDN core's settings beside its defaults (chunk 64, the bfloat16x3 precision): name ->
+# (chunk size, precision of kernels/gdn/tpu_chunk.PRECISIONS).
+GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16"), "pallas_tpu_c128": (128, None),
+                "pallas_tpu_c128_bf16": (128, "bfloat16")}
+
+
 def _gdn_backends(g, interpret):
     from hybridmoe.kernels.gdn import gated_delta_rule
+    from hybridmoe.kernels.gdn import pallas_tpu
 
     def rule(backend):
         return lambda q, k, v, gate, beta, seg: gated_delta_rule(
             q, k, v, gate, beta, segment_ids=seg, chunk_size=g["chunk"], backend=backend, interpret=interpret)[0]
 
-    return {"xla": rule("xla"), "pallas_tpu": rule("pallas_tpu")}
+    def settings(chunk, precision):
+        return lambda q, k, v, gate, beta, seg: pallas_tpu.gated_delta_rule(
+            q, k, v, gate, beta, segment_ids=seg, chunk_size=chunk or g["chunk"], precision=precision,
+            interpret=interpret)[0]
+
+    return {"xla": rule("xla"), "pallas_tpu": rule("pallas_tpu"),
+            **{name: settings(*arm) for name, arm in GDN_SETTINGS.items()}}
 
 
 def recurrence(q, k, v, gate, beta, *, segment_ids=None, initial_state=None, segment: int = RECURRENCE_SEGMENT):
