@@ -59,6 +59,10 @@ ARMS = {
     # token chunk and the whole vocabulary in one block.
     "default": [],
     "xla_gdn": ["kernels.gdn.backend=xla"],  # the GDN core the defaults ran before the chip's verdict
+    # The Mosaic GDN core at one bfloat16 pass for the chunk's own products (docs/levers.md,
+    # kernels.gdn.precision), and that at chunk 128 (1.32x and 1.45x the core alone at the 397B cell).
+    "gdn_bf16": ["kernels.gdn.precision=bfloat16"],
+    "gdn_bf16_chunk128": ["kernels.gdn.precision=bfloat16", "gdn.chunk_size=128"],
     "pallas_gmm": ["kernels.gmm.backend=pallas_tpu"],  # at the heuristic: on a TPU the chip's rule
     # Each grouped matmul at the tiles `hybridmoe tune-gmm` measured fastest for its shape on this
     # generation (scripts/tpu_records.sh's tiles stage runs first); the heuristic ones without an entry.

@@ -436,3 +436,35 @@ def test_auto_backend_is_the_mosaic_core_on_a_tpu_and_xla_elsewhere():
     assert limits.resolve("auto", "tpu", limits.PALLAS_TPU_MIN_CHUNK - 1) == "xla"
     assert [limits.resolve("auto", p, 64) for p in ("cpu", "gpu", "cuda")] == ["xla"] * 3
     assert limits.resolve("xla", "tpu", 64) == "xla" and limits.resolve("pallas_gpu", "cpu", 64) == "pallas_gpu"
+
+
+def test_precision_key_reaches_the_mosaic_core_in_training_and_prefill(monkeypatch):
+    """kernels.gdn.precision reaches the Mosaic core's call from the training forward and from the
+    rollout's prefill (decode.cached_hidden over a 16-token prompt); auto passes none (the kernel's
+    default for the activations' dtype). Traced only (jax.eval_shape): the call is what is checked."""
+    from helpers import packed_batch, tiny_config, tiny_params
+    from hybridmoe.kernels.gdn import pallas_tpu
+    from hybridmoe.model import decode
+    from hybridmoe.run.step import nll_sum
+
+    seen = []
+    original = pallas_tpu.gated_delta_rule
+
+    def recording(*args, **kw):
+        seen.append(kw.get("precision"))
+        return original(*args, **kw)
+
+    monkeypatch.setattr(pallas_tpu, "gated_delta_rule", recording)
+    for precision, want in (("bfloat16", "bfloat16"), ("bfloat16x3", "bfloat16x3"), ("auto", None)):
+        cfg = tiny_config(*MODEL_OVERRIDES, "kernels.gdn.backend=pallas_tpu", "kernels.interpret=true",
+                          f"kernels.gdn.precision={precision}")
+        params = tiny_params(cfg, perturb=False)
+        batch = packed_batch(3, 2, 64, cfg.model.vocab_size, doc_lengths=(30, 34))
+        for what, run in (("training", lambda: jax.eval_shape(lambda p: nll_sum(p, cfg, batch)[0], params)),
+                          ("prefill", lambda: jax.eval_shape(
+                              lambda p: decode.cached_hidden(p, cfg, decode.init_cache(cfg, 2, 20), batch["tokens"][:, :16],
+                                                             jnp.ones((2, 16), jnp.int32),
+                                                             jnp.broadcast_to(jnp.arange(16), (2, 16)))[0], params))):
+            seen.clear()
+            run()
+            assert seen and set(seen) == {want}, (precision, what, seen)

@@ -73,6 +73,8 @@ def test_gdn_public_function_refuses_a_zero_chunk_and_bad_shapes_before_computin
         gdn_ops.gated_delta_rule(q, k, v, g, beta[:, :, :HK])
     with pytest.raises(ValueError, match="initial_state must be"):
         gdn_ops.gated_delta_rule(q, k, v, g, beta, initial_state=Z((B, HK, DK, DV)))
+    with pytest.raises(ValueError, match="precision 'bfloat16' is the pallas_tpu core's; backend 'xla' takes none"):
+        gdn_ops.gated_delta_rule(q, k, v, g, beta, precision="bfloat16")
 
 
 # Flash attention: B 1, T 4 queries, S 12 keys, N 4 query heads, G 2 kv heads, A 6.

@@ -190,12 +190,13 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
 
 
 @jax.named_scope(CORE_SCOPE)
-def _core(q, k, v, g, beta, segment_ids_BT, initial_state, *, chunk_size: int, backend: str, interpret: bool):
+def _core(q, k, v, g, beta, segment_ids_BT, initial_state, *, chunk_size: int, backend: str, interpret: bool,
+          precision: str | None = None):
     """The core on the whole sequence. A Pallas kernel is a custom call that GSPMD cannot split, so
     under a mesh it runs per shard in a shard_map (rows and head groups are independent)."""
     def core(q, k, v, g, beta, seg, state):
         return gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=state, chunk_size=chunk_size,
-                                normalize_qk=True, backend=backend, interpret=interpret)
+                                normalize_qk=True, backend=backend, interpret=interpret, precision=precision)
 
     if backend == "xla" or jax.sharding.get_abstract_mesh().empty:
         return core(q, k, v, g, beta, segment_ids_BT, initial_state)
@@ -213,14 +214,16 @@ def _core(q, k, v, g, beta, segment_ids_BT, initial_state, *, chunk_size: int, b
 
 
 def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, backend: str = "auto",
-              interpret: bool = False, state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False, cp_prefix: str = "all_gather"):
+              interpret: bool = False, state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False, cp_prefix: str = "all_gather",
+              precision: str = "auto"):
     """Returns the layer output, and the new recurrent state when `state` is given (decode/prefill).
 
     state: {"conv_q", "conv_k", "conv_v": [B, W-1, heads, dim] pre-conv tails, "ssm": [B, U, k, v]}.
     Under a mesh whose context axis is > 1 (and without `state`) the sequence stays sharded: the
     convs and the core run per rank (`_conv_and_core_sequence_sharded`); cp_m_scan / cp_dh_scan
     choose the scans over the trees there (gdn.cp_m_scan, gdn.cp_dh_scan); cp_prefix the cross-rank
-    prefix (context_parallel.PREFIXES; the other one is kept for benchmarks/gdn_cp.py).
+    prefix (context_parallel.PREFIXES; the other one is kept for benchmarks/gdn_cp.py); precision
+    the Mosaic core's products (kernels.gdn.precision; auto: the kernel's default for the dtype).
     """
     backend = gdn_limits.resolve(backend, trace_platform(), chunk_size)
     dt = x_BTD.dtype
@@ -238,7 +241,8 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
         tails = None if state is None else [state[name] for name in CONV_TAPS]
         (q, k, v), (tail_q, tail_k, tail_v) = conv_all_channels(p, q, k, v, segment_ids_BT, tails)
         o_BTUv, ssm = _core(q, k, v, g, beta, segment_ids_BT, None if state is None else state["ssm"],
-                            chunk_size=chunk_size, backend=backend, interpret=interpret)
+                            chunk_size=chunk_size, backend=backend, interpret=interpret,
+                            precision=None if precision == "auto" or backend != "pallas_tpu" else precision)
     o_BTUv = checkpoint_name(constrain(o_BTUv, "batch", "seq", "heads", None), "gdn_core_out")
     y = gated_rms_norm(o_BTUv, z, p["norm"], m.rms_norm_eps)
     out = jnp.einsum("btuv,uvd->btd", y.astype(dt), p["wo"].astype(dt))

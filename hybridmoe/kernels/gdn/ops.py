@@ -57,6 +57,7 @@ def gated_delta_rule(
     normalize_qk: bool = True,
     backend: str = "xla",
     interpret: bool = False,
+    precision: str | None = None,
 ):
     """Gated delta rule over a sequence (docs/gdn.md sections 1-2).
 
@@ -66,7 +67,8 @@ def gated_delta_rule(
     id differs from the previous token's and no state crosses that boundary; initial_state
     [B, Hv, dk, dv] (optional, zeros) applies to each row's first document only.
     backend: xla (any platform), pallas_tpu (Mosaic TPU) or pallas_gpu (Triton); the Pallas backends
-    run on CPU with interpret=True (tests).
+    run on CPU with interpret=True (tests). precision: the pallas_tpu core's products (a key of
+    tpu_chunk.PRECISIONS; None: its default for the inputs' dtype); no other backend takes one.
     Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] float32).
     """
     if backend not in _BACKENDS:
@@ -74,6 +76,9 @@ def gated_delta_rule(
     _check_shapes(q, k, v, g, beta, segment_ids, initial_state)
     if chunk_size < 1:
         raise ValueError(f"gdn: chunk_size must be positive; got {chunk_size}")
+    if precision is not None and backend != "pallas_tpu":
+        raise ValueError(f"gdn: precision {precision!r} is the pallas_tpu core's; backend {backend!r} takes none")
+    extra = {} if precision is None else {"precision": precision}
     return _BACKENDS[backend](interpret)(
         q,
         k,
@@ -84,6 +89,7 @@ def gated_delta_rule(
         initial_state=initial_state,
         chunk_size=chunk_size,
         normalize_qk=normalize_qk,
+        **extra,
     )
 
 
