@@ -468,3 +468,22 @@ def test_precision_key_reaches_the_mosaic_core_in_training_and_prefill(monkeypat
             seen.clear()
             run()
             assert seen and set(seen) == {want}, (precision, what, seen)
+
+
+def test_sequence_sharded_core_takes_the_precision(layer_case):
+    """kernels.gdn.precision under context parallelism: over 4 context ranks at precision bfloat16 the
+    layer's loss and gradients lie near the one-device Mosaic core's at bfloat16 (2.7e-3: the cross-rank
+    passes round differently) and far from the float32 core's (2.5e-2), where a precision dropped on the
+    ranks would put them (about 1e-5 from float32)."""
+    cfg, params, x, seg = layer_case
+    grad = lambda loss: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))  # noqa: E731
+    core = dict(backend="pallas_tpu", interpret=True)
+    sharded = _on_context_mesh(4, grad(_layer_loss(cfg, 16, precision="bfloat16", **core)), params, x, seg)
+    one = {p: grad(_layer_loss(cfg, 16, precision=p, **core))(params, x, seg) for p in ("bfloat16", "float32")}
+
+    def error(a, b):
+        (va, ga), (vb, gb) = a, b
+        return max([_rel_max(va, vb)] + [_rel_max(u, w) for u, w in zip(jax.tree.leaves(ga), jax.tree.leaves(gb))])
+
+    same, apart = error(sharded, one["bfloat16"]), error(sharded, one["float32"])
+    assert same < apart / 5, f"vs one device at bfloat16 {same:.2e}, vs float32 {apart:.2e}"

@@ -308,10 +308,6 @@ CASES: dict[str, Case] = {
                                    ("kernels.gdn.backend", "needs gdn.chunk_size >= 2 on TPU"), **TPU),
     "gdn_precision_on_the_xla_core": case("_kernels_gdn_precision", ["kernels.gdn.precision=bfloat16"],
                                           ("kernels.gdn.precision", "kernels.gdn.backend is xla here")),
-    "gdn_precision_under_context_parallelism": case(
-        "_kernels_gdn_precision", [*CP2, "gdn.chunk_size=32", "kernels.gdn.backend=pallas_tpu", "kernels.interpret=true",
-                                   "kernels.gdn.precision=bfloat16"],
-        ("kernels.gdn.precision", "mesh.context=2 runs the context-parallel core")),
     # fp8
     "fp8_hoist_everything_unmet": case("_quant_fp8_fake_quant_hoist", ["quant.fp8_fake_quant_hoist=gather8",
                                                                        "moe.impl=dense", "mesh.fsdp=1", "mesh.data=-1"],

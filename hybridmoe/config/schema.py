@@ -243,8 +243,8 @@ class GdnKernelConfig(Section):
         "float32 for float32 activations, bfloat16x3 for bfloat16 (three bfloat16 passes per product, the xla "
         "path's errors); bfloat16: one pass for the chunk's own products and the triangular inverse, three for the "
         "state and the chain between chunks (1.32x forward + backward on a v5e at the 397B cell's core, 1.45x with "
-        "gdn.chunk_size=128: benchmarks/records/tpu_kernels.json gdn_cell); needs the pallas_tpu core without "
-        "context parallelism.")
+        "gdn.chunk_size=128: benchmarks/records/tpu_kernels.json gdn_cell); needs the pallas_tpu core (on the whole "
+        "sequence or under context parallelism).")
 
 
 class AttentionKernelConfig(Section):

@@ -160,7 +160,8 @@ CORE_SCOPE = "gdn_core"
 
 @jax.named_scope(CORE_SCOPE)
 def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chunk_size: int,
-                                     cp_m_scan: bool, cp_dh_scan: bool, prefix: str, backend: str, interpret: bool):
+                                     cp_m_scan: bool, cp_dh_scan: bool, prefix: str, backend: str, interpret: bool,
+                                     precision: str | None = None):
     """Causal convs and the core with the sequence split over the mesh's context axis (docs/gdn.md section 3).
 
     Each rank holds a [B, T / P] slice: the convs read the previous rank's last W-1 pre-conv tokens
@@ -181,7 +182,8 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
             convolved.append(causal_conv(x, taps_WHC, seg, tail, tail_seg)[0])
         return gated_delta_rule_context_parallel(
             *convolved, g, beta, segment_ids=seg, axis_name=axis, chunk_size=chunk_size, normalize_qk=True,
-            cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan, prefix=prefix, backend=backend, interpret=interpret)
+            cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan, prefix=prefix, backend=backend, interpret=interpret,
+            precision=precision)
 
     # check_vma off: the core's custom backward places its own collectives.
     return jax.shard_map(local, in_specs=(taps, taps, taps, token, token, token, gate, gate, ids),
@@ -232,17 +234,17 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     q, k, v = (checkpoint_name(t, n) for t, n in ((q, "gdn_q"), (k, "gdn_k"), (v, "gdn_v")))
     z = _heads(z, p["wz"])
     g, beta = gates_from_projections(p, b, a)
+    precision = None if precision == "auto" or backend != "pallas_tpu" else precision
     if state is None and context_ranks() > 1:
         q, k, v = (_heads(t, p[name]) for t, name in zip((q, k, v), CONV_TAPS))
         o_BTUv = _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, chunk_size=chunk_size,
                                                  cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan, prefix=cp_prefix,
-                                                 backend=backend, interpret=interpret)
+                                                 backend=backend, interpret=interpret, precision=precision)
     else:
         tails = None if state is None else [state[name] for name in CONV_TAPS]
         (q, k, v), (tail_q, tail_k, tail_v) = conv_all_channels(p, q, k, v, segment_ids_BT, tails)
         o_BTUv, ssm = _core(q, k, v, g, beta, segment_ids_BT, None if state is None else state["ssm"],
-                            chunk_size=chunk_size, backend=backend, interpret=interpret,
-                            precision=None if precision == "auto" or backend != "pallas_tpu" else precision)
+                            chunk_size=chunk_size, backend=backend, interpret=interpret, precision=precision)
     o_BTUv = checkpoint_name(constrain(o_BTUv, "batch", "seq", "heads", None), "gdn_core_out")
     y = gated_rms_norm(o_BTUv, z, p["norm"], m.rms_norm_eps)
     out = jnp.einsum("btuv,uvd->btd", y.astype(dt), p["wo"].astype(dt))

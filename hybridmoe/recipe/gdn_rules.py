@@ -67,19 +67,14 @@ def _kernels_gdn_backend(cfg: Config, f: Facts) -> list[Problem]:
     return [("kernels.gdn.backend", "; ".join(unmet))] if unmet else []
 
 
-@rule("kernels.gdn.precision", "kernels.gdn.backend", "mesh.context")
+@rule("kernels.gdn.precision", "kernels.gdn.backend")
 def _kernels_gdn_precision(cfg: Config, f: Facts) -> list[Problem]:
-    """A precision other than auto is the Mosaic core's, on the whole sequence: named where it would
-    otherwise be dropped without a word (another core, or the context-parallel path's own products)."""
+    """A precision other than auto is the Mosaic core's (on the whole sequence and under context
+    parallelism alike): named where another core would drop it without a word."""
     precision = cfg.kernels.gdn.precision
     if precision == "auto" or "gdn" not in cfg.model.layer_pattern:
         return []
-    unmet = []
     if (backend := _gdn_backend(cfg, f)) != "pallas_tpu":
-        unmet.append(f"sets the Mosaic GDN core's products; kernels.gdn.backend is {backend} here "
-                     "(set kernels.gdn.backend=pallas_tpu, or precision auto)")
-    ranks = _context_size(cfg, f)
-    if ranks and ranks > 1:
-        unmet.append(f"applies to the core on the whole sequence; mesh.context={ranks} runs the context-parallel "
-                     "core, which keeps its own (set mesh.context=1, or precision auto)")
-    return [("kernels.gdn.precision", "; ".join(unmet))] if unmet else []
+        return [("kernels.gdn.precision", f"sets the Mosaic GDN core's products; kernels.gdn.backend is {backend} "
+                 "here (set kernels.gdn.backend=pallas_tpu, or precision auto)")]
+    return []

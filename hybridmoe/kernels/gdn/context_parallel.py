@@ -272,13 +272,14 @@ context_parallel_core.defvjp(_cp_fwd, _cp_bwd)
 def gated_delta_rule_context_parallel(
     q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids, axis_name, chunk_size: int = 64,
     normalize_qk: bool = True, cp_m_scan: bool = False, cp_dh_scan: bool = False, prefix: str = "all_gather",
-    backend: str = "xla", interpret: bool = False,
+    backend: str = "xla", interpret: bool = False, precision: str | None = None,
 ):
     """gated_delta_rule on this rank's shard of the sequence (inside shard_map over `axis_name`).
 
     Same inputs as ops.gated_delta_rule, each the rank's [B, T / P, ...] slice; segment_ids is
     required (the shard's own ids). No initial or final state: the first rank starts from zero.
-    Returns o [B, T / P, H, V] in v's dtype.
+    precision: the Mosaic kernels' products (tpu_chunk.PRECISIONS; None: the inputs' dtype's default,
+    as on one device). Returns o [B, T / P, H, V] in v's dtype.
     """
     num_tokens = v_BTHV.shape[1]
     if num_tokens % chunk_size:
@@ -286,7 +287,9 @@ def gated_delta_rule_context_parallel(
                          f"chunks of {chunk_size}")
     starts_BT = cross_rank_starts(document_starts(segment_ids), segment_ids, axis_name)
     x, starts_BNC = prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size, normalize_qk)
-    # The Mosaic kernels' precision follows the inputs' dtype (tpu_chunk.PRECISIONS), as on one device.
+    if precision is not None and backend != "pallas_tpu":
+        raise ValueError(f"gdn context parallelism: precision {precision!r} is the pallas_tpu core's; backend "
+                         f"{backend!r} takes none")
     o_BNHCV = context_parallel_core(x, starts_BNC, axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret,
-                                    tpu_chunk.precision_name(v_BTHV.dtype))
+                                    precision or tpu_chunk.precision_name(v_BTHV.dtype))
     return from_chunks(o_BNHCV).astype(v_BTHV.dtype)
