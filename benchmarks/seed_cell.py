@@ -34,14 +34,14 @@ SEED_TOTAL_GIB = 78.00  # the seed's build with every key on (seed 000, "78.00 G
 # Each lever's keys as (off, on) overrides; the recipe itself turns every one of them on.
 LEVERS = {
     "moe": (["moe.wi_fused_swiglu=false", "moe.wo_fused_dswiglu=false", "moe.router_grad_from_wo_input=false",
-             "kernels.gmm.backend=xla", "kernels.gmm.tiling=heuristic", "kernels.gmm.wi_fwd_tk=0",
-             "kernels.gmm.wo_dlhs_tk=0",
+             "kernels.gmm.backend=xla", "kernels.gmm.tiling=heuristic", "kernels.gmm.wi_fwd_tm=0",
+             "kernels.gmm.wi_fwd_tk=0", "kernels.gmm.wo_dlhs_tm=0", "kernels.gmm.wo_dlhs_tk=0",
              *[f"kernels.gmm.{k}_{d}=0" for k in ("wi_dlhs", "wi_drhs", "wo_fwd", "wo_drhs") for d in ("tm", "tk", "tn")]],
             []),  # the per-kernel tiles need explicit tiling
     "fp8_gather8": (["quant.fp8_moe_fake_quant=false", "quant.fp8_fake_quant_hoist=off"], []),
     "attention": (["attention.cp_load_balance=false", "attention.cp_load_balance_hoist_ids=false",
                    "remat.policy=full", "remat.save=[]"], []),
-    "gdn": (["gdn.cp_m_scan=false", "gdn.cp_dh_scan=false", "kernels.gdn.backend=xla"], []),
+    "gdn": (["gdn.cp_m_scan=false", "gdn.cp_dh_scan=false", "kernels.gdn.backend=xla", "kernels.gdn.precision=auto"], []),
     "wi_tile": (["kernels.gmm.wi_fwd_tile_n_per_half=0", "kernels.gmm.wi_fwd_rhs_buffer_count=0"], []),
     # Not the seed's, last: a checkpoint per layer of the block (remat.unit), the MoE over the
     # tokens in chunks (moe.token_chunks), the expert weights' FSDP split on their experts

@@ -209,7 +209,7 @@ def test_seed_cell_recipe_refused_at_a_16_mib_limit_naming_the_kernel(monkeypatc
     with pytest.raises(ConfigError) as err:
         load_config(CELL, ["kernels.gmm.vmem_limit_mib=16"], platform="tpu")
     msg = str(err.value)
-    assert "kernels.gmm.vmem_limit_mib" in msg and "wi_fwd (wi_fused_swiglu_fwd) needs 53.00 MiB" in msg, msg
+    assert "kernels.gmm.vmem_limit_mib" in msg and "wi_fwd (wi_fused_swiglu_fwd) needs 42.50 MiB" in msg, msg
     assert "16.00 MiB limit" in msg and "wo_dlhs (wo_fused_dswiglu_dlhs)" in msg, msg
 
 
@@ -275,9 +275,12 @@ def test_describe_lists_each_kernels_resolved_tiles_and_vmem():
     rows = {r["kernel"]: r for r in kernel_rows(cfg)}
     assert list(rows) == list(tiling.KERNELS)
     assert (rows["wi_fwd"]["pallas"], rows["wi_fwd"]["tk"], rows["wi_fwd"]["tn"]) == ("wi_fused_swiglu_fwd", 4096, 1024)
-    assert (rows["wo_dlhs"]["pallas"], rows["wo_dlhs"]["tk"], rows["wo_dlhs"]["tn"]) == ("wo_fused_dswiglu_dlhs", 2048, 1024)
+    assert (rows["wo_dlhs"]["pallas"], rows["wo_dlhs"]["tk"], rows["wo_dlhs"]["tn"]) == ("wo_fused_dswiglu_dlhs", 4096, 1024)
+    assert (rows["wi_fwd"]["tm"], rows["wo_dlhs"]["tm"], rows["wo_drhs"]["tm"]) == (256, 128, 128)  # each its own tm
     assert (rows["wi_dlhs"]["tk"], rows["wo_fwd"]["tk"]) == (2048, 1024)  # the shared tk fitted to 2F and F
-    assert rows["wi_fwd"]["vmem_mib"] == 53.0 and rows["wi_fwd"]["limit_mib"] == 57.6
+    # wi forward at 256 rows: 53.00 MiB at the seed's 512 less 2 x 2 MiB of x, 2 x (0.5 + 1) MiB of h and
+    # the pre-activations, 2 x 1 MiB of float32 accumulators, 1.5 MiB of epilogue values.
+    assert rows["wi_fwd"]["vmem_mib"] == 42.5 and rows["wi_fwd"]["limit_mib"] == 57.6
 
 
 def test_triton_flash_blocks_checked_against_shared_memory():
@@ -304,7 +307,7 @@ def test_a_kernel_the_compiler_refuses_is_named_with_its_own_tile_keys():
                                      "  %wo_fused_dswiglu_dlhs.3 = bf16[...] custom-call(...)"), cfg)
     msg = str(err)
     assert "wo_fused_dswiglu_dlhs" in msg and "wo_dlhs (wo_fused_dswiglu_dlhs) needs" in msg, msg
-    assert "kernels.gmm.wo_dlhs_tk=2048" in msg and "kernels.gmm.wo_dlhs_tm=512" in msg, msg  # tk its own, tm shared
+    assert "kernels.gmm.wo_dlhs_tk=4096" in msg and "kernels.gmm.wo_dlhs_tn=512" in msg, msg  # tk its own, tn shared
     assert "wi_fwd" not in msg.split("(the compiler refused it)")[1].split("; lower")[0], msg
     # The wi forward runs its own K tile (wi_fwd_tk 4096 beside the shared tk 2048).
     msg = str(_vmem_refusal(RuntimeError("CompileTimeScopedVmemOom\n  %wi_fused_swiglu_fwd = ..."), cfg))
