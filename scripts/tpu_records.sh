@@ -97,7 +97,14 @@ for stage in "$@"; do
   copy_results
   echo "== $stage ($(date -u +%H:%M:%S))"
   case $stage in
-    stamp) python3 -c 'from pathlib import Path; from hybridmoe.tools.record import write_commit_stamp; print(write_commit_stamp(Path(".")))' ;;
+    stamp) python3 -c '
+import sys
+from pathlib import Path
+from hybridmoe.tools.record import write_commit_stamp
+try:
+    print(write_commit_stamp(Path(".")))
+except ValueError as e:
+    sys.exit(f"tpu_records: {e}")' ;;
     tests) python3 benchmarks/tpu_tests.py ;;
     calibrate) python3 -m hybridmoe calibrate --out benchmarks/records/tpu_calibration.json ;;
     tiles) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --budget-s 420 --out benchmarks/records/tpu_gmm_tiles.json ;;

@@ -66,3 +66,22 @@ def test_a_new_stamp_names_the_head_now_not_the_stamp_left_from_an_earlier_send(
     second = _git(tmp_path, "rev-parse", "HEAD")
     assert write_commit_stamp(tmp_path) == second != first
     assert (tmp_path / COMMIT_STAMP).read_text().strip() == second
+
+
+def test_a_stamp_is_refused_on_a_changed_tree_and_the_stamp_there_kept(tmp_path):
+    """On the chip host the copy's own git is an older commit, the package changed from it: a stamp
+    written there named that commit "+modified" over the one carried from the sending checkout."""
+    import pytest
+
+    from hybridmoe.tools.record import write_commit_stamp
+    head = _repo(tmp_path)
+    (tmp_path / "hybridmoe").mkdir()
+    (tmp_path / "hybridmoe" / "x.py").write_text("")
+    (tmp_path / COMMIT_STAMP).write_text("c" * 40 + "\n")
+    with pytest.raises(ValueError, match=f"{head}\\+modified: a stamp names a committed tree.*the stamp there \\(c{{40}}\\) is kept"):
+        write_commit_stamp(tmp_path)
+    assert (tmp_path / COMMIT_STAMP).read_text().strip() == "c" * 40
+    (tmp_path / COMMIT_STAMP).unlink()
+    with pytest.raises(ValueError, match="a stamp names a committed tree"):
+        write_commit_stamp(tmp_path)
+    assert not (tmp_path / COMMIT_STAMP).exists()

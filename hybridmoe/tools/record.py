@@ -55,11 +55,22 @@ COMMIT_STAMP = ".source-commit"
 def write_commit_stamp(root: Path) -> str:
     """Write the commit of the checkout at `root`, as git says it now, to root/COMMIT_STAMP; return it.
 
-    A stamp left from an earlier send is removed first: read back, it would name that commit again.
+    A stamp left from an earlier send is set aside first: read back, it would name that commit again.
+    A stamp names a committed tree: where git knows no commit there, or the package differs from it
+    (a copy on an accelerator host, whose own git is not this history), nothing is written, the
+    stamp that was there is kept, and ValueError says so.
     """
-    (root / COMMIT_STAMP).unlink(missing_ok=True)
+    stamp = root / COMMIT_STAMP
+    earlier = stamp.read_text() if stamp.is_file() else None
+    stamp.unlink(missing_ok=True)
     commit = commit_of(root)
-    (root / COMMIT_STAMP).write_text(commit + "\n")
+    if not commit or commit.endswith("+modified"):
+        if earlier is not None:
+            stamp.write_text(earlier)
+        kept = f"; the stamp there ({earlier.strip()}) is kept" if earlier is not None else ""
+        raise ValueError(f"stamp: {root} is {'no commit git knows' if not commit else commit}: a stamp names a "
+                         f"committed tree (commit first, and stamp the checkout the copy is sent from){kept}")
+    stamp.write_text(commit + "\n")
     return commit
 
 
