@@ -7,10 +7,10 @@ rollout holds (never from the code under test), with the one-line bugs each chec
 - Completions that end in EOS: real rollouts that stop at EOS at different lengths in one batch;
   the trained positions (EOS in, the padding after it and the prompt out) are derived from the
   sampled tokens, then read back from the step's per-token gradient and from the real step's metrics.
-- Loss normalisers: every aggregation and estimator with dropped sequences present (zero-variance
-  groups, truncated completions, reward errors under skip_sample / skip_group), through the real
-  loop from rewards to micro-batches, against a numpy re-derivation of the loss and of its
-  gradient with respect to every token's log-prob.
+- Dynamic sampling: the rounds stop at the threshold and every logged figure comes from its rows.
+
+The loss normalisers' checks are tests/test_rl_normalisers.py's (the helpers both use:
+tests/rl_glue_shared.py).
 """
 
 from __future__ import annotations
@@ -26,70 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hybridmoe.rl.advantages as advantages_module
 import hybridmoe.rl.grpo as grpo_module
 import hybridmoe.rl.loop as rl_loop
 import hybridmoe.run.session as run_session
 from broken_variants import mutated
 from helpers import TWO_LAYERS, tiny_config
-from hybridmoe.data.arithmetic import Example
-from hybridmoe.data.tokenizer import CharTokenizer
 from hybridmoe.run.setup import build, init_state
+from rl_glue_shared import (COMPLETIONS, NORM_G, NORM_N, NORM_P, NORM_PROMPT, TOK, FixedPrompts, flat_rows, logp_table,
+                            norm_config, number_reward, reference_advantages, sampler_stub, table_policy)
 
-TOK = CharTokenizer()
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared: the numpy re-derivation of the group advantages (advantages.py's contract, written out:
-# statistics over the valid samples only, population std, leave-one-out baseline for rloo).
-
-def reference_advantages(rewards_B, skipped_B, truncated_B, G, *, estimator="grpo", mask_truncated=False,
-                         mask_zero_variance=True):
-    """(advantages float64 [B], keep bool [B]) of rows in groups of G consecutive rows."""
-    B = len(rewards_B)
-    adv, keep = np.zeros(B), np.zeros(B, bool)
-    for g in range(B // G):
-        rows = np.arange(g * G, (g + 1) * G)
-        valid = [int(r) for r in rows if not skipped_B[r]]
-        values = np.asarray([rewards_B[r] for r in valid], np.float64)
-        if not valid:
-            continue
-        for i, r in enumerate(valid):
-            others = np.delete(values, i)
-            if estimator == "grpo":
-                a = (values[i] - values.mean()) / (values.std() + 1e-6)
-            elif estimator == "rloo":
-                a = values[i] - others.mean() if len(others) else 0.0
-            else:
-                a = values[i] - values.mean()
-            kept = (estimator != "rloo" or len(valid) >= 2)
-            kept &= not mask_zero_variance or values.max() > values.min()
-            kept &= not (mask_truncated and truncated_B[r])
-            adv[r], keep[r] = (a if kept else 0.0), kept
-    return adv, keep
-
-
-def reward_error_policy(failed_B, G, policy):
-    if policy == "skip_sample":
-        return failed_B.copy()
-    if policy == "skip_group":
-        return np.repeat(failed_B.reshape(-1, G).any(axis=1), G)
-    return np.zeros_like(failed_B)
-
-
-def logp_table(B, T, seed=1):
-    return (-np.random.default_rng(seed).exponential(1.0, (B, T - 1))).astype(np.float32)
-
-
-def table_policy(params, cfg, tokens, *rest):
-    """The policy as a table: the log-probs of a micro-batch's targets are `params` itself."""
-    return params, jnp.zeros_like(params)
-
-
-def flat_rows(batch):
-    """An update batch's [M, b, ...] arrays as rows [M * b, ...] (host numpy)."""
-    return {k: np.asarray(v).reshape(-1, *np.shape(v)[2:]) for k, v in jax.device_get(batch).items()
-            if np.ndim(v) >= 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,219 +307,6 @@ def test_broken_eos_masks_are_caught(variant, eos_case, monkeypatch):
     # Each check catches it on its own: the gradient's positions, and the real step's figures.
     assert weights >= 10 * EOS_WEIGHT_TOL and step >= 10 * EOS_STEP_TOL, (
         f"{variant}: weights {weights:.2e}, step {step:.2e}")
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. Loss normalisers. The real loop from the sampler's rows to the micro-batch losses
-# (loop._grpo_step: scoring, the reward-error policy, group advantages, update rows, micro-batches,
-# each micro-batch's loss), with the model replaced by a table: the sampler stub writes fixed
-# completions and the policy's log-prob of every target is a free array, so the gradient of the
-# summed micro-batch losses is each token's weight in the loss, compared with a numpy re-derivation.
-
-NORM_P, NORM_G, NORM_PROMPT, NORM_N = 8, 4, 6, 6
-# Each row's completion text; the reward is its value as a number ("x": the reward raises). A text
-# of NORM_N characters has no room for EOS: truncated. Groups: 0 plain; 1 zero variance (every
-# value 1, at four lengths); 2 a reward error; 3, 5 and 7 truncated rows; 4 one valid sample; 6 a
-# prompt too long for rl.max_prompt_len (its rows are placeholders, never scored).
-COMPLETIONS = ("1", "0.5", "2", "0.25",
-               "1", "1.0", "01", "1.00",
-               "3", "x", "0", "12",
-               "2", "0", "000004", "1.5",
-               "x", "x", "x", "5",
-               "0.5", "000001", "3.5", "0",
-               "7", "7", "0.5", "x",
-               "000002", "000009", "1", "4")
-
-
-def number_reward(prompt: str, completion: str) -> float:
-    return float(completion)  # raises ValueError on "x": a counted reward error
-
-
-class FixedPrompts:
-    name = "fixed"
-    max_completion_chars = NORM_N
-
-    def sample(self, rng, num_examples):
-        return [Example(prompt_text(i), "") for i in range(num_examples)]
-
-
-def prompt_text(i: int) -> str:
-    return "too long" if i == SKIPPED_PROMPT else f"p{i}"
-
-
-SKIPPED_PROMPT = 6
-
-
-def sampler_logprobs(texts, N, seed=0):
-    """float32 [B, N]: a made-up sampling distribution's log-prob of each completion token, 0 past the end."""
-    lengths = np.asarray([min(len(t) + 1, N) for t in texts])
-    logprobs = -np.random.default_rng(seed).exponential(1.0, (len(texts), N))
-    return np.where(np.arange(N)[None] < lengths[:, None], logprobs, 0.0).astype(np.float32)
-
-
-def sampler_stub(texts, G, N, seed=0):
-    """The sampler's contract (rl/sampler.py) for fixed completion texts: rows [B, P + N] = the left-
-    padded prompt then the completion (EOS after the text when it fits, padding after EOS), segment 1
-    on the prompt and the completion through EOS, positions counting on; the sampling distribution's
-    log-probs (0 past the end)."""
-    def generate(params, tokens_QP, seg_QP, pos_QP, key):
-        tokens_QP, seg_QP, pos_QP = (np.asarray(a) for a in (tokens_QP, seg_QP, pos_QP))
-        B = tokens_QP.shape[0] * G
-        completion = np.full((B, N), TOK.pad_id, np.int32)
-        for b, text in enumerate(texts):
-            ids = TOK.encode(text) + ([TOK.eos_id] if len(text) < N else [])
-            completion[b, :len(ids)] = ids
-        lengths = np.asarray([min(len(t) + 1, N) for t in texts], np.int32)
-        in_completion = np.arange(N)[None] < lengths[:, None]
-        rows = np.arange(B) // G
-        comp_pos = pos_QP[rows, -1:] + 1 + np.arange(N)
-        return {"completion": completion, "logprobs": sampler_logprobs(texts, N, seed),
-                "lengths": lengths, "truncated": np.asarray([len(t) == N for t in texts]),
-                "tokens": np.concatenate([tokens_QP[rows], completion], 1),
-                "segment_ids": np.concatenate([seg_QP[rows], in_completion], 1).astype(np.int32),
-                "positions": np.concatenate([pos_QP[rows], np.where(in_completion, comp_pos, 0)], 1).astype(np.int32)}
-    return generate
-
-
-def norm_config(estimator, aggregation, reward_error, mask_truncated, mask_zero_variance, micro_batches,
-                correction="none"):
-    return tiny_config(f"rl.prompts_per_step={NORM_P}", f"rl.group_size={NORM_G}",
-                       f"rl.max_prompt_len={NORM_PROMPT}", f"rl.max_new_tokens={NORM_N}",
-                       f"rl.estimator={estimator}", f"rl.aggregation={aggregation}", f"rl.reward_error={reward_error}",
-                       f"rl.mask_truncated={str(mask_truncated).lower()}",
-                       f"rl.mask_zero_variance={str(mask_zero_variance).lower()}", f"rl.micro_batches={micro_batches}",
-                       f"rl.importance_correction={correction}", "rl.importance_cap=1.5")
-
-
-# Every estimator and aggregation; every kind of dropped sequence; 1, 2 and 4 micro-batches.
-NORM_CASES = {
-    "grpo_token_mean_skip_sample": ("grpo", "token_mean", "skip_sample", True, True, 2),
-    "grpo_seq_mean_skip_group_tis": ("grpo", "seq_mean_token_mean", "skip_group", True, True, 4, "tis"),
-    "rloo_token_mean_skip_group_tis": ("rloo", "token_mean", "skip_group", False, True, 4, "tis"),
-    "rloo_seq_mean_skip_sample": ("rloo", "seq_mean_token_mean", "skip_sample", True, False, 1),
-    "drgrpo_seq_mean_zero": ("drgrpo", "seq_mean_token_mean", "zero", False, True, 2),
-    "drgrpo_token_mean_skip_sample": ("drgrpo", "token_mean", "skip_sample", True, True, 4),
-}
-NORM_TOL = 1e-5  # relative, float32 against float64 (measured clean: ~1e-7)
-
-
-def step_weights(cfg, monkeypatch) -> dict:
-    """One GRPO step through loop._grpo_step with the sampler stub and a log-prob table as the policy:
-    (the summed micro-batch losses, d loss / d logp [B, T - 1], the rows as the step received them)."""
-    B, T = NORM_P * NORM_G, NORM_PROMPT + NORM_N
-    logp_BT = logp_table(B, T)
-    seen = {}
-    monkeypatch.setattr(grpo_module, "sequence_logprobs", table_policy)
-
-    def table_step(state, ref_params, batch):
-        batch = jax.device_get(batch)
-        M = batch["tokens"].shape[0]
-        b = B // M
-        loss, grads, sums = 0.0, [], []
-        for m in range(M):
-            mb = {k: jnp.asarray(v[m]) for k, v in batch.items()}
-            (loss_m, sums_m), g = jax.value_and_grad(
-                lambda lp: grpo_module.micro_batch_loss(lp, None, cfg, mb), has_aux=True)(logp_BT[m * b:(m + 1) * b])
-            loss, grads, sums = loss + float(loss_m), grads + [np.asarray(g)], sums + [jax.device_get(sums_m)]
-        seen.update(loss=loss, grad=np.concatenate(grads), rows=flat_rows(batch))
-        metrics = {k: sum(s[k] for s in sums) for k in grpo_module._SUM_KEYS}
-        metrics.update(ratio_max=max(s["ratio_max"] for s in sums), ratio_min=min(s["ratio_min"] for s in sums),
-                       gap_max=max(s["gap_max"] for s in sums), loss=loss, update_skipped=0.0, update_applied=1.0,
-                       grad_norm=float(np.linalg.norm(seen["grad"])))
-        return state, metrics
-
-    run = rl_loop._Run(cfg, FixedPrompts(), TOK, [(number_reward, 1.0)], build(cfg), None, table_step,
-                       sampler_stub(COMPLETIONS, NORM_G, NORM_N), None)
-    rl_loop._grpo_step(run, {"params": None}, None, 0, jax.random.key(0))
-    return {**seen, "logp": logp_BT}
-
-
-def reference_weights(cfg, logp_BT) -> dict:
-    """The loss and d loss / d logp re-derived from the completion texts (on policy: ratio 1, so
-    each kept token's pg term is -A times its importance weight)."""
-    r, G, N, P = cfg.rl, NORM_G, NORM_N, NORM_PROMPT
-    failed = np.asarray([t == "x" for t in COMPLETIONS])
-    rewards = np.asarray([0.0 if f else float(t) for t, f in zip(COMPLETIONS, failed)])
-    truncated = np.asarray([len(t) == N for t in COMPLETIONS])
-    skipped = reward_error_policy(failed, G, r.reward_error)
-    skipped[SKIPPED_PROMPT * G:(SKIPPED_PROMPT + 1) * G] = True
-    adv, keep = reference_advantages(rewards, skipped, truncated, G, estimator=r.estimator,
-                                     mask_truncated=r.mask_truncated, mask_zero_variance=r.mask_zero_variance)
-    B = len(COMPLETIONS)
-    lengths = np.asarray([len(t) + (len(t) < N) for t in COMPLETIONS])  # the text, then EOS when it fits
-    mask = np.zeros((B, P + N - 1))
-    for b, n in enumerate(lengths):
-        mask[b, P - 1:P - 1 + n] = 1.0  # completion token j is predicted at index P - 1 + j
-    kept = mask * keep[:, None]
-    if r.aggregation == "token_mean":
-        weight = kept / kept.sum()
-    else:
-        per_row = kept.sum(axis=1)
-        weight = kept / np.maximum(per_row, 1)[:, None] / (per_row > 0).sum()
-    is_weight = np.ones_like(mask)
-    if r.importance_correction == "tis":
-        sampler = np.zeros_like(mask)
-        sampler[:, P - 1:] = sampler_logprobs(COMPLETIONS, N)
-        is_weight = np.minimum(np.exp(np.asarray(logp_BT, np.float64) - sampler), r.importance_cap)
-    grad = -adv[:, None] * is_weight * weight
-    return {"loss": float(grad.sum()), "grad": grad, "advantages": adv, "keep": keep, "dropped": int((~keep).sum())}
-
-
-def normaliser_errors(monkeypatch, cases=NORM_CASES) -> dict:
-    """Per case: the loss's and the per-token weights' error relative to the re-derivation's largest
-    value, and the advantages' largest error."""
-    out = {}
-    for name, case in cases.items():
-        cfg = norm_config(*case)
-        got = step_weights(cfg, monkeypatch)
-        want = reference_weights(cfg, got["logp"])
-        assert want["dropped"] >= 4, (name, want["dropped"])  # the case holds dropped sequences with tokens
-        scale = np.abs(want["grad"]).max()
-        out[name] = max(abs(got["loss"] - want["loss"]) / max(abs(want["loss"]), 1e-3),
-                        float(np.abs(got["grad"] - want["grad"]).max() / scale),
-                        float(np.abs(got["rows"]["advantages"] - want["advantages"]).max()),
-                        float(np.sum(got["rows"]["keep"] != want["keep"])))
-    return out
-
-
-def test_every_normaliser_counts_kept_sequences_only(monkeypatch):
-    errors = normaliser_errors(monkeypatch)
-    assert max(errors.values()) < NORM_TOL, errors
-
-
-# One-line bugs in the normalisers: the estimators' group statistics, the loop's masks, the
-# update's denominator and its split into micro-batches.
-NORM_BROKEN = {
-    "dropped_sequence_in_the_denominator": (grpo_module, "step_normalizer", "kept_BT = mask_BT * keep_B[:, None]",
-                                            "kept_BT = mask_BT + 0 * keep_B[:, None]"),
-    "seq_mean_over_all_sequences": (grpo_module, "step_normalizer", "return float((kept_BT.sum(axis=1) > 0).sum())",
-                                    "return float(kept_BT.shape[0])"),
-    "normaliser_per_micro_batch": (grpo_module, "split_update_batch",
-                                   '"normalizer": np.full((M,), normalizer, np.float32)',
-                                   '"normalizer": np.asarray([step_normalizer(cfg, m, k) for m, k in zip('
-                                   'split(rows["mask"]), split(rows["keep"].astype(np.float32)))], np.float32)'),
-    "group_mean_over_skipped_samples": (advantages_module, "group_advantages",
-                                        "mean_P1 = r_PG.sum(axis=1, keepdims=True) / jnp.maximum(n_P1, 1.0)",
-                                        "mean_P1 = r_PG.mean(axis=1, keepdims=True)"),
-    "sample_std": (advantages_module, "group_advantages",
-                   "(centred_PG**2).sum(axis=1, keepdims=True) / jnp.maximum(n_P1, 1.0)",
-                   "(centred_PG**2).sum(axis=1, keepdims=True) / jnp.maximum(n_P1 - 1.0, 1.0)"),
-    "rloo_baseline_over_the_whole_group": (advantages_module, "group_advantages",
-                                           "centred_PG * n_P1 / jnp.maximum(n_P1 - 1.0, 1.0)",
-                                           "centred_PG * rewards_PG.shape[1] / (rewards_PG.shape[1] - 1.0)"),
-    "truncated_rows_not_masked": (rl_loop, "_grpo_step", "mask_truncated=r.mask_truncated",
-                                  "mask_truncated=False"),
-}
-
-
-@pytest.mark.parametrize("variant", list(NORM_BROKEN))
-def test_broken_normalisers_are_caught(variant, monkeypatch):
-    module, name, old, new = NORM_BROKEN[variant]
-    broken = mutated(module, name, old, new)
-    # The loop holds its own references to the advantage function and its step.
-    monkeypatch.setattr(rl_loop if module is advantages_module else module, name, broken)
-    errors = normaliser_errors(monkeypatch)
-    assert max(errors.values()) >= 10 * NORM_TOL, f"{variant}: {errors}"
 
 
 # ---------------------------------------------------------------------------------------------
