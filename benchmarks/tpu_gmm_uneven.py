@@ -26,11 +26,17 @@ backend `pallas_tpu_table`.
 Writes benchmarks/records/tpu_gmm_uneven.json: device, commit, ceiling_tflops (a bf16 8192^3 matmul,
 median of 10), sizes (the uneven split), kernels: name -> {kind, m, k, n, groups, seed_tiles,
 seed_ms, tiles, ms, tflops (useful 2 M K N per second, of ms), seed_tflops, even_seed_ms, even_ms,
-timed, commit}, totals: gmm_cell and moe_mlp_cell fwd + bwd at the seed and the found tiles.
+timed, commit, aligned: {A: {ms, tflops, rows}} with --aligned}, totals: gmm_cell and moe_mlp_cell
+fwd + bwd at the seed and the found tiles, aligned_totals: the same per alignment.
+
+--aligned A,B also times each kernel on the layout moe.group_align_rows=A gives (hybridmoe/model/
+moe_align.py): each group padded to a multiple of A rows, at row tile A and the found tk and tn, so
+no tile spans two groups; useful TFLOP/s count the real rows only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import tempfile
@@ -85,6 +91,25 @@ def totals(rows: dict, calls_: dict) -> dict:
     return out
 
 
+def aligned_sizes(sizes: list[int], align: int) -> list[int]:
+    """Each group's rows rounded up to a multiple of `align`: the sizes the kernels see under
+    moe.group_align_rows (every expert local, as at the cell: no padding before the first)."""
+    return [-(-s // align) * align for s in sizes]
+
+
+def aligned_totals(rows: dict, calls_: dict) -> dict:
+    """Per total of TOTALS and per alignment every kernel was timed at: useful TFLOP/s (the real rows'
+    FLOPs over the summed milliseconds on the aligned layout)."""
+    out = {}
+    for label, names in TOTALS.items():
+        common = set.intersection(*(set(rows.get(n, {}).get("aligned", {})) for n in names))
+        for a in sorted(common, key=int):
+            flops = sum(2 * calls_[n].m * calls_[n].k * calls_[n].n for n in names)
+            ms = sum(rows[n]["aligned"][a]["ms"] for n in names)
+            out.setdefault(label, {})[a] = {"ms": ms, "tflops": flops / ms / 1e9}
+    return out
+
+
 def table_entries(rows: dict) -> list[dict]:
     """The tile table's entries (tune_gmm.entry's form) of the kernels searched, marked as measured at
     the uneven split; the seed tiles' time is the entry's before."""
@@ -98,7 +123,7 @@ def table_entries(rows: dict) -> list[dict]:
     return out
 
 
-def format_table(rows: dict, total: dict, ceiling: float) -> str:
+def format_table(rows: dict, total: dict, ceiling: float, aligned_total: dict | None = None) -> str:
     lines = [f"{'kernel':<34} {'seed tiles':>16} {'ms':>8} {'TFLOP/s':>8}   {'found tiles':>16} {'ms':>8} "
              f"{'TFLOP/s':>8} {'of ceiling':>10}   {'even: seed':>10} {'found':>8}"]
     for name, r in rows.items():
@@ -113,6 +138,13 @@ def format_table(rows: dict, total: dict, ceiling: float) -> str:
     for label, t in total.items():
         lines.append(f"{label:<34} {'':>16} {t.get('seed_ms', float('nan')):>8.3f} {t.get('seed_tflops', float('nan')):>8.1f}"
                      f"   {'':>16} {t['ms']:>8.3f} {t['tflops']:>8.1f} {t['tflops'] / ceiling:>10.2f}")
+    aligned_total = aligned_total or {}
+    aligned = {name: r["aligned"] for name, r in rows.items() if r.get("aligned")}
+    if aligned:
+        lines.append("on the aligned layout (moe.group_align_rows = row tile A; useful TFLOP/s of the real rows):")
+        for name, by_a in {**aligned, **aligned_total}.items():
+            cells = "   ".join(f"A {a}: {v['ms']:.3f} ms {v['tflops']:.1f}" for a, v in sorted(by_a.items(), key=lambda i: int(i[0])))
+            lines.append(f"  {name:<32} {cells}")
     lines.append(f"ceiling (bf16 8192^3 matmul): {ceiling:.1f} TFLOP/s")
     return "\n".join(lines)
 
@@ -130,6 +162,9 @@ def main(argv=None) -> int:
                    help="where each kernel's search starts: the seed recipe's tiles (default), or the tiles the "
                         "record at --out found (the seed's timed beside them)")
     p.add_argument("--rounds", type=int, default=3, help="coordinate-search rounds per kernel (default 3)")
+    p.add_argument("--aligned", default="", metavar="A,B",
+                   help="also time each kernel on the layout of moe.group_align_rows=A (each group padded to a "
+                        "multiple of A rows) at row tile A and the found tk, tn; comma-separated alignments")
     args = p.parse_args(argv)
     if args.tiny and args.out == p.get_default("out"):
         args.out = tempfile.mkstemp(prefix="tpu_gmm_uneven_tiny_", suffix=".json")[1]
@@ -176,6 +211,7 @@ def main(argv=None) -> int:
             return math.inf
 
     current = [""]
+    alignments = [int(a) for a in args.aligned.split(",") if a]
     # --start record: this device's rows of the record at --out (merged_with_earlier over no new rows)
     earlier = (harness.merged_with_earlier(args.out, "kernels", {}, machine_record()["device"], source_commit())
                if args.start == "record" else {})
@@ -186,7 +222,8 @@ def main(argv=None) -> int:
         rows.clear()
         rows.update(harness.merged_with_earlier(args.out, "kernels", now, machine_record()["device"], source_commit()))
         harness.write(args.out, "tpu_gmm_uneven", ceiling_tflops=ceiling, geometry=g, sizes=uneven, kernels=rows,
-                      totals=totals(rows, kernel_calls), interpret=args.tiny,
+                      totals=totals(rows, kernel_calls), aligned_totals=aligned_totals(rows, kernel_calls),
+                      interpret=args.tiny,
                       method=f"tune_gmm.kernel_seconds (median of {args.repeats} after one warm call) of each kernel "
                              f"alone at the uneven split; the tiles by tune_gmm.search ({args.rounds} rounds) from "
                              f"{start_from}; useful TFLOP/s 2 M K N per second; the even split for both tilings")
@@ -218,6 +255,15 @@ def main(argv=None) -> int:
                            even_seed_ms=seconds(call, seed_t) * 1e3)
         except Exception as e:  # noqa: BLE001 - one kernel's failure is recorded, the others go on
             row = {**call.key(), "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        if "tiles" in row and alignments:
+            # The aligned layout: the same real rows, each group from a multiple of a, at row tile a.
+            row["aligned"] = {}
+            for a in alignments:
+                padded = aligned_sizes(uneven, a)
+                call_a = dataclasses.replace(call, m=sum(padded))
+                s = seconds(call_a, Tiling(tm=a, tk=row["tiles"][1], tn=row["tiles"][2]), padded)
+                if math.isfinite(s):
+                    row["aligned"][str(a)] = {"ms": s * 1e3, "tflops": useful_tflops(call, s), "rows": sum(padded)}
         if refused.get(name):
             row["refused"] = refused[name]
         now[name] = row
@@ -228,7 +274,7 @@ def main(argv=None) -> int:
         entries = table_entries(rows)
         tune_gmm.write_table(tune_gmm.check_host(), entries, tune_gmm.about({"device": jax.devices()[0].device_kind}))
         log(f"{len(entries)} entries into the tile table ({tile_table.TABLE_FILE})")
-    print(format_table(rows, totals(rows, kernel_calls), ceiling))
+    print(format_table(rows, totals(rows, kernel_calls), ceiling, aligned_totals(rows, kernel_calls)))
     return 0
 
 

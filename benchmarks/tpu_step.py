@@ -63,6 +63,9 @@ ARMS = {
     # kernels.gdn.precision), and that at chunk 128 (1.32x and 1.45x the core alone at the 397B cell).
     "gdn_bf16": ["kernels.gdn.precision=bfloat16"],
     "gdn_bf16_chunk128": ["kernels.gdn.precision=bfloat16", "gdn.chunk_size=128"],
+    # The Pallas grouped matmuls at the table's tiles (tm 1,024 at this recipe's shapes) on the layout
+    # where no row tile spans two experts (docs/levers.md, moe.group_align_rows).
+    "pallas_gmm_auto_aligned": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.group_align_rows=1024"],
     "pallas_gmm": ["kernels.gmm.backend=pallas_tpu"],  # at the heuristic: on a TPU the chip's rule
     # Each grouped matmul at the tiles `hybridmoe tune-gmm` measured fastest for its shape on this
     # generation (scripts/tpu_records.sh's tiles stage runs first); the heuristic ones without an entry.

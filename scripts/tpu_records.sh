@@ -17,6 +17,7 @@
 #   gmm-uneven benchmarks/tpu_gmm_uneven.py -> benchmarks/records/tpu_gmm_uneven.json: the MoE layer's six
 #              grouped matmuls at the cell's shapes and uneven groups, their tiles searched there
 #   gmm-uneven-again  the same, one search round from the tiles the record found (after a kernel change)
+#   gmm-aligned  the same kernels at the record's tiles, and on moe.group_align_rows' layout (64, 128)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #   step-holdout  its default arm at other shapes -> tpu_step_seq4096.json, tpu_step_layers8_experts8.json
 #   peer-full, peer-minimal  benchmarks/peer_maxtext.py -> benchmarks/records/tpu_peer.json: MaxText's own step
@@ -115,6 +116,7 @@ except ValueError as e:
     kernels-missing) python3 benchmarks/tpu_kernels.py --missing --compile-cache .tpu-cache ;;
     gmm-uneven) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache ;;
     gmm-uneven-again) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 1 ;;
+    gmm-aligned) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 0 --aligned 64,128 ;;
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
     step-holdout)
       # The calibrated model on shapes it was not calibrated or checked on: the default arm of the
@@ -136,6 +138,6 @@ except ValueError as e:
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-missing, gmm-uneven, gmm-uneven-again, step, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, step, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done

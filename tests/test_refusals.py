@@ -292,6 +292,16 @@ CASES: dict[str, Case] = {
     # Accepted before, it ran the whole warm-up and then raised NotImplementedError in the sampler.
     "replay_with_token_chunks": case("_moe_routing_replay", ["moe.routing_replay=true", "moe.token_chunks=2"],
                                      ("moe.token_chunks", "one pass over the tokens; set it to 1")),
+    "group_align_off_tile_on_dense": case("_moe_group_align_rows", ["moe.group_align_rows=12", "moe.impl=dense"],
+                                          ("moe.group_align_rows", "must be a multiple of 8 (a row tile's sublanes), e.g. "
+                                           "the grouped matmuls' row tile; got 12; needs moe.impl=sparse (the "
+                                           "sort-and-group path); the dense reference has no rows to place")),
+    "group_align_with_buffers": case(("_moe_group_align_rows", "_moe_capacity_factor"),
+                                     ["moe.group_align_rows=8", "moe.capacity_factor=1.0"],
+                                     ("moe.group_align_rows", "needs a dropless MoE (moe.capacity_factor=0)"),
+                                     ("moe.capacity_factor", "dropless MoE only")),
+    "group_align_with_replay": case("_moe_group_align_rows", ["moe.group_align_rows=8", "moe.routing_replay=true"],
+                                    ("moe.group_align_rows", "moe.routing_replay runs the default MoE program")),
     # GDN
     "gdn_chunks_vs_context_ranks": case("_gdn_context_parallel", [*CP2], ("gdn.chunk_size", "whole chunks on every "
                                                                           "context rank")),

@@ -189,3 +189,33 @@ def test_the_search_takes_the_row_tiles_it_is_given(script):
     call = Call("gmm", 200, 256, 256, 5, 2, None)
     assert tune_gmm.axis_candidates(call)["tm"] == [128]
     assert tune_gmm.axis_candidates(call, script.ROW_TILES)["tm"] == [64, 128]
+
+
+def test_aligned_layout_is_timed_on_padded_groups_and_counted_by_the_real_rows(script, monkeypatch, tmp_path):
+    """--aligned 64: each kernel timed at row tile 64 (the found tk, tn) on the sizes moe.group_align_rows=64
+    gives (every group rounded up to a multiple of 64, the call's rows their sum), its useful TFLOP/s by
+    the real 200 rows; the aligned totals sum the kernels' times."""
+    from hybridmoe.tools import chip_cases, tune_gmm
+
+    monkeypatch.setitem(sys.modules, "tpu_kernels", SimpleNamespace(matmul_ceiling_tflops=lambda size, repeats: 100.0))
+    monkeypatch.setattr(script.harness, "configure", lambda *a, **k: None)
+    seen = []
+
+    def fake(call, t, *, repeats, interpret, sizes=None):
+        seen.append((call.m, t.tm, None if sizes is None else list(sizes)))
+        return 1e-3 * (3 if t.tm == 64 and sizes is not None and sum(sizes) == call.m != 200 else 1)
+
+    monkeypatch.setattr(tune_gmm, "kernel_seconds", fake)
+    out = tmp_path / "r.json"
+    assert script.main(["--tiny", "--out", str(out), "--repeats", "1", "--rounds", "0", "--only", "wi_fwd,wi_dlhs,wi_drhs",
+                        "--aligned", "64"]) == 0
+    rec = json.loads(out.read_text())
+    sizes = [int(s) for s in chip_cases.group_sizes(200, 5)]
+    padded = [-(-s // 64) * 64 for s in sizes]
+    assert script.aligned_sizes(sizes, 64) == padded and sum(padded) > 200 and all(p % 64 == 0 for p in padded)
+    assert (sum(padded), 64, padded) in seen
+    wi = rec["kernels"]["wi_fwd"]["aligned"]["64"]
+    assert wi["rows"] == sum(padded) and wi["ms"] == pytest.approx(3.0)
+    assert wi["tflops"] == pytest.approx(2 * 200 * 256 * 256 / 3e-3 / 1e12)
+    total = rec["aligned_totals"]["gmm_cell (wi fwd + bwd)"]["64"]
+    assert total["ms"] == pytest.approx(9.0)

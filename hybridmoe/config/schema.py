@@ -177,6 +177,12 @@ class MoEConfig(Section):
         False, description="The backward of the dispatch's two row moves (tokens to expert order, outputs back) as "
         "gathers by the inverse permutation, where autodiff writes scatter-adds: the same sums (a token's k rows "
         "summed in float32), no scatter. On the sort-and-group paths (ragged_dot and the kernel family).")
+    group_align_rows: int = Field(
+        0, ge=0, description="The sort-and-group dispatch writes each local expert's rows from a multiple of this "
+        "many and pads the expert to a whole multiple with zero rows, so a grouped matmul whose row tile divides it "
+        "never computes a tile that spans two experts twice (on average half a tile of padding per expert instead "
+        "of a whole tile per expert edge: docs/levers.md). Every real row is computed as without it. 0 = off; a "
+        "multiple of 8; dropless only.")
     routing_replay: bool = Field(
         False, description="Rollout routing replay (GRPO): the sampler records each token's experts per layer and "
         "the trainer's forward routes by them (weights from its own router over those experts)."

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec
 
 from hybridmoe.config.schema import GmmKernelConfig, KernelsConfig, ModelConfig, MoEConfig, QuantConfig
 from hybridmoe.kernels import gmm as K
-from hybridmoe.model import scopes
+from hybridmoe.model import moe_align, scopes
 from hybridmoe.parallel.rules import logical_to_spec, mesh_axes_of
 from hybridmoe.quant.gmm_fp8 import gmm_fp8
 
@@ -211,6 +211,7 @@ class GroupedPlan:
     xla_tile_rows: int = 128
     token_chunks: int = 1
     gather_backward: bool = False
+    align_rows: int = 0  # moe.group_align_rows: each local expert's rows padded to a multiple (moe_align.py)
 
     @classmethod
     def of(cls, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None,
@@ -230,7 +231,7 @@ class GroupedPlan:
             tile_n_per_half=(g.wi_fwd_tile_n_per_half or None) if explicit else None,
             rhs_buffer_count=g.wi_fwd_rhs_buffer_count, fp8=bool(quant and quant.fp8_gmm),
             xla_impl=K.xla_impl_for(g.xla_impl, platform), xla_tile_rows=g.xla_tile_rows, token_chunks=moe.token_chunks,
-            gather_backward=moe.gather_backward)
+            gather_backward=moe.gather_backward, align_rows=moe.group_align_rows)
 
     @property
     def runs_row_tiles(self) -> bool:
@@ -241,7 +242,8 @@ class GroupedPlan:
     def is_default(self) -> bool:
         """No lever, no buffer, the xla backend: the default program (`sparse_experts`)."""
         return not (self.capacity_factor or self.wi_fused_swiglu or self.wo_fused_dswiglu
-                    or self.router_grad_from_wo_input or self.backend != "xla" or self.fp8 or self.token_chunks > 1)
+                    or self.router_grad_from_wo_input or self.backend != "xla" or self.fp8 or self.token_chunks > 1
+                    or self.align_rows > 0)
 
 
 def default_grouped_dot(kernels: KernelsConfig | None):
@@ -371,17 +373,27 @@ def _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_
         order_M = order_M[jnp.argsort(jnp.where(keep_M, e_sorted_M, E), stable=True)]
         group_sizes_E = kept_E
         rows = min(M, E * cap)
-    buffer_R = order_M[:rows]
-    inverse_M = jnp.argsort(order_M)
-    x_RD = _token_rows(x_TD, buffer_R, inverse_M, k, plan.gather_backward)
-    w_R = w_Tk.reshape(-1)[buffer_R]
+    if plan.align_rows:
+        # Each local expert from a multiple of align_rows, padded with zero rows (dropless only).
+        buffer_A, inverse_M, group_sizes_E = moe_align.aligned_layout(
+            flat_e_M, order_M, group_sizes_E, align=plan.align_rows, group_offset=group_offset, num_local=G)
+        x_RD = moe_align.token_rows(x_TD, buffer_A, inverse_M, k, plan.gather_backward)
+        w_R = moe_align.row_values(w_Tk.reshape(-1), buffer_A)
+    else:
+        buffer_R = order_M[:rows]
+        inverse_M = jnp.argsort(order_M)
+        x_RD = _token_rows(x_TD, buffer_R, inverse_M, k, plan.gather_backward)
+        w_R = w_Tk.reshape(-1)[buffer_R]
     y_RD = _expert_mlp(x_RD, w_R, wi_GD2F.astype(dt), wo_GFD.astype(dt), group_sizes_E, plan,
                        group_offset, weights_out=weights_out)
     if weights_out:
         y_RD, weights = y_RD
-    if rows < M:
-        y_RD = jnp.concatenate([y_RD, jnp.zeros((M - rows, y_RD.shape[1]), dt)])
-    y_MD = _unsorted_rows(y_RD, order_M, inverse_M, plan.gather_backward)
+    if plan.align_rows:
+        y_MD = moe_align.unsorted_rows(y_RD, buffer_A, inverse_M, plan.gather_backward)
+    else:
+        if rows < M:
+            y_RD = jnp.concatenate([y_RD, jnp.zeros((M - rows, y_RD.shape[1]), dt)])
+        y_MD = _unsorted_rows(y_RD, order_M, inverse_M, plan.gather_backward)
     y_TD = jnp.sum(y_MD.reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
     return (y_TD, dropped, weights) if weights_out else (y_TD, dropped)
 

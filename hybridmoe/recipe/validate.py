@@ -736,3 +736,21 @@ def _kernels_vmem(cfg: Config, f: Facts) -> list[Problem]:
     if "gdn" in cfg.model.layer_pattern and _gdn_backend(cfg, f) == "pallas_tpu":
         out += over_problems("kernels.gdn.backend", gdn_vmem_needs(cfg), "lower gdn.chunk_size or use kernels.gdn.backend=xla")
     return out
+
+
+@rule("moe.group_align_rows", "moe.impl", "moe.capacity_factor", "moe.routing_replay")
+def _moe_group_align_rows(cfg: Config, f: Facts) -> list[Problem]:
+    """The aligned dispatch (model/moe_align.py) is the sort-and-group path's, dropless."""
+    moe, a = cfg.moe, cfg.moe.group_align_rows
+    if not a:
+        return []
+    unmet = []
+    if a % 8:
+        unmet.append(f"must be a multiple of 8 (a row tile's sublanes), e.g. the grouped matmuls' row tile; got {a}")
+    if moe.impl != "sparse":
+        unmet.append("needs moe.impl=sparse (the sort-and-group path); the dense reference has no rows to place")
+    if moe.capacity_factor > 0:
+        unmet.append("needs a dropless MoE (moe.capacity_factor=0)")
+    if moe.routing_replay:
+        unmet.append("moe.routing_replay runs the default MoE program; set it to 0")
+    return [("moe.group_align_rows", "; ".join(unmet))] if unmet else []

@@ -1,0 +1,130 @@
+"""The MoE dispatch with each local expert's rows padded to a multiple of `align` rows (moe.group_align_rows).
+
+Legend: T tokens, k experts per token, M = T k (token, slot) rows, E experts, G local experts,
+A = M + (G + 1) (align - 1) rows of the aligned buffer (a static bound).
+
+The grouped matmuls visit a row tile once for each group whose rows it holds: a tile that straddles
+two experts is computed twice, once per expert, each time in full. With 128 experts of about 512
+rows in 128-row tiles that is 127 extra tiles, 25% more than the rows need (docs/tpu.md). Here the
+dispatch writes each local expert's rows from a multiple of `align` and pads the expert to a whole
+multiple with zero rows; the kernels see group sizes that are multiples of `align`, so a kernel whose
+row tile divides `align` never computes a tile twice. The padding costs the rows it adds (on average
+half a tile per expert) and nothing else: the same gather places the rows, the same gather brings
+the outputs back.
+
+Every real row is computed as without the lever: the same row through the same expert's weights.
+A padding row is zero, with a zero routing weight: its output is zero and never read back, and it
+adds nothing to a weight's gradient. Experts that are not local keep their rows in the sort's order
+(the kernels skip them); the rows before the first local expert are padded to a multiple too, so
+the buffer grows by at most (G + 1) (align - 1) rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+PAD = -1  # the buffer's index of a padding row
+
+
+def aligned_rows(num_rows: int, num_local: int, align: int) -> int:
+    """A: the aligned buffer's rows, at most `align - 1` padding rows per local expert and before the first."""
+    return num_rows + (num_local + 1) * (align - 1)
+
+
+def aligned_layout(flat_e_M, order_M, group_sizes_E, *, align: int, group_offset, num_local: int):
+    """(buffer_A, inverse_M, padded_sizes_E) of rows sorted by expert (order_M, a stable argsort of
+    flat_e_M) laid out with each local expert [offset, offset + G) starting at a multiple of `align`.
+
+    buffer_A [A] int32: the (token, slot) row at each position, PAD for a padding row.
+    inverse_M [M] int32: each (token, slot) row's position in the buffer.
+    padded_sizes_E [E] int32: the local experts' sizes rounded up to a multiple of `align` (their
+    padding rows belong to them); the expert before the first local one also holds the padding that
+    brings that one's start to a multiple of `align`; the others' as they were.
+    """
+    M = flat_e_M.shape[0]
+    E = group_sizes_E.shape[0]
+    sizes_E = group_sizes_E.astype(jnp.int32)
+    experts_E = jnp.arange(E, dtype=jnp.int32)
+    off = jnp.asarray(group_offset, jnp.int32)
+    local_E = (experts_E >= off) & (experts_E < off + num_local)
+    starts_E = jnp.cumsum(sizes_E) - sizes_E
+    # The first local expert starts at the next multiple of align: the rows up to it are padding
+    # the expert before it holds (a foreign one, which the kernels skip).
+    gap = -(-starts_E[off] // align) * align - starts_E[off]
+    padded_E = jnp.where(local_E, -(-sizes_E // align) * align, sizes_E) + jnp.where(experts_E == off - 1, gap, 0)
+    padded_starts_E = jnp.cumsum(padded_E) - padded_E
+    e_sorted_M = flat_e_M[order_M].astype(jnp.int32)
+    # The i-th row in expert order keeps its place within its expert, from the expert's new start.
+    position_M = padded_starts_E[e_sorted_M] + jnp.arange(M, dtype=jnp.int32) - starts_E[e_sorted_M]
+    A = aligned_rows(M, num_local, align)
+    buffer_A = jnp.full((A,), PAD, jnp.int32).at[position_M].set(order_M.astype(jnp.int32))
+    inverse_M = jnp.zeros((M,), jnp.int32).at[order_M].set(position_M)
+    return buffer_A, inverse_M, padded_E
+
+
+def token_rows(x_TD, buffer_A, inverse_M, k: int, gather_backward: bool):
+    """[A, D]: each position's token row (a copy), zero at padding positions."""
+    if gather_backward:
+        return _token_rows_gathered(x_TD, buffer_A, inverse_M, k)
+    return _token_rows(x_TD, buffer_A, k)
+
+
+def _token_rows(x_TD, buffer_A, k):
+    real_A = buffer_A >= 0
+    rows = x_TD[jnp.where(real_A, buffer_A, 0) // k]
+    return jnp.where(real_A[:, None], rows, jnp.zeros((), x_TD.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _token_rows_gathered(x_TD, buffer_A, inverse_M, k):
+    return _token_rows(x_TD, buffer_A, k)
+
+
+def _token_rows_fwd(x_TD, buffer_A, inverse_M, k):
+    return _token_rows(x_TD, buffer_A, k), inverse_M
+
+
+def _token_rows_bwd(k, inverse_M, g_AD):
+    # A token's gradient: its k rows' gradients read at their positions (padding rows are never
+    # read), summed over the slots in float32.
+    M, D = inverse_M.shape[0], g_AD.shape[1]
+    g_TD = jnp.sum(g_AD[inverse_M].reshape(M // k, k, D).astype(jnp.float32), axis=1).astype(g_AD.dtype)
+    return g_TD, None, None
+
+
+_token_rows_gathered.defvjp(_token_rows_fwd, _token_rows_bwd)
+
+
+def row_values(v_M, buffer_A):
+    """[A]: a per-(token, slot) value (the routing weight) at each position, zero at padding."""
+    real_A = buffer_A >= 0
+    return jnp.where(real_A, v_M[jnp.where(real_A, buffer_A, 0)], jnp.zeros((), v_M.dtype))
+
+
+def unsorted_rows(y_AD, buffer_A, inverse_M, gather_backward: bool):
+    """[M, D]: the buffer's rows back in (token, slot) order (padding rows dropped)."""
+    if gather_backward:
+        return _unsorted_rows_gathered(y_AD, buffer_A, inverse_M)
+    return y_AD[inverse_M]
+
+
+@jax.custom_vjp
+def _unsorted_rows_gathered(y_AD, buffer_A, inverse_M):
+    return y_AD[inverse_M]
+
+
+def _unsorted_rows_fwd(y_AD, buffer_A, inverse_M):
+    return y_AD[inverse_M], buffer_A
+
+
+def _unsorted_rows_bwd(buffer_A, g_MD):
+    # dy at a position is the gradient of the row placed there; a padding position's is zero.
+    real_A = buffer_A >= 0
+    g_AD = jnp.where(real_A[:, None], g_MD[jnp.where(real_A, buffer_A, 0)], jnp.zeros((), g_MD.dtype))
+    return g_AD, None, None
+
+
+_unsorted_rows_gathered.defvjp(_unsorted_rows_fwd, _unsorted_rows_bwd)
