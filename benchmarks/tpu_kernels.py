@@ -101,7 +101,9 @@ def run_case(case, rounds: int, log) -> tuple[dict, dict]:
                 result = jax.block_until_ready(compiled(*args))
                 if ref is not None:
                     expected = ref.fwd if part == "fwd" else ref.fwd_bwd
-                    row[f"{part}_rel_err"] = relative_error(case.view(result, backward=part == "fwd_bwd"), expected)
+                    backward = part == "fwd_bwd"
+                    row[f"{part}_rel_err"] = relative_error(case.view(built.restore(result, backward), backward=backward),
+                                                            expected)
                 del result
                 programs[(name, part)] = (compiled, args)
         except Exception as e:  # noqa: BLE001 - one backend's failure is recorded, the others run

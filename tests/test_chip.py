@@ -42,8 +42,9 @@ BF16_OUT, MOE, GDN, F32 = 1e-2, 2e-2, 5e-2, 1e-4
 TOLERANCE = {"gmm": BF16_OUT, "moe_mlp": MOE, "gdn": GDN, "attention": BF16_OUT}
 XLA_PATH = {"gmm": "ragged_dot", "moe_mlp": "xla", "gdn": "xla", "attention": "xla"}
 # Our Pallas kernels of each family (the benchmark's other arms, splash and tokamax, are not ours to test).
-PALLAS = {"gmm": ("pallas_tpu", "pallas_tpu_128", "pallas_tpu_table"), "moe_mlp": ("pallas_tpu", "pallas_tpu_fused", "pallas_tpu_table",
-                                                                        "pallas_tpu_fused_table"),
+PALLAS = {"gmm": ("pallas_tpu", "pallas_tpu_128", "pallas_tpu_table", "pallas_tpu_aligned_128"),
+          "moe_mlp": ("pallas_tpu", "pallas_tpu_fused", "pallas_tpu_table", "pallas_tpu_fused_table",
+                      "pallas_tpu_fused_aligned_128"),
           "gdn": ("pallas_tpu", *cc.GDN_SETTINGS), "attention": ("pallas_tpu", "pallas_tpu_256x512")}
 
 
@@ -69,8 +70,9 @@ def _host(tree):
 def run_backend(case, backend: str, inputs):
     """(forward output, (output, gradients)) of a backend, each as the reference covers it, on the host."""
     built = case.backends[backend](inputs)
-    fwd = case.view(built.fwd[0](*built.fwd[1]), backward=False)
-    both = case.view(built.fwd_bwd[0](*built.fwd_bwd[1]), backward=True) if built.fwd_bwd else None
+    fwd = case.view(built.restore(built.fwd[0](*built.fwd[1]), False), backward=False)
+    both = (case.view(built.restore(built.fwd_bwd[0](*built.fwd_bwd[1]), True), backward=True)
+            if built.fwd_bwd else None)
     return _host(fwd), _host(both)
 
 

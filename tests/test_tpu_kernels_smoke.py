@@ -25,8 +25,9 @@ def test_tiny_grouped_matmul_runs_end_to_end(tmp_path):
     fwd_flops, both_flops = 2 * 200 * 256 * 256, 3 * 2 * 200 * 256 * 256
     assert record["cases"]["gmm_tiny"]["flops_fwd"] == fwd_flops
     skipped = record["cases"]["gmm_tiny"]["skipped"]
-    assert set(rows) | set(skipped) == {"ragged_dot", "pallas_tpu", "pallas_tpu_128", "pallas_tpu_table", "tokamax"}
-    for backend in ("ragged_dot", "pallas_tpu", "pallas_tpu_128", "pallas_tpu_table"):
+    assert set(rows) | set(skipped) == {"ragged_dot", "pallas_tpu", "pallas_tpu_128", "pallas_tpu_table",
+                                        "pallas_tpu_aligned_16", "tokamax"}
+    for backend in ("ragged_dot", "pallas_tpu", "pallas_tpu_128", "pallas_tpu_table", "pallas_tpu_aligned_16"):
         r = rows[backend]
         assert "error" not in r, r
         assert r["ms"] == r["fwd_bwd_ms"] > 0 and r["fwd_ms"] > 0
@@ -66,7 +67,7 @@ def test_a_cases_milliseconds_are_its_median_wall_time(monkeypatch):
     benchmark = _benchmark()
     x = jnp.arange(4.0)
     double = jax.jit(lambda a: 2 * a)
-    built = SimpleNamespace(fwd=(double, (x,)), fwd_bwd=(double, (x,)))
+    built = SimpleNamespace(fwd=(double, (x,)), fwd_bwd=(double, (x,)), restore=lambda out, backward: out)
     case = SimpleNamespace(name="stub", shape=(4,), flops=(6e9, 30e9), skipped={},
                            reference=lambda: SimpleNamespace(fwd=2 * x, fwd_bwd=2 * x), make_inputs=lambda: None,
                            backends={"stub": lambda inputs: built}, view=lambda result, backward: result)

@@ -114,19 +114,25 @@ def kernel_factor(measured_s: float, estimate: dict) -> dict[str, float]:
     return {name: factor for name in estimate["kernels"]}
 
 
+# The backends whose kernels the factors are read from: every Mosaic kernel the cases run is in one of
+# them (the other Pallas arms run the same kernels at other tiles or settings, and would only add chip time).
+CALIBRATED_BACKENDS = ("pallas_tpu", "pallas_tpu_fused")
+
+
 def kernel_factors(hw, geometry: str, *, interpret: bool = False, repeats: int = 5,
                    families=None) -> dict[str, dict]:
-    """{kernel: {"factor", "case", "backend", "measured_s", "modelled_s"}} over the Pallas backends of
-    every kernel case at `geometry` (or of the families named): each timed forward + backward
-    (forward where there is none), against the model of its compiled program on `hw` (with the
-    measured rates, no factors yet). A kernel met in several cases keeps its first one's factor."""
+    """{kernel: {"factor", "case", "backend", "measured_s", "modelled_s"}} over the backends
+    CALIBRATED_BACKENDS of every kernel case at `geometry` (or of the families named): each timed
+    forward + backward (forward where there is none), against the model of its compiled program on
+    `hw` (with the measured rates, no factors yet). A kernel met in several cases keeps its first one's
+    factor."""
     from hybridmoe.analysis.step_estimate import estimate
     from hybridmoe.tools import chip_cases
 
     out: dict[str, dict] = {}
     for case in chip_cases.cases(geometry, interpret=interpret, families=families).values():
         for backend, build in case.backends.items():
-            if not backend.startswith("pallas"):
+            if backend not in CALIBRATED_BACKENDS:
                 continue
             built = build()
             fn, args = built.fwd_bwd or built.fwd

@@ -10,7 +10,8 @@ every Pallas kernel on the chip against the XLA path and the reference) and `hyb
         built = case.backends["pallas_tpu"]()    # its arrays on the device now, nothing before
         fn, args = built.fwd_bwd or built.fwd
         out = fn(*args); fn.lower(*args).compile().as_text()
-        relative_error(case.view(out, backward=built.fwd_bwd is not None), ref.fwd_bwd)
+        backward = built.fwd_bwd is not None
+        relative_error(case.view(built.restore(out, backward), backward=backward), ref.fwd_bwd)
 
 Families (one case per family and geometry, named `<family>_<geometry>`):
   gmm         a grouped matmul lhs [M, K] x rhs [G, K, N] over G groups of sorted rows:
@@ -18,14 +19,18 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               `pallas_tpu` at the geometry's tiles, `pallas_tpu_128` (no tiles given: on a TPU the
               chip's rule, tile_table.TPU_RULE; the kernels' 128^3 default elsewhere; the name is the
               records'), `pallas_tpu_table` (each kernel at the tile table's entry for its shape,
-              benchmarks/tpu_gmm_uneven.py's at the cell), `tokamax` (tokamax.ragged_dot, where the
-              package imports);
+              benchmarks/tpu_gmm_uneven.py's at the cell), `pallas_tpu_aligned_<A>` (the rows laid out
+              as moe.group_align_rows=A lays them before anything is timed, each kernel at row tile A
+              and the table's tk and tn; the results brought back after), `tokamax`
+              (tokamax.ragged_dot, where the package imports);
   moe_mlp     the routed experts' MLP y = (s * swiglu(x @ wi)) @ wo per group, s the routing weight
               (model/moe.py's _expert_mlp with router_grad_from_wo_input): `xla`, `pallas_tpu`
               (unfused) and `pallas_tpu_fused` (wi_fused_swiglu + wo_fused_dswiglu), both Pallas
               arms at the seed's tiles (recipe qwen3.5-397b-a17b-v7x-128) where the geometry says
               "seed"; `pallas_tpu_table` (unfused, each kernel at the tile table's tiles);
               `pallas_tpu_fused_table` (the fused pair at the table's tiles of the kernels it replaces);
+              `pallas_tpu_fused_aligned_<A>` (the fused pair on moe.group_align_rows=A's layout, every
+              kernel at row tile A and the table's tk and tn);
   gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
               `xla`, `pallas_tpu`, and the Mosaic core at other settings (GDN_SETTINGS: the bfloat16
               precision, chunk 128, both);
@@ -82,8 +87,8 @@ BF16 = jnp.bfloat16
 # (every tile and block edge crossed, compiles in seconds); tiny: CPU, interpret mode.
 GEOMETRIES: dict[str, dict[str, dict]] = {
     "cell": {
-        "gmm": dict(rows=65536, k=4096, n=2048, groups=128, tiles=(512, 2048, 512)),
-        "moe_mlp": dict(rows=65536, d=4096, f=1024, groups=128, tiles="seed"),
+        "gmm": dict(rows=65536, k=4096, n=2048, groups=128, tiles=(512, 2048, 512), aligned=(64, 128)),
+        "moe_mlp": dict(rows=65536, d=4096, f=1024, groups=128, tiles="seed", aligned=(128,)),
         "gdn": dict(tokens=16384, key_heads=16, value_heads=64, key_dim=128, value_dim=128, chunk=64, documents=4),
         "attention": dict(tokens=16384, heads=32, kv_heads=2, head_dim=256, documents=4),
         "cp": dict(tokens=16384, key_heads=16, value_heads=64, key_dim=128, value_dim=128, chunk=64),
@@ -96,16 +101,17 @@ GEOMETRIES: dict[str, dict[str, dict]] = {
         "cp": dict(tokens=8192, key_heads=16, value_heads=32, key_dim=128, value_dim=128, chunk=64),
     },
     "edges": {
-        "gmm": dict(rows=1000, k=512, n=384, groups=6, tiles=(128, 256, 128)),
-        "moe_mlp": dict(rows=1500, d=4096, f=1024, groups=4, tiles="seed"),
+        "gmm": dict(rows=1000, k=512, n=384, groups=6, tiles=(128, 256, 128), aligned=(128,)),
+        "moe_mlp": dict(rows=1500, d=4096, f=1024, groups=4, tiles="seed", aligned=(128,)),
         "gdn": dict(tokens=1024, key_heads=2, value_heads=8, key_dim=128, value_dim=128, chunk=64, documents=3),
         "attention": dict(tokens=2048, heads=8, kv_heads=2, head_dim=256, documents=3),
         "cp": dict(tokens=1024, key_heads=2, value_heads=8, key_dim=128, value_dim=128, chunk=64),
     },
     "tiny": {
-        "gmm": dict(rows=200, k=256, n=256, groups=5, tiles=(64, 128, 128)),
+        "gmm": dict(rows=200, k=256, n=256, groups=5, tiles=(64, 128, 128), aligned=(16,)),
         "moe_mlp": dict(rows=200, d=256, f=128, groups=5,
-                        tiles=dict(tm=64, tk=128, tn=128, wi_fwd_tile_n_per_half=64, wi_fwd_rhs_buffer_count=0)),
+                        tiles=dict(tm=64, tk=128, tn=128, wi_fwd_tile_n_per_half=64, wi_fwd_rhs_buffer_count=0),
+                        aligned=(16,)),
         "gdn": dict(tokens=96, key_heads=1, value_heads=2, key_dim=16, value_dim=16, chunk=16, documents=3),
         "attention": dict(tokens=256, heads=4, kv_heads=2, head_dim=128, documents=3),
         "cp": dict(tokens=128, key_heads=1, value_heads=2, key_dim=16, value_dim=16, chunk=16),
@@ -113,12 +119,30 @@ GEOMETRIES: dict[str, dict[str, dict]] = {
 }
 
 
+def _as_given(out, backward):
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Built:
-    """One backend's jitted programs and their arguments (on the device): (fn, args) each."""
+    """One backend's jitted programs and their arguments (on the device): (fn, args) each; restore(out,
+    backward): a result in the case's layout (a LaidOut backend's, brought back outside the timed
+    program; the result itself for the others)."""
 
     fwd: tuple[Callable, tuple]
     fwd_bwd: tuple[Callable, tuple] | None
+    restore: Callable = _as_given
+
+
+@dataclasses.dataclass(frozen=True)
+class LaidOut:
+    """A backend that runs on another layout of the case's inputs, made before anything is timed:
+    lay(args, cot) -> (its args, its cot, restore), restore(out, backward) -> out in the case's layout
+    (the rows moved back outside the timed program: the moves belong to the dispatch, which makes
+    the layout anyway)."""
+
+    fn: Callable
+    lay: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +286,9 @@ def _gmm_backends(g, interpret):
         # the heuristic tiles where the table has no entry near it).
         "pallas_tpu_table": functools.partial(K.gmm, backend="pallas_tpu", tiling=K.Tiling(from_table=True),
                                               interpret=interpret),
+        # moe.group_align_rows' layout: each group from a multiple of A rows, at row tile A and the table's
+        # tk and tn for each kernel; no tile spans two groups.
+        **{f"pallas_tpu_aligned_{a}": _gmm_aligned(g, a, interpret) for a in g.get("aligned", ())},
     }
     tokamax = _tokamax()
     if tokamax is None:
@@ -270,6 +297,27 @@ def _gmm_backends(g, interpret):
         impl = None if interpret else "mosaic"  # its Mosaic TPU kernel on the chip; its default elsewhere
         out["tokamax"] = lambda x, w, s: tokamax.ragged_dot(x, w, s, implementation=impl)
     return out
+
+
+def _gmm_aligned(g, align: int, interpret: bool) -> LaidOut:
+    from hybridmoe.kernels import gmm as K
+
+    m, k, n, groups = g["rows"], g["k"], g["n"], g["groups"]
+    tiling = functools.partial(table_tiling, m=m, groups=groups, tm=align)
+    fn = functools.partial(K.gmm, backend="pallas_tpu", interpret=interpret, tiling=tiling("gmm", k, n),
+                           dlhs_tiling=tiling("gmm_t", n, k), drhs_tiling=tiling("tgmm", k, n))
+
+    def lay(args, cot):
+        x, w, sizes = args
+        padded, gather, back = aligned_rows_of(sizes, m, align)
+
+        def restore(out, backward):
+            if not backward:
+                return back(out)
+            y, (dx, dw) = out
+            return back(y), (back(dx), dw)
+        return (gather(x), w, padded), gather(cot), restore
+    return LaidOut(fn, lay)
 
 
 def _gmm_reference(g):
@@ -334,6 +382,36 @@ def moe_plans(g, interpret: bool) -> dict:
                                                   tile_n_per_half=fused_table_tiles(g).wi_fwd.tn // 2)}
 
 
+def table_tiling(kind: str, k: int, n: int, *, m: int, groups: int, tm: int | None = None):
+    """The tile table's tiles for a grouped matmul of `kind` at this host's chip (the heuristic ones
+    where it has no entry), each clipped to its dimension; tm: this row tile instead of the entry's."""
+    import jax
+
+    from hybridmoe.kernels.gmm import Tiling, tile_table
+    from hybridmoe.kernels.gmm.tiling import pick
+    from hybridmoe.kernels.platform import generation_of_device
+
+    found = tile_table.lookup(tile_table.Call(kind, m, k, n, groups, 2, generation_of_device(jax.devices()[0])))
+    t = found or tile_table.tpu_rule(k, n)
+    return Tiling(tm=tm or t.tm, tk=pick(k, t.tk), tn=pick(n, t.tn))
+
+
+# moe.group_align_rows' layout (hybridmoe/model/moe_align.py) of a case's rows, sorted by group already.
+
+def aligned_rows_of(sizes, rows: int, align: int):
+    """(padded sizes, gather: [rows, ...] -> the aligned buffer's rows (zero padding), back: the
+    buffer's rows -> [rows, ...]) for rows sorted by group into `sizes`."""
+    from hybridmoe.model import moe_align
+
+    groups = sizes.shape[0]
+    flat = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), sizes, total_repeat_length=rows)
+    buffer_A, inverse, padded = moe_align.aligned_layout(flat, jnp.arange(rows, dtype=jnp.int32), sizes, align=align,
+                                                         group_offset=0, num_local=groups)
+    gather = jax.jit(lambda a: moe_align.token_rows(a, buffer_A, inverse, 1, False) if a.ndim == 2
+                     else moe_align.row_values(a, buffer_A))
+    return padded, gather, jax.jit(lambda a: a[inverse])
+
+
 def fused_table_tiles(g):
     """The fused pair's KernelTiles from the tile table at the geometry's shapes on this host's chip:
     the fused up projection at the plain wi forward's entry (gmm, D -> 2F), the fused input gradient
@@ -341,19 +419,10 @@ def fused_table_tiles(g):
     the table has no entry (another chip, the tiny geometry), the kernels' heuristic tiles."""
     import jax
 
-    from hybridmoe.kernels.gmm import KernelTiles, Tiling, tile_table
-    from hybridmoe.kernels.gmm.tiling import pick
-    from hybridmoe.kernels.platform import generation_of_device
+    from hybridmoe.kernels.gmm import KernelTiles, Tiling
 
     m, d, f, groups = g["rows"], g["d"], g["f"], g["groups"]
-    generation = generation_of_device(jax.devices()[0])
-
-    def entry(kind, k, n):
-        found = tile_table.lookup(tile_table.Call(kind, m, k, n, groups, 2, generation))
-        heuristic = tile_table.tpu_rule(k, n)
-        t = found or Tiling(tm=heuristic.tm, tk=heuristic.tk, tn=heuristic.tn)
-        return Tiling(tm=t.tm, tk=pick(k, t.tk), tn=pick(n, t.tn))
-
+    entry = functools.partial(table_tiling, m=m, groups=groups)
     table = Tiling(from_table=True)
     wi = entry("gmm", d, 2 * f)
     # The fused forward's N tile spans T gate and T up columns: an even split of the entry's.
@@ -365,8 +434,43 @@ def fused_table_tiles(g):
 def _moe_backends(g, interpret):
     from hybridmoe.model.moe import _expert_mlp
 
-    return {name: functools.partial(lambda x, w, wi, wo, sizes, plan: _expert_mlp(x, w, wi, wo, sizes, plan, 0), plan=plan)
-            for name, plan in moe_plans(g, interpret).items()}
+    def run(plan):
+        return functools.partial(lambda x, w, wi, wo, sizes, plan: _expert_mlp(x, w, wi, wo, sizes, plan, 0), plan=plan)
+
+    return {**{name: run(plan) for name, plan in moe_plans(g, interpret).items()},
+            **{f"pallas_tpu_fused_aligned_{a}": LaidOut(run(aligned_moe_plan(g, a, interpret)), _moe_lay(g, a))
+               for a in g.get("aligned", ())}}
+
+
+def aligned_moe_plan(g, align: int, interpret: bool):
+    """The fused pair on moe.group_align_rows' layout: every kernel at row tile `align` with the tile
+    table's tk and tn for its shape (the fused up projection's N tile both halves of the wi forward's)."""
+    from hybridmoe.kernels.gmm import KernelTiles
+    from hybridmoe.model.moe import GroupedPlan
+
+    m, d, f, groups = g["rows"], g["d"], g["f"], g["groups"]
+    t = functools.partial(table_tiling, m=m, groups=groups, tm=align)
+    wi = t("gmm", d, 2 * f)
+    per_half = wi.tn // 2 if wi.tn % 2 == 0 and f % (wi.tn // 2) == 0 else f
+    tiles = KernelTiles(wi_fwd=wi, wi_dlhs=t("gmm_t", 2 * f, d), wi_drhs=t("tgmm", d, 2 * f), wo_fwd=t("gmm", f, d),
+                        wo_dlhs=t("gmm_t", d, f), wo_drhs=t("tgmm", f, d))
+    return GroupedPlan(num_experts=groups, router_grad_from_wo_input=True, xla_impl="ragged_dot", backend="pallas_tpu",
+                       tiles=tiles, interpret=interpret, wi_fused_swiglu=True, wo_fused_dswiglu=True,
+                       tile_n_per_half=per_half)
+
+
+def _moe_lay(g, align: int):
+    def lay(args, cot):
+        x, w, wi, wo, sizes = args
+        padded, gather, back = aligned_rows_of(sizes, g["rows"], align)
+
+        def restore(out, backward):
+            if not backward:
+                return back(out)
+            y, (dx, dw, dwi, dwo) = out
+            return back(y), (back(dx), back(dw), dwi, dwo)
+        return (gather(x), gather(w), wi, wo, padded), gather(cot), restore
+    return lay
 
 
 def _moe_reference(g):
@@ -673,16 +777,20 @@ def _case(family: Family, geometry: str, g: dict, interpret: bool) -> Case:
     def builder(fn):
         def build(inputs=None) -> Built:
             args, cot = make_inputs() if inputs is None else inputs
-            fwd = (jax.jit(fn), args)
+            run, restore = fn, _as_given
+            if isinstance(fn, LaidOut):
+                args, cot, restore = fn.lay(args, cot)
+                run = fn.fn
+            fwd = (jax.jit(run), args)
             if family.argnums is None:
-                return Built(fwd, None)
-            return Built(fwd, (jax.jit(with_gradients(fn, family.argnums)), (*args, cot)))
+                return Built(fwd, None, restore)
+            return Built(fwd, (jax.jit(with_gradients(run, family.argnums)), (*args, cot)), restore)
         return build
 
     flops = family.flops(g)
     return Case(name=f"{family.name}_{geometry}", family=family.name, geometry=geometry, shape=dict(g),
                 flops=(flops, None if family.argnums is None else 3.0 * flops), make_inputs=make_inputs,
-                backends={n: builder(fn) for n, fn in fns.items() if callable(fn)},
+                backends={n: builder(fn) for n, fn in fns.items() if not isinstance(fn, str)},
                 skipped={n: why for n, why in fns.items() if isinstance(why, str)},
                 reference=functools.partial(family.reference, g),
                 view=lambda out, backward: family.view(g, out, backward))
