@@ -13,12 +13,15 @@
 #   kernels-one-chip, kernels-cell
 #              benchmarks/tpu_kernels.py --geometry G -> benchmarks/records/tpu_kernels.json (merged; each
 #              stops starting cases after 330 s, so each fits a 10-minute call)
+#   kernels-cell-moe  the cell's gmm and moe_mlp cases only (their aligned arms among them)
 #   kernels-missing  the cases of both geometries the record has no figures for (at any commit)
 #   gmm-uneven benchmarks/tpu_gmm_uneven.py -> benchmarks/records/tpu_gmm_uneven.json: the MoE layer's six
 #              grouped matmuls at the cell's shapes and uneven groups, their tiles searched there
 #   gmm-uneven-again  the same, one search round from the tiles the record found (after a kernel change)
 #   gmm-aligned  the same kernels at the record's tiles, and on moe.group_align_rows' layout (64, 128)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
+#   step-aligned  the default, the Pallas grouped matmuls at the table's tiles, and those on
+#              moe.group_align_rows' layout
 #   step-holdout  its default arm at other shapes -> tpu_step_seq4096.json, tpu_step_layers8_experts8.json
 #   peer-full, peer-minimal  benchmarks/peer_maxtext.py -> benchmarks/records/tpu_peer.json: MaxText's own step
 #              at the one-chip shape (remat full or minimal) beside ours; a later run merges into the record
@@ -113,11 +116,13 @@ except ValueError as e:
       --out benchmarks/records/tpu_gmm_tiles_missing.json ;;
     kernels-one-chip) python3 benchmarks/tpu_kernels.py --geometry one_chip --compile-cache .tpu-cache ;;
     kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache ;;
+    kernels-cell-moe) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache --only gmm_cell,moe_mlp_cell ;;
     kernels-missing) python3 benchmarks/tpu_kernels.py --missing --compile-cache .tpu-cache ;;
     gmm-uneven) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache ;;
     gmm-uneven-again) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 1 ;;
     gmm-aligned) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 0 --aligned 64,128 ;;
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
+    step-aligned) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,pallas_gmm_auto,pallas_gmm_auto_aligned --profile 1 ;;
     step-holdout)
       # The calibrated model on shapes it was not calibrated or checked on: the default arm of the
       # one-chip recipe at half the sequence, and at twice the layers with half the experts, four of
@@ -138,6 +143,6 @@ except ValueError as e:
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, step, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, step, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done
