@@ -219,3 +219,28 @@ def test_aligned_layout_is_timed_on_padded_groups_and_counted_by_the_real_rows(s
     assert wi["tflops"] == pytest.approx(2 * 200 * 256 * 256 / 3e-3 / 1e12)
     total = rec["aligned_totals"]["gmm_cell (wi fwd + bwd)"]["64"]
     assert total["ms"] == pytest.approx(9.0)
+
+
+def test_the_kernel_cases_table_arms_read_the_tables_v5e_entries_at_the_cell(monkeypatch):
+    """On a v5e, chip_cases' fused-pair table arm and aligned arms take the tile table's entries for the
+    cell's shapes (the fused up projection the wi forward's, both halves in its N tile; the fused input
+    gradient the wo input gradient's), the aligned ones at their own row tile; another chip, the
+    heuristic tiles."""
+    import hybridmoe.kernels.platform as platform
+    from hybridmoe.kernels.gmm import tile_table
+    from hybridmoe.tools import chip_cases as cc
+
+    g = cc.GEOMETRIES["cell"]["moe_mlp"]
+    monkeypatch.setattr(platform, "generation_of_device", lambda device: "v5e")
+    entries = {(e["kind"], e["k"], e["n"]): (e["tm"], e["tk"], e["tn"])
+               for e in tile_table.read_table()["v5e"]["entries"] if e.get("split") == "uneven"}
+    fused = cc.fused_table_tiles(g)
+    wi, wo_dlhs = entries[("gmm", 4096, 2048)], entries[("gmm_t", 4096, 1024)]
+    assert (fused.wi_fwd.tm, fused.wi_fwd.tk, fused.wi_fwd.tn) == wi
+    assert (fused.wo_dlhs.tm, fused.wo_dlhs.tk) == wo_dlhs[:2] and fused.wi_drhs.from_table
+    aligned = cc.aligned_moe_plan(g, 64, interpret=True).tiles
+    assert (aligned.wo_drhs.tm, aligned.wo_drhs.tk, aligned.wo_drhs.tn) == (64, *entries[("tgmm", 1024, 4096)][1:])
+    monkeypatch.setattr(platform, "generation_of_device", lambda device: "v6e")
+    rule = tile_table.tpu_rule(4096, 2048)
+    t = cc.table_tiling("gmm", 4096, 2048, m=g["rows"], groups=g["groups"])
+    assert (t.tm, t.tk, t.tn) == (rule.tm, rule.tk, rule.tn)
