@@ -48,6 +48,8 @@ LEVERS = {
     # (mesh.expert_fsdp_dim), a checkpoint per residual sublayer (remat.unit=sublayer), each layer's
     # expert-weight gradient reduced before the layers below run (remat.expert_grad_barrier).
     "remat_unit": (["remat.unit=block"], []),
+    # The recipe now runs one chunk (the weights read once a micro-batch: step_estimate.json), so this
+    # arm's "off" is the recipe's own; seed_cell.json's arm is of the four-chunk recipe of its commit.
     "token_chunks": (["moe.token_chunks=1"], []),
     "expert_fsdp": (["mesh.expert_fsdp_dim=embed"], []),
     "sublayer": (["remat.unit=layer"], []),
