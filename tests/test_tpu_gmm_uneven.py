@@ -229,18 +229,19 @@ def test_the_kernel_cases_table_arms_read_the_tables_v5e_entries_at_the_cell(mon
     import hybridmoe.kernels.platform as platform
     from hybridmoe.kernels.gmm import tile_table
     from hybridmoe.tools import chip_cases as cc
+    from hybridmoe.tools import chip_layouts as cl
 
     g = cc.GEOMETRIES["cell"]["moe_mlp"]
     monkeypatch.setattr(platform, "generation_of_device", lambda device: "v5e")
     entries = {(e["kind"], e["k"], e["n"]): (e["tm"], e["tk"], e["tn"])
                for e in tile_table.read_table()["v5e"]["entries"] if e.get("split") == "uneven"}
-    fused = cc.fused_table_tiles(g)
+    fused, per_half = cl.fused_table_tiles(g)
     wi, wo_dlhs = entries[("gmm", 4096, 2048)], entries[("gmm_t", 4096, 1024)]
-    assert (fused.wi_fwd.tm, fused.wi_fwd.tk, fused.wi_fwd.tn) == wi
+    assert (fused.wi_fwd.tm, fused.wi_fwd.tk, fused.wi_fwd.tn) == wi and per_half == wi[2] // 2
     assert (fused.wo_dlhs.tm, fused.wo_dlhs.tk) == wo_dlhs[:2] and fused.wi_drhs.from_table
-    aligned = cc.aligned_moe_plan(g, 64, interpret=True).tiles
+    aligned = cl.aligned_moe_plan(g, 64, interpret=True).tiles
     assert (aligned.wo_drhs.tm, aligned.wo_drhs.tk, aligned.wo_drhs.tn) == (64, *entries[("tgmm", 1024, 4096)][1:])
     monkeypatch.setattr(platform, "generation_of_device", lambda device: "v6e")
     rule = tile_table.tpu_rule(4096, 2048)
-    t = cc.table_tiling("gmm", 4096, 2048, m=g["rows"], groups=g["groups"])
+    t = cl.table_tiling("gmm", 4096, 2048, m=g["rows"], groups=g["groups"])
     assert (t.tm, t.tk, t.tn) == (rule.tm, rule.tk, rule.tn)

@@ -75,6 +75,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridmoe.tools.chip_layouts import LaidOut, aligned, aligned_moe_plan, fused_table_tiles, table_tiling
+
 SEED_RECIPE = "qwen3.5-397b-a17b-v7x-128"
 SAMPLE_GROUPS = 8  # groups of gmm / moe_mlp the float32 reference covers
 RECURRENCE_SEGMENT = 128  # tokens per rematerialised segment of the reference recurrence
@@ -132,17 +134,6 @@ class Built:
     fwd: tuple[Callable, tuple]
     fwd_bwd: tuple[Callable, tuple] | None
     restore: Callable = _as_given
-
-
-@dataclasses.dataclass(frozen=True)
-class LaidOut:
-    """A backend that runs on another layout of the case's inputs, made before anything is timed:
-    lay(args, cot) -> (its args, its cot, restore), restore(out, backward) -> out in the case's layout
-    (the rows moved back outside the timed program: the moves belong to the dispatch, which makes
-    the layout anyway)."""
-
-    fn: Callable
-    lay: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,18 +297,7 @@ def _gmm_aligned(g, align: int, interpret: bool) -> LaidOut:
     tiling = functools.partial(table_tiling, m=m, groups=groups, tm=align)
     fn = functools.partial(K.gmm, backend="pallas_tpu", interpret=interpret, tiling=tiling("gmm", k, n),
                            dlhs_tiling=tiling("gmm_t", n, k), drhs_tiling=tiling("tgmm", k, n))
-
-    def lay(args, cot):
-        x, w, sizes = args
-        padded, gather, back = aligned_rows_of(sizes, m, align)
-
-        def restore(out, backward):
-            if not backward:
-                return back(out)
-            y, (dx, dw) = out
-            return back(y), (back(dx), dw)
-        return (gather(x), w, padded), gather(cot), restore
-    return LaidOut(fn, lay)
+    return aligned(fn, m, align, row_args=(0,), sizes_arg=2)  # (x, w, sizes)
 
 
 def _gmm_reference(g):
@@ -368,6 +348,7 @@ def moe_plans(g, interpret: bool) -> dict:
     common = dict(num_experts=g["groups"], router_grad_from_wo_input=True, xla_impl="ragged_dot")
     pallas = dict(common, backend="pallas_tpu", tiles=tiles, interpret=interpret)
     fused = dict(wi_fused_swiglu=True, wo_fused_dswiglu=True)
+    table_tiles, table_per_half = fused_table_tiles(g)
     return {"xla": GroupedPlan(**common, backend="xla"),
             "pallas_tpu": GroupedPlan(**pallas),
             # Each of the six unfused kernels at the tile table's tiles for its shape (at the cell: those
@@ -378,57 +359,8 @@ def moe_plans(g, interpret: bool) -> dict:
             # The fused pair where the unfused table arm runs its kernels: the fused up projection at the
             # wi forward's table tiles (its N tile both halves), the fused input gradient at the wo input
             # gradient's, the other four as the table arm.
-            "pallas_tpu_fused_table": GroupedPlan(**dict(pallas, tiles=fused_table_tiles(g)), **fused,
-                                                  tile_n_per_half=fused_table_tiles(g).wi_fwd.tn // 2)}
-
-
-def table_tiling(kind: str, k: int, n: int, *, m: int, groups: int, tm: int | None = None):
-    """The tile table's tiles for a grouped matmul of `kind` at this host's chip (the heuristic ones
-    where it has no entry), each clipped to its dimension; tm: this row tile instead of the entry's."""
-    import jax
-
-    from hybridmoe.kernels.gmm import Tiling, tile_table
-    from hybridmoe.kernels.gmm.tiling import pick
-    from hybridmoe.kernels.platform import generation_of_device
-
-    found = tile_table.lookup(tile_table.Call(kind, m, k, n, groups, 2, generation_of_device(jax.devices()[0])))
-    t = found or tile_table.tpu_rule(k, n)
-    return Tiling(tm=tm or t.tm, tk=pick(k, t.tk), tn=pick(n, t.tn))
-
-
-# moe.group_align_rows' layout (hybridmoe/model/moe_align.py) of a case's rows, sorted by group already.
-
-def aligned_rows_of(sizes, rows: int, align: int):
-    """(padded sizes, gather: [rows, ...] -> the aligned buffer's rows (zero padding), back: the
-    buffer's rows -> [rows, ...]) for rows sorted by group into `sizes`."""
-    from hybridmoe.model import moe_align
-
-    groups = sizes.shape[0]
-    flat = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), sizes, total_repeat_length=rows)
-    buffer_A, inverse, padded = moe_align.aligned_layout(flat, jnp.arange(rows, dtype=jnp.int32), sizes, align=align,
-                                                         group_offset=0, num_local=groups)
-    gather = jax.jit(lambda a: moe_align.token_rows(a, buffer_A, inverse, 1, False) if a.ndim == 2
-                     else moe_align.row_values(a, buffer_A))
-    return padded, gather, jax.jit(lambda a: a[inverse])
-
-
-def fused_table_tiles(g):
-    """The fused pair's KernelTiles from the tile table at the geometry's shapes on this host's chip:
-    the fused up projection at the plain wi forward's entry (gmm, D -> 2F), the fused input gradient
-    at the wo input gradient's (gmm_t, D -> F), the other kernels from the table as they run; where
-    the table has no entry (another chip, the tiny geometry), the kernels' heuristic tiles."""
-    import jax
-
-    from hybridmoe.kernels.gmm import KernelTiles, Tiling
-
-    m, d, f, groups = g["rows"], g["d"], g["f"], g["groups"]
-    entry = functools.partial(table_tiling, m=m, groups=groups)
-    table = Tiling(from_table=True)
-    wi = entry("gmm", d, 2 * f)
-    # The fused forward's N tile spans T gate and T up columns: an even split of the entry's.
-    wi = Tiling(tm=wi.tm, tk=wi.tk, tn=wi.tn if wi.tn % 2 == 0 and f % (wi.tn // 2) == 0 else 2 * f)
-    return KernelTiles(wi_fwd=wi, wi_dlhs=table, wi_drhs=table, wo_fwd=table, wo_dlhs=entry("gmm_t", d, f),
-                       wo_drhs=table)
+            "pallas_tpu_fused_table": GroupedPlan(**dict(pallas, tiles=table_tiles), **fused,
+                                                  tile_n_per_half=table_per_half)}
 
 
 def _moe_backends(g, interpret):
@@ -438,39 +370,10 @@ def _moe_backends(g, interpret):
         return functools.partial(lambda x, w, wi, wo, sizes, plan: _expert_mlp(x, w, wi, wo, sizes, plan, 0), plan=plan)
 
     return {**{name: run(plan) for name, plan in moe_plans(g, interpret).items()},
-            **{f"pallas_tpu_fused_aligned_{a}": LaidOut(run(aligned_moe_plan(g, a, interpret)), _moe_lay(g, a))
+            # (x, w, wi, wo, sizes): the rows and their routing weights laid out
+            **{f"pallas_tpu_fused_aligned_{a}": aligned(run(aligned_moe_plan(g, a, interpret)), g["rows"], a,
+                                                        row_args=(0, 1), sizes_arg=4)
                for a in g.get("aligned", ())}}
-
-
-def aligned_moe_plan(g, align: int, interpret: bool):
-    """The fused pair on moe.group_align_rows' layout: every kernel at row tile `align` with the tile
-    table's tk and tn for its shape (the fused up projection's N tile both halves of the wi forward's)."""
-    from hybridmoe.kernels.gmm import KernelTiles
-    from hybridmoe.model.moe import GroupedPlan
-
-    m, d, f, groups = g["rows"], g["d"], g["f"], g["groups"]
-    t = functools.partial(table_tiling, m=m, groups=groups, tm=align)
-    wi = t("gmm", d, 2 * f)
-    per_half = wi.tn // 2 if wi.tn % 2 == 0 and f % (wi.tn // 2) == 0 else f
-    tiles = KernelTiles(wi_fwd=wi, wi_dlhs=t("gmm_t", 2 * f, d), wi_drhs=t("tgmm", d, 2 * f), wo_fwd=t("gmm", f, d),
-                        wo_dlhs=t("gmm_t", d, f), wo_drhs=t("tgmm", f, d))
-    return GroupedPlan(num_experts=groups, router_grad_from_wo_input=True, xla_impl="ragged_dot", backend="pallas_tpu",
-                       tiles=tiles, interpret=interpret, wi_fused_swiglu=True, wo_fused_dswiglu=True,
-                       tile_n_per_half=per_half)
-
-
-def _moe_lay(g, align: int):
-    def lay(args, cot):
-        x, w, wi, wo, sizes = args
-        padded, gather, back = aligned_rows_of(sizes, g["rows"], align)
-
-        def restore(out, backward):
-            if not backward:
-                return back(out)
-            y, (dx, dw, dwi, dwo) = out
-            return back(y), (back(dx), back(dw), dwi, dwo)
-        return (gather(x), gather(w), wi, wo, padded), gather(cot), restore
-    return lay
 
 
 def _moe_reference(g):
