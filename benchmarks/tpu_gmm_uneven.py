@@ -21,7 +21,8 @@ row `gmm_cell (wi fwd + bwd)`.
 On the chip the found tiles also go into the tile table's section of its generation
 (kernels/gmm/tile_table.json, `kernels.gmm.tiling=auto`; each entry marked "split": "uneven"), where
 they serve calls at about the cell's rows per group: chip_cases' `gmm_cell` case times them as its
-backend `pallas_tpu_table`.
+backend `pallas_tpu_table`. A run of --rounds 0 (a timing at the record's tiles, no search) leaves
+the table as it is.
 
 Writes benchmarks/records/tpu_gmm_uneven.json: device, commit, ceiling_tflops (a bf16 8192^3 matmul,
 median of 10), sizes (the uneven split), kernels: name -> {kind, m, k, n, groups, seed_tiles,
@@ -149,6 +150,13 @@ def format_table(rows: dict, total: dict, ceiling: float, aligned_total: dict | 
     return "\n".join(lines)
 
 
+def writes_table(args) -> bool:
+    """Whether this run puts its tiles into the tile table: a search on the chip does; --tiny runs
+    interpreted shapes, and --rounds 0 only times the tiles a record found (the table keeps the
+    search's own entries, their timings and commit)."""
+    return not args.tiny and args.rounds > 0
+
+
 def main(argv=None) -> int:
     p = harness.parser(__doc__, __file__, raw=True)
     p.add_argument("--budget-s", type=float, default=330.0, help="start no timing after this many seconds (default 330)")
@@ -270,7 +278,7 @@ def main(argv=None) -> int:
         log(f"{name}: {row.get('seed_ms', float('nan')):.3f} -> {row.get('ms', float('nan')):.3f} ms at {row.get('tiles')}")
         write()
     write()
-    if not args.tiny:
+    if writes_table(args):
         entries = table_entries(rows)
         tune_gmm.write_table(tune_gmm.check_host(), entries, tune_gmm.about({"device": jax.devices()[0].device_kind}))
         log(f"{len(entries)} entries into the tile table ({tile_table.TABLE_FILE})")

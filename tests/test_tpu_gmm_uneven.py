@@ -120,6 +120,15 @@ def test_a_search_from_the_record_starts_at_its_tiles_and_times_the_seed_beside(
     assert "from the tiles an earlier run found" in got["method"] and "(0 rounds)" in got["method"]
 
 
+def test_only_a_search_on_the_chip_writes_the_tile_table(script):
+    """The table keeps a search's entries (their timings and commit): a timing at a record's tiles
+    (--rounds 0) and an interpreted run leave it as it is."""
+    args = SimpleNamespace
+    assert script.writes_table(args(tiny=False, rounds=1))
+    assert not script.writes_table(args(tiny=False, rounds=0))
+    assert not script.writes_table(args(tiny=True, rounds=3))
+
+
 def test_kernel_seconds_refuses_sizes_of_another_split():
     """Sizes over the wrong number of groups, or not summing to the rows, are named before anything runs."""
     from hybridmoe.kernels.gmm.tile_table import Call
