@@ -54,7 +54,8 @@ def layout_problems() -> list[str]:
         buf, inv, padded = (np.asarray(a) for a in moe_align.aligned_layout(
             flat, order, jnp.asarray(sizes, jnp.int32), align=ALIGN, group_offset=offset, num_local=local))
         at = f"offset {offset}, {local} local"
-        if buf.shape != (moe_align.aligned_rows(T * K_, local, ALIGN),) or padded.sum() > buf.shape[0]:
+        if (buf.shape != (moe_align.aligned_rows(T * K_, local, ALIGN),) or padded.sum() > buf.shape[0]
+                or buf.shape[0] % ALIGN):
             problems.append(f"{at}: buffer {buf.shape}, sizes summing to {padded.sum()}")
             continue
         starts = np.cumsum(padded) - padded
@@ -143,6 +144,10 @@ BROKEN = {
     # The first local expert's start left where the sort put it (no padding before it).
     "no_gap_before_the_shard": lambda: (moe_align, "aligned_layout", mutated(
         moe_align, "aligned_layout", "jnp.where(experts_E == off - 1, gap, 0)", "0")),
+    # The buffer's rows not rounded to a multiple of align: every kernel call pads it by a copy.
+    "buffer_not_whole_tiles": lambda: (moe_align, "aligned_rows", mutated(
+        moe_align, "aligned_rows", "return -(-(num_rows + (num_local + 1) * (align - 1)) // align) * align",
+        "return num_rows + (num_local + 1) * (align - 1)")),
     # The routing weight read at the row's position in the sort, not at its token row.
     "weight_of_another_row": lambda: (moe_align, "row_values", mutated(
         moe_align, "row_values", "v_M[jnp.where(real_A, buffer_A, 0)]", "v_M[jnp.arange(buffer_A.shape[0]) % v_M.shape[0]]")),
