@@ -14,6 +14,7 @@
 #              benchmarks/tpu_kernels.py --geometry G -> benchmarks/records/tpu_kernels.json (merged; each
 #              stops starting cases after 330 s, so each fits a 10-minute call)
 #   kernels-cell-moe  the cell's gmm and moe_mlp cases only (their aligned arms among them)
+#   kernels-gdn  the GDN core's cases at both geometries (its settings arms among them)
 #   kernels-missing  the cases of both geometries the record has no figures for (at any commit)
 #   gmm-uneven benchmarks/tpu_gmm_uneven.py -> benchmarks/records/tpu_gmm_uneven.json: the MoE layer's six
 #              grouped matmuls at the cell's shapes and uneven groups, their tiles searched there
@@ -117,6 +118,7 @@ except ValueError as e:
     kernels-one-chip) python3 benchmarks/tpu_kernels.py --geometry one_chip --compile-cache .tpu-cache ;;
     kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache ;;
     kernels-cell-moe) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache --only gmm_cell,moe_mlp_cell ;;
+    kernels-gdn) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cell,gdn_one_chip ;;
     kernels-missing) python3 benchmarks/tpu_kernels.py --missing --compile-cache .tpu-cache ;;
     gmm-uneven) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache ;;
     gmm-uneven-again) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 1 ;;
@@ -143,6 +145,6 @@ except ValueError as e:
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, step, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, step, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done

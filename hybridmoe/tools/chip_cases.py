@@ -33,7 +33,7 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               kernel at row tile A and the table's tk and tn);
   gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
               `xla`, `pallas_tpu`, and the Mosaic core at other settings (GDN_SETTINGS: the bfloat16
-              precision, chunk 128, both);
+              precision, chunk 128, both; 4 and 16 chunk-heads per grid step);
   attention   causal flash attention over packed documents, positions restarting per document:
               `xla` (flash in XLA ops), `pallas_tpu` (default blocks), `pallas_tpu_256x512`,
               `splash` (jax's splash attention: causal by token index with segment ids, the same
@@ -409,10 +409,14 @@ def _gdn_make(g):
     return (*_gdn_raw(g), segment_ids), _normal(26, (1, g["tokens"], g["value_heads"], g["value_dim"]), BF16)
 
 
-# The Mosaic GDN core's settings beside its defaults (chunk 64, the bfloat16x3 precision): name ->
-# (chunk size, precision of kernels/gdn/tpu_chunk.PRECISIONS).
-GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16"), "pallas_tpu_c128": (128, None),
-                "pallas_tpu_c128_bf16": (128, "bfloat16")}
+# The Mosaic GDN core's settings beside its defaults (chunk 64, the bfloat16x3 precision, about
+# limits.HEAD_CHUNKS_PER_STEP chunk-heads per grid step): name -> (chunk size, precision of
+# kernels/gdn/tpu_chunk.PRECISIONS, chunk-heads per grid step: chunks per step x the value heads of a
+# key head, so one arm means the same step size at every geometry).
+GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16", None), "pallas_tpu_c128": (128, None, None),
+                "pallas_tpu_c128_bf16": (128, "bfloat16", None),
+                "pallas_tpu_chunk_heads_4": (None, None, 4), "pallas_tpu_chunk_heads_16": (None, None, 16),
+                "pallas_tpu_bf16_chunk_heads_16": (None, "bfloat16", 16)}
 
 
 def _gdn_backends(g, interpret):
@@ -423,10 +427,13 @@ def _gdn_backends(g, interpret):
         return lambda q, k, v, gate, beta, seg: gated_delta_rule(
             q, k, v, gate, beta, segment_ids=seg, chunk_size=g["chunk"], backend=backend, interpret=interpret)[0]
 
-    def settings(chunk, precision):
+    group = g["value_heads"] // g["key_heads"]
+
+    def settings(chunk, precision, chunk_heads):
+        per_step = max(1, chunk_heads // group) if chunk_heads else None
         return lambda q, k, v, gate, beta, seg: pallas_tpu.gated_delta_rule(
             q, k, v, gate, beta, segment_ids=seg, chunk_size=chunk or g["chunk"], precision=precision,
-            interpret=interpret)[0]
+            chunks_per_step=per_step, interpret=interpret)[0]
 
     return {"xla": rule("xla"), "pallas_tpu": rule("pallas_tpu"),
             **{name: settings(*arm) for name, arm in GDN_SETTINGS.items()}}
