@@ -2,9 +2,10 @@
 
 Each arm is a recipe plus overrides, compiled for the target (a TPU topology: compile-only devices,
 the Mosaic compiler runs for real) and read by the cost model: seconds per step by category
-(grouped matmuls, attention, GDN, dense matmuls, collectives, the rest), the two totals
-(collectives not overlapped: `step_s`; hidden under compute: `overlapped_step_s`), tokens/s per
-chip and MFU against the model's FLOPs. Nothing runs on a TPU: these are estimates, not timings.
+(grouped matmuls, attention, GDN, dense matmuls, collectives, the rest), the three totals
+(collectives not overlapped: `step_s`; hidden under compute: `overlapped_step_s`; as the program's
+schedule hides them: `scheduled_step_s`), tokens/s per chip and MFU against the model's FLOPs, and
+each category's costliest ops (`top_ops`). Nothing runs on a TPU: these are estimates, not timings.
 
 Arms already in the record are kept unless named again, so the seed cell's arms can be added by a
 later run of this script with the same record:
@@ -53,6 +54,12 @@ def _summary(est: dict) -> dict:
         "tokens_per_s_per_chip": est["serial"]["tokens_per_s_per_chip"],
         "overlapped_tokens_per_s_per_chip": est["overlapped"]["tokens_per_s_per_chip"],
         "mfu": est["serial"]["mfu"], "overlapped_mfu": est["overlapped"]["mfu"],
+        # The schedule's figure (analysis/step_estimate.py: what the compute between each async
+        # start and its done leaves exposed); absent from estimates made before it was read.
+        "scheduled_step_s": est.get("scheduled", {}).get("step_s"),
+        "scheduled_mfu": est.get("scheduled", {}).get("mfu"),
+        "exposed_async_s": est.get("exposed_async_s"),
+        "top_ops": est.get("top_ops"),
         "category_s": {c: r["s"] for c, r in est["categories"].items()},
         "categories": est["categories"], "collectives": est["collectives"], "kernels": est["kernels"],
         "kernels_without_cost_estimate": est["kernels_without_cost_estimate"],
@@ -170,7 +177,9 @@ def _write(out: Path, arms: dict) -> None:
                   assumptions="per-op roofline (max of compute and HBM time) over the optimised HLO, loops' "
                   "trip counts applied, Pallas calls by their stated cost estimate plus a fixed cost per grid "
                   "step, collectives' ring wire bytes over the link bandwidth; step_s adds the collectives to "
-                  "the compute, overlapped_step_s hides them under it; a conditional costs its heaviest branch",
+                  "the compute, overlapped_step_s hides them under it, scheduled_step_s hides what the compute between "
+                  "each async start and its done covers (in-flight pieces taking turns on the links); a "
+                  "conditional costs its heaviest branch",
                   seed=se.SEED_CELL, seed_lever_effects=SEED_LEVER_EFFECTS)
 
 

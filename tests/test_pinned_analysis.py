@@ -275,16 +275,24 @@ class _FakeEstimator:
     def __init__(self, text, apply_trip_counts=True):
         self.unknown_trips = ["while.9"]
 
-    def ops(self):
-        return [(OpCost("dense matmuls", flops=2e9, useful_flops=1e9, bytes=1e6), 4.0),
-                (OpCost("GDN", flops=1e9, useful_flops=1e9, bytes=4e6, grid_steps=5, kernel="k1"), 2.0),
-                (OpCost("GDN", flops=1e9, useful_flops=1e9, bytes=1e6, kernel="k2", no_cost_estimate=True), 1.0),
-                (OpCost("collectives", collective="all-gather", wire_bytes=1e5), 3.0),
-                (OpCost("collectives", collective="all-reduce", wire_bytes=2e5), 1.0)]
-
     def named_ops(self):
-        return [("dot.1", op, k) for op, k in self.ops()[:1]] + [("fusion.2", self.ops()[1][0], 2.0),
-                                                                 ("ag.3", self.ops()[3][0], 3.0)]
+        return [("dot.1", OpCost("dense matmuls", flops=2e9, useful_flops=1e9, bytes=1e6), 4.0),
+                ("fusion.2", OpCost("GDN", flops=1e9, useful_flops=1e9, bytes=4e6, grid_steps=5, kernel="k1"), 2.0),
+                ("fusion.3", OpCost("GDN", flops=1e9, useful_flops=1e9, bytes=1e6, kernel="k2", no_cost_estimate=True),
+                 1.0),
+                ("ag.4", OpCost("collectives", collective="all-gather", wire_bytes=1e5), 3.0),
+                ("ar.5", OpCost("collectives", collective="all-reduce", wire_bytes=2e5), 1.0)]
+
+    def ops(self):
+        return [(c, k) for _, c, k in self.named_ops()]
+
+    def op_names(self):
+        return {"dot.1": "jit(step)/mlp/dot_general"}
+
+    def timeline(self, seconds, exposures=None):
+        """As if the schedule hid the all-gathers under compute and left the all-reduce exposed."""
+        busy = sum(seconds(c) * k for _, c, k in self.named_ops() if not c.collective)
+        return busy, sum(seconds(c) * k for name, c, k in self.named_ops() if name == "ar.5")
 
 
 def test_an_estimates_categories_kernels_and_collectives_by_hand(monkeypatch):
@@ -314,6 +322,12 @@ def test_an_estimates_categories_kernels_and_collectives_by_hand(monkeypatch):
     assert e["overlapped"]["step_s"] == pytest.approx(compute)
     assert e["serial"]["tokens_per_s_per_chip"] == pytest.approx(1000 / (compute + 5e-3) / 2)
     assert e["overlapped"]["mfu"] == pytest.approx(3e9 / (compute * 1e12))
+    # The schedule's verdict: the compute, then the all-reduce's 2 ms it left exposed.
+    assert e["scheduled"]["step_s"] == pytest.approx(compute + 2e-3) and e["exposed_async_s"] == pytest.approx(2e-3)
+    # Where each category's seconds go, costliest first, with the op_name the compiler kept.
+    assert [r["name"] for r in e["top_ops"]["GDN"]] == ["fusion.2", "fusion.3"]
+    assert e["top_ops"]["dense matmuls"][0]["op_name"] == "jit(step)/mlp/dot_general"
+    assert e["top_ops"]["dense matmuls"][0]["s"] == pytest.approx(4 * 2.002e-3)
     assert e["hlo_flops_per_device"] == 7e9 and e["model_flops_per_device"] == 3e9
     assert e["loops_with_unknown_trip_count"] == ["while.9"] and (e["chips"], e["devices"]) == (2, 2)
     # A grid step's cost set for the estimate replaces the row's.
@@ -323,7 +337,7 @@ def test_an_estimates_categories_kernels_and_collectives_by_hand(monkeypatch):
     assert ops["dot.1"] == pytest.approx({"category": "dense matmuls", "s": 4 * 2.002e-3, "bound": "compute",
                                           "runs": 4.0})
     assert ops["fusion.2"]["bound"] == "memory" and ops["fusion.2"]["s"] == pytest.approx(2 * k1_s)
-    assert "ag.3" not in ops  # collectives are not timed per op
+    assert "ag.4" not in ops  # collectives are not timed per op
 
 
 def test_the_estimates_table_prints_its_figures_in_their_units(monkeypatch):

@@ -154,16 +154,21 @@ def test_a_kernels_flops_are_the_mxus_while_its_category_counts_the_useful_ones(
         def __init__(self, text, apply_trip_counts=True):
             self.unknown_trips = []
 
-        def ops(self):
-            return [(op, 2.0)]
-
         def named_ops(self):  # the same instruction reached twice (a body called from two places)
             return [("f.1", op, 2.0), ("f.1", op, 3.0)]
 
+        def op_names(self):
+            return {}
+
+        def timeline(self, seconds, exposures=None):
+            return 5 * seconds(op), 0.0
+
     monkeypatch.setattr(se, "Estimator", Fake)
     e = se.estimate("", hw, tokens_per_step=100, chips=1, devices=1)
-    assert e["kernels"]["k"]["flops"] == 12e9 and e["categories"]["GDN"]["flops"] == 2e9
-    assert e["hlo_flops_per_device"] == 2e9
+    assert e["kernels"]["k"]["flops"] == 30e9 and e["categories"]["GDN"]["flops"] == 5e9
+    assert e["hlo_flops_per_device"] == 5e9
+    assert e["top_ops"]["GDN"] == [{"name": "f.1", "op_name": "", "category": "GDN", "s": pytest.approx(5 * 6e-3),
+                                    "runs": 5.0, "flops": 30e9, "bytes": 30e6, "bound": "compute"}]
     assert e["serial"]["mfu"] is None  # no model FLOPs given
     # Compute and memory equal: the op is said to be compute bound.
     got = se.op_estimates("", hw)["f.1"]

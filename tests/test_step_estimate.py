@@ -486,6 +486,8 @@ def test_a_grpo_steps_estimate_per_chip_and_its_overlap_by_hand():
     assert est["overlapped"]["step_s"] == collective_s
     assert est["serial"]["step_s"] == compute_s + collective_s
     assert est["serial"]["tokens_per_s_per_chip"] == tokens / (compute_s + collective_s) / 4
+    # The schedule: the negate runs before the gather starts, so nothing hides it.
+    assert est["scheduled"]["step_s"] == pytest.approx(compute_s + collective_s)
 
 
 def test_a_prefetch_in_slices_moves_its_slices_once_and_the_concatenation_moves_nothing():
@@ -553,3 +555,121 @@ def test_a_collectives_wire_bytes_by_hand_for_each_spelling_of_its_groups():
     assert sent("all-reduce", "[2,4]<=[8]", 4096) == 2 * 16384 * 3 / 4
     assert sent("all-reduce", "[4,2]<=[8]", 4096) == 2 * 16384 * 1 / 2
     assert sent("reduce-scatter", "[2,4]<=[8]", 1024) == 4096 * 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule: what the compute between an async start and its done hides
+
+_SCHEDULED = """HloModule scheduled, is_scheduled=true
+
+%gather (p: f32[256,1024]) -> f32[1024,1024] {
+  %p = f32[256,1024]{1,0} parameter(0)
+  ROOT %ag = f32[1024,1024]{1,0} all-gather(%p), channel_id=9, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%cond (c: (s32[], f32[256,1024])) -> pred[] {
+  %c = (s32[], f32[256,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %limit = s32[] constant(2)
+  ROOT %cmp = pred[] compare(%i, %limit), direction=LT
+}
+
+%body (b: (s32[], f32[256,1024])) -> (s32[], f32[256,1024]) {
+  %b = (s32[], f32[256,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %x = f32[256,1024]{1,0} get-tuple-element(%b), index=1
+  %ag-start.4 = (f32[256,1024]{1,0}, f32[1024,1024]{1,0}) all-gather-start(%x), channel_id=4, replica_groups={{0,1,2,3}}, dimensions={0}
+  %neg.4 = f32[256,1024]{1,0} negate(%x)
+  %ag-done.4 = f32[1024,1024]{1,0} all-gather-done(%ag-start.4)
+  ROOT %t = (s32[], f32[256,1024]{1,0}) tuple(%next, %neg.4)
+}
+
+ENTRY %main (x: f32[256,1024], y: f32[1024,1024]) -> f32[256,1024] {
+  %x = f32[256,1024]{1,0} parameter(0)
+  %y = f32[1024,1024]{1,0} parameter(1)
+  %ag-start.1 = (f32[256,1024]{1,0}, f32[1024,1024]{1,0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %neg.1 = f32[1024,1024]{1,0} negate(%y)
+  %ag-done.1 = f32[1024,1024]{1,0} all-gather-done(%ag-start.1)
+  %ag-start.2 = (f32[256,1024]{1,0}, f32[1024,1024]{1,0}) all-gather-start(%x), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+  %ag-start.3 = (f32[256,1024]{1,0}, f32[1024,1024]{1,0}) all-gather-start(%x), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}
+  %neg.2 = f32[256,1024]{1,0} negate(%x)
+  %ag-done.2 = f32[1024,1024]{1,0} all-gather-done(%ag-start.2)
+  %ag-done.3 = f32[1024,1024]{1,0} all-gather-done(%ag-start.3)
+  %cs = ((f32[256,1024]{1,0}), f32[1024,1024]{1,0}, u32[]) call-start(%x), async_execution_thread="sparsecore", to_apply=%gather
+  %cd = f32[1024,1024]{1,0} call-done(%cs)
+  %ar = f32[256,1024]{1,0} all-reduce(%x), channel_id=5, replica_groups={{0,1,2,3}}, to_apply=%gather
+  %start = s32[] constant(0)
+  %init = (s32[], f32[256,1024]{1,0}) tuple(%start, %x)
+  %loop = (s32[], f32[256,1024]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[256,1024]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_the_schedule_exposes_what_the_compute_between_start_and_done_leaves():
+    """One second per MiB moved (a collective's wire bytes, an op's bytes), 4 devices. An all-gather
+    to 4 MiB sends 3 MiB (3 s); a negate of 4 MiB moves 8 MiB (8 s), of 1 MiB 2 MiB (2 s).
+    - ag.1 with a 4 MiB negate between start and done: hidden (exposed 0);
+    - ag.2 and ag.3 in flight together over a 1 MiB negate: they take turns, so ag.2 gets the 2 s
+      (1 s exposed) and ag.3 none (3 s exposed); run side by side each would expose 1 s;
+    - the offloaded gather (call-start, call-done) with nothing between: 3 s exposed;
+    - the synchronous all-reduce of 1 MiB (2 x 3/4 of it: 1.5 s): exposed whole;
+    - the loop, 2 trips of ag.4 over a 1 MiB negate: 2 s hide of its 3 s, 1 s exposed per trip, so
+      the loop takes 2 x (2 + 1) s on the compute stream's clock.
+    Busy: 8 + 2 + 2 x 2 = 14 s; exposed: 1 + 3 + 3 + 1.5 + 2 x 1 = 10.5 s."""
+    mib = 2**20
+    est = hc.Estimator(_SCHEDULED)
+    busy, exposed = est.timeline(lambda c: (c.wire_bytes if c.collective else c.bytes) / mib)
+    # (the loop counter's add moves 12 bytes a trip: within abs 1e-3)
+    assert busy == pytest.approx(8 + 2 + 2 * 2, abs=1e-3)
+    assert exposed == pytest.approx(1 + 3 + 3 + 1.5 + 2 * 1, abs=1e-3)
+    # Each start's exposed seconds over the step: the loop's ag.4 twice.
+    exposures = {}
+    est.timeline(lambda c: (c.wire_bytes if c.collective else c.bytes) / mib, exposures)
+    assert exposures == pytest.approx({"ag-start.2": 1, "ag-start.3": 3, "cs": 3, "ar": 1.5, "ag-start.4": 2}, abs=1e-3)
+    # Serial: every op and collective added; the schedule's figure lies at or below it.
+    serial = sum(((c.wire_bytes if c.collective else c.bytes) / mib) * k for c, k in est.ops())
+    assert serial == pytest.approx(8 + 2 + 2 * 2 + 3 * 3 + 3 + 1.5 + 2 * 3, abs=1e-3)
+    assert busy + exposed < serial
+
+
+def test_the_scheduled_total_is_the_estimates_third_figure():
+    """On a chip's row: scheduled between overlapped and serial, its exposed seconds reported."""
+    est = se.estimate(_SCHEDULED, se.HARDWARE["v5e"], tokens_per_step=1, chips=4, devices=4)
+    assert est["overlapped"]["step_s"] < est["scheduled"]["step_s"] < est["serial"]["step_s"]
+    assert 0 < est["exposed_async_s"] < est["categories"]["collectives"]["s"]
+
+
+def _timeline_variant(old: str, new: str):
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(hc.Estimator._timeline))
+    assert source.count(old) == 1, f"the fragment {old!r} is not in Estimator._timeline once: update the variant"
+    namespace = dict(vars(hc))
+    exec(compile(source.replace(old, new), "<Estimator._timeline, broken>", "exec"), namespace)  # noqa: S102
+    return namespace["_timeline"]
+
+
+# One-line bugs in the schedule's walk, each caught by the hand figures above.
+BROKEN_TIMELINE = {
+    # Pieces of async work in flight together each progress at the full rate (no turns on the links).
+    "side_by_side": ("t -= done", "t -= 0"),
+    # What is left at a done is dropped, not exposed.
+    "done_hides_the_rest": ("expose(i.operands[0], pending.pop(i.operands[0]))", "pending.pop(i.operands[0])"),
+    # A loop's body timed once, not per trip.
+    "loop_once": ("run(n * (b + e), n * e)", "run(b + e, e)"),
+    # An async start exposed at once, as if synchronous.
+    "start_waits": ("pending[i.name] = sum(seconds(c) * k for c, k in ops)",
+                    "exposed += sum(seconds(c) * k for c, k in ops)"),
+}
+
+
+@pytest.mark.parametrize("variant", list(BROKEN_TIMELINE))
+def test_broken_schedule_walks_are_caught(variant, monkeypatch):
+    monkeypatch.setattr(hc.Estimator, "_timeline", _timeline_variant(*BROKEN_TIMELINE[variant]))
+    busy, exposed = hc.Estimator(_SCHEDULED).timeline(lambda c: (c.wire_bytes if c.collective else c.bytes) / 2**20)
+    clean = (8 + 2 + 2 * 2, 1 + 3 + 3 + 1.5 + 2 * 1)
+    assert max(abs(busy - clean[0]), abs(exposed - clean[1])) > 0.5, (variant, busy, exposed)

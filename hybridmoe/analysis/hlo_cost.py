@@ -578,6 +578,34 @@ class Estimator:
         self._sliced[key] = total
         return total
 
+    def _trips(self, i: Instr, body: list, note_unknown: bool = True) -> int:
+        """How many times a while instruction runs its body (1 where unreadable, or trip counts off)."""
+        n = trip_count(i, self.comps, body) if self.apply_trip_counts else 1
+        if n is None:
+            if note_unknown:
+                self.unknown_trips.append(i.name)
+            n = 1
+        return n
+
+    @staticmethod
+    def _branch_names(i: Instr) -> list[str]:
+        branches = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
+        return ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
+                re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", i.attrs))
+
+    @staticmethod
+    def _calls_into(i: Instr) -> list[str] | None:
+        """The computations a call, an async call or a custom call with called computations runs
+        (None: the instruction is none of these)."""
+        if i.opcode in ("call", "call-start", "async-start") or (i.opcode == "custom-call" and "called_computations" in i.attrs):
+            return re.findall(r"\b(?:to_apply|calls|called_computations)=\{?%?([\w.\-]+)", i.attrs)
+        return None
+
+    def _heaviest_branch(self, i: Instr, comp: str, stack: tuple, context: str) -> tuple[str, list] | None:
+        """(name, ops) of a conditional's most expensive branch: an upper bound of what it runs."""
+        walked = [(b, self._walk(b, stack + (comp,), i.op_name or context)) for b in self._branch_names(i)]
+        return max(walked, key=lambda bw: sum(_flat_time(c) * k for _, c, k in bw[1])) if walked else None
+
     def _walk(self, comp: str, stack: tuple = (), context: str = "") -> list[tuple[str, OpCost, float]]:
         """The ops one execution of `comp` runs (instruction name, cost), each with how many times
         (loops applied)."""
@@ -586,22 +614,17 @@ class Estimator:
         out: list[tuple[str, OpCost, float]] = []
         body = self.comps[comp]
         for i in body:
+            callees = self._calls_into(i)
             if i.opcode == "while":
                 loop_body = re.search(r"\bbody=%?([\w.\-]+)", i.attrs).group(1)
-                n = trip_count(i, self.comps, body) if self.apply_trip_counts else 1
-                if n is None:
-                    self.unknown_trips.append(i.name)
-                    n = 1
+                n = self._trips(i, body)
                 out += [(name, c, k * n) for name, c, k in self._walk(loop_body, stack + (comp,), i.op_name or context)]
             elif i.opcode == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
-                names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
-                         re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", i.attrs))
-                walked = [self._walk(b, stack + (comp,), i.op_name or context) for b in names]
-                if walked:
-                    out += max(walked, key=lambda ops: sum(_flat_time(c) * k for _, c, k in ops))
-            elif i.opcode in ("call", "call-start", "async-start") or (i.opcode == "custom-call" and "called_computations" in i.attrs):
-                for callee in re.findall(r"\b(?:to_apply|calls|called_computations)=\{?%?([\w.\-]+)", i.attrs):
+                heaviest = self._heaviest_branch(i, comp, stack, context)
+                if heaviest:
+                    out += heaviest[1]
+            elif callees is not None:
+                for callee in callees:
                     out += self._walk(callee, stack + (comp,), i.op_name or context)
             else:
                 c = self._instr_cost(i, comp, context)
@@ -609,8 +632,88 @@ class Estimator:
                     out.append((i.name, c, 1.0))
         return out
 
+    def timeline(self, seconds, exposures: dict | None = None) -> tuple[float, float]:
+        """(busy, exposed) seconds of one run of the program in its schedule's order, `seconds(OpCost)`
+        an op's time: busy is the compute stream's work; exposed the time it waits on asynchronous
+        work (collectives, and what an async call runs: the TPU compiler's SparseCore offloads) still
+        unfinished when it reaches the done, loops' trips applied. A started piece of async work progresses while the
+        compute stream runs, one piece at a time in start order (they share the links); a
+        synchronous collective is exposed whole. busy + exposed lies between the step with every
+        collective hidden and with none hidden. `exposures`, where given, collects each async
+        start's (or synchronous collective's) exposed seconds over the step by instruction name."""
+        return self._timeline(self.entry, (), "", seconds, 1.0, exposures)
+
+    def _timeline(self, comp: str, stack: tuple, context: str, seconds, scale: float,
+                  exposures: dict | None) -> tuple[float, float]:
+        """timeline() of one run of `comp`; `scale`: how many times it runs in the step (for `exposures`)."""
+        if comp in stack or comp not in self.comps:
+            return 0.0, 0.0
+        busy = exposed = 0.0
+        pending: dict[str, float] = {}  # async start -> its seconds still to run, in start order
+        inner = stack + (comp,)
+
+        def expose(name: str, t: float) -> None:
+            nonlocal exposed
+            exposed += t
+            if exposures is not None and t > 0:
+                exposures[name] = exposures.get(name, 0.0) + t * scale
+
+        def run(t: float, waited: float = 0.0) -> None:
+            """t seconds on the compute stream's clock, `waited` of them a nested walk's exposed waits."""
+            nonlocal busy, exposed
+            busy += t - waited
+            exposed += waited
+            for start in pending:
+                done = min(pending[start], t)
+                pending[start] -= done
+                t -= done
+                if t <= 0:
+                    break
+
+        body = self.comps[comp]
+        for i in body:
+            callees = self._calls_into(i)
+            where = i.op_name or context
+            if i.opcode == "while":
+                loop_body = re.search(r"\bbody=%?([\w.\-]+)", i.attrs).group(1)
+                n = self._trips(i, body, note_unknown=False)
+                b, e = self._timeline(loop_body, inner, where, seconds, scale * n, exposures)
+                run(n * (b + e), n * e)
+            elif i.opcode == "conditional":
+                heaviest = self._heaviest_branch(i, comp, stack, context)
+                if heaviest:
+                    b, e = self._timeline(heaviest[0], inner, where, seconds, scale, exposures)
+                    run(b + e, e)
+            elif i.opcode in ("call-start", "async-start") or (i.opcode.endswith("-start") and
+                                                                i.opcode[:-len("-start")] in COLLECTIVES):
+                ops = ([(c, k) for callee in callees for _, c, k in self._walk(callee, inner, where)]
+                       if callees is not None else [(c, 1.0) for c in [self._instr_cost(i, comp, context)] if c])
+                pending[i.name] = sum(seconds(c) * k for c, k in ops)
+            elif i.opcode.endswith("-done"):
+                if i.operands and i.operands[0] in pending:
+                    expose(i.operands[0], pending.pop(i.operands[0]))
+            elif callees is not None:
+                for callee in callees:
+                    b, e = self._timeline(callee, inner, where, seconds, scale, exposures)
+                    run(b + e, e)
+            else:
+                c = self._instr_cost(i, comp, context)
+                if c is None:
+                    continue
+                if c.collective:
+                    expose(i.name, seconds(c))
+                else:
+                    run(seconds(c))
+        for start, left in pending.items():  # started, never waited for here: the program's end waits
+            expose(start, left)
+        return busy, exposed
+
     def ops(self) -> list[tuple[OpCost, float]]:
         return [(c, k) for _, c, k in self._walk(self.entry)]
+
+    def op_names(self) -> dict[str, str]:
+        """{instruction name: the op_name in its metadata} over the module (names are unique in it)."""
+        return {name: op for names in self.names.values() for name, op in names.items() if op}
 
     def named_ops(self) -> list[tuple[str, OpCost, float]]:
         """ops() with each op's instruction name (what a profiler's trace names it by)."""

@@ -9,9 +9,13 @@ device's link bandwidth. On a generation a chip has calibrated (analysis/hardwar
 fixed costs are the chip's measured ones, and each Pallas kernel's time is scaled by the ratio of its
 measured time to the model's at the calibration shapes.
 
-Totals: `serial_s` adds the collectives to the compute; `overlapped_s` assumes every collective
-hides under compute (the larger of the two sums). Both are printed; the truth lies between them
-(the compiler overlaps what its schedule allows, and nothing here reads that schedule).
+Totals: `serial` adds the collectives to the compute; `overlapped` assumes every collective hides
+under compute (the larger of the two sums); `scheduled` reads the program's schedule (the order of
+a scheduled module's instructions): asynchronous work (a collective's start and done, an async call
+such as the TPU compiler's SparseCore offloads) runs while the compute between its start and its
+done runs, and what is left at the done is exposed (hlo_cost.Estimator.timeline). It lies between
+the other two; its one assumption is that pieces of async work in flight together take turns on
+the links (none is faster for running beside another).
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: {"wire_bytes": 0.0, "s": 0.0})
     kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0.0, "grid_steps": 0.0, "s": 0.0, "flops": 0.0})
     missing = set()
-    for c, k in est.ops():
+    per_op: dict[str, dict] = {}
+    for name, c, k in est.named_ops():
         row = cats[c.category]
         if c.collective:
             s = c.wire_bytes / hw.link_bytes_per_s
@@ -82,6 +87,12 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
             row["bytes"] += c.wire_bytes * k
             continue
         s, compute, memory, grid = op_seconds(c, hw)
+        op = per_op.setdefault(name, {"category": c.category, "s": 0.0, "runs": 0.0, "flops": 0.0, "bytes": 0.0,
+                                      "bound": "compute" if compute >= memory else "memory"})
+        op["s"] += s * k
+        op["runs"] += k
+        op["flops"] += c.flops * k
+        op["bytes"] += c.bytes * k
         row["s"] += s * k
         row["compute_s"] += compute * k
         row["memory_s"] += memory * k
@@ -96,17 +107,43 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
             kr["flops"] += c.flops * k
             if c.no_cost_estimate:
                 missing.add(c.kernel)
+    exposures: dict[str, float] = {}
+    busy, exposed = est.timeline(lambda c: c.wire_bytes / hw.link_bytes_per_s if c.collective
+                                 else op_seconds(c, hw)[0], exposures)
     return {"hardware": dataclasses.asdict(hw), "categories": cats, "collectives": dict(by_kind),
+            "top_ops": top_ops(per_op, est.op_names()), "exposed_async_s": exposed,
+            "top_exposed": top_exposed(exposures, est.op_names()),
             "kernels": dict(kernels), "kernels_without_cost_estimate": sorted(missing),
             "loops_with_unknown_trip_count": est.unknown_trips, "tokens_per_step": tokens_per_step,
             "chips": chips, "devices": devices, **totals(cats, hw.bf16_flops, tokens_per_step, chips,
-                                                         model_flops_per_device)}
+                                                         model_flops_per_device, scheduled_s=busy + exposed)}
+
+
+TOP_OPS = 8  # per category, in the estimate (and so in every inspect record)
+
+
+def top_ops(per_op: dict[str, dict], op_names: dict[str, str], n: int = TOP_OPS) -> dict[str, list[dict]]:
+    """Per category its `n` costliest instructions over the step (every run of each), with the
+    jax op_name the compiler kept (what the model's code called it): where a category's seconds go."""
+    by_cat: dict[str, list] = defaultdict(list)
+    for name, row in per_op.items():
+        by_cat[row["category"]].append({"name": name, "op_name": op_names.get(name, "")[:200], **row})
+    return {cat: sorted(rows, key=lambda r: -r["s"])[:n] for cat, rows in by_cat.items()}
+
+
+def top_exposed(exposures: dict[str, float], op_names: dict[str, str], n: int = TOP_OPS) -> list[dict]:
+    """The `n` async starts (and synchronous collectives) whose work the schedule leaves most exposed
+    over the step: {name, op_name, exposed_s}."""
+    rows = sorted(exposures.items(), key=lambda kv: -kv[1])[:n]
+    return [{"name": name, "op_name": op_names.get(name, "")[:200], "exposed_s": s} for name, s in rows]
 
 
 def totals(cats: dict, bf16_flops: float, tokens_per_step: int, chips: int,
-           model_flops_per_device: float | None) -> dict:
+           model_flops_per_device: float | None, scheduled_s: float | None = None) -> dict:
     """The step's totals from its categories: `serial` adds the collectives to the compute,
-    `overlapped` hides the shorter under the longer; each with tokens/s per chip and MFU."""
+    `overlapped` hides the shorter under the longer, `scheduled` (where the program's schedule was
+    read: hlo_cost.Estimator.timeline) exposes what the compute between each async start and its
+    done does not cover; each with tokens/s per chip and MFU."""
     collective_s = cats["collectives"]["s"]
     compute_s = sum(v["s"] for cat, v in cats.items() if cat != "collectives")
 
@@ -117,7 +154,8 @@ def totals(cats: dict, bf16_flops: float, tokens_per_step: int, chips: int,
 
     return {"hlo_flops_per_device": sum(v["flops"] for v in cats.values()),
             "model_flops_per_device": model_flops_per_device,
-            "serial": rates(compute_s + collective_s), "overlapped": rates(max(compute_s, collective_s))}
+            "serial": rates(compute_s + collective_s), "overlapped": rates(max(compute_s, collective_s)),
+            **({"scheduled": rates(scheduled_s)} if scheduled_s is not None else {})}
 
 
 def format_estimate(e: dict, reference: dict | None = None) -> str:
@@ -131,7 +169,10 @@ def format_estimate(e: dict, reference: dict | None = None) -> str:
         r = e["categories"][cat]
         lines.append(f"  {cat:<18}{r['s']:>11.4g}{r['compute_s']:>11.4g}{r['memory_s']:>11.4g}{r['grid_s']:>11.4g}"
                      f"{r['flops'] / 1e12:>12.4g}")
-    for key, label in (("serial", "collectives not overlapped"), ("overlapped", "collectives hidden under compute")):
+    for key, label in (("serial", "collectives not overlapped"), ("overlapped", "collectives hidden under compute"),
+                       ("scheduled", "async work the schedule exposes")):
+        if key not in e:
+            continue
         r = e[key]
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         lines.append(f"  total, {label:<33}{r['step_s']:>9.4g} s/step  {r['tokens_per_s_per_chip']:>10,.0f} "
