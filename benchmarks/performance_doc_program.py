@@ -267,41 +267,41 @@ def cell_reading(rec: dict) -> str:
              f" Its FLOPs per device, {a['hlo_flops_per_device'] / 1e12:,.0f} TFLOP as compiled (each Pallas call at "
              f"its stated count), are {a['hlo_flops_per_device'] / designed - 1:+.1%} off the design count "
              f"({designed / 1e12:,.0f} TFLOP).")
-    chip = load("tpu_step.json").get("arms", {})
-    # Against the default timed in the XLA core's own round (the same visits, the same other defaults).
-    xla = chip.get("xla_gdn", {})
-    gdn_chip = ("" if not xla.get("over_default_in_round") else
-                f", the XLA path's one-chip step {xla['over_default_in_round']:.2f}x the Mosaic core's in the same "
-                "round: `tpu_step.json`")
+    scheduled = ("" if a.get("scheduled_step_s") is None else
+                 f", and {a['scheduled_step_s']:.1f} s as the program's schedule overlaps them "
+                 f"({a['exposed_async_s']:.1f} s of asynchronous work left exposed)")
     return textwrap.fill(
         f"At the seed's cell with every lever (`cell`), the estimate is {a['step_s']:.1f} s per step with the "
-        f"collectives added to the compute and {a['overlapped_step_s']:.1f} s with them hidden under it, against "
-        f"the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}", 100) + f"""
+        f"collectives added to the compute and {a['overlapped_step_s']:.1f} s with them hidden under it{scheduled}, "
+        f"against the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}", 100) + "\n\n" + costliest_ops(a)
 
-What the program shows behind those figures (read op by op from the cell's compiled HLO), and so
-what stands between the estimate and the seed's step:
-- grouped matmuls: their stated bytes at the recipe's tiles (tm 512, tk 2048, tn 512; the wi
-  forward at tk 4096 with one N tile per half, the fused wo input gradient at one N tile): each
-  row tile is fetched once per N tile and each step fetches its group's weight slab, so the
-  weight-gradient kernels (`tgmm`) and the wi input gradient (`gmm_t`, d_model in 8 tiles of 512)
-  re-read their rows several times, and `tgmm`'s small output tiles make the largest grid. With
-  256 local experts of about 160 rows each per token chunk, a 512-row tile is mostly padding:
-  the MXU runs it whole, which the compute column (useful FLOPs) does not show. Tiles per kernel
-  chosen by a model that also counts the padded MXU work, and a `tgmm` that accumulates into the
-  carried gradient, are what remain;
-- the rest: mostly memory traffic of the MoE token-chunk scan's backward, which adds each chunk's
-  weight gradients (bf16 [256, 4096, 2048] and [256, 1024, 4096]) into the gradient the scan
-  carries (an in-place accumulation in `tgmm` would remove those adds), the row gathers and
-  scatters around the grouped matmuls, and the expert weights' dequantising converts;
-- collectives: the fp8 expert weights' all-gathers and the bf16 weight gradients' reduce-scatters,
-  once per layer per micro-batch and again for the remat replay's gathers, which the TPU7x compiler
-  runs on its SparseCores beside the compute (the overlapped total assumes they hide);
-- GDN: the recipe runs the chunk-parallel Mosaic core (`kernels.gdn.backend=auto`, which a v5e
-  chip measured faster than the XLA chunked path{gdn_chip}). It keeps a chunk's intermediates in VMEM; what the estimate still counts is
-  mostly memory: the inputs' and outputs' chunk layout around the kernels and the
-  sequence-sharded scans;
-- attention: the flash kernels' compute (the forward twice, for the replay), plus the fixed cost
-  of a static grid that visits every key block (a causally skipped block still costs a step)."""
+
+def _op_path(op_name: str, parts: int = 4) -> str:
+    """The tail of a jax op_name, the step's loop prefixes dropped: what the model's code called it."""
+    path = [p for p in op_name.split("/") if p not in ("while", "body", "closed_call", "shard_map")]
+    return "/".join(path[-parts:]) or "-"
+
+
+def costliest_ops(a: dict, per_category: int = 3, exposed: int = 5) -> str:
+    """The arm's costliest ops per category and its most exposed async work, from the estimate's
+    top_ops and top_exposed (benchmarks/step_estimate.py keeps them): what stands between the
+    estimate and a faster step."""
+    top = a.get("top_ops")
+    if not top:
+        return ("(this arm's estimate predates the per-op reading: `benchmarks/step_estimate.py --from-inspect` "
+                "of a new inspect record adds it)")
+    rows = []
+    for cat in sorted(top, key=lambda c: -a["category_s"].get(c, 0.0)):
+        for r in top[cat][:per_category]:
+            rows.append([cat, f"`{_op_path(r['op_name'])}`", f"`{r['name']}`", f"{r['runs']:,.0f}", f"{r['s']:.2f}",
+                         r["bound"], f"{r['bytes'] / r['runs'] / 2**30:,.2f}" if r["runs"] else "-"])
+    waits = [[f"`{_op_path(r['op_name'])}`", f"`{r['name']}`", f"{r['exposed_s']:.2f}"]
+             for r in (a.get("top_exposed") or [])[:exposed]]
+    wait_table = ("" if not waits else "\n\nThe asynchronous work the schedule leaves most exposed (seconds per "
+                  "step the compute stream waits at its done):\n\n" + table(["op", "start", "exposed s"], waits))
+    return ("The costliest ops of each category (the jax op_name the compiler kept; seconds per step over every "
+            "run; GiB each run moves):\n\n" + table(["category", "op", "instruction", "runs", "s", "bound",
+                                                       "GiB per run"], rows) + wait_table)
 
 
 def step_estimate() -> str:

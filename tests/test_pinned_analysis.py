@@ -292,7 +292,10 @@ class _FakeEstimator:
     def timeline(self, seconds, exposures=None):
         """As if the schedule hid the all-gathers under compute and left the all-reduce exposed."""
         busy = sum(seconds(c) * k for _, c, k in self.named_ops() if not c.collective)
-        return busy, sum(seconds(c) * k for name, c, k in self.named_ops() if name == "ar.5")
+        exposed = sum(seconds(c) * k for name, c, k in self.named_ops() if name == "ar.5")
+        if exposures is not None:
+            exposures["ar.5"] = exposed
+        return busy, exposed
 
 
 def test_an_estimates_categories_kernels_and_collectives_by_hand(monkeypatch):
@@ -328,6 +331,7 @@ def test_an_estimates_categories_kernels_and_collectives_by_hand(monkeypatch):
     assert [r["name"] for r in e["top_ops"]["GDN"]] == ["fusion.2", "fusion.3"]
     assert e["top_ops"]["dense matmuls"][0]["op_name"] == "jit(step)/mlp/dot_general"
     assert e["top_ops"]["dense matmuls"][0]["s"] == pytest.approx(4 * 2.002e-3)
+    assert e["top_exposed"] == [{"name": "ar.5", "op_name": "", "exposed_s": pytest.approx(2e-3)}]
     assert e["hlo_flops_per_device"] == 7e9 and e["model_flops_per_device"] == 3e9
     assert e["loops_with_unknown_trip_count"] == ["while.9"] and (e["chips"], e["devices"]) == (2, 2)
     # A grid step's cost set for the estimate replaces the row's.
@@ -361,6 +365,7 @@ def test_the_estimates_table_prints_its_figures_in_their_units(monkeypatch):
             "Pallas kernels scaled") in assumptions
     assert "without a cost estimate (counted as memory only): k2" in text
     assert "loops whose trip count is unreadable (counted once): 1" in text
+    assert "exposed 0.002 s at the done of ar.5" in text
     serial = next(ln for ln in lines.splitlines() if "not overlapped" in ln)
     compute = e["overlapped"]["step_s"]
     assert f"MFU {100 * 3e9 / ((compute + 5e-3) * 1e12):.1f}%" in serial

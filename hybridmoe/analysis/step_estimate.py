@@ -188,6 +188,9 @@ def format_estimate(e: dict, reference: dict | None = None) -> str:
         lines.append(f"  collective {kind:<20}{r['wire_bytes'] / 2**30:>9.3g} GiB sent per device  {r['s']:.4g} s")
     for name, r in sorted(e["kernels"].items(), key=lambda kv: -kv[1]["s"]):
         lines.append(f"  Pallas {name:<28}{r['calls']:>8.0f} calls {r['grid_steps']:>12,.0f} grid steps  {r['s']:.4g} s")
+    for r in e.get("top_exposed", [])[:3]:
+        lines.append(f"  exposed {r['exposed_s']:.4g} s at the done of {r['name']}"
+                     + (f" ({r['op_name'][-80:]})" if r["op_name"] else ""))
     measured = hw.get("measured")
     source = (f"measured on {measured['device']} at {measured['commit'][:10]} (hybridmoe calibrate)" if measured
               else "the maker's figures")
