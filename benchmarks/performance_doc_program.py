@@ -276,32 +276,30 @@ def cell_reading(rec: dict) -> str:
         f"against the seed's measured {seed['step_s']} s: {', '.join(parts)}.{flops}", 100) + "\n\n" + costliest_ops(a)
 
 
-def _op_path(op_name: str, parts: int = 4) -> str:
-    """The tail of a jax op_name, the step's loop prefixes dropped: what the model's code called it."""
-    path = [p for p in op_name.split("/") if p not in ("while", "body", "closed_call", "shard_map")]
-    return "/".join(path[-parts:]) or "-"
-
-
 def costliest_ops(a: dict, per_category: int = 3, exposed: int = 5) -> str:
-    """The arm's costliest ops per category and its most exposed async work, from the estimate's
-    top_ops and top_exposed (benchmarks/step_estimate.py keeps them): what stands between the
-    estimate and a faster step."""
-    top = a.get("top_ops")
+    """The arm's costliest code paths per category and its most exposed async work, from the
+    estimate's top_op_groups and top_exposed (benchmarks/step_estimate.py keeps them): what stands
+    between the estimate and a faster step."""
+    from hybridmoe.analysis.step_estimate import op_path
+
+    top = a.get("top_op_groups")
     if not top:
         return ("(this arm's estimate predates the per-op reading: `benchmarks/step_estimate.py --from-inspect` "
                 "of a new inspect record adds it)")
     rows = []
     for cat in sorted(top, key=lambda c: -a["category_s"].get(c, 0.0)):
         for r in top[cat][:per_category]:
-            rows.append([cat, f"`{_op_path(r['op_name'])}`", f"`{r['name']}`", f"{r['runs']:,.0f}", f"{r['s']:.2f}",
-                         r["bound"], f"{r['bytes'] / r['runs'] / 2**30:,.2f}" if r["runs"] else "-"])
-    waits = [[f"`{_op_path(r['op_name'])}`", f"`{r['name']}`", f"{r['exposed_s']:.2f}"]
+            rows.append([cat, f"`{r['path']}`", f"{r['instructions']}", f"{r['runs']:,.0f}", f"{r['s']:.2f}",
+                         f"{r['bytes'] / r['runs'] / 2**30:,.2f}" if r["runs"] else "-"])
+    waits = [[f"`{op_path(r['op_name']) or '-'}`", f"`{r['name']}`", f"{r['exposed_s']:.2f}"]
              for r in (a.get("top_exposed") or [])[:exposed]]
     wait_table = ("" if not waits else "\n\nThe asynchronous work the schedule leaves most exposed (seconds per "
-                  "step the compute stream waits at its done):\n\n" + table(["op", "start", "exposed s"], waits))
-    return ("The costliest ops of each category (the jax op_name the compiler kept; seconds per step over every "
-            "run; GiB each run moves):\n\n" + table(["category", "op", "instruction", "runs", "s", "bound",
-                                                       "GiB per run"], rows) + wait_table)
+                  "step the compute stream waits at its done; an empty op name: the compiler kept none):\n\n"
+                  + table(["op", "start", "exposed s"], waits))
+    return ("Where each category's seconds go: its costliest code paths (the tail of the jax op_name the compiler "
+            "kept, every instruction that runs it summed: each layer's, forward and replay), seconds per step and "
+            "GiB per run:\n\n" + table(["category", "op", "instructions", "runs", "s", "GiB per run"], rows)
+            + wait_table)
 
 
 def step_estimate() -> str:

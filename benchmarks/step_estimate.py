@@ -59,7 +59,7 @@ def _summary(est: dict) -> dict:
         "scheduled_step_s": est.get("scheduled", {}).get("step_s"),
         "scheduled_mfu": est.get("scheduled", {}).get("mfu"),
         "exposed_async_s": est.get("exposed_async_s"),
-        "top_ops": est.get("top_ops"),
+        "top_ops": est.get("top_ops"), "top_op_groups": est.get("top_op_groups"), "top_exposed": est.get("top_exposed"),
         "category_s": {c: r["s"] for c, r in est["categories"].items()},
         "categories": est["categories"], "collectives": est["collectives"], "kernels": est["kernels"],
         "kernels_without_cost_estimate": est["kernels_without_cost_estimate"],

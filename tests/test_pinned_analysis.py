@@ -287,7 +287,8 @@ class _FakeEstimator:
         return [(c, k) for _, c, k in self.named_ops()]
 
     def op_names(self):
-        return {"dot.1": "jit(step)/mlp/dot_general"}
+        gdn = "jit(step)/layers/while/body/closed_call/gdn/shard_map/k/pallas_call"
+        return {"dot.1": "jit(step)/mlp/dot_general", "fusion.2": gdn, "fusion.3": gdn}
 
     def timeline(self, seconds, exposures=None):
         """As if the schedule hid the all-gathers under compute and left the all-reduce exposed."""
@@ -332,6 +333,9 @@ def test_an_estimates_categories_kernels_and_collectives_by_hand(monkeypatch):
     assert e["top_ops"]["dense matmuls"][0]["op_name"] == "jit(step)/mlp/dot_general"
     assert e["top_ops"]["dense matmuls"][0]["s"] == pytest.approx(4 * 2.002e-3)
     assert e["top_exposed"] == [{"name": "ar.5", "op_name": "", "exposed_s": pytest.approx(2e-3)}]
+    # The same code path (the loops' and shard_map's parts dropped) summed over its instructions.
+    assert e["top_op_groups"]["GDN"] == [{"path": "layers/gdn/k/pallas_call", "instructions": 2,
+                                          "s": pytest.approx(2 * k1_s + k2_s), "runs": 3.0, "bytes": 9e6, "flops": 3e9}]
     assert e["hlo_flops_per_device"] == 7e9 and e["model_flops_per_device"] == 3e9
     assert e["loops_with_unknown_trip_count"] == ["while.9"] and (e["chips"], e["devices"]) == (2, 2)
     # A grid step's cost set for the estimate replaces the row's.

@@ -111,7 +111,8 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
     busy, exposed = est.timeline(lambda c: c.wire_bytes / hw.link_bytes_per_s if c.collective
                                  else op_seconds(c, hw)[0], exposures)
     return {"hardware": dataclasses.asdict(hw), "categories": cats, "collectives": dict(by_kind),
-            "top_ops": top_ops(per_op, est.op_names()), "exposed_async_s": exposed,
+            "top_ops": top_ops(per_op, est.op_names()), "top_op_groups": top_op_groups(per_op, est.op_names()),
+            "exposed_async_s": exposed,
             "top_exposed": top_exposed(exposures, est.op_names()),
             "kernels": dict(kernels), "kernels_without_cost_estimate": sorted(missing),
             "loops_with_unknown_trip_count": est.unknown_trips, "tokens_per_step": tokens_per_step,
@@ -120,6 +121,15 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
 
 
 TOP_OPS = 8  # per category, in the estimate (and so in every inspect record)
+# The parts of a jax op_name that say where it runs, not what it is (the step's loops and calls).
+_PLACE_PARTS = {"while", "body", "closed_call", "shard_map"}
+
+
+def op_path(op_name: str, parts: int = 4) -> str:
+    """The tail of a jax op_name with the loops' and calls' parts dropped: what the model's code
+    called the op (`moe/tgmm/pallas_call`), the same for every layer and micro-batch that runs it."""
+    path = [p for p in op_name.split("/") if p not in _PLACE_PARTS]
+    return "/".join(path[-parts:])
 
 
 def top_ops(per_op: dict[str, dict], op_names: dict[str, str], n: int = TOP_OPS) -> dict[str, list[dict]]:
@@ -128,6 +138,24 @@ def top_ops(per_op: dict[str, dict], op_names: dict[str, str], n: int = TOP_OPS)
     by_cat: dict[str, list] = defaultdict(list)
     for name, row in per_op.items():
         by_cat[row["category"]].append({"name": name, "op_name": op_names.get(name, "")[:200], **row})
+    return {cat: sorted(rows, key=lambda r: -r["s"])[:n] for cat, rows in by_cat.items()}
+
+
+def top_op_groups(per_op: dict[str, dict], op_names: dict[str, str], n: int = TOP_OPS) -> dict[str, list[dict]]:
+    """Per category its `n` costliest op paths (op_path: the instructions that run the same code of
+    the model summed, e.g. one kernel in every layer, forward and replay): {path, instructions, s,
+    runs, bytes, flops}."""
+    groups: dict[tuple[str, str], dict] = {}
+    for name, row in per_op.items():
+        key = (row["category"], op_path(op_names.get(name, "")) or name)
+        g = groups.setdefault(key, {"path": key[1], "instructions": 0, "s": 0.0, "runs": 0.0, "bytes": 0.0,
+                                    "flops": 0.0})
+        g["instructions"] += 1
+        for field in ("s", "runs", "bytes", "flops"):
+            g[field] += row[field]
+    by_cat: dict[str, list] = defaultdict(list)
+    for (cat, _), g in groups.items():
+        by_cat[cat].append(g)
     return {cat: sorted(rows, key=lambda r: -r["s"])[:n] for cat, rows in by_cat.items()}
 
 
