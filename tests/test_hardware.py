@@ -9,12 +9,14 @@ from hybridmoe.analysis import hardware as hwmod
 from hybridmoe.analysis import step_estimate as se
 from hybridmoe.analysis.hlo_cost import OpCost
 
+from helpers import HandMadeEstimator
+
 ROW = {"bf16_flops_chip": 160e12, "hbm_bytes_per_s_chip": 800e9, "grid_step_s": 1e-6, "op_overhead_s": 2e-6,
        "kernel_factors": {"gdn_chunk_forward": 3.0},
        "measured": {"device": "TPU v5 lite", "commit": "0123456789abcdef", "date": "2026-12-05"}}
 
 
-class _Ops:
+class _Ops(HandMadeEstimator):
     """An Estimator that yields the hand-made ops below instead of walking a program."""
 
     def __init__(self, text, apply_trip_counts=True):
@@ -99,7 +101,7 @@ def test_the_makers_rows_per_device_are_the_published_figures_over_the_devices_o
         hwmod.hardware_for("gpu:b200")
 
 
-class _Blocks:
+class _Blocks(HandMadeEstimator):
     """An Estimator whose program is `text` layer blocks of one dense matmul and one GDN kernel call
     each, and one all-gather outside the layer loop (the trip count of the two is the block count)."""
 
