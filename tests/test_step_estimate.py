@@ -673,3 +673,32 @@ def test_broken_schedule_walks_are_caught(variant, monkeypatch):
     busy, exposed = hc.Estimator(_SCHEDULED).timeline(lambda c: (c.wire_bytes if c.collective else c.bytes) / 2**20)
     clean = (8 + 2 + 2 * 2, 1 + 3 + 3 + 1.5 + 2 * 1)
     assert max(abs(busy - clean[0]), abs(exposed - clean[1])) > 0.5, (variant, busy, exposed)
+
+
+def test_the_schedules_walk_notes_no_unreadable_loop_twice():
+    """A loop whose trip count is unreadable, inside a conditional's branch, is listed once by the
+    estimate, though the schedule's walk visits the branch again."""
+    loop = counted_loop_hlo(0, 4, "%i, %limit", "LT").replace("%limit = s32[] constant(4)",
+                                                               "%limit = s32[] parameter(1)")
+    entry = loop.index("ENTRY")
+    text = loop[:entry] + """%branch (b: f32[8,8]) -> f32[8,8] {
+  %b = f32[8,8]{1,0} parameter(0)
+  %start = s32[] constant(0)
+  %init = (s32[], f32[8,8]{1,0}) tuple(%start, %b)
+  %loop = (s32[], f32[8,8]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,8]{1,0} get-tuple-element(%loop), index=1
+}
+
+%other (o: f32[8,8]) -> f32[8,8] {
+  %o = f32[8,8]{1,0} parameter(0)
+  ROOT %n = f32[8,8]{1,0} negate(%o)
+}
+
+ENTRY %main (x: f32[8,8], p: pred[]) -> f32[8,8] {
+  %x = f32[8,8]{1,0} parameter(0)
+  %p = pred[] parameter(1)
+  ROOT %r = f32[8,8]{1,0} conditional(%p, %x, %x), true_computation=%branch, false_computation=%other
+}
+"""
+    est = se.estimate(text, se.HARDWARE["v5e"], tokens_per_step=1, chips=1, devices=1)
+    assert est["loops_with_unknown_trip_count"] == ["loop"]

@@ -635,13 +635,18 @@ class Estimator:
     def timeline(self, seconds, exposures: dict | None = None) -> tuple[float, float]:
         """(busy, exposed) seconds of one run of the program in its schedule's order, `seconds(OpCost)`
         an op's time: busy is the compute stream's work; exposed the time it waits on asynchronous
-        work (collectives, and what an async call runs: the TPU compiler's SparseCore offloads) still
-        unfinished when it reaches the done, loops' trips applied. A started piece of async work progresses while the
-        compute stream runs, one piece at a time in start order (they share the links); a
-        synchronous collective is exposed whole. busy + exposed lies between the step with every
-        collective hidden and with none hidden. `exposures`, where given, collects each async
-        start's (or synchronous collective's) exposed seconds over the step by instruction name."""
-        return self._timeline(self.entry, (), "", seconds, 1.0, exposures)
+        work (collectives, and what an async call runs: the TPU compiler's SparseCore offloads)
+        still unfinished when it reaches the done, loops' trips applied. A started piece of async
+        work progresses while the compute stream runs, one piece at a time in start order (they
+        share the links); a synchronous collective is exposed whole. busy + exposed lies between
+        the step with every collective hidden and with none hidden. `exposures`, where given,
+        collects each async start's (or synchronous collective's) exposed seconds over the step by
+        instruction name."""
+        noted = len(self.unknown_trips)
+        try:
+            return self._timeline(self.entry, (), "", seconds, 1.0, exposures)
+        finally:  # the walk's loops were noted by ops() already: note none twice
+            del self.unknown_trips[noted:]
 
     def _timeline(self, comp: str, stack: tuple, context: str, seconds, scale: float,
                   exposures: dict | None) -> tuple[float, float]:
