@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from performance_doc_common import GiB, f, gib, load, mib, source, table  # noqa: E402  (puts the repository on the path)
 
 from hybridmoe.analysis import peak_memory  # noqa: E402
+from hybridmoe.analysis.step_estimate import op_path  # noqa: E402
 from hybridmoe.tools.train_program import format_count_search  # noqa: E402
 
 
@@ -280,8 +281,6 @@ def costliest_ops(a: dict, per_category: int = 3, exposed: int = 5) -> str:
     """The arm's costliest code paths per category and its most exposed async work, from the
     estimate's top_op_groups and top_exposed (benchmarks/step_estimate.py keeps them): what stands
     between the estimate and a faster step."""
-    from hybridmoe.analysis.step_estimate import op_path
-
     top = a.get("top_op_groups")
     if not top:
         return ("(this arm's estimate predates the per-op reading: `benchmarks/step_estimate.py --from-inspect` "

@@ -14,8 +14,9 @@ under compute (the larger of the two sums); `scheduled` reads the program's sche
 a scheduled module's instructions): asynchronous work (a collective's start and done, an async call
 such as the TPU compiler's SparseCore offloads) runs while the compute between its start and its
 done runs, and what is left at the done is exposed (hlo_cost.Estimator.timeline). It lies between
-the other two; its one assumption is that pieces of async work in flight together take turns on
-the links (none is faster for running beside another).
+the other two. Its assumptions: the compiler's order is the chip's; pieces of async work in flight
+together take turns on the links (none is faster for running beside another); the SparseCore's
+offloaded copies and fusions run at the rates of the compute stream.
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
     exposures: dict[str, float] = {}
     busy, exposed = est.timeline(lambda c: c.wire_bytes / hw.link_bytes_per_s if c.collective
                                  else op_seconds(c, hw)[0], exposures)
+    op_names = est.op_names()
     return {"hardware": dataclasses.asdict(hw), "categories": cats, "collectives": dict(by_kind),
-            "top_ops": top_ops(per_op, est.op_names()), "top_op_groups": top_op_groups(per_op, est.op_names()),
-            "exposed_async_s": exposed,
-            "top_exposed": top_exposed(exposures, est.op_names()),
+            "top_ops": top_ops(per_op, op_names), "top_op_groups": top_op_groups(per_op, op_names),
+            "exposed_async_s": exposed, "top_exposed": top_exposed(exposures, op_names),
             "kernels": dict(kernels), "kernels_without_cost_estimate": sorted(missing),
             "loops_with_unknown_trip_count": est.unknown_trips, "tokens_per_step": tokens_per_step,
             "chips": chips, "devices": devices, **totals(cats, hw.bf16_flops, tokens_per_step, chips,
@@ -132,13 +133,19 @@ def op_path(op_name: str, parts: int = 4) -> str:
     return "/".join(path[-parts:])
 
 
+def _costliest_per_category(rows, n: int) -> dict[str, list[dict]]:
+    """(category, row) pairs as {category: its n rows of the most seconds, costliest first}."""
+    by_cat: dict[str, list] = defaultdict(list)
+    for cat, row in rows:
+        by_cat[cat].append(row)
+    return {cat: sorted(rs, key=lambda r: -r["s"])[:n] for cat, rs in by_cat.items()}
+
+
 def top_ops(per_op: dict[str, dict], op_names: dict[str, str], n: int = TOP_OPS) -> dict[str, list[dict]]:
     """Per category its `n` costliest instructions over the step (every run of each), with the
     jax op_name the compiler kept (what the model's code called it): where a category's seconds go."""
-    by_cat: dict[str, list] = defaultdict(list)
-    for name, row in per_op.items():
-        by_cat[row["category"]].append({"name": name, "op_name": op_names.get(name, "")[:200], **row})
-    return {cat: sorted(rows, key=lambda r: -r["s"])[:n] for cat, rows in by_cat.items()}
+    return _costliest_per_category(((row["category"], {"name": name, "op_name": op_names.get(name, "")[:200], **row})
+                                    for name, row in per_op.items()), n)
 
 
 def top_op_groups(per_op: dict[str, dict], op_names: dict[str, str], n: int = TOP_OPS) -> dict[str, list[dict]]:
@@ -153,10 +160,7 @@ def top_op_groups(per_op: dict[str, dict], op_names: dict[str, str], n: int = TO
         g["instructions"] += 1
         for field in ("s", "runs", "bytes", "flops"):
             g[field] += row[field]
-    by_cat: dict[str, list] = defaultdict(list)
-    for (cat, _), g in groups.items():
-        by_cat[cat].append(g)
-    return {cat: sorted(rows, key=lambda r: -r["s"])[:n] for cat, rows in by_cat.items()}
+    return _costliest_per_category(((cat, g) for (cat, _), g in groups.items()), n)
 
 
 def top_exposed(exposures: dict[str, float], op_names: dict[str, str], n: int = TOP_OPS) -> list[dict]:
