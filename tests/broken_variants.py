@@ -114,6 +114,7 @@ BROKEN_TILE_PLUMBING = {
 }
 
 from hybridmoe.kernels.gmm import pallas_tpu as _gmm_tpu  # noqa: E402
+from hybridmoe.kernels.gmm import metadata as _gmm_metadata  # noqa: E402
 
 # The Mosaic grouped matmuls' row mask and K loop (tests/test_gmm_kernels.py's k_tiles cases).
 BROKEN_GMM_TPU = {
@@ -124,7 +125,13 @@ BROKEN_GMM_TPU = {
     "mask_to_one_row_past": lambda: [(_gmm_tpu, "_rows_in_group", mutated(
         _gmm_tpu, "_rows_in_group", "(rows < hi_ref[g])", "(rows <= hi_ref[g])"))],
     # The K scratch zeroed on the second K tile instead of the first (the first tile's product lost).
-    "k_scratch_zeroed_late": lambda: [(_gmm_tpu, "gmm", mutated(_gmm_tpu, "gmm", "pl.when(ki == 0)", "pl.when(ki == 1)"))],
+    "k_scratch_zeroed_late": lambda: [(_gmm_tpu, "gmm", mutated(_gmm_tpu, "gmm", "computes & (ki == 0)",
+                                                                "computes & (ki == 1)"))],
+    # No step for the row tiles no local group touches: their rows keep whatever the buffer held.
+    "untouched_tiles_unwritten": lambda: [(_gmm_metadata, "output_walk", mutated(
+        _gmm_metadata, "output_walk", "(visits + zero_steps)", "(visits + 0 * zero_steps)"))],
+    # A tile's first step keeps the block's earlier content outside its group instead of zeroing it.
+    "first_step_keeps_old_rows": lambda: [(_gmm_tpu, "_first_on_tile", lambda step, tile_ref: step < 0)],
 }
 
 BROKEN_VMEM_MODEL = {

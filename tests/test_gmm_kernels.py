@@ -159,7 +159,8 @@ def test_broken_gmm_tpu_variant_caught(variant, monkeypatch):
     for target, name, broken in BROKEN_GMM_TPU[variant]():
         monkeypatch.setattr(target, name, broken)
     for k_tiles, (k, tiling) in K_TILES.items():
-        for sizes, offset, num_local, transpose in EDGE_CASES:
+        # The edges, and expert-sharded groups: foreign rows in shared tiles and a tile no local group touches.
+        for sizes, offset, num_local, transpose in EDGE_CASES + PALLAS_CASES[2:]:
             try:
                 _check_gmm("pallas_tpu", sizes, jnp.float32, offset=offset, num_local=num_local, transpose=transpose,
                            k=k, tiling=tiling)

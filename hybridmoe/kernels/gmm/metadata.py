@@ -16,7 +16,7 @@ with its predecessor, and an empty group's one step replaces that share.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,47 @@ def group_metadata(group_sizes_E, *, m: int, tm: int, group_offset, num_local: i
     before_S = (cum_G - steps_G)[group_S]
     tile_S = jnp.clip(first_G[group_S] + step_S - before_S, 0, tiles_m - 1).astype(jnp.int32)
     return lo_G, hi_G, group_S, tile_S, num_steps.astype(jnp.int32)
+
+
+class OutputWalk(NamedTuple):
+    """The steps of a kernel that writes a row-tiled [M, N] output (output_walk): int32 arrays."""
+
+    lo_G: jax.Array
+    hi_G: jax.Array
+    group_S: jax.Array  # the group whose weight the step reads
+    tile_S: jax.Array  # the output row tile the step writes
+    fetch_S: jax.Array  # the row tile its row operands are read from
+    num_steps: jax.Array  # how many steps run (the grid's dynamic length)
+
+    @property
+    def scalars(self) -> tuple:
+        """The scalar-prefetch operands, in the order the kernels' refs take them."""
+        return self.lo_G, self.hi_G, self.group_S, self.tile_S, self.fetch_S
+
+
+def output_walk(group_sizes_E, *, m: int, tm: int, group_offset, num_local: int) -> OutputWalk:
+    """group_metadata's steps (empty groups get none), then one step per row tile that no local
+    group touches, so that the kernel itself writes every row of its output: a group's rows its
+    product, every other row (a foreign group's, padding) zero. No pass over the output after it.
+
+    A step computes where its output tile is the tile it reads (fetch == tile); a zero step reads
+    the last computing step's row tile and group (the blocks already resident: nothing fetched) and
+    writes a tile of zeros. Unvisited tiles number tiles_m minus the visited ones, and the visiting
+    steps are at most the visited tiles plus G - 1, so both fit the static bound tiles_m + G - 1.
+    """
+    lo_G, hi_G, group_S, tile_S, visits = group_metadata(group_sizes_E, m=m, tm=tm, group_offset=group_offset,
+                                                         num_local=num_local, visit_empty=False)
+    tiles_m = m // tm
+    steps_S = jnp.arange(group_S.shape[0], dtype=jnp.int32)
+    visited_T = jnp.zeros((tiles_m,), jnp.int32).at[tile_S].max((steps_S < visits).astype(jnp.int32))
+    unvisited_T = jnp.argsort(visited_T, stable=True).astype(jnp.int32)  # the unvisited tiles first, in order
+    zero_steps = tiles_m - jnp.sum(visited_T)
+    last = jnp.maximum(visits - 1, 0)
+    zero_tile_S = unvisited_T[jnp.clip(steps_S - visits, 0, tiles_m - 1)]
+    is_visit_S = steps_S < visits
+    fetch_S = jnp.where(is_visit_S, tile_S, tile_S[last])
+    return OutputWalk(lo_G, hi_G, group_S, jnp.where(is_visit_S, tile_S, zero_tile_S), fetch_S,
+                      (visits + zero_steps).astype(jnp.int32))
 
 
 def local_groups(group_sizes_E, group_offset, num_local: int):

@@ -6,8 +6,10 @@ D model width, F hidden half width, T forward tile per half; tm, tk, tn the tile
 Grid of the row-tiled kernels: (N tiles, group steps, K tiles). The group steps (metadata.py)
 visit row tiles in non-decreasing order, so an output block shared by two groups stays resident
 and each group writes only its own rows (a row mask selects between the new rows and the
-block's current content). Blocks no local group touches are never written; the wrapper masks the
-result to the local rows, so padding and foreign rows come out exactly zero.
+block's current content). The first step on a tile zeroes the rows outside its group, and the
+kernels that write row-tiled outputs take one more step per tile no local group touches, which
+writes zeros and fetches nothing (metadata.output_walk): padding and foreign rows come out exactly
+zero from the kernel itself, with no masking pass over the output after it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ def _steps(m: int, tm: int, num_local: int, group_sizes_E, table_len: int) -> in
     return min(table_len, -(-int(_local_rows(m, num_local, group_sizes_E)) // tm) + num_local - 1)
 
 
+def _zero_bytes(m: int, num_local: int, group_sizes_E, row_bytes: int) -> float:
+    """The bytes of zeros a kernel writes to the rows outside its local groups (metadata.output_walk),
+    at the balanced share: under expert parallelism most of its output."""
+    return (m - _local_rows(m, num_local, group_sizes_E)) * row_bytes
+
+
 def _weight_fetches(stated_steps: int, num_local: int, tiles_k: int) -> int:
     """How many times the stated bytes count a group's weight slab (per N tile): with one K tile a
     step's weight block index is (group, 0, N tile), unchanged across a group's consecutive row tiles,
@@ -68,9 +76,21 @@ def _rows_in_group(step, lo_ref, hi_ref, grp_ref, tile_ref, tm: int):
     return (rows >= lo_ref[g]) & (rows < hi_ref[g])
 
 
-def _merge(out_ref, mask, value, sl=slice(None)):
-    """Write this group's rows of a resident output block; keep the other rows."""
-    out_ref[:, sl] = jnp.where(mask, value.astype(out_ref.dtype), out_ref[:, sl])
+def _first_on_tile(step, tile_ref):
+    """Is this step the first to write its output row tile (the block's content not yet written)?"""
+    return (step == 0) | (tile_ref[jnp.maximum(step - 1, 0)] != tile_ref[step])
+
+
+def _computes(step, tile_ref, fetch_ref):
+    """Does this step compute (metadata.output_walk): a zero step writes a tile it does not read."""
+    return tile_ref[step] == fetch_ref[step]
+
+
+def _merge(out_ref, mask, value, first, sl=slice(None)):
+    """Write this group's rows of a resident output block; the other rows keep what earlier steps
+    on the tile wrote, or are zeroed by the tile's first step (a foreign group's or padding)."""
+    kept = jnp.where(first, jnp.zeros((), out_ref.dtype), out_ref[:, sl])
+    out_ref[:, sl] = jnp.where(mask, value.astype(out_ref.dtype), kept)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,28 +104,30 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
     num_local = rhs_GKN.shape[0]
     n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
     t, tm, m_pad, tk, tn = metadata.plain_tiles(tiling, "gmm_t" if transpose_rhs else "gmm", lhs_MK, n, num_local)
-    lo, hi, grp, tile, steps = metadata.group_metadata(
-        group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
-        visit_empty=False)
-    stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
+    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
     tiles_k = k // tk
 
-    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, lhs_ref, rhs_ref, out_ref, acc_ref):
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, lhs_ref, rhs_ref, out_ref, acc_ref):
         s, ki = pl.program_id(1), pl.program_id(2)
+        computes = _computes(s, tile_ref, fetch_ref)
 
-        @pl.when(ki == 0)
+        @pl.when(computes & (ki == 0))
         def _():
             acc_ref[...] = jnp.zeros_like(acc_ref)
 
-        contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-        acc_ref[...] += jax.lax.dot_general(lhs_ref[...], rhs_ref[...], contract,
-                                            preferred_element_type=jnp.float32)
+        @pl.when(computes)
+        def _():
+            contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+            acc_ref[...] += jax.lax.dot_general(lhs_ref[...], rhs_ref[...], contract,
+                                                preferred_element_type=jnp.float32)
 
         @pl.when(ki == tiles_k - 1)
         def _():
-            _merge(out_ref, _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm), acc_ref[...])
+            _merge(out_ref, _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm), acc_ref[...],
+                   _first_on_tile(s, tile_ref))
 
-    def rhs_map(ni, s, ki, lo, hi, grp, tile):
+    def rhs_map(ni, s, ki, lo, hi, grp, tile, fetch):
         return (grp[s], ni, ki) if transpose_rhs else (grp[s], ki, ni)
 
     rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
@@ -113,13 +135,13 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
         kernel,
         out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(n // tn, steps, tiles_k),
+            num_scalar_prefetch=5,
+            grid=(n // tn, walk.num_steps, tiles_k),
             in_specs=[
-                pl.BlockSpec((tm, tk), lambda ni, s, ki, lo, hi, grp, tile: (tile[s], ki)),
+                pl.BlockSpec((tm, tk), lambda ni, s, ki, lo, hi, grp, tile, fetch: (fetch[s], ki)),
                 pl.BlockSpec(rhs_block, rhs_map),
             ],
-            out_specs=pl.BlockSpec((tm, tn), lambda ni, s, ki, lo, hi, grp, tile: (tile[s], ni)),
+            out_specs=pl.BlockSpec((tm, tn), lambda ni, s, ki, lo, hi, grp, tile, fetch: (tile[s], ni)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         compiler_params=_params(t, tpu_buffers("gmm_t" if transpose_rhs else "gmm", tm=tm, tk=tk, tn=tn,
@@ -129,13 +151,14 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
         # The local groups' rows through their weights, 2 m k n over the balanced local share;
         # bytes as the grid fetches blocks: the lhs row tile once per N tile, the group's weight
         # slab once per step (once per group with one K tile: `_weight_fetches`), the output tile
-        # once per step (steps at the balanced share: `_steps`).
+        # once per step (steps at the balanced share: `_steps`), the other rows' zeros once.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
                             (n // tn) * stated_steps * tm * k * _itemsize(lhs_MK)
                             + _weight_fetches(stated_steps, num_local, tiles_k) * k * n * _itemsize(rhs_GKN)
-                            + stated_steps * tm * n * jnp.dtype(out_dtype).itemsize),
-    )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
-    return metadata.keep_local_rows(out, m, group_sizes_E, group_offset, num_local)
+                            + stated_steps * tm * n * jnp.dtype(out_dtype).itemsize
+                            + _zero_bytes(m, num_local, group_sizes_E, n * jnp.dtype(out_dtype).itemsize)),
+    )(*walk.scalars, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
+    return out[:m]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,54 +267,56 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
     t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk = pick(d, t.tk)
     tiles_k = d // tk
-    lo, hi, grp, tile, steps = metadata.group_metadata(
-        group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
-        visit_empty=False)
-    stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
+    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
     out_dtype = x_MD.dtype
 
-    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, x_ref, wg_ref, wu_ref, h_ref, pre_ref,
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, x_ref, wg_ref, wu_ref, h_ref, pre_ref,
                accg_ref, accu_ref):
         s, ki = pl.program_id(1), pl.program_id(2)
+        computes = _computes(s, tile_ref, fetch_ref)
 
-        @pl.when(ki == 0)
+        @pl.when(computes & (ki == 0))
         def _():
             accg_ref[...] = jnp.zeros_like(accg_ref)
             accu_ref[...] = jnp.zeros_like(accu_ref)
 
-        xb = x_ref[...]
-        accg_ref[...] += jnp.dot(xb, wg_ref[...], preferred_element_type=jnp.float32)
-        accu_ref[...] += jnp.dot(xb, wu_ref[...], preferred_element_type=jnp.float32)
+        @pl.when(computes)
+        def _():
+            xb = x_ref[...]
+            accg_ref[...] += jnp.dot(xb, wg_ref[...], preferred_element_type=jnp.float32)
+            accu_ref[...] += jnp.dot(xb, wu_ref[...], preferred_element_type=jnp.float32)
 
         @pl.when(ki == tiles_k - 1)
         def _():
             mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
+            first = _first_on_tile(s, tile_ref)
             gate, up = accg_ref[...], accu_ref[...]
-            _merge(h_ref, mask, epilogue.swiglu_fwd(gate, up, out_dtype, mode))
-            _merge(pre_ref, mask, gate, slice(0, tn))
-            _merge(pre_ref, mask, up, slice(tn, 2 * tn))
+            _merge(h_ref, mask, epilogue.swiglu_fwd(gate, up, out_dtype, mode), first)
+            _merge(pre_ref, mask, gate, first, slice(0, tn))
+            _merge(pre_ref, mask, up, first, slice(tn, 2 * tn))
 
     mode_kw = weight_pipeline(rhs_buffer_count, tiles_k)
-    gate_spec = pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile: (grp[s], ki, j),
+    gate_spec = pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, j),
                              **mode_kw)
     up_spec = pl.BlockSpec((None, tk, tn),
-                           lambda j, s, ki, lo, hi, grp, tile: (grp[s], ki, nt + j), **mode_kw)
+                           lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, nt + j), **mode_kw)
     name = "wi_fused_swiglu_fwd" + (f"_rhsbuf{rhs_buffer_count}" if mode_kw else "")
     h, pre = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m_pad, f), out_dtype),
                    jax.ShapeDtypeStruct((m_pad, 2 * f), out_dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(nt, steps, tiles_k),
+            num_scalar_prefetch=5,
+            grid=(nt, walk.num_steps, tiles_k),
             in_specs=[
-                pl.BlockSpec((tm, tk), lambda j, s, ki, lo, hi, grp, tile: (tile[s], ki)),
+                pl.BlockSpec((tm, tk), lambda j, s, ki, lo, hi, grp, tile, fetch: (fetch[s], ki)),
                 gate_spec,
                 up_spec,
             ],
             out_specs=(
-                pl.BlockSpec((tm, tn), lambda j, s, ki, lo, hi, grp, tile: (tile[s], j)),
-                pl.BlockSpec((tm, 2 * tn), lambda j, s, ki, lo, hi, grp, tile: (tile[s], j)),
+                pl.BlockSpec((tm, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (tile[s], j)),
+                pl.BlockSpec((tm, 2 * tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (tile[s], j)),
             ),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tm, tn), jnp.float32)],
         ),
@@ -302,14 +327,14 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
         name=name,
         # x @ [gate | up]: 2 m d 2f over the local share of the rows, one sigmoid per h element;
         # x's row tile once per N tile, the two weight slabs once per step (once per group with one
-        # K tile), h and the pre-activations written per step.
+        # K tile), h and the pre-activations written per step, the other rows' zeros once.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * 2 * f,
                             nt * stated_steps * tm * d * _itemsize(x_MD)
                             + _weight_fetches(stated_steps, num_local, tiles_k) * d * 2 * f * _itemsize(wi_GD2F)
-                            + stated_steps * tm * 3 * f * _itemsize(x_MD), m * f),
-    )(lo, hi, grp, tile, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
-    return (metadata.keep_local_rows(h, m, group_sizes_E, group_offset, num_local),
-            metadata.keep_local_rows(pre, m, group_sizes_E, group_offset, num_local))
+                            + stated_steps * tm * 3 * f * _itemsize(x_MD)
+                            + _zero_bytes(m, num_local, group_sizes_E, 3 * f * _itemsize(x_MD)), m * f),
+    )(*walk.scalars, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
+    return h[:m], pre[:m]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,51 +350,56 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
     m, d, f, num_local, t, tm, m_pad, tk = plan.m, plan.d, plan.f, plan.num_local, plan.tiling, plan.tm, plan.m_pad, plan.tk
     has_scale, has_h, pre_dtype = plan.has_scale, plan.has_h, plan.pre_dtype
     tiles_k = d // tk
-    lo, hi, grp, tile, steps = metadata.group_metadata(
-        group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
-        visit_empty=False)
-    stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
+    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
 
-    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, g_ref, wo_ref, pre_ref, *rest):
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, g_ref, wo_ref, pre_ref, *rest):
         s_ref, h_ref, (d_ref, dot_ref, acc_ref) = plan.optional_refs(rest)
         s, ki = pl.program_id(0), pl.program_id(1)
+        computes = _computes(s, tile_ref, fetch_ref)
 
-        @pl.when(ki == 0)
+        @pl.when(computes & (ki == 0))
         def _():
             acc_ref[...] = jnp.zeros_like(acc_ref)
 
-        acc_ref[...] += jax.lax.dot_general(g_ref[...], wo_ref[...], (((1,), (1,)), ((), ())),
-                                            preferred_element_type=jnp.float32)
+        @pl.when(computes)
+        def _():
+            acc_ref[...] += jax.lax.dot_general(g_ref[...], wo_ref[...], (((1,), (1,)), ((), ())),
+                                                preferred_element_type=jnp.float32)
 
         @pl.when(ki == tiles_k - 1)
         def _():
             mask = _rows_in_group(s, lo_ref, hi_ref, grp_ref, tile_ref, tm)
+            first = _first_on_tile(s, tile_ref)
             epilogue.dswiglu_store(
                 acc_ref[...], pre_ref[...], s_ref[...] if has_scale else None, h_ref[...] if has_h else None,
                 mode=mode, pre_dtype=pre_dtype, f=f, tile_in=preact_tile_n_per_half, tile_out=out_tile_n_per_half,
-                store_d=lambda v, at: _merge(d_ref, mask, v, slice(at, at + out_tile_n_per_half)),
-                store_dot=lambda dot: _merge(dot_ref, mask, dot))
+                store_d=lambda v, at: _merge(d_ref, mask, v, first, slice(at, at + out_tile_n_per_half)),
+                store_dot=lambda dot: _merge(dot_ref, mask, dot, first))
 
-    row_map = lambda s, ki, lo, hi, grp, tile: (tile[s], 0)  # noqa: E731
+    # Row operands are read from the step's fetch tile (a zero step's: the last computing step's, resident),
+    # the outputs written to its tile.
+    fetch_map = lambda s, ki, lo, hi, grp, tile, fetch: (fetch[s], 0)  # noqa: E731
+    out_map = lambda s, ki, lo, hi, grp, tile, fetch: (tile[s], 0)  # noqa: E731
     in_specs = [
-        pl.BlockSpec((tm, tk), lambda s, ki, lo, hi, grp, tile: (tile[s], ki)),
-        pl.BlockSpec((None, f, tk), lambda s, ki, lo, hi, grp, tile: (grp[s], 0, ki)),
-        pl.BlockSpec((tm, 2 * f), row_map),
+        pl.BlockSpec((tm, tk), lambda s, ki, lo, hi, grp, tile, fetch: (fetch[s], ki)),
+        pl.BlockSpec((None, f, tk), lambda s, ki, lo, hi, grp, tile, fetch: (grp[s], 0, ki)),
+        pl.BlockSpec((tm, 2 * f), fetch_map),
     ]
     args = plan.args
     if has_scale:
-        in_specs.append(pl.BlockSpec((tm, 1), row_map))
+        in_specs.append(pl.BlockSpec((tm, 1), fetch_map))
     if has_h:
-        in_specs.append(pl.BlockSpec((tm, f), row_map))
+        in_specs.append(pl.BlockSpec((tm, f), fetch_map))
     d_out, dot = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype),
                    jax.ShapeDtypeStruct((m_pad, 1), jnp.float32)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(steps, tiles_k),
+            num_scalar_prefetch=5,
+            grid=(walk.num_steps, tiles_k),
             in_specs=in_specs,
-            out_specs=(pl.BlockSpec((tm, 2 * f), row_map), pl.BlockSpec((tm, 1), row_map)),
+            out_specs=(pl.BlockSpec((tm, 2 * f), out_map), pl.BlockSpec((tm, 1), out_map)),
             scratch_shapes=[pltpu.VMEM((tm, f), jnp.float32)],
         ),
         compiler_params=_params(t, tpu_buffers("wo_fused_dlhs", tm=tm, tk=tk, tn=f, f=f, itemsize=_itemsize(g_MD),
@@ -380,13 +410,13 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         # elementwise, one sigmoid per gate element);
         # per step a row tile of g and the group's [F, D] weight (once per group with one K tile);
         # the pre-activations read and their gradient written per step (plus the row scale and h
-        # where given).
+        # where given), the other rows' zeros once.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * f,
                             stated_steps * (tm * d * _itemsize(g_MD) + 2 * tm * 2 * f * jnp.dtype(pre_dtype).itemsize
                                             + tm * 4 * (1 + has_scale) + (tm * f * _itemsize(h_MF) if has_h else 0))
-                            + _weight_fetches(stated_steps, num_local, tiles_k) * f * d * _itemsize(wo_GFD),
+                            + _weight_fetches(stated_steps, num_local, tiles_k) * f * d * _itemsize(wo_GFD)
+                            + _zero_bytes(m, num_local, group_sizes_E, 2 * f * jnp.dtype(pre_dtype).itemsize + 4),
                             m * f),
-    )(lo, hi, grp, tile, *args)
-    return (metadata.keep_local_rows(d_out, m, group_sizes_E, group_offset, num_local),
-            metadata.keep_local_rows(dot, m, group_sizes_E, group_offset, num_local)[:, 0])
+    )(*walk.scalars, *args)
+    return d_out[:m], dot[:m, 0]
 
