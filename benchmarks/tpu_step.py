@@ -53,8 +53,8 @@ NO_EXPERT_SAVES = ["remat.save=[attn_core_residuals]"]
 FUSED_AT_TUNED_TILES = ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.wi_fused_swiglu=true",
                         "moe.wo_fused_dswiglu=true", *NO_EXPERT_SAVES]
 ARMS = {
-    # The recipe's defaults: the Mosaic GDN core (kernels.gdn.backend=auto on a TPU), ragged_dot grouped
-    # matmuls, remat.policy=minimal keeping the expert matmuls' gate and up outputs and the flash core's
+    # The recipe's defaults: the Mosaic GDN core (kernels.gdn.backend=auto on a TPU), the Pallas grouped
+    # matmuls at the tile table's tiles, remat.policy=minimal keeping the expert matmuls' gate and up outputs and the flash core's
     # residuals, gather backwards of the MoE's row moves, the LM head over the whole sequence in one
     # token chunk and the whole vocabulary in one block.
     "default": [],
@@ -66,10 +66,9 @@ ARMS = {
     # The Pallas grouped matmuls at the table's tiles (tm 1,024 at this recipe's shapes) on the layout
     # where no row tile spans two experts (docs/levers.md, moe.group_align_rows).
     "pallas_gmm_auto_aligned": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto", "moe.group_align_rows=1024"],
-    "pallas_gmm": ["kernels.gmm.backend=pallas_tpu"],  # at the heuristic: on a TPU the chip's rule
-    # Each grouped matmul at the tiles `hybridmoe tune-gmm` measured fastest for its shape on this
-    # generation (scripts/tpu_records.sh's tiles stage runs first); the heuristic ones without an entry.
-    "pallas_gmm_auto": ["kernels.gmm.backend=pallas_tpu", "kernels.gmm.tiling=auto"],
+    "pallas_gmm": ["kernels.gmm.tiling=heuristic"],  # at the heuristic: on a TPU the chip's rule
+    # The grouped matmuls the defaults ran before the chip's verdict: XLA's ragged_dot.
+    "xla_gmm": ["kernels.gmm.backend=xla"],
     "fused_swiglu": [*TILED, "moe.wi_fused_swiglu=true", "moe.wo_fused_dswiglu=true", *NO_EXPERT_SAVES],
     # The fused pair at the tiles tune-gmm measured (the table's v5e section).
     "fused_swiglu_auto": FUSED_AT_TUNED_TILES,
