@@ -219,8 +219,9 @@ def kernel_mxu_passes() -> dict[str, int]:
     return {name: MXU_PASSES for name in KERNEL_NAMES.values()}
 
 
-_BODY = re.compile(r'"body":"([A-Za-z0-9+/=]*)"')
-_COST = re.compile(r'"cost_estimate":\{([^}]*)\}')
+# A Mosaic call's backend config: compact at the top level, spaced inside a fused computation.
+_BODY = re.compile(r'"body":\s*"([A-Za-z0-9+/=]*)"')
+_COST = re.compile(r'"cost_estimate":\s*\{([^}]*)\}')
 
 
 def pallas_call_cost(instr: Instr, types: dict[str, str]) -> dict:
@@ -462,10 +463,12 @@ class Estimator:
                           wire_bytes=wire_bytes(kind, result_bytes, _group_size(i.attrs)))
         operand_bytes = sum(type_bytes(types.get(o, "")) for o in i.operands)
         accessed = self._accessed_bytes(i, comp)
-        if _custom_call_target(i) == "tpu_custom_call":
-            p = pallas_call_cost(i, types)
+        kernel = self._mosaic_call(i, comp)
+        if kernel is not None:
+            k, ktypes = kernel
+            p = pallas_call_cost(k, ktypes)
             flops = p["flops"] or 0.0
-            cat = category_of(f"{p['kernel']} {i.op_name or context}", flops > 0)
+            cat = category_of(f"{p['kernel']} {k.op_name or i.op_name or context}", flops > 0)
             return OpCost(cat, flops * kernel_mxu_passes().get(p["kernel"], 1), flops,
                           p["bytes"] if p["bytes"] is not None else operand_bytes + result_bytes,
                           grid_steps=p["grid_steps"] or 0, kernel=p["kernel"], no_cost_estimate=p["flops"] is None)
@@ -484,6 +487,20 @@ class Estimator:
         if not name:  # a compiler-made op (a fusion of its own): named by what feeds it, else its loop
             name = next((self.names[comp].get(o) for o in i.operands if self.names[comp].get(o)), "")
         return OpCost(category_of(name or context, flops > 0), flops, useful, accessed, fp8)
+
+    def _mosaic_call(self, i: Instr, comp: str) -> tuple[Instr, dict] | None:
+        """(the Mosaic custom call, the types of its computation) where `i` is one, or a fusion the
+        compiler made around one (a Pallas call whose operands' producers it fused into the kernel's
+        reads: allow_input_fusion, quant.fp8_dequant_in_kernel); else None. Such a fusion is the kernel:
+        its cost is what the kernel states (its bytes count the operands as the kernel reads them), and
+        the fused elementwise work runs in the kernel's reads."""
+        if _custom_call_target(i) == "tpu_custom_call":
+            return i, self.types[comp]
+        callee = _fused_callee(i)
+        if callee is None or "kind=kCustom" not in i.attrs or callee not in self.comps:
+            return None
+        calls = [j for j in self.comps[callee] if _custom_call_target(j) == "tpu_custom_call"]
+        return (calls[0], self.types[callee]) if len(calls) == 1 else None
 
     def _accessed_bytes(self, i: Instr, comp: str) -> float:
         """HBM bytes one instruction reads and writes: its operands and result, except that a slice

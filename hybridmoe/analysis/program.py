@@ -109,20 +109,36 @@ def _hlo_kind(opcode: str) -> str | None:
 
 
 def hlo_computations(text: str) -> tuple[list[tuple[str, list[re.Match]]], str]:
-    """The computations of an HLO module's text in order, each (name, [its instruction lines'
-    matches: name, result type, opcode, the rest of the line]), and the entry's name."""
+    """The computations of an HLO module's text in order, each (name, [its instructions' matches:
+    name, result type, opcode, the rest]), and the entry's name.
+
+    An instruction may span lines: inside a fused computation the TPU compiler prints a Mosaic
+    call's backend config as indented JSON (its cost estimate over several lines, a line that
+    starts with "}," after it). A line that neither starts an instruction nor closes the
+    computation (a "}" alone) continues the instruction before it."""
     comps: list[tuple[str, list[re.Match]]] = []
-    entry, ops = None, None
+    entry, ops, pending = None, None, None
+
+    def flush():
+        if pending is not None and (op := _HLO_OP.match(pending)):
+            ops.append(op)
+
     for line in text.splitlines():
         m = _HLO_COMP.match(line)
         if m and not line.startswith(" "):
-            ops = []
+            ops, pending = [], None
             comps.append((m.group(2), ops))
             entry = m.group(2) if m.group(1) else entry
-        elif ops is not None and line.startswith("}"):
-            ops = None
-        elif ops is not None and (op := _HLO_OP.match(line)):
-            ops.append(op)
+        elif ops is None:
+            continue
+        elif line.rstrip() == "}":
+            flush()
+            ops, pending = None, None
+        elif _HLO_OP.match(line):
+            flush()
+            pending = line
+        elif pending is not None:
+            pending += line.strip()
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return comps, entry
