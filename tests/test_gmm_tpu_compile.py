@@ -266,3 +266,54 @@ def test_the_step_estimate_counts_a_ragged_dot_weight_gradient_by_its_rows_not_e
     # step once printed an MFU of 86% where its model FLOPs ran at 34%).
     assert hlo_flops(text) == 2 * rows * k * n
     assert cost_figures(compiled)["flops"] >= groups * 2 * rows * k * n
+
+
+def _fp8_pair_program(device, rhs_fused_itemsize: int):
+    """The fused pair's x-gradient over weights dequantized from fp8 codes (gather8's dequantization:
+    convert and per-column scale), compiled for the TPU target: (the entry's instruction lines, the
+    step-time model's reading of it)."""
+    from hybridmoe.analysis.hlo_cost import Estimator
+
+    x = spec((M, D), jnp.bfloat16, device)
+    wi_codes, wi_scale = spec((E, D, 2 * F), jnp.float8_e4m3fn, device), spec((E, 1, 2 * F), jnp.float32, device)
+    wo_codes, wo_scale = spec((E, F, D), jnp.float8_e4m3fn, device), spec((E, 1, D), jnp.float32, device)
+    gs = spec((E,), jnp.int32, device)
+
+    def loss(x, wi_codes, wi_scale, wo_codes, wo_scale, gs):
+        wi = wi_codes.astype(jnp.bfloat16) * wi_scale.astype(jnp.bfloat16)
+        wo = wo_codes.astype(jnp.bfloat16) * wo_scale.astype(jnp.bfloat16)
+        kw = dict(backend="pallas_tpu", tiling=TILING, rhs_fused_itemsize=rhs_fused_itemsize)
+        h, pre = K.wi_fused_swiglu(x, wi, gs, return_preact=True, **kw)
+        y = K.wo_fused_dswiglu(h, wo, gs, preact=pre, preact_tile_n_per_half=None, **kw)
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = compile_abstract(jax.grad(loss), x, wi_codes, wi_scale, wo_codes, wo_scale, gs).hlo_text
+    est = Estimator(text)
+    kernels = {c.kernel: c.bytes for _, c, _ in est.named_ops() if c.kernel}
+    return [f"{i.type_text.split('{')[0]} {i.opcode}" for i in est.comps[est.entry]], kernels
+
+
+def test_fp8_dequantization_fuses_into_the_kernels_weight_reads(device):
+    # quant.fp8_dequant_in_kernel: the kernels that read a weight (the fused forward, the two input
+    # gradients) take its producer into their reads, so no bfloat16 copy of a weight is written
+    # (none of the entry's instructions makes one); they state its bytes at the 1-byte codes.
+    weights = (f"bf16[{E},{D},{2 * F}]", f"bf16[{E},{F},{D}]")
+    plain, plain_bytes = _fp8_pair_program(device, 0)
+    fused, fused_bytes = _fp8_pair_program(device, 1)
+    assert all(any(line.startswith(w) for line in plain) for w in weights), plain  # the check can see them
+    assert not [line for line in fused if line.startswith(weights)], fused
+    readers = {"wi_fused_swiglu_fwd", "wo_fused_dswiglu_dlhs", "gmm_t"}
+    assert readers <= set(fused_bytes) and set(fused_bytes) == set(plain_bytes), (fused_bytes, plain_bytes)
+    for name in readers:
+        assert fused_bytes[name] < plain_bytes[name], (name, fused_bytes[name], plain_bytes[name])
+
+
+def test_fp8_dequantization_fusion_on_the_wrong_operand_is_caught(device, monkeypatch):
+    # Broken variant: the fusion flags counted from the scalar-prefetch arrays alone, as if the grid's
+    # dynamic length were not the kernel call's first operand: the row operand's producer would fuse
+    # and the weight's would not.
+    from hybridmoe.kernels.gmm import pallas_tpu
+
+    monkeypatch.setattr(pallas_tpu, "_SCALARS", 5)
+    with pytest.raises(AssertionError):
+        test_fp8_dequantization_fuses_into_the_kernels_weight_reads(device)

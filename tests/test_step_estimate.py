@@ -713,3 +713,74 @@ ENTRY %main (x: f32[8,8], p: pred[]) -> f32[8,8] {
 """
     est = se.estimate(text, se.HARDWARE["v5e"], tokens_per_step=1, chips=1, devices=1)
     assert est["loops_with_unknown_trip_count"] == ["loop"]
+
+
+# A Pallas call whose weight operand's producer the compiler fused into the kernel's reads
+# (quant.fp8_dequant_in_kernel): a kCustom fusion around the Mosaic call, whose backend config the
+# compiler prints over several lines inside the fused computation (its cost estimate as indented
+# JSON, then a line starting "}," that does not close the computation), as the TPU compiler printed it.
+_FUSED_KERNEL = """HloModule fused_kernel
+
+%dequant (param_0: f8e4m3fn[4,512,256], param_1: bf16[4,256]) -> bf16[4,512,256] {
+  %param_0 = f8e4m3fn[4,512,256]{2,1,0} parameter(0)
+  %param_1 = bf16[4,256]{1,0} parameter(1)
+  %convert.1 = bf16[4,512,256]{2,1,0} convert(%param_0)
+  %broadcast.1 = bf16[4,512,256]{2,1,0} broadcast(%param_1), dimensions={0,2}
+  ROOT %multiply.1 = bf16[4,512,256]{2,1,0} multiply(%convert.1, %broadcast.1)
+}
+
+%kernel_with_fused_weight (param_0.1: s32[], param_1.1: bf16[1024,256], param_2.1: f8e4m3fn[4,512,256], param_3.1: bf16[4,256]) -> bf16[1024,512] {
+  %param_0.1 = s32[] parameter(0)
+  %param_1.1 = bf16[1024,256]{1,0} parameter(1)
+  %param_2.1 = f8e4m3fn[4,512,256]{2,1,0} parameter(2)
+  %param_3.1 = bf16[4,256]{1,0} parameter(3)
+  %fusion.2 = bf16[4,512,256]{2,1,0} fusion(%param_2.1, %param_3.1), kind=kLoop, calls=%dequant
+  %gmm_t.3 = bf16[1024,512]{1,0} custom-call(%param_0.1, %param_1.1, %fusion.2), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"cost_estimate": {
+"bytes_accessed":5767168,
+"flops":268435456,
+"transcendentals":0
+}, "serialization_format": 1, "allow_input_fusion": [false,false,true]}}
+  ROOT %copy.4 = bf16[1024,512]{1,0} copy(%gmm_t.3)
+}
+
+ENTRY %main (steps: s32[], g: bf16[1024,256], codes: f8e4m3fn[4,512,256], scale: bf16[4,256]) -> bf16[1024,512] {
+  %steps = s32[] parameter(0)
+  %g = bf16[1024,256]{1,0} parameter(1)
+  %codes = f8e4m3fn[4,512,256]{2,1,0} parameter(2)
+  %scale = bf16[4,256]{1,0} parameter(3)
+  ROOT %gmm_t.2 = bf16[1024,512]{1,0} fusion(%steps, %g, %codes, %scale), kind=kCustom, calls=%kernel_with_fused_weight, metadata={op_name="jit(loss)/transpose(jvp(gmm_t))/pallas_call"}
+}
+"""
+
+
+def _fused_kernel_cost():
+    est = hc.Estimator(_FUSED_KERNEL)
+    (name, cost, runs), = [op for op in est.named_ops()]
+    return est, name, cost
+
+
+def test_a_fusion_around_a_mosaic_call_is_the_kernel_at_its_stated_cost():
+    est, name, cost = _fused_kernel_cost()
+    assert name == "gmm_t.2" and cost.kernel == "gmm_t.3" and cost.category == "grouped matmuls"
+    # The kernel's statement (the weight at its 1-byte codes), not the fusion's operand bytes nor 0 FLOPs.
+    assert cost.flops == 268435456 and cost.bytes == 5767168
+    # The instruction after the multi-line one is still in its computation (the "}," line closed nothing).
+    assert [i.name for i in est.comps["kernel_with_fused_weight"]][-2:] == ["gmm_t.3", "copy.4"]
+
+
+@pytest.mark.parametrize("sabotage", ["fusion_read_as_plain", "continuation_ends_the_computation"])
+def test_the_fused_kernel_reading_catches_its_broken_variants(sabotage, monkeypatch):
+    from hybridmoe.analysis import program
+
+    if sabotage == "fusion_read_as_plain":
+        monkeypatch.setattr(hc.Estimator, "_mosaic_call", lambda self, i, comp: (
+            (i, self.types[comp]) if hc._custom_call_target(i) == "tpu_custom_call" else None))
+    else:
+        original = program.hlo_computations
+
+        def closes_at_any_brace(text):  # the reading before: a line starting with "}" ends the computation
+            return original("\n".join("}" if line.startswith("}") else line for line in text.splitlines()))
+        monkeypatch.setattr(program, "hlo_computations", closes_at_any_brace)
+        monkeypatch.setattr(hc, "hlo_computations", closes_at_any_brace)
+    with pytest.raises(AssertionError):
+        test_a_fusion_around_a_mosaic_call_is_the_kernel_at_its_stated_cost()
