@@ -743,6 +743,12 @@ _FUSED_KERNEL = """HloModule fused_kernel
   ROOT %copy.4 = bf16[1024,512]{1,0} copy(%gmm_t.3)
 }
 
+%sparse_core_add (x.5: bf16[], y.5: bf16[]) -> bf16[] {
+  %x.5 = bf16[] parameter(0)
+  %y.5 = bf16[] parameter(1), backend_config={"flag_configs":[]}
+  ROOT %add.5 = bf16[] add(%x.5, %y.5), backend_config={"flag_configs":[],"window_config":{"kernel_window_bounds":[]}}
+}, execution_thread="sparsecore"
+
 ENTRY %main (steps: s32[], g: bf16[1024,256], codes: f8e4m3fn[4,512,256], scale: bf16[4,256]) -> bf16[1024,512] {
   %steps = s32[] parameter(0)
   %g = bf16[1024,256]{1,0} parameter(1)
@@ -764,23 +770,42 @@ def test_a_fusion_around_a_mosaic_call_is_the_kernel_at_its_stated_cost():
     assert name == "gmm_t.2" and cost.kernel == "gmm_t.3" and cost.category == "grouped matmuls"
     # The kernel's statement (the weight at its 1-byte codes), not the fusion's operand bytes nor 0 FLOPs.
     assert cost.flops == 268435456 and cost.bytes == 5767168
-    # The instruction after the multi-line one is still in its computation (the "}," line closed nothing).
+    # The instruction after the multi-line one is still in its computation (the "}," line closed nothing),
+    # and a computation closed by "}, execution_thread=..." keeps its ROOT (and the entry after it is read).
     assert [i.name for i in est.comps["kernel_with_fused_weight"]][-2:] == ["gmm_t.3", "copy.4"]
+    assert [i.name for i in est.comps["sparse_core_add"]] == ["x.5", "y.5", "add.5"]
+    assert est.entry == "main" and [i.name for i in est.comps["main"]][-1] == "gmm_t.2"
 
 
-@pytest.mark.parametrize("sabotage", ["fusion_read_as_plain", "continuation_ends_the_computation"])
+@pytest.mark.parametrize("sabotage", ["fusion_read_as_plain", "continuation_ends_the_computation",
+                                      "closing_line_with_attributes_continues"])
 def test_the_fused_kernel_reading_catches_its_broken_variants(sabotage, monkeypatch):
     from hybridmoe.analysis import program
 
     if sabotage == "fusion_read_as_plain":
         monkeypatch.setattr(hc.Estimator, "_mosaic_call", lambda self, i, comp: (
             (i, self.types[comp]) if hc._custom_call_target(i) == "tpu_custom_call" else None))
-    else:
+    elif sabotage == "continuation_ends_the_computation":
         original = program.hlo_computations
 
         def closes_at_any_brace(text):  # the reading before: a line starting with "}" ends the computation
             return original("\n".join("}" if line.startswith("}") else line for line in text.splitlines()))
         monkeypatch.setattr(program, "hlo_computations", closes_at_any_brace)
         monkeypatch.setattr(hc, "hlo_computations", closes_at_any_brace)
+    else:  # only a "}" alone closes a computation, and a new one's header drops the instruction pending:
+        # "}, execution_thread=..." closes nothing and the computation's ROOT is lost (the cell's
+        # SparseCore computations: every collective of the step went missing from the estimate)
+        import inspect
+        import textwrap
+
+        source = textwrap.dedent(inspect.getsource(program.hlo_computations))
+        for old, new in [('elif line.startswith("}"):', 'elif line.rstrip() == "}":'),
+                         ("            flush()\n            ops, pending = [], None", "            ops, pending = [], None")]:
+            assert source.count(old) == 1, old
+            source = source.replace(old, new)
+        namespace = dict(vars(program))
+        exec(compile(source, "<hlo_computations, broken>", "exec"), namespace)  # noqa: S102
+        monkeypatch.setattr(program, "hlo_computations", namespace["hlo_computations"])
+        monkeypatch.setattr(hc, "hlo_computations", namespace["hlo_computations"])
     with pytest.raises(AssertionError):
         test_a_fusion_around_a_mosaic_call_is_the_kernel_at_its_stated_cost()

@@ -113,32 +113,34 @@ def hlo_computations(text: str) -> tuple[list[tuple[str, list[re.Match]]], str]:
     name, result type, opcode, the rest]), and the entry's name.
 
     An instruction may span lines: inside a fused computation the TPU compiler prints a Mosaic
-    call's backend config as indented JSON (its cost estimate over several lines, a line that
-    starts with "}," after it). A line that neither starts an instruction nor closes the
-    computation (a "}" alone) continues the instruction before it."""
+    call's backend config as indented JSON (its cost estimate over several lines, then a line
+    starting "}," that closes it). While an instruction's braces are open, the lines after it
+    continue it; a line starting with "}" after a whole instruction closes the computation (alone,
+    or with the computation's attributes: `}, execution_thread="sparsecore"`)."""
     comps: list[tuple[str, list[re.Match]]] = []
     entry, ops, pending = None, None, None
 
     def flush():
-        if pending is not None and (op := _HLO_OP.match(pending)):
+        if ops is not None and pending is not None and (op := _HLO_OP.match(pending)):
             ops.append(op)
 
     for line in text.splitlines():
         m = _HLO_COMP.match(line)
         if m and not line.startswith(" "):
+            flush()
             ops, pending = [], None
             comps.append((m.group(2), ops))
             entry = m.group(2) if m.group(1) else entry
         elif ops is None:
             continue
-        elif line.rstrip() == "}":
+        elif pending is not None and pending.count("{") > pending.count("}"):
+            pending += line.strip()  # inside the instruction's open braces
+        elif line.startswith("}"):
             flush()
             ops, pending = None, None
         elif _HLO_OP.match(line):
             flush()
             pending = line
-        elif pending is not None:
-            pending += line.strip()
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return comps, entry
