@@ -281,13 +281,19 @@ def weight_pipeline(rhs_buffer_count: int, tiles_k: int) -> dict:
 
 def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
                     tiling=None, interpret=False, rhs_buffer_count=0, rhs_fused_itemsize=0):
-    """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones."""
+    """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones.
+
+    With one N tile (T = F) the weight is one operand, its block the group's whole [gate | up];
+    else two, the gate block and the up block of the tile. One operand lets XLA fuse the weight's
+    producer into the kernel's reads (a producer read by two operands of a call is not fused)."""
     del sharded
-    fused, rhs_itemsize = _weight_fusion(rhs_fused_itemsize, 3, (1, 2))
     m, d = x_MD.shape
     num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
     tn = tile_n_per_half
     nt = f // tn
+    one_block = nt == 1
+    fused, rhs_itemsize = _weight_fusion(rhs_fused_itemsize, 2, (1,)) if one_block else _weight_fusion(
+        rhs_fused_itemsize, 3, (1, 2))
     t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk = pick(d, t.tk)
     tiles_k = d // tk
@@ -295,8 +301,13 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
     stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
     out_dtype = x_MD.dtype
 
-    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, x_ref, wg_ref, wu_ref, h_ref, pre_ref,
-               accg_ref, accu_ref):
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, x_ref, *refs):
+        if one_block:
+            w_ref, h_ref, pre_ref, accg_ref, accu_ref = refs
+            gate_w, up_w = (lambda: w_ref[:, :tn]), (lambda: w_ref[:, tn:])
+        else:
+            wg_ref, wu_ref, h_ref, pre_ref, accg_ref, accu_ref = refs
+            gate_w, up_w = (lambda: wg_ref[...]), (lambda: wu_ref[...])
         s, ki = pl.program_id(1), pl.program_id(2)
         computes = _computes(s, tile_ref, fetch_ref)
 
@@ -308,8 +319,8 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
         @pl.when(computes)
         def _():
             xb = x_ref[...]
-            accg_ref[...] += jnp.dot(xb, wg_ref[...], preferred_element_type=jnp.float32)
-            accu_ref[...] += jnp.dot(xb, wu_ref[...], preferred_element_type=jnp.float32)
+            accg_ref[...] += jnp.dot(xb, gate_w(), preferred_element_type=jnp.float32)
+            accu_ref[...] += jnp.dot(xb, up_w(), preferred_element_type=jnp.float32)
 
         @pl.when(ki == tiles_k - 1)
         def _():
@@ -321,10 +332,14 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
             _merge(pre_ref, mask, up, first, slice(tn, 2 * tn))
 
     mode_kw = weight_pipeline(rhs_buffer_count, tiles_k)
-    gate_spec = pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, j),
-                             **mode_kw)
-    up_spec = pl.BlockSpec((None, tk, tn),
-                           lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, nt + j), **mode_kw)
+    if one_block:
+        weight_specs = [pl.BlockSpec((None, tk, 2 * tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, 0),
+                                     **mode_kw)]
+    else:
+        weight_specs = [pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, j),
+                                     **mode_kw),
+                        pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, nt + j),
+                                     **mode_kw)]
     name = "wi_fused_swiglu_fwd" + (f"_rhsbuf{rhs_buffer_count}" if mode_kw else "")
     h, pre = pl.pallas_call(
         kernel,
@@ -335,8 +350,7 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
             grid=(nt, walk.num_steps, tiles_k),
             in_specs=[
                 pl.BlockSpec((tm, tk), lambda j, s, ki, lo, hi, grp, tile, fetch: (fetch[s], ki)),
-                gate_spec,
-                up_spec,
+                *weight_specs,
             ],
             out_specs=(
                 pl.BlockSpec((tm, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (tile[s], j)),
@@ -357,7 +371,7 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
                             + _weight_fetches(stated_steps, num_local, tiles_k) * d * 2 * f * (rhs_itemsize or _itemsize(wi_GD2F))
                             + stated_steps * tm * 3 * f * _itemsize(x_MD)
                             + _zero_bytes(m, num_local, group_sizes_E, 3 * f * _itemsize(x_MD)), m * f),
-    )(*walk.scalars, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
+    )(*walk.scalars, metadata.pad_rows(x_MD, m_pad), *([wi_GD2F] * len(weight_specs)))
     return h[:m], pre[:m]
 
 
