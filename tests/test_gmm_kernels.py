@@ -169,6 +169,19 @@ def test_broken_gmm_tpu_variant_caught(variant, monkeypatch):
     pytest.fail(f"{variant}: no k_tiles edge case caught it")
 
 
+def test_pair_pallas_tpu_with_the_weight_as_one_operand():
+    # quant.fp8_dequant_in_kernel's form of the fused forward (its weight one operand, one [gate | up]
+    # block, where it runs one N tile): the same values and gradients as the reference.
+    x, wi, wo, s, cot = _pair_data(jnp.float32)
+    gs = jnp.asarray([5, 0, 11, 3], jnp.int32)
+    y, g = _grads(fused_loss, x, wi, wo, s, gs, cot, backend="pallas_tpu", interpret=True,
+                  tiling=Tiling(tm=8, tk=8, tn=8), rhs_fused_itemsize=1, tile=None)
+    y_r, g_r = _grads(ref_loss, x, wi, wo, s, gs, cot)
+    _close(y, y_r, jnp.float32, "y")
+    for name, a, b in zip(["dx", "dwi", "dwo", "ds"], g, g_r):
+        _close(a, b, jnp.float32, name)
+
+
 @pytest.mark.parametrize("k_tiles", list(K_TILES))
 def test_pair_pallas_tpu_k_tiles(k_tiles):
     # D 16: one K tile at tk 16, two at tk 8 (the middle tiles: test_gmm_pallas_tpu_k_tiles).

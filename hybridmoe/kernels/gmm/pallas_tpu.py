@@ -283,15 +283,15 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
                     tiling=None, interpret=False, rhs_buffer_count=0, rhs_fused_itemsize=0):
     """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones.
 
-    With one N tile (T = F) the weight is one operand, its block the group's whole [gate | up];
-    else two, the gate block and the up block of the tile. One operand lets XLA fuse the weight's
-    producer into the kernel's reads (a producer read by two operands of a call is not fused)."""
+    The weight is two operands, the gate block and the up block of the tile; with its producer fused
+    into the kernel's reads (rhs_fused_itemsize) and one N tile (T = F), one operand whose block is the
+    group's whole [gate | up]: XLA fuses no producer that two operands of a call read."""
     del sharded
     m, d = x_MD.shape
     num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
     tn = tile_n_per_half
     nt = f // tn
-    one_block = nt == 1
+    one_block = nt == 1 and rhs_fused_itemsize > 0
     fused, rhs_itemsize = _weight_fusion(rhs_fused_itemsize, 2, (1,)) if one_block else _weight_fusion(
         rhs_fused_itemsize, 3, (1, 2))
     t, tm, m_pad = metadata.row_tiling(tiling, m)
