@@ -64,7 +64,8 @@ def test_gmm_states_its_local_flops_and_the_blocks_each_step_fetches(tk, slabs):
     assert flops == 2 * 20 * 256 * 384
     assert nbytes == (3 * 3 * 16 * 256 * 2      # the lhs row tile per N tile per step (bf16)
                       + slabs * 256 * 384 * 4   # the group's weight slab (f32)
-                      + 3 * 16 * 384 * 2)       # the output tile per step (bf16)
+                      + 3 * 16 * 384 * 2        # the output tile per step (bf16)
+                      + 20 * 384 * 2)           # the zeros of the 20 rows outside the local groups, once
     assert trans == 0
 
 
@@ -73,7 +74,7 @@ def test_gmm_t_states_n_from_the_transposed_weight():
     lhs, rhs = jnp.ones((M, 256), BF16), jnp.ones((G, 384, 256), BF16)
     flops, nbytes, _ = _estimate(lambda: gp.gmm(lhs, rhs, SIZES, transpose_rhs=True, out_dtype=F32, **COMMON))
     assert flops == 2 * 20 * 256 * 384
-    assert nbytes == 3 * 3 * 16 * 256 * 2 + 3 * 256 * 384 * 2 + 3 * 16 * 384 * 4
+    assert nbytes == 3 * 3 * 16 * 256 * 2 + 3 * 256 * 384 * 2 + 3 * 16 * 384 * 4 + 20 * 384 * 4
 
 
 @pytest.mark.parametrize("accumulate, tk", [(False, 128), (True, 128), (False, 256)])
@@ -100,7 +101,8 @@ def test_fused_forward_states_both_halves_and_one_sigmoid_per_h_element():
     assert flops == 2 * 20 * 256 * 512
     assert nbytes == (2 * 3 * 16 * 256 * 2      # x's row tile per N tile per step
                       + 3 * 256 * 512 * 4       # both weight halves per step (f32)
-                      + 3 * 16 * 3 * 256 * 2)   # h [tm, F] and the pre-activation [tm, 2F] per step
+                      + 3 * 16 * 3 * 256 * 2    # h [tm, F] and the pre-activation [tm, 2F] per step
+                      + 20 * 3 * 256 * 2)       # both outputs' zeros for the 20 foreign rows, once
     assert trans == 40 * 256                    # m * F (every row, as stated)
 
 
@@ -119,7 +121,7 @@ def test_fused_input_gradient_states_its_row_operands(scale, with_h):
                 + 2 * 16 * 256 * 2              # the pre-activation read and its gradient written (bf16)
                 + 16 * 4 * (2 if scale else 1)  # the float32 row dot, and the row scale
                 + (16 * 128 * 4 if with_h else 0))  # the stored h (f32 here)
-    assert nbytes == 3 * per_step
+    assert nbytes == 3 * per_step + 20 * (2 * 128 * 2 + 4)  # + the 20 foreign rows' zeros (d and the dot)
     assert trans == 40 * 128
 
 
@@ -164,7 +166,7 @@ def _buffers(monkeypatch, fn):
     """{buffer: (shape, itemsize, count)} the one kernel fn traces passes to its compiler parameters."""
     seen = []
     real = gp._params
-    monkeypatch.setattr(gp, "_params", lambda t, buffers, *a: seen.append(buffers) or real(t, buffers, *a))
+    monkeypatch.setattr(gp, "_params", lambda t, buffers, *a, **kw: seen.append(buffers) or real(t, buffers, *a, **kw))
     jax.make_jaxpr(fn)()
     (buffers,) = seen
     return {b.what: (b.shape, b.itemsize, b.count) for b in buffers}

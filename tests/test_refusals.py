@@ -331,6 +331,11 @@ CASES: dict[str, Case] = {
     "fp8_gmm_on_pallas": case("_quant_fp8_gmm", ["quant.fp8_gmm=true", "kernels.gmm.backend=pallas_tpu",
                                                  "kernels.interpret=true"],
                               ("quant.fp8_gmm", "kernels.gmm.backend=pallas_tpu has no fp8 grouped matmul")),
+    "fp8_dequant_in_kernel_without_codes_or_kernels": case(
+        "_quant_fp8_dequant_in_kernel", ["quant.fp8_dequant_in_kernel=true"],
+        ("quant.fp8_dequant_in_kernel", "needs quant.fp8_fake_quant_hoist=gather8 (the fp8 codes it dequantizes in "
+         "the kernels; now off); needs kernels.gmm.backend=pallas_tpu (the kernels XLA fuses the dequantization "
+         "into; now xla)")),
     # on-chip memory
     "vmem_limit_over_a_core": case("_kernels_vmem", ["kernels.gmm.vmem_limit_mib=1000"],
                                    ("kernels.gmm.vmem_limit_mib", "1000.0 MiB is more than")),
