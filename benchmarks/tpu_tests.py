@@ -1,6 +1,7 @@
 """The tests marked tpu, run on this host's TPU chip, and their outcome as a record.
 
     python3 benchmarks/tpu_tests.py            # on a TPU host (docs/tpu.md): pytest --chip tests/
+    python3 benchmarks/tpu_tests.py -k fp8     # those whose names match (pytest's -k), merged into the record
 
 Writes benchmarks/records/tpu_tests.json: device, commit, passed, failed, skipped, collected, and
 each test's outcome and seconds; rewritten after every test (`complete` false until the session
@@ -58,10 +59,12 @@ def main(argv=None) -> int:
 
     p = harness.parser(__doc__, __file__)
     p.add_argument("paths", nargs="*", default=["tests"], help="test files or folders (default: tests)")
+    p.add_argument("-k", dest="select", default=None, help="only the tests whose names match (pytest's -k)")
     args = p.parse_args(argv)
     harness.configure()
     outcomes = Outcomes(args.out)
-    code = pytest.main(["--chip", "-q", "-p", "no:cacheprovider", *args.paths], plugins=[outcomes])
+    select = ["-k", args.select] if args.select else []
+    code = pytest.main(["--chip", "-q", "-p", "no:cacheprovider", *select, *args.paths], plugins=[outcomes])
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         raise SystemExit(f"pytest --chip ended with {code!r}" + ("" if outcomes.tests else ": no record written"))
     outcomes.write(complete=True)

@@ -6,6 +6,7 @@
 #
 #   stamp      write .source-commit (for a copy of the tree sent to a host without its history)
 #   tests      benchmarks/tpu_tests.py    -> benchmarks/records/tpu_tests.json
+#   tests-fp8  the same, the tests of the fp8 weights' kernels only (merged into the record)
 #   calibrate  hybridmoe calibrate        -> hybridmoe/analysis/chip_calibration.json (+ records/tpu_calibration.json)
 #   tiles      hybridmoe tune-gmm (the one-chip recipe's grouped matmuls) -> hybridmoe/kernels/gmm/tile_table.json
 #              (+ records/tpu_gmm_tiles.json)
@@ -15,6 +16,7 @@
 #              stops starting cases after 330 s, so each fits a 10-minute call)
 #   kernels-cell-moe  the cell's gmm and moe_mlp cases only (their aligned arms among them)
 #   kernels-gdn  the GDN core's cases at both geometries (its settings arms among them)
+#   kernels-fp8  the cell's MoE MLP on fp8 codes: dequantized as an op, and in the kernels' reads
 #   kernels-missing  the cases of both geometries the record has no figures for (at any commit)
 #   gmm-uneven benchmarks/tpu_gmm_uneven.py -> benchmarks/records/tpu_gmm_uneven.json: the MoE layer's six
 #              grouped matmuls at the cell's shapes and uneven groups, their tiles searched there
@@ -111,6 +113,7 @@ try:
 except ValueError as e:
     sys.exit(f"tpu_records: {e}")' ;;
     tests) python3 benchmarks/tpu_tests.py ;;
+    tests-fp8) python3 benchmarks/tpu_tests.py -k fp8 ;;
     calibrate) python3 -m hybridmoe calibrate --out benchmarks/records/tpu_calibration.json ;;
     tiles) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --budget-s 420 --out benchmarks/records/tpu_gmm_tiles.json ;;
     tiles-missing) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --missing --budget-s 420 \
@@ -119,6 +122,7 @@ except ValueError as e:
     kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache ;;
     kernels-cell-moe) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache --only gmm_cell,moe_mlp_cell ;;
     kernels-gdn) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cell,gdn_one_chip ;;
+    kernels-fp8) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only moe_mlp_fp8_cell ;;
     kernels-missing) python3 benchmarks/tpu_kernels.py --missing --compile-cache .tpu-cache ;;
     gmm-uneven) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache ;;
     gmm-uneven-again) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 1 ;;
@@ -145,6 +149,6 @@ except ValueError as e:
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, step, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, step, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done

@@ -187,6 +187,29 @@ def test_pair_pallas_tpu_with_the_weight_as_one_operand():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_the_chip_s_fp8_weight_case_matches_its_reference_and_the_lever_off():
+    # tools/chip_cases' moe_mlp_fp8 (what the chip times quant.fp8_dequant_in_kernel by), tiny and
+    # interpreted: each arm's output and gradients (to the bfloat16 weights, gather8's straight-through)
+    # within the MoE tolerance of the float32 reference on the codes' weights, and each lever-on arm bit
+    # for bit its lever-off arm.
+    from hybridmoe.tools import chip_cases as cc
+
+    (case,) = cc.cases("tiny", interpret=True, families=["moe_mlp_fp8"]).values()
+    reference, inputs = case.reference(), case.make_inputs()
+    codes_i = inputs[0][4]
+    assert codes_i.dtype == jnp.float8_e4m3fn and len(np.unique(np.asarray(inputs[0][5]))) > 3  # scales across binades
+    got = {}
+    for name in case.backends:
+        built = case.backends[name](inputs)
+        fn, args = built.fwd_bwd
+        got[name] = jax.tree.map(lambda a: np.asarray(a, np.float32), case.view(fn(*args), backward=True))
+        error = cc.relative_error(got[name], reference.fwd_bwd)
+        assert error < 2e-2, f"{name}: {error:.2e} from the reference"
+    for name in ("pallas_tpu_table", "pallas_tpu_fused_table"):
+        for a, b in zip(jax.tree.leaves(got[f"{name}_dequant_in_kernel"]), jax.tree.leaves(got[name])):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("k_tiles", list(K_TILES))
 def test_pair_pallas_tpu_k_tiles(k_tiles):
     # D 16: one K tile at tk 16, two at tk 8 (the middle tiles: test_gmm_pallas_tpu_k_tiles).

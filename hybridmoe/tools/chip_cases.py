@@ -31,6 +31,10 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               `pallas_tpu_fused_table` (the fused pair at the table's tiles of the kernels it replaces);
               `pallas_tpu_fused_aligned_<A>` (the fused pair on moe.group_align_rows=A's layout, every
               kernel at row tile A and the table's tk and tn);
+  moe_mlp_fp8 moe_mlp with its weights as quant.fp8_fake_quant_hoist=gather8 hands them to the
+              kernels: fp8 codes and a scale per expert and channel, dequantized to bfloat16 as an op
+              of its own (`xla`, `pallas_tpu_table`, `pallas_tpu_fused_table`) or in the kernels'
+              reads of them (`<those two>_dequant_in_kernel`: quant.fp8_dequant_in_kernel);
   gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
               `xla`, `pallas_tpu`, and the Mosaic core at other settings (GDN_SETTINGS: the bfloat16
               precision, chunk 128, both; 4 and 16 chunk-heads per grid step);
@@ -393,6 +397,74 @@ def _moe_view(g, out, backward):
     return y[:rows], (dx[:rows], dw[:rows], dwi[:s], dwo[:s])
 
 
+# moe_mlp_fp8 ---------------------------------------------------------------------------------
+
+
+def _moe_fp8_make(g):
+    """moe_mlp's rows, routing weights, cotangent and group sizes; its weights as gather8 leaves them
+    after the gather: fp8 codes with a power-of-two scale per expert and output channel (so the
+    channels span many binades), and the bfloat16 weights those codes stand for, which the gradients
+    go to (gather8's straight-through backward) and the reference reads (they equal the dequantized
+    codes bit for bit)."""
+    from hybridmoe.quant import fp8
+
+    (x, w, wi, wo, sizes), cot = _moe_make(g)
+
+    def coded(seed, weight):
+        channel = 2.0 ** jax.random.randint(jax.random.key(seed), (weight.shape[0], 1, weight.shape[2]), -3, 4)
+        amax = fp8.absmax(weight.astype(F32) * channel, 1)
+        scale = fp8.scale_from_absmax(amax)
+        codes = fp8.quantize(weight.astype(F32) * channel, scale)
+        return fp8.dequantize(codes, scale, BF16), codes, scale
+
+    wi, codes_i, scale_i = coded(16, wi)
+    wo, codes_o, scale_o = coded(17, wo)
+    return (x, w, wi, wo, codes_i, scale_i, codes_o, scale_o, sizes), cot
+
+
+@jax.custom_vjp
+def _dequantized(weight, codes, scale):
+    """The codes' weight (gather8's dequantization after the gather) in the forward; the gradient
+    to `weight`, the bfloat16 weight the codes were made from (gather8's straight-through)."""
+    from hybridmoe.quant.expert_fp8 import dequantize_gathered
+
+    return dequantize_gathered(codes, scale, weight.dtype)
+
+
+_dequantized.defvjp(lambda weight, codes, scale: (_dequantized(weight, codes, scale), None),
+                    lambda _, ct: (ct, None, None))
+
+
+def _moe_fp8_backends(g, interpret):
+    """The fused pair and the unfused kernels at the table's tiles, each with the dequantization as an
+    op of its own (writing the bfloat16 weight the kernels read) and in the kernels' weight reads
+    (quant.fp8_dequant_in_kernel: GroupedPlan.rhs_fused_itemsize 1); and the XLA path."""
+    from hybridmoe.model.moe import _expert_mlp
+
+    plans = moe_plans(g, interpret)
+
+    def run(plan):
+        def fn(x, w, wi, wo, codes_i, scale_i, codes_o, scale_o, sizes):
+            return _expert_mlp(x, w, _dequantized(wi, codes_i, scale_i), _dequantized(wo, codes_o, scale_o),
+                               sizes, plan, 0)
+        return fn
+
+    out = {"xla": run(plans["xla"])}
+    for name in ("pallas_tpu_table", "pallas_tpu_fused_table"):
+        out[name] = run(plans[name])
+        out[f"{name}_dequant_in_kernel"] = run(dataclasses.replace(plans[name], rhs_fused_itemsize=1))
+    return out
+
+
+def _moe_fp8_reference(g):
+    from hybridmoe.kernels.gmm import reference as R
+
+    (x, w, wi, wo, *_, sizes), cot = _moe_fp8_make(g)
+    s, rows = _sample(np.asarray(sizes))
+    fn = lambda x, w, wi, wo, sizes: R.moe_mlp(x, wi, wo, sizes, row_scale_M=w)  # noqa: E731
+    return _reference_of(fn, (x[:rows], w[:rows], wi[:s], wo[:s], sizes[:s]), cot[:rows], (0, 1, 2, 3))
+
+
 # gdn -----------------------------------------------------------------------------------------
 
 
@@ -665,6 +737,8 @@ FAMILIES = (
            _gmm_reference, _gmm_view),
     Family("moe_mlp", "moe_mlp", _moe_make, _moe_backends, (0, 1, 2, 3),
            lambda g: 6.0 * g["rows"] * g["d"] * g["f"], _moe_reference, _moe_view),
+    Family("moe_mlp_fp8", "moe_mlp", _moe_fp8_make, _moe_fp8_backends, (0, 1, 2, 3),
+           lambda g: 6.0 * g["rows"] * g["d"] * g["f"], _moe_fp8_reference, _moe_view),
     Family("gdn", "gdn", _gdn_make, _gdn_backends, (0, 1, 2, 3, 4),
            lambda g: 6.0 * g["key_dim"] * g["value_dim"] * g["tokens"] * g["value_heads"], _gdn_reference),
     Family("cp_m_scan", "cp", _cp_make(False), _cp_backends("m"), None, _cp_m_flops, _cp_reference("m")),
