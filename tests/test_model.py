@@ -264,6 +264,60 @@ def test_expert_grad_barrier_ties_each_layers_input_cotangent_to_its_moe_gradien
         assert [(e.primitive.name, e.outvars[0].aval.shape) for e in users] == [("add", (2, 64, m.d_model))], users
 
 
+THREE_LAYER_BLOCKS = ("model.layer_pattern=[gdn,gdn,attention]", "model.num_layers=6")
+
+
+def _expert_grad_barriers(*overrides):
+    """(loss and gradients, [the number of MoE weight gradients each of the backward's barriers holds])
+    of tiny at THREE_LAYER_BLOCKS under remat.expert_grad_barrier and `overrides`. A held gradient is
+    counted only where the backward computes it: a tie to weights the layer had already read would
+    hold a zero (a broadcast constant), and that tie would hold nothing back."""
+    from hybridmoe.analysis.program import iter_eqns
+
+    cfg = tiny_config(*THREE_LAYER_BLOCKS, "remat.policy=full", "remat.unit=sublayer", "remat.expert_grad_barrier=true",
+                      *overrides)
+    params, batch = tiny_params(cfg), packed_batch(0, 2, 64, cfg.model.vocab_size)
+    traced = jax.jit(jax.value_and_grad(lambda p: nll_sum(p, cfg, batch)[0])).trace(params)
+    wi = params["blocks"][0]["moe"]["wi"].shape[1:]
+    eqns = list(iter_eqns(traced.jaxpr))
+    made_by = {id(v): e for e in eqns for v in e.outvars}
+    zeros = lambda v: (e := made_by.get(id(v))) is not None and e.primitive.name == "broadcast_in_dim" \
+        and not hasattr(e.invars[0], "count")  # noqa: E731 (a literal broadcast: a symbolic zero instantiated)
+    held = [sum(1 for v in e.invars if tuple(v.aval.shape) == wi and not zeros(v))
+            for e in eqns if e.primitive.name == "optimization_barrier"]
+    return jax.device_get(traced.lower().compile()(params)), held
+
+
+@functools.cache
+def _lag_arms():
+    return {lag: _expert_grad_barriers(f"remat.expert_grad_lag={lag}") for lag in (0, 1, 2)}
+
+
+def test_expert_grad_lag_ties_each_layers_input_to_the_moe_gradient_of_the_layer_lag_above():
+    # remat.expert_grad_lag over blocks of three layers (the barriers in the backward's order, top layer
+    # first): lag 0 one barrier per layer, each holding its own wi gradient; lag 1 the second layer's
+    # input holds the third's and the block's input the first two layers'; lag 2 the block's input
+    # holds all three. The values are the lag 0 arm's (up to XLA's fusion, as the remat family).
+    arms = _lag_arms()
+    assert [arms[lag][1] for lag in (0, 1, 2)] == [[1, 1, 1], [1, 2], [3]], {k: v[1] for k, v in arms.items()}
+    for lag in (1, 2):
+        assert_rel_l2(arms[0][0], arms[lag][0], 1e-4)
+
+
+@pytest.mark.parametrize("variant", ["lag_ignored", "tied_below_not_above", "one_too_far"])
+def test_expert_grad_lag_broken_variants_are_caught(variant, monkeypatch):
+    from hybridmoe.model import forward
+
+    real = forward.expert_grad_ties
+    broken = {"lag_ignored": lambda p, n, lag: real(p, n, 0),
+              "tied_below_not_above": lambda p, n, lag: real(p, n, lag) if p == 0 else [p - lag] if p >= lag else [],
+              "one_too_far": lambda p, n, lag: real(p, n, lag) if p == 0 else [p + lag + 1] if p + lag + 1 < n else []}
+    monkeypatch.setattr(forward, "expert_grad_ties", broken[variant])
+    with pytest.raises(AssertionError):
+        held = _expert_grad_barriers("remat.expert_grad_lag=1")[1]
+        assert held == [1, 2], held
+
+
 def test_layer_remat_lowers_the_compiled_backwards_temporaries():
     # The backward replays one layer at a time: less live at its peak than replaying the block (XLA's
     # buffer assignment, exact). Two blocks so the scan loops: the remat family's programs

@@ -355,6 +355,14 @@ class RematConfig(Section):
         "(off: the compiler may hold several layers' until the end of the block's backward). The values are "
         "unchanged."
     )
+    expert_grad_lag: int = Field(
+        0, ge=0, description="Under remat.expert_grad_barrier, how many layers below a layer's MoE weights' gradient "
+        "reduction may still run: 0, only under that layer's token-mixer backward (its input's cotangent waits for "
+        "it); 1, also under the whole backward of the layer below, which hands its input's cotangent on only with "
+        "it (the gathered-size expert gradients of two layers alive at once). Within a repeating block of "
+        "model.layer_pattern: the block's first layers' weights, which have no layer that far below them in the "
+        "block, are tied to the block's input. The values are unchanged."
+    )
     scan_layers: bool = Field(True, description="Run the layer stack as a lax.scan over repeating blocks.")
 
 

@@ -107,6 +107,17 @@ def _leave_together_bwd(_, cotangents):
 gradients_leave_together.defvjp(_leave_together_fwd, _leave_together_bwd)
 
 
+def expert_grad_ties(position: int, layers: int, lag: int) -> list[int]:
+    """The layers of a block whose MoE weights' gradient the input of the layer at `position` is tied
+    to (gradients_leave_together) under remat.expert_grad_lag = `lag`: the layer `lag` above it, so
+    that gradient's reduction runs under the backward of the `lag` layers from it down; the block's
+    first layer also takes the block's first `lag` layers (none is that far above the input of
+    another layer of the block)."""
+    if position == 0:
+        return list(range(min(lag, layers - 1) + 1))
+    return [position + lag] if position + lag < layers else []
+
+
 def mixer_sublayer(lp, x_BTD, mix, cfg: Config):
     """The layer's first residual sublayer: (x + mix(norm x), the mixer's aux). Reads MIXER_KEYS."""
     h = rms_norm(x_BTD, lp["input_norm"], cfg.model.rms_norm_eps)
@@ -178,11 +189,14 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
         block_xs, replay_PBTk = block_xs if replay else (block_xs, None)
         routing = []
         block_params, block_absmax = weights.split(block_xs)
+        moe_lps = [lp["moe"] for lp in block_params]
         for i, (layer, lp, amax) in enumerate(zip(layers, block_params, block_absmax)):
-            if cfg.remat.expert_grad_barrier:
-                x_BTD, moe_lp = gradients_leave_together(x_BTD, lp["moe"])
-                lp = {**lp, "moe": moe_lp}
-            out = layer(x_BTD, lp, amax, None if replay_PBTk is None else replay_PBTk[i])
+            tied = expert_grad_ties(i, len(layers), cfg.remat.expert_grad_lag) if cfg.remat.expert_grad_barrier else []
+            if tied:
+                x_BTD, held = gradients_leave_together(x_BTD, [moe_lps[j] for j in tied])
+                for j, moe_lp in zip(tied, held):
+                    moe_lps[j] = moe_lp
+            out = layer(x_BTD, {**lp, "moe": moe_lps[i]}, amax, None if replay_PBTk is None else replay_PBTk[i])
             x_BTD = out[0]
             if with_moe_dropped:
                 dropped = dropped + out[2]

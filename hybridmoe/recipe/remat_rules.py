@@ -54,3 +54,18 @@ def _remat_save_attn_core_residuals(cfg: Config, f: Facts) -> list[Problem]:
     elif (_context_size(cfg, f) or 1) > 1 and cfg.attention.cp_impl == "ring":
         unmet.append("names the one-shard flash core's residuals; attention.cp_impl=ring keeps its own")
     return _refused(ATTENTION_RESIDUALS, unmet)
+
+
+@rule("remat.expert_grad_lag", "remat.expert_grad_barrier", "model.layer_pattern")
+def _remat_expert_grad_lag(cfg: Config, f: Facts) -> list[Problem]:
+    """A lag moves the barrier of remat.expert_grad_barrier, within one repeating block."""
+    lag, layers = cfg.remat.expert_grad_lag, len(cfg.model.layer_pattern)
+    if lag == 0:
+        return []
+    if not cfg.remat.expert_grad_barrier:
+        return [("remat.expert_grad_lag", f"{lag} moves the barrier of remat.expert_grad_barrier, which is off: "
+                 "set remat.expert_grad_barrier=true, or the lag to 0")]
+    if lag >= layers:
+        return [("remat.expert_grad_lag", f"{lag} reaches past the repeating block of model.layer_pattern "
+                 f"({layers} layers: a lag ties within one block): at most {layers - 1}")]
+    return []
