@@ -16,7 +16,7 @@
 #              stops starting cases after 330 s, so each fits a 10-minute call)
 #   kernels-cell-moe  the cell's gmm and moe_mlp cases only (their aligned arms among them)
 #   kernels-gdn  the GDN core's cases at both geometries (its settings arms among them)
-#   kernels-fp8  the cell's MoE MLP on fp8 codes: dequantized as an op, and in the kernels' reads
+#   kernels-fp8  the cell's MoE MLP on fp8 codes (gather8's dequantization as an op before the kernels)
 #   kernels-missing  the cases of both geometries the record has no figures for (at any commit)
 #   gmm-uneven benchmarks/tpu_gmm_uneven.py -> benchmarks/records/tpu_gmm_uneven.json: the MoE layer's six
 #              grouped matmuls at the cell's shapes and uneven groups, their tiles searched there

@@ -44,7 +44,6 @@ def test_recipe_base_chain_and_override_order():
     (["remat.save=[attn_q]"], "remat.save"),
     (["remat.policy=custom", "remat.save=[nope]"], "remat.save"),
     (["train"], "train"),
-    (["quant.fp8_dequant_in_kernel=true"], "quant.fp8_dequant_in_kernel"),
 ])
 def test_bad_overrides_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:
@@ -121,13 +120,3 @@ def test_every_validator_rule_names_the_keys_it_checks():
         assert fn.__name__.startswith("_" + fn.keys[0].split(".")[0] + "_"), fn.__name__
         if len(fn.keys) == 1 and "." in fn.keys[0]:
             assert fn.__name__ == "_" + fn.keys[0].replace(".", "_"), (fn.__name__, fn.keys)
-
-
-def test_fp8_dequant_in_kernel_names_both_of_its_needs():
-    # The fp8 codes come from gather8, the fusion needs the Mosaic kernels: each unmet need said, with the
-    # setting found, in one message.
-    with pytest.raises(ConfigError) as e:
-        load_config("tiny", ["quant.fp8_dequant_in_kernel=true"])
-    text = dict(e.value.problems)["quant.fp8_dequant_in_kernel"]
-    assert "quant.fp8_fake_quant_hoist=gather8" in text and "now off" in text
-    assert "kernels.gmm.backend=pallas_tpu" in text and "now xla" in text

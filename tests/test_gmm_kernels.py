@@ -169,45 +169,23 @@ def test_broken_gmm_tpu_variant_caught(variant, monkeypatch):
     pytest.fail(f"{variant}: no k_tiles edge case caught it")
 
 
-def test_pair_pallas_tpu_with_the_weight_as_one_operand():
-    # quant.fp8_dequant_in_kernel's form of the fused forward (its weight one operand, one [gate | up]
-    # block, where it runs one N tile): the same values and gradients as the reference.
-    x, wi, wo, s, cot = _pair_data(jnp.float32)
-    gs = jnp.asarray([5, 0, 11, 3], jnp.int32)
-    y, g = _grads(fused_loss, x, wi, wo, s, gs, cot, backend="pallas_tpu", interpret=True,
-                  tiling=Tiling(tm=8, tk=8, tn=8), rhs_fused_itemsize=1, tile=None)
-    y_r, g_r = _grads(ref_loss, x, wi, wo, s, gs, cot)
-    _close(y, y_r, jnp.float32, "y")
-    for name, a, b in zip(["dx", "dwi", "dwo", "ds"], g, g_r):
-        _close(a, b, jnp.float32, name)
-    # Against the lever off (the two-operand form, the same tiles): bit for bit.
-    y_off, g_off = _grads(fused_loss, x, wi, wo, s, gs, cot, backend="pallas_tpu", interpret=True,
-                          tiling=Tiling(tm=8, tk=8, tn=8), tile=None)
-    for a, b in zip([y, *g], [y_off, *g_off]):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_the_chip_s_fp8_weight_case_matches_its_reference_and_the_lever_off():
-    # tools/chip_cases' moe_mlp_fp8 (what the chip times quant.fp8_dequant_in_kernel by), tiny and
-    # interpreted: each arm's output and gradients (to the bfloat16 weights, gather8's straight-through)
-    # within the MoE tolerance of the float32 reference on the codes' weights, and each lever-on arm bit
-    # for bit its lever-off arm.
+def test_the_chip_s_fp8_weight_case_matches_its_reference():
+    # tools/chip_cases' moe_mlp_fp8 (what gather8's dequantization costs the MoE MLP on the chip), tiny
+    # and interpreted: each arm's output and gradients (to the bfloat16 weights, gather8's
+    # straight-through) within the MoE tolerance of the float32 reference on the codes' weights.
     from hybridmoe.tools import chip_cases as cc
 
     (case,) = cc.cases("tiny", interpret=True, families=["moe_mlp_fp8"]).values()
     reference, inputs = case.reference(), case.make_inputs()
     codes_i = inputs[0][4]
     assert codes_i.dtype == jnp.float8_e4m3fn and len(np.unique(np.asarray(inputs[0][5]))) > 3  # scales across binades
-    got = {}
+    assert sorted(case.backends) == ["pallas_tpu_fused_table", "pallas_tpu_table", "xla"]
     for name in case.backends:
         built = case.backends[name](inputs)
         fn, args = built.fwd_bwd
-        got[name] = jax.tree.map(lambda a: np.asarray(a, np.float32), case.view(fn(*args), backward=True))
-        error = cc.relative_error(got[name], reference.fwd_bwd)
+        got = jax.tree.map(lambda a: np.asarray(a, np.float32), case.view(fn(*args), backward=True))
+        error = cc.relative_error(got, reference.fwd_bwd)
         assert error < 2e-2, f"{name}: {error:.2e} from the reference"
-    for name in ("pallas_tpu_table", "pallas_tpu_fused_table"):
-        for a, b in zip(jax.tree.leaves(got[f"{name}_dequant_in_kernel"]), jax.tree.leaves(got[name])):
-            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("k_tiles", list(K_TILES))

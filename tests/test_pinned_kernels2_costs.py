@@ -166,7 +166,7 @@ def _buffers(monkeypatch, fn):
     """{buffer: (shape, itemsize, count)} the one kernel fn traces passes to its compiler parameters."""
     seen = []
     real = gp._params
-    monkeypatch.setattr(gp, "_params", lambda t, buffers, *a, **kw: seen.append(buffers) or real(t, buffers, *a, **kw))
+    monkeypatch.setattr(gp, "_params", lambda t, buffers, *a: seen.append(buffers) or real(t, buffers, *a))
     jax.make_jaxpr(fn)()
     (buffers,) = seen
     return {b.what: (b.shape, b.itemsize, b.count) for b in buffers}

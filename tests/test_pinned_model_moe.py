@@ -13,10 +13,10 @@ from hybridmoe.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from hybridmoe.model import moe as moe_mod
 
 
-def _plan(moe=None, gmm=None, interpret=False, fp8=None, platform="cpu", dequant_in_kernel=False):
+def _plan(moe=None, gmm=None, interpret=False, fp8=None, platform="cpu"):
     m = ModelConfig(num_experts=6, num_experts_per_tok=2)
     kernels = KernelsConfig.model_validate({"gmm": gmm or {}, "interpret": interpret})
-    quant = None if fp8 is None else SimpleNamespace(fp8_gmm=fp8, fp8_dequant_in_kernel=dequant_in_kernel)
+    quant = None if fp8 is None else SimpleNamespace(fp8_gmm=fp8)
     return moe_mod.GroupedPlan.of(m, MoEConfig.model_validate(moe or {}), kernels, quant, platform=platform)
 
 
@@ -24,15 +24,14 @@ def test_grouped_plan_reads_each_field_from_its_own_key():
     plan = _plan(moe={"capacity_factor": 1.5, "token_chunks": 3, "wi_fused_swiglu": True, "gather_backward": True},
                  gmm={"backend": "pallas_tpu", "xla_tile_rows": 64, "wi_fwd_rhs_buffer_count": 3,
                       "epilogue": "match_unfused"},
-                 interpret=True, fp8=True, dequant_in_kernel=True)
-    assert plan.rhs_fused_itemsize == 1  # quant.fp8_dequant_in_kernel: the kernels read 1-byte codes
+                 interpret=True, fp8=True)
     assert plan.num_experts == 6 and plan.capacity_factor == 1.5 and plan.token_chunks == 3
     assert plan.wi_fused_swiglu and not plan.wo_fused_dswiglu and not plan.router_grad_from_wo_input
     assert plan.gather_backward and plan.interpret and plan.fp8
     assert (plan.backend, plan.xla_tile_rows, plan.rhs_buffer_count, plan.epilogue) == ("pallas_tpu", 64, 3, "match_unfused")
     other = _plan(moe={"wo_fused_dswiglu": True, "router_grad_from_wo_input": True}, fp8=False)
     assert other.wo_fused_dswiglu and other.router_grad_from_wo_input and not other.wi_fused_swiglu
-    assert not other.fp8 and not other.interpret and not other.gather_backward and other.rhs_fused_itemsize == 0
+    assert not other.fp8 and not other.interpret and not other.gather_backward
     assert not _plan().fp8  # no quant config
 
 

@@ -45,6 +45,7 @@ def case(rules, overrides, *problems, **facts) -> Case:
 # split into whole GDN chunks (up to 64) on each rank, so the rl command's rules pass.
 CP2 = ("mesh.context=2", "mesh.data=1", "rl.max_prompt_len=32", "rl.max_new_tokens=96")
 ATTENTION_ONLY = ("model.layer_pattern=[attention]",)
+TWO_LAYER_BLOCKS = ("model.layer_pattern=[gdn,attention]",)
 CHARACTERS = load_tokenizer()  # the built-in tokenizer: one id a character, and BOS
 TPU = {"platform": "tpu"}
 GPU = {"platform": "gpu"}
@@ -102,6 +103,11 @@ CASES: dict[str, Case] = {
                                  ("remat.save", "needs remat.policy=custom or minimal (got full)")),
     "save_list_unknown_name": case("_remat_save", ["remat.policy=custom", "remat.save=[nope]"],
                                    ("remat.save", "unknown checkpoint names ['nope']")),
+    "expert_grad_lag_without_the_barrier": case("_remat_expert_grad_lag", ["remat.expert_grad_lag=1"],
+                                                ("remat.expert_grad_lag", "set remat.expert_grad_barrier=true")),
+    "expert_grad_lag_past_the_block": case("_remat_expert_grad_lag", [*TWO_LAYER_BLOCKS, "remat.expert_grad_barrier=true",
+                                                                     "remat.expert_grad_lag=2"],
+                                           ("remat.expert_grad_lag", "at most 1")),
     # the Mosaic GDN core's residuals kept: one check each
     "core_residuals_without_gdn_layers": case("_remat_save_gdn_core_residuals", [*ATTENTION_ONLY, *KEPT_CORE],
                                               ("remat.save", "model.layer_pattern has no GDN layer")),
@@ -331,11 +337,6 @@ CASES: dict[str, Case] = {
     "fp8_gmm_on_pallas": case("_quant_fp8_gmm", ["quant.fp8_gmm=true", "kernels.gmm.backend=pallas_tpu",
                                                  "kernels.interpret=true"],
                               ("quant.fp8_gmm", "kernels.gmm.backend=pallas_tpu has no fp8 grouped matmul")),
-    "fp8_dequant_in_kernel_without_codes_or_kernels": case(
-        "_quant_fp8_dequant_in_kernel", ["quant.fp8_dequant_in_kernel=true"],
-        ("quant.fp8_dequant_in_kernel", "needs quant.fp8_fake_quant_hoist=gather8 (the fp8 codes it dequantizes in "
-         "the kernels; now off); needs kernels.gmm.backend=pallas_tpu (the kernels XLA fuses the dequantization "
-         "into; now xla)")),
     # on-chip memory
     "vmem_limit_over_a_core": case("_kernels_vmem", ["kernels.gmm.vmem_limit_mib=1000"],
                                    ("kernels.gmm.vmem_limit_mib", "1000.0 MiB is more than")),
@@ -382,6 +383,8 @@ CASES: dict[str, Case] = {
 ACCEPTED: dict[str, Case] = {
     # train.seq_len = model.max_seq_len = 256
     "training_rows_fill_the_context": case((), ["train.seq_len=256"]),
+    # remat.expert_grad_lag = len(model.layer_pattern) - 1: the block's input holds every layer's gradient
+    "expert_grad_lag_spans_the_block": case((), [*TWO_LAYER_BLOCKS, "remat.expert_grad_barrier=true", "remat.expert_grad_lag=1"]),
     # rl.max_prompt_len + rl.max_new_tokens = 8 + 248 = model.max_seq_len = 256
     "grpo_rows_fill_the_context": case((), ["rl.max_prompt_len=8", "rl.max_new_tokens=248"]),
     # the lever where the sort-and-group dispatch runs: ragged_dot named, or the grouped path (a lever on)

@@ -716,7 +716,7 @@ ENTRY %main (x: f32[8,8], p: pred[]) -> f32[8,8] {
 
 
 # A Pallas call whose weight operand's producer the compiler fused into the kernel's reads
-# (quant.fp8_dequant_in_kernel): a kCustom fusion around the Mosaic call, whose backend config the
+# (allow_input_fusion): a kCustom fusion around the Mosaic call, whose backend config the
 # compiler prints over several lines inside the fused computation (its cost estimate as indented
 # JSON, then a line starting "}," that does not close the computation), as the TPU compiler printed it.
 _FUSED_KERNEL = """HloModule fused_kernel

@@ -491,7 +491,7 @@ class Estimator:
     def _mosaic_call(self, i: Instr, comp: str) -> tuple[Instr, dict] | None:
         """(the Mosaic custom call, the types of its computation) where `i` is one, or a fusion the
         compiler made around one (a Pallas call whose operands' producers it fused into the kernel's
-        reads: allow_input_fusion, quant.fp8_dequant_in_kernel); else None. Such a fusion is the kernel:
+        reads: allow_input_fusion); else None. Such a fusion is the kernel:
         its cost is what the kernel states (its bytes count the operands as the kernel reads them), and
         the fused elementwise work runs in the kernel's reads."""
         if _custom_call_target(i) == "tpu_custom_call":

@@ -291,11 +291,6 @@ class QuantConfig(Section):
     fp8_fake_quant_hoist: Literal["off", "absmax", "gather8"] = Field(
         "off", description="off; absmax: the fake quant's absmax computed once for the scanned stack before "
         "the layer scan; gather8: that, plus FSDP all-gathers of 1-byte fp8 codes instead of the weight.")
-    fp8_dequant_in_kernel: bool = Field(
-        False, description="gather8's dequantization of the gathered fp8 codes fused into the Pallas TPU grouped "
-        "matmuls' reads of the expert weights (XLA input fusion): the kernels read the 1-byte codes and the "
-        "scales, and no bfloat16 copy of a layer's expert weights is written (forward and replay). Needs "
-        "quant.fp8_fake_quant_hoist=gather8 and kernels.gmm.backend=pallas_tpu. The math is unchanged.")
     fp8_gmm: bool = Field(
         False, description="MoE grouped matmuls in fp8 (forward, input and weight gradients): e4m3 weights "
         "and activations, e5m2 gradients, per-row / per-channel scales, float32 accumulation.")

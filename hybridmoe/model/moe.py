@@ -212,9 +212,6 @@ class GroupedPlan:
     token_chunks: int = 1
     gather_backward: bool = False
     align_rows: int = 0  # moe.group_align_rows: each local expert's rows padded to a multiple (moe_align.py)
-    # quant.fp8_dequant_in_kernel: the weights' producer (gather8's dequantization) fused into the kernels'
-    # reads of them, 1 byte an element (kernels/gmm/ops.py rhs_fused_itemsize); 0: none.
-    rhs_fused_itemsize: int = 0
 
     @classmethod
     def of(cls, m: ModelConfig, moe: MoEConfig, kernels: KernelsConfig | None,
@@ -234,8 +231,7 @@ class GroupedPlan:
             tile_n_per_half=(g.wi_fwd_tile_n_per_half or None) if explicit else None,
             rhs_buffer_count=g.wi_fwd_rhs_buffer_count, fp8=bool(quant and quant.fp8_gmm),
             xla_impl=K.xla_impl_for(g.xla_impl, platform), xla_tile_rows=g.xla_tile_rows, token_chunks=moe.token_chunks,
-            gather_backward=moe.gather_backward, align_rows=moe.group_align_rows,
-            rhs_fused_itemsize=1 if quant is not None and quant.fp8_dequant_in_kernel else 0)
+            gather_backward=moe.gather_backward, align_rows=moe.group_align_rows)
 
     @property
     def runs_row_tiles(self) -> bool:
@@ -431,7 +427,7 @@ def _expert_mlp(x_MD, w_M, wi_GD2F, wo_GFD, group_sizes_E, plan: GroupedPlan, gr
         x_MD, w_M, wi_GD2F, wo_GFD, group_offset = _vary_alike(
             x_MD, w_M, wi_GD2F, wo_GFD, jnp.asarray(group_offset, jnp.int32))
     kw = dict(backend=plan.backend, interpret=plan.interpret, group_offset=group_offset, xla_impl=plan.xla_impl,
-              xla_tile_rows=plan.xla_tile_rows, rhs_fused_itemsize=plan.rhs_fused_itemsize)
+              xla_tile_rows=plan.xla_tile_rows)
     t = plan.tiles
     wi_tiles = dict(tiling=t.wi_fwd, dlhs_tiling=t.wi_dlhs, drhs_tiling=t.wi_drhs) if t else {}
     wo_tiles = dict(tiling=t.wo_fwd, dlhs_tiling=t.wo_dlhs, drhs_tiling=t.wo_drhs) if t else {}

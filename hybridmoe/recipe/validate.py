@@ -690,20 +690,6 @@ def _quant_fp8_fake_quant_hoist(cfg: Config, f: Facts) -> list[Problem]:
     return [("quant.fp8_fake_quant_hoist", "; ".join(unmet))] if unmet else []
 
 
-@rule("quant.fp8_dequant_in_kernel")
-def _quant_fp8_dequant_in_kernel(cfg: Config, f: Facts) -> list[Problem]:
-    if not cfg.quant.fp8_dequant_in_kernel:
-        return []
-    unmet = []
-    if cfg.quant.fp8_fake_quant_hoist != "gather8":
-        unmet.append(f"needs quant.fp8_fake_quant_hoist=gather8 (the fp8 codes it dequantizes in the kernels; "
-                     f"now {cfg.quant.fp8_fake_quant_hoist})")
-    if cfg.kernels.gmm.backend != "pallas_tpu":
-        unmet.append(f"needs kernels.gmm.backend=pallas_tpu (the kernels XLA fuses the dequantization into; "
-                     f"now {cfg.kernels.gmm.backend})")
-    return [("quant.fp8_dequant_in_kernel", "; ".join(unmet))] if unmet else []
-
-
 @rule("quant.fp8_gmm")
 def _quant_fp8_gmm(cfg: Config, f: Facts) -> list[Problem]:
     if not cfg.quant.fp8_gmm:

@@ -33,8 +33,8 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               kernel at row tile A and the table's tk and tn);
   moe_mlp_fp8 moe_mlp with its weights as quant.fp8_fake_quant_hoist=gather8 hands them to the
               kernels: fp8 codes and a scale per expert and channel, dequantized to bfloat16 as an op
-              of its own (`xla`, `pallas_tpu_table`, `pallas_tpu_fused_table`) or in the kernels'
-              reads of them (`<those two>_dequant_in_kernel`: quant.fp8_dequant_in_kernel);
+              of its own before the kernels: `xla`, `pallas_tpu_table`, `pallas_tpu_fused_table`
+              (what gather8's dequantization costs the MoE MLP, against moe_mlp's bfloat16 weights);
   gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
               `xla`, `pallas_tpu`, and the Mosaic core at other settings (GDN_SETTINGS: the bfloat16
               precision, chunk 128, both; 4 and 16 chunk-heads per grid step);
@@ -436,9 +436,8 @@ _dequantized.defvjp(lambda weight, codes, scale: (_dequantized(weight, codes, sc
 
 
 def _moe_fp8_backends(g, interpret):
-    """The fused pair and the unfused kernels at the table's tiles, each with the dequantization as an
-    op of its own (writing the bfloat16 weight the kernels read) and in the kernels' weight reads
-    (quant.fp8_dequant_in_kernel: GroupedPlan.rhs_fused_itemsize 1); and the XLA path."""
+    """The XLA path, the unfused kernels and the fused pair at the table's tiles, each after the
+    dequantization as an op of its own (writing the bfloat16 weight the kernels read)."""
     from hybridmoe.model.moe import _expert_mlp
 
     plans = moe_plans(g, interpret)
@@ -449,11 +448,7 @@ def _moe_fp8_backends(g, interpret):
                                sizes, plan, 0)
         return fn
 
-    out = {"xla": run(plans["xla"])}
-    for name in ("pallas_tpu_table", "pallas_tpu_fused_table"):
-        out[name] = run(plans[name])
-        out[f"{name}_dequant_in_kernel"] = run(dataclasses.replace(plans[name], rhs_fused_itemsize=1))
-    return out
+    return {name: run(plans[name]) for name in ("xla", "pallas_tpu_table", "pallas_tpu_fused_table")}
 
 
 def _moe_fp8_reference(g):

@@ -22,11 +22,6 @@ Common contract:
   kernel's accumulator starts from it, in place on the Pallas backends), so a loop that carries the
   cotangent (moe.token_chunks' backward) sums the weight's gradient over its trips with no
   per-trip [G, K, N] buffer besides the carried one.
-- rhs_fused_itemsize (gmm, wi_fused_swiglu, wo_fused_dswiglu; pallas_tpu only): the kernels that read
-  the weight (forward and input gradient) let XLA fuse the weight's producer into their reads
-  (allow_input_fusion), which then read that many bytes per weight element: quant.fp8_dequant_in_kernel
-  passes 1, so the fp8 codes' dequantization runs in the kernels' reads and no bfloat16 copy of the
-  weight is written. The math is unchanged (the same convert and scale, in the kernel). 0: no fusion.
 - xla_impl (xla backend): "ragged_dot" (jax.lax.ragged_dot) or "row_tiles" (one batched matmul
   over group-aligned tiles of xla_tile_rows rows; row_tiles.py). `xla_impl_for` is the one place
   that picks it per platform.
@@ -96,16 +91,11 @@ def _kw(backend, tiling, interpret, xla_impl, xla_tile_rows):
     return dict(tiling=tiling, interpret=interpret)
 
 
-def _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl, xla_tile_rows, rhs_fused_itemsize=0):
+def _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl, xla_tile_rows):
     """The backend keywords of the forward, input-gradient and weight-gradient kernels (each its
-    own tiles; None = the forward's). rhs_fused_itemsize (pallas_tpu): the two that read the weight
-    let XLA fuse its producer into their reads (pallas_tpu._weight_fusion); the weight gradient reads none."""
-    if rhs_fused_itemsize and backend != "pallas_tpu":
-        raise ValueError(f"rhs_fused_itemsize={rhs_fused_itemsize}: only the pallas_tpu kernels fuse the weight's "
-                         f"producer into their reads; backend {backend!r} takes none")
-    kws = [_kw(backend, t, interpret, xla_impl, xla_tile_rows) for t in (tiling, dlhs_tiling or tiling, drhs_tiling or tiling)]
-    fused = {"rhs_fused_itemsize": rhs_fused_itemsize} if rhs_fused_itemsize else {}
-    return kws[0] | fused, kws[1] | fused, kws[2]
+    own tiles; None = the forward's)."""
+    return tuple(_kw(backend, t, interpret, xla_impl, xla_tile_rows)
+                 for t in (tiling, dlhs_tiling or tiling, drhs_tiling or tiling))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,10 +126,9 @@ def _weight_grad(be, lhs, grad, sizes, *, num_local, off, sharded, out_dtype, kw
 def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs: bool = False, group_offset=0,
         backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
         preferred_element_type=None, xla_impl: str = "ragged_dot", xla_tile_rows: int = 128,
-        dlhs_tiling: Tiling | None = None, drhs_tiling: Tiling | None = None, weight_out: bool = False,
-        rhs_fused_itemsize: int = 0):
+        dlhs_tiling: Tiling | None = None, drhs_tiling: Tiling | None = None, weight_out: bool = False):
     """[M, N]: out[r] = lhs[r] @ rhs[group(r) - offset]  (rhs [G, N, K] with transpose_rhs);
-    with weight_out, (out, rhs) (module docstring). rhs_fused_itemsize: module docstring.
+    with weight_out, (out, rhs) (module docstring).
 
     Differentiable in lhs and rhs: DLHS = gmm(g, rhs, transpose_rhs=not transpose_rhs),
     DRHS = tgmm(lhs, g) (or tgmm(g, lhs) with transpose_rhs).
@@ -149,7 +138,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs: bool = False, group_of
     sharded = _sharded(group_sizes_E, rhs_GKN.shape[0], group_offset)
     out_dtype = preferred_element_type or lhs_MK.dtype
     kw, dlhs_kw, drhs_kw = _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl,
-                                     xla_tile_rows, rhs_fused_itemsize)
+                                     xla_tile_rows)
 
     def run(lhs, rhs, sizes, off, transpose, dtype, kw):
         return be.gmm(lhs, rhs, sizes, transpose_rhs=transpose, group_offset=off,
@@ -213,7 +202,7 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False
                     epilogue: epi.Epilogue = "float32", rhs_buffer_count: int = 0,
                     xla_impl: str = "ragged_dot", xla_tile_rows: int = 128,
                     dlhs_tiling: Tiling | None = None, drhs_tiling: Tiling | None = None,
-                    weight_out: bool = False, rhs_fused_itemsize: int = 0):
+                    weight_out: bool = False):
     """The up projection with SwiGLU in its epilogue: h = silu(gate) * up, gate|up = x @ wi.
     Returns h, (h, preact) with return_preact, and wi last with weight_out (module docstring).
 
@@ -241,7 +230,7 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, return_preact: bool = False
     be = backend_module(backend)
     sharded = _sharded(group_sizes_E, wi_GD2F.shape[0], group_offset)
     kw, dlhs_kw, drhs_kw = _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl,
-                                     xla_tile_rows, rhs_fused_itemsize)
+                                     xla_tile_rows)
     fwd_kw = dict(kw, rhs_buffer_count=rhs_buffer_count) if backend != "xla" else kw
 
     @jax.custom_vjp
@@ -287,7 +276,7 @@ def wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_h
                      backend: Backend = "xla", tiling: Tiling | None = None, interpret: bool = False,
                      epilogue: epi.Epilogue = "float32", xla_impl: str = "ragged_dot",
                      xla_tile_rows: int = 128, dlhs_tiling: Tiling | None = None,
-                     drhs_tiling: Tiling | None = None, weight_out: bool = False, rhs_fused_itemsize: int = 0):
+                     drhs_tiling: Tiling | None = None, weight_out: bool = False):
     """The down projection y = (s * h) @ wo per group, whose backward fuses the SwiGLU VJP;
     with weight_out, (y, wo) (module docstring).
 
@@ -323,7 +312,7 @@ def wo_fused_dswiglu(h_MF, wo_GFD, group_sizes_E, *, preact, preact_tile_n_per_h
     be = backend_module(backend)
     sharded = _sharded(group_sizes_E, wo_GFD.shape[0], group_offset)
     kw, dlhs_kw, drhs_kw = _role_kws(backend, tiling, dlhs_tiling, drhs_tiling, interpret, xla_impl,
-                                     xla_tile_rows, rhs_fused_itemsize)
+                                     xla_tile_rows)
 
     def forward(h, wo, s, sizes, off):
         lhs = h if s is None else epi.scale_rows(h, s)

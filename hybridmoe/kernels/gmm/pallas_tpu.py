@@ -26,32 +26,11 @@ from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 _ROW_TILED = ("parallel", "arbitrary", "arbitrary")
 
 
-def _params(t: Tiling, buffers: list, semantics=_ROW_TILED, fused_operands: tuple[bool, ...] | None = None):
+def _params(t: Tiling, buffers: list, semantics=_ROW_TILED):
     """The kernel's compiler parameters: its VMEM limit is the configured one, or at 0 what its
-    buffers (tiling.tpu_buffers) need where that passes the compiler's default (kernels/vmem.py).
-    fused_operands: per operand (the scalar-prefetch ones first), may XLA fuse its producer into the
-    kernel's reads of it (`_weight_fusion`)."""
+    buffers (tiling.tpu_buffers) need where that passes the compiler's default (kernels/vmem.py)."""
     return pltpu.CompilerParams(dimension_semantics=semantics,
-                                vmem_limit_bytes=tpu_limit_bytes(t.vmem_limit_mib, tpu_bytes(buffers)),
-                                allow_input_fusion=fused_operands)
-
-
-# The operands before a row-tiled kernel's own: the grid's dynamic length (the walk's step count), then the
-# scalar-prefetch arrays (metadata.OutputWalk.scalars).
-_SCALARS = 1 + 5
-
-
-def _weight_fusion(rhs_fused_itemsize: int, operands: int, weights: tuple[int, ...]):
-    """(allow_input_fusion, the weight's bytes per element as the kernel reads it) of a kernel with
-    `operands` operands after the scalar-prefetch ones, its weight at positions `weights` among them.
-
-    rhs_fused_itemsize > 0 (quant.fp8_dequant_in_kernel): XLA may fuse the weight's producer (the fp8
-    codes' dequantization, an elementwise convert and scale) into the kernel's reads of it, so the
-    kernel reads the codes, that many bytes an element, and no bfloat16 copy of the weight is written;
-    the stated bytes count them so. 0: no fusion, the weight read as it is."""
-    if rhs_fused_itemsize <= 0:
-        return None, None
-    return tuple([False] * _SCALARS + [k in weights for k in range(operands)]), rhs_fused_itemsize
+                                vmem_limit_bytes=tpu_limit_bytes(t.vmem_limit_mib, tpu_bytes(buffers)))
 
 
 def _cost(flops: float, nbytes: float, transcendentals: float = 0) -> pl.CostEstimate:
@@ -119,9 +98,8 @@ def _merge(out_ref, mask, value, first, sl=slice(None)):
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded, out_dtype,
-        tiling=None, interpret=False, rhs_fused_itemsize=0):
+        tiling=None, interpret=False):
     del sharded
-    fused, rhs_itemsize = _weight_fusion(rhs_fused_itemsize, 2, (1,))
     m, k = lhs_MK.shape
     num_local = rhs_GKN.shape[0]
     n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
@@ -167,8 +145,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         compiler_params=_params(t, tpu_buffers("gmm_t" if transpose_rhs else "gmm", tm=tm, tk=tk, tn=tn,
-                                               itemsize=_itemsize(lhs_MK), out_itemsize=jnp.dtype(out_dtype).itemsize),
-                                fused_operands=fused),
+                                               itemsize=_itemsize(lhs_MK), out_itemsize=jnp.dtype(out_dtype).itemsize)),
         interpret=interpret,
         name="gmm_t" if transpose_rhs else "gmm",
         # The local groups' rows through their weights, 2 m k n over the balanced local share;
@@ -177,7 +154,7 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
         # once per step (steps at the balanced share: `_steps`), the other rows' zeros once.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
                             (n // tn) * stated_steps * tm * k * _itemsize(lhs_MK)
-                            + _weight_fetches(stated_steps, num_local, tiles_k) * k * n * (rhs_itemsize or _itemsize(rhs_GKN))
+                            + _weight_fetches(stated_steps, num_local, tiles_k) * k * n * _itemsize(rhs_GKN)
                             + stated_steps * tm * n * jnp.dtype(out_dtype).itemsize
                             + _zero_bytes(m, num_local, group_sizes_E, n * jnp.dtype(out_dtype).itemsize)),
     )(*walk.scalars, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
@@ -280,20 +257,13 @@ def weight_pipeline(rhs_buffer_count: int, tiles_k: int) -> dict:
 
 
 def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
-                    tiling=None, interpret=False, rhs_buffer_count=0, rhs_fused_itemsize=0):
-    """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones.
-
-    The weight is two operands, the gate block and the up block of the tile; with its producer fused
-    into the kernel's reads (rhs_fused_itemsize) and one N tile (T = F), one operand whose block is the
-    group's whole [gate | up]: XLA fuses no producer that two operands of a call read."""
+                    tiling=None, interpret=False, rhs_buffer_count=0):
+    """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones."""
     del sharded
     m, d = x_MD.shape
     num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
     tn = tile_n_per_half
     nt = f // tn
-    one_block = nt == 1 and rhs_fused_itemsize > 0
-    fused, rhs_itemsize = _weight_fusion(rhs_fused_itemsize, 2, (1,)) if one_block else _weight_fusion(
-        rhs_fused_itemsize, 3, (1, 2))
     t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk = pick(d, t.tk)
     tiles_k = d // tk
@@ -301,13 +271,8 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
     stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
     out_dtype = x_MD.dtype
 
-    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, x_ref, *refs):
-        if one_block:
-            w_ref, h_ref, pre_ref, accg_ref, accu_ref = refs
-            gate_w, up_w = (lambda: w_ref[:, :tn]), (lambda: w_ref[:, tn:])
-        else:
-            wg_ref, wu_ref, h_ref, pre_ref, accg_ref, accu_ref = refs
-            gate_w, up_w = (lambda: wg_ref[...]), (lambda: wu_ref[...])
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, x_ref, wg_ref, wu_ref, h_ref, pre_ref,
+               accg_ref, accu_ref):
         s, ki = pl.program_id(1), pl.program_id(2)
         computes = _computes(s, tile_ref, fetch_ref)
 
@@ -319,8 +284,8 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
         @pl.when(computes)
         def _():
             xb = x_ref[...]
-            accg_ref[...] += jnp.dot(xb, gate_w(), preferred_element_type=jnp.float32)
-            accu_ref[...] += jnp.dot(xb, up_w(), preferred_element_type=jnp.float32)
+            accg_ref[...] += jnp.dot(xb, wg_ref[...], preferred_element_type=jnp.float32)
+            accu_ref[...] += jnp.dot(xb, wu_ref[...], preferred_element_type=jnp.float32)
 
         @pl.when(ki == tiles_k - 1)
         def _():
@@ -332,14 +297,10 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
             _merge(pre_ref, mask, up, first, slice(tn, 2 * tn))
 
     mode_kw = weight_pipeline(rhs_buffer_count, tiles_k)
-    if one_block:
-        weight_specs = [pl.BlockSpec((None, tk, 2 * tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, 0),
-                                     **mode_kw)]
-    else:
-        weight_specs = [pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, j),
-                                     **mode_kw),
-                        pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, nt + j),
-                                     **mode_kw)]
+    gate_spec = pl.BlockSpec((None, tk, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, j),
+                             **mode_kw)
+    up_spec = pl.BlockSpec((None, tk, tn),
+                           lambda j, s, ki, lo, hi, grp, tile, fetch: (grp[s], ki, nt + j), **mode_kw)
     name = "wi_fused_swiglu_fwd" + (f"_rhsbuf{rhs_buffer_count}" if mode_kw else "")
     h, pre = pl.pallas_call(
         kernel,
@@ -350,7 +311,8 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
             grid=(nt, walk.num_steps, tiles_k),
             in_specs=[
                 pl.BlockSpec((tm, tk), lambda j, s, ki, lo, hi, grp, tile, fetch: (fetch[s], ki)),
-                *weight_specs,
+                gate_spec,
+                up_spec,
             ],
             out_specs=(
                 pl.BlockSpec((tm, tn), lambda j, s, ki, lo, hi, grp, tile, fetch: (tile[s], j)),
@@ -360,7 +322,7 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
         ),
         # The depth only where the weight is pipelined with it (one K tile), as layer_kernels counts it.
         compiler_params=_params(t, tpu_buffers("wi_fused", tm=tm, tk=tk, tn=tn, itemsize=_itemsize(x_MD),
-                                               depth=rhs_buffer_count if mode_kw else 0), fused_operands=fused),
+                                               depth=rhs_buffer_count if mode_kw else 0)),
         interpret=interpret,
         name=name,
         # x @ [gate | up]: 2 m d 2f over the local share of the rows, one sigmoid per h element;
@@ -368,10 +330,10 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
         # K tile), h and the pre-activations written per step, the other rows' zeros once.
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * 2 * f,
                             nt * stated_steps * tm * d * _itemsize(x_MD)
-                            + _weight_fetches(stated_steps, num_local, tiles_k) * d * 2 * f * (rhs_itemsize or _itemsize(wi_GD2F))
+                            + _weight_fetches(stated_steps, num_local, tiles_k) * d * 2 * f * _itemsize(wi_GD2F)
                             + stated_steps * tm * 3 * f * _itemsize(x_MD)
                             + _zero_bytes(m, num_local, group_sizes_E, 3 * f * _itemsize(x_MD)), m * f),
-    )(*walk.scalars, metadata.pad_rows(x_MD, m_pad), *([wi_GD2F] * len(weight_specs)))
+    )(*walk.scalars, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
     return h[:m], pre[:m]
 
 
@@ -381,11 +343,10 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
 
 def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
                           out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
-                          interpret=False, rhs_fused_itemsize=0):
+                          interpret=False):
     """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
     del sharded
     plan = metadata.dlhs_plan(g_MD, wo_GFD, preact_M2F, row_scale_M, h_MF, tiling)
-    fused, rhs_itemsize = _weight_fusion(rhs_fused_itemsize, len(plan.args), (1,))
     m, d, f, num_local, t, tm, m_pad, tk = plan.m, plan.d, plan.f, plan.num_local, plan.tiling, plan.tm, plan.m_pad, plan.tk
     has_scale, has_h, pre_dtype = plan.has_scale, plan.has_h, plan.pre_dtype
     tiles_k = d // tk
@@ -442,8 +403,7 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
             scratch_shapes=[pltpu.VMEM((tm, f), jnp.float32)],
         ),
         compiler_params=_params(t, tpu_buffers("wo_fused_dlhs", tm=tm, tk=tk, tn=f, f=f, itemsize=_itemsize(g_MD),
-                                               row_scale=has_scale, with_h=has_h), ("arbitrary", "arbitrary"),
-                                fused_operands=fused),
+                                               row_scale=has_scale, with_h=has_h), ("arbitrary", "arbitrary")),
         interpret=interpret,
         name="wo_fused_dswiglu_dlhs",
         # g @ wo^T: 2 m d f over the local share of the rows (the SwiGLU VJP epilogue is
@@ -454,7 +414,7 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * f,
                             stated_steps * (tm * d * _itemsize(g_MD) + 2 * tm * 2 * f * jnp.dtype(pre_dtype).itemsize
                                             + tm * 4 * (1 + has_scale) + (tm * f * _itemsize(h_MF) if has_h else 0))
-                            + _weight_fetches(stated_steps, num_local, tiles_k) * f * d * (rhs_itemsize or _itemsize(wo_GFD))
+                            + _weight_fetches(stated_steps, num_local, tiles_k) * f * d * _itemsize(wo_GFD)
                             + _zero_bytes(m, num_local, group_sizes_E, 2 * f * jnp.dtype(pre_dtype).itemsize + 4),
                             m * f),
     )(*walk.scalars, *args)
