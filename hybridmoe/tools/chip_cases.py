@@ -454,7 +454,10 @@ def _moe_fp8_backends(g, interpret):
 def _moe_fp8_reference(g):
     from hybridmoe.kernels.gmm import reference as R
 
-    (x, w, wi, wo, *_, sizes), cot = _moe_fp8_make(g)
+    # Made in one program, as the case's own inputs are: made op by op, the weights' float32 temporaries
+    # are 4.3 GB each at the cell (this reference's first run on the chip failed, its error cut to JAX's
+    # note on the traceback).
+    (x, w, wi, wo, *_, sizes), cot = jax.jit(functools.partial(_moe_fp8_make, g))()
     s, rows = _sample(np.asarray(sizes))
     fn = lambda x, w, wi, wo, sizes: R.moe_mlp(x, wi, wo, sizes, row_scale_M=w)  # noqa: E731
     return _reference_of(fn, (x[:rows], w[:rows], wi[:s], wo[:s], sizes[:s]), cot[:rows], (0, 1, 2, 3))
