@@ -89,7 +89,8 @@ def test_the_kernel_moe_and_layer_defaults():
     gd = s.GdnConfig()
     assert (gd.cp_m_scan, gd.cp_dh_scan) == (False, False)
     r = s.RematConfig()
-    assert (r.policy, r.save, r.unit, r.expert_grad_barrier, r.scan_layers) == ("auto", (), "block", False, True)
+    assert (r.policy, r.save, r.unit, r.expert_grad_barrier, r.expert_grad_lag, r.scan_layers) == (
+        "auto", (), "block", False, 0, True)
     m = s.MeshConfig()
     assert (m.rules, m.expert_fsdp_dim, m.distributed, m.coordinator_address, m.num_processes, m.process_id) == (
         "default", "embed", False, "", 0, 0)
