@@ -122,23 +122,25 @@ def test_no_scatter_left_in_the_moe_backward():
             text = jax.jit(jax.grad(loss, (0, 1))).lower(p, x).compile().as_text()
         return sorted(re.search(r"= f32\[(\d+),", line).group(1) for line in text.splitlines()
                       if " scatter(" in line and re.search(rf"= f32\[\d+,{cfg.model.d_model}\]", line))
-    # Lever off: the outputs' move back ([32, 64]: 16 tokens a device x 2 slots) and the token rows'
-    # gradient ([16, 64]); on: neither (what is left are the [M] routing weights' and the router's).
-    assert scatters() == ["16", "32"]
+    # Lever off: the combine's backward, one scatter per slot into the outputs' [32, 64] (16 tokens a
+    # device x 2 slots), and the token rows' gradient ([16, 64]); on: none of them (what is left are
+    # the [M] routing weights' and the router's).
+    assert scatters() == ["16", "32", "32"]
     assert scatters(*ON) == []
 
 
 # Slips in the lever's backward, each patched in; the proofs above must fail for every one.
 BROKEN = {
     # the token rows' gradient gathered by the sort order instead of its inverse
-    "order_for_inverse": ("_token_rows_bwd", "g_RD[inverse_M]", "g_RD[buffer_R]"),
+    "order_for_inverse": ("_token_rows_bwd", "slot_sum(g_RD, inverse_M, k)", "slot_sum(g_RD, jnp.argsort(inverse_M), k)"),
     # only the first of a token's k rows summed
-    "one_slot": ("_token_rows_bwd", ".astype(jnp.float32), axis=1)", ".astype(jnp.float32)[:, :1], axis=1)"),
+    "one_slot": ("_token_rows_bwd", "slot_sum(g_RD, inverse_M, k)",
+                 "slot_sum(g_RD, inverse_M.reshape(-1, k)[:, 0], 1)"),
     # the dropped rows' zeros put before the kept rows
     "padding_first": ("_token_rows_bwd", "[g_RD, jnp.zeros((M - R, D), g_RD.dtype)]",
                       "[jnp.zeros((M - R, D), g_RD.dtype), g_RD]"),
-    # the outputs' move back undone by the same permutation, not its inverse
-    "inverse_for_order": ("_unsorted_rows_fwd", "y_MD[inverse_M], order_M", "y_MD[inverse_M], inverse_M"),
+    # the outputs' gradient read back by the inverse permutation, not the sort order
+    "inverse_for_order": ("_combine_fwd", "slot_sum(y_MD, inverse_M, k), order_M", "slot_sum(y_MD, inverse_M, k), inverse_M"),
 }
 
 

@@ -66,9 +66,10 @@ def swiglu(h_M2F):
 
 # The dispatch's two row moves: rows [R, D] of the tokens in expert order (buffer_R: the first R of
 # order_M, the (token, slot) rows sorted by expert; R = M = T k unless a capacity drops some), and
-# the grouped MLP's [M, D] output back in (token, slot) order by inverse_M = argsort(order_M).
-# Autodiff makes each backward a scatter-add; moe.gather_backward writes both as gathers by the
-# inverse permutation (docs/levers.md): the same sums, no scatter.
+# the combine, each token's k rows of the grouped MLP's [M, D] output read at inverse_M =
+# argsort(order_M) and summed (moe_align.slot_sum). Autodiff makes each backward a scatter-add;
+# moe.gather_backward writes both as gathers (docs/levers.md): the same sums, no scatter. Each is
+# the other's backward.
 
 
 def _token_rows(x_TD, buffer_R, inverse_M, k: int, gather_backward: bool):
@@ -92,33 +93,35 @@ def _token_rows_bwd(k, res, g_RD):
     M, (R, D) = inverse_M.shape[0], g_RD.shape
     if R < M:
         g_RD = jnp.concatenate([g_RD, jnp.zeros((M - R, D), g_RD.dtype)])
-    g_TD = jnp.sum(g_RD[inverse_M].reshape(M // k, k, D).astype(jnp.float32), axis=1).astype(g_RD.dtype)
-    return g_TD, None, None
+    return moe_align.slot_sum(g_RD, inverse_M, k), None, None
 
 
 # Looked up when traced (tests/broken_variants.py patches them).
 _token_rows_gathered.defvjp(lambda *a: _token_rows_fwd(*a), lambda *a: _token_rows_bwd(*a))
 
 
-def _unsorted_rows(y_MD, order_M, inverse_M, gather_backward: bool):
-    """y_MD[inverse_M]: the expert-ordered rows back in (token, slot) order."""
-    return _unsorted_rows_gathered(y_MD, order_M, inverse_M) if gather_backward else y_MD[inverse_M]
+def _combine(y_MD, order_M, inverse_M, k: int, gather_backward: bool):
+    """[T, D]: the expert-ordered rows' sums per token (moe_align.slot_sum: token t's slot j is
+    y_MD[inverse_M[t k + j]])."""
+    if gather_backward:
+        return _combine_gathered(y_MD, order_M, inverse_M, k)
+    return moe_align.slot_sum(y_MD, inverse_M, k)
 
 
-@jax.custom_vjp
-def _unsorted_rows_gathered(y_MD, order_M, inverse_M):
-    return y_MD[inverse_M]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine_gathered(y_MD, order_M, inverse_M, k):
+    return moe_align.slot_sum(y_MD, inverse_M, k)
 
 
-def _unsorted_rows_fwd(y_MD, order_M, inverse_M):
-    return y_MD[inverse_M], order_M
+def _combine_fwd(y_MD, order_M, inverse_M, k):
+    return moe_align.slot_sum(y_MD, inverse_M, k), order_M
 
 
-def _unsorted_rows_bwd(order_M, g_MD):
-    return g_MD[order_M], None, None  # out[i] = y[inverse[i]]: dy[j] = g[i] where inverse[i] = j, i = order[j]
+def _combine_bwd(k, order_M, g_TD):
+    return g_TD[order_M // k], None, None  # row j of y is (token, slot) order[j]: dy[j] = g[order[j] // k]
 
 
-_unsorted_rows_gathered.defvjp(lambda *a: _unsorted_rows_fwd(*a), lambda *a: _unsorted_rows_bwd(*a))
+_combine_gathered.defvjp(lambda *a: _combine_fwd(*a), lambda *a: _combine_bwd(*a))
 
 
 def sparse_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, grouped_dot=jax.lax.ragged_dot, gather_backward=False):
@@ -136,8 +139,7 @@ def sparse_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, grouped_dot=jax.lax.ragg
     y_MD = grouped_dot(a_MF, wo_EFD.astype(dt), group_sizes_E)
     w_M = w_Tk.reshape(-1)[order_M]
     y_MD = (y_MD.astype(jnp.float32) * w_M[:, None]).astype(dt)
-    y_MD = _unsorted_rows(y_MD, order_M, inverse_M, gather_backward)
-    return jnp.sum(y_MD.reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
+    return _combine(y_MD, order_M, inverse_M, k, gather_backward).astype(dt)
 
 
 def tiled_experts(x_TD, w_Tk, idx_Tk, wi_ED2F, wo_EFD, tile_rows: int):
@@ -389,12 +391,11 @@ def _grouped_rows(x_TD, w_Tk, idx_Tk, wi_GD2F, wo_GFD, plan: GroupedPlan, group_
     if weights_out:
         y_RD, weights = y_RD
     if plan.align_rows:
-        y_MD = moe_align.unsorted_rows(y_RD, buffer_A, inverse_M, plan.gather_backward)
+        y_TD = moe_align.combine(y_RD, buffer_A, inverse_M, k, plan.gather_backward)
     else:
         if rows < M:
             y_RD = jnp.concatenate([y_RD, jnp.zeros((M - rows, y_RD.shape[1]), dt)])
-        y_MD = _unsorted_rows(y_RD, order_M, inverse_M, plan.gather_backward)
-    y_TD = jnp.sum(y_MD.reshape(T, k, -1).astype(jnp.float32), axis=1).astype(dt)
+        y_TD = _combine(y_RD, order_M, inverse_M, k, plan.gather_backward)
     return (y_TD, dropped, weights) if weights_out else (y_TD, dropped)
 
 

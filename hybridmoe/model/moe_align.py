@@ -94,9 +94,7 @@ def _token_rows_fwd(x_TD, buffer_A, inverse_M, k):
 def _token_rows_bwd(k, inverse_M, g_AD):
     # A token's gradient: its k rows' gradients read at their positions (padding rows are never
     # read), summed over the slots in float32.
-    M, D = inverse_M.shape[0], g_AD.shape[1]
-    g_TD = jnp.sum(g_AD[inverse_M].reshape(M // k, k, D).astype(jnp.float32), axis=1).astype(g_AD.dtype)
-    return g_TD, None, None
+    return slot_sum(g_AD, inverse_M, k), None, None
 
 
 _token_rows_gathered.defvjp(_token_rows_fwd, _token_rows_bwd)
@@ -108,27 +106,39 @@ def row_values(v_M, buffer_A):
     return jnp.where(real_A, v_M[jnp.where(real_A, buffer_A, 0)], jnp.zeros((), v_M.dtype))
 
 
-def unsorted_rows(y_AD, buffer_A, inverse_M, gather_backward: bool):
-    """[M, D]: the buffer's rows back in (token, slot) order (padding rows dropped)."""
+def slot_sum(rows_XD, index_M, k: int):
+    """[T, D]: each token's k (token, slot) rows summed in float32, slot 0 first, in the rows' dtype;
+    token t's slot j is rows_XD[index_M[t k + j]]. One gather of T rows per slot: gathered at once as
+    [T k, D] and viewed as [T, k, D], the rows are copied by the TPU compiler into a layout whose
+    tiles pad k to 8 or 16 rows (at the 397B cell's k = 10 a 2.7 GB copy per call; docs/levers.md,
+    moe.gather_backward)."""
+    index_Tk = index_M.reshape(-1, k)
+    total = rows_XD[index_Tk[:, 0]].astype(jnp.float32)
+    for j in range(1, k):
+        total = total + rows_XD[index_Tk[:, j]].astype(jnp.float32)
+    return total.astype(rows_XD.dtype)
+
+
+def combine(y_AD, buffer_A, inverse_M, k: int, gather_backward: bool):
+    """[T, D]: each token's k output rows read at their buffer positions and summed (slot_sum)."""
     if gather_backward:
-        return _unsorted_rows_gathered(y_AD, buffer_A, inverse_M)
-    return y_AD[inverse_M]
+        return _combine_gathered(y_AD, buffer_A, inverse_M, k)
+    return slot_sum(y_AD, inverse_M, k)
 
 
-@jax.custom_vjp
-def _unsorted_rows_gathered(y_AD, buffer_A, inverse_M):
-    return y_AD[inverse_M]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine_gathered(y_AD, buffer_A, inverse_M, k):
+    return slot_sum(y_AD, inverse_M, k)
 
 
-def _unsorted_rows_fwd(y_AD, buffer_A, inverse_M):
-    return y_AD[inverse_M], buffer_A
+def _combine_fwd(y_AD, buffer_A, inverse_M, k):
+    return slot_sum(y_AD, inverse_M, k), buffer_A
 
 
-def _unsorted_rows_bwd(buffer_A, g_MD):
-    # dy at a position is the gradient of the row placed there; a padding position's is zero.
-    real_A = buffer_A >= 0
-    g_AD = jnp.where(real_A[:, None], g_MD[jnp.where(real_A, buffer_A, 0)], jnp.zeros((), g_MD.dtype))
-    return g_AD, None, None
+def _combine_bwd(k, buffer_A, g_TD):
+    # dy at a position is the gradient of the token whose row it is (the dispatch's own move); a
+    # padding position's is zero.
+    return _token_rows(g_TD, buffer_A, k), None, None
 
 
-_unsorted_rows_gathered.defvjp(_unsorted_rows_fwd, _unsorted_rows_bwd)
+_combine_gathered.defvjp(_combine_fwd, _combine_bwd)
