@@ -22,7 +22,10 @@
 #              grouped matmuls at the cell's shapes and uneven groups, their tiles searched there
 #   gmm-uneven-again  the same, one search round from the tiles the record found (after a kernel change)
 #   gmm-aligned  the same kernels at the record's tiles, and on moe.group_align_rows' layout (64, 128)
+#   moe-combine  benchmarks/tpu_moe_combine.py -> benchmarks/records/tpu_moe_combine.json: the MoE combine
+#              slot by slot against the [T k, D] gather viewed as [T, k, D], at the cell's and one chip's shapes
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
+#   step-default  the same, its default arm alone
 #   step-aligned  the default, the Pallas grouped matmuls at the table's tiles, and those on
 #              moe.group_align_rows' layout
 #   step-holdout  its default arm at other shapes -> tpu_step_seq4096.json, tpu_step_layers8_experts8.json
@@ -127,7 +130,9 @@ except ValueError as e:
     gmm-uneven) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache ;;
     gmm-uneven-again) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 1 ;;
     gmm-aligned) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 0 --aligned 64,128 ;;
+    moe-combine) python3 benchmarks/tpu_moe_combine.py ;;
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
+    step-default) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default ;;
     step-aligned) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,pallas_gmm_auto,pallas_gmm_auto_aligned --profile 1 ;;
     step-holdout)
       # The calibrated model on shapes it was not calibrated or checked on: the default arm of the
@@ -149,6 +154,6 @@ except ValueError as e:
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, step, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, moe-combine, step, step-default, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done
