@@ -179,6 +179,13 @@ def test_the_chip_s_fp8_weight_case_matches_its_reference():
     reference, inputs = case.reference(), case.make_inputs()
     codes_i = inputs[0][4]
     assert codes_i.dtype == jnp.float8_e4m3fn and len(np.unique(np.asarray(inputs[0][5]))) > 3  # scales across binades
+    # The case's rounding to the fp8 grid is fp8.quantize's (on this host's exact conversion), ties
+    # and subnormals among the values.
+    from hybridmoe.quant import fp8
+    v = jnp.concatenate([jax.random.normal(jax.random.key(3), (4096,)) * 100, jnp.asarray(
+        [448.0, -448.0, 0.0, 2.0 ** -6, 2.0 ** -9, 1.5 * 2.0 ** -9, 2.5 * 2.0 ** -9, 1.0625, 1.1875, -3.0 * 2.0 ** -10])])
+    np.testing.assert_array_equal(np.asarray(cc.on_e4m3_grid(v).astype(fp8.E4M3), np.float32),
+                                  np.asarray(fp8.quantize(v, jnp.float32(1.0)), np.float32))
     assert sorted(case.backends) == ["pallas_tpu_fused_table", "pallas_tpu_table", "xla"]
     for name in case.backends:
         built = case.backends[name](inputs)
