@@ -7,7 +7,7 @@ Writes benchmarks/records/tpu_tests.json: device, commit, passed, failed, skippe
 each test's outcome and seconds; rewritten after every test (`complete` false until the session
 ends), so a call cut short still returns what finished. An earlier record of the same device is
 merged into: the tests run now replace theirs, the others keep their outcome and commit (rerun the
-failed ones by naming them). Exits 1 when a test failed (the record is
+failed ones by naming them); an earlier outcome of a test the suite no longer has is dropped. Exits 1 when a test failed (the record is
 written either way).
 """
 
@@ -26,9 +26,14 @@ class Outcomes:
 
     def __init__(self, out: str):
         self.out, self.tests, self.collected = out, {}, 0
+        self.existing: set[str] = set()  # every test id the suite has now, run or deselected
+
+    def pytest_deselected(self, items):
+        self.existing.update(item.nodeid for item in items)
 
     def pytest_collection_finish(self, session):
         self.collected = len(session.items)  # after conftest's --chip selection: the tpu tests
+        self.existing.update(item.nodeid for item in session.items)
 
     def pytest_runtest_logreport(self, report):
         row = self.tests.setdefault(report.nodeid, {"outcome": "passed", "s": 0.0})
@@ -44,8 +49,11 @@ class Outcomes:
     def write(self, complete: bool) -> None:
         from hybridmoe.tools.record import machine_record, source_commit
 
-        # A rerun of the failed tests after a fix leaves the passed ones standing, with their commit.
+        # A rerun of the failed tests after a fix leaves the passed ones standing, with their commit;
+        # an earlier outcome of a test the suite no longer has is dropped.
         tests = harness.merged_with_earlier(self.out, "tests", self.tests, machine_record()["device"], source_commit())
+        if self.existing:
+            tests = {name: row for name, row in tests.items() if name in self.existing}
         harness.write(self.out, "tpu_tests", **counts_of(tests), collected=self.collected, complete=complete,
                       tests=tests)
 

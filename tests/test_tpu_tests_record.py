@@ -39,3 +39,15 @@ def test_another_devices_record_is_not_merged(tmp_path, monkeypatch):
     assert rec["tests"] == {"t::fixed": {"outcome": "passed", "s": 2.5, "commit": "c2"}}
     assert (rec["passed"], rec["failed"], rec["skipped"]) == (1, 0, 0)
     assert tpu_tests.harness.merged_with_earlier(tmp_path / "none.json", "tests", {}, "cpu", "c2") == {}
+
+
+def test_an_earlier_outcome_of_a_test_the_suite_no_longer_has_is_dropped(tmp_path, monkeypatch):
+    out = tmp_path / "tpu_tests.json"
+    out.write_text(json.dumps({"benchmark": "tpu_tests", "device": "cpu", "tests": EARLIER}))
+    monkeypatch.setattr("hybridmoe.tools.record.source_commit", lambda: "c2")
+    outcomes = tpu_tests.Outcomes(str(out))
+    outcomes.tests = {"t::fixed": {"outcome": "passed", "s": 2.5}}
+    outcomes.existing = {"t::fixed", "t::stands"}  # t::skipped was removed from the suite
+    outcomes.write(complete=True)
+    rec = json.loads(out.read_text())
+    assert set(rec["tests"]) == {"t::fixed", "t::stands"} and (rec["passed"], rec["skipped"]) == (2, 0)
