@@ -122,10 +122,10 @@ def test_no_scatter_left_in_the_moe_backward():
             text = jax.jit(jax.grad(loss, (0, 1))).lower(p, x).compile().as_text()
         return sorted(re.search(r"= f32\[(\d+),", line).group(1) for line in text.splitlines()
                       if " scatter(" in line and re.search(rf"= f32\[\d+,{cfg.model.d_model}\]", line))
-    # Lever off: the combine's backward, one scatter per slot into the outputs' [32, 64] (16 tokens a
-    # device x 2 slots), and the token rows' gradient ([16, 64]); on: none of them (what is left are
-    # the [M] routing weights' and the router's).
-    assert scatters() == ["16", "32", "32"]
+    # Lever off: the combine's backward (moe_align.slot_sum's: one scatter of the outputs' [32, 64], 16
+    # tokens a device x 2 slots) and the token rows' gradient ([16, 64]); on: neither (what is left
+    # are the [M] routing weights' and the router's).
+    assert scatters() == ["16", "32"]
     assert scatters(*ON) == []
 
 
@@ -142,6 +142,16 @@ BROKEN = {
     # the outputs' gradient read back by the inverse permutation, not the sort order
     "inverse_for_order": ("_combine_fwd", "slot_sum(y_MD, inverse_M, k), order_M", "slot_sum(y_MD, inverse_M, k), inverse_M"),
 }
+
+
+def test_a_slot_sum_backward_that_gives_rows_the_wrong_token_is_caught(monkeypatch):
+    # The lever off's combine backward (moe_align.slot_sum's own): each row given the gradient of the
+    # token of its slot index instead of its token; the lever on (gathers) is the control.
+    from hybridmoe.model import moe_align
+
+    monkeypatch.setattr(moe_align, "_slot_sum_bwd", mutated(moe_align, "_slot_sum_bwd", "// k  #", "% k  #"))
+    err = _max_rel(_dispatch_grads("default", "float32", True), _dispatch_grads("default", "float32", False))
+    assert err > 1e-2, err
 
 
 @pytest.mark.parametrize("name", list(BROKEN))

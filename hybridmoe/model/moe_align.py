@@ -106,17 +106,33 @@ def row_values(v_M, buffer_A):
     return jnp.where(real_A, v_M[jnp.where(real_A, buffer_A, 0)], jnp.zeros((), v_M.dtype))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def slot_sum(rows_XD, index_M, k: int):
     """[T, D]: each token's k (token, slot) rows summed in float32, slot 0 first, in the rows' dtype;
     token t's slot j is rows_XD[index_M[t k + j]]. One gather of T rows per slot: gathered at once as
     [T k, D] and viewed as [T, k, D], the rows are copied by the TPU compiler into a layout whose
     tiles pad k to 8 or 16 rows (at the 397B cell's k = 10 a 2.7 GB copy per call; docs/levers.md,
-    moe.gather_backward)."""
+    moe.gather_backward). The backward is one scatter-add of each (token, slot) row's token gradient
+    (autodiff's would be one scatter per slot, each into a zero [X, D] buffer, then their sum)."""
     index_Tk = index_M.reshape(-1, k)
     total = rows_XD[index_Tk[:, 0]].astype(jnp.float32)
     for j in range(1, k):
         total = total + rows_XD[index_Tk[:, j]].astype(jnp.float32)
     return total.astype(rows_XD.dtype)
+
+
+def _slot_sum_fwd(rows_XD, index_M, k):
+    return slot_sum(rows_XD, index_M, k), (index_M, rows_XD.shape[0])
+
+
+def _slot_sum_bwd(k, res, g_TD):
+    index_M, rows = res
+    token_M = jnp.arange(index_M.shape[0], dtype=jnp.int32) // k  # a gather, not a [T, k, D] broadcast
+    return jnp.zeros((rows, g_TD.shape[1]), g_TD.dtype).at[index_M].add(g_TD[token_M]), None
+
+
+# Looked up when traced (tests/test_moe_gather_backward.py patches it).
+slot_sum.defvjp(lambda *a: _slot_sum_fwd(*a), lambda *a: _slot_sum_bwd(*a))
 
 
 def combine(y_AD, buffer_A, inverse_M, k: int, gather_backward: bool):
