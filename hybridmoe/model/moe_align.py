@@ -72,7 +72,7 @@ def aligned_layout(flat_e_M, order_M, group_sizes_E, *, align: int, group_offset
 def token_rows(x_TD, buffer_A, inverse_M, k: int, gather_backward: bool):
     """[A, D]: each position's token row (a copy), zero at padding positions."""
     if gather_backward:
-        return _token_rows_gathered(x_TD, buffer_A, inverse_M, k)
+        return _gathered_move(x_TD, buffer_A, inverse_M, k, False)
     return _token_rows(x_TD, buffer_A, k)
 
 
@@ -80,24 +80,6 @@ def _token_rows(x_TD, buffer_A, k):
     real_A = buffer_A >= 0
     rows = x_TD[jnp.where(real_A, buffer_A, 0) // k]
     return jnp.where(real_A[:, None], rows, jnp.zeros((), x_TD.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _token_rows_gathered(x_TD, buffer_A, inverse_M, k):
-    return _token_rows(x_TD, buffer_A, k)
-
-
-def _token_rows_fwd(x_TD, buffer_A, inverse_M, k):
-    return _token_rows(x_TD, buffer_A, k), inverse_M
-
-
-def _token_rows_bwd(k, inverse_M, g_AD):
-    # A token's gradient: its k rows' gradients read at their positions (padding rows are never
-    # read), summed over the slots in float32.
-    return slot_sum(g_AD, inverse_M, k), None, None
-
-
-_token_rows_gathered.defvjp(_token_rows_fwd, _token_rows_bwd)
 
 
 def row_values(v_M, buffer_A):
@@ -138,23 +120,26 @@ slot_sum.defvjp(lambda *a: _slot_sum_fwd(*a), lambda *a: _slot_sum_bwd(*a))
 def combine(y_AD, buffer_A, inverse_M, k: int, gather_backward: bool):
     """[T, D]: each token's k output rows read at their buffer positions and summed (slot_sum)."""
     if gather_backward:
-        return _combine_gathered(y_AD, buffer_A, inverse_M, k)
+        return _gathered_move(y_AD, buffer_A, inverse_M, k, True)
     return slot_sum(y_AD, inverse_M, k)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _combine_gathered(y_AD, buffer_A, inverse_M, k):
-    return slot_sum(y_AD, inverse_M, k)
+# moe.gather_backward's two moves, each the other's backward: the token rows' gradient is the
+# combine of their gradients (a token's k rows read at their positions, padding never read, summed
+# over the slots in float32), and the combine's gradient at a position is the gradient of the token
+# whose row it is (the token rows' move; a padding position's is zero).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gathered_move(a, buffer_A, inverse_M, k: int, is_combine: bool):
+    return slot_sum(a, inverse_M, k) if is_combine else _token_rows(a, buffer_A, k)
 
 
-def _combine_fwd(y_AD, buffer_A, inverse_M, k):
-    return slot_sum(y_AD, inverse_M, k), buffer_A
+def _gathered_move_fwd(a, buffer_A, inverse_M, k, is_combine):
+    return _gathered_move(a, buffer_A, inverse_M, k, is_combine), (buffer_A, inverse_M)
 
 
-def _combine_bwd(k, buffer_A, g_TD):
-    # dy at a position is the gradient of the token whose row it is (the dispatch's own move); a
-    # padding position's is zero.
-    return _token_rows(g_TD, buffer_A, k), None, None
+def _gathered_move_bwd(k, is_combine, res, g):
+    buffer_A, inverse_M = res
+    return (_token_rows(g, buffer_A, k) if is_combine else slot_sum(g, inverse_M, k)), None, None
 
 
-_combine_gathered.defvjp(_combine_fwd, _combine_bwd)
+_gathered_move.defvjp(_gathered_move_fwd, _gathered_move_bwd)
