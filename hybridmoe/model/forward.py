@@ -189,14 +189,14 @@ def block_fn(cfg: Config, positions_BT, segment_ids_BT, *, with_moe_dropped: boo
         block_xs, replay_PBTk = block_xs if replay else (block_xs, None)
         routing = []
         block_params, block_absmax = weights.split(block_xs)
-        moe_lps = [lp["moe"] for lp in block_params]
-        for i, (layer, lp, amax) in enumerate(zip(layers, block_params, block_absmax)):
+        block_params = list(block_params)  # a layer's MoE weights replaced by their tied copy (below)
+        for i, (layer, amax) in enumerate(zip(layers, block_absmax)):
             tied = expert_grad_ties(i, len(layers), cfg.remat.expert_grad_lag) if cfg.remat.expert_grad_barrier else []
             if tied:
-                x_BTD, held = gradients_leave_together(x_BTD, [moe_lps[j] for j in tied])
+                x_BTD, held = gradients_leave_together(x_BTD, [block_params[j]["moe"] for j in tied])
                 for j, moe_lp in zip(tied, held):
-                    moe_lps[j] = moe_lp
-            out = layer(x_BTD, {**lp, "moe": moe_lps[i]}, amax, None if replay_PBTk is None else replay_PBTk[i])
+                    block_params[j] = {**block_params[j], "moe": moe_lp}
+            out = layer(x_BTD, block_params[i], amax, None if replay_PBTk is None else replay_PBTk[i])
             x_BTD = out[0]
             if with_moe_dropped:
                 dropped = dropped + out[2]
