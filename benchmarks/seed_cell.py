@@ -46,7 +46,8 @@ LEVERS = {
     # Not the seed's, last: a checkpoint per layer of the block (remat.unit), the MoE over the
     # tokens in chunks (moe.token_chunks), the expert weights' FSDP split on their experts
     # (mesh.expert_fsdp_dim), a checkpoint per residual sublayer (remat.unit=sublayer), each layer's
-    # expert-weight gradient reduced before the layers below run (remat.expert_grad_barrier).
+    # expert-weight gradient reduced before the layers below run (remat.expert_grad_barrier), the
+    # MoE's row moves' backwards as gathers (moe.gather_backward).
     "remat_unit": (["remat.unit=block"], []),
     # The recipe now runs one chunk (the weights read once a micro-batch: step_estimate.json), so this
     # arm's "off" is the recipe's own; seed_cell.json's arm is of the four-chunk recipe of its commit.
@@ -54,6 +55,9 @@ LEVERS = {
     "expert_fsdp": (["mesh.expert_fsdp_dim=embed"], []),
     "sublayer": (["remat.unit=layer"], []),
     "expert_grad_barrier": (["remat.expert_grad_barrier=false"], []),
+    # The MoE dispatch's and combine's backwards as gathers (moe.gather_backward), last: the arms
+    # before it were compiled with the scatter-add backwards.
+    "gather_backward": (["moe.gather_backward=false"], []),
 }
 ORDER = list(LEVERS)
 

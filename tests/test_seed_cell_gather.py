@@ -63,9 +63,10 @@ def test_redo_compiles_a_recorded_arm_again(tmp_path, monkeypatch):
 def test_an_arm_turns_off_only_the_levers_after_it():
     """Each arm keeps its own lever on and turns off every lever after it, the last lever's keys
     first: the last lever's arm is the recipe itself (no override)."""
-    assert seed_cell.ORDER[-3:] == ["expert_fsdp", "sublayer", "expert_grad_barrier"]
-    assert seed_cell.arm_overrides("expert_grad_barrier") == []
-    assert seed_cell.arm_overrides("sublayer") == ["remat.expert_grad_barrier=false"]
-    assert seed_cell.arm_overrides("expert_fsdp") == ["remat.expert_grad_barrier=false", "remat.unit=layer"]
+    assert seed_cell.ORDER[-3:] == ["sublayer", "expert_grad_barrier", "gather_backward"]
+    assert seed_cell.arm_overrides("gather_backward") == []
+    assert seed_cell.arm_overrides("expert_grad_barrier") == ["moe.gather_backward=false"]
+    assert seed_cell.arm_overrides("sublayer") == ["moe.gather_backward=false", "remat.expert_grad_barrier=false"]
     default = seed_cell.arm_overrides("default")
-    assert default[:2] == ["remat.expert_grad_barrier=false", "remat.unit=layer"] and "kernels.gmm.backend=xla" in default
+    assert default[:3] == ["moe.gather_backward=false", "remat.expert_grad_barrier=false", "remat.unit=layer"]
+    assert "kernels.gmm.backend=xla" in default
