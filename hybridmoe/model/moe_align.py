@@ -91,15 +91,15 @@ def row_values(v_M, buffer_A):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def slot_sum(rows_XD, index_M, k: int):
     """[T, D]: each token's k (token, slot) rows summed in float32, slot 0 first, in the rows' dtype;
-    token t's slot j is rows_XD[index_M[t k + j]]. The rows are gathered slot-major, [k, T, D]: gathered
-    token-major as [T k, D] and viewed as [T, k, D], they are copied by the TPU compiler into a layout
-    whose tiles pad k to 8 or 16 rows (at the 397B cell's k = 10 a 2.7 GB copy per call;
-    docs/levers.md, moe.gather_backward), where a slot-major array tiles its [T, D] slices as they
-    are. The backward is one scatter-add of each (token, slot) row's token gradient."""
-    rows_kTD = rows_XD[index_M.reshape(-1, k).T]
-    total = rows_kTD[0].astype(jnp.float32)
+    token t's slot j is rows_XD[index_M[t k + j]]. One gather of T rows per slot: gathered at once as
+    [T k, D] and viewed as [T, k, D], the rows are copied by the TPU compiler into a layout whose
+    tiles pad k to 8 or 16 rows (at the 397B cell's k = 10 a 2.7 GB copy per call; docs/levers.md,
+    moe.gather_backward). The backward is one scatter-add of each (token, slot) row's token gradient
+    (autodiff's would be one scatter per slot, each into a zero [X, D] buffer, then their sum)."""
+    index_Tk = index_M.reshape(-1, k)
+    total = rows_XD[index_Tk[:, 0]].astype(jnp.float32)
     for j in range(1, k):
-        total = total + rows_kTD[j].astype(jnp.float32)
+        total = total + rows_XD[index_Tk[:, j]].astype(jnp.float32)
     return total.astype(rows_XD.dtype)
 
 
