@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gmm import epilogue, metadata
-from hybridmoe.kernels.gmm.tiling import Tiling, pick, tpu_buffers
+from hybridmoe.kernels.gmm.tiling import Tiling, pick, resolve_tm, tpu_buffers
 from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 
 _ROW_TILED = ("parallel", "arbitrary", "arbitrary")
@@ -158,6 +158,123 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
                             + stated_steps * tm * n * jnp.dtype(out_dtype).itemsize
                             + _zero_bytes(m, num_local, group_sizes_E, n * jnp.dtype(out_dtype).itemsize)),
     )(*walk.scalars, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
+    return out[:m]
+
+
+def weight_slots(group_S):
+    """For a kernel that fetches each group's weight itself, one group ahead: per step the slot (0 or
+    1) of the two VMEM weight buffers its group's weight is in (groups alternate slots in walk order)
+    and the next group in the walk (-1 past the last), whose fetch the step starts if it starts its
+    group. int32 [S] arrays."""
+    num = group_S.shape[0]
+    steps = jnp.arange(num, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones((1,), bool), group_S[1:] != group_S[:-1]])
+    slot_S = ((jnp.cumsum(starts.astype(jnp.int32)) - 1) % 2).astype(jnp.int32)
+    first_start = jax.lax.cummin(jnp.where(starts, steps, num), reverse=True)  # the first start at or after s
+    after = jnp.concatenate([first_start[1:], jnp.full((1,), num, jnp.int32)])
+    next_S = jnp.where(after < num, group_S[jnp.minimum(after, num - 1)], -1).astype(jnp.int32)
+    return slot_S, next_S
+
+
+def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, out_dtype, tm, tn,
+                   row_chunk, vmem_limit_mib=0.0, interpret=False):
+    """gmm with one K tile whose weight the kernel fetches itself, a whole group ahead.
+
+    Mosaic's grid pipeline fetches a block one step ahead, so with one K tile a group's [K, tn]
+    weight slab starts to arrive only during the step before the group's first: at a 128-row tile
+    on a v5e that step computes in about a third of the slab's transfer time, and the kernel stalls
+    at every group's start. Here the weight stays in HBM (memory space ANY); two VMEM slots hold
+    the current group's slab and the next one's, whose copy starts when the current group starts
+    (weight_slots), so it has the whole group's compute to arrive in.
+
+    Row chunks: each step computes only the row_chunk-row chunks of its tile that hold rows of its
+    group, so a tile that straddles a group edge computes about its group's share instead of the
+    whole tile twice; the tile (tm) sets the per-step overhead, the chunk the waste at the edges.
+    """
+    m, k = lhs_MK.shape
+    num_local = rhs_GKN.shape[0]
+    n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
+    if tm % row_chunk or n % tn:
+        raise ValueError(f"row_chunk {row_chunk} must divide tm {tm}, and tn {tn} divide N {n}")
+    tm = resolve_tm(m, tm)
+    m_pad = -(-m // tm) * tm
+    chunks = tm // row_chunk
+    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
+    slot_S, next_S = weight_slots(walk.group_S)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
+    contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    slab = (tn, k) if transpose_rhs else (k, tn)
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, slot_ref, next_ref, lhs_ref, rhs_hbm, out_ref,
+               w_ref, sem):
+        j, s = pl.program_id(0), pl.program_id(1)
+        g, slot = grp_ref[s], slot_ref[s]
+
+        def copy(group, to):
+            cols = pl.ds(pl.multiple_of(j * tn, tn), tn)
+            src = rhs_hbm.at[group, cols, :] if transpose_rhs else rhs_hbm.at[group, :, cols]
+            return pltpu.make_async_copy(src, w_ref.at[to], sem.at[to])
+
+        starts = (s == 0) | (grp_ref[jnp.maximum(s - 1, 0)] != g)
+
+        @pl.when(s == 0)
+        def _():
+            copy(g, slot).start()
+
+        @pl.when(starts)
+        def _():
+            copy(g, slot).wait()
+            nxt = next_ref[s]
+
+            @pl.when(nxt >= 0)
+            def _():
+                copy(nxt, 1 - slot).start()
+
+        computes = _computes(s, tile_ref, fetch_ref)
+        first = _first_on_tile(s, tile_ref)
+        lo, hi = lo_ref[g], hi_ref[g]
+        for c in range(chunks):
+            r0 = tile_ref[s] * tm + c * row_chunk
+            rows = pl.ds(c * row_chunk, row_chunk)
+            hit = computes & (r0 < hi) & (r0 + row_chunk > lo)
+
+            @pl.when(hit)
+            def _():
+                value = jax.lax.dot_general(lhs_ref[rows, :], w_ref[slot], contract,
+                                            preferred_element_type=jnp.float32)
+                r = r0 + jax.lax.broadcasted_iota(jnp.int32, (row_chunk, 1), 0)
+                kept = jnp.where(first, jnp.zeros((), out_ref.dtype), out_ref[rows, :])
+                out_ref[rows, :] = jnp.where((r >= lo) & (r < hi), value.astype(out_ref.dtype), kept)
+
+            @pl.when(jnp.logical_not(hit) & first)
+            def _():
+                out_ref[rows, :] = jnp.zeros((row_chunk, tn), out_ref.dtype)
+
+    buffers = tpu_buffers("gmm_t" if transpose_rhs else "gmm", tm=tm, tk=k, tn=tn, itemsize=_itemsize(lhs_MK),
+                          out_itemsize=jnp.dtype(out_dtype).itemsize)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=7,
+            grid=(n // tn, walk.num_steps),
+            in_specs=[
+                pl.BlockSpec((tm, k), lambda j, s, lo, hi, grp, tile, fetch, slot, nxt: (fetch[s], 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec((tm, tn), lambda j, s, lo, hi, grp, tile, fetch, slot, nxt: (tile[s], j)),
+            scratch_shapes=[pltpu.VMEM((2, *slab), rhs_GKN.dtype), pltpu.SemaphoreType.DMA((2,))],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=tpu_limit_bytes(vmem_limit_mib, tpu_bytes(buffers))),
+        interpret=interpret,
+        name=("gmm_t" if transpose_rhs else "gmm") + "_prefetched",
+        cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
+                            (n // tn) * stated_steps * tm * k * _itemsize(lhs_MK)
+                            + num_local * k * n * _itemsize(rhs_GKN)
+                            + stated_steps * tm * n * jnp.dtype(out_dtype).itemsize
+                            + _zero_bytes(m, num_local, group_sizes_E, n * jnp.dtype(out_dtype).itemsize)),
+    )(*walk.scalars, slot_S, next_S, metadata.pad_rows(lhs_MK, m_pad), rhs_GKN)
     return out[:m]
 
 
