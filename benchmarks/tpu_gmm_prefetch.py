@@ -1,23 +1,31 @@
-"""The grouped matmuls with one K tile, their weight fetched a group ahead (pallas_tpu.gmm_prefetched),
-against the grid-pipelined kernels (pallas_tpu.gmm), at the seed cell's per-device shapes.
+"""The MoE layer's grouped matmuls with one K tile, copying their own blocks, against the
+grid-pipelined kernels, at the seed cell's per-device shapes.
 
-    python3 benchmarks/tpu_gmm_prefetch.py            # on a TPU host (docs/tpu.md), ~3 minutes
-    python3 benchmarks/tpu_gmm_prefetch.py --tiny     # CPU, interpret mode, tiny shapes: a smoke run
+    python3 benchmarks/tpu_gmm_prefetch.py                  # on a TPU host (docs/tpu.md), ~3 minutes
+    python3 benchmarks/tpu_gmm_prefetch.py --write-table    # the same, the fastest tiles into the tile table
+    python3 benchmarks/tpu_gmm_prefetch.py --tiny           # CPU, interpret mode, tiny shapes: a smoke run
 
-Per kernel (the MoE layer's forward and input-gradient matmuls, tpu_gmm_uneven.py's names), at the
-uneven split chip_cases' cases use and at an even one: the grid-pipelined kernel at the tiles
-tpu_gmm_uneven.json found, and the prefetched one at each (tm, tn, row chunk) of a small grid. Each
-arm's output is checked against the grid-pipelined kernel's (max relative difference). Times: median
-of --repeats after one warm call; useful TFLOP/s count 2 M K N.
+With one K tile, Mosaic's grid pipeline fetches a group's weight slab (gmm, gmm_t) one step ahead,
+and writes a group's weight-gradient block (tgmm) back during one step: at the cell's ~512 rows per
+group both outlast the step they overlap. pallas_tpu.gmm_prefetched fetches the weight a whole group
+ahead into two VMEM slots; pallas_tpu.tgmm_written_behind stages each finished block in one of two
+slots and writes it while the following groups compute. Both compute a tile straddling a group edge
+by 128-row chunks. Per kernel (tpu_gmm_uneven.py's names), at the uneven split chip_cases' cases use:
+the grid-pipelined kernel at the tiles tpu_gmm_uneven.json found (`grid`), and the new kernel at each
+tiling of a small grid; each arm's output is compared with `grid`'s (max relative difference). Times:
+median of --repeats after one warm call; useful TFLOP/s count 2 M K N.
+
+--write-table puts each kernel's fastest tiling (of the new kernels, the ones pallas_tpu.gmm and
+pallas_tpu.tgmm run) into the tile table's section for this chip (kernels/gmm/tile_table.json,
+entries marked "split": "uneven", as tpu_gmm_uneven.py's), with `grid`'s time as the entry's before.
 
 Writes benchmarks/records/tpu_gmm_prefetch.json: device, commit, ceiling_tflops, sizes, kernels:
-name -> {kind, m, k, n, groups, arms: arm -> {tiles, split -> {ms, tflops}, max_rel_diff}}.
+name -> {kind, m, k, n, groups, arms: arm -> {tiles, uneven: {ms, tflops}, max_rel_diff}}.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import tempfile
 import time
@@ -26,19 +34,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import harness  # noqa: E402
 
-KERNELS = {"wi_fwd": ("gmm", "d", "2f"), "wi_dlhs": ("gmm_t", "2f", "d"),
-           "wo_fwd": ("gmm", "f", "d"), "wo_dlhs": ("gmm_t", "d", "f")}
-# (tm, tn cap, row chunk) of the prefetched kernel; tn is the smaller of the cap and N.
-GRID = ((128, 2048, 128), (256, 2048, 128), (512, 2048, 128), (512, 2048, 64), (256, 1024, 128),
-        (512, 1024, 128), (256, 4096, 128), (1024, 2048, 128))
-TINY_GRID = ((32, 128, 16), (64, 128, 32))
+KERNELS = {"wi_fwd": ("gmm", "d", "2f"), "wi_dlhs": ("gmm_t", "2f", "d"), "wi_drhs": ("tgmm", "d", "2f"),
+           "wo_fwd": ("gmm", "f", "d"), "wo_dlhs": ("gmm_t", "d", "f"), "wo_drhs": ("tgmm", "f", "d")}
+# (tm, tn cap) of gmm_prefetched (one K tile); (tm, tk cap, tn cap) of tgmm_written_behind. Caps: the
+# smaller of the cap and the dimension.
+GMM_GRID = ((256, 2048), (512, 2048), (256, 4096), (512, 1024), (1024, 2048))
+TGMM_GRID = ((128, 4096, 1024), (256, 4096, 1024), (512, 4096, 1024), (512, 4096, 512), (256, 2048, 2048),
+             (512, 1024, 4096))
+TINY_GMM_GRID = ((32, 128), (64, 128))
+TINY_TGMM_GRID = ((32, 128, 128), (64, 256, 128))
 
 
 def main(argv=None) -> int:
     p = harness.parser(__doc__, __file__, raw=True)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--budget-s", type=float, default=400.0)
+    p.add_argument("--budget-s", type=float, default=300.0, help="start no arm after this many seconds")
+    p.add_argument("--write-table", action="store_true", help="each kernel's fastest tiling into the tile table")
     args = p.parse_args(argv)
     if args.tiny and args.out == p.get_default("out"):
         args.out = tempfile.mkstemp(prefix="tpu_gmm_prefetch_tiny_", suffix=".json")[1]
@@ -47,15 +59,14 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from hybridmoe.kernels.gmm import pallas_tpu
-    from hybridmoe.kernels.gmm.tiling import Tiling
-    from hybridmoe.tools import chip_cases
+    from hybridmoe.kernels.gmm.tiling import Tiling, row_chunk
+    from hybridmoe.tools import chip_cases, tune_gmm
     from hybridmoe.tools.calibrate import median_seconds
 
     g = chip_cases.GEOMETRIES["tiny" if args.tiny else "cell"]["moe_mlp"]
     dims = {"d": g["d"], "f": g["f"], "2f": 2 * g["f"]}
     m, groups = g["rows"], g["groups"]
-    splits = {"uneven": [int(s) for s in chip_cases.group_sizes(m, groups)],
-              "even": [m // groups + (i < m % groups) for i in range(groups)]}
+    sizes = jnp.asarray([int(s) for s in chip_cases.group_sizes(m, groups)], jnp.int32)
     uneven_rec = Path(__file__).with_name("records") / "tpu_gmm_uneven.json"
     found = json.loads(uneven_rec.read_text())["kernels"] if uneven_rec.exists() and not args.tiny else {}
     from tpu_kernels import matmul_ceiling_tflops
@@ -66,51 +77,73 @@ def main(argv=None) -> int:
     log(f"ceiling {ceiling:.1f} TFLOP/s")
     out: dict[str, dict] = {}
     key = jax.random.key(0)
+    common = dict(group_offset=0, sharded=False, out_dtype=jnp.bfloat16, interpret=args.tiny)
     for name, (kind, kd, nd) in KERNELS.items():
         k, n = dims[kd], dims[nd]
-        tr = kind == "gmm_t"
         lhs = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
-        rhs = jax.random.normal(jax.random.fold_in(key, 1), (groups, n, k) if tr else (groups, k, n),
-                                jnp.float32).astype(jnp.bfloat16)
-        tiles = found.get(name, {}).get("tiles") or [128, k, min(n, 2048)]
-        arms = {"grid": (tuple(tiles), jax.jit(lambda a, b, s, t=Tiling(*tiles): pallas_tpu.gmm(
-            a, b, s, transpose_rhs=tr, group_offset=0, sharded=False, out_dtype=jnp.bfloat16, tiling=t,
-            interpret=args.tiny)))}
-        for tm, tn_cap, rc in (TINY_GRID if args.tiny else GRID):
-            tn = min(tn_cap, n)
-            arms[f"prefetched_{tm}x{tn}_chunk{rc}"] = ((tm, k, tn, rc), jax.jit(
-                lambda a, b, s, tm=tm, tn=tn, rc=rc: pallas_tpu.gmm_prefetched(
-                    a, b, s, transpose_rhs=tr, group_offset=0, out_dtype=jnp.bfloat16, tm=tm, tn=tn,
-                    row_chunk=rc, interpret=args.tiny)))
-        row = {"kind": kind, "m": m, "k": k, "n": n, "groups": groups, "arms": {}}
-        ref = {}
-        for arm, (t, fn) in arms.items():
+        if kind == "tgmm":
+            rhs = jax.random.normal(jax.random.fold_in(key, 1), (m, n), jnp.float32).astype(jnp.bfloat16)
+
+            def run(t: Tiling, grid: bool):
+                return jax.jit(lambda a, b, s: pallas_tpu.tgmm(a, b, s, num_local=groups, tiling=t,
+                                                              grid_pipelined=grid, **common))
+            new = [Tiling(tm=tm, tk=min(tk, k), tn=min(tn, n)) for tm, tk, tn in (TINY_TGMM_GRID if args.tiny else TGMM_GRID)]
+        else:
+            shape = (groups, n, k) if kind == "gmm_t" else (groups, k, n)
+            rhs = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32).astype(jnp.bfloat16)
+
+            def run(t: Tiling, grid: bool):
+                return jax.jit(lambda a, b, s: pallas_tpu.gmm(a, b, s, transpose_rhs=kind == "gmm_t", tiling=t,
+                                                             grid_pipelined=grid, **common))
+            new = [Tiling(tm=tm, tk=k, tn=min(tn, n)) for tm, tn in (TINY_GMM_GRID if args.tiny else GMM_GRID)]
+        grid_tiles = found.get(name, {}).get("tiles") or [128, k, min(n, 1024)]
+        arms = {"grid": (Tiling(*grid_tiles), True)}
+        label = "written_behind" if kind == "tgmm" else "prefetched"
+        for t in dict.fromkeys(new):
+            arms[f"{label}_{t.tm}x{t.tk}x{t.tn}"] = (t, False)
+        row = {"kind": kind, "m": m, "k": k, "n": n, "groups": groups, "itemsize": 2, "arms": {}}
+        ref = None
+        for arm, (t, grid) in arms.items():
+            rec = {"tiles": [t.tm, t.tk, t.tn]}
+            if not grid:
+                rec["row_chunk"] = row_chunk(t.tm)
             if time.monotonic() - start > args.budget_s:
-                row["arms"][arm] = {"tiles": list(t), "error": "past the budget"}
+                row["arms"][arm] = {**rec, "error": "past the budget"}
                 continue
-            rec = {"tiles": list(t)}
             try:
-                for split, sizes in splits.items():
-                    if split == "even" and arm != "grid" and not args.tiny and arm not in ("prefetched_512x2048_chunk128",
-                                                                                          "prefetched_256x2048_chunk128"):
-                        continue
-                    sz = jnp.asarray(sizes, jnp.int32)
-                    y = fn(lhs, rhs, sz)
-                    if arm == "grid":
-                        ref[split] = y
-                    else:
-                        d = jnp.max(jnp.abs(y.astype(jnp.float32) - ref[split].astype(jnp.float32)))
-                        rec.setdefault("max_rel_diff", {})[split] = float(d / jnp.max(jnp.abs(ref[split].astype(jnp.float32))))
-                    s = median_seconds(fn, lhs, rhs, sz, repeats=args.repeats)
-                    rec[split] = {"ms": s * 1e3, "tflops": 2 * m * k * n / s / 1e12}
+                fn = run(t, grid)
+                y = fn(lhs, rhs, sizes).astype(jnp.float32)
+                if ref is None:
+                    ref = y
+                else:
+                    rec["max_rel_diff"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+                s = median_seconds(fn, lhs, rhs, sizes, repeats=args.repeats)
+                rec["uneven"] = {"ms": s * 1e3, "tflops": 2 * m * k * n / s / 1e12}
             except Exception as e:  # noqa: BLE001 - recorded per arm
                 rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             row["arms"][arm] = rec
-            log(f"{name} {arm}: " + ", ".join(f"{sp} {rec[sp]['ms']:.3f} ms {rec[sp]['tflops']:.1f}"
-                                             for sp in splits if sp in rec) + f" {rec.get('max_rel_diff', '')} {rec.get('error', '')}")
+            log(f"{name} {arm}: " + (f"{rec['uneven']['ms']:.3f} ms {rec['uneven']['tflops']:.1f} TFLOP/s"
+                                     if "uneven" in rec else rec.get("error", "")) + f"  diff {rec.get('max_rel_diff', '')}")
         out[name] = row
-        harness.write(args.out, "tpu_gmm_prefetch", ceiling_tflops=ceiling, sizes=splits["uneven"], kernels=out,
-                      interpret=args.tiny, method=f"median of {args.repeats} after one warm call, each kernel alone")
+        harness.write(args.out, "tpu_gmm_prefetch", ceiling_tflops=ceiling, sizes=[int(v) for v in sizes], kernels=out,
+                      interpret=args.tiny, method=f"median of {args.repeats} after one warm call, each kernel alone, "
+                                                  f"at the uneven split")
+    if args.write_table and not args.tiny:
+        entries = []
+        for name, row in out.items():
+            timed = {a: r for a, r in row["arms"].items() if "uneven" in r and a != "grid"
+                     and r.get("max_rel_diff", 1.0) < 1e-2}
+            if not timed:
+                continue
+            best = min(timed, key=lambda a: timed[a]["uneven"]["ms"])
+            tm, tk, tn = timed[best]["tiles"]
+            entries.append({**{f: row[f] for f in ("kind", "m", "k", "n", "groups", "itemsize")}, "tm": tm, "tk": tk,
+                            "tn": tn, "ms": timed[best]["uneven"]["ms"],
+                            "default_ms": row["arms"].get("grid", {}).get("uneven", {}).get("ms"),
+                            "timed": len(timed), "split": "uneven"})
+        tune_gmm.write_table(tune_gmm.check_host(), entries,
+                             tune_gmm.about({"device": jax.devices()[0].device_kind}))
+        log(f"{len(entries)} entries into the tile table")
     return 0
 
 

@@ -25,7 +25,9 @@
 #   moe-combine  benchmarks/tpu_moe_combine.py -> benchmarks/records/tpu_moe_combine.json: the MoE combine
 #              slot by slot against the [T k, D] gather viewed as [T, k, D], at the cell's and one chip's shapes
 #   gmm-prefetch  benchmarks/tpu_gmm_prefetch.py -> benchmarks/records/tpu_gmm_prefetch.json: the forward and
-#              input-gradient grouped matmuls with their weight fetched a group ahead, against the grid-pipelined ones
+#              input-gradient grouped matmuls with their weight fetched a group ahead, and the weight gradient
+#              written a group behind, against the grid-pipelined kernels at the cell's shapes
+#   gmm-prefetch-table  the same, each kernel's fastest tiles into the tile table (kernels/gmm/tile_table.json)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #   step-default  the same, its default arm alone
 #   step-aligned  the default, the Pallas grouped matmuls at the table's tiles, and those on
@@ -134,6 +136,7 @@ except ValueError as e:
     gmm-aligned) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 0 --aligned 64,128 ;;
     moe-combine) python3 benchmarks/tpu_moe_combine.py ;;
     gmm-prefetch) python3 benchmarks/tpu_gmm_prefetch.py ;;
+    gmm-prefetch-table) python3 benchmarks/tpu_gmm_prefetch.py --write-table ;;
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
     step-default) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default ;;
     step-aligned) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,pallas_gmm_auto,pallas_gmm_auto_aligned --profile 1 ;;

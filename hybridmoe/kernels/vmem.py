@@ -61,7 +61,8 @@ GPU_SHARED_LIMIT_BYTES = 227 * 1024
 class Buffer:
     """One on-chip buffer of a kernel: `what` it holds, its shape and itemsize, how many copies
     (a pipelined block's buffer count; 1 for scratch and body values), and its kind: "block"
-    (a BlockSpec's), "scratch" (scratch_shapes) or "value" (a float32 value of the body)."""
+    (a BlockSpec's), "scratch" (scratch_shapes), "value" (a float32 value of the body) or
+    "semaphore" (DMA semaphores among the scratch, which take no VMEM)."""
 
     what: str
     shape: tuple[int, ...]
@@ -71,6 +72,8 @@ class Buffer:
 
     @property
     def tpu_bytes(self) -> int:
+        if self.kind == "semaphore":
+            return 0
         return tpu_tile_bytes(self.shape, self.itemsize) * self.count
 
     @property

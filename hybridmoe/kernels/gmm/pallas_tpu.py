@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gmm import epilogue, metadata
-from hybridmoe.kernels.gmm.tiling import Tiling, pick, resolve_tm, tpu_buffers
+from hybridmoe.kernels.gmm.tiling import Tiling, pick, resolve_tm, row_chunk, tpu_buffers
 from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 
 _ROW_TILED = ("parallel", "arbitrary", "arbitrary")
@@ -98,12 +98,18 @@ def _merge(out_ref, mask, value, first, sl=slice(None)):
 
 
 def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded, out_dtype,
-        tiling=None, interpret=False):
+        tiling=None, interpret=False, grid_pipelined=False):
+    """With one K tile the kernel fetches its weight itself, a group ahead (gmm_prefetched), unless
+    grid_pipelined (the benchmarks time the two against each other)."""
     del sharded
     m, k = lhs_MK.shape
     num_local = rhs_GKN.shape[0]
     n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
     t, tm, m_pad, tk, tn = metadata.plain_tiles(tiling, "gmm_t" if transpose_rhs else "gmm", lhs_MK, n, num_local)
+    if tk == k and not grid_pipelined:
+        return gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, transpose_rhs=transpose_rhs, group_offset=group_offset,
+                              out_dtype=out_dtype, tm=tm, tn=tn, chunk_rows=row_chunk(tm),
+                              vmem_limit_mib=t.vmem_limit_mib, interpret=interpret)
     walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
     stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
     tiles_k = k // tk
@@ -161,6 +167,12 @@ def gmm(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, sharded,
     return out[:m]
 
 
+def group_ordinals(group_S):
+    """int32 [S]: per step, its group's place in the walk's order of groups (0 for the first)."""
+    starts = jnp.concatenate([jnp.ones((1,), bool), group_S[1:] != group_S[:-1]])
+    return (jnp.cumsum(starts.astype(jnp.int32)) - 1).astype(jnp.int32)
+
+
 def weight_slots(group_S):
     """For a kernel that fetches each group's weight itself, one group ahead: per step the slot (0 or
     1) of the two VMEM weight buffers its group's weight is in (groups alternate slots in walk order)
@@ -169,7 +181,7 @@ def weight_slots(group_S):
     num = group_S.shape[0]
     steps = jnp.arange(num, dtype=jnp.int32)
     starts = jnp.concatenate([jnp.ones((1,), bool), group_S[1:] != group_S[:-1]])
-    slot_S = ((jnp.cumsum(starts.astype(jnp.int32)) - 1) % 2).astype(jnp.int32)
+    slot_S = group_ordinals(group_S) % 2
     first_start = jax.lax.cummin(jnp.where(starts, steps, num), reverse=True)  # the first start at or after s
     after = jnp.concatenate([first_start[1:], jnp.full((1,), num, jnp.int32)])
     next_S = jnp.where(after < num, group_S[jnp.minimum(after, num - 1)], -1).astype(jnp.int32)
@@ -177,7 +189,7 @@ def weight_slots(group_S):
 
 
 def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, out_dtype, tm, tn,
-                   row_chunk, vmem_limit_mib=0.0, interpret=False):
+                   chunk_rows, vmem_limit_mib=0.0, interpret=False):
     """gmm with one K tile whose weight the kernel fetches itself, a whole group ahead.
 
     Mosaic's grid pipeline fetches a block one step ahead, so with one K tile a group's [K, tn]
@@ -187,18 +199,18 @@ def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offse
     the current group's slab and the next one's, whose copy starts when the current group starts
     (weight_slots), so it has the whole group's compute to arrive in.
 
-    Row chunks: each step computes only the row_chunk-row chunks of its tile that hold rows of its
+    Row chunks: each step computes only the chunk_rows-row chunks of its tile that hold rows of its
     group, so a tile that straddles a group edge computes about its group's share instead of the
     whole tile twice; the tile (tm) sets the per-step overhead, the chunk the waste at the edges.
     """
     m, k = lhs_MK.shape
     num_local = rhs_GKN.shape[0]
     n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
-    if tm % row_chunk or n % tn:
-        raise ValueError(f"row_chunk {row_chunk} must divide tm {tm}, and tn {tn} divide N {n}")
     tm = resolve_tm(m, tm)
+    if tm % chunk_rows or n % tn:
+        raise ValueError(f"chunk_rows {chunk_rows} must divide the row tile {tm}, and tn {tn} divide N {n}")
     m_pad = -(-m // tm) * tm
-    chunks = tm // row_chunk
+    chunks = tm // chunk_rows
     walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
     slot_S, next_S = weight_slots(walk.group_S)
     stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
@@ -234,24 +246,24 @@ def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offse
         first = _first_on_tile(s, tile_ref)
         lo, hi = lo_ref[g], hi_ref[g]
         for c in range(chunks):
-            r0 = tile_ref[s] * tm + c * row_chunk
-            rows = pl.ds(c * row_chunk, row_chunk)
-            hit = computes & (r0 < hi) & (r0 + row_chunk > lo)
+            r0 = tile_ref[s] * tm + c * chunk_rows
+            rows = pl.ds(c * chunk_rows, chunk_rows)
+            hit = computes & (r0 < hi) & (r0 + chunk_rows > lo)
 
             @pl.when(hit)
             def _():
                 value = jax.lax.dot_general(lhs_ref[rows, :], w_ref[slot], contract,
                                             preferred_element_type=jnp.float32)
-                r = r0 + jax.lax.broadcasted_iota(jnp.int32, (row_chunk, 1), 0)
+                r = r0 + jax.lax.broadcasted_iota(jnp.int32, (chunk_rows, 1), 0)
                 kept = jnp.where(first, jnp.zeros((), out_ref.dtype), out_ref[rows, :])
                 out_ref[rows, :] = jnp.where((r >= lo) & (r < hi), value.astype(out_ref.dtype), kept)
 
             @pl.when(jnp.logical_not(hit) & first)
             def _():
-                out_ref[rows, :] = jnp.zeros((row_chunk, tn), out_ref.dtype)
+                out_ref[rows, :] = jnp.zeros((chunk_rows, tn), out_ref.dtype)
 
     buffers = tpu_buffers("gmm_t" if transpose_rhs else "gmm", tm=tm, tk=k, tn=tn, itemsize=_itemsize(lhs_MK),
-                          out_itemsize=jnp.dtype(out_dtype).itemsize)
+                          out_itemsize=jnp.dtype(out_dtype).itemsize, whole_k=True, row_chunk=chunk_rows)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
@@ -268,7 +280,7 @@ def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offse
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=tpu_limit_bytes(vmem_limit_mib, tpu_bytes(buffers))),
         interpret=interpret,
-        name=("gmm_t" if transpose_rhs else "gmm") + "_prefetched",
+        name="gmm_t" if transpose_rhs else "gmm",
         cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
                             (n // tn) * stated_steps * tm * k * _itemsize(lhs_MK)
                             + num_local * k * n * _itemsize(rhs_GKN)
@@ -283,14 +295,19 @@ def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offse
 
 
 def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, out_dtype,
-         tiling=None, interpret=False, acc_GKN=None):
+         tiling=None, interpret=False, acc_GKN=None, grid_pipelined=False):
     """acc_GKN: add the result into this [G, K, N] array in place (its buffer is the output's):
     each output block's float32 accumulator starts from the block's value instead of zero, so a
-    group with no rows keeps it."""
+    group with no rows keeps it. Without it the kernel writes its output blocks itself, a group
+    behind (tgmm_written_behind), unless grid_pipelined (the benchmarks time the two)."""
     del sharded
     m, k = lhs_MK.shape
     n = grad_MN.shape[1]
     t, tm, m_pad, tk, tn = metadata.plain_tiles(tiling, "tgmm", lhs_MK, n, num_local)
+    if acc_GKN is None and not grid_pipelined:
+        return tgmm_written_behind(lhs_MK, grad_MN, group_sizes_E, num_local=num_local, group_offset=group_offset,
+                                   out_dtype=out_dtype, tm=tm, tk=tk, tn=tn, chunk_rows=row_chunk(tm),
+                                   vmem_limit_mib=t.vmem_limit_mib, interpret=interpret)
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local,
         visit_empty=True)
@@ -358,6 +375,117 @@ def tgmm(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, sharded, ou
     )(lo, hi, grp, tile, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad),
       *([acc_GKN.astype(out_dtype)] if accumulate else []))
     return out
+
+
+def tgmm_written_behind(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offset, out_dtype, tm, tk, tn,
+                        chunk_rows, vmem_limit_mib=0.0, interpret=False):
+    """tgmm whose per-group [tk, tn] output blocks the kernel writes to HBM itself, a group behind.
+
+    In the grid pipeline a group's output block is written back while the next step runs and
+    waited for a step later, so at a 128-row tile the copy of a [4096, 1024] block outlasts the
+    steps it overlaps and every group's end stalls. Here the output stays in HBM (memory space
+    ANY): a finished group's float32 sum is cast into one of two VMEM staging slots and copied out
+    while the following groups compute; a slot is waited for only when its group two later reuses
+    it, and the last ones at the end of each (N tile, K tile) pass.
+
+    Row chunks: a tile inside its group is one contraction over its tm rows; a tile that straddles
+    a group edge contracts only its chunks holding rows of the group, their other rows masked, so
+    its cost follows the group's share of the tile.
+    """
+    m, k = lhs_MK.shape
+    n = grad_MN.shape[1]
+    tm = resolve_tm(m, tm)
+    if tm % chunk_rows or k % tk or n % tn:
+        raise ValueError(f"chunk_rows {chunk_rows} must divide the row tile {tm}; tk {tk} divide K {k}; tn {tn} divide N {n}")
+    m_pad = -(-m // tm) * tm
+    chunks = tm // chunk_rows
+    lo, hi, grp, tile, steps = metadata.group_metadata(
+        group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local, visit_empty=True)
+    slot_S, _ = weight_slots(grp)
+    ordinal_S = group_ordinals(grp)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, grp.shape[0])
+    in_dtype = jnp.promote_types(lhs_MK.dtype, grad_MN.dtype)
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, slot_ref, ord_ref, lhs_ref, grad_ref, out_hbm, acc_ref, stage_ref,
+               sem):
+        ni, ki, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        last = pl.num_programs(2) - 1
+        g, slot, ordinal = grp_ref[s], slot_ref[s], ord_ref[s]
+        new_group = (s == 0) | (grp_ref[jnp.maximum(s - 1, 0)] != g)
+        ends_group = (s == last) | (grp_ref[jnp.minimum(s + 1, last)] != g)
+
+        def copy(group, at):
+            dst = out_hbm.at[group, pl.ds(pl.multiple_of(ki * tk, tk), tk), pl.ds(pl.multiple_of(ni * tn, tn), tn)]
+            return pltpu.make_async_copy(stage_ref.at[at], dst, sem.at[at])
+
+        @pl.when(new_group)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        lo_g, hi_g = lo_ref[g], hi_ref[g]
+        r0 = tile_ref[s] * tm
+        inside = (r0 >= lo_g) & (r0 + tm <= hi_g)
+
+        def contract(a, b):
+            acc_ref[...] += jnp.dot(a.T.astype(in_dtype), b.astype(in_dtype), preferred_element_type=jnp.float32)
+
+        @pl.when(inside)
+        def _():
+            contract(lhs_ref[...], grad_ref[...])
+
+        for c in range(chunks):
+            c0 = r0 + c * chunk_rows
+            rows = pl.ds(c * chunk_rows, chunk_rows)
+
+            @pl.when(jnp.logical_not(inside) & (c0 < hi_g) & (c0 + chunk_rows > lo_g))
+            def _():
+                r = c0 + jax.lax.broadcasted_iota(jnp.int32, (chunk_rows, 1), 0)
+                mask = (r >= lo_g) & (r < hi_g)
+                # Mask both operands: padding rows may hold anything (0 * nan is nan).
+                contract(jnp.where(mask, lhs_ref[rows, :].astype(jnp.float32), 0.0),
+                         jnp.where(mask, grad_ref[rows, :].astype(jnp.float32), 0.0))
+
+        @pl.when(ends_group)
+        def _():
+            @pl.when(ordinal >= 2)  # the slot's copy from two groups back
+            def _():
+                copy(g, slot).wait()
+
+            stage_ref[slot] = acc_ref[...].astype(stage_ref.dtype)
+            copy(g, slot).start()
+
+        @pl.when(s == last)
+        def _():
+            copy(g, slot).wait()
+
+            @pl.when(ordinal >= 1)
+            def _():
+                copy(g, 1 - slot).wait()
+
+    buffers = tpu_buffers("tgmm", tm=tm, tk=tk, tn=tn, itemsize=jnp.dtype(in_dtype).itemsize,
+                          out_itemsize=jnp.dtype(out_dtype).itemsize, written_behind=True)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_local, k, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(n // tn, k // tk, steps),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lambda ni, ki, s, lo, hi, grp, tile, slot, o: (tile[s], ki)),
+                pl.BlockSpec((tm, tn), lambda ni, ki, s, lo, hi, grp, tile, slot, o: (tile[s], ni)),
+            ],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32), pltpu.VMEM((2, tk, tn), out_dtype),
+                            pltpu.SemaphoreType.DMA((2,))],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=tpu_limit_bytes(vmem_limit_mib, tpu_bytes(buffers))),
+        interpret=interpret,
+        name="tgmm",
+        cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * k * n,
+                            stated_steps * tm * ((n // tn) * k * _itemsize(lhs_MK) + (k // tk) * n * _itemsize(grad_MN))
+                            + num_local * k * n * jnp.dtype(out_dtype).itemsize),
+    )(lo, hi, grp, tile, slot_S, ordinal_S, metadata.pad_rows(lhs_MK, m_pad), metadata.pad_rows(grad_MN, m_pad))
 
 
 # ---------------------------------------------------------------------------------------------

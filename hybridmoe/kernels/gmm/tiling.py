@@ -31,6 +31,14 @@ from hybridmoe.kernels.vmem import MIB, Buffer, Need, tpu_bytes, tpu_limit_mib
 
 LANE = 128
 SUBLANE = 8
+# The rows a one-K-tile kernel computes at a time inside its row tile (pallas_tpu.gmm_prefetched,
+# tgmm_written_behind): the MXU's rows on a v5e, where they divide the tile.
+CHUNK_ROWS = 128
+
+
+def row_chunk(tm: int) -> int:
+    """The row chunk of a one-K-tile kernel at row tile tm: CHUNK_ROWS where it divides tm, else tm."""
+    return CHUNK_ROWS if tm % CHUNK_ROWS == 0 else tm
 # JAX 0.10.2's Mosaic TPU grid pipeline takes 1 or 2 weight buffers (2 is its default) and
 # refuses more at lowering (benchmarks/records/gmm_vmem.json).
 TPU_MAX_RHS_BUFFERS = 2
@@ -203,13 +211,18 @@ def check(problems: list[str]) -> None:
 # wi forward its epilogue's [tm, tn] values; the fused wo input gradient its epilogue's float32
 # [tm, F] values.
 
+# The two DMA semaphores of a kernel that copies its own blocks (they take no VMEM; the traced
+# kernel lists them among its scratch, as 4-byte scalars).
+DMA_SEMAPHORES = Buffer("dma_semaphores", (2,), 4, 1, "semaphore")
+
 PALLAS_NAMES = {"gmm": "gmm", "gmm_t": "gmm_t", "tgmm": "tgmm", "wi_fused": "wi_fused_swiglu_fwd",
                 "wo_fused_dlhs": "wo_fused_dswiglu_dlhs"}
 
 
 def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_itemsize: int | None = None,
                 depth: int = 0, f: int = 0, row_scale: bool = False, with_h: bool = False,
-                accumulate: bool = False) -> list[Buffer]:
+                accumulate: bool = False, whole_k: bool = False, row_chunk: int = 0,
+                written_behind: bool = False) -> list[Buffer]:
     """The VMEM buffers of one Mosaic kernel (kind: a PALLAS_NAMES key) at resolved tiles: tm rows,
     tk contraction, tn output columns (per half for wi_fused; f = F for wo_fused_dlhs, whose one N
     tile spans it). depth: wi_fused's weight pipeline depth (0 = Mosaic's 2). accumulate: tgmm adds
@@ -218,8 +231,16 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
     F32 = 4
     if kind in ("gmm", "gmm_t"):
         rhs = (tn, tk) if kind == "gmm_t" else (tk, tn)
+        if whole_k:  # pallas_tpu.gmm_prefetched: the weight in two slots of its own, a chunk's float32 product
+            return [Buffer("lhs", (tm, tk), itemsize), Buffer("out", (tm, tn), out_itemsize),
+                    Buffer("rhs_slots", (2, *rhs), itemsize, 1, "scratch"), DMA_SEMAPHORES,
+                    Buffer("chunk_product", (row_chunk or tm, tn), F32, 1, "value")]
         return [Buffer("lhs", (tm, tk), itemsize), Buffer("rhs", rhs, itemsize),
                 Buffer("out", (tm, tn), out_itemsize), Buffer("acc", (tm, tn), F32, 1, "scratch")]
+    if kind == "tgmm" and written_behind:  # pallas_tpu.tgmm_written_behind: the output staged in two slots
+        return [Buffer("lhs", (tm, tk), itemsize), Buffer("grad", (tm, tn), itemsize),
+                Buffer("acc", (tk, tn), F32, 1, "scratch"), Buffer("out_slots", (2, tk, tn), out_itemsize, 1, "scratch"),
+                DMA_SEMAPHORES, Buffer("lhs_transposed", (tk, tm), itemsize, 1, "value")]
     if kind == "tgmm":
         return [Buffer("lhs", (tm, tk), itemsize), Buffer("grad", (tm, tn), itemsize),
                 *[Buffer("acc_in", (tk, tn), out_itemsize)] * accumulate,
@@ -266,9 +287,13 @@ def layer_kernels(*, d_model: int, hidden: int, tiles: KernelTiles, wi_fused: bo
     def tm_of(t: Tiling) -> int:
         return resolve_tm(rows, t.tm) if rows else t.tm
 
-    def plain(kind: str, t: Tiling, k: int, n: int, **extra):
-        return PALLAS_NAMES[kind], tpu_buffers(kind, tm=tm_of(t), tk=pick(k, t.tk), tn=pick(n, t.tn),
-                                               itemsize=itemsize, **extra)
+    def plain(kind: str, t: Tiling, k: int, n: int, accumulate: bool = False):
+        # With one K tile gmm and gmm_t fetch their weight a group ahead themselves; tgmm writes its
+        # output a group behind unless it adds into a carried one (pallas_tpu.gmm, pallas_tpu.tgmm).
+        tm, tk = tm_of(t), pick(k, t.tk)
+        own = (dict(whole_k=True, row_chunk=row_chunk(tm)) if kind != "tgmm" and tk == k
+               else dict(written_behind=True) if kind == "tgmm" and not accumulate else dict(accumulate=accumulate))
+        return PALLAS_NAMES[kind], tpu_buffers(kind, tm=tm, tk=tk, tn=pick(n, t.tn), itemsize=itemsize, **own)
 
     out = {}
     t = tiles.wi_fwd
