@@ -132,6 +132,20 @@ BROKEN_GMM_TPU = {
         _gmm_metadata, "output_walk", "(visits + zero_steps)", "(visits + 0 * zero_steps)"))],
     # A tile's first step keeps the block's earlier content outside its group instead of zeroing it.
     "first_step_keeps_old_rows": lambda: [(_gmm_tpu, "_first_on_tile", lambda step, tile_ref: step < 0)],
+    # The kernels that copy their own blocks (one K tile). gmm_prefetched fetches the current group's
+    # weight again where it should fetch the next one's: every group after the first runs on its
+    # predecessor's weight.
+    "prefetch_fetches_the_current_group": lambda: [(_gmm_tpu, "gmm_prefetched", mutated(
+        _gmm_tpu, "gmm_prefetched", "copy(nxt, 1 - slot).start()", "copy(g, 1 - slot).start()"))],
+    # A row chunk holding a group's first row is skipped unless the group starts at the chunk's start.
+    "chunk_skipped_at_a_group_start": lambda: [(_gmm_tpu, "gmm_prefetched", mutated(
+        _gmm_tpu, "gmm_prefetched", "(r0 + chunk_rows > lo)", "(r0 >= lo)"))],
+    # tgmm_written_behind restages a slot without waiting for the copy out of it two groups back.
+    "staging_slot_reused_before_its_copy": lambda: [(_gmm_tpu, "tgmm_written_behind", mutated(
+        _gmm_tpu, "tgmm_written_behind", "@pl.when(ordinal >= 2)", "@pl.when(ordinal < 0)"))],
+    # A tile that straddles its group's first row is contracted whole, the previous group's rows in it.
+    "whole_tile_across_a_group_start": lambda: [(_gmm_tpu, "tgmm_written_behind", mutated(
+        _gmm_tpu, "tgmm_written_behind", "inside = (r0 >= lo_g) & (r0 + tm <= hi_g)", "inside = (r0 + tm <= hi_g)"))],
 }
 
 BROKEN_VMEM_MODEL = {

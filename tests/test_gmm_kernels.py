@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,10 +24,14 @@ from broken_variants import BROKEN, BROKEN_GMM_TPU, READER_VARIANTS
 from hybridmoe.kernels import gmm as K
 from hybridmoe.kernels.gmm import epilogue as epi
 from hybridmoe.kernels.gmm import reference as R
+from hybridmoe.kernels.gmm import tiling as tiling_module
 from hybridmoe.kernels.gmm.tiling import Tiling, tile_problems
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # max |a - b| / max(|b|, 1)
 TINY = Tiling(tm=8, tk=8, tn=8)
+# The TPU interpreter running each DMA only when a wait asks for it (tests of the kernels that copy
+# their own blocks: a copy waited for too late, or never, leaves its destination stale).
+ON_WAIT = pltpu.InterpretParams(dma_execution_mode="on_wait")
 PALLAS = ["pallas_tpu", "pallas_gpu"]
 HYP = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -63,7 +68,7 @@ group_sizes_st = st.integers(1, 4).flatmap(
 
 
 def _check_gmm(backend, sizes, dtype, offset=0, num_local=None, transpose=False, m=24, k=16,
-               n=16, seed=0, tiling=None):
+               n=16, seed=0, tiling=None, interpret=None):
     e = len(sizes)
     num_local = e if num_local is None else num_local
     gs = jnp.asarray(sizes, jnp.int32)
@@ -77,7 +82,7 @@ def _check_gmm(backend, sizes, dtype, offset=0, num_local=None, transpose=False,
     def loss(fn, lhs, rhs):
         return jnp.sum(fn(lhs, rhs).astype(jnp.float32) * cot)
 
-    kw = _kw(backend) | ({"tiling": tiling} if tiling else {})
+    kw = _kw(backend) | ({"tiling": tiling} if tiling else {}) | ({"interpret": interpret} if interpret else {})
     ours = lambda a, b: K.gmm(a, b, gs, transpose_rhs=transpose, group_offset=offset,  # noqa: E731
                               **kw)
     ref = lambda a, b: R.gmm(jnp.nan_to_num(a), b, gs, transpose_rhs=transpose,  # noqa: E731
@@ -136,8 +141,21 @@ def test_gmm_pallas(backend, case):
 
 
 # The Mosaic kernels' K loop at one K tile and at three; tm 8 over these sizes puts whole tiles inside
-# a group beside tiles shared by two groups.
-K_TILES = {"one K tile": (16, Tiling(tm=8, tk=16, tn=8)), "three K tiles": (24, Tiling(tm=8, tk=8, tn=8))}
+# a group beside tiles shared by two groups. With one K tile gmm and gmm_t fetch their weight a group
+# ahead and tgmm writes its blocks a group behind (pallas_tpu.gmm_prefetched, tgmm_written_behind),
+# here under the TPU interpreter's DMA model that runs a copy only when it is waited for (a slot
+# reused before its copy is waited shows); "row chunks" runs them computing 4-row chunks of the 8-row
+# tiles (tiling.CHUNK_ROWS; 128 on hardware), so a group edge falls inside a chunk and between chunks.
+K_TILES = {"one K tile": (16, Tiling(tm=8, tk=16, tn=8), None), "three K tiles": (24, Tiling(tm=8, tk=8, tn=8), None),
+           "row chunks": (16, Tiling(tm=8, tk=16, tn=8), 4)}
+
+
+def _own_copies(monkeypatch, k_tiles):
+    """The interpreter and chunk rows of a K_TILES entry (its tiling's kernels)."""
+    k, tiling, chunk = K_TILES[k_tiles]
+    if chunk:
+        monkeypatch.setattr(tiling_module, "CHUNK_ROWS", chunk)
+    return k, tiling
 # Groups exactly one row off a tile's edge: group 1 starts one row into tile 0 (a mask one row wide of
 # it would overwrite or drop a row there), group 2 ends one row before tile 1's end (its weight gradient
 # would take group 3's row 15), group 3 fills tile 2.
@@ -147,23 +165,24 @@ EDGE_CASES = [([1, 7, 7, 9], 0, None, False), ([1, 7, 7, 9], 0, None, True)]
 @pytest.mark.parametrize("k_tiles", list(K_TILES))
 @pytest.mark.parametrize("case", PALLAS_CASES + EDGE_CASES,
                          ids=["zeros-pad", "one-group-T", "offset", "edges", "edges-T"])
-def test_gmm_pallas_tpu_k_tiles(k_tiles, case):
+def test_gmm_pallas_tpu_k_tiles(k_tiles, case, monkeypatch):
     sizes, offset, num_local, transpose = case
-    k, tiling = K_TILES[k_tiles]
+    k, tiling = _own_copies(monkeypatch, k_tiles)
     _check_gmm("pallas_tpu", sizes, jnp.float32, offset=offset, num_local=num_local, transpose=transpose,
-               k=k, tiling=tiling)
+               k=k, tiling=tiling, interpret=ON_WAIT)
 
 
 @pytest.mark.parametrize("variant", sorted(BROKEN_GMM_TPU))
 def test_broken_gmm_tpu_variant_caught(variant, monkeypatch):
     for target, name, broken in BROKEN_GMM_TPU[variant]():
         monkeypatch.setattr(target, name, broken)
-    for k_tiles, (k, tiling) in K_TILES.items():
+    for k_tiles in K_TILES:
+        k, tiling = _own_copies(monkeypatch, k_tiles)
         # The edges, and expert-sharded groups: foreign rows in shared tiles and a tile no local group touches.
         for sizes, offset, num_local, transpose in EDGE_CASES + PALLAS_CASES[2:]:
             try:
                 _check_gmm("pallas_tpu", sizes, jnp.float32, offset=offset, num_local=num_local, transpose=transpose,
-                           k=k, tiling=tiling)
+                           k=k, tiling=tiling, interpret=ON_WAIT)
             except AssertionError:
                 return
     pytest.fail(f"{variant}: no k_tiles edge case caught it")

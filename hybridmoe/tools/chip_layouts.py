@@ -44,19 +44,41 @@ def fused_up_projection(wi, f: int):
     return dataclasses.replace(wi, tn=2 * per_half), per_half
 
 
+def fitting_rows(kind: str, t, **dims):
+    """t with its row tile halved until the kernel `kind` (a tiling.tpu_buffers kind) fits `auto`'s
+    VMEM cap by the model with its margin: the fused input gradient borrows the plain kernel's table
+    entry, measured for a kernel that keeps less in VMEM (the plain one-K-tile kernel holds no float32
+    accumulator; the fused one an accumulator and four float32 [tm, F] epilogue values). At the
+    cell's shape (D 4096, F 1024) a v5e refused it at 512 rows under the 48 MiB cap, where the model
+    counts 42 MiB; with the margin the model halves it to 256."""
+    from hybridmoe.kernels.gmm.tiling import SUBLANE, tpu_buffers
+    from hybridmoe.kernels.vmem import AUTO_LIMIT_CAP_MIB, AUTO_MARGIN, AUTO_MARGIN_MIB, MIB, tpu_bytes
+
+    def fits(tm: int) -> bool:
+        need = tpu_bytes(tpu_buffers(kind, tm=tm, tk=t.tk, tn=t.tn, **dims)) / MIB
+        return need * AUTO_MARGIN + AUTO_MARGIN_MIB <= AUTO_LIMIT_CAP_MIB
+
+    tm = t.tm
+    while tm > SUBLANE and tm % 2 == 0 and not fits(tm):
+        tm //= 2
+    return dataclasses.replace(t, tm=tm)
+
+
 def fused_table_tiles(g):
     """(the fused pair's KernelTiles, its N tile per half) from the tile table at the geometry's shapes
     on this host's chip: the fused up projection at the plain wi forward's entry (gmm, D -> 2F), the
-    fused input gradient at the wo input gradient's (gmm_t, D -> F), the other kernels from the table
-    as they run; where the table has no entry (another chip, the tiny geometry), the heuristic tiles."""
+    fused input gradient at the wo input gradient's (gmm_t, D -> F), its row tile halved until it fits
+    VMEM (fitting_rows: a v5e refused it at the 512-row tile the plain kernel's entry now has); the
+    other kernels from the table as they run; where the table has no entry (another chip, the tiny
+    geometry), the heuristic tiles."""
     from hybridmoe.kernels.gmm import KernelTiles, Tiling
 
     m, d, f, groups = g["rows"], g["d"], g["f"], g["groups"]
     entry = functools.partial(table_tiling, m=m, groups=groups)
     table = Tiling(from_table=True)
     wi, per_half = fused_up_projection(entry("gmm", d, 2 * f), f)
-    return KernelTiles(wi_fwd=wi, wi_dlhs=table, wi_drhs=table, wo_fwd=table, wo_dlhs=entry("gmm_t", d, f),
-                       wo_drhs=table), per_half
+    wo_dlhs = fitting_rows("wo_fused_dlhs", dataclasses.replace(entry("gmm_t", d, f), tn=f), f=f, row_scale=True)
+    return KernelTiles(wi_fwd=wi, wi_dlhs=table, wi_drhs=table, wo_fwd=table, wo_dlhs=wo_dlhs, wo_drhs=table), per_half
 
 
 def aligned_moe_plan(g, align: int, interpret: bool):
