@@ -283,7 +283,7 @@ def test_describe_lists_each_kernels_resolved_tiles_and_vmem():
     assert list(rows) == list(tiling.KERNELS)
     assert (rows["wi_fwd"]["pallas"], rows["wi_fwd"]["tk"], rows["wi_fwd"]["tn"]) == ("wi_fused_swiglu_fwd", 4096, 1024)
     assert (rows["wo_dlhs"]["pallas"], rows["wo_dlhs"]["tk"], rows["wo_dlhs"]["tn"]) == ("wo_fused_dswiglu_dlhs", 4096, 1024)
-    assert (rows["wi_fwd"]["tm"], rows["wo_dlhs"]["tm"], rows["wo_drhs"]["tm"]) == (256, 128, 128)  # each its own tm
+    assert (rows["wi_fwd"]["tm"], rows["wo_dlhs"]["tm"], rows["wo_drhs"]["tm"], rows["wi_drhs"]["tm"]) == (256, 128, 256, 128)  # each its own tm
     assert (rows["wi_dlhs"]["tk"], rows["wo_fwd"]["tk"]) == (2048, 1024)  # the shared tk fitted to 2F and F
     # wi forward at 256 rows: 53.00 MiB at the seed's 512 less 2 x 2 MiB of x, 2 x (0.5 + 1) MiB of h and
     # the pre-activations, 2 x 1 MiB of float32 accumulators, 1.5 MiB of epilogue values.

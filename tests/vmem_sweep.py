@@ -56,6 +56,8 @@ def _spec(shape, dtype, dev):
 def model_bytes(kernel: str, tiles) -> int:
     """The model's need of one kernel at its tiles, at this file's shapes."""
     a, b, c = tiles
+    if kernel in ("gmm", "gmm_t", "tgmm"):  # each over contraction D: the kernel pallas_tpu runs at these tiles
+        return tpu_bytes(tiling.plain_buffers(kernel, tm=a, tk=b, tn=c, k=D))
     if kernel in tiling.PALLAS_NAMES:
         return tpu_bytes(tiling.tpu_buffers(kernel, tm=a, tk=b, tn=c or F, f=F, row_scale=True))
     if kernel in attention_limits.KERNELS:

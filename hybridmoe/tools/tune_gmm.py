@@ -6,7 +6,7 @@ call the trace looks up (kernels/gmm/tile_table.py: kind gmm / gmm_t / tgmm, row
 groups, operand size) is one shape to tune. Each shape's kernel runs alone on the chip, its rows
 spread evenly over its groups, at candidate tiles: tm in 128..1024, tk and tn each a lane-aligned
 divisor of their dimension up to 4,096 (or the whole dimension), every one whose VMEM need
-(tiling.tpu_buffers) stays under the generation's cap for a raised limit. The search is by
+(tiling.plain_buffers) stays under the generation's cap for a raised limit. The search is by
 coordinates: from the heuristic tiles (on a TPU the chip's rule, tile_table.TPU_RULE), every tm with tk and tn held, then every tk, then every tn,
 each time keeping the fastest, and a second round where the first changed anything; a shape's
 entry keeps the fastest tiles, its time and the heuristic tiles' time (the before / after). The
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridmoe.kernels.gmm import tile_table
-from hybridmoe.kernels.gmm.tiling import DEFAULT, LANE, SUBLANE, Tiling, tpu_buffers
+from hybridmoe.kernels.gmm.tiling import DEFAULT, LANE, SUBLANE, Tiling, plain_buffers
 from hybridmoe.kernels.gmm.tile_table import Call
 from hybridmoe.kernels.vmem import AUTO_LIMIT_CAP_MIB, MIB, tpu_bytes
 
@@ -58,7 +58,7 @@ def dim_tiles(dim: int) -> list[int]:
 
 def fits(call: Call, t: Tiling, cap_mib: float = AUTO_LIMIT_CAP_MIB) -> bool:
     """Whether the kernel's blocks at these tiles stay under the cap of a raised VMEM limit."""
-    need = tpu_bytes(tpu_buffers(call.kind, tm=t.tm, tk=t.tk, tn=t.tn, itemsize=call.itemsize))
+    need = tpu_bytes(plain_buffers(call.kind, tm=t.tm, tk=t.tk, tn=t.tn, k=call.k, itemsize=call.itemsize))
     return need <= cap_mib * MIB
 
 

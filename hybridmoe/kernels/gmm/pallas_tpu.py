@@ -263,7 +263,7 @@ def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offse
                 out_ref[rows, :] = jnp.zeros((chunk_rows, tn), out_ref.dtype)
 
     buffers = tpu_buffers("gmm_t" if transpose_rhs else "gmm", tm=tm, tk=k, tn=tn, itemsize=_itemsize(lhs_MK),
-                          out_itemsize=jnp.dtype(out_dtype).itemsize, whole_k=True, row_chunk=chunk_rows)
+                          out_itemsize=jnp.dtype(out_dtype).itemsize, whole_k=True)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m_pad, n), out_dtype),

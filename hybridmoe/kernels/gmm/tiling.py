@@ -221,26 +221,31 @@ PALLAS_NAMES = {"gmm": "gmm", "gmm_t": "gmm_t", "tgmm": "tgmm", "wi_fused": "wi_
 
 def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_itemsize: int | None = None,
                 depth: int = 0, f: int = 0, row_scale: bool = False, with_h: bool = False,
-                accumulate: bool = False, whole_k: bool = False, row_chunk: int = 0,
+                accumulate: bool = False, whole_k: bool = False,
                 written_behind: bool = False) -> list[Buffer]:
     """The VMEM buffers of one Mosaic kernel (kind: a PALLAS_NAMES key) at resolved tiles: tm rows,
     tk contraction, tn output columns (per half for wi_fused; f = F for wo_fused_dlhs, whose one N
     tile spans it). depth: wi_fused's weight pipeline depth (0 = Mosaic's 2). accumulate: tgmm adds
-    into the output's previous value, read as one more block (moe.token_chunks' backward)."""
+    into the output's previous value, read as one more block (moe.token_chunks' backward).
+    whole_k: gmm / gmm_t with one K tile, which keep the weight in two slots of their own
+    (pallas_tpu.gmm_prefetched); written_behind: tgmm staging its output in two slots of its own
+    (pallas_tpu.tgmm_written_behind). plain_buffers picks these as pallas_tpu does."""
     out_itemsize = out_itemsize or itemsize
     F32 = 4
     if kind in ("gmm", "gmm_t"):
         rhs = (tn, tk) if kind == "gmm_t" else (tk, tn)
-        if whole_k:  # pallas_tpu.gmm_prefetched: the weight in two slots of its own, a chunk's float32 product
+        if whole_k:  # pallas_tpu.gmm_prefetched: the weight in two slots of its own (tpu7x: within 0.06
+            # MiB of the blocks and slots at (256, 2048, 256) and (512, 2048, 256), no spilled chunk product)
             return [Buffer("lhs", (tm, tk), itemsize), Buffer("out", (tm, tn), out_itemsize),
-                    Buffer("rhs_slots", (2, *rhs), itemsize, 1, "scratch"), DMA_SEMAPHORES,
-                    Buffer("chunk_product", (row_chunk or tm, tn), F32, 1, "value")]
+                    Buffer("rhs_slots", (2, *rhs), itemsize, 1, "scratch"), DMA_SEMAPHORES]
         return [Buffer("lhs", (tm, tk), itemsize), Buffer("rhs", rhs, itemsize),
                 Buffer("out", (tm, tn), out_itemsize), Buffer("acc", (tm, tn), F32, 1, "scratch")]
     if kind == "tgmm" and written_behind:  # pallas_tpu.tgmm_written_behind: the output staged in two slots
+        # (tpu7x: within 0.04 MiB of the blocks and scratch at (256, 512, 256) to (512, 1024, 512); no
+        # transposed lhs kept, unlike the grid-pipelined kernel's)
         return [Buffer("lhs", (tm, tk), itemsize), Buffer("grad", (tm, tn), itemsize),
                 Buffer("acc", (tk, tn), F32, 1, "scratch"), Buffer("out_slots", (2, tk, tn), out_itemsize, 1, "scratch"),
-                DMA_SEMAPHORES, Buffer("lhs_transposed", (tk, tm), itemsize, 1, "value")]
+                DMA_SEMAPHORES]
     if kind == "tgmm":
         return [Buffer("lhs", (tm, tk), itemsize), Buffer("grad", (tm, tn), itemsize),
                 *[Buffer("acc_in", (tk, tn), out_itemsize)] * accumulate,
@@ -269,6 +274,19 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
     raise ValueError(f"unknown grouped-matmul kernel {kind!r}; choose one of {tuple(PALLAS_NAMES)}")
 
 
+def plain_buffers(kind: str, *, tm: int, tk: int, tn: int, k: int, itemsize: int = 2,
+                  accumulate: bool = False) -> list[Buffer]:
+    """The buffers of the plain kernel (gmm, gmm_t, tgmm) pallas_tpu runs at these resolved tiles
+    over contraction k: with one K tile gmm and gmm_t fetch their weight a group ahead themselves
+    (gmm_prefetched); tgmm writes its output a group behind unless it adds into a carried one
+    (tgmm_written_behind)."""
+    if kind != "tgmm" and tk == k:
+        return tpu_buffers(kind, tm=tm, tk=tk, tn=tn, itemsize=itemsize, whole_k=True)
+    if kind == "tgmm" and not accumulate:
+        return tpu_buffers(kind, tm=tm, tk=tk, tn=tn, itemsize=itemsize, written_behind=True)
+    return tpu_buffers(kind, tm=tm, tk=tk, tn=tn, itemsize=itemsize, accumulate=accumulate)
+
+
 def epilogue_values(tm: int, f: int) -> list[Buffer]:
     """The fused input gradient's epilogue spills its float32 [tm, F] values: gate and up read from
     the stored pre-activation, d_gate and d_up (the compiler's need exceeds the blocks by 3.2 to 3.9
@@ -288,12 +306,8 @@ def layer_kernels(*, d_model: int, hidden: int, tiles: KernelTiles, wi_fused: bo
         return resolve_tm(rows, t.tm) if rows else t.tm
 
     def plain(kind: str, t: Tiling, k: int, n: int, accumulate: bool = False):
-        # With one K tile gmm and gmm_t fetch their weight a group ahead themselves; tgmm writes its
-        # output a group behind unless it adds into a carried one (pallas_tpu.gmm, pallas_tpu.tgmm).
-        tm, tk = tm_of(t), pick(k, t.tk)
-        own = (dict(whole_k=True, row_chunk=row_chunk(tm)) if kind != "tgmm" and tk == k
-               else dict(written_behind=True) if kind == "tgmm" and not accumulate else dict(accumulate=accumulate))
-        return PALLAS_NAMES[kind], tpu_buffers(kind, tm=tm, tk=tk, tn=pick(n, t.tn), itemsize=itemsize, **own)
+        return PALLAS_NAMES[kind], plain_buffers(kind, tm=tm_of(t), tk=pick(k, t.tk), tn=pick(n, t.tn), k=k,
+                                                 itemsize=itemsize, accumulate=accumulate)
 
     out = {}
     t = tiles.wi_fwd
