@@ -135,11 +135,12 @@ BROKEN_GMM_TPU = {
     # The kernels that copy their own blocks (one K tile). gmm_prefetched fetches the current group's
     # weight again where it should fetch the next one's: every group after the first runs on its
     # predecessor's weight.
-    "prefetch_fetches_the_current_group": lambda: [(_gmm_tpu, "gmm_prefetched", mutated(
-        _gmm_tpu, "gmm_prefetched", "copy(nxt, 1 - slot).start()", "copy(g, 1 - slot).start()"))],
-    # A row chunk holding a group's first row is skipped unless the group starts at the chunk's start.
-    "chunk_skipped_at_a_group_start": lambda: [(_gmm_tpu, "gmm_prefetched", mutated(
-        _gmm_tpu, "gmm_prefetched", "(r0 + chunk_rows > lo)", "(r0 >= lo)"))],
+    "prefetch_fetches_the_current_group": lambda: [(_gmm_tpu, "_fetch_group_ahead", mutated(
+        _gmm_tpu, "_fetch_group_ahead", "copies(nxt, 1 - slot)", "copies(g, 1 - slot)"))],
+    # A row chunk holding a group's first row is skipped unless the group starts at the chunk's start
+    # (gmm_prefetched's output rows, tgmm_written_behind's contraction).
+    "chunk_skipped_at_a_group_start": lambda: [(_gmm_tpu, "_by_row_chunks", mutated(
+        _gmm_tpu, "_by_row_chunks", "(r0 + chunk_rows > lo)", "(r0 >= lo)"))],
     # tgmm_written_behind restages a slot without waiting for the copy out of it two groups back.
     "staging_slot_reused_before_its_copy": lambda: [(_gmm_tpu, "tgmm_written_behind", mutated(
         _gmm_tpu, "tgmm_written_behind", "@pl.when(ordinal >= 2)", "@pl.when(ordinal < 0)"))],

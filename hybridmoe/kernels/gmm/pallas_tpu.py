@@ -86,11 +86,57 @@ def _computes(step, tile_ref, fetch_ref):
     return tile_ref[step] == fetch_ref[step]
 
 
-def _merge(out_ref, mask, value, first, sl=slice(None)):
-    """Write this group's rows of a resident output block; the other rows keep what earlier steps
-    on the tile wrote, or are zeroed by the tile's first step (a foreign group's or padding)."""
-    kept = jnp.where(first, jnp.zeros((), out_ref.dtype), out_ref[:, sl])
-    out_ref[:, sl] = jnp.where(mask, value.astype(out_ref.dtype), kept)
+def _merge(out_ref, mask, value, first, sl=slice(None), rows=slice(None)):
+    """Write this group's rows of a resident output block (of its row window `rows`); the other rows
+    keep what earlier steps on the tile wrote, or are zeroed by the tile's first step (a foreign
+    group's or padding)."""
+    kept = jnp.where(first, jnp.zeros((), out_ref.dtype), out_ref[rows, sl])
+    out_ref[rows, sl] = jnp.where(mask, value.astype(out_ref.dtype), kept)
+
+
+def _fetch_group_ahead(s, grp_ref, slot_ref, next_ref, copies):
+    """The weight copies of a kernel that fetches its weight blocks a whole group ahead
+    (weight_slots): a group's first step waits for its blocks and starts the next group's copies into
+    the other slot; the first step of the walk starts its own first. copies(group, slot): the async
+    copies of that group's blocks into that slot."""
+    g, slot = grp_ref[s], slot_ref[s]
+    starts = (s == 0) | (grp_ref[jnp.maximum(s - 1, 0)] != g)
+
+    @pl.when(s == 0)
+    def _():
+        for c in copies(g, slot):
+            c.start()
+
+    @pl.when(starts)
+    def _():
+        for c in copies(g, slot):
+            c.wait()
+        nxt = next_ref[s]
+
+        @pl.when(nxt >= 0)
+        def _():
+            for c in copies(nxt, 1 - slot):
+                c.start()
+
+
+def _by_row_chunks(s, tile_ref, lo, hi, computes, first, *, tm: int, chunk_rows: int, compute, zero):
+    """A step of a row-tiled kernel chunk by chunk: compute(rows, mask) for each chunk_rows-row chunk
+    of its tile that holds rows of its group [lo, hi) (mask: [chunk_rows, 1], which of them), and on
+    a tile's first step zero(rows) for each chunk that holds none. A tile straddling a group edge
+    then costs about its group's share of it, not the whole tile once per group."""
+    for c in range(tm // chunk_rows):
+        r0 = tile_ref[s] * tm + c * chunk_rows
+        rows = pl.ds(c * chunk_rows, chunk_rows)
+        hit = computes & (r0 < hi) & (r0 + chunk_rows > lo)
+
+        @pl.when(hit)
+        def _():
+            r = r0 + jax.lax.broadcasted_iota(jnp.int32, (chunk_rows, 1), 0)
+            compute(rows, (r >= lo) & (r < hi))
+
+        @pl.when(jnp.logical_not(hit) & first)
+        def _():
+            zero(rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +256,6 @@ def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offse
     if tm % chunk_rows or n % tn:
         raise ValueError(f"chunk_rows {chunk_rows} must divide the row tile {tm}, and tn {tn} divide N {n}")
     m_pad = -(-m // tm) * tm
-    chunks = tm // chunk_rows
     walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
     slot_S, next_S = weight_slots(walk.group_S)
     stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
@@ -222,45 +267,23 @@ def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offse
         j, s = pl.program_id(0), pl.program_id(1)
         g, slot = grp_ref[s], slot_ref[s]
 
-        def copy(group, to):
+        def copies(group, to):
             cols = pl.ds(pl.multiple_of(j * tn, tn), tn)
             src = rhs_hbm.at[group, cols, :] if transpose_rhs else rhs_hbm.at[group, :, cols]
-            return pltpu.make_async_copy(src, w_ref.at[to], sem.at[to])
+            return [pltpu.make_async_copy(src, w_ref.at[to], sem.at[to])]
 
-        starts = (s == 0) | (grp_ref[jnp.maximum(s - 1, 0)] != g)
-
-        @pl.when(s == 0)
-        def _():
-            copy(g, slot).start()
-
-        @pl.when(starts)
-        def _():
-            copy(g, slot).wait()
-            nxt = next_ref[s]
-
-            @pl.when(nxt >= 0)
-            def _():
-                copy(nxt, 1 - slot).start()
-
-        computes = _computes(s, tile_ref, fetch_ref)
+        _fetch_group_ahead(s, grp_ref, slot_ref, next_ref, copies)
         first = _first_on_tile(s, tile_ref)
-        lo, hi = lo_ref[g], hi_ref[g]
-        for c in range(chunks):
-            r0 = tile_ref[s] * tm + c * chunk_rows
-            rows = pl.ds(c * chunk_rows, chunk_rows)
-            hit = computes & (r0 < hi) & (r0 + chunk_rows > lo)
 
-            @pl.when(hit)
-            def _():
-                value = jax.lax.dot_general(lhs_ref[rows, :], w_ref[slot], contract,
-                                            preferred_element_type=jnp.float32)
-                r = r0 + jax.lax.broadcasted_iota(jnp.int32, (chunk_rows, 1), 0)
-                kept = jnp.where(first, jnp.zeros((), out_ref.dtype), out_ref[rows, :])
-                out_ref[rows, :] = jnp.where((r >= lo) & (r < hi), value.astype(out_ref.dtype), kept)
+        def compute(rows, mask):
+            value = jax.lax.dot_general(lhs_ref[rows, :], w_ref[slot], contract, preferred_element_type=jnp.float32)
+            _merge(out_ref, mask, value, first, rows=rows)
 
-            @pl.when(jnp.logical_not(hit) & first)
-            def _():
-                out_ref[rows, :] = jnp.zeros((chunk_rows, tn), out_ref.dtype)
+        def zero(rows):
+            out_ref[rows, :] = jnp.zeros((chunk_rows, tn), out_ref.dtype)
+
+        _by_row_chunks(s, tile_ref, lo_ref[g], hi_ref[g], _computes(s, tile_ref, fetch_ref), first, tm=tm,
+                       chunk_rows=chunk_rows, compute=compute, zero=zero)
 
     buffers = tpu_buffers("gmm_t" if transpose_rhs else "gmm", tm=tm, tk=k, tn=tn, itemsize=_itemsize(lhs_MK),
                           out_itemsize=jnp.dtype(out_dtype).itemsize, whole_k=True)
@@ -398,7 +421,6 @@ def tgmm_written_behind(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offs
     if tm % chunk_rows or k % tk or n % tn:
         raise ValueError(f"chunk_rows {chunk_rows} must divide the row tile {tm}; tk {tk} divide K {k}; tn {tn} divide N {n}")
     m_pad = -(-m // tm) * tm
-    chunks = tm // chunk_rows
     lo, hi, grp, tile, steps = metadata.group_metadata(
         group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local, visit_empty=True)
     slot_S, _ = weight_slots(grp)
@@ -433,17 +455,14 @@ def tgmm_written_behind(lhs_MK, grad_MN, group_sizes_E, *, num_local, group_offs
         def _():
             contract(lhs_ref[...], grad_ref[...])
 
-        for c in range(chunks):
-            c0 = r0 + c * chunk_rows
-            rows = pl.ds(c * chunk_rows, chunk_rows)
+        def masked(rows, mask):
+            # Mask both operands: padding rows may hold anything (0 * nan is nan).
+            contract(jnp.where(mask, lhs_ref[rows, :].astype(jnp.float32), 0.0),
+                     jnp.where(mask, grad_ref[rows, :].astype(jnp.float32), 0.0))
 
-            @pl.when(jnp.logical_not(inside) & (c0 < hi_g) & (c0 + chunk_rows > lo_g))
-            def _():
-                r = c0 + jax.lax.broadcasted_iota(jnp.int32, (chunk_rows, 1), 0)
-                mask = (r >= lo_g) & (r < hi_g)
-                # Mask both operands: padding rows may hold anything (0 * nan is nan).
-                contract(jnp.where(mask, lhs_ref[rows, :].astype(jnp.float32), 0.0),
-                         jnp.where(mask, grad_ref[rows, :].astype(jnp.float32), 0.0))
+        # A tile across a group edge: its chunks holding the group's rows (no output rows to zero).
+        _by_row_chunks(s, tile_ref, lo_g, hi_g, jnp.logical_not(inside), jnp.bool_(False), tm=tm,
+                       chunk_rows=chunk_rows, compute=masked, zero=lambda rows: None)
 
         @pl.when(ends_group)
         def _():
