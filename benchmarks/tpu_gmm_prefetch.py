@@ -10,7 +10,10 @@ and writes a group's weight-gradient block (tgmm) back during one step: at the c
 group both outlast the step they overlap. pallas_tpu.gmm_prefetched fetches the weight a whole group
 ahead into two VMEM slots; pallas_tpu.tgmm_written_behind stages each finished block in one of two
 slots and writes it while the following groups compute. Both compute a tile straddling a group edge
-by 128-row chunks. Per kernel (tpu_gmm_uneven.py's names), at the uneven split chip_cases' cases use:
+by 128-row chunks. The fused up projection (`wi_fused_fwd`: x through wi into h and the stored
+pre-activations) has the same one-K-tile stall; pallas_tpu.wi_fused_swiglu_prefetched, the same
+approach, is timed against its grid-pipelined default (the seed recipe's 256 rows, 1,024 per half,
+weight depth 2): it becomes the default only where this record says it is faster. Per kernel (tpu_gmm_uneven.py's names), at the uneven split chip_cases' cases use:
 the grid-pipelined kernel at the tiles tpu_gmm_uneven.json found (`grid`), and the new kernel at each
 tiling of a small grid; each arm's output is compared with `grid`'s (max relative difference). Times:
 median of --repeats after one warm call; useful TFLOP/s count 2 M K N.
@@ -35,12 +38,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import harness  # noqa: E402
 
 KERNELS = {"wi_fwd": ("gmm", "d", "2f"), "wi_dlhs": ("gmm_t", "2f", "d"), "wi_drhs": ("tgmm", "d", "2f"),
-           "wo_fwd": ("gmm", "f", "d"), "wo_dlhs": ("gmm_t", "d", "f"), "wo_drhs": ("tgmm", "f", "d")}
+           "wo_fwd": ("gmm", "f", "d"), "wo_dlhs": ("gmm_t", "d", "f"), "wo_drhs": ("tgmm", "f", "d"),
+           # the fused up projection (moe.wi_fused_swiglu), x [M, D] through wi [G, D, 2F] into h and the
+           # pre-activations: its grid-pipelined kernel (the default) against wi_fused_swiglu_prefetched
+           "wi_fused_fwd": ("wi_fused", "d", "2f")}
 # (tm, tn cap) of gmm_prefetched (one K tile); (tm, tk cap, tn cap) of tgmm_written_behind. Caps: the
 # smaller of the cap and the dimension.
 GMM_GRID = ((256, 2048), (512, 2048), (256, 4096), (512, 1024), (1024, 2048))
 TGMM_GRID = ((128, 4096, 1024), (256, 4096, 1024), (512, 4096, 1024), (512, 4096, 512), (256, 2048, 2048),
              (512, 1024, 4096))
+# (tm, tile per half) of the fused up projection; its grid-pipelined arm at the seed recipe's 256 x 1024
+# with the weight pipeline depth 2.
+FUSED_GRID = ((128, 1024), (256, 1024), (512, 1024), (256, 512), (512, 512))
+TINY_FUSED_GRID = ((32, 64), (64, 64))
 TINY_GMM_GRID = ((32, 128), (64, 128))
 TINY_TGMM_GRID = ((32, 128, 128), (64, 256, 128))
 
@@ -79,9 +89,10 @@ def main(argv=None) -> int:
     key = jax.random.key(0)
 
     @jax.jit
-    def rel_diff(y, ref):  # max |y - ref| / max |ref|, one output element at a time in float32
-        return (jnp.max(jnp.abs(y.astype(jnp.float32) - ref.astype(jnp.float32)))
-                / jnp.max(jnp.abs(ref.astype(jnp.float32))))
+    def rel_diff(y, ref):  # per output, max |y - ref| / max |ref| in float32; the largest of the outputs
+        return jnp.max(jnp.stack([jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                                  / jnp.max(jnp.abs(b.astype(jnp.float32)))
+                                  for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(ref))]))
     common = dict(group_offset=0, sharded=False, out_dtype=jnp.bfloat16, interpret=args.tiny)
     for name, (kind, kd, nd) in KERNELS.items():
         k, n = dims[kd], dims[nd]
@@ -93,6 +104,15 @@ def main(argv=None) -> int:
                 return jax.jit(lambda a, b, s: pallas_tpu.tgmm(a, b, s, num_local=groups, tiling=t,
                                                               grid_pipelined=grid, **common))
             new = [Tiling(tm=tm, tk=min(tk, k), tn=min(tn, n)) for tm, tk, tn in (TINY_TGMM_GRID if args.tiny else TGMM_GRID)]
+        elif kind == "wi_fused":
+            rhs = jax.random.normal(jax.random.fold_in(key, 1), (groups, k, n), jnp.float32).astype(jnp.bfloat16)
+
+            def run(t: Tiling, grid: bool):
+                # t.tn: the tile per half
+                return jax.jit(lambda a, b, s: pallas_tpu.wi_fused_swiglu(
+                    a, b, s, group_offset=0, sharded=False, tile_n_per_half=t.tn, mode="float32", tiling=t,
+                    rhs_buffer_count=t.rhs_buffer_count, grid_pipelined=grid, interpret=args.tiny))
+            new = [Tiling(tm=tm, tk=k, tn=min(tn, n // 2)) for tm, tn in (TINY_FUSED_GRID if args.tiny else FUSED_GRID)]
         else:
             shape = (groups, n, k) if kind == "gmm_t" else (groups, k, n)
             rhs = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32).astype(jnp.bfloat16)
@@ -102,7 +122,9 @@ def main(argv=None) -> int:
                                                              grid_pipelined=grid, **common))
             new = [Tiling(tm=tm, tk=k, tn=min(tn, n)) for tm, tn in (TINY_GMM_GRID if args.tiny else GMM_GRID)]
         grid_tiles = found.get(name, {}).get("tiles") or [128, k, min(n, 1024)]
-        arms = {"grid": (Tiling(*grid_tiles), True)}
+        if kind == "wi_fused":  # the seed recipe's fused forward: 256 rows, 1024 per half, weight depth 2
+            grid_tiles = [32, k, 64] if args.tiny else [256, k, 1024]
+        arms = {"grid": (Tiling(*grid_tiles, rhs_buffer_count=0 if args.tiny or kind != "wi_fused" else 2), True)}
         label = "written_behind" if kind == "tgmm" else "prefetched"
         for t in dict.fromkeys(new):
             arms[f"{label}_{t.tm}x{t.tk}x{t.tn}"] = (t, False)
@@ -137,6 +159,8 @@ def main(argv=None) -> int:
     if args.write_table and not args.tiny:
         entries = []
         for name, row in out.items():
+            if row["kind"] not in ("gmm", "gmm_t", "tgmm"):
+                continue  # the table holds the plain kernels' tiles
             timed = {a: r for a, r in row["arms"].items() if "uneven" in r and a != "grid"
                      and r.get("max_rel_diff", 1.0) < 1e-2}
             if not timed:

@@ -149,6 +149,17 @@ BROKEN_GMM_TPU = {
         _gmm_tpu, "tgmm_written_behind", "inside = (r0 >= lo_g) & (r0 + tm <= hi_g)", "inside = (r0 + tm <= hi_g)"))],
 }
 
+# The fused up projection copying its own weight (tests/test_gmm_kernels.py's own-copies cases).
+BROKEN_FUSED_COPIES = {
+    # The up slab copied from the gate's columns: h = silu(gate) * gate.
+    "up_slab_from_the_gate_columns": lambda: [(_gmm_tpu, "wi_fused_swiglu_prefetched", mutated(
+        _gmm_tpu, "wi_fused_swiglu_prefetched", "pl.ds(pl.multiple_of(f + j * tn, tn), tn)",
+        "pl.ds(pl.multiple_of(j * tn, tn), tn)"))],
+    # Both slabs into one slot: the up copy lands in the gate's buffer.
+    "up_copy_into_the_gate_slots": lambda: [(_gmm_tpu, "wi_fused_swiglu_prefetched", mutated(
+        _gmm_tpu, "wi_fused_swiglu_prefetched", "w_hbm.at[group, :, up], wu_ref.at[to]", "w_hbm.at[group, :, up], wg_ref.at[to]"))],
+}
+
 BROKEN_VMEM_MODEL = {
     # A block's buffer count ignored (one copy of every block).
     "buffer_count_ignored": lambda: [(_vmem.Buffer, "tpu_bytes",

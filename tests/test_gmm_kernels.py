@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broken_variants import BROKEN, BROKEN_GMM_TPU, READER_VARIANTS
+from broken_variants import BROKEN, BROKEN_FUSED_COPIES, BROKEN_GMM_TPU, READER_VARIANTS
 from hybridmoe.kernels import gmm as K
 from hybridmoe.kernels.gmm import epilogue as epi
 from hybridmoe.kernels.gmm import reference as R
@@ -215,16 +215,51 @@ def test_the_chip_s_fp8_weight_case_matches_its_reference():
 
 
 @pytest.mark.parametrize("k_tiles", list(K_TILES))
-def test_pair_pallas_tpu_k_tiles(k_tiles):
+def test_pair_pallas_tpu_k_tiles(k_tiles, monkeypatch):
     # D 16: one K tile at tk 16, two at tk 8 (the middle tiles: test_gmm_pallas_tpu_k_tiles).
-    tiling = dataclasses.replace(K_TILES[k_tiles][1], tk=16 if k_tiles == "one K tile" else 8)
+    k, tiling = _own_copies(monkeypatch, k_tiles)
+    tiling = dataclasses.replace(tiling, tk=16 if k == 16 else 8)
     x, wi, wo, s, cot = _pair_data(jnp.float32)
     gs = jnp.asarray([5, 0, 11, 3], jnp.int32)
-    y, g = _grads(fused_loss, x, wi, wo, s, gs, cot, backend="pallas_tpu", interpret=True, tiling=tiling)
+    y, g = _grads(fused_loss, x, wi, wo, s, gs, cot, backend="pallas_tpu", interpret=ON_WAIT, tiling=tiling)
     y_r, g_r = _grads(ref_loss, x, wi, wo, s, gs, cot)
     _close(y, y_r, jnp.float32, "y")
     for name, a, b in zip(["dx", "dwi", "dwo", "ds"], g, g_r):
         _close(a, b, jnp.float32, name)
+
+
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole tiles", "row chunks"])
+@pytest.mark.parametrize("case", [([5, 0, 11, 3], 0, 4), ([1, 7, 7, 9], 0, 4), ([3, 7, 0, 6], 1, 2)],
+                         ids=["zeros-pad", "edges", "offset"])
+def test_fused_forward_copying_its_weight_matches_the_reference(chunk, case, monkeypatch):
+    """wi_fused_swiglu_prefetched (the fused up projection fetching a group's gate and up slabs a group
+    ahead; not yet the default, no chip has timed it) under the interpreter's on-wait DMA model: h
+    within float32 rounding of the reference, the stored pre-activations equal to the grid-pipelined
+    kernel's (the same per-tile layout), every row outside the local groups zero."""
+    from hybridmoe.kernels.gmm import pallas_tpu as P
+
+    if chunk:
+        monkeypatch.setattr(tiling_module, "CHUNK_ROWS", chunk)
+    sizes, offset, num_local = case
+    x, wi, _, _, _ = _pair_data(jnp.float32, e=num_local)
+    gs = jnp.asarray(sizes, jnp.int32)
+    kw = dict(group_offset=offset, sharded=False, tile_n_per_half=8, mode="float32",
+              tiling=Tiling(tm=8, tk=x.shape[1], tn=8))
+    h, pre = P.wi_fused_swiglu(x, wi, gs, interpret=ON_WAIT, grid_pipelined=False, **kw)
+    h_grid, pre_grid = P.wi_fused_swiglu(x, wi, gs, interpret=True, **kw)
+    pre_ref = R.gmm(x, wi, gs, group_offset=offset, out_dtype=jnp.float32)
+    _close(h, R.swiglu(pre_ref), jnp.float32, "h")
+    np.testing.assert_array_equal(np.asarray(pre), np.asarray(pre_grid))
+    keep = np.asarray(R.group_row_masks(gs, x.shape[0], offset, num_local).any(0))
+    assert not np.any(np.asarray(h)[~keep]) and not np.any(np.asarray(pre)[~keep])
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN_FUSED_COPIES))
+def test_broken_fused_forward_copies_caught(variant, monkeypatch):
+    for target, name, broken in BROKEN_FUSED_COPIES[variant]():
+        monkeypatch.setattr(target, name, broken)
+    with pytest.raises(AssertionError):
+        test_fused_forward_copying_its_weight_matches_the_reference(4, ([1, 7, 7, 9], 0, 4), monkeypatch)
 
 
 @pytest.mark.parametrize("backend", PALLAS)

@@ -335,3 +335,17 @@ def test_auto_limit_asks_for_a_need_past_the_smallest_default():
     assert auto_limit_mib(40 * MIB) == 48.0
     assert tpu_limit_bytes(0.0, 30 * MIB) == 42 * MIB and tpu_limit_bytes(20.0, 30 * MIB) == 20 * MIB
     assert tpu_limit_bytes(0.0) is None  # a kernel that states no need keeps the compiler's default
+
+
+def test_fused_forward_copying_its_weight_is_the_models():
+    """wi_fused_swiglu_prefetched (not yet a default): its traced blocks and scratch are the model's
+    (tiling.tpu_buffers("wi_fused", whole_k=True): x, h and pre-activation blocks, two slots each for
+    the gate and up slabs, four DMA semaphores)."""
+    from hybridmoe.kernels.gmm import pallas_tpu
+
+    x, wi = jnp.zeros((M, D), jnp.bfloat16), jnp.zeros((E, D, 2 * F), jnp.bfloat16)
+    sizes = jnp.full((E,), M // E, jnp.int32)
+    (traced,) = traced_kernels(lambda x, wi: pallas_tpu.wi_fused_swiglu(
+        x, wi, sizes, group_offset=0, sharded=False, tile_n_per_half=128, mode="float32",
+        tiling=tiling.Tiling(tm=64, tk=D, tn=256), interpret=True, grid_pipelined=False), x, wi)
+    assert traced == modelled("wi_fused_swiglu_fwd", tiling.tpu_buffers("wi_fused", tm=64, tk=D, tn=128, whole_k=True))

@@ -521,8 +521,12 @@ def weight_pipeline(rhs_buffer_count: int, tiles_k: int) -> dict:
 
 
 def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile_n_per_half, mode,
-                    tiling=None, interpret=False, rhs_buffer_count=0):
-    """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones."""
+                    tiling=None, interpret=False, rhs_buffer_count=0, grid_pipelined=True):
+    """(h [M, F], preact [M, 2F] per-tile). One N tile = T gate columns + the matching T up ones.
+
+    grid_pipelined=False with one K tile runs wi_fused_swiglu_prefetched (the weight fetched a group
+    ahead, row chunks at group edges), which no chip has timed yet: benchmarks/tpu_gmm_prefetch.py
+    times the two."""
     del sharded
     m, d = x_MD.shape
     num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
@@ -530,6 +534,10 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
     nt = f // tn
     t, tm, m_pad = metadata.row_tiling(tiling, m)
     tk = pick(d, t.tk)
+    if tk == d and not grid_pipelined:
+        return wi_fused_swiglu_prefetched(x_MD, wi_GD2F, group_sizes_E, group_offset=group_offset,
+                                          tile_n_per_half=tn, mode=mode, tm=tm, chunk_rows=row_chunk(tm),
+                                          vmem_limit_mib=t.vmem_limit_mib, interpret=interpret)
     tiles_k = d // tk
     walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
     stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
@@ -598,6 +606,86 @@ def wi_fused_swiglu(x_MD, wi_GD2F, group_sizes_E, *, group_offset, sharded, tile
                             + stated_steps * tm * 3 * f * _itemsize(x_MD)
                             + _zero_bytes(m, num_local, group_sizes_E, 3 * f * _itemsize(x_MD)), m * f),
     )(*walk.scalars, metadata.pad_rows(x_MD, m_pad), wi_GD2F, wi_GD2F)
+    return h[:m], pre[:m]
+
+
+def wi_fused_swiglu_prefetched(x_MD, wi_GD2F, group_sizes_E, *, group_offset, tile_n_per_half, mode, tm, chunk_rows,
+                               vmem_limit_mib=0.0, interpret=False):
+    """The fused up projection with one K tile, its weight fetched a whole group ahead as
+    gmm_prefetched fetches it: two VMEM slots each for the N tile's gate columns and its up columns
+    (wi [G, D, 2F]: gate j at columns j T, up j at F + j T), a group's first step waiting for its
+    slabs and starting the next group's; a tile across a group edge computed by row chunks."""
+    m, d = x_MD.shape
+    num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
+    tn = tile_n_per_half
+    nt = f // tn
+    tm = resolve_tm(m, tm)
+    if tm % chunk_rows or f % tn:
+        raise ValueError(f"chunk_rows {chunk_rows} must divide the row tile {tm}, and the tile per half {tn} divide F {f}")
+    m_pad = -(-m // tm) * tm
+    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
+    slot_S, next_S = weight_slots(walk.group_S)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
+    out_dtype = x_MD.dtype
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, slot_ref, next_ref, x_ref, w_hbm, h_ref, pre_ref,
+               wg_ref, wu_ref, sem):
+        j, s = pl.program_id(0), pl.program_id(1)
+        g, slot = grp_ref[s], slot_ref[s]
+
+        def copies(group, to):
+            gate = pl.ds(pl.multiple_of(j * tn, tn), tn)
+            up = pl.ds(pl.multiple_of(f + j * tn, tn), tn)
+            return [pltpu.make_async_copy(w_hbm.at[group, :, gate], wg_ref.at[to], sem.at[0, to]),
+                    pltpu.make_async_copy(w_hbm.at[group, :, up], wu_ref.at[to], sem.at[1, to])]
+
+        _fetch_group_ahead(s, grp_ref, slot_ref, next_ref, copies)
+        first = _first_on_tile(s, tile_ref)
+
+        def compute(rows, mask):
+            xb = x_ref[rows, :]
+            gate = jnp.dot(xb, wg_ref[slot], preferred_element_type=jnp.float32)
+            up = jnp.dot(xb, wu_ref[slot], preferred_element_type=jnp.float32)
+            _merge(h_ref, mask, epilogue.swiglu_fwd(gate, up, out_dtype, mode), first, rows=rows)
+            _merge(pre_ref, mask, gate, first, slice(0, tn), rows)
+            _merge(pre_ref, mask, up, first, slice(tn, 2 * tn), rows)
+
+        def zero(rows):
+            h_ref[rows, :] = jnp.zeros((chunk_rows, tn), h_ref.dtype)
+            pre_ref[rows, :] = jnp.zeros((chunk_rows, 2 * tn), pre_ref.dtype)
+
+        _by_row_chunks(s, tile_ref, lo_ref[g], hi_ref[g], _computes(s, tile_ref, fetch_ref), first, tm=tm,
+                       chunk_rows=chunk_rows, compute=compute, zero=zero)
+
+    itemsize = _itemsize(x_MD)
+    buffers = tpu_buffers("wi_fused", tm=tm, tk=d, tn=tn, itemsize=itemsize, whole_k=True)
+    h, pre = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((m_pad, f), out_dtype), jax.ShapeDtypeStruct((m_pad, 2 * f), out_dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=7,
+            grid=(nt, walk.num_steps),
+            in_specs=[
+                pl.BlockSpec((tm, d), lambda j, s, lo, hi, grp, tile, fetch, slot, nxt: (fetch[s], 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=(
+                pl.BlockSpec((tm, tn), lambda j, s, lo, hi, grp, tile, fetch, slot, nxt: (tile[s], j)),
+                pl.BlockSpec((tm, 2 * tn), lambda j, s, lo, hi, grp, tile, fetch, slot, nxt: (tile[s], j)),
+            ),
+            scratch_shapes=[pltpu.VMEM((2, d, tn), wi_GD2F.dtype), pltpu.VMEM((2, d, tn), wi_GD2F.dtype),
+                            pltpu.SemaphoreType.DMA((2, 2))],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=tpu_limit_bytes(vmem_limit_mib, tpu_bytes(buffers))),
+        interpret=interpret,
+        name="wi_fused_swiglu_fwd",
+        # As wi_fused_swiglu's, the weight slabs once per group and N tile.
+        cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * 2 * f,
+                            nt * stated_steps * tm * d * itemsize + num_local * d * 2 * f * _itemsize(wi_GD2F)
+                            + stated_steps * tm * 3 * f * itemsize
+                            + _zero_bytes(m, num_local, group_sizes_E, 3 * f * itemsize), m * f),
+    )(*walk.scalars, slot_S, next_S, metadata.pad_rows(x_MD, m_pad), wi_GD2F)
     return h[:m], pre[:m]
 
 

@@ -253,6 +253,12 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
                 # the masked lhs, transposed for the MXU (tpu7x: 0 / 48 / 184 KiB over the blocks at
                 # (tm, tk, tn) = (128, 256, 128) / (256, 256, 512) / (256, 512, 256); this is 64 / 128 / 256)
                 Buffer("lhs_transposed", (tk, tm), itemsize, 1, "value")]
+    if kind == "wi_fused" and whole_k:  # pallas_tpu.wi_fused_swiglu_prefetched: gate and up in two slots each
+        return [Buffer("x", (tm, tk), itemsize), Buffer("h", (tm, tn), itemsize), Buffer("preact", (tm, 2 * tn), itemsize),
+                Buffer("w_gate_slots", (2, tk, tn), itemsize, 1, "scratch"),
+                Buffer("w_up_slots", (2, tk, tn), itemsize, 1, "scratch"),
+                Buffer("dma_semaphores", (2, 2), 4, 1, "semaphore"),
+                Buffer("silu_gate", (tm, tn), F32, 1, "value"), Buffer("h_value", (tm, tn), itemsize, 1, "value")]
     if kind == "wi_fused":
         w = depth or 2
         return [Buffer("x", (tm, tk), itemsize), Buffer("w_gate", (tk, tn), itemsize, w),
