@@ -13,7 +13,8 @@ slots and writes it while the following groups compute. Both compute a tile stra
 by 128-row chunks. The fused up projection (`wi_fused_fwd`: x through wi into h and the stored
 pre-activations) has the same one-K-tile stall; pallas_tpu.wi_fused_swiglu_prefetched, the same
 approach, is timed against its grid-pipelined default (the seed recipe's 256 rows, 1,024 per half,
-weight depth 2): it becomes the default only where this record says it is faster. Per kernel (tpu_gmm_uneven.py's names), at the uneven split chip_cases' cases use:
+weight depth 2), and the fused input gradient (`wo_fused_dlhs`) likewise against its default at the
+seed's 128 rows: each becomes the default only where this record says it is faster. Per kernel (tpu_gmm_uneven.py's names), at the uneven split chip_cases' cases use:
 the grid-pipelined kernel at the tiles tpu_gmm_uneven.json found (`grid`), and the new kernel at each
 tiling of a small grid; each arm's output is compared with `grid`'s (max relative difference). Times:
 median of --repeats after one warm call; useful TFLOP/s count 2 M K N.
@@ -41,7 +42,10 @@ KERNELS = {"wi_fwd": ("gmm", "d", "2f"), "wi_dlhs": ("gmm_t", "2f", "d"), "wi_dr
            "wo_fwd": ("gmm", "f", "d"), "wo_dlhs": ("gmm_t", "d", "f"), "wo_drhs": ("tgmm", "f", "d"),
            # the fused up projection (moe.wi_fused_swiglu), x [M, D] through wi [G, D, 2F] into h and the
            # pre-activations: its grid-pipelined kernel (the default) against wi_fused_swiglu_prefetched
-           "wi_fused_fwd": ("wi_fused", "d", "2f")}
+           "wi_fused_fwd": ("wi_fused", "d", "2f"),
+           # the fused input gradient (moe.wo_fused_dswiglu): g [M, D] through wo^T into d[gate | up] with
+           # the SwiGLU VJP and the row scale; grid-pipelined (default) against ..._dlhs_prefetched
+           "wo_fused_dlhs": ("wo_fused_dlhs", "d", "f")}
 # (tm, tn cap) of gmm_prefetched (one K tile); (tm, tk cap, tn cap) of tgmm_written_behind. Caps: the
 # smaller of the cap and the dimension.
 GMM_GRID = ((256, 2048), (512, 2048), (256, 4096), (512, 1024), (1024, 2048))
@@ -113,6 +117,16 @@ def main(argv=None) -> int:
                     a, b, s, group_offset=0, sharded=False, tile_n_per_half=t.tn, mode="float32", tiling=t,
                     rhs_buffer_count=t.rhs_buffer_count, grid_pipelined=grid, interpret=args.tiny))
             new = [Tiling(tm=tm, tk=k, tn=min(tn, n // 2)) for tm, tn in (TINY_FUSED_GRID if args.tiny else FUSED_GRID)]
+        elif kind == "wo_fused_dlhs":
+            rhs = jax.random.normal(jax.random.fold_in(key, 1), (groups, n, k), jnp.float32).astype(jnp.bfloat16)
+            pre = jax.random.normal(jax.random.fold_in(key, 2), (m, 2 * n), jnp.float32).astype(jnp.bfloat16)
+            scale = jax.random.uniform(jax.random.fold_in(key, 3), (m,), jnp.float32, 0.1, 1.0)
+
+            def run(t: Tiling, grid: bool):
+                return jax.jit(lambda a, b, s: pallas_tpu.wo_fused_dswiglu_dlhs(
+                    a, b, s, pre, preact_tile_n_per_half=n, row_scale_M=scale, out_tile_n_per_half=n, group_offset=0,
+                    sharded=False, mode="float32", tiling=t, grid_pipelined=grid, interpret=args.tiny))
+            new = [Tiling(tm=tm, tk=k, tn=n) for tm in ((32, 64) if args.tiny else (128, 256, 512))]
         else:
             shape = (groups, n, k) if kind == "gmm_t" else (groups, k, n)
             rhs = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.float32).astype(jnp.bfloat16)
@@ -124,6 +138,8 @@ def main(argv=None) -> int:
         grid_tiles = found.get(name, {}).get("tiles") or [128, k, min(n, 1024)]
         if kind == "wi_fused":  # the seed recipe's fused forward: 256 rows, 1024 per half, weight depth 2
             grid_tiles = [32, k, 64] if args.tiny else [256, k, 1024]
+        if kind == "wo_fused_dlhs":  # the seed recipe's fused input gradient: 128 rows, one K tile
+            grid_tiles = [32 if args.tiny else 128, k, n]
         arms = {"grid": (Tiling(*grid_tiles, rhs_buffer_count=0 if args.tiny or kind != "wi_fused" else 2), True)}
         label = "written_behind" if kind == "tgmm" else "prefetched"
         for t in dict.fromkeys(new):

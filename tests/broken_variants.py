@@ -155,6 +155,9 @@ BROKEN_FUSED_COPIES = {
     "up_slab_from_the_gate_columns": lambda: [(_gmm_tpu, "wi_fused_swiglu_prefetched", mutated(
         _gmm_tpu, "wi_fused_swiglu_prefetched", "pl.ds(pl.multiple_of(f + j * tn, tn), tn)",
         "pl.ds(pl.multiple_of(j * tn, tn), tn)"))],
+    # The fused input gradient reading the first local group's wo for every group.
+    "wo_of_the_first_group_for_all": lambda: [(_gmm_tpu, "wo_fused_dswiglu_dlhs_prefetched", mutated(
+        _gmm_tpu, "wo_fused_dswiglu_dlhs_prefetched", "wo_hbm.at[group]", "wo_hbm.at[0]"))],
     # Both slabs into one slot: the up copy lands in the gate's buffer.
     "up_copy_into_the_gate_slots": lambda: [(_gmm_tpu, "wi_fused_swiglu_prefetched", mutated(
         _gmm_tpu, "wi_fused_swiglu_prefetched", "w_hbm.at[group, :, up], wu_ref.at[to]", "w_hbm.at[group, :, up], wg_ref.at[to]"))],

@@ -254,12 +254,40 @@ def test_fused_forward_copying_its_weight_matches_the_reference(chunk, case, mon
     assert not np.any(np.asarray(h)[~keep]) and not np.any(np.asarray(pre)[~keep])
 
 
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole tiles", "row chunks"])
+@pytest.mark.parametrize("case", [([5, 0, 11, 3], 0, 4), ([1, 7, 7, 9], 0, 4), ([3, 7, 0, 6], 1, 2)],
+                         ids=["zeros-pad", "edges", "offset"])
+def test_fused_input_gradient_copying_its_weight_matches_the_grid_kernel(chunk, case, monkeypatch):
+    """wo_fused_dswiglu_dlhs_prefetched (wo fetched a group ahead; not yet the default) under the
+    on-wait DMA model, with the row scale: d[gate | up] equal to the grid-pipelined kernel's (the
+    same products per row), the row dot within float32 summation order, rows outside the local
+    groups zero."""
+    from hybridmoe.kernels.gmm import pallas_tpu as P
+
+    if chunk:
+        monkeypatch.setattr(tiling_module, "CHUNK_ROWS", chunk)
+    sizes, offset, num_local = case
+    x, wi, wo, s, cot = _pair_data(jnp.float32, e=num_local)
+    gs = jnp.asarray(sizes, jnp.int32)
+    pre = jnp.asarray(np.random.default_rng(3).normal(size=(M, 2 * F)), jnp.float32)
+    kw = dict(preact_tile_n_per_half=T, row_scale_M=s, out_tile_n_per_half=T, group_offset=offset, sharded=False,
+              mode="float32", tiling=Tiling(tm=8, tk=D, tn=F))
+    d, dot = P.wo_fused_dswiglu_dlhs(cot, wo, gs, pre, interpret=ON_WAIT, grid_pipelined=False, **kw)
+    d_grid, dot_grid = P.wo_fused_dswiglu_dlhs(cot, wo, gs, pre, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(d), np.asarray(d_grid))
+    _close(dot, dot_grid, jnp.float32, "row dot")
+    keep = np.asarray(R.group_row_masks(gs, M, offset, num_local).any(0))
+    assert np.any(np.asarray(d)[keep]) and not np.any(np.asarray(d)[~keep]) and not np.any(np.asarray(dot)[~keep])
+
+
 @pytest.mark.parametrize("variant", sorted(BROKEN_FUSED_COPIES))
-def test_broken_fused_forward_copies_caught(variant, monkeypatch):
+def test_broken_fused_copies_caught(variant, monkeypatch):
     for target, name, broken in BROKEN_FUSED_COPIES[variant]():
         monkeypatch.setattr(target, name, broken)
+    check = (test_fused_input_gradient_copying_its_weight_matches_the_grid_kernel if "wo" in variant
+             else test_fused_forward_copying_its_weight_matches_the_reference)
     with pytest.raises(AssertionError):
-        test_fused_forward_copying_its_weight_matches_the_reference(4, ([1, 7, 7, 9], 0, 4), monkeypatch)
+        check(4, ([1, 7, 7, 9], 0, 4), monkeypatch)
 
 
 @pytest.mark.parametrize("backend", PALLAS)

@@ -20,7 +20,8 @@ def test_tiny_prefetch_benchmark_runs_end_to_end(tmp_path):
     assert set(record["kernels"]) == set(bench.KERNELS)
     for name, row in record["kernels"].items():
         arms = row["arms"]
-        grid = {"tgmm": bench.TINY_TGMM_GRID, "wi_fused": bench.TINY_FUSED_GRID}.get(row["kind"], bench.TINY_GMM_GRID)
+        grid = {"tgmm": bench.TINY_TGMM_GRID, "wi_fused": bench.TINY_FUSED_GRID,
+                "wo_fused_dlhs": (32, 64)}.get(row["kind"], bench.TINY_GMM_GRID)
         assert "grid" in arms and len(arms) == 1 + len(grid), (name, list(arms))
         for arm, r in arms.items():
             assert r["uneven"]["ms"] > 0 and "error" not in r, (name, arm, r)

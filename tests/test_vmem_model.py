@@ -349,3 +349,19 @@ def test_fused_forward_copying_its_weight_is_the_models():
         x, wi, sizes, group_offset=0, sharded=False, tile_n_per_half=128, mode="float32",
         tiling=tiling.Tiling(tm=64, tk=D, tn=256), interpret=True, grid_pipelined=False), x, wi)
     assert traced == modelled("wi_fused_swiglu_fwd", tiling.tpu_buffers("wi_fused", tm=64, tk=D, tn=128, whole_k=True))
+
+
+def test_fused_input_gradient_copying_its_weight_is_the_models():
+    """wo_fused_dswiglu_dlhs_prefetched (not yet a default): its traced blocks and scratch are the
+    model's (tiling.tpu_buffers("wo_fused_dlhs", whole_k=True): wo in two slots, no accumulator)."""
+    from hybridmoe.kernels.gmm import pallas_tpu
+
+    g, wo = jnp.zeros((M, D), jnp.bfloat16), jnp.zeros((E, F, D), jnp.bfloat16)
+    pre, scale = jnp.zeros((M, 2 * F), jnp.bfloat16), jnp.ones((M,), jnp.float32)
+    sizes = jnp.full((E,), M // E, jnp.int32)
+    (traced,) = traced_kernels(lambda g, wo: pallas_tpu.wo_fused_dswiglu_dlhs(
+        g, wo, sizes, pre, preact_tile_n_per_half=128, row_scale_M=scale, out_tile_n_per_half=128, group_offset=0,
+        sharded=False, mode="float32", tiling=tiling.Tiling(tm=64, tk=D, tn=F), interpret=True,
+        grid_pipelined=False), g, wo)
+    assert traced == modelled("wo_fused_dswiglu_dlhs", tiling.tpu_buffers(
+        "wo_fused_dlhs", tm=64, tk=D, tn=F, f=F, row_scale=True, whole_k=True))

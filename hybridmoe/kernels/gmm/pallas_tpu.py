@@ -695,12 +695,19 @@ def wi_fused_swiglu_prefetched(x_MD, wi_GD2F, group_sizes_E, *, group_offset, ti
 
 def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_tile_n_per_half, row_scale_M,
                           out_tile_n_per_half, group_offset, sharded, mode, h_MF=None, tiling=None,
-                          interpret=False):
-    """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32)."""
+                          interpret=False, grid_pipelined=True):
+    """(d[gate | up] [M, 2F] in the layout of out_tile_n_per_half, row_dot [M] float32).
+
+    grid_pipelined=False with one K tile runs the kernel that fetches wo a group ahead
+    (wo_fused_dswiglu_dlhs_prefetched), which no chip has timed yet."""
     del sharded
     plan = metadata.dlhs_plan(g_MD, wo_GFD, preact_M2F, row_scale_M, h_MF, tiling)
     m, d, f, num_local, t, tm, m_pad, tk = plan.m, plan.d, plan.f, plan.num_local, plan.tiling, plan.tm, plan.m_pad, plan.tk
     has_scale, has_h, pre_dtype = plan.has_scale, plan.has_h, plan.pre_dtype
+    if tk == d and not grid_pipelined:
+        return wo_fused_dswiglu_dlhs_prefetched(plan, group_sizes_E, preact_tile_n_per_half=preact_tile_n_per_half,
+                                                out_tile_n_per_half=out_tile_n_per_half, group_offset=group_offset,
+                                                mode=mode, interpret=interpret)
     tiles_k = d // tk
     walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
     stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
@@ -772,3 +779,74 @@ def wo_fused_dswiglu_dlhs(g_MD, wo_GFD, group_sizes_E, preact_M2F, *, preact_til
     )(*walk.scalars, *args)
     return d_out[:m], dot[:m, 0]
 
+
+
+def wo_fused_dswiglu_dlhs_prefetched(plan, group_sizes_E, *, preact_tile_n_per_half, out_tile_n_per_half, group_offset,
+                                     mode, interpret=False):
+    """The fused down-projection input gradient with one K tile, wo [G, F, D] fetched a whole group
+    ahead into two VMEM slots as gmm_prefetched fetches its weight, a tile across a group edge
+    computed by row chunks (each chunk: u = g @ wo^T, then the SwiGLU VJP epilogue on its rows)."""
+    m, d, f, num_local, tm, m_pad = plan.m, plan.d, plan.f, plan.num_local, plan.tm, plan.m_pad
+    has_scale, has_h, pre_dtype = plan.has_scale, plan.has_h, plan.pre_dtype
+    chunk_rows = row_chunk(tm)
+    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
+    slot_S, next_S = weight_slots(walk.group_S)
+    stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
+    g_MD, wo_GFD = plan.args[0], plan.args[1]
+
+    def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, slot_ref, next_ref, g_ref, wo_hbm, pre_ref, *rest):
+        s_ref, h_ref, (d_ref, dot_ref, wo_ref, sem) = plan.optional_refs(rest)
+        s = pl.program_id(0)
+        grp, slot = grp_ref[s], slot_ref[s]
+        _fetch_group_ahead(s, grp_ref, slot_ref, next_ref,
+                           lambda group, to: [pltpu.make_async_copy(wo_hbm.at[group], wo_ref.at[to], sem.at[to])])
+        first = _first_on_tile(s, tile_ref)
+
+        def compute(rows, mask):
+            u = jax.lax.dot_general(g_ref[rows, :], wo_ref[slot], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+            epilogue.dswiglu_store(
+                u, pre_ref[rows, :], s_ref[rows, :] if has_scale else None, h_ref[rows, :] if has_h else None,
+                mode=mode, pre_dtype=pre_dtype, f=f, tile_in=preact_tile_n_per_half, tile_out=out_tile_n_per_half,
+                store_d=lambda v, at: _merge(d_ref, mask, v, first, slice(at, at + out_tile_n_per_half), rows),
+                store_dot=lambda dot: _merge(dot_ref, mask, dot, first, rows=rows))
+
+        def zero(rows):
+            d_ref[rows, :] = jnp.zeros((chunk_rows, 2 * f), d_ref.dtype)
+            dot_ref[rows, :] = jnp.zeros((chunk_rows, 1), dot_ref.dtype)
+
+        _by_row_chunks(s, tile_ref, lo_ref[grp], hi_ref[grp], _computes(s, tile_ref, fetch_ref), first, tm=tm,
+                       chunk_rows=chunk_rows, compute=compute, zero=zero)
+
+    fetch_map = lambda s, lo, hi, grp, tile, fetch, slot, nxt: (fetch[s], 0)  # noqa: E731
+    out_map = lambda s, lo, hi, grp, tile, fetch, slot, nxt: (tile[s], 0)  # noqa: E731
+    in_specs = [pl.BlockSpec((tm, d), fetch_map), pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((tm, 2 * f), fetch_map)]
+    if has_scale:
+        in_specs.append(pl.BlockSpec((tm, 1), fetch_map))
+    if has_h:
+        in_specs.append(pl.BlockSpec((tm, f), fetch_map))
+    buffers = tpu_buffers("wo_fused_dlhs", tm=tm, tk=d, tn=f, f=f, itemsize=_itemsize(g_MD), row_scale=has_scale,
+                          with_h=has_h, whole_k=True)
+    d_out, dot = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((m_pad, 2 * f), pre_dtype), jax.ShapeDtypeStruct((m_pad, 1), jnp.float32)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=7,
+            grid=(walk.num_steps,),
+            in_specs=in_specs,
+            out_specs=(pl.BlockSpec((tm, 2 * f), out_map), pl.BlockSpec((tm, 1), out_map)),
+            scratch_shapes=[pltpu.VMEM((2, f, d), wo_GFD.dtype), pltpu.SemaphoreType.DMA((2,))],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=tpu_limit_bytes(plan.tiling.vmem_limit_mib, tpu_bytes(buffers))),
+        interpret=interpret,
+        name="wo_fused_dswiglu_dlhs",
+        # As wo_fused_dswiglu_dlhs's, wo once per group.
+        cost_estimate=_cost(2 * _local_rows(m, num_local, group_sizes_E) * d * f,
+                            stated_steps * (tm * d * _itemsize(g_MD) + 2 * tm * 2 * f * jnp.dtype(pre_dtype).itemsize
+                                            + tm * 4 * (1 + has_scale) + (tm * f * _itemsize(plan.args[-1]) if has_h else 0))
+                            + num_local * f * d * _itemsize(wo_GFD)
+                            + _zero_bytes(m, num_local, group_sizes_E, 2 * f * jnp.dtype(pre_dtype).itemsize + 4),
+                            m * f),
+    )(*walk.scalars, slot_S, next_S, *plan.args)
+    return d_out[:m], dot[:m, 0]

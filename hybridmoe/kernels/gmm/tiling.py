@@ -269,14 +269,17 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
                 # 512 x 4096 x 1024: 2.75 MiB over the blocks; 24 to 56 KiB at 256 x 512 x 256 / 512)
                 Buffer("silu_gate", (tm, tn), F32, 1, "value"), Buffer("h_value", (tm, tn), itemsize, 1, "value")]
     if kind == "wo_fused_dlhs":
-        rows = [Buffer("g", (tm, tk), itemsize), Buffer("wo", (f, tk), itemsize),
-                Buffer("preact", (tm, 2 * f), itemsize)]
+        # whole_k: pallas_tpu.wo_fused_dswiglu_dlhs_prefetched, wo in two slots of its own
+        wo = ([Buffer("wo_slots", (2, f, tk), itemsize, 1, "scratch"), DMA_SEMAPHORES] if whole_k
+              else [Buffer("wo", (f, tk), itemsize)])
+        rows = [Buffer("g", (tm, tk), itemsize), *wo, Buffer("preact", (tm, 2 * f), itemsize)]
         if row_scale:
             rows.append(Buffer("row_scale", (tm, 1), F32))
         if with_h:
             rows.append(Buffer("h", (tm, f), itemsize))
         return rows + [Buffer("d_gate_up", (tm, 2 * f), itemsize), Buffer("row_dot", (tm, 1), F32),
-                       Buffer("acc", (tm, f), F32, 1, "scratch"), *epilogue_values(tm, f)]
+                       *([] if whole_k else [Buffer("acc", (tm, f), F32, 1, "scratch")]),
+                       *epilogue_values(row_chunk(tm) if whole_k else tm, f)]
     raise ValueError(f"unknown grouped-matmul kernel {kind!r}; choose one of {tuple(PALLAS_NAMES)}")
 
 
