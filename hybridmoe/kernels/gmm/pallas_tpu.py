@@ -234,6 +234,18 @@ def weight_slots(group_S):
     return slot_S, next_S
 
 
+def _group_ahead_walk(m: int, tm: int, chunk_rows: int, group_sizes_E, *, group_offset, num_local: int):
+    """(row tile, rows padded to whole tiles, the output walk, per step its weight slot and the next
+    group (weight_slots), the stated steps) of a kernel that fetches its weight a group ahead."""
+    tm = resolve_tm(m, tm)
+    if tm % chunk_rows:
+        raise ValueError(f"chunk_rows {chunk_rows} must divide the row tile {tm}")
+    m_pad = -(-m // tm) * tm
+    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
+    slot_S, next_S = weight_slots(walk.group_S)
+    return tm, m_pad, walk, slot_S, next_S, _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
+
+
 def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offset, out_dtype, tm, tn,
                    chunk_rows, vmem_limit_mib=0.0, interpret=False):
     """gmm with one K tile whose weight the kernel fetches itself, a whole group ahead.
@@ -252,13 +264,10 @@ def gmm_prefetched(lhs_MK, rhs_GKN, group_sizes_E, *, transpose_rhs, group_offse
     m, k = lhs_MK.shape
     num_local = rhs_GKN.shape[0]
     n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
-    tm = resolve_tm(m, tm)
-    if tm % chunk_rows or n % tn:
-        raise ValueError(f"chunk_rows {chunk_rows} must divide the row tile {tm}, and tn {tn} divide N {n}")
-    m_pad = -(-m // tm) * tm
-    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
-    slot_S, next_S = weight_slots(walk.group_S)
-    stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
+    if n % tn:
+        raise ValueError(f"tn {tn} must divide N {n}")
+    tm, m_pad, walk, slot_S, next_S, stated_steps = _group_ahead_walk(
+        m, tm, chunk_rows, group_sizes_E, group_offset=group_offset, num_local=num_local)
     contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     slab = (tn, k) if transpose_rhs else (k, tn)
 
@@ -619,13 +628,10 @@ def wi_fused_swiglu_prefetched(x_MD, wi_GD2F, group_sizes_E, *, group_offset, ti
     num_local, f = wi_GD2F.shape[0], wi_GD2F.shape[2] // 2
     tn = tile_n_per_half
     nt = f // tn
-    tm = resolve_tm(m, tm)
-    if tm % chunk_rows or f % tn:
-        raise ValueError(f"chunk_rows {chunk_rows} must divide the row tile {tm}, and the tile per half {tn} divide F {f}")
-    m_pad = -(-m // tm) * tm
-    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
-    slot_S, next_S = weight_slots(walk.group_S)
-    stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
+    if f % tn:
+        raise ValueError(f"the tile per half {tn} must divide F {f}")
+    tm, m_pad, walk, slot_S, next_S, stated_steps = _group_ahead_walk(
+        m, tm, chunk_rows, group_sizes_E, group_offset=group_offset, num_local=num_local)
     out_dtype = x_MD.dtype
 
     def kernel(lo_ref, hi_ref, grp_ref, tile_ref, fetch_ref, slot_ref, next_ref, x_ref, w_hbm, h_ref, pre_ref,
@@ -789,8 +795,8 @@ def wo_fused_dswiglu_dlhs_prefetched(plan, group_sizes_E, *, preact_tile_n_per_h
     m, d, f, num_local, tm, m_pad = plan.m, plan.d, plan.f, plan.num_local, plan.tm, plan.m_pad
     has_scale, has_h, pre_dtype = plan.has_scale, plan.has_h, plan.pre_dtype
     chunk_rows = row_chunk(tm)
-    walk = metadata.output_walk(group_sizes_E, m=m_pad, tm=tm, group_offset=group_offset, num_local=num_local)
-    slot_S, next_S = weight_slots(walk.group_S)
+    _, _, walk, slot_S, next_S, stated_steps = _group_ahead_walk(
+        m_pad, tm, chunk_rows, group_sizes_E, group_offset=group_offset, num_local=num_local)
     stated_steps = _steps(m, tm, num_local, group_sizes_E, walk.group_S.shape[0])
     g_MD, wo_GFD = plan.args[0], plan.args[1]
 
