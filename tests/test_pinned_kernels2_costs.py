@@ -178,19 +178,25 @@ def test_gmm_kernels_size_their_vmem_by_their_own_blocks(monkeypatch):
                                              out_dtype=F32, **COMMON))
     # lhs [tm 16, tk 128] bf16, rhs [tk, tn 128], out [tm, tn] float32
     assert (b["lhs"], b["rhs"], b["out"]) == (((16, 128), 2, 2), ((128, 128), 2, 2), ((16, 128), 4, 2))
-    # tk 256 spans K 256, tn 128 tiles N 384
+    # tk 256 spans K 256 (one K tile: gmm_prefetched, the weight in two slots of its own), tn 128 tiles N 384
     b = _buffers(monkeypatch, lambda: gp.gmm(lhs, jnp.ones((G, 256, 384), BF16), SIZES, transpose_rhs=False,
                                              out_dtype=F32, **dict(COMMON, tiling=Tiling(16, 256, 128))))
-    assert (b["lhs"], b["rhs"], b["out"]) == (((16, 256), 2, 2), ((256, 128), 2, 2), ((16, 128), 4, 2))
-    # transposed: the weight block is [tn 128, tk 256]
+    assert (b["lhs"], b["rhs_slots"], b["out"]) == (((16, 256), 2, 2), ((2, 256, 128), 2, 1), ((16, 128), 4, 2))
+    assert "acc" not in b
+    # transposed: the weight slab is [tn 128, tk 256]
     b = _buffers(monkeypatch, lambda: gp.gmm(lhs, jnp.ones((G, 384, 256), BF16), SIZES, transpose_rhs=True,
                                              out_dtype=BF16, **dict(COMMON, tiling=Tiling(16, 256, 128))))
-    assert (b["lhs"], b["rhs"], b["out"]) == (((16, 256), 2, 2), ((128, 256), 2, 2), ((16, 128), 2, 2))
+    assert (b["lhs"], b["rhs_slots"], b["out"]) == (((16, 256), 2, 2), ((2, 128, 256), 2, 1), ((16, 128), 2, 2))
     # tgmm: the operands' promoted dtype (bf16 with f32: float32), the carried accumulator as a block
     b = _buffers(monkeypatch, lambda: gp.tgmm(lhs, jnp.ones((M, 384), F32), SIZES, num_local=G, out_dtype=BF16,
                                               acc_GKN=jnp.zeros((G, 256, 384), BF16), **COMMON))
     assert (b["lhs"], b["grad"], b["acc_in"], b["out"]) == (
         ((16, 128), 4, 2), ((16, 128), 4, 2), ((128, 128), 2, 2), ((128, 128), 2, 2))
+    # without it: tgmm_written_behind, its output staged in two slots of the output's dtype
+    b = _buffers(monkeypatch, lambda: gp.tgmm(lhs, jnp.ones((M, 384), F32), SIZES, num_local=G, out_dtype=BF16,
+                                              **COMMON))
+    assert (b["lhs"], b["grad"], b["out_slots"], b["acc"]) == (
+        ((16, 128), 4, 2), ((16, 128), 4, 2), ((2, 128, 128), 2, 1), ((128, 128), 4, 1))
 
 
 @pytest.mark.parametrize("tk, weight_buffers", [(256, 1), (128, 2)])
