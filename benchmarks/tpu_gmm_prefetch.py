@@ -7,11 +7,11 @@ grid-pipelined kernels, at the seed cell's per-device shapes.
 
 With one K tile, Mosaic's grid pipeline fetches a group's weight slab (gmm, gmm_t) one step ahead,
 and writes a group's weight-gradient block (tgmm) back during one step: at the cell's ~512 rows per
-group both outlast the step they overlap. pallas_tpu.gmm_prefetched fetches the weight a whole group
-ahead into two VMEM slots; pallas_tpu.tgmm_written_behind stages each finished block in one of two
+group both outlast the step they overlap. pallas_tpu_own_copies.gmm_prefetched fetches the weight a whole group
+ahead into two VMEM slots; pallas_tpu_own_copies.tgmm_written_behind stages each finished block in one of two
 slots and writes it while the following groups compute. Both compute a tile straddling a group edge
 by 128-row chunks. The fused up projection (`wi_fused_fwd`: x through wi into h and the stored
-pre-activations) has the same one-K-tile stall; pallas_tpu.wi_fused_swiglu_prefetched, the same
+pre-activations) has the same one-K-tile stall; pallas_tpu_own_copies.wi_fused_swiglu_prefetched, the same
 approach, is timed against its grid-pipelined default (the seed recipe's 256 rows, 1,024 per half,
 weight depth 2), and the fused input gradient (`wo_fused_dlhs`) likewise against its default at the
 seed's 128 rows: each becomes the default only where this record says it is faster. Per kernel (tpu_gmm_uneven.py's names), at the uneven split chip_cases' cases use:

@@ -114,16 +114,18 @@ BROKEN_TILE_PLUMBING = {
 }
 
 from hybridmoe.kernels.gmm import pallas_tpu as _gmm_tpu  # noqa: E402
+from hybridmoe.kernels.gmm import pallas_tpu_own_copies as _gmm_own  # noqa: E402
 from hybridmoe.kernels.gmm import metadata as _gmm_metadata  # noqa: E402
+from hybridmoe.kernels.gmm import tpu_steps as _gmm_steps  # noqa: E402
 
 # The Mosaic grouped matmuls' row mask and K loop (tests/test_gmm_kernels.py's k_tiles cases).
 BROKEN_GMM_TPU = {
     # The row mask starts one row late: a group's first row is left to the block's earlier content.
-    "mask_from_one_row_late": lambda: [(_gmm_tpu, "_rows_in_group", mutated(
-        _gmm_tpu, "_rows_in_group", "(rows >= lo_ref[g])", "(rows > lo_ref[g])"))],
+    "mask_from_one_row_late": lambda: [(_gmm_steps, "rows_in_group", mutated(
+        _gmm_steps, "rows_in_group", "(rows >= lo_ref[g])", "(rows > lo_ref[g])"))],
     # The row mask runs one row past the group's end: the next group's row taken in.
-    "mask_to_one_row_past": lambda: [(_gmm_tpu, "_rows_in_group", mutated(
-        _gmm_tpu, "_rows_in_group", "(rows < hi_ref[g])", "(rows <= hi_ref[g])"))],
+    "mask_to_one_row_past": lambda: [(_gmm_steps, "rows_in_group", mutated(
+        _gmm_steps, "rows_in_group", "(rows < hi_ref[g])", "(rows <= hi_ref[g])"))],
     # The K scratch zeroed on the second K tile instead of the first (the first tile's product lost).
     "k_scratch_zeroed_late": lambda: [(_gmm_tpu, "gmm", mutated(_gmm_tpu, "gmm", "computes & (ki == 0)",
                                                                 "computes & (ki == 1)"))],
@@ -131,36 +133,36 @@ BROKEN_GMM_TPU = {
     "untouched_tiles_unwritten": lambda: [(_gmm_metadata, "output_walk", mutated(
         _gmm_metadata, "output_walk", "(visits + zero_steps)", "(visits + 0 * zero_steps)"))],
     # A tile's first step keeps the block's earlier content outside its group instead of zeroing it.
-    "first_step_keeps_old_rows": lambda: [(_gmm_tpu, "_first_on_tile", lambda step, tile_ref: step < 0)],
+    "first_step_keeps_old_rows": lambda: [(_gmm_steps, "first_on_tile", lambda step, tile_ref: step < 0)],
     # The kernels that copy their own blocks (one K tile). gmm_prefetched fetches the current group's
     # weight again where it should fetch the next one's: every group after the first runs on its
     # predecessor's weight.
-    "prefetch_fetches_the_current_group": lambda: [(_gmm_tpu, "_fetch_group_ahead", mutated(
-        _gmm_tpu, "_fetch_group_ahead", "copies(nxt, 1 - slot)", "copies(g, 1 - slot)"))],
+    "prefetch_fetches_the_current_group": lambda: [(_gmm_own, "_fetch_group_ahead", mutated(
+        _gmm_own, "_fetch_group_ahead", "copies(nxt, 1 - slot)", "copies(g, 1 - slot)"))],
     # A row chunk holding a group's first row is skipped unless the group starts at the chunk's start
     # (gmm_prefetched's output rows, tgmm_written_behind's contraction).
-    "chunk_skipped_at_a_group_start": lambda: [(_gmm_tpu, "_by_row_chunks", mutated(
-        _gmm_tpu, "_by_row_chunks", "(r0 + chunk_rows > lo)", "(r0 >= lo)"))],
+    "chunk_skipped_at_a_group_start": lambda: [(_gmm_own, "_by_row_chunks", mutated(
+        _gmm_own, "_by_row_chunks", "(r0 + chunk_rows > lo)", "(r0 >= lo)"))],
     # tgmm_written_behind restages a slot without waiting for the copy out of it two groups back.
-    "staging_slot_reused_before_its_copy": lambda: [(_gmm_tpu, "tgmm_written_behind", mutated(
-        _gmm_tpu, "tgmm_written_behind", "@pl.when(ordinal >= 2)", "@pl.when(ordinal < 0)"))],
+    "staging_slot_reused_before_its_copy": lambda: [(_gmm_own, "tgmm_written_behind", mutated(
+        _gmm_own, "tgmm_written_behind", "@pl.when(ordinal >= 2)", "@pl.when(ordinal < 0)"))],
     # A tile that straddles its group's first row is contracted whole, the previous group's rows in it.
-    "whole_tile_across_a_group_start": lambda: [(_gmm_tpu, "tgmm_written_behind", mutated(
-        _gmm_tpu, "tgmm_written_behind", "inside = (r0 >= lo_g) & (r0 + tm <= hi_g)", "inside = (r0 + tm <= hi_g)"))],
+    "whole_tile_across_a_group_start": lambda: [(_gmm_own, "tgmm_written_behind", mutated(
+        _gmm_own, "tgmm_written_behind", "inside = (r0 >= lo_g) & (r0 + tm <= hi_g)", "inside = (r0 + tm <= hi_g)"))],
 }
 
 # The fused up projection copying its own weight (tests/test_gmm_kernels.py's own-copies cases).
 BROKEN_FUSED_COPIES = {
     # The up slab copied from the gate's columns: h = silu(gate) * gate.
-    "up_slab_from_the_gate_columns": lambda: [(_gmm_tpu, "wi_fused_swiglu_prefetched", mutated(
-        _gmm_tpu, "wi_fused_swiglu_prefetched", "pl.ds(pl.multiple_of(f + j * tn, tn), tn)",
+    "up_slab_from_the_gate_columns": lambda: [(_gmm_own, "wi_fused_swiglu_prefetched", mutated(
+        _gmm_own, "wi_fused_swiglu_prefetched", "pl.ds(pl.multiple_of(f + j * tn, tn), tn)",
         "pl.ds(pl.multiple_of(j * tn, tn), tn)"))],
     # The fused input gradient reading the first local group's wo for every group.
-    "wo_of_the_first_group_for_all": lambda: [(_gmm_tpu, "wo_fused_dswiglu_dlhs_prefetched", mutated(
-        _gmm_tpu, "wo_fused_dswiglu_dlhs_prefetched", "wo_hbm.at[group]", "wo_hbm.at[0]"))],
+    "wo_of_the_first_group_for_all": lambda: [(_gmm_own, "wo_fused_dswiglu_dlhs_prefetched", mutated(
+        _gmm_own, "wo_fused_dswiglu_dlhs_prefetched", "wo_hbm.at[group]", "wo_hbm.at[0]"))],
     # Both slabs into one slot: the up copy lands in the gate's buffer.
-    "up_copy_into_the_gate_slots": lambda: [(_gmm_tpu, "wi_fused_swiglu_prefetched", mutated(
-        _gmm_tpu, "wi_fused_swiglu_prefetched", "w_hbm.at[group, :, up], wu_ref.at[to]", "w_hbm.at[group, :, up], wg_ref.at[to]"))],
+    "up_copy_into_the_gate_slots": lambda: [(_gmm_own, "wi_fused_swiglu_prefetched", mutated(
+        _gmm_own, "wi_fused_swiglu_prefetched", "w_hbm.at[group, :, up], wu_ref.at[to]", "w_hbm.at[group, :, up], wg_ref.at[to]"))],
 }
 
 BROKEN_VMEM_MODEL = {

@@ -142,7 +142,7 @@ def test_gmm_pallas(backend, case):
 
 # The Mosaic kernels' K loop at one K tile and at three; tm 8 over these sizes puts whole tiles inside
 # a group beside tiles shared by two groups. With one K tile gmm and gmm_t fetch their weight a group
-# ahead and tgmm writes its blocks a group behind (pallas_tpu.gmm_prefetched, tgmm_written_behind),
+# ahead and tgmm writes its blocks a group behind (pallas_tpu_own_copies.py),
 # here under the TPU interpreter's DMA model that runs a copy only when it is waited for (a slot
 # reused before its copy is waited shows); "row chunks" runs them computing 4-row chunks of the 8-row
 # tiles (tiling.CHUNK_ROWS; 128 on hardware), so a group edge falls inside a chunk and between chunks.

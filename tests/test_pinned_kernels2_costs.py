@@ -16,6 +16,7 @@ import pytest
 
 from hybridmoe.analysis.program import iter_eqns
 from hybridmoe.kernels.gmm import pallas_tpu as gp
+from hybridmoe.kernels.gmm import tpu_steps
 from hybridmoe.kernels.gmm.tiling import Tiling
 
 M, E, G, OFFSET = 40, 4, 2, 2
@@ -39,19 +40,19 @@ COMMON = dict(group_offset=OFFSET, sharded=True, tiling=TILES, interpret=True)
 
 def test_stated_steps_are_the_local_share_in_row_tiles_plus_a_boundary_per_group():
     # 20 local rows at tm 16: 2 tiles + 1 boundary tile; table 4 is no bound here
-    assert gp._steps(40, 16, 2, SIZES, 4) == 3
+    assert tpu_steps.stated_steps(40, 16, 2, SIZES, 4) == 3
     # 16 local rows (32 * 2 / 4) fill exactly one tile: 1 + 1
-    assert gp._steps(32, 16, 2, SIZES, 3) == 2
+    assert tpu_steps.stated_steps(32, 16, 2, SIZES, 3) == 2
     # 17 local rows (34 * 2 / 4 = 17): two tiles + 1
-    assert gp._steps(34, 16, 2, SIZES, 9) == 3
+    assert tpu_steps.stated_steps(34, 16, 2, SIZES, 9) == 3
     # every group local (40 rows, 4 groups): ceil(40 / 16) + 3 = 6; capped at a table of 5
-    assert gp._steps(40, 16, 4, SIZES, 9) == 6
-    assert gp._steps(40, 16, 4, SIZES, 5) == 5
-    assert gp._local_rows(40, 2, SIZES) == 20.0
-    assert gp._local_rows(40, 4, SIZES) == 40.0
-    assert gp._local_rows(41, 1, SIZES) == 10.25   # a fractional share stays fractional
+    assert tpu_steps.stated_steps(40, 16, 4, SIZES, 9) == 6
+    assert tpu_steps.stated_steps(40, 16, 4, SIZES, 5) == 5
+    assert tpu_steps.local_rows(40, 2, SIZES) == 20.0
+    assert tpu_steps.local_rows(40, 4, SIZES) == 40.0
+    assert tpu_steps.local_rows(41, 1, SIZES) == 10.25   # a fractional share stays fractional
     # 41 * 3 / 4 = 30.75 rows: int() gives 30, 2 tiles of 16, + 2 boundaries
-    assert gp._steps(41, 16, 3, SIZES, 9) == 4
+    assert tpu_steps.stated_steps(41, 16, 3, SIZES, 9) == 4
 
 
 @pytest.mark.parametrize("tk, slabs", [(128, 3), (256, 2)])
@@ -165,8 +166,8 @@ def test_mosaic_fused_forward_buffers_the_weight_only_with_one_k_tile():
 def _buffers(monkeypatch, fn):
     """{buffer: (shape, itemsize, count)} the one kernel fn traces passes to its compiler parameters."""
     seen = []
-    real = gp._params
-    monkeypatch.setattr(gp, "_params", lambda t, buffers, *a: seen.append(buffers) or real(t, buffers, *a))
+    real = tpu_steps.compiler_params
+    monkeypatch.setattr(tpu_steps, "compiler_params", lambda t, buffers, *a: seen.append(buffers) or real(t, buffers, *a))
     jax.make_jaxpr(fn)()
     (buffers,) = seen
     return {b.what: (b.shape, b.itemsize, b.count) for b in buffers}

@@ -31,14 +31,9 @@ from hybridmoe.kernels.vmem import MIB, Buffer, Need, tpu_bytes, tpu_limit_mib
 
 LANE = 128
 SUBLANE = 8
-# The rows a one-K-tile kernel computes at a time inside its row tile (pallas_tpu.gmm_prefetched,
-# tgmm_written_behind): the MXU's rows on a v5e, where they divide the tile.
+# The rows a one-K-tile kernel computes at a time inside its row tile (pallas_tpu_own_copies.py):
+# the MXU's rows on a v5e, where they divide the tile.
 CHUNK_ROWS = 128
-
-
-def row_chunk(tm: int) -> int:
-    """The row chunk of a one-K-tile kernel at row tile tm: CHUNK_ROWS where it divides tm, else tm."""
-    return CHUNK_ROWS if tm % CHUNK_ROWS == 0 else tm
 # JAX 0.10.2's Mosaic TPU grid pipeline takes 1 or 2 weight buffers (2 is its default) and
 # refuses more at lowering (benchmarks/records/gmm_vmem.json).
 TPU_MAX_RHS_BUFFERS = 2
@@ -106,6 +101,11 @@ def kernel_tiles(values) -> KernelTiles:
         depth = int(values.get("wi_fwd_rhs_buffer_count", 0)) if name == "wi_fwd" else 0
         out[name] = Tiling(**dims, rhs_buffer_count=depth, vmem_limit_mib=limit)
     return KernelTiles(**out)
+
+
+def row_chunk(tm: int) -> int:
+    """The row chunk of a one-K-tile kernel at row tile tm: CHUNK_ROWS where it divides tm, else tm."""
+    return CHUNK_ROWS if tm % CHUNK_ROWS == 0 else tm
 
 
 def _is_pow2(x: int) -> bool:
@@ -228,19 +228,19 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
     tile spans it). depth: wi_fused's weight pipeline depth (0 = Mosaic's 2). accumulate: tgmm adds
     into the output's previous value, read as one more block (moe.token_chunks' backward).
     whole_k: gmm / gmm_t with one K tile, which keep the weight in two slots of their own
-    (pallas_tpu.gmm_prefetched); written_behind: tgmm staging its output in two slots of its own
-    (pallas_tpu.tgmm_written_behind). plain_buffers picks these as pallas_tpu does."""
+    (pallas_tpu_own_copies.gmm_prefetched); written_behind: tgmm staging its output in two slots of
+    its own (pallas_tpu_own_copies.tgmm_written_behind). plain_buffers picks these as pallas_tpu does."""
     out_itemsize = out_itemsize or itemsize
     F32 = 4
     if kind in ("gmm", "gmm_t"):
         rhs = (tn, tk) if kind == "gmm_t" else (tk, tn)
-        if whole_k:  # pallas_tpu.gmm_prefetched: the weight in two slots of its own (tpu7x: within 0.06
+        if whole_k:  # pallas_tpu_own_copies.gmm_prefetched: the weight in two slots of its own (tpu7x: within 0.06
             # MiB of the blocks and slots at (256, 2048, 256) and (512, 2048, 256), no spilled chunk product)
             return [Buffer("lhs", (tm, tk), itemsize), Buffer("out", (tm, tn), out_itemsize),
                     Buffer("rhs_slots", (2, *rhs), itemsize, 1, "scratch"), DMA_SEMAPHORES]
         return [Buffer("lhs", (tm, tk), itemsize), Buffer("rhs", rhs, itemsize),
                 Buffer("out", (tm, tn), out_itemsize), Buffer("acc", (tm, tn), F32, 1, "scratch")]
-    if kind == "tgmm" and written_behind:  # pallas_tpu.tgmm_written_behind: the output staged in two slots
+    if kind == "tgmm" and written_behind:  # pallas_tpu_own_copies.tgmm_written_behind: the output staged in two slots
         # (tpu7x: within 0.04 MiB of the blocks and scratch at (256, 512, 256) to (512, 1024, 512); no
         # transposed lhs kept, unlike the grid-pipelined kernel's)
         return [Buffer("lhs", (tm, tk), itemsize), Buffer("grad", (tm, tn), itemsize),
@@ -253,7 +253,7 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
                 # the masked lhs, transposed for the MXU (tpu7x: 0 / 48 / 184 KiB over the blocks at
                 # (tm, tk, tn) = (128, 256, 128) / (256, 256, 512) / (256, 512, 256); this is 64 / 128 / 256)
                 Buffer("lhs_transposed", (tk, tm), itemsize, 1, "value")]
-    if kind == "wi_fused" and whole_k:  # pallas_tpu.wi_fused_swiglu_prefetched: gate and up in two slots each
+    if kind == "wi_fused" and whole_k:  # pallas_tpu_own_copies.wi_fused_swiglu_prefetched: gate and up in two slots each
         return [Buffer("x", (tm, tk), itemsize), Buffer("h", (tm, tn), itemsize), Buffer("preact", (tm, 2 * tn), itemsize),
                 Buffer("w_gate_slots", (2, tk, tn), itemsize, 1, "scratch"),
                 Buffer("w_up_slots", (2, tk, tn), itemsize, 1, "scratch"),
@@ -269,7 +269,7 @@ def tpu_buffers(kind: str, *, tm: int, tk: int, tn: int, itemsize: int = 2, out_
                 # 512 x 4096 x 1024: 2.75 MiB over the blocks; 24 to 56 KiB at 256 x 512 x 256 / 512)
                 Buffer("silu_gate", (tm, tn), F32, 1, "value"), Buffer("h_value", (tm, tn), itemsize, 1, "value")]
     if kind == "wo_fused_dlhs":
-        # whole_k: pallas_tpu.wo_fused_dswiglu_dlhs_prefetched, wo in two slots of its own
+        # whole_k: pallas_tpu_own_copies.wo_fused_dswiglu_dlhs_prefetched, wo in two slots of its own
         wo = ([Buffer("wo_slots", (2, f, tk), itemsize, 1, "scratch"), DMA_SEMAPHORES] if whole_k
               else [Buffer("wo", (f, tk), itemsize)])
         rows = [Buffer("g", (tm, tk), itemsize), *wo, Buffer("preact", (tm, 2 * f), itemsize)]
