@@ -225,7 +225,7 @@ def test_the_chip_cases_aligned_arms_bring_their_results_back_to_the_case_layout
             built = case.backends[name](inputs)
             fn, args = built.fwd_bwd
             got[name] = jax.tree.map(np.asarray, case.view(built.restore(fn(*args), True), backward=True))
-        assert built.restore is cc._as_given  # the plain arm runs on the case's rows
+        assert built.restore is cc.as_given  # the plain arm runs on the case's rows
         for a, b in zip(jax.tree.leaves(got[aligned]), jax.tree.leaves(got[plain])):
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             assert a.shape == b.shape and np.abs(a - b).max() <= 1e-2 * np.abs(b).max(), family

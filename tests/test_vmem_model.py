@@ -365,3 +365,17 @@ def test_fused_input_gradient_copying_its_weight_is_the_models():
         grid_pipelined=False), g, wo)
     assert traced == modelled("wo_fused_dswiglu_dlhs", tiling.tpu_buffers(
         "wo_fused_dlhs", tm=64, tk=D, tn=F, f=F, row_scale=True, whole_k=True))
+
+
+def test_auto_cap_check_counts_the_margin():
+    """margin_fits_auto_cap: the need with auto's margin (x 1.25 + 4 MiB) within the 48 MiB cap. The
+    fused input gradient at 512 rows (D 4096, F 1024) is 43 MiB by the model and refused by the
+    compiler under the cap; 256 rows (29.5 MiB) fits; 35.2 MiB is the edge."""
+    from hybridmoe.kernels.vmem import AUTO_LIMIT_CAP_MIB, margin_fits_auto_cap, tpu_bytes
+
+    assert AUTO_LIMIT_CAP_MIB == 48.0
+    need = lambda tm: tpu_bytes(tiling.tpu_buffers("wo_fused_dlhs", tm=tm, tk=4096, tn=1024, f=1024,  # noqa: E731
+                                                        row_scale=True))
+    assert need(512) / MIB == 43.0 and not margin_fits_auto_cap(need(512))
+    assert need(256) / MIB == 29.5 and margin_fits_auto_cap(need(256))
+    assert margin_fits_auto_cap(int(35.2 * MIB)) and not margin_fits_auto_cap(int(35.3 * MIB))

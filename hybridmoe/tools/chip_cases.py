@@ -52,7 +52,7 @@ returned too). The CP scans have no backward.
 
 References (float32, on the device, then kept on the host): gmm and moe_mlp by the family's
 reference.py (a loop over groups at HIGHEST precision) on the rows and weights of the first
-SAMPLE_GROUPS groups (a row's output depends only on its group: the sample is an independent
+SAMPLE_GROUPS (chip_case_parts.py) groups (a row's output depends only on its group: the sample is an independent
 problem; an empty group is among them); gdn by the token-by-token recurrence (reference.py's step,
 scanned in segments that the backward replays, so its memory is not one state per token); attention
 by reference.py's gradients (autodiff of the masked XLA core at HIGHEST precision) and that core's
@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -79,10 +78,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridmoe.tools.chip_case_parts import (Built, Case, Reference, as_given, document_lengths,
+                                             float32_copies, group_sizes, normal, packed_ids, reference_of,
+                                             sampled_groups, tokamax_module, uniform, with_gradients)
 from hybridmoe.tools.chip_layouts import LaidOut, aligned, aligned_moe_plan, fused_table_tiles, table_tiling
 
 SEED_RECIPE = "qwen3.5-397b-a17b-v7x-128"
-SAMPLE_GROUPS = 8  # groups of gmm / moe_mlp the float32 reference covers
 RECURRENCE_SEGMENT = 128  # tokens per rematerialised segment of the reference recurrence
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -125,90 +126,6 @@ GEOMETRIES: dict[str, dict[str, dict]] = {
 }
 
 
-def _as_given(out, backward):
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Built:
-    """One backend's jitted programs and their arguments (on the device): (fn, args) each; restore(out,
-    backward): a result in the case's layout (a LaidOut backend's, brought back outside the timed
-    program; the result itself for the others)."""
-
-    fwd: tuple[Callable, tuple]
-    fwd_bwd: tuple[Callable, tuple] | None
-    restore: Callable = _as_given
-
-
-@dataclasses.dataclass(frozen=True)
-class Reference:
-    """Host float32 results: the forward's output, and (output, gradients) of forward + backward."""
-
-    fwd: Any
-    fwd_bwd: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One family at one geometry. backends: name -> build(inputs=None) -> Built (its arrays made on
-    the device when called; pass make_inputs()'s result to share one set among backends);
-    skipped: backend -> why it is not offered here; view(out, backward): the part of a backend's
-    output the reference covers."""
-
-    name: str
-    family: str
-    geometry: str
-    shape: dict
-    flops: tuple[float, float | None]
-    make_inputs: Callable[[], tuple[tuple, Any]]
-    backends: dict[str, Callable[..., Built]]
-    skipped: dict[str, str]
-    reference: Callable[[], Reference]
-    view: Callable[..., Any]
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs
-
-
-def _normal(seed: int, shape, dtype, scale: float = 1.0):
-    return (scale * jax.random.normal(jax.random.key(seed), shape, F32)).astype(dtype)
-
-
-def _uniform(seed: int, shape, low: float, high: float):
-    return jax.random.uniform(jax.random.key(seed), shape, F32, low, high)
-
-
-def group_sizes(rows: int, groups: int) -> np.ndarray:
-    """Uneven sizes summing to rows, group 1 empty (none a multiple of a tile, in general)."""
-    weights = np.random.default_rng(groups).uniform(0.2, 1.8, groups)
-    weights[1 % groups] = 0.0
-    sizes = np.floor(weights / weights.sum() * rows).astype(np.int32)
-    sizes[-1] += rows - sizes.sum()
-    return sizes
-
-
-def document_lengths(tokens: int, documents: int) -> list[int]:
-    """Uneven document lengths summing to tokens (cuts off every chunk and block edge in general)."""
-    cuts = np.sort(np.random.default_rng(tokens + documents).choice(np.arange(1, tokens), documents - 1, replace=False))
-    return np.diff(np.concatenate([[0], cuts, [tokens]])).tolist()
-
-
-def packed_ids(tokens: int, documents: int) -> tuple[np.ndarray, np.ndarray]:
-    """[1, T] positions restarting at each document and segment ids 1, 2, ..."""
-    pos, seg, start = np.zeros((1, tokens), np.int32), np.zeros((1, tokens), np.int32), 0
-    for d, n in enumerate(document_lengths(tokens, documents)):
-        pos[0, start:start + n], seg[0, start:start + n] = np.arange(n), d + 1
-        start += n
-    return pos, seg
-
-
-def _sample(sizes: np.ndarray) -> tuple[int, int]:
-    """(groups, rows) the reference covers: the first SAMPLE_GROUPS groups and their rows."""
-    s = min(SAMPLE_GROUPS, len(sizes))
-    return s, int(sizes[:s].sum())
-
-
 # ---------------------------------------------------------------------------------------------
 # Families: inputs (args, cot), backends (name -> forward fn or the reason it is skipped), the
 # differentiated arguments, useful forward FLOPs, the reference and the view it covers.
@@ -226,47 +143,13 @@ class Family:
     view: Callable[[dict, Any, bool], Any] = lambda g, out, backward: out
 
 
-def _tokamax():
-    return importlib.import_module("tokamax") if importlib.util.find_spec("tokamax") else None
-
-
-def _f32(tree):
-    return jax.tree.map(lambda a: a.astype(F32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
-
-def _reference_of(fn, args, cot, argnums) -> Reference:
-    """Host float32 forward and (output, gradients) of fn on float32 copies of the arguments."""
-    f32_args = _f32(args)
-    out = jax.jit(fn)(*f32_args)
-    if argnums is None:
-        return Reference(jax.device_get(out), None)
-    both = jax.jit(with_gradients(fn, argnums))(*f32_args, _f32(cot))
-    return Reference(jax.device_get(out), jax.device_get(both))
-
-
-def with_gradients(fn, argnums):
-    """(*args, cot) -> (fn(*args), the gradients of sum(fn(*args) * cot) for args[argnums])."""
-    def run(*args_and_cot):
-        *args, cot = args_and_cot
-
-        def of_diff(*diff):
-            full = list(args)
-            for i, d in zip(argnums, diff):
-                full[i] = d
-            return fn(*full)
-
-        out, vjp = jax.vjp(of_diff, *(args[i] for i in argnums))
-        return out, vjp(cot)
-    return run
-
-
 # gmm ----------------------------------------------------------------------------------------
 
 
 def _gmm_make(g):
     m, k, n, groups = g["rows"], g["k"], g["n"], g["groups"]
-    args = (_normal(1, (m, k), BF16), _normal(2, (groups, k, n), BF16, k ** -0.5), jnp.asarray(group_sizes(m, groups)))
-    return args, _normal(3, (m, n), BF16)
+    args = (normal(1, (m, k), BF16), normal(2, (groups, k, n), BF16, k ** -0.5), jnp.asarray(group_sizes(m, groups)))
+    return args, normal(3, (m, n), BF16)
 
 
 def _gmm_backends(g, interpret):
@@ -285,7 +168,7 @@ def _gmm_backends(g, interpret):
         # tk and tn for each kernel; no tile spans two groups.
         **{f"pallas_tpu_aligned_{a}": _gmm_aligned(g, a, interpret) for a in g.get("aligned", ())},
     }
-    tokamax = _tokamax()
+    tokamax = tokamax_module()
     if tokamax is None:
         out["tokamax"] = "tokamax does not import on this host"
     else:
@@ -308,13 +191,13 @@ def _gmm_reference(g):
     from hybridmoe.kernels.gmm import reference as R
 
     (x, w, sizes), cot = _gmm_make(g)
-    s, rows = _sample(np.asarray(sizes))
+    s, rows = sampled_groups(np.asarray(sizes))
     fn = lambda x, w, sizes: R.gmm(x, w, sizes, out_dtype=F32)  # noqa: E731
-    return _reference_of(fn, (x[:rows], w[:s], sizes[:s]), cot[:rows], (0, 1))
+    return reference_of(fn, (x[:rows], w[:s], sizes[:s]), cot[:rows], (0, 1))
 
 
 def _gmm_view(g, out, backward):
-    s, rows = _sample(group_sizes(g["rows"], g["groups"]))
+    s, rows = sampled_groups(group_sizes(g["rows"], g["groups"]))
     if not backward:
         return out[:rows]
     y, (dx, dw) = out
@@ -326,9 +209,9 @@ def _gmm_view(g, out, backward):
 
 def _moe_make(g):
     m, d, f, groups = g["rows"], g["d"], g["f"], g["groups"]
-    args = (_normal(11, (m, d), BF16), _uniform(12, (m,), 0.05, 1.0), _normal(13, (groups, d, 2 * f), BF16, d ** -0.5),
-            _normal(14, (groups, f, d), BF16, f ** -0.5), jnp.asarray(group_sizes(m, groups)))
-    return args, _normal(15, (m, d), BF16)
+    args = (normal(11, (m, d), BF16), uniform(12, (m,), 0.05, 1.0), normal(13, (groups, d, 2 * f), BF16, d ** -0.5),
+            normal(14, (groups, f, d), BF16, f ** -0.5), jnp.asarray(group_sizes(m, groups)))
+    return args, normal(15, (m, d), BF16)
 
 
 @functools.cache
@@ -384,13 +267,13 @@ def _moe_reference(g):
     from hybridmoe.kernels.gmm import reference as R
 
     (x, w, wi, wo, sizes), cot = _moe_make(g)
-    s, rows = _sample(np.asarray(sizes))
+    s, rows = sampled_groups(np.asarray(sizes))
     fn = lambda x, w, wi, wo, sizes: R.moe_mlp(x, wi, wo, sizes, row_scale_M=w)  # noqa: E731
-    return _reference_of(fn, (x[:rows], w[:rows], wi[:s], wo[:s], sizes[:s]), cot[:rows], (0, 1, 2, 3))
+    return reference_of(fn, (x[:rows], w[:rows], wi[:s], wo[:s], sizes[:s]), cot[:rows], (0, 1, 2, 3))
 
 
 def _moe_view(g, out, backward):
-    s, rows = _sample(group_sizes(g["rows"], g["groups"]))
+    s, rows = sampled_groups(group_sizes(g["rows"], g["groups"]))
     if not backward:
         return out[:rows]
     y, (dx, dw, dwi, dwo) = out
@@ -470,9 +353,9 @@ def _moe_fp8_reference(g):
     # are 4.3 GB each at the cell (this reference's first run on the chip failed, its error cut to JAX's
     # note on the traceback).
     (x, w, wi, wo, *_, sizes), cot = jax.jit(functools.partial(_moe_fp8_make, g))()
-    s, rows = _sample(np.asarray(sizes))
+    s, rows = sampled_groups(np.asarray(sizes))
     fn = lambda x, w, wi, wo, sizes: R.moe_mlp(x, wi, wo, sizes, row_scale_M=w)  # noqa: E731
-    return _reference_of(fn, (x[:rows], w[:rows], wi[:s], wo[:s], sizes[:s]), cot[:rows], (0, 1, 2, 3))
+    return reference_of(fn, (x[:rows], w[:rows], wi[:s], wo[:s], sizes[:s]), cot[:rows], (0, 1, 2, 3))
 
 
 # gdn -----------------------------------------------------------------------------------------
@@ -481,14 +364,14 @@ def _moe_fp8_reference(g):
 def _gdn_raw(g, seed: int = 21):
     t, hk, hv, kd, vd = g["tokens"], g["key_heads"], g["value_heads"], g["key_dim"], g["value_dim"]
     # Gates that keep a memory of tens of tokens, so chunks really interact (tests/test_gdn_kernel.py's).
-    return (_normal(seed, (1, t, hk, kd), BF16), _normal(seed + 1, (1, t, hk, kd), BF16),
-            _normal(seed + 2, (1, t, hv, vd), BF16), jnp.log(_uniform(seed + 3, (1, t, hv), 0.7, 1.0)),
-            _uniform(seed + 4, (1, t, hv), 0.05, 1.0))
+    return (normal(seed, (1, t, hk, kd), BF16), normal(seed + 1, (1, t, hk, kd), BF16),
+            normal(seed + 2, (1, t, hv, vd), BF16), jnp.log(uniform(seed + 3, (1, t, hv), 0.7, 1.0)),
+            uniform(seed + 4, (1, t, hv), 0.05, 1.0))
 
 
 def _gdn_make(g):
     segment_ids = jnp.asarray(packed_ids(g["tokens"], g["documents"])[1])
-    return (*_gdn_raw(g), segment_ids), _normal(26, (1, g["tokens"], g["value_heads"], g["value_dim"]), BF16)
+    return (*_gdn_raw(g), segment_ids), normal(26, (1, g["tokens"], g["value_heads"], g["value_dim"]), BF16)
 
 
 # The Mosaic GDN core's settings beside its defaults (chunk 64, the bfloat16x3 precision, about
@@ -556,7 +439,7 @@ def recurrence(q, k, v, gate, beta, *, segment_ids=None, initial_state=None, seg
 def _gdn_reference(g):
     args, cot = _gdn_make(g)
     fn = lambda q, k, v, gate, beta, seg: recurrence(q, k, v, gate, beta, segment_ids=seg)[0]  # noqa: E731
-    return _reference_of(fn, args, cot, (0, 1, 2, 3, 4))
+    return reference_of(fn, args, cot, (0, 1, 2, 3, 4))
 
 
 # attention -----------------------------------------------------------------------------------
@@ -565,9 +448,9 @@ def _gdn_reference(g):
 def _attention_make(g):
     t, n, kv, a = g["tokens"], g["heads"], g["kv_heads"], g["head_dim"]
     pos, seg = packed_ids(t, g["documents"])
-    args = (_normal(31, (1, t, n, a), BF16), _normal(32, (1, t, kv, a), BF16), _normal(33, (1, t, kv, a), BF16),
+    args = (normal(31, (1, t, n, a), BF16), normal(32, (1, t, kv, a), BF16), normal(33, (1, t, kv, a), BF16),
             jnp.asarray(pos), jnp.asarray(seg))
-    return args, _normal(34, (1, t, n, a), BF16)
+    return args, normal(34, (1, t, n, a), BF16)
 
 
 def flash(backend: str, block_q: int = 0, block_k: int = 0, *, interpret: bool = False):
@@ -613,7 +496,7 @@ def _attention_backends(g, interpret):
         "xla": flash("xla"), "pallas_tpu": flash("pallas_tpu", interpret=interpret),
         "pallas_tpu_256x512": flash("pallas_tpu", 256, 512, interpret=interpret),
         "splash": _splash(g, interpret)}
-    tokamax = _tokamax()
+    tokamax = tokamax_module()
     if tokamax is None:
         out["tokamax"] = "tokamax does not import on this host"
     else:
@@ -633,7 +516,7 @@ def _attention_reference(g):
     from hybridmoe.kernels.attention.reference import attention_reference_grads
     from hybridmoe.kernels.attention.xla import attention
 
-    (q, k, v, pos, seg), cot = _f32(_attention_make(g))
+    (q, k, v, pos, seg), cot = float32_copies(_attention_make(g))
     heads, group = g["heads"], g["heads"] // g["kv_heads"]
     scale = g["head_dim"] ** -0.5
 
@@ -676,9 +559,9 @@ def _cp_raw(g):
     if kd != vd:
         raise ValueError(f"cp cases: the reference needs key_dim == value_dim (M_r from the identity state); got {g}")
     beta_max = min(1.0, 8.0 * kd / t)
-    return (_normal(41, (1, t, hk, kd), F32), _normal(42, (1, t, hk, kd), F32), _normal(43, (1, t, hv, vd), F32),
-            -_uniform(44, (1, t, hv), 0.0, 2.0 / t), _uniform(45, (1, t, hv), 0.0, beta_max),
-            _normal(46, (1, t, hv, vd), F32))
+    return (normal(41, (1, t, hk, kd), F32), normal(42, (1, t, hk, kd), F32), normal(43, (1, t, hv, vd), F32),
+            -uniform(44, (1, t, hv), 0.0, 2.0 / t), uniform(45, (1, t, hv), 0.0, beta_max),
+            normal(46, (1, t, hv, vd), F32))
 
 
 def _on_host():
@@ -771,7 +654,7 @@ def _case(family: Family, geometry: str, g: dict, interpret: bool) -> Case:
     def builder(fn):
         def build(inputs=None) -> Built:
             args, cot = make_inputs() if inputs is None else inputs
-            run, restore = fn, _as_given
+            run, restore = fn, as_given
             if isinstance(fn, LaidOut):
                 args, cot, restore = fn.lay(args, cot)
                 run = fn.fn
