@@ -16,6 +16,8 @@
 #              stops starting cases after 330 s, so each fits a 10-minute call)
 #   kernels-cell-moe  the cell's gmm and moe_mlp cases only (their aligned arms among them)
 #   kernels-gdn  the GDN core's cases at both geometries (its settings arms among them)
+#   kernels-gdn-cp  the core as a context-parallel rank runs it, at the cell's shard: pass 1 and the local
+#              state cotangent as Mosaic kernels (gdn.cp_terms_in_kernel) against chunk terms by XLA
 #   kernels-fp8  the cell's MoE MLP on fp8 codes (gather8's dequantization as an op before the kernels)
 #   kernels-missing  the cases of both geometries the record has no figures for (at any commit)
 #   gmm-uneven benchmarks/tpu_gmm_uneven.py -> benchmarks/records/tpu_gmm_uneven.json: the MoE layer's six
@@ -130,6 +132,7 @@ except ValueError as e:
     kernels-cell-moe) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache --only gmm_cell,moe_mlp_cell ;;
     kernels-gdn) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cell,gdn_one_chip ;;
     kernels-fp8) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only moe_mlp_fp8_cell ;;
+    kernels-gdn-cp) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cp_cell ;;
     kernels-missing) python3 benchmarks/tpu_kernels.py --missing --compile-cache .tpu-cache ;;
     gmm-uneven) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache ;;
     gmm-uneven-again) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache --start record --rounds 1 ;;
@@ -160,6 +163,6 @@ except ValueError as e:
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, moe-combine, step, step-default, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-gdn-cp, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, moe-combine, step, step-default, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done

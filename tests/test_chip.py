@@ -39,14 +39,15 @@ from hybridmoe.tools import chip_cases as cc
 pytestmark = pytest.mark.tpu
 
 BF16_OUT, MOE, GDN, F32 = 1e-2, 2e-2, 5e-2, 1e-4
-TOLERANCE = {"gmm": BF16_OUT, "moe_mlp": MOE, "moe_mlp_fp8": MOE, "gdn": GDN, "attention": BF16_OUT}
-XLA_PATH = {"gmm": "ragged_dot", "moe_mlp": "xla", "moe_mlp_fp8": "xla", "gdn": "xla", "attention": "xla"}
+TOLERANCE = {"gmm": BF16_OUT, "moe_mlp": MOE, "moe_mlp_fp8": MOE, "gdn": GDN, "gdn_cp": GDN, "attention": BF16_OUT}
+XLA_PATH = {"gmm": "ragged_dot", "moe_mlp": "xla", "moe_mlp_fp8": "xla", "gdn": "xla", "gdn_cp": "xla", "attention": "xla"}
 # Our Pallas kernels of each family (the benchmark's other arms, splash and tokamax, are not ours to test).
 PALLAS = {"gmm": ("pallas_tpu", "pallas_tpu_128", "pallas_tpu_table", "pallas_tpu_aligned_128"),
           "moe_mlp": ("pallas_tpu", "pallas_tpu_fused", "pallas_tpu_table", "pallas_tpu_fused_table",
                       "pallas_tpu_fused_aligned_128"),
           "moe_mlp_fp8": ("pallas_tpu_table", "pallas_tpu_fused_table"),
-          "gdn": ("pallas_tpu", *cc.GDN_SETTINGS), "attention": ("pallas_tpu", "pallas_tpu_256x512")}
+          "gdn": ("pallas_tpu", *cc.GDN_SETTINGS), "gdn_cp": ("pallas_tpu", "pallas_tpu_terms_in_xla"),
+          "attention": ("pallas_tpu", "pallas_tpu_256x512")}
 
 
 def on_chip() -> bool:

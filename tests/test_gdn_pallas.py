@@ -163,7 +163,7 @@ def test_extreme_gates_are_finite_and_exact(packed_case):
 # ---------------------------------------------------------------------------------------------
 # Broken variants: each patched into the kernels' own code and caught against the oracle.
 
-_ORIGINAL = {"specs": pallas_tpu._specs, "decays": tpu_chunk.decays, "inverses": tpu_chunk.unit_lower_inverses,
+_ORIGINAL = {"specs": pallas_tpu.block_specs, "decays": tpu_chunk.decays, "inverses": tpu_chunk.unit_lower_inverses,
              "gpu_chunk_step": pallas_chunk.chunk_step}
 
 
@@ -216,7 +216,7 @@ def _gpu_chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state,
 
 BROKEN = {  # name: (backend run, [(module, attribute, the broken function)])
     "document_start_dropped": ("pallas_tpu", [(pallas_tpu, "starts_or_none", lambda ids, batch, tokens: jnp.zeros((batch, tokens), bool))]),
-    "backward_walks_chunks_in_forward_order": ("pallas_tpu", [(pallas_tpu, "_specs", _backward_blocks_in_forward_order)]),
+    "backward_walks_chunks_in_forward_order": ("pallas_tpu", [(pallas_tpu, "block_specs", _backward_blocks_in_forward_order)]),
     "gate_applied_twice": ("pallas_tpu", [(tpu_chunk, "decays", _gate_applied_twice)]),
     "value_heads_read_the_wrong_key_head": ("pallas_tpu", [(pallas_tpu, "split_value_heads", _value_heads_tiled),
                                                             (pallas_tpu, "merge_value_heads", _value_heads_untiled)]),
@@ -386,18 +386,31 @@ def test_model_with_pallas_core_equals_xla_core_on_the_mesh():
     assert max(errors.values()) < 1e-5, {k: f"{v:.1e}" for k, v in errors.items() if v >= 1e-5}
 
 
-def test_sequence_sharded_layer_with_pallas_core_equals_one_device(layer_case, single_device):
-    """The GDN layer with the sequence over 4 context ranks, the Pallas kernels running pass 2, the
-    backward's final pass and both scans (gdn.cp_m_scan, gdn.cp_dh_scan) per rank, against the
-    single-device XLA layer: packed rows with documents starting inside a shard, on a shard edge
-    and on a chunk edge; loss and every gradient."""
+def _sharded_pallas_errors(layer_case, single_device, **keys):
+    """Loss and every gradient of the layer over 4 context ranks on the interpreted Mosaic core,
+    relative to the single-device XLA layer's."""
     cfg, params, x, seg = layer_case
-    loss = _layer_loss(cfg, 16, cp_m_scan=True, cp_dh_scan=True, backend="pallas_tpu", interpret=True)
+    loss = _layer_loss(cfg, 16, backend="pallas_tpu", interpret=True, **keys)
     value, grads = _on_context_mesh(4, jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, seg)
     value_1, grads_1 = single_device[16]
     errors = {"loss": _rel_max(value, value_1)}
     for (path, g), g_1 in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads_1)):
         errors[jax.tree_util.keystr(path)] = _rel_max(g, g_1)
+    return errors
+
+
+SHARDED_PALLAS_KEYS = {"scans": dict(cp_m_scan=True, cp_dh_scan=True), "terms in kernel": dict(cp_terms_in_kernel=True)}
+
+
+@pytest.mark.parametrize("keys", list(SHARDED_PALLAS_KEYS))
+def test_sequence_sharded_layer_with_pallas_core_equals_one_device(keys, layer_case, single_device):
+    """The GDN layer with the sequence over 4 context ranks on the Mosaic core per rank against the
+    single-device XLA layer: packed rows with documents starting inside a shard, on a shard edge and
+    on a chunk edge; loss and every gradient. `scans`: the kernels run pass 2 and the backward's
+    final pass, both scans (gdn.cp_m_scan, gdn.cp_dh_scan) the cross-chunk products of XLA's chunk
+    terms; `terms in kernel` (gdn.cp_terms_in_kernel): pass 1 and the local state cotangent are
+    kernels too, on the core's own layout."""
+    errors = _sharded_pallas_errors(layer_case, single_device, **SHARDED_PALLAS_KEYS[keys])
     assert max(errors.values()) < 1e-4, errors
 
 

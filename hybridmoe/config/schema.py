@@ -323,6 +323,11 @@ class GdnConfig(Section):
     cp_dh_scan: bool = Field(
         False, description="Sequence-sharded GDN: the backward's local state cotangent by the reverse "
         "recurrence as one scan instead of a tree over the [chunks, heads, dk, dk] stack.")
+    cp_terms_in_kernel: bool = Field(
+        False, description="Sequence-sharded GDN on the Mosaic core (kernels.gdn.backend pallas_tpu): each rank's "
+        "pass 1 (its end state from zero and its chunks' transition product) and the backward's local state "
+        "cotangent as Mosaic kernels that form the chunk terms in VMEM on the core's own layout (each key head "
+        "once), instead of from chunk terms formed by float32 XLA ops; cp_m_scan and cp_dh_scan then have no part.")
 
 
 class RematConfig(Section):

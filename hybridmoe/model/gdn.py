@@ -161,7 +161,7 @@ CORE_SCOPE = "gdn_core"
 @jax.named_scope(CORE_SCOPE)
 def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chunk_size: int,
                                      cp_m_scan: bool, cp_dh_scan: bool, prefix: str, backend: str, interpret: bool,
-                                     precision: str | None = None):
+                                     precision: str | None = None, cp_terms_in_kernel: bool = False):
     """Causal convs and the core with the sequence split over the mesh's context axis (docs/gdn.md section 3).
 
     Each rank holds a [B, T / P] slice: the convs read the previous rank's last W-1 pre-conv tokens
@@ -183,7 +183,7 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
         return gated_delta_rule_context_parallel(
             *convolved, g, beta, segment_ids=seg, axis_name=axis, chunk_size=chunk_size, normalize_qk=True,
             cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan, prefix=prefix, backend=backend, interpret=interpret,
-            precision=precision)
+            precision=precision, terms_in_kernel=cp_terms_in_kernel)
 
     # check_vma off: the core's custom backward places its own collectives.
     return jax.shard_map(local, in_specs=(taps, taps, taps, token, token, token, gate, gate, ids),
@@ -217,13 +217,14 @@ def _core(q, k, v, g, beta, segment_ids_BT, initial_state, *, chunk_size: int, b
 
 def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, backend: str = "auto",
               interpret: bool = False, state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False, cp_prefix: str = "all_gather",
-              precision: str = "auto"):
+              precision: str = "auto", cp_terms_in_kernel: bool = False):
     """Returns the layer output, and the new recurrent state when `state` is given (decode/prefill).
 
     state: {"conv_q", "conv_k", "conv_v": [B, W-1, heads, dim] pre-conv tails, "ssm": [B, U, k, v]}.
     Under a mesh whose context axis is > 1 (and without `state`) the sequence stays sharded: the
     convs and the core run per rank (`_conv_and_core_sequence_sharded`); cp_m_scan / cp_dh_scan
-    choose the scans over the trees there (gdn.cp_m_scan, gdn.cp_dh_scan); cp_prefix the cross-rank
+    choose the scans over the trees there (gdn.cp_m_scan, gdn.cp_dh_scan), cp_terms_in_kernel the
+    Mosaic core's own kernels for both (gdn.cp_terms_in_kernel); cp_prefix the cross-rank
     prefix (context_parallel.PREFIXES; the other one is kept for benchmarks/gdn_cp.py); precision
     the Mosaic core's products (kernels.gdn.precision; auto: the kernel's default for the dtype).
     """
@@ -239,7 +240,8 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
         q, k, v = (_heads(t, p[name]) for t, name in zip((q, k, v), CONV_TAPS))
         o_BTUv = _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, chunk_size=chunk_size,
                                                  cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan, prefix=cp_prefix,
-                                                 backend=backend, interpret=interpret, precision=precision)
+                                                 backend=backend, interpret=interpret, precision=precision,
+                                                 cp_terms_in_kernel=cp_terms_in_kernel)
     else:
         tails = None if state is None else [state[name] for name in CONV_TAPS]
         (q, k, v), (tail_q, tail_k, tail_v) = conv_all_channels(p, q, k, v, segment_ids_BT, tails)

@@ -78,3 +78,24 @@ def _kernels_gdn_precision(cfg: Config, f: Facts) -> list[Problem]:
         return [("kernels.gdn.precision", f"sets the Mosaic GDN core's products; kernels.gdn.backend is {backend} "
                  "here (set kernels.gdn.backend=pallas_tpu, or precision auto)")]
     return []
+
+
+@rule("gdn.cp_terms_in_kernel", "gdn.cp_m_scan", "gdn.cp_dh_scan", "kernels.gdn.backend", "mesh.context")
+def _gdn_cp_terms_in_kernel(cfg: Config, f: Facts) -> list[Problem]:
+    """The Mosaic core's own context-parallel kernels: sequence-sharded GDN on the pallas_tpu core, and
+    neither scan key set beside it (its kernels walk the chunks themselves: the keys would do nothing)."""
+    if not cfg.gdn.cp_terms_in_kernel:
+        return []
+    unmet = []
+    if "gdn" not in cfg.model.layer_pattern:
+        unmet.append("needs GDN layers (model.layer_pattern has none)")
+    ranks = _context_size(cfg, f)
+    if ranks is not None and ranks <= 1:
+        unmet.append("needs sequence-sharded GDN context parallelism (mesh.context > 1)")
+    if (backend := _gdn_backend(cfg, f)) != "pallas_tpu":
+        unmet.append(f"runs on the Mosaic GDN core; kernels.gdn.backend is {backend} here (set "
+                     "kernels.gdn.backend=pallas_tpu, with kernels.interpret=true off a TPU)")
+    for key in ("cp_m_scan", "cp_dh_scan"):
+        if getattr(cfg.gdn, key):
+            unmet.append(f"leaves gdn.{key} nothing to do (its kernels walk the chunks themselves): set it false")
+    return [("gdn.cp_terms_in_kernel", "; ".join(unmet))] if unmet else []

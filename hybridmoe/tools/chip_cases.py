@@ -42,6 +42,11 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               `xla` (flash in XLA ops), `pallas_tpu` (default blocks), `pallas_tpu_256x512`,
               `splash` (jax's splash attention: causal by token index with segment ids, the same
               mask here), `tokamax` (where the package imports);
+  gdn_cp      the core as one rank of sequence-sharded GDN runs it (context_parallel.py), on a context
+              axis of one device (gdn's inputs and reference): `xla` (the XLA core and scans),
+              `pallas_tpu` (gdn.cp_terms_in_kernel: pass 1
+              and the local state cotangent as Mosaic kernels on the core's layout) and
+              `pallas_tpu_terms_in_xla` (chunk terms by XLA, both scans: the key off);
   cp_m_scan   a context shard's transition product M_r (kernels/gdn/context_parallel.py): `tree`
               (gdn.cp_m_scan=false) and `scan`;
   cp_dh_scan  its local state cotangent dS_loc: `tree` and `scan` (gdn.cp_dh_scan).
@@ -404,6 +409,28 @@ def _gdn_backends(g, interpret):
             **{name: settings(*arm) for name, arm in GDN_SETTINGS.items()}}
 
 
+def _gdn_cp_backends(g, interpret):
+    """The context-parallel core on one shard (a context axis of one device: the whole sequence, the
+    cross-rank prefix trivial): what each rank of a sequence-sharded layer runs, at its shard's shape."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    from hybridmoe.kernels.gdn.context_parallel import gated_delta_rule_context_parallel
+
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("context",))
+
+    def rule(backend="pallas_tpu", **keys):
+        def local(q, k, v, gate, beta, seg):
+            return gated_delta_rule_context_parallel(q, k, v, gate, beta, segment_ids=seg, axis_name="context",
+                                                     chunk_size=g["chunk"], backend=backend, interpret=interpret,
+                                                     **keys)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(),) * 6, out_specs=PartitionSpec(),
+                             check_vma=False)
+
+    return {"xla": rule("xla", cp_m_scan=True, cp_dh_scan=True), "pallas_tpu": rule(terms_in_kernel=True),
+            "pallas_tpu_terms_in_xla": rule(cp_m_scan=True, cp_dh_scan=True)}
+
+
 def recurrence(q, k, v, gate, beta, *, segment_ids=None, initial_state=None, segment: int = RECURRENCE_SEGMENT):
     """(o, final state): the token-by-token recurrence of kernels/gdn/reference.py (its input
     preparation and step), scanned in segments of `segment` tokens, each replayed by the backward
@@ -633,6 +660,8 @@ FAMILIES = (
     Family("moe_mlp_fp8", "moe_mlp", _moe_fp8_make, _moe_fp8_backends, (0, 1, 2, 3),
            lambda g: 6.0 * g["rows"] * g["d"] * g["f"], _moe_fp8_reference, _moe_view),
     Family("gdn", "gdn", _gdn_make, _gdn_backends, (0, 1, 2, 3, 4),
+           lambda g: 6.0 * g["key_dim"] * g["value_dim"] * g["tokens"] * g["value_heads"], _gdn_reference),
+    Family("gdn_cp", "gdn", _gdn_make, _gdn_cp_backends, (0, 1, 2, 3, 4),
            lambda g: 6.0 * g["key_dim"] * g["value_dim"] * g["tokens"] * g["value_heads"], _gdn_reference),
     Family("cp_m_scan", "cp", _cp_make(False), _cp_backends("m"), None, _cp_m_flops, _cp_reference("m")),
     Family("cp_dh_scan", "cp", _cp_make(True), _cp_backends("dh"), None, _cp_dh_flops, _cp_reference("dh")),

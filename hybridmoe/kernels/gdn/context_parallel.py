@@ -27,9 +27,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from hybridmoe.kernels.gdn import pallas, pallas_cp_scans, tpu_chunk
+from hybridmoe.kernels.gdn import pallas, pallas_cp_scans, pallas_tpu, pallas_tpu_cp, tpu_chunk
+from hybridmoe.kernels.gdn.limits import RESIDUALS_NAME
+from hybridmoe.kernels.gdn.reference import document_starts, prepare_query_key
 from hybridmoe.kernels.platform import trace_platform
-from hybridmoe.kernels.gdn.reference import document_starts
 from hybridmoe.kernels.gdn.xla import (
     ChunkInputs,
     ChunkTerms,
@@ -269,23 +270,85 @@ def _cp_bwd(axis_name, cp_m_scan, cp_dh_scan, prefix, backend, interpret, precis
 context_parallel_core.defvjp(_cp_fwd, _cp_bwd)
 
 
+# ---------------------------------------------------------------------------------------------
+# The core on one rank's shard on the Mosaic kernels' own layout (gdn.cp_terms_in_kernel): pass 1
+# and the local state cotangent are kernels that form the chunk terms in VMEM (pallas_tpu_cp.py).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def grouped_core(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, axis_name, prefix, settings):
+    """o [B, G, Hg, T, V] of this rank's shard in pallas_tpu's layouts (kernel_layout), the state
+    entering it from the ranks before."""
+    return _grouped_fwd(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, axis_name, prefix, settings)[0]
+
+
+def _grouped_fwd(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, axis_name, prefix, settings):
+    s_ext, m = pallas_tpu_cp.transition(k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, settings)  # pass 1
+    m_BHKK = checkpoint_name(pallas_tpu.merge_value_heads(m, 1), TRANSITION_NAME)
+    s_in_BHKV = checkpoint_name(exclusive_prefix(m_BHKK, pallas_tpu.merge_value_heads(s_ext, 1), axis_name,
+                                                 prefix=prefix), STATE_IN_NAME)
+    key_heads = q_BGTK.shape[1]
+    o, _, starts, inverses = pallas_tpu.forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC,
+                                                pallas_tpu.split_value_heads(s_in_BHKV, 1, key_heads), settings,
+                                                save=True)
+    starts, inverses = (checkpoint_name(r, RESIDUALS_NAME) for r in (starts, inverses))
+    return o, (q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, starts, inverses, m_BHKK)
+
+
+def _grouped_bwd(axis_name, prefix, settings, residuals, do_BGHTV):
+    *kernel_residuals, m_BHKK = residuals
+    q_BGTK, k_BGTK, _, g_BGNHC, beta_BGNHC, _, inverses = kernel_residuals
+    d_local = pallas_tpu_cp.local_state_cotangent(q_BGTK, k_BGTK, g_BGNHC, beta_BGNHC, inverses, do_BGHTV, settings)
+    # As _cp_bwd: the cotangent at the shard's end is what the ranks after it send back.
+    d_end_BHKV = exclusive_prefix(m_BHKK, pallas_tpu.merge_value_heads(d_local, 1), axis_name, prefix=prefix,
+                                  reverse=True)
+    grads = pallas_tpu.backward(tuple(kernel_residuals), do_BGHTV,
+                                pallas_tpu.split_value_heads(d_end_BHKV, 1, q_BGTK.shape[1]), settings)
+    return tuple(grads[:5])
+
+
+grouped_core.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def _grouped_context_parallel(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, *, axis_name, chunk_size,
+                              normalize_qk, prefix, interpret, precision):
+    batch, tokens, heads, value_dim = v_BTHV.shape
+    key_heads, key_dim = q_BTGK.shape[2:]
+    settings = pallas_tpu.settings_for(chunk_size, heads // key_heads, tokens // chunk_size, v_BTHV.dtype,
+                                       precision=precision, interpret=interpret)
+    q_BTGK, k_BTGK = prepare_query_key(q_BTGK, k_BTGK, key_heads, normalize_qk, jnp.float32)
+    zeros_BHKV = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32)  # no initial state on a shard
+    inputs = pallas_tpu.kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, zeros_BHKV, settings)
+    o_BGHTV = grouped_core(*inputs[:5], axis_name, prefix, settings)
+    return pallas_tpu.merge_value_heads(jnp.moveaxis(o_BGHTV, 3, 1), 2)[:, :tokens]
+
+
 def gated_delta_rule_context_parallel(
     q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids, axis_name, chunk_size: int = 64,
     normalize_qk: bool = True, cp_m_scan: bool = False, cp_dh_scan: bool = False, prefix: str = "all_gather",
-    backend: str = "xla", interpret: bool = False, precision: str | None = None,
+    backend: str = "xla", interpret: bool = False, precision: str | None = None, terms_in_kernel: bool = False,
 ):
     """gated_delta_rule on this rank's shard of the sequence (inside shard_map over `axis_name`).
 
     Same inputs as ops.gated_delta_rule, each the rank's [B, T / P, ...] slice; segment_ids is
     required (the shard's own ids). No initial or final state: the first rank starts from zero.
     precision: the Mosaic kernels' products (tpu_chunk.PRECISIONS; None: the inputs' dtype's default,
-    as on one device). Returns o [B, T / P, H, V] in v's dtype.
+    as on one device). terms_in_kernel (pallas_tpu only; gdn.cp_terms_in_kernel): pass 1 and the
+    local state cotangent as Mosaic kernels on the chunk kernels' layout (grouped_core), where
+    cp_m_scan and cp_dh_scan have no part. Returns o [B, T / P, H, V] in v's dtype.
     """
     num_tokens = v_BTHV.shape[1]
     if num_tokens % chunk_size:
         raise ValueError(f"gdn context parallelism: a shard of {num_tokens} tokens is not a whole number of "
                          f"chunks of {chunk_size}")
+    if terms_in_kernel and backend != "pallas_tpu":
+        raise ValueError(f"gdn context parallelism: terms_in_kernel runs on the pallas_tpu core; backend is {backend!r}")
     starts_BT = cross_rank_starts(document_starts(segment_ids), segment_ids, axis_name)
+    if terms_in_kernel:
+        o_BTHV = _grouped_context_parallel(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, axis_name=axis_name,
+                                           chunk_size=chunk_size, normalize_qk=normalize_qk, prefix=prefix,
+                                           interpret=interpret, precision=precision)
+        return o_BTHV.astype(v_BTHV.dtype)
     x, starts_BNC = prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size, normalize_qk)
     if precision is not None and backend != "pallas_tpu":
         raise ValueError(f"gdn context parallelism: precision {precision!r} is the pallas_tpu core's; backend "

@@ -63,6 +63,8 @@ def default_chunks_per_step(chunk_size: int, group: int, chunks: int | None = No
 # cell's (64, 128, 128, 4, 2, bf16): forward 4.7 MiB, backward 9.1 MiB.
 
 KERNELS = ("gdn_chunk_forward", "gdn_chunk_backward")
+# The context-parallel shard's pass 1 and local state cotangent on the same layout (pallas_tpu_cp.py).
+CP_KERNELS = ("gdn_cp_transition", "gdn_cp_local_cotangent")
 
 
 def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, group: int = 1,
@@ -71,8 +73,8 @@ def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, g
     writes the backward's residuals); itemsize: v's and the output's (q and k are float32)."""
     from hybridmoe.kernels.vmem import Buffer
 
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown GDN kernel {kernel!r}; choose one of {KERNELS}")
+    if kernel not in KERNELS + CP_KERNELS:
+        raise ValueError(f"unknown GDN kernel {kernel!r}; choose one of {KERNELS + CP_KERNELS}")
     C, K, V, H = chunk_size, key_dim, value_dim, group
     n = chunks_per_step or default_chunks_per_step(C, H)
     tokens = n * C
@@ -92,11 +94,24 @@ def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, g
                  Buffer("dlog_gates", (n, H, C), 4), Buffer("dbeta", (n, H, C), 4)]
         return [*inputs, *residuals, Buffer("do", (H, tokens, V), itemsize), Buffer("d_final", (H, K, V), 4),
                 *grads, Buffer("d_initial", (H, K, V), 4), state, *values]
+    if kernel == "gdn_cp_transition":  # no q: k, v and the gates in; S_ext and M_r out, both carried
+        product = Buffer("product", (H, K, K), 4, 1, "scratch")
+        return [*inputs[1:], Buffer("end_state", (H, K, V), 4), Buffer("transition", (H, K, K), 4), state, product,
+                *values]
+    # gdn_cp_local_cotangent: q, k, the gates, the inverses and dO in; dS_loc out
+    return [inputs[0], inputs[1], *inputs[3:], residuals[1], Buffer("do", (H, tokens, V), itemsize),
+            Buffer("d_local", (H, K, V), 4), state, *values]
 
 
 # ([C, C], [C, max(K, V)], [K, V]) float32 values live at once: the base, and per further chunk-head
 # of the step (fitted; see above).
 _VALUE_COUNTS = {"gdn_chunk_forward": ((0, 22, 1), (0, 0, 5)), "gdn_chunk_backward": ((0, 20, 9), (5, 11, 5))}
+# Not fitted on a compiler: each CP kernel's body is a part of the chunk kernel's it takes its count
+# from (the transition: the forward's terms and chain, one more [K, K] chain in place of the outputs;
+# the local cotangent: the backward's terms and chain without its input cotangents), so those counts
+# bound them from above.
+_VALUE_COUNTS.update({"gdn_cp_transition": _VALUE_COUNTS["gdn_chunk_forward"],
+                      "gdn_cp_local_cotangent": _VALUE_COUNTS["gdn_chunk_backward"]})
 
 
 def vmem_needs(limit_mib: float = 0.0, **dims) -> dict:

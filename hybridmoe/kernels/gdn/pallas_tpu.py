@@ -75,13 +75,15 @@ def _walk_starts(step):
     return step == 0
 
 
-def _chunks(q_ref, k_ref, v_ref, g_ref, beta_ref, size: int, per_step: int) -> list[ChunkIn]:
-    """The grid step's chunks as tpu_chunk.ChunkIn, each a view of the blocks."""
-    group = v_ref.shape[0]
+def chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size: int, per_step: int) -> list[ChunkIn]:
+    """The grid step's chunks as tpu_chunk.ChunkIn, each a view of the blocks (a kernel that reads no
+    q or no v passes None: q None, v empty lists)."""
+    group = g_ref.shape[1]
     out = []
     for c in range(per_step):
         rows = pl.ds(c * size, size)
-        out.append(ChunkIn(q_ref[rows, :], k_ref[rows, :], [v_ref[h, rows, :] for h in range(group)],
+        out.append(ChunkIn(None if q_ref is None else q_ref[rows, :], k_ref[rows, :],
+                           [] if v_ref is None else [v_ref[h, rows, :] for h in range(group)],
                            [g_ref[c, pl.ds(h, 1), :] for h in range(group)],
                            [beta_ref[c, pl.ds(h, 1), :] for h in range(group)]))
     return out
@@ -99,7 +101,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, se
     def _():
         state_scratch[...] = initial_ref[...]
 
-    chunks = _chunks(q_ref, k_ref, v_ref, g_ref, beta_ref, size, per_step)
+    chunks = chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size, per_step)
     outs, inverses, starts, states = tpu_chunk.forward_step(
         chunks, [state_scratch[h] for h in range(group)], PRECISIONS[settings.precision])
     for c in range(per_step):
@@ -129,7 +131,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_
 
     rows = [pl.ds(c * size, size) for c in range(per_step)]
     dq, dk, grads, d_states = tpu_chunk.backward_step(
-        _chunks(q_ref, k_ref, v_ref, g_ref, beta_ref, size, per_step),
+        chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size, per_step),
         [[starts_ref[c * group + h] for h in range(group)] for c in range(per_step)],
         [[inverses_ref[c * group + h] for h in range(group)] for c in range(per_step)],
         [[do_ref[h, rows[c], :] for h in range(group)] for c in range(per_step)],
@@ -154,7 +156,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_
 # pallas_calls
 
 
-class _Dims(NamedTuple):
+class Dims(NamedTuple):
     batch: int
     key_heads: int
     group: int
@@ -169,13 +171,14 @@ class _Dims(NamedTuple):
         return self.chunks // self.per_step
 
 
-def _dims(q_BGTK, v_BGHTV, settings: Settings) -> _Dims:
+def dims_of(q_BGTK, v_BGHTV, settings: Settings) -> Dims:
+    """The grid's dimensions from q's (or k's) layout [B, G, T, K] and v's (or dO's) [B, G, Hg, T, V]."""
     batch, key_heads, tokens, key_dim = q_BGTK.shape
-    return _Dims(batch, key_heads, v_BGHTV.shape[2], tokens // settings.chunk_size, settings.chunk_size, key_dim,
-                 v_BGHTV.shape[-1], settings.chunks_per_step)
+    return Dims(batch, key_heads, v_BGHTV.shape[2], tokens // settings.chunk_size, settings.chunk_size, key_dim,
+                v_BGHTV.shape[-1], settings.chunks_per_step)
 
 
-def _specs(d: _Dims, reverse: bool):
+def block_specs(d: Dims, reverse: bool):
     """Block specs by layout: tokens [T, X] of a key head, per value head [Hg, T, X], per chunk
     [N, Hg, ...], per value head's state [Hg, K, V] (the same block at every step)."""
     block = (lambda j: d.steps - 1 - j) if reverse else (lambda j: j)
@@ -193,7 +196,7 @@ def _specs(d: _Dims, reverse: bool):
     }
 
 
-def cost(kernel: str, d: _Dims, precision: str, operands, results) -> pl.CostEstimate:
+def cost(kernel: str, d: Dims, precision: str, operands, results) -> pl.CostEstimate:
     """What a kernel does: the MACs of its chunk math as written (tpu_chunk.chunk_macs: every bfloat16
     pass counted, so the FLOPs are the MXU's), one exp per decay entry, every operand and result
     moved once (the state blocks stay resident)."""
@@ -205,11 +208,11 @@ def cost(kernel: str, d: _Dims, precision: str, operands, results) -> pl.CostEst
                            bytes_accessed=int(nbytes))
 
 
-def _compiler_params(kernel: str, d: _Dims, settings: Settings, itemsize: int):
+def compiler_params(name: str, d: Dims, settings: Settings, itemsize: int):
     """The grid's semantics, and the scoped VMEM limit: the configured one, else `auto`'s for the
-    kernel's modelled need (kernels/vmem.py: the compiler's default where the need with its margin
-    fits the smallest generation's)."""
-    need = tpu_bytes(limits.tpu_buffers(KERNEL_NAMES[kernel], chunk_size=d.chunk, key_dim=d.key_dim,
+    modelled need of the kernel `name` (limits.KERNELS or CP_KERNELS; kernels/vmem.py: the compiler's
+    default where the need with its margin fits the smallest generation's)."""
+    need = tpu_bytes(limits.tpu_buffers(name, chunk_size=d.chunk, key_dim=d.key_dim,
                                         value_dim=d.value_dim, group=d.group, chunks_per_step=d.per_step,
                                         itemsize=itemsize))
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
@@ -220,8 +223,8 @@ def forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, setting
     """(o [B, G, Hg, T, V], final state [B, G, Hg, K, V]) and, with save, the residuals: the state
     at every chunk's start [B, G, N Hg, K, V] and every chunk's T [B, G, N Hg, C, C] (per chunk and
     value head, chunk-major)."""
-    d = _dims(q_BGTK, v_BGHTV, settings)
-    s = _specs(d, reverse=False)
+    d = dims_of(q_BGTK, v_BGHTV, settings)
+    s = block_specs(d, reverse=False)
     shape = lambda *dims, dtype=_F32: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
     out_shape = [shape(*v_BGHTV.shape, dtype=v_BGHTV.dtype), shape(*initial_BGHKV.shape)]
     out_specs = [s["heads"](d.value_dim), s["state"]]
@@ -237,7 +240,7 @@ def forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, setting
                   s["chunks"](d.chunk), s["state"]],
         out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((d.group, d.key_dim, d.value_dim), _F32)],
-        compiler_params=_compiler_params("forward", d, settings, jnp.dtype(v_BGHTV.dtype).itemsize),
+        compiler_params=compiler_params(KERNEL_NAMES["forward"], d, settings, jnp.dtype(v_BGHTV.dtype).itemsize),
         cost_estimate=cost("forward", d, settings.precision, operands, out_shape),
         interpret=settings.interpret,
     )(*operands)
@@ -246,8 +249,8 @@ def forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, setting
 def backward(residuals, do_BGHTV, d_final_BGHKV, settings: Settings):
     """Cotangents of (q, k, v, log gates, beta, initial state) in their layouts (dv in v's dtype)."""
     q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, starts, inverses = residuals
-    d = _dims(q_BGTK, v_BGHTV, settings)
-    s = _specs(d, reverse=True)
+    d = dims_of(q_BGTK, v_BGHTV, settings)
+    s = block_specs(d, reverse=True)
     like = lambda a, dtype=_F32: jax.ShapeDtypeStruct(a.shape, dtype)  # noqa: E731
     out_shape = [like(q_BGTK), like(k_BGTK), like(v_BGHTV, v_BGHTV.dtype), like(g_BGNHC), like(beta_BGNHC),
                  like(d_final_BGHKV)]
@@ -262,7 +265,7 @@ def backward(residuals, do_BGHTV, d_final_BGHKV, settings: Settings):
                    s["chunks"](d.chunk), s["state"]],
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((d.group, d.key_dim, d.value_dim), _F32)],
-        compiler_params=_compiler_params("backward", d, settings, jnp.dtype(v_BGHTV.dtype).itemsize),
+        compiler_params=compiler_params(KERNEL_NAMES["backward"], d, settings, jnp.dtype(v_BGHTV.dtype).itemsize),
         cost_estimate=cost("backward", d, settings.precision, operands, out_shape),
         interpret=settings.interpret,
     )(*operands)

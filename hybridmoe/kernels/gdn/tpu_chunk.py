@@ -232,29 +232,47 @@ class _Terms(NamedTuple):
     attn: list  # A = q k^T * Gamma [C, D]
 
 
-def _terms(chunks: list[ChunkIn], precision: Precision, inverses=None) -> _Terms:
+def _terms(chunks: list[ChunkIn], precision: Precision, inverses=None, *, outputs: bool = True,
+           values: bool = True) -> _Terms:
     """Every item's decays, L, T (the given ones, else the doubling over all of them at once), W, U
-    and A, each line over all items before the next (independent products back to back)."""
-    heads = len(chunks[0].v)
-    row, col = positions(chunks[0].q.shape[0])
-    q = [c.q for c in chunks for _ in range(heads)]
+    and A, each line over all items before the next (independent products back to back). Without
+    `outputs` no q k^T and no A (the chunks' q may be None); without `values` no U (v may be empty
+    lists); with T given and no `values`, no k k^T nor L either (nothing left needs them)."""
+    heads = len(chunks[0].g)
+    row, col = positions(chunks[0].k.shape[0])
     k = [c.k for c in chunks for _ in range(heads)]
-    kk_by_chunk = [mxu(c.k, c.k, _NT, precision.keys) for c in chunks]  # once per key head
-    qk_by_chunk = [mxu(c.q, c.k, _NT, precision.keys) for c in chunks]
-    kk = [x for x in kk_by_chunk for _ in range(heads)]
-    qk = [x for x in qk_by_chunk for _ in range(heads)]
     d = [decays(g) for c in chunks for g in c.g]
     beta = [column(b) for c in chunks for b in c.beta]
-    v = [x.astype(F32) for c in chunks for x in c.v]
-    lower = _each(lambda b, x, dd: jnp.where(row > col, b * x * dd.gamma, 0.0), beta, kk, d)
+    kk = lower = qk = attn = u = v_scaled = None
+    if inverses is None or values:
+        kk_by_chunk = [mxu(c.k, c.k, _NT, precision.keys) for c in chunks]  # once per key head
+        kk = [x for x in kk_by_chunk for _ in range(heads)]
+        lower = _each(lambda b, x, dd: jnp.where(row > col, b * x * dd.gamma, 0.0), beta, kk, d)
+    if outputs:
+        qk_by_chunk = [mxu(c.q, c.k, _NT, precision.keys) for c in chunks]
+        qk = [x for x in qk_by_chunk for _ in range(heads)]
     if inverses is None:
         inverses = unit_lower_inverses(lower, precision.inverse)
     k_scaled = _each(lambda b, dd, x: (b * dd.from_start) * x, beta, d, k)
-    v_scaled = _each(lambda b, x: b * x, beta, v)
     w = _each(lambda t, x: mxu(t, x, _NN, precision.keys), inverses, k_scaled)
-    u = _each(lambda t, x: mxu(t, x, _NN, precision.keys), inverses, v_scaled)
-    attn = _each(lambda x, dd: x * dd.gamma, qk, d)
+    if values:
+        v = [x.astype(F32) for c in chunks for x in c.v]
+        v_scaled = _each(lambda b, x: b * x, beta, v)
+        u = _each(lambda t, x: mxu(t, x, _NN, precision.keys), inverses, v_scaled)
+    if outputs:
+        attn = _each(lambda x, dd: x * dd.gamma, qk, d)
     return _Terms(d, beta, kk, lower, list(inverses), k_scaled, v_scaled, w, u, attn)
+
+
+def _state_chain_step(t: _Terms, items, k_CK, states: list, precision: Precision, *, values: bool = True):
+    """One chunk of the state chain: (V_new = U - W S per head, each head's state at the chunk's end
+    c S + (diag(e) k)^T V_new). Without `values` the chain of the chunk's transition alone (U = 0):
+    S -> c S - (diag(e) k)^T W S, applied to any [K, X] (a product of transitions)."""
+    w_s = [mxu(t.w[i], s, _NN, precision.state) for i, s in zip(items, states)]
+    v_new = [t.u[i] - x for i, x in zip(items, w_s)] if values else [-x for x in w_s]
+    ends = [t.decays[i].chunk * s + mxu(t.decays[i].to_end * k_CK, vn, _TN, precision.state)
+            for i, s, vn in zip(items, states, v_new)]
+    return v_new, ends
 
 
 def forward_step(chunks: list[ChunkIn], states: list, precision: Precision):
@@ -271,13 +289,11 @@ def forward_step(chunks: list[ChunkIn], states: list, precision: Precision):
     for c, chunk in enumerate(chunks):
         items = range(c * heads, (c + 1) * heads)
         starts.append(list(states))
-        w_s = [mxu(t.w[i], s, _NN, p.state) for i, s in zip(items, states)]
-        v_new = [t.u[i] - x for i, x in zip(items, w_s)]
+        v_new, ends = _state_chain_step(t, items, chunk.k, states, p)
         q_s = [mxu(chunk.q, s, _NN, p.outputs) for s in states]
         outs.append([t.decays[i].from_start * x + mxu(t.attn[i], vn, _NN, p.outputs)
                      for i, x, vn in zip(items, q_s, v_new)])
-        states = [t.decays[i].chunk * s + mxu(t.decays[i].to_end * chunk.k, vn, _TN, p.state)
-                  for i, s, vn in zip(items, states, v_new)]
+        states = ends
         inverses.append([t.inverse[i] for i in items])
     return outs, inverses, starts, states
 
@@ -288,6 +304,29 @@ class HeadGrad(NamedTuple):
     v: jax.Array
     g: jax.Array
     beta: jax.Array
+
+
+def _state_cotangent_chain(t: _Terms, q: list, k_to_end: list, do: list, d_states: list, precision: Precision):
+    """The reverse walk of the state cotangent over the step's chunks (last first), from the end
+    states' cotangents (one per head): O = diag(a) q S + A V_new and S_end = c S + (diag(e) k)^T V_new
+    give dV_new = A^T dO + diag(e) k dS_end and dS = c dS_end + (diag(a) q)^T dO - W^T dV_new.
+    Returns (each item's end-state cotangent, each item's dV_new, the first chunk's start-state
+    cotangents); items are chunk-major, as _terms'."""
+    p = precision
+    heads = len(d_states)
+    d = t.decays
+    attn_do = _each(lambda a, x: mxu(a, x, _TN, p.outputs), t.attn, do)
+    q_do = _each(lambda dd, x, y: mxu(dd.from_start * x, y, _TN, p.outputs), d, q, do)
+    d_end = [None] * len(do)
+    d_v_new = [None] * len(do)
+    for c in reversed(range(len(do) // heads)):
+        for h in range(heads):
+            i = c * heads + h
+            d_end[i] = d_states[h]
+            d_v_new[i] = attn_do[i] + mxu(k_to_end[i], d_states[h], _NN, p.state)
+        d_states = [d[c * heads + h].chunk * d_states[h] + q_do[c * heads + h]
+                    - mxu(t.w[c * heads + h], d_v_new[c * heads + h], _TN, p.state) for h in range(heads)]
+    return d_end, d_v_new, d_states
 
 
 def backward_step(chunks: list[ChunkIn], starts: list, inverses: list, d_outs: list, d_states: list,
@@ -314,17 +353,7 @@ def backward_step(chunks: list[ChunkIn], starts: list, inverses: list, d_outs: l
     k_to_end = _each(lambda dd, x: dd.to_end * x, d, k)
     # O = diag(a) q S + A V_new;  S_end = c S + (diag(e) k)^T V_new: the parts of dV_new and dS_start
     # without the end state's cotangent, then the chain.
-    attn_do = _each(lambda a, x: mxu(a, x, _TN, p.outputs), t.attn, do)
-    q_do = _each(lambda dd, x, y: mxu(dd.from_start * x, y, _TN, p.outputs), d, q, do)
-    d_end = [None] * len(state)
-    d_v_new = [None] * len(state)
-    for c in reversed(range(len(chunks))):
-        for h in range(heads):
-            i = c * heads + h
-            d_end[i] = d_states[h]
-            d_v_new[i] = attn_do[i] + mxu(k_to_end[i], d_states[h], _NN, p.state)
-        d_states = [d[c * heads + h].chunk * d_states[h] + q_do[c * heads + h]
-                    - mxu(t.w[c * heads + h], d_v_new[c * heads + h], _TN, p.state) for h in range(heads)]
+    d_end, d_v_new, d_states = _state_cotangent_chain(t, q, k_to_end, do, d_states, p)
     d_attn = _each(lambda x, vn: jnp.where(row >= col, mxu(x, vn, _NT, p.outputs), 0.0), do, v_new)
     d_q_decayed = _each(lambda x, s: mxu(x, s, _NT, p.outputs), do, state)
     d_k_to_end = _each(lambda vn, de: mxu(vn, de, _NT, p.outputs), v_new, d_end)
@@ -371,6 +400,40 @@ def backward_step(chunks: list[ChunkIn], starts: list, inverses: list, d_outs: l
     return dq, dk, [grads[c * heads:(c + 1) * heads] for c in range(len(chunks))], d_states
 
 
+def transition_step(chunks: list[ChunkIn], states: list, products: list, precision: Precision):
+    """Pass 1 of a context-parallel shard (docs/gdn.md section 3) over consecutive chunks of a key head
+    and its value heads: each head's state carried from `states` (zero at the shard's start: its end
+    is S_ext) and each head's product of the chunks' transitions M_c = c I - (diag(e) k)^T W carried
+    from `products` (the identity at the start: its end is M_r, later chunks on the left), both
+    [K, V] / [K, K] per head. No q and no output: the chunks' q may be None.
+
+    The same terms and the same state chain as forward_step (the chain's products at `state`'s
+    passes); the transition is that chain with U = 0, applied to the running product."""
+    p = precision
+    heads = len(states)
+    t = _terms(chunks, p, outputs=False)
+    for c, chunk in enumerate(chunks):
+        items = range(c * heads, (c + 1) * heads)
+        _, states = _state_chain_step(t, items, chunk.k, states, p)
+        _, products = _state_chain_step(t, items, chunk.k, products, p, values=False)
+    return states, products
+
+
+def state_cotangent_step(chunks: list[ChunkIn], inverses: list, d_outs: list, d_states: list,
+                         precision: Precision):
+    """The local state cotangent of a context-parallel shard (docs/gdn.md section 3) over consecutive
+    chunks, walked last first: the cotangents of the states at the first chunk's start (one [K, V]
+    per head) from the outputs' cotangents (per chunk per head) and the end states' (`d_states`;
+    zero after the shard's last chunk), with each chunk's T per head given (the forward's
+    residual). backward_step's chain alone: no v, no input cotangents (the chunks' v may be empty)."""
+    heads = len(d_states)
+    t = _terms(chunks, precision, [x for per_chunk in inverses for x in per_chunk], values=False)
+    q = [c.q for c in chunks for _ in range(heads)]
+    k_to_end = _each(lambda dd, x: dd.to_end * x, t.decays, [c.k for c in chunks for _ in range(heads)])
+    do = [x.astype(F32) for per_chunk in d_outs for x in per_chunk]
+    return _state_cotangent_chain(t, q, k_to_end, do, d_states, precision)[2]
+
+
 def _chunk_shapes(C: int, K: int, V: int, group: int, precision: str):
     f32 = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
     v = jax.ShapeDtypeStruct((C, V), F32 if precision == "float32" else BF16)
@@ -379,8 +442,9 @@ def _chunk_shapes(C: int, K: int, V: int, group: int, precision: str):
 
 @functools.cache
 def chunk_macs(kernel: str, C: int, K: int, V: int, group: int = 1, precision: str = "float32") -> int:
-    """Multiply-adds of one chunk of one key-head group as `forward_step` / `backward_step` write
-    them (kernel "forward" or "backward"), every bfloat16 pass counted: read from the traced
+    """Multiply-adds of one chunk of one key-head group as `forward_step`, `backward_step`,
+    `transition_step` or `state_cotangent_step` write them (kernel "forward", "backward", "transition"
+    or "state_cotangent"), every bfloat16 pass counted: read from the traced
     functions' matmuls on one chunk (every product is per chunk), so the count cannot drift."""
     chunk, states = _chunk_shapes(C, K, V, group, precision)
     p = PRECISIONS[precision]
@@ -390,8 +454,15 @@ def chunk_macs(kernel: str, C: int, K: int, V: int, group: int = 1, precision: s
         f32 = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
         fn = lambda ch, s, t, do, ds: backward_step([ch], [s], [t], [do], ds, p)  # noqa: E731
         args = (chunk, states, [f32(C, C)] * group, list(chunk.v), states)
+    elif kernel == "transition":
+        products = [jax.ShapeDtypeStruct((K, K), F32)] * group
+        fn, args = (lambda ch, s, m: transition_step([ch._replace(q=None)], s, m, p)), (chunk, states, products)
+    elif kernel == "state_cotangent":
+        f32 = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
+        fn = lambda ch, t, do, ds: state_cotangent_step([ch._replace(v=[])], [t], [do], ds, p)  # noqa: E731
+        args = (chunk, [f32(C, C)] * group, list(chunk.v), states)
     else:
-        raise ValueError(f"unknown GDN kernel {kernel!r}; choose forward or backward")
+        raise ValueError(f"unknown GDN kernel {kernel!r}; choose forward, backward, transition or state_cotangent")
     macs = 0
     for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
