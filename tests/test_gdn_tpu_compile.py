@@ -97,6 +97,28 @@ def test_cp_scans_compile_as_mosaic_kernels_at_the_cell(topology):
     assert "gdn_cp_m_scan" in m.hlo_text and "gdn_cp_dh_scan" in dh.hlo_text
 
 
+@pytest.mark.parametrize("topology", [V5E, TOPOLOGY])
+def test_cp_kernels_compile_at_the_cell_and_the_chip_case_keeps_them(topology):
+    """gdn.cp_terms_in_kernel's kernels (pallas_tpu_cp.py) compile at the cell's shard (bf16, packed
+    rows), within `auto`'s VMEM limits, as the chip case gdn_cp runs them: two ranks of the cell's
+    shard mapped onto one device, forward + backward. Both kernels are in the compiled program
+    (a case of one rank lost them: its prefix is zero and XLA removed them), beside the chunk kernels."""
+    from hybridmoe.kernels.gdn import limits
+    from hybridmoe.tools import chip_cases as cc
+
+    device = _device(topology)
+    g = cc.GEOMETRIES["cell"]["gdn_cp"]
+    fwd_bwd = cc._gdn_cp_backends(g, interpret=False)["pallas_tpu"].fwd_bwd
+    t, hk, hv, kd, vd = g["tokens"], g["key_heads"], g["value_heads"], g["key_dim"], g["value_dim"]
+    args = (spec((1, t, hk, kd), jnp.bfloat16, device), spec((1, t, hk, kd), jnp.bfloat16, device),
+            spec((1, t, hv, vd), jnp.bfloat16, device), spec((1, t, hv), jnp.float32, device),
+            spec((1, t, hv), jnp.float32, device), spec((1, t), jnp.int32, device),
+            spec((1, t, hv, vd), jnp.bfloat16, device))
+    text = compile_abstract(fwd_bwd, *args).hlo_text
+    assert all(name in text for name in limits.CP_KERNELS + limits.KERNELS), [
+        n for n in limits.CP_KERNELS + limits.KERNELS if n not in text]
+
+
 @pytest.mark.parametrize("chunk_size, key_dim, value_dim", [(16, 16, 8), (2, 16, 8)])
 def test_gdn_core_compiles_at_small_chunks(chunk_size, key_dim, value_dim):
     """The small dims the CPU tests run, and the smallest chunk the validator lets through on TPU

@@ -46,6 +46,30 @@ def test_an_estimate_charges_the_measured_rates_fixed_costs_and_kernel_factor(mo
     assert maker["categories"]["dense matmuls"]["s"] == pytest.approx(10 * max(1.6e9 / 197e12, 4e6 / 819e9))
 
 
+class _UntimedKernels(_Ops):
+    """The same GDN op as the CP pass-1 kernel (a proxy's), and one kernel with neither factor nor proxy."""
+
+    def ops(self):
+        return [(OpCost("GDN", flops=0.8e9, useful_flops=0.8e9, bytes=8e6, grid_steps=20, kernel="gdn_cp_transition"), 1.0),
+                (OpCost("GDN", flops=0.8e9, useful_flops=0.8e9, bytes=8e6, grid_steps=20, kernel="unknown_kernel"), 1.0)]
+
+
+def test_a_kernel_no_case_timed_takes_its_proxys_factor_and_the_estimate_says_so(monkeypatch):
+    """gdn_cp_transition shares gdn_chunk_forward's body: at its factor 3 (92 us as above); a kernel
+    with no factor and no proxy stays at the bare model (10 + 20 = 30 us, + 2 us per launch); the
+    printed estimate names both."""
+    monkeypatch.setattr(se, "Estimator", _UntimedKernels)
+    hw = hwmod.calibrated(hwmod.MAKERS["v5e"], ROW)
+    assert hw.kernel_factor("gdn_cp_transition") == 3.0 and hw.factor_source("gdn_cp_transition") == "gdn_chunk_forward"
+    assert hw.kernel_factor("gdn_chunk_forward") == 3.0 and hw.factor_source("gdn_chunk_forward") == "gdn_chunk_forward"
+    assert hw.kernel_factor("unknown_kernel") == 1.0 and hw.factor_source("unknown_kernel") is None
+    e = se.estimate("", hw, tokens_per_step=1000, chips=1, devices=1)
+    assert e["kernels"]["gdn_cp_transition"]["s"] == pytest.approx(92e-6)
+    assert e["kernels"]["unknown_kernel"]["s"] == pytest.approx(32e-6)
+    text = se.format_estimate(e)
+    assert "gdn_cp_transition at gdn_chunk_forward's" in text and "(the bare model): unknown_kernel" in text
+
+
 def test_the_calibration_table_is_written_whole_and_keeps_other_generations(tmp_path):
     path = tmp_path / "chip_calibration.json"
     hwmod.write_calibration("v6e", {**ROW, "bf16_flops_chip": 800e12}, path)

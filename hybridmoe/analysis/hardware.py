@@ -65,7 +65,24 @@ class Hardware:
         return self.per_device(self.link_bytes_per_s_chip)
 
     def kernel_factor(self, kernel: str) -> float:
-        return dict(self.kernel_factors).get(kernel, 1.0)
+        """The kernel's measured / modelled time; one no calibration case timed takes the factor of the
+        kernel whose body it shares (FACTOR_PROXIES), else 1 (the bare model)."""
+        factors = dict(self.kernel_factors)
+        return factors.get(kernel, factors.get(FACTOR_PROXIES.get(kernel), 1.0))
+
+    def factor_source(self, kernel: str) -> str | None:
+        """Where kernel_factor's figure comes from: the kernel itself, its proxy's name, or None (no factor)."""
+        factors = dict(self.kernel_factors)
+        if kernel in factors:
+            return kernel
+        return FACTOR_PROXIES.get(kernel) if FACTOR_PROXIES.get(kernel) in factors else None
+
+
+# Kernels whose factor is borrowed until a calibration case times them: each shares its body with
+# the one named (the same kernels/gdn/tpu_chunk.py math on the same layout and grid). The first chip
+# run of their case (tools/chip_cases.py gdn_cp) ran one rank alone, where the cross-rank prefix is
+# zero and XLA removed both kernels from the program: it timed neither.
+FACTOR_PROXIES = {"gdn_cp_transition": "gdn_chunk_forward", "gdn_cp_local_cotangent": "gdn_chunk_backward"}
 
 
 # Makers' figures. TPU rows: Google Cloud TPU documentation, each generation's "system architecture"

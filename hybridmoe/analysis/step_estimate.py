@@ -116,6 +116,7 @@ def estimate(text: str, hw: Hardware, *, tokens_per_step: int, chips: int, devic
             "top_ops": top_ops(per_op, op_names), "top_op_groups": top_op_groups(per_op, op_names),
             "exposed_async_s": exposed, "top_exposed": top_exposed(exposures, op_names),
             "kernels": dict(kernels), "kernels_without_cost_estimate": sorted(missing),
+            "kernel_factor_sources": ({k: hw.factor_source(k) for k in sorted(kernels)} if hw.kernel_factors else {}),
             "loops_with_unknown_trip_count": est.unknown_trips, "tokens_per_step": tokens_per_step,
             "chips": chips, "devices": devices, **totals(cats, hw.bf16_flops, tokens_per_step, chips,
                                                          model_flops_per_device, scheduled_s=busy + exposed)}
@@ -235,6 +236,13 @@ def format_estimate(e: dict, reference: dict | None = None) -> str:
                  f"{hw['grid_step_s'] * 1e6:.2f} us per Pallas grid step, {hw['op_overhead_s'] * 1e6:.2f} us per op"
                  f"{'; Pallas kernels scaled by their measured/modelled time' if hw['kernel_factors'] else ''}; "
                  "a conditional costs its heaviest branch; elementwise work hides under memory time")
+    sources = e.get("kernel_factor_sources", {})
+    borrowed = [f"{k} at {v}'s" for k, v in sources.items() if v not in (None, k)]
+    if borrowed:
+        lines.append(f"  Pallas kernels no chip case timed, at the factor of the kernel whose body they share: "
+                     f"{', '.join(borrowed)}")
+    if unmeasured := [k for k, v in sources.items() if v is None]:
+        lines.append(f"  Pallas kernels without a measured factor (the bare model): {', '.join(unmeasured)}")
     if e["kernels_without_cost_estimate"]:
         lines.append(f"  Pallas kernels without a cost estimate (counted as memory only): "
                      f"{', '.join(e['kernels_without_cost_estimate'])}")

@@ -122,6 +122,16 @@ def reference_of(fn, args, cot, argnums) -> Reference:
     return Reference(jax.device_get(out), jax.device_get(both))
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnGradients:
+    """A backend that forms its gradients itself: fn(*args) the forward, fwd_bwd(*args, cot) what
+    with_gradients(fn, argnums) would return (for a program whose vjp must run inside a transform of
+    its own, e.g. within a vmap that binds an axis name its backward's collectives use)."""
+
+    fn: Callable
+    fwd_bwd: Callable
+
+
 def with_gradients(fn, argnums):
     """(*args, cot) -> (fn(*args), the gradients of sum(fn(*args) * cot) for args[argnums])."""
     def run(*args_and_cot):

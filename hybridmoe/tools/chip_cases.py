@@ -42,8 +42,9 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               `xla` (flash in XLA ops), `pallas_tpu` (default blocks), `pallas_tpu_256x512`,
               `splash` (jax's splash attention: causal by token index with segment ids, the same
               mask here), `tokamax` (where the package imports);
-  gdn_cp      the core as one rank of sequence-sharded GDN runs it (context_parallel.py), on a context
-              axis of one device (gdn's inputs and reference): `xla` (the XLA core and scans),
+  gdn_cp      the core of sequence-sharded GDN (context_parallel.py) over `ranks` context ranks, each a
+              shard of the geometry's gdn size, the ranks mapped onto one device by vmap (gdn's inputs
+              and reference over the whole sequence): `xla` (the XLA core and scans),
               `pallas_tpu` (gdn.cp_terms_in_kernel: pass 1
               and the local state cotangent as Mosaic kernels on the core's layout) and
               `pallas_tpu_terms_in_xla` (chunk terms by XLA, both scans: the key off);
@@ -83,7 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybridmoe.tools.chip_case_parts import (Built, Case, Reference, as_given, document_lengths,
+from hybridmoe.tools.chip_case_parts import (Built, Case, OwnGradients, Reference, as_given, document_lengths,
                                              float32_copies, group_sizes, normal, packed_ids, reference_of,
                                              sampled_groups, tokamax_module, uniform, with_gradients)
 from hybridmoe.tools.chip_layouts import LaidOut, aligned, aligned_moe_plan, fused_table_tiles, table_tiling
@@ -102,6 +103,8 @@ GEOMETRIES: dict[str, dict[str, dict]] = {
         "gmm": dict(rows=65536, k=4096, n=2048, groups=128, tiles=(512, 2048, 512), aligned=(64, 128)),
         "moe_mlp": dict(rows=65536, d=4096, f=1024, groups=128, tiles="seed", aligned=(128,)),
         "gdn": dict(tokens=16384, key_heads=16, value_heads=64, key_dim=128, value_dim=128, chunk=64, documents=4),
+        "gdn_cp": dict(tokens=2 * 16384, ranks=2, key_heads=16, value_heads=64, key_dim=128, value_dim=128, chunk=64,
+                       documents=4),
         "attention": dict(tokens=16384, heads=32, kv_heads=2, head_dim=256, documents=4),
         "cp": dict(tokens=16384, key_heads=16, value_heads=64, key_dim=128, value_dim=128, chunk=64),
     },
@@ -109,6 +112,8 @@ GEOMETRIES: dict[str, dict[str, dict]] = {
         "gmm": dict(rows=65536, k=2048, n=1024, groups=16, tiles=(512, 2048, 512)),
         "moe_mlp": dict(rows=65536, d=2048, f=512, groups=16, tiles="seed"),
         "gdn": dict(tokens=8192, key_heads=16, value_heads=32, key_dim=128, value_dim=128, chunk=64, documents=4),
+        "gdn_cp": dict(tokens=2 * 8192, ranks=2, key_heads=16, value_heads=32, key_dim=128, value_dim=128, chunk=64,
+                       documents=4),
         "attention": dict(tokens=8192, heads=16, kv_heads=2, head_dim=256, documents=4),
         "cp": dict(tokens=8192, key_heads=16, value_heads=32, key_dim=128, value_dim=128, chunk=64),
     },
@@ -116,6 +121,8 @@ GEOMETRIES: dict[str, dict[str, dict]] = {
         "gmm": dict(rows=1000, k=512, n=384, groups=6, tiles=(128, 256, 128), aligned=(128,)),
         "moe_mlp": dict(rows=1500, d=4096, f=1024, groups=4, tiles="seed", aligned=(128,)),
         "gdn": dict(tokens=1024, key_heads=2, value_heads=8, key_dim=128, value_dim=128, chunk=64, documents=3),
+        "gdn_cp": dict(tokens=2 * 1024, ranks=2, key_heads=2, value_heads=8, key_dim=128, value_dim=128, chunk=64,
+                       documents=3),
         "attention": dict(tokens=2048, heads=8, kv_heads=2, head_dim=256, documents=3),
         "cp": dict(tokens=1024, key_heads=2, value_heads=8, key_dim=128, value_dim=128, chunk=64),
     },
@@ -125,6 +132,7 @@ GEOMETRIES: dict[str, dict[str, dict]] = {
                         tiles=dict(tm=64, tk=128, tn=128, wi_fwd_tile_n_per_half=64, wi_fwd_rhs_buffer_count=0),
                         aligned=(16,)),
         "gdn": dict(tokens=96, key_heads=1, value_heads=2, key_dim=16, value_dim=16, chunk=16, documents=3),
+        "gdn_cp": dict(tokens=2 * 64, ranks=2, key_heads=1, value_heads=2, key_dim=16, value_dim=16, chunk=16, documents=3),
         "attention": dict(tokens=256, heads=4, kv_heads=2, head_dim=128, documents=3),
         "cp": dict(tokens=128, key_heads=1, value_heads=2, key_dim=16, value_dim=16, chunk=16),
     },
@@ -410,22 +418,31 @@ def _gdn_backends(g, interpret):
 
 
 def _gdn_cp_backends(g, interpret):
-    """The context-parallel core on one shard (a context axis of one device: the whole sequence, the
-    cross-rank prefix trivial): what each rank of a sequence-sharded layer runs, at its shard's shape."""
-    from jax.sharding import Mesh, PartitionSpec
-
+    """Sequence-sharded GDN's core with the sequence over g["ranks"] context ranks, the ranks mapped
+    by vmap onto one device (jax.vmap with the axis name: the cross-rank prefix's collectives act
+    along the mapped axis), each rank a shard of the cell's per-device size. One rank alone would time
+    nothing of pass 1 or the local state cotangent: its prefix is zero and XLA removes both (the first
+    chip run of this case, at 0ca81d2, timed pass 2 alone)."""
     from hybridmoe.kernels.gdn.context_parallel import gated_delta_rule_context_parallel
 
-    mesh = Mesh(np.asarray(jax.devices()[:1]), ("context",))
+    ranks = g["ranks"]
 
     def rule(backend="pallas_tpu", **keys):
-        def local(q, k, v, gate, beta, seg):
+        def rank(q, k, v, gate, beta, seg):
             return gated_delta_rule_context_parallel(q, k, v, gate, beta, segment_ids=seg, axis_name="context",
                                                      chunk_size=g["chunk"], backend=backend, interpret=interpret,
                                                      **keys)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(),) * 6, out_specs=PartitionSpec(),
-                             check_vma=False)
+        def rank_with_gradients(q, k, v, gate, beta, seg, cot):  # the vjp inside the vmap: its backward's
+            out, vjp = jax.vjp(lambda *d: rank(*d, seg), q, k, v, gate, beta)  # collectives see the axis
+            return out, vjp(cot)
+
+        shards = lambda a: jnp.moveaxis(a.reshape(a.shape[0], ranks, -1, *a.shape[2:]), 1, 0)  # noqa: E731
+        sequence = lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1, *a.shape[3:])  # noqa: E731
+        over_ranks = lambda fn, *args: jax.tree.map(  # noqa: E731
+            sequence, jax.vmap(fn, axis_name="context")(*map(shards, args)))
+        return OwnGradients(lambda *args: over_ranks(rank, *args),
+                            lambda *args_and_cot: over_ranks(rank_with_gradients, *args_and_cot))
 
     return {"xla": rule("xla", cp_m_scan=True, cp_dh_scan=True), "pallas_tpu": rule(terms_in_kernel=True),
             "pallas_tpu_terms_in_xla": rule(cp_m_scan=True, cp_dh_scan=True)}
@@ -661,7 +678,7 @@ FAMILIES = (
            lambda g: 6.0 * g["rows"] * g["d"] * g["f"], _moe_fp8_reference, _moe_view),
     Family("gdn", "gdn", _gdn_make, _gdn_backends, (0, 1, 2, 3, 4),
            lambda g: 6.0 * g["key_dim"] * g["value_dim"] * g["tokens"] * g["value_heads"], _gdn_reference),
-    Family("gdn_cp", "gdn", _gdn_make, _gdn_cp_backends, (0, 1, 2, 3, 4),
+    Family("gdn_cp", "gdn_cp", _gdn_make, _gdn_cp_backends, (0, 1, 2, 3, 4),
            lambda g: 6.0 * g["key_dim"] * g["value_dim"] * g["tokens"] * g["value_heads"], _gdn_reference),
     Family("cp_m_scan", "cp", _cp_make(False), _cp_backends("m"), None, _cp_m_flops, _cp_reference("m")),
     Family("cp_dh_scan", "cp", _cp_make(True), _cp_backends("dh"), None, _cp_dh_flops, _cp_reference("dh")),
@@ -687,10 +704,11 @@ def _case(family: Family, geometry: str, g: dict, interpret: bool) -> Case:
             if isinstance(fn, LaidOut):
                 args, cot, restore = fn.lay(args, cot)
                 run = fn.fn
-            fwd = (jax.jit(run), args)
+            fwd = (jax.jit(run.fn if isinstance(run, OwnGradients) else run), args)
             if family.argnums is None:
                 return Built(fwd, None, restore)
-            return Built(fwd, (jax.jit(with_gradients(run, family.argnums)), (*args, cot)), restore)
+            fwd_bwd = run.fwd_bwd if isinstance(run, OwnGradients) else with_gradients(run, family.argnums)
+            return Built(fwd, (jax.jit(fwd_bwd), (*args, cot)), restore)
         return build
 
     flops = family.flops(g)

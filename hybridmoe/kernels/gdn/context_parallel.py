@@ -208,7 +208,9 @@ def cross_rank_starts(starts_BT, segment_ids_BT, axis_name):
     """Flag the shard's first token as a document start when the previous rank's last token is in
     another document (the first rank: never; the row's first document starts from zero anyway)."""
     ranks = lax.axis_size(axis_name)
-    prev_last_B = lax.ppermute(segment_ids_BT[:, -1], axis_name, [(i, i + 1) for i in range(ranks - 1)])
+    # A whole cycle (the first rank's value, the last rank's, is masked below): a partial permutation
+    # would serve shard_map alike, but vmap over ranks (tools/chip_cases.py's gdn_cp) takes only whole ones.
+    prev_last_B = lax.ppermute(segment_ids_BT[:, -1], axis_name, [(i, (i + 1) % ranks) for i in range(ranks)])
     first_B = (segment_ids_BT[:, 0] != prev_last_B) & (lax.axis_index(axis_name) > 0)
     return starts_BT.at[:, 0].set(first_B | starts_BT[:, 0])
 
