@@ -203,18 +203,26 @@ def test_cp_m_scan_and_cp_dh_scan_broken_variants_are_caught(variant, which, imp
     assert broken > 10 * max(clean, 1e-5), f"clean {clean:.2e}, broken {broken:.2e}"
 
 
+def shard_inputs(rng, chunks: int, chunk: int, *, gate_low: float, beta: tuple[float, float]):
+    """float32 (q, k, v, g, beta) of one shard of 2 rows (dims 16, 1 key head, 2 value heads) with
+    gates in [log gate_low, 0], and its document starts: row 1 holds a start 5 tokens into its second
+    chunk."""
+    B, T, G, H, K, V = 2, chunks * chunk, 1, 2, 16, 16
+    q, k = (jnp.asarray(rng.normal(size=(B, T, G, K)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32)
+    g = jnp.asarray(np.log(rng.uniform(gate_low, 1.0, size=(B, T, H))), jnp.float32)
+    b = jnp.asarray(rng.uniform(*beta, size=(B, T, H)), jnp.float32)
+    seg = np.ones((B, T), np.int32)
+    seg[1, chunk + 5:] = 2
+    return (q, k, v, g, b), document_starts(jnp.asarray(seg))
+
+
 def _odd_terms(chunks: int):
     """Terms of an odd number of chunks of 64 (dims 16), long-memory gates; row 1 holds a document
     start in its second chunk (its transition product is then the chunks' after it alone)."""
     rng = np.random.default_rng(20 + chunks)
-    B, T, G, H, K, V = 2, chunks * SCAN_CHUNK, 1, 2, 16, 16
-    q, k = (jnp.asarray(rng.normal(size=(B, T, G, K)), jnp.float32) for _ in range(2))
-    v = jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32)
-    g = jnp.asarray(np.log(rng.uniform(0.995, 1.0, size=(B, T, H))), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.01, 0.1, size=(B, T, H)), jnp.float32)
-    seg = np.ones((B, T), np.int32)
-    seg[1, SCAN_CHUNK + 5:] = 2
-    x, starts_BNC = prepare_chunks(q, k, v, g, beta, document_starts(jnp.asarray(seg)), SCAN_CHUNK, True)
+    inputs, starts = shard_inputs(rng, chunks, SCAN_CHUNK, gate_low=0.995, beta=(0.01, 0.1))
+    x, starts_BNC = prepare_chunks(*inputs, starts, SCAN_CHUNK, True)
     return jit(chunk_terms)(x, starts_BNC), jnp.asarray(rng.normal(size=x.v.shape), jnp.float32)
 
 

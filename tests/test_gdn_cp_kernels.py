@@ -20,7 +20,8 @@ from hybridmoe.analysis.program import iter_eqns
 from hybridmoe.config.errors import ConfigError
 from hybridmoe.kernels.gdn import pallas_tpu_cp, tpu_chunk
 from hybridmoe.model.gdn import gdn_layer
-from tests.test_gdn_context_parallel import _layer_loss, _on_context_mesh, _rel_max, layer_case, single_device  # noqa: F401
+from tests.test_gdn_context_parallel import (_layer_loss, _on_context_mesh, _rel_max, layer_case,  # noqa: F401
+                                             shard_inputs, single_device)
 from tests.test_gdn_pallas import _sharded_pallas_errors
 
 KEYS = dict(backend="pallas_tpu", interpret=True, cp_terms_in_kernel=True)
@@ -179,18 +180,12 @@ def shard_case():
     import numpy as np
 
     from hybridmoe.kernels.gdn import context_parallel as cp, pallas_tpu
-    from hybridmoe.kernels.gdn.reference import document_starts, prepare_query_key
+    from hybridmoe.kernels.gdn.reference import prepare_query_key
     from hybridmoe.kernels.gdn.xla import chunk_start_states, chunk_terms, from_chunks, prepare_chunks
 
     rng = np.random.default_rng(5)
-    B, T, G, H, K, V = 2, CHUNKS * C, 1, 2, 16, 16
-    q, k = (jnp.asarray(rng.normal(size=(B, T, G, K)), jnp.float32) for _ in range(2))
-    v = jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32)
-    g = jnp.asarray(np.log(rng.uniform(0.97, 1.0, size=(B, T, H))), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0.05, 0.3, size=(B, T, H)), jnp.float32)
-    seg = np.ones((B, T), np.int32)
-    seg[1, C + 5:] = 2
-    starts = document_starts(jnp.asarray(seg))
+    (q, k, v, g, beta), starts = shard_inputs(rng, CHUNKS, C, gate_low=0.97, beta=(0.05, 0.3))
+    B, G, H, K, V = q.shape[0], q.shape[2], v.shape[2], q.shape[3], v.shape[3]
     x, starts_BNC = prepare_chunks(q, k, v, g, beta, starts, C, True)
     t = chunk_terms(x, starts_BNC)
     do_BNHCV = jnp.asarray(rng.normal(size=x.v.shape), jnp.float32)

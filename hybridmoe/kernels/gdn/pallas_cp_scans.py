@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from hybridmoe.kernels.gdn.pallas_tpu import carry
 from hybridmoe.kernels.gdn.tpu_chunk import mxu
 
 _F32 = jnp.float32
@@ -73,13 +74,7 @@ def _m_scan_kernel(w_ref, k_ref, decay_ref, m_out, m_scratch, *, chunks_per_step
         # Each product over all heads before the next: the heads' chains interleave on the MXU.
         w_m = [mxu(w_ref[c, h], products[h], _NN, _FLOAT32) for h in range(heads)]
         products = [decay_ref[c, h] * products[h] - mxu(k_ref[c, h], w_m[h], _TN, _FLOAT32) for h in range(heads)]
-    for h in range(heads):
-        m_scratch[h] = products[h]
-
-    @pl.when(step == pl.num_programs(2) - 1)
-    def _():
-        for h in range(heads):
-            m_out[h] = products[h]
+    carry(m_scratch, products, m_out)
 
 
 def m_scan_product(t, *, interpret: bool = False):
@@ -119,13 +114,7 @@ def _dh_scan_kernel(do_ref, w_ref, attn_ref, q_ref, k_ref, decay_ref, d_out, d_s
         d_v_new = [attn_do[h] + mxu(k_ref[c, h], d_states[h], _NN, _FLOAT32) for h in range(heads)]
         d_states = [decay_ref[c, h] * d_states[h] + local[h] - mxu(w_ref[c, h], d_v_new[h], _TN, _FLOAT32)
                     for h in range(heads)]
-    for h in range(heads):
-        d_scratch[h] = d_states[h]
-
-    @pl.when(step == pl.num_programs(2) - 1)
-    def _():
-        for h in range(heads):
-            d_out[h] = d_states[h]
+    carry(d_scratch, d_states, d_out)
 
 
 def dh_scan_cotangent(t, do_BNHCV, *, interpret: bool = False):

@@ -75,6 +75,18 @@ def _walk_starts(step):
     return step == 0
 
 
+def carry(scratch_ref, values: list, out_ref):
+    """Each head's carried value (state, product or cotangent) into the scratch for the walk's next
+    grid step, and into out_ref at its last."""
+    for h, x in enumerate(values):
+        scratch_ref[h] = x
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _():
+        for h, x in enumerate(values):
+            out_ref[h] = x
+
+
 def chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size: int, per_step: int) -> list[ChunkIn]:
     """The grid step's chunks as tpu_chunk.ChunkIn, each a view of the blocks (a kernel that reads no
     q or no v passes None: q None, v empty lists)."""
@@ -110,13 +122,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, se
             if save:
                 starts_ref[c * group + h] = starts[c][h]
                 inverses_ref[c * group + h] = inverses[c][h]
-    for h in range(group):
-        state_scratch[h] = states[h]
-
-    @pl.when(step == pl.num_programs(2) - 1)
-    def _():
-        for h in range(group):
-            final_ref[h] = states[h]
+    carry(state_scratch, states, final_ref)
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_ref, do_ref, d_final_ref,
@@ -143,13 +149,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_
             dv_ref[h, rows[c], :] = grad.v.astype(dv_ref.dtype)
             dg_ref[c, pl.ds(h, 1), :] = grad.g
             dbeta_ref[c, pl.ds(h, 1), :] = grad.beta
-    for h in range(group):
-        d_state_scratch[h] = d_states[h]
-
-    @pl.when(step == pl.num_programs(2) - 1)
-    def _():
-        for h in range(group):
-            d_initial_ref[h] = d_states[h]
+    carry(d_state_scratch, d_states, d_initial_ref)
 
 
 # ---------------------------------------------------------------------------------------------

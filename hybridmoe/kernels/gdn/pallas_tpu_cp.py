@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gdn import limits, tpu_chunk
-from hybridmoe.kernels.gdn.pallas_tpu import Settings, block_specs, chunks_of, compiler_params, cost, dims_of
+from hybridmoe.kernels.gdn.pallas_tpu import Settings, block_specs, carry, chunks_of, compiler_params, cost, dims_of
 from hybridmoe.kernels.gdn.tpu_chunk import PRECISIONS
 
 _F32 = jnp.float32
@@ -59,15 +59,8 @@ def _transition_kernel(k_ref, v_ref, g_ref, beta_ref, end_ref, transition_ref, s
     states, products = tpu_chunk.transition_step(
         chunks_of(None, k_ref, v_ref, g_ref, beta_ref, size, per_step), [state_scratch[h] for h in range(group)],
         [product_scratch[h] for h in range(group)], PRECISIONS[settings.precision])
-    for h in range(group):
-        state_scratch[h] = states[h]
-        product_scratch[h] = products[h]
-
-    @pl.when(step == pl.num_programs(2) - 1)
-    def _():
-        for h in range(group):
-            end_ref[h] = states[h]
-            transition_ref[h] = products[h]
+    carry(state_scratch, states, end_ref)
+    carry(product_scratch, products, transition_ref)
 
 
 def transition(k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, settings: Settings):
@@ -106,13 +99,7 @@ def _state_cotangent_kernel(q_ref, k_ref, g_ref, beta_ref, inverses_ref, do_ref,
         [[inverses_ref[c * group + h] for h in range(group)] for c in range(per_step)],
         [[do_ref[h, pl.ds(c * size, size), :] for h in range(group)] for c in range(per_step)],
         [d_state_scratch[h] for h in range(group)], PRECISIONS[settings.precision])
-    for h in range(group):
-        d_state_scratch[h] = d_states[h]
-
-    @pl.when(step == pl.num_programs(2) - 1)
-    def _():
-        for h in range(group):
-            d_local_ref[h] = d_states[h]
+    carry(d_state_scratch, d_states, d_local_ref)
 
 
 def local_state_cotangent(q_BGTK, k_BGTK, g_BGNHC, beta_BGNHC, inverses, do_BGHTV, settings: Settings):
