@@ -41,7 +41,8 @@ LEVERS = {
     "fp8_gather8": (["quant.fp8_moe_fake_quant=false", "quant.fp8_fake_quant_hoist=off"], []),
     "attention": (["attention.cp_load_balance=false", "attention.cp_load_balance_hoist_ids=false",
                    "remat.policy=full", "remat.save=[]"], []),
-    "gdn": (["gdn.cp_m_scan=false", "gdn.cp_dh_scan=false", "kernels.gdn.backend=xla"], []),
+    "gdn": (["gdn.cp_m_scan=false", "gdn.cp_dh_scan=false", "gdn.cp_terms_in_kernel=false", "kernels.gdn.backend=xla"],
+            []),
     "wi_tile": (["kernels.gmm.wi_fwd_tile_n_per_half=0", "kernels.gmm.wi_fwd_rhs_buffer_count=0"], []),
     # Not the seed's, last: a checkpoint per layer of the block (remat.unit), the MoE over the
     # tokens in chunks (moe.token_chunks), the expert weights' FSDP split on their experts
