@@ -235,3 +235,18 @@ def test_broken_carries_across_grid_steps_are_caught(variant, shard_case, monkey
         monkeypatch.setattr(module, attribute, broken)
     broken = _rel_max(jax.jit(lambda: kernels())()[which], trees[which])  # a new function: traced again
     assert broken > 10 * max(clean, 1e-6), f"clean {clean:.2e}, broken {broken:.2e}"
+
+
+def test_the_chip_case_runs_two_ranks_against_the_whole_sequences_reference():
+    """tools/chip_cases.py's gdn_cp at `tiny` (interpreted): the two ranks mapped by vmap, each taking its
+    gradients inside the map, give the whole sequence's output and gradients of the float32 recurrence
+    over it within the bf16 inputs' error (3.1e-3 measured; a rank given the other's shard, or a
+    prefix that passes nothing across, is off by more than 1e-1)."""
+    from hybridmoe.tools import chip_cases as cc
+
+    (case,) = cc.cases("tiny", interpret=True, families=["gdn_cp"]).values()
+    reference = case.reference()
+    built = case.backends["pallas_tpu"]()
+    fn, args = built.fwd_bwd
+    error = cc.relative_error(case.view(built.restore(fn(*args), True), backward=True), reference.fwd_bwd)
+    assert case.shape["ranks"] == 2 and error < 1e-2, error

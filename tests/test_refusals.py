@@ -315,6 +315,15 @@ CASES: dict[str, Case] = {
                                      ("gdn.cp_m_scan", "needs GDN layers (model.layer_pattern has none); needs "
                                       "sequence-sharded GDN context parallelism (mesh.context > 1); needs "
                                       "gdn.chunk_size=64 (got 32)")),
+    "cp_terms_in_kernel_everything_unmet": case(
+        ("_gdn_context_parallel", "_gdn_cp_terms_in_kernel"),
+        [*ATTENTION_ONLY, "gdn.cp_terms_in_kernel=true", "gdn.cp_dh_scan=true"],
+        ("gdn.cp_dh_scan", "needs GDN layers (model.layer_pattern has none); needs sequence-sharded GDN context "
+         "parallelism (mesh.context > 1)"),
+        ("gdn.cp_terms_in_kernel", "needs GDN layers (model.layer_pattern has none); needs sequence-sharded GDN "
+         "context parallelism (mesh.context > 1); runs on the Mosaic GDN core; kernels.gdn.backend is xla here (set "
+         "kernels.gdn.backend=pallas_tpu, with kernels.interpret=true off a TPU); leaves gdn.cp_dh_scan nothing to "
+         "do (its kernels walk the chunks themselves): set it false")),
     "gdn_pallas_gpu_on_cpu": case("_kernels_gdn_backend", ["kernels.gdn.backend=pallas_gpu", "gdn.chunk_size=8"],
                                   ("kernels.gdn.backend", "cannot run on this platform (cpu); use xla, or "
                                    "kernels.interpret=true to run the Pallas kernel interpreted; needs gdn.chunk_size "
@@ -396,6 +405,8 @@ ACCEPTED: dict[str, Case] = {
     "core_residuals_with_the_output": case((), [*MOSAIC_GDN, *KEPT_CORE]),
     # the flash core's residuals kept under context parallelism that gathers the keys (the core is local)
     "attn_residuals_all_gather": case((), [*CP2, "train.seq_len=128", *KEPT_ATTENTION_CORE]),
+    "cp_terms_in_kernel_on_the_mosaic_core": case((), [*CP2, "train.seq_len=128", "gdn.cp_terms_in_kernel=true",
+                                                       "kernels.gdn.backend=pallas_tpu", "kernels.interpret=true"]),
     # every token routed to all 8 experts
     "top_k_is_every_expert": case((), ["model.num_experts_per_tok=8"]),
     # the format task's shortest prompt, 'answer only: 0+0=' with BOS, is 18 characters: it fits 18

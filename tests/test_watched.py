@@ -81,12 +81,13 @@ def test_tpu_kernels_missing_runs_only_the_cases_the_record_has_no_figures_for(t
                         lambda cmd, share: children.append(cmd[cmd.index("--only") + 1]) or SimpleNamespace(cut=None, returncode=0))
     out = tmp_path / "tpu_kernels.json"
     module.main(["--missing", "--geometry", "one_chip", "--out", str(out)])
-    everything = ("gmm_one_chip,moe_mlp_one_chip,moe_mlp_fp8_one_chip,gdn_one_chip,cp_m_scan_one_chip,cp_dh_scan_one_chip,"
-                  "attention_one_chip")
+    everything = ("gmm_one_chip,moe_mlp_one_chip,moe_mlp_fp8_one_chip,gdn_one_chip,gdn_cp_one_chip,cp_m_scan_one_chip,"
+                  "cp_dh_scan_one_chip,attention_one_chip")
     assert children == [everything]
     out.write_text(json.dumps({"kernels": {"gmm_one_chip": {"ragged_dot": {"ms": 1.0}}, "gdn_one_chip": {"xla": {"ms": 2.0}},
                                            "gdn_cell": {"xla": {"ms": 3.0}}},
                                "cases": {"attention_one_chip": {"not_run": "past the budget"},
                                          "moe_mlp_one_chip": {"cut": "stopped after 150 s"}}}))
     module.main(["--missing", "--geometry", "one_chip", "--out", str(out)])
-    assert children[1] == "moe_mlp_one_chip,moe_mlp_fp8_one_chip,cp_m_scan_one_chip,cp_dh_scan_one_chip,attention_one_chip"
+    assert children[1] == ("moe_mlp_one_chip,moe_mlp_fp8_one_chip,gdn_cp_one_chip,cp_m_scan_one_chip,cp_dh_scan_one_chip,"
+                           "attention_one_chip")
