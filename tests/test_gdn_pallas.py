@@ -125,7 +125,7 @@ def test_equals_the_xla_custom_vjp_core(packed_case):
     assert max(errors.values()) < 1e-6, errors
 
 
-@pytest.mark.parametrize("precision", ["bfloat16x3", "bfloat16"])
+@pytest.mark.parametrize("precision", ["bfloat16x3", "bfloat16x3_bf16_inverse", "bfloat16"])
 def test_bf16_inputs_meet_the_field_tolerances(precision, packed_case):
     """bf16 q, k, v, g, beta, state against the float32 oracle on the same (rounded) values, relative
     RMS (docs/gdn.md section 5); "bfloat16x3" is the default for bfloat16 inputs."""
@@ -290,6 +290,12 @@ def test_stated_flops_count_every_bfloat16_pass():
     # q S, A V_new and the chain's W S and k^T V_new; the segment sum's three.
     bf16_per_head = 3 * C**3 + 2 * 3 * C**3 + 2 * C * C * K + 3 * (2 * C * K * V + C * K * V + C * C * V)
     assert tpu_chunk.chunk_macs("forward", C, K, V, 2, "bfloat16") == 2 * C * C * K + 2 * bf16_per_head
+    # bfloat16x3_bf16_inverse: bfloat16x3 less two of the three passes of each doubling product (the
+    # forward's 2 (log2 C - 1) per head; the backward's two products of T's adjoint per head).
+    for kernel, inverse_products in (("forward", 2 * 3), ("backward", 2)):
+        saved = (tpu_chunk.chunk_macs(kernel, C, K, V, 2, "bfloat16x3")
+                 - tpu_chunk.chunk_macs(kernel, C, K, V, 2, "bfloat16x3_bf16_inverse"))
+        assert saved == 2 * inverse_products * 2 * C**3, (kernel, saved)
 
 
 # ---------------------------------------------------------------------------------------------

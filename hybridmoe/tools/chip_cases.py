@@ -391,7 +391,9 @@ def _gdn_make(g):
 # limits.HEAD_CHUNKS_PER_STEP chunk-heads per grid step): name -> (chunk size, precision of
 # kernels/gdn/tpu_chunk.PRECISIONS, chunk-heads per grid step: chunks per step x the value heads of a
 # key head, so one arm means the same step size at every geometry).
-GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16", None), "pallas_tpu_c128": (128, None, None),
+GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16", None),
+                "pallas_tpu_bf16_inverse": (None, "bfloat16x3_bf16_inverse", None),
+                "pallas_tpu_c128": (128, None, None),
                 "pallas_tpu_c128_bf16": (128, "bfloat16", None),
                 "pallas_tpu_chunk_heads_4": (None, None, 4), "pallas_tpu_chunk_heads_16": (None, None, 16),
                 "pallas_tpu_bf16_chunk_heads_16": (None, "bfloat16", 16)}

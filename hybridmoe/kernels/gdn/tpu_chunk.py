@@ -83,6 +83,13 @@ PRECISIONS = {
     # and for the chain, whose products feed every later chunk (docs/gdn.md keeps cross-chunk
     # products float32; one pass there doubles the final state's error).
     "bfloat16": Precision(keys=1, outputs=2, inverse=1, state=2),
+    # bfloat16 inputs, three passes everywhere but T's doubling, at one pass. T is a third of the
+    # forward's MXU work and its chain of 10 dependent products half of the forward's cycles
+    # (libtpu's static profile, v5e, the 397B cell's heads: 0.69x "bfloat16x3"'s forward cycles).
+    # The errors stay "bfloat16x3"'s but for the final state's (CPU, as above: o 1.7e-3, gradients
+    # <= 2.4e-3, final state 3.0e-4 where three passes give 5e-6): W and U still take T at three
+    # passes, and T's rounding is to its own entries, not compounded along the sequence.
+    "bfloat16x3_bf16_inverse": Precision(keys=2, outputs=2, inverse=1, state=2),
 }
 
 
