@@ -395,6 +395,7 @@ GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16", None),
                 "pallas_tpu_bf16_inverse": (None, "bfloat16x3_bf16_inverse", None),
                 "pallas_tpu_c128": (128, None, None),
                 "pallas_tpu_c128_bf16": (128, "bfloat16", None),
+                "pallas_tpu_c128_bf16_inverse": (128, "bfloat16x3_bf16_inverse", None),
                 "pallas_tpu_chunk_heads_4": (None, None, 4), "pallas_tpu_chunk_heads_16": (None, None, 16),
                 "pallas_tpu_bf16_chunk_heads_16": (None, "bfloat16", 16)}
 
