@@ -180,7 +180,6 @@ def shard_case():
     import numpy as np
 
     from hybridmoe.kernels.gdn import context_parallel as cp, pallas_tpu
-    from hybridmoe.kernels.gdn.reference import prepare_query_key
     from hybridmoe.kernels.gdn.xla import chunk_start_states, chunk_terms, from_chunks, prepare_chunks
 
     rng = np.random.default_rng(5)
@@ -193,9 +192,8 @@ def shard_case():
              "local cotangent": cp.cp_dh_tree_cotangent(t, do_BNHCV)}
 
     def kernels():
-        settings = pallas_tpu.settings_for(C, H // G, CHUNKS, jnp.float32, chunks_per_step=1, interpret=True)
-        qn, kn = prepare_query_key(q, k, G, True, jnp.float32)
-        inputs = pallas_tpu.kernel_layout(qn, kn, v, g, beta, starts, jnp.zeros((B, H, K, V)), settings)
+        settings, inputs = pallas_tpu.prepared(q, k, v, g, beta, starts, jnp.zeros((B, H, K, V)), chunk_size=C,
+                                               normalize_qk=True, interpret=True, chunks_per_step=1)
         end, transition = pallas_tpu_cp.transition(*inputs[1:5], settings)
         _, _, _, inverses = pallas_tpu.forward(*inputs, settings, save=True)
         do_BGHTV = jnp.moveaxis(pallas_tpu.split_value_heads(from_chunks(do_BNHCV), 2, G), 1, 3)

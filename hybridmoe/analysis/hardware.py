@@ -67,8 +67,8 @@ class Hardware:
     def kernel_factor(self, kernel: str) -> float:
         """The kernel's measured / modelled time; one no calibration case timed takes the factor of the
         kernel whose body it shares (FACTOR_PROXIES), else 1 (the bare model)."""
-        factors = dict(self.kernel_factors)
-        return factors.get(kernel, factors.get(FACTOR_PROXIES.get(kernel), 1.0))
+        source = self.factor_source(kernel)
+        return 1.0 if source is None else dict(self.kernel_factors)[source]
 
     def factor_source(self, kernel: str) -> str | None:
         """Where kernel_factor's figure comes from: the kernel itself, its proxy's name, or None (no factor)."""

@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from hybridmoe.kernels.gdn import pallas, pallas_cp_scans, pallas_tpu, pallas_tpu_cp, tpu_chunk
 from hybridmoe.kernels.gdn.limits import RESIDUALS_NAME
-from hybridmoe.kernels.gdn.reference import document_starts, prepare_query_key
+from hybridmoe.kernels.gdn.reference import document_starts
 from hybridmoe.kernels.platform import trace_platform
 from hybridmoe.kernels.gdn.xla import (
     ChunkInputs,
@@ -315,14 +315,11 @@ grouped_core.defvjp(_grouped_fwd, _grouped_bwd)
 def _grouped_context_parallel(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, *, axis_name, chunk_size,
                               normalize_qk, prefix, interpret, precision):
     batch, tokens, heads, value_dim = v_BTHV.shape
-    key_heads, key_dim = q_BTGK.shape[2:]
-    settings = pallas_tpu.settings_for(chunk_size, heads // key_heads, tokens // chunk_size, v_BTHV.dtype,
-                                       precision=precision, interpret=interpret)
-    q_BTGK, k_BTGK = prepare_query_key(q_BTGK, k_BTGK, key_heads, normalize_qk, jnp.float32)
-    zeros_BHKV = jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32)  # no initial state on a shard
-    inputs = pallas_tpu.kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, zeros_BHKV, settings)
-    o_BGHTV = grouped_core(*inputs[:5], axis_name, prefix, settings)
-    return pallas_tpu.merge_value_heads(jnp.moveaxis(o_BGHTV, 3, 1), 2)[:, :tokens]
+    zeros_BHKV = jnp.zeros((batch, heads, q_BTGK.shape[3], value_dim), jnp.float32)  # no initial state on a shard
+    settings, inputs = pallas_tpu.prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, zeros_BHKV,
+                                           chunk_size=chunk_size, normalize_qk=normalize_qk, interpret=interpret,
+                                           precision=precision)
+    return pallas_tpu.token_major(grouped_core(*inputs[:5], axis_name, prefix, settings), tokens)
 
 
 def gated_delta_rule_context_parallel(

@@ -339,6 +339,23 @@ def settings_for(chunk_size: int, group: int, chunks: int, dtype, *, precision=N
     return Settings(chunk_size, per_step, precision or tpu_chunk.precision_name(dtype), interpret, vmem_limit_mib)
 
 
+def prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, *, chunk_size: int,
+             normalize_qk: bool, interpret: bool, precision=None, chunks_per_step=None, vmem_limit_mib: float = 0.0):
+    """(Settings, the kernels' inputs in their layouts) from token-major inputs (q, k as given: here
+    normalised and scaled, each key head once) and the document starts [B, T] (bool or None)."""
+    tokens, heads = v_BTHV.shape[1:3]
+    key_heads = q_BTGK.shape[2]
+    settings = settings_for(chunk_size, heads // key_heads, -(-tokens // chunk_size), v_BTHV.dtype, precision=precision,
+                            chunks_per_step=chunks_per_step, interpret=interpret, vmem_limit_mib=vmem_limit_mib)
+    q_BTGK, k_BTGK = prepare_query_key(q_BTGK, k_BTGK, key_heads, normalize_qk, _F32)  # no repeat
+    return settings, kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings)
+
+
+def token_major(o_BGHTV, tokens: int):
+    """The kernels' output [B, G, Hg, T', V] (T' padded) -> [B, T, H, V]."""
+    return merge_value_heads(jnp.moveaxis(o_BGHTV, 3, 1), 2)[:, :tokens]
+
+
 def gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids=None, initial_state=None,
                      chunk_size: int = 64, normalize_qk: bool = True, interpret: bool = False, precision=None,
                      chunks_per_step=None, vmem_limit_mib: float = 0.0):
@@ -347,15 +364,13 @@ def gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids=Non
     precision: a key of tpu_chunk.PRECISIONS (default: float32 for float32 inputs, bfloat16x3 else);
     chunks_per_step: chunks per grid step (default_chunks_per_step)."""
     batch, tokens, heads, value_dim = v_BTHV.shape
-    key_heads, key_dim = q_BTGK.shape[2:]
-    settings = settings_for(chunk_size, heads // key_heads, -(-tokens // chunk_size), v_BTHV.dtype, precision=precision,
-                            chunks_per_step=chunks_per_step, interpret=interpret, vmem_limit_mib=vmem_limit_mib)
-    q_BTGK, k_BTGK = prepare_query_key(q_BTGK, k_BTGK, key_heads, normalize_qk, _F32)  # no repeat
-    starts_BT = starts_or_none(segment_ids, batch, tokens)
+    key_dim = q_BTGK.shape[3]
     initial_BHKV = initial_or_zeros(initial_state, (batch, heads, key_dim, value_dim), _F32)
-    inputs = kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings)
+    settings, inputs = prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_or_none(segment_ids, batch, tokens),
+                                initial_BHKV, chunk_size=chunk_size, normalize_qk=normalize_qk, interpret=interpret,
+                                precision=precision, chunks_per_step=chunks_per_step, vmem_limit_mib=vmem_limit_mib)
     o_BGHTV, final_BGHKV = core(*inputs, settings)
-    return merge_value_heads(jnp.moveaxis(o_BGHTV, 3, 1), 2)[:, :tokens], merge_value_heads(final_BGHKV, 1)
+    return token_major(o_BGHTV, tokens), merge_value_heads(final_BGHKV, 1)
 
 
 # ---------------------------------------------------------------------------------------------
