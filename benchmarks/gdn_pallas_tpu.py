@@ -6,8 +6,9 @@ TPU chip should time, and what this CPU host can say without one.
     python -m benchmarks.gdn_pallas_tpu                   # CPU: compile-only facts for a TPU target
 
 `benchmark_case(geometry)` is tools/chip_cases.py's gdn case (its inputs, float32 reference and
-view) with more backends: `xla`, `pallas_tpu` (the defaults: precision "bfloat16x3", every product three
-bfloat16 passes, the XLA path's errors; the default chunks per grid step), `pallas_tpu_bfloat16`
+view) with more backends: `xla`, `pallas_tpu` (the defaults: precision "bfloat16x3_bf16_inverse", every
+product three bfloat16 passes but the triangular inverse's doubling; the default chunks per grid step),
+`pallas_tpu_bfloat16x3` (every product three passes, the XLA path's errors), `pallas_tpu_bfloat16`
 (one pass where the field's tolerance allows: faster, larger errors), `pallas_tpu_steps_1` and
 `pallas_tpu_steps_4` (one and four chunks per grid step). It runs through
 benchmarks/tpu_kernels.py's `run_case` (each backend compiled, run once for its relative error
@@ -40,6 +41,7 @@ MIB = 2**20
 VARIANTS = {
     "xla": None,
     "pallas_tpu": {},
+    "pallas_tpu_bfloat16x3": {"precision": "bfloat16x3"},
     "pallas_tpu_bfloat16": {"precision": "bfloat16"},
     "pallas_tpu_steps_1": {"chunks_per_step": 1},
     "pallas_tpu_steps_4": {"chunks_per_step": 4},

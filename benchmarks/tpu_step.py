@@ -62,6 +62,9 @@ ARMS = {
     # The Mosaic GDN core at one bfloat16 pass for the chunk's own products (docs/levers.md,
     # kernels.gdn.precision), and that at chunk 128 (1.32x and 1.45x the core alone at the 397B cell).
     "gdn_bf16": ["kernels.gdn.precision=bfloat16"],
+    # The Mosaic GDN core at three passes for every product, the triangular inverse's doubling too: the
+    # precision the defaults ran before the chip's verdict on bfloat16x3_bf16_inverse.
+    "gdn_bf16x3": ["kernels.gdn.precision=bfloat16x3"],
     "gdn_bf16_chunk128": ["kernels.gdn.precision=bfloat16", "gdn.chunk_size=128"],
     # The Pallas grouped matmuls at the table's tiles (tm 1,024 at this recipe's shapes) on the layout
     # where no row tile spans two experts (docs/levers.md, moe.group_align_rows).

@@ -128,7 +128,7 @@ def test_equals_the_xla_custom_vjp_core(packed_case):
 @pytest.mark.parametrize("precision", ["bfloat16x3", "bfloat16x3_bf16_inverse", "bfloat16"])
 def test_bf16_inputs_meet_the_field_tolerances(precision, packed_case):
     """bf16 q, k, v, g, beta, state against the float32 oracle on the same (rounded) values, relative
-    RMS (docs/gdn.md section 5); "bfloat16x3" is the default for bfloat16 inputs."""
+    RMS (docs/gdn.md section 5); "bfloat16x3_bf16_inverse" is the default for bfloat16 inputs."""
     inputs, segment_ids, _ = packed_case
     inputs_bf16 = tuple(x.astype(jnp.bfloat16) for x in inputs)
     rule = functools.partial(stepped_tpu_rule, precision=precision, chunks_per_step=1)

@@ -37,7 +37,7 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               (what gather8's dequantization costs the MoE MLP, against moe_mlp's bfloat16 weights);
   gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
               `xla`, `pallas_tpu`, and the Mosaic core at other settings (GDN_SETTINGS: the bfloat16
-              precision, chunk 128, both; 4 and 16 chunk-heads per grid step);
+              and bfloat16x3 precisions, chunk 128 with each; 4 and 16 chunk-heads per grid step);
   attention   causal flash attention over packed documents, positions restarting per document:
               `xla` (flash in XLA ops), `pallas_tpu` (default blocks), `pallas_tpu_256x512`,
               `splash` (jax's splash attention: causal by token index with segment ids, the same
@@ -387,15 +387,15 @@ def _gdn_make(g):
     return (*_gdn_raw(g), segment_ids), normal(26, (1, g["tokens"], g["value_heads"], g["value_dim"]), BF16)
 
 
-# The Mosaic GDN core's settings beside its defaults (chunk 64, the bfloat16x3 precision, about
-# limits.HEAD_CHUNKS_PER_STEP chunk-heads per grid step): name -> (chunk size, precision of
+# The Mosaic GDN core's settings beside its defaults (chunk 64, the bfloat16x3_bf16_inverse precision,
+# about limits.HEAD_CHUNKS_PER_STEP chunk-heads per grid step): name -> (chunk size, precision of
 # kernels/gdn/tpu_chunk.PRECISIONS, chunk-heads per grid step: chunks per step x the value heads of a
 # key head, so one arm means the same step size at every geometry).
 GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16", None),
-                "pallas_tpu_bf16_inverse": (None, "bfloat16x3_bf16_inverse", None),
+                "pallas_tpu_bf16x3": (None, "bfloat16x3", None),
                 "pallas_tpu_c128": (128, None, None),
                 "pallas_tpu_c128_bf16": (128, "bfloat16", None),
-                "pallas_tpu_c128_bf16_inverse": (128, "bfloat16x3_bf16_inverse", None),
+                "pallas_tpu_c128_bf16x3": (128, "bfloat16x3", None),
                 "pallas_tpu_chunk_heads_4": (None, None, 4), "pallas_tpu_chunk_heads_16": (None, None, 16),
                 "pallas_tpu_bf16_chunk_heads_16": (None, "bfloat16", 16)}
 

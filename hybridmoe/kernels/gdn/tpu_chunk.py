@@ -23,8 +23,9 @@ operand rounded to bfloat16), 2 parts three passes (about 2^-16 relative), 3 par
 (float32, what Precision.HIGHEST does). A bfloat16 or 0/1 operand is exact and is never split.
 Writing the passes out keeps the FLOPs a kernel states (chunk_macs) equal to what it runs, on the
 chip and interpreted. `Precision` chooses the parts per group of products; `PRECISIONS` gives the
-float32 path (everything float32), the bfloat16 default (three passes everywhere: the XLA path's
-errors) and a faster bfloat16 path (see its comment for which products stay at three passes and why).
+float32 path (everything float32), the bfloat16 default (three passes everywhere but the triangular
+inverse's doubling: the XLA path's errors but the final state's), three passes everywhere, and a
+faster bfloat16 path (see each one's comment for which products take how many passes and why).
 
 Dimension letters: C position in a chunk (D the second position axis), K key dim, V value dim.
 """
@@ -72,8 +73,8 @@ class Precision:
 PRECISIONS = {
     # float32 inputs: every product float32 (six passes); the CPU tests hold it to 1e-5.
     "float32": Precision(keys=3, outputs=3, inverse=3, state=3),
-    # bfloat16 inputs, the default: three passes (float32 to about 2^-16) for every product, so
-    # the errors are the XLA path's. The gates' segment sums, the state and T are float32.
+    # bfloat16 inputs: three passes (float32 to about 2^-16) for every product, so the errors are
+    # the XLA path's. The gates' segment sums, the state and T are float32.
     "bfloat16x3": Precision(keys=2, outputs=2, inverse=2, state=2),
     # bfloat16 inputs within the field's tolerance, faster. One pass where the operands are the
     # chunk's own bfloat16 data or a matrix used once and rounded once (q k^T, k k^T, the WY
@@ -83,19 +84,22 @@ PRECISIONS = {
     # and for the chain, whose products feed every later chunk (docs/gdn.md keeps cross-chunk
     # products float32; one pass there doubles the final state's error).
     "bfloat16": Precision(keys=1, outputs=2, inverse=1, state=2),
-    # bfloat16 inputs, three passes everywhere but T's doubling, at one pass. T is a third of the
-    # forward's MXU work and its chain of 10 dependent products half of the forward's cycles
-    # (libtpu's static profile, v5e, the 397B cell's heads: 0.69x "bfloat16x3"'s forward cycles).
-    # The errors stay "bfloat16x3"'s but for the final state's (CPU, as above: o 1.7e-3, gradients
-    # <= 2.4e-3, final state 3.0e-4 where three passes give 5e-6): W and U still take T at three
-    # passes, and T's rounding is to its own entries, not compounded along the sequence.
+    # bfloat16 inputs, the default: three passes everywhere but T's doubling, at one pass. T is a
+    # third of the forward's MXU work and its chain of 10 dependent products half of the forward's
+    # cycles (libtpu's static profile, v5e, the 397B cell's heads: 0.69x "bfloat16x3"'s forward
+    # cycles; a v5e chip at the cell: 28.4 ms forward + backward against 32.4,
+    # benchmarks/records/tpu_kernels.json gdn_cell). The errors stay "bfloat16x3"'s but for the final
+    # state's (CPU, as above: o 1.7e-3, gradients <= 2.4e-3, final state 3.0e-4 where three passes
+    # give 5e-6): W and U still take T at three passes, and T's rounding is to its own entries, not
+    # compounded along the sequence.
     "bfloat16x3_bf16_inverse": Precision(keys=2, outputs=2, inverse=1, state=2),
 }
 
 
 def precision_name(dtype) -> str:
-    """The default precision of inputs of `dtype`: float32 for float32 (and wider), else bfloat16x3."""
-    return "float32" if jnp.dtype(dtype).itemsize >= 4 else "bfloat16x3"
+    """The default precision of inputs of `dtype`: float32 for float32 (and wider), else
+    bfloat16x3_bf16_inverse."""
+    return "float32" if jnp.dtype(dtype).itemsize >= 4 else "bfloat16x3_bf16_inverse"
 
 
 def _bf16_parts(x, parts: int):
