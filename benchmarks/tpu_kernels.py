@@ -71,8 +71,31 @@ def _error_text(e: BaseException) -> str:
     return " ".join(lines)[:600]
 
 
-def run_case(case, rounds: int, log) -> tuple[dict, dict]:
-    """(backend -> figures, the case's own facts) of one chip_cases.Case."""
+def device_ops(compiled, args, calls: int = 2, top: int = 8) -> dict:
+    """Where one compiled program's device time goes: `calls` runs under JAX's profiler
+    (tools/profile.trace_ops), each op's own milliseconds per call, named by its Pallas kernel where it
+    is one (analysis/hlo_cost's reading of the Mosaic call) else by its HLO instruction with the
+    model's category: {"ops": the `top` heaviest [{op, category, ms}], "other_ms": the rest,
+    "traced_ms": all of them}."""
+    from hybridmoe.analysis.hlo_cost import Estimator
+    from hybridmoe.tools import profile
+
+    text = compiled.as_text()
+    ops = profile.trace_ops(lambda: compiled(*args), calls, profile.module_name(text))
+    named = {name: c for name, c, _ in Estimator(text).named_ops()}
+    rows = []
+    for name, op in ops.items():
+        c = named.get(name)
+        rows.append({"op": c.kernel if c is not None and c.kernel else name,
+                     "category": c.category if c is not None else profile.UNMATCHED, "ms": 1e3 * op.seconds})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    return {"ops": rows[:top], "other_ms": total - sum(r["ms"] for r in rows[:top]), "traced_ms": total}
+
+
+def run_case(case, rounds: int, log, profile_ops: int = 0) -> tuple[dict, dict]:
+    """(backend -> figures, the case's own facts) of one chip_cases.Case; with profile_ops > 0 each
+    backend's programs also run under the profiler (device_ops: that many heaviest ops, `<part>_ops`)."""
     import jax
 
     from hybridmoe.tools.chip_cases import relative_error
@@ -118,6 +141,9 @@ def run_case(case, rounds: int, log) -> tuple[dict, dict]:
         times = harness.interleaved(calls, rounds)
         for name, t in times.items():
             out[name][f"{part}_ms"] = 1e3 * statistics.median(t["wall_s"])
+        for (name, p), (compiled, args) in programs.items() if profile_ops else ():
+            if p == part:
+                out[name][f"{part}_ops"] = device_ops(compiled, args, top=profile_ops)
     for name, row in out.items():
         flops_fwd, flops_both = case.flops
         if "fwd_ms" in row:
@@ -168,7 +194,7 @@ def run_watched(args) -> int:
     while names:
         left = args.budget_s - (time.perf_counter() - start)
         child = [sys.executable, __file__, "--in-process", "--only", ",".join(names), "--rounds", str(args.rounds),
-                 "--budget-s", str(max(left, 0.0)), "--out", args.out]
+                 "--budget-s", str(max(left, 0.0)), "--out", args.out, "--profile-ops", str(args.profile_ops)]
         if args.compile_cache:
             child += ["--compile-cache", args.compile_cache]
         if args.tiny:
@@ -220,6 +246,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="CPU, interpret mode, the tiny geometry; writes a temporary record unless --out is given")
     p.add_argument("--compile-cache", help="JAX's persistent compile cache folder (a second run compiles nothing)")
+    p.add_argument("--profile-ops", type=int, default=0, metavar="N",
+                   help="also run each program twice under JAX's profiler and record its N heaviest device ops "
+                   "(Pallas kernels by name) per call: <part>_ops (default 0: no profile)")
     args = p.parse_args(argv)
     if args.tiny and args.out == p.get_default("out"):
         args.out = tempfile.mkstemp(prefix="tpu_kernels_tiny_", suffix=".json")[1]
@@ -273,7 +302,13 @@ def main(argv=None) -> int:
         log(f"{name} ...")
         harness.mark("start", name)
         case_start = time.perf_counter()
-        kernels[name], facts[name] = run_case(all_cases[name], args.rounds, log)
+        kernels[name], facts[name] = run_case(all_cases[name], args.rounds, log, args.profile_ops)
+        for backend, row in kernels[name].items():
+            for part in ("fwd", "fwd_bwd") if args.profile_ops else ():
+                if f"{part}_ops" in row:
+                    traced = row[f"{part}_ops"]
+                    log(f"  {name} {backend} {part} on the device, {traced['traced_ms']:.2f} ms traced: " + ", ".join(
+                        f"{r['op']} {r['ms']:.2f}" for r in traced["ops"]) + f", other {traced['other_ms']:.2f}")
         facts[name].update(seconds=round(time.perf_counter() - case_start, 1), commit=source_commit(),
                            ceiling_tflops=ceiling)
         write()

@@ -16,6 +16,8 @@
 #              stops starting cases after 330 s, so each fits a 10-minute call)
 #   kernels-cell-moe  the cell's gmm and moe_mlp cases only (their aligned arms among them)
 #   kernels-gdn  the GDN core's cases at both geometries (its settings arms among them)
+#   kernels-gdn-profile  the GDN core's cell cases (whole sequence and a context-parallel rank), each program
+#              also under JAX's profiler: its 8 heaviest device ops by name (tpu_kernels.py --profile-ops)
 #   kernels-gdn-cp  the core as a context-parallel rank runs it, at the cell's shard: pass 1 and the local
 #              state cotangent as Mosaic kernels (gdn.cp_terms_in_kernel) against chunk terms by XLA
 #   kernels-fp8  the cell's MoE MLP on fp8 codes (gather8's dequantization as an op before the kernels)
@@ -133,6 +135,8 @@ except ValueError as e:
     kernels-cell-moe) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache --only gmm_cell,moe_mlp_cell ;;
     kernels-gdn) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cell,gdn_one_chip ;;
     kernels-fp8) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only moe_mlp_fp8_cell ;;
+    kernels-gdn-profile) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cell,gdn_cp_cell \
+      --profile-ops 8 --case-share-s 270 ;;
     kernels-gdn-cp) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cp_cell ;;
     kernels-missing) python3 benchmarks/tpu_kernels.py --missing --compile-cache .tpu-cache ;;
     gmm-uneven) python3 benchmarks/tpu_gmm_uneven.py --compile-cache .tpu-cache ;;
@@ -165,6 +169,6 @@ except ValueError as e:
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-gdn-cp, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, moe-combine, step, step-default, step-gdn, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-gdn-profile, kernels-gdn-cp, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, moe-combine, step, step-default, step-gdn, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done

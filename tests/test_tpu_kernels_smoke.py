@@ -81,3 +81,24 @@ def test_a_cases_milliseconds_are_its_median_wall_time(monkeypatch):
     r = rows["stub"]
     assert r["fwd_ms"] == pytest.approx(2.0, rel=1e-12) and r["fwd_bwd_ms"] == r["ms"] == pytest.approx(6.0, rel=1e-12)
     assert r["fwd_tflops"] == pytest.approx(3.0, rel=1e-12) and r["tflops"] == pytest.approx(5.0, rel=1e-12)
+
+
+def test_device_ops_name_the_heaviest_ops_of_a_program():
+    """--profile-ops on CPU: a 512^3 matmul beside an add on 512 floats. The heaviest op is the
+    matmul's instruction in the model's category for it, rows come heaviest first, `top` bounds them
+    and the rest's time is kept apart (the parts add up to what was traced)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hybridmoe.analysis.hlo_cost import Estimator
+
+    a = jnp.ones((512, 512), jnp.float32)
+    compiled = jax.jit(lambda x, y: (x @ x, y + 1)).lower(a, a[0]).compile()
+    traced = _benchmark().device_ops(compiled, (a, a[0]), calls=2, top=1)
+    assert len(traced["ops"]) == 1
+    heaviest = traced["ops"][0]
+    categories = {name: c.category for name, c, _ in Estimator(compiled.as_text()).named_ops()}
+    dots = [name for name, c, _ in Estimator(compiled.as_text()).named_ops() if c.flops >= 2 * 512**3]
+    assert heaviest["op"] in dots and heaviest["category"] == categories[heaviest["op"]], (traced, dots)
+    assert heaviest["ms"] > traced["other_ms"] >= 0
+    assert traced["traced_ms"] == pytest.approx(heaviest["ms"] + traced["other_ms"], rel=1e-9)
