@@ -60,7 +60,8 @@ RULES = {"pallas_tpu": stepped_tpu_rule, "pallas_gpu": gpu_rule}
 # path to compile, errors near 1e-5 clean, far below a broken variant's.
 broken_tpu_rule = functools.partial(pallas_tpu.gated_delta_rule, interpret=True, chunk_size=CHUNK, chunks_per_step=1,
                                     precision="bfloat16x3")
-BROKEN_RULES = {"pallas_tpu": broken_tpu_rule, "pallas_gpu": gpu_rule}
+BROKEN_RULES = {"pallas_tpu": broken_tpu_rule, "pallas_gpu": gpu_rule,
+                "pallas_tpu_token_major": functools.partial(broken_tpu_rule, token_major=True)}
 
 
 def _relative_max_errors(actual, expected):
@@ -98,7 +99,8 @@ def clean_errors(packed_case):
 
 @pytest.fixture(scope="module")
 def clean_broken_rule_errors(packed_case, clean_errors):
-    return {**clean_errors, "pallas_tpu": _errors_of({"pallas_tpu": broken_tpu_rule}, packed_case)["pallas_tpu"]}
+    return {**clean_errors, **_errors_of({name: BROKEN_RULES[name] for name in ("pallas_tpu", "pallas_tpu_token_major")},
+                                         packed_case)}
 
 
 @pytest.mark.parametrize("backend", sorted(RULES))
@@ -160,11 +162,40 @@ def test_extreme_gates_are_finite_and_exact(packed_case):
     assert max(errors.values()) < 1e-5, errors
 
 
+token_major_rule = functools.partial(stepped_tpu_rule, token_major=True)
+
+
+def test_token_major_blocks_match_the_oracle_and_the_transposed_layout(packed_case):
+    """The kernels reading q, k, v and writing o (and, backward, dO, dq, dk, dv) as blocks of the
+    token-major arrays, a key head's columns, in place of XLA's transposes to [B, G, (Hg,) T, X]:
+    forward and every gradient within 1e-5 of the oracle, and equal to the transposed layout's to
+    float32 rounding (the same math on the same values)."""
+    inputs, segment_ids, expected = packed_case
+    got = _flat(*value_and_grads(token_major_rule, inputs, segment_ids))
+    errors = _relative_max_errors(got, expected)
+    assert max(errors.values()) < 1e-5, errors
+    layouts = _relative_max_errors(got, _flat(*value_and_grads(stepped_tpu_rule, inputs, segment_ids)))
+    assert max(layouts.values()) < 1e-6, layouts
+
+
+def test_token_major_blocks_need_lane_aligned_columns():
+    """On a chip a key head's columns are a block only at a multiple of 128 lanes: the wrapper says
+    which width is not, before Mosaic would refuse the block."""
+    q = jnp.zeros((1, 64, 2, 96))
+    v = jnp.zeros((1, 64, 4, 128))
+    gates = jnp.zeros((1, 64, 4))
+    with pytest.raises(ValueError, match="key dim 96 not a multiple of 128"):
+        pallas_tpu.gated_delta_rule(q, q, v, gates, gates, token_major=True)
+    assert pallas_tpu.token_major_blocks_fit(2, 2, 128, 64, interpret=False) is None  # 2 x 64 = 128 lanes
+    assert "value heads per key head x value dim 96" in pallas_tpu.token_major_blocks_fit(2, 3, 128, 32,
+                                                                                         interpret=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Broken variants: each patched into the kernels' own code and caught against the oracle.
 
 _ORIGINAL = {"specs": pallas_tpu.block_specs, "decays": tpu_chunk.decays, "inverses": tpu_chunk.unit_lower_inverses,
-             "gpu_chunk_step": pallas_chunk.chunk_step}
+             "gpu_chunk_step": pallas_chunk.chunk_step, "head_rows": pallas_tpu.head_rows}
 
 
 def _backward_blocks_in_forward_order(d, reverse):
@@ -207,6 +238,12 @@ def _substitution_skips_last_row(strict_lower_CD):
     return lax.fori_loop(1, size - 1, substitute_row, eye_CD)
 
 
+def _token_major_heads_swapped(ref, h, rows, group):
+    """A token-major block's value heads read and written in reverse column order (each head's
+    rows taken from another head's columns)."""
+    return _ORIGINAL["head_rows"](ref, h if len(ref.shape) == 3 else group - 1 - h, rows, group)
+
+
 def _gpu_chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse=None):
     """The state carried into the next chunk without its decay exp(sum g) (the recurrence's S <- exp(g) S)."""
     o, end = _ORIGINAL["gpu_chunk_step"](q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse)
@@ -222,6 +259,7 @@ BROKEN = {  # name: (backend run, [(module, attribute, the broken function)])
                                                             (pallas_tpu, "merge_value_heads", _value_heads_untiled)]),
     "inverse_skips_its_last_level": ("pallas_tpu", [(tpu_chunk, "unit_lower_inverses", _inverses_skip_last_level)]),
     "state_not_carried_across_grid_steps": ("pallas_tpu", [(pallas_tpu, "_walk_starts", lambda step: step >= 0)]),
+    "token_major_value_heads_swapped": ("pallas_tpu_token_major", [(pallas_tpu, "head_rows", _token_major_heads_swapped)]),
     "gpu_backward_chunks_in_forward_order": ("pallas_gpu", [(pallas_gpu, "_chunk_order", lambda n, num, reverse: n)]),
     "gpu_forward_substitution_skips_last_row": ("pallas_gpu", [(pallas_chunk, "_forward_substitution",
                                                                 _substitution_skips_last_row)]),

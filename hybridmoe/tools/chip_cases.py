@@ -37,7 +37,8 @@ Families (one case per family and geometry, named `<family>_<geometry>`):
               (what gather8's dequantization costs the MoE MLP, against moe_mlp's bfloat16 weights);
   gdn         the Gated DeltaNet core (kernels/gdn/ops.py gated_delta_rule) over packed documents:
               `xla`, `pallas_tpu`, and the Mosaic core at other settings (GDN_SETTINGS: the bfloat16
-              and bfloat16x3 precisions, chunk 128 with each; 4 and 16 chunk-heads per grid step);
+              and bfloat16x3 precisions, chunk 128 with each; 16 chunk-heads per grid step; blocks of
+              the token-major arrays);
   attention   causal flash attention over packed documents, positions restarting per document:
               `xla` (flash in XLA ops), `pallas_tpu` (default blocks), `pallas_tpu_256x512`,
               `splash` (jax's splash attention: causal by token index with segment ids, the same
@@ -388,16 +389,18 @@ def _gdn_make(g):
 
 
 # The Mosaic GDN core's settings beside its defaults (chunk 64, the bfloat16x3_bf16_inverse precision,
-# about limits.HEAD_CHUNKS_PER_STEP chunk-heads per grid step): name -> (chunk size, precision of
-# kernels/gdn/tpu_chunk.PRECISIONS, chunk-heads per grid step: chunks per step x the value heads of a
-# key head, so one arm means the same step size at every geometry).
-GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16", None),
-                "pallas_tpu_bf16x3": (None, "bfloat16x3", None),
-                "pallas_tpu_c128": (128, None, None),
-                "pallas_tpu_c128_bf16": (128, "bfloat16", None),
-                "pallas_tpu_c128_bf16x3": (128, "bfloat16x3", None),
-                "pallas_tpu_chunk_heads_4": (None, None, 4), "pallas_tpu_chunk_heads_16": (None, None, 16),
-                "pallas_tpu_bf16_chunk_heads_16": (None, "bfloat16", 16)}
+# about limits.HEAD_CHUNKS_PER_STEP chunk-heads per grid step, the transposed layouts): name -> (chunk
+# size, precision of kernels/gdn/tpu_chunk.PRECISIONS, chunk-heads per grid step: chunks per step x the
+# value heads of a key head, so one arm means the same step size at every geometry; the kernels' blocks
+# of the token-major arrays, pallas_tpu.gated_delta_rule's token_major).
+GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16", None, False),
+                "pallas_tpu_bf16x3": (None, "bfloat16x3", None, False),
+                "pallas_tpu_token_major": (None, None, None, True),
+                "pallas_tpu_c128": (128, None, None, False),
+                "pallas_tpu_c128_bf16": (128, "bfloat16", None, False),
+                "pallas_tpu_c128_bf16x3": (128, "bfloat16x3", None, False),
+                "pallas_tpu_chunk_heads_16": (None, None, 16, False),
+                "pallas_tpu_bf16_chunk_heads_16": (None, "bfloat16", 16, False)}
 
 
 def _gdn_backends(g, interpret):
@@ -410,11 +413,11 @@ def _gdn_backends(g, interpret):
 
     group = g["value_heads"] // g["key_heads"]
 
-    def settings(chunk, precision, chunk_heads):
+    def settings(chunk, precision, chunk_heads, token_major):
         per_step = max(1, chunk_heads // group) if chunk_heads else None
         return lambda q, k, v, gate, beta, seg: pallas_tpu.gated_delta_rule(
             q, k, v, gate, beta, segment_ids=seg, chunk_size=chunk or g["chunk"], precision=precision,
-            chunks_per_step=per_step, interpret=interpret)[0]
+            chunks_per_step=per_step, interpret=interpret, token_major=token_major)[0]
 
     return {"xla": rule("xla"), "pallas_tpu": rule("pallas_tpu"),
             **{name: settings(*arm) for name, arm in GDN_SETTINGS.items()}}

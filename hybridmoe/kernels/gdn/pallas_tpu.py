@@ -16,10 +16,13 @@ Grid (B, G, N / chunks_per_step): batch and key heads "parallel", the chunk axis
 also writes each chunk's start state and T (the backward's residuals: it recomputes the rest);
 the plain forward writes neither.
 
-Layouts (the wrapper's transposes; each key head appears once, never repeated per value head):
-  q, k [B, G, T, K] float32 (normalised, q scaled); v, o [B, G, H/G, T, V] in v's dtype;
-  log gates and beta [B, G, N, H/G, C] float32 (a document start's log gate is
-  tpu_chunk.START_LOG_GATE); states [B, G, H/G, K, V] float32; residuals: start states
+Layouts (each key head appears once, never repeated per value head), by Settings.token_major:
+  head-major (the wrapper's transposes): q, k [B, G, T, K] float32 (normalised, q scaled); v, o
+  [B, G, H/G, T, V] in v's dtype; token-major (no transposes: the token-major arrays with their
+  head and feature axes merged, a grid step's block the key head's columns): q, k [B, T, G K],
+  v, o [B, T, H V], a value head's rows the lane-aligned columns [h V, (h + 1) V) of its key
+  head's block. Either way log gates and beta [B, G, N, H/G, C] float32 (a document start's log
+  gate is tpu_chunk.START_LOG_GATE); states [B, G, H/G, K, V] float32; residuals: start states
   [B, G, N H/G, K, V] and inverses [B, G, N H/G, C, C] float32 (chunk-major).
 
 VMEM (kernels/gdn/limits.py models it; tests/test_vmem_tpu_compile.py checks the model against the
@@ -63,6 +66,7 @@ class Settings(NamedTuple):
     precision: str  # a key of tpu_chunk.PRECISIONS
     interpret: bool = False
     vmem_limit_mib: float = 0.0
+    token_major: bool = False  # the layouts of q, k, v and o (the module's docstring)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +91,15 @@ def carry(scratch_ref, values: list, out_ref):
             out_ref[h] = x
 
 
+def head_rows(ref, h: int, rows, group: int):
+    """The index of value head h's `rows` in a block of every value head of a key head: [Hg, T, V]
+    (head-major) or [T, Hg V] (token-major: the head's V lane-aligned columns)."""
+    if len(ref.shape) == 3:
+        return h, rows, slice(None)
+    width = ref.shape[1] // group
+    return rows, pl.ds(h * width, width)
+
+
 def chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size: int, per_step: int) -> list[ChunkIn]:
     """The grid step's chunks as tpu_chunk.ChunkIn, each a view of the blocks (a kernel that reads no
     q or no v passes None: q None, v empty lists)."""
@@ -95,7 +108,7 @@ def chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size: int, per_step: int) ->
     for c in range(per_step):
         rows = pl.ds(c * size, size)
         out.append(ChunkIn(None if q_ref is None else q_ref[rows, :], k_ref[rows, :],
-                           [] if v_ref is None else [v_ref[h, rows, :] for h in range(group)],
+                           [] if v_ref is None else [v_ref[head_rows(v_ref, h, rows, group)] for h in range(group)],
                            [g_ref[c, pl.ds(h, 1), :] for h in range(group)],
                            [beta_ref[c, pl.ds(h, 1), :] for h in range(group)]))
     return out
@@ -106,7 +119,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, se
         o_ref, final_ref, starts_ref, inverses_ref, state_scratch = refs
     else:
         o_ref, final_ref, state_scratch = refs
-    size, group, per_step = settings.chunk_size, v_ref.shape[0], settings.chunks_per_step
+    size, group, per_step = settings.chunk_size, g_ref.shape[1], settings.chunks_per_step
     step = pl.program_id(2)
 
     @pl.when(_walk_starts(step))
@@ -118,7 +131,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, se
         chunks, [state_scratch[h] for h in range(group)], PRECISIONS[settings.precision])
     for c in range(per_step):
         for h in range(group):
-            o_ref[h, pl.ds(c * size, size), :] = outs[c][h].astype(o_ref.dtype)
+            o_ref[head_rows(o_ref, h, pl.ds(c * size, size), group)] = outs[c][h].astype(o_ref.dtype)
             if save:
                 starts_ref[c * group + h] = starts[c][h]
                 inverses_ref[c * group + h] = inverses[c][h]
@@ -128,7 +141,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, se
 def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_ref, do_ref, d_final_ref,
                      dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, d_initial_ref, d_state_scratch, *,
                      settings: Settings):
-    size, group, per_step = settings.chunk_size, v_ref.shape[0], settings.chunks_per_step
+    size, group, per_step = settings.chunk_size, g_ref.shape[1], settings.chunks_per_step
     step = pl.program_id(2)  # the step-th block from the end
 
     @pl.when(_walk_starts(step))
@@ -140,13 +153,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_
         chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size, per_step),
         [[starts_ref[c * group + h] for h in range(group)] for c in range(per_step)],
         [[inverses_ref[c * group + h] for h in range(group)] for c in range(per_step)],
-        [[do_ref[h, rows[c], :] for h in range(group)] for c in range(per_step)],
+        [[do_ref[head_rows(do_ref, h, rows[c], group)] for h in range(group)] for c in range(per_step)],
         [d_state_scratch[h] for h in range(group)], PRECISIONS[settings.precision])
     for c in range(per_step):
         dq_ref[rows[c], :] = dq[c]
         dk_ref[rows[c], :] = dk[c]
         for h, grad in enumerate(grads[c]):
-            dv_ref[h, rows[c], :] = grad.v.astype(dv_ref.dtype)
+            dv_ref[head_rows(dv_ref, h, rows[c], group)] = grad.v.astype(dv_ref.dtype)
             dg_ref[c, pl.ds(h, 1), :] = grad.g
             dbeta_ref[c, pl.ds(h, 1), :] = grad.beta
     carry(d_state_scratch, d_states, d_initial_ref)
@@ -165,28 +178,41 @@ class Dims(NamedTuple):
     key_dim: int
     value_dim: int
     per_step: int
+    token_major: bool = False
 
     @property
     def steps(self) -> int:
         return self.chunks // self.per_step
 
 
-def dims_of(q_BGTK, v_BGHTV, settings: Settings) -> Dims:
-    """The grid's dimensions from q's (or k's) layout [B, G, T, K] and v's (or dO's) [B, G, Hg, T, V]."""
-    batch, key_heads, tokens, key_dim = q_BGTK.shape
-    return Dims(batch, key_heads, v_BGHTV.shape[2], tokens // settings.chunk_size, settings.chunk_size, key_dim,
-                v_BGHTV.shape[-1], settings.chunks_per_step)
+def dims_of(q, v, g_BGNHC, settings: Settings) -> Dims:
+    """The grid's dimensions from q's (or k's), v's (or dO's) and the gates' layouts: head-major q
+    [B, G, T, K] and v [B, G, Hg, T, V], or token-major [B, T, G K] and [B, T, H V]."""
+    batch, key_heads, _, group, _ = g_BGNHC.shape
+    if settings.token_major:
+        tokens, key_dim, value_dim = q.shape[1], q.shape[2] // key_heads, v.shape[2] // (key_heads * group)
+    else:
+        tokens, key_dim, value_dim = q.shape[2], q.shape[3], v.shape[-1]
+    return Dims(batch, key_heads, group, tokens // settings.chunk_size, settings.chunk_size, key_dim, value_dim,
+                settings.chunks_per_step, settings.token_major)
 
 
 def block_specs(d: Dims, reverse: bool):
-    """Block specs by layout: tokens [T, X] of a key head, per value head [Hg, T, X], per chunk
-    [N, Hg, ...], per value head's state [Hg, K, V] (the same block at every step)."""
+    """Block specs by layout: tokens [T, X] of a key head, per value head [Hg, T, X] (token-major:
+    [T, Hg X], the key head's columns), per chunk [N, Hg, ...], per value head's state [Hg, K, V]
+    (the same block at every step)."""
     block = (lambda j: d.steps - 1 - j) if reverse else (lambda j: j)
     tokens = d.per_step * d.chunk
+    if d.token_major:
+        columns = lambda width: pl.BlockSpec((None, tokens, width), lambda b, g, j: (b, block(j), g))  # noqa: E731
+        token_blocks = {"tokens": columns, "heads": lambda width: columns(d.group * width)}
+    else:
+        token_blocks = {
+            "tokens": lambda width: pl.BlockSpec((None, None, tokens, width), lambda b, g, j: (b, g, block(j), 0)),
+            "heads": lambda width: pl.BlockSpec((None, None, d.group, tokens, width),
+                                                lambda b, g, j: (b, g, 0, block(j), 0))}
     return {
-        "tokens": lambda width: pl.BlockSpec((None, None, tokens, width), lambda b, g, j: (b, g, block(j), 0)),
-        "heads": lambda width: pl.BlockSpec((None, None, d.group, tokens, width),
-                                            lambda b, g, j: (b, g, 0, block(j), 0)),
+        **token_blocks,
         "chunks": lambda *tail: pl.BlockSpec((None, None, d.per_step, d.group, *tail),
                                              lambda b, g, j: (b, g, block(j), 0, *(0,) * len(tail))),
         # Per (chunk, value head), the two flattened (chunk-major): [N Hg, ...] (5-D arrays).
@@ -219,20 +245,21 @@ def compiler_params(name: str, d: Dims, settings: Settings, itemsize: int):
                                 vmem_limit_bytes=tpu_limit_bytes(settings.vmem_limit_mib, need))
 
 
-def forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings, *, save: bool):
-    """(o [B, G, Hg, T, V], final state [B, G, Hg, K, V]) and, with save, the residuals: the state
+def forward(q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings, *, save: bool):
+    """q, k, v in the layouts of settings.token_major (the module's docstring) -> (o in v's layout,
+    final state [B, G, Hg, K, V]) and, with save, the residuals: the state
     at every chunk's start [B, G, N Hg, K, V] and every chunk's T [B, G, N Hg, C, C] (per chunk and
     value head, chunk-major)."""
-    d = dims_of(q_BGTK, v_BGHTV, settings)
+    d = dims_of(q, v, g_BGNHC, settings)
     s = block_specs(d, reverse=False)
     shape = lambda *dims, dtype=_F32: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
-    out_shape = [shape(*v_BGHTV.shape, dtype=v_BGHTV.dtype), shape(*initial_BGHKV.shape)]
+    out_shape = [shape(*v.shape, dtype=v.dtype), shape(*initial_BGHKV.shape)]
     out_specs = [s["heads"](d.value_dim), s["state"]]
     if save:
         out_shape += [shape(d.batch, d.key_heads, d.chunks * d.group, d.key_dim, d.value_dim),
                       shape(d.batch, d.key_heads, d.chunks * d.group, d.chunk, d.chunk)]
         out_specs += [s["items"](d.key_dim, d.value_dim), s["items"](d.chunk, d.chunk)]
-    operands = (q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV)
+    operands = (q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV)
     return pl.pallas_call(
         functools.partial(_forward_kernel, settings=settings, save=save),
         name=KERNEL_NAMES["forward"], grid=(d.batch, d.key_heads, d.steps),
@@ -240,21 +267,21 @@ def forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, setting
                   s["chunks"](d.chunk), s["state"]],
         out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((d.group, d.key_dim, d.value_dim), _F32)],
-        compiler_params=compiler_params(KERNEL_NAMES["forward"], d, settings, jnp.dtype(v_BGHTV.dtype).itemsize),
+        compiler_params=compiler_params(KERNEL_NAMES["forward"], d, settings, jnp.dtype(v.dtype).itemsize),
         cost_estimate=cost("forward", d, settings.precision, operands, out_shape),
         interpret=settings.interpret,
     )(*operands)
 
 
-def backward(residuals, do_BGHTV, d_final_BGHKV, settings: Settings):
+def backward(residuals, do, d_final_BGHKV, settings: Settings):
     """Cotangents of (q, k, v, log gates, beta, initial state) in their layouts (dv in v's dtype)."""
-    q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, starts, inverses = residuals
-    d = dims_of(q_BGTK, v_BGHTV, settings)
+    q, k, v, g_BGNHC, beta_BGNHC, starts, inverses = residuals
+    d = dims_of(q, v, g_BGNHC, settings)
     s = block_specs(d, reverse=True)
     like = lambda a, dtype=_F32: jax.ShapeDtypeStruct(a.shape, dtype)  # noqa: E731
-    out_shape = [like(q_BGTK), like(k_BGTK), like(v_BGHTV, v_BGHTV.dtype), like(g_BGNHC), like(beta_BGNHC),
+    out_shape = [like(q), like(k), like(v, v.dtype), like(g_BGNHC), like(beta_BGNHC),
                  like(d_final_BGHKV)]
-    operands = (*residuals, do_BGHTV, d_final_BGHKV)
+    operands = (*residuals, do, d_final_BGHKV)
     return pl.pallas_call(
         functools.partial(_backward_kernel, settings=settings),
         name=KERNEL_NAMES["backward"], grid=(d.batch, d.key_heads, d.steps),
@@ -265,30 +292,30 @@ def backward(residuals, do_BGHTV, d_final_BGHKV, settings: Settings):
                    s["chunks"](d.chunk), s["state"]],
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((d.group, d.key_dim, d.value_dim), _F32)],
-        compiler_params=compiler_params(KERNEL_NAMES["backward"], d, settings, jnp.dtype(v_BGHTV.dtype).itemsize),
+        compiler_params=compiler_params(KERNEL_NAMES["backward"], d, settings, jnp.dtype(v.dtype).itemsize),
         cost_estimate=cost("backward", d, settings.precision, operands, out_shape),
         interpret=settings.interpret,
     )(*operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def core(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings):
-    """The chunked recurrence on kernel-layout inputs: (o [B, G, Hg, T, V], final state [B, G, Hg, K, V])."""
-    return forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings, save=False)
+def core(q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings):
+    """The chunked recurrence on kernel-layout inputs: (o in v's layout, final state [B, G, Hg, K, V])."""
+    return forward(q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings, save=False)
 
 
-def _core_fwd(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings):
-    o, final, starts, inverses = forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, initial_BGHKV, settings,
+def _core_fwd(q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings):
+    o, final, starts, inverses = forward(q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings,
                                          save=True)
     # Named for remat.save: kept with the layer's gdn_core_out, a remat's backward needs no second
     # run of this forward kernel (docs/levers.md, the minimal policy's save list).
     starts, inverses = (checkpoint_name(r, RESIDUALS_NAME) for r in (starts, inverses))
-    return (o, final), (q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, starts, inverses)
+    return (o, final), (q, k, v, g_BGNHC, beta_BGNHC, starts, inverses)
 
 
 def _core_bwd(settings, residuals, cotangents):
-    do_BGHTV, d_final_BGHKV = cotangents
-    return tuple(backward(residuals, do_BGHTV, d_final_BGHKV, settings))
+    do, d_final_BGHKV = cotangents
+    return tuple(backward(residuals, do, d_final_BGHKV, settings))
 
 
 core.defvjp(_core_fwd, _core_bwd)
@@ -323,54 +350,77 @@ def kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BH
         return jnp.transpose(x, (0, 3, 1, 4, 2))
 
     log_gates_BTH = jnp.where(starts_BT[..., None], START_LOG_GATE, g_BTH.astype(_F32))
-    q_BGTK, k_BGTK = (jnp.moveaxis(pad_time(a), 1, 2) for a in (q_BTGK, k_BTGK))
-    v_BGHTV = jnp.moveaxis(split_value_heads(pad_time(v_BTHV), 2, key_heads), 1, 3)
-    return (q_BGTK, k_BGTK, v_BGHTV, gates(log_gates_BTH), gates(beta_BTH),
-            split_value_heads(initial_BHKV, 1, key_heads))
+    if settings.token_major:  # heads and features merged: reshapes, no transposes
+        q, k, v = (pad_time(a).reshape(*a.shape[:1], -1, a.shape[2] * a.shape[3]) for a in (q_BTGK, k_BTGK, v_BTHV))
+    else:
+        q, k = (jnp.moveaxis(pad_time(a), 1, 2) for a in (q_BTGK, k_BTGK))
+        v = jnp.moveaxis(split_value_heads(pad_time(v_BTHV), 2, key_heads), 1, 3)
+    return q, k, v, gates(log_gates_BTH), gates(beta_BTH), split_value_heads(initial_BHKV, 1, key_heads)
 
 
 def settings_for(chunk_size: int, group: int, chunks: int, dtype, *, precision=None, chunks_per_step=None,
-                 interpret=False, vmem_limit_mib=0.0) -> Settings:
+                 interpret=False, vmem_limit_mib=0.0, token_major=False) -> Settings:
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"gdn pallas_tpu: unknown precision {precision!r}; choices: {', '.join(PRECISIONS)}")
     if chunks_per_step is not None and chunks_per_step < 1:
         raise ValueError(f"gdn pallas_tpu: chunks_per_step must be positive; got {chunks_per_step}")
     per_step = chunks_per_step or default_chunks_per_step(chunk_size, group, chunks)
-    return Settings(chunk_size, per_step, precision or tpu_chunk.precision_name(dtype), interpret, vmem_limit_mib)
+    return Settings(chunk_size, per_step, precision or tpu_chunk.precision_name(dtype), interpret, vmem_limit_mib,
+                    token_major)
+
+
+def token_major_blocks_fit(key_heads: int, group: int, key_dim: int, value_dim: int, interpret: bool) -> str | None:
+    """Why a token-major block of a key head's columns cannot be a Mosaic block (its width must be a
+    multiple of 128 lanes or the array's whole width), else None; interpreted, every width fits."""
+    if interpret or key_heads == 1:
+        return None
+    bad = [f"{name} {width}" for name, width in (("key dim", key_dim), ("value heads per key head x value dim",
+                                                                         group * value_dim)) if width % 128]
+    return f"{' and '.join(bad)} not a multiple of 128 lanes" if bad else None
 
 
 def prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, *, chunk_size: int,
-             normalize_qk: bool, interpret: bool, precision=None, chunks_per_step=None, vmem_limit_mib: float = 0.0):
+             normalize_qk: bool, interpret: bool, precision=None, chunks_per_step=None, vmem_limit_mib: float = 0.0,
+             token_major: bool = False):
     """(Settings, the kernels' inputs in their layouts) from token-major inputs (q, k as given: here
-    normalised and scaled, each key head once) and the document starts [B, T] (bool or None)."""
+    normalised and scaled, each key head once) and the document starts [B, T] (bool or None);
+    token_major: the kernels read q, k, v and write o in place of the transposed layouts."""
     tokens, heads = v_BTHV.shape[1:3]
     key_heads = q_BTGK.shape[2]
+    if token_major and (why := token_major_blocks_fit(key_heads, heads // key_heads, q_BTGK.shape[3],
+                                                      v_BTHV.shape[3], interpret)):
+        raise ValueError(f"gdn pallas_tpu: token-major blocks need lane-aligned columns per key head: {why}")
     settings = settings_for(chunk_size, heads // key_heads, -(-tokens // chunk_size), v_BTHV.dtype, precision=precision,
-                            chunks_per_step=chunks_per_step, interpret=interpret, vmem_limit_mib=vmem_limit_mib)
+                            chunks_per_step=chunks_per_step, interpret=interpret, vmem_limit_mib=vmem_limit_mib,
+                            token_major=token_major)
     q_BTGK, k_BTGK = prepare_query_key(q_BTGK, k_BTGK, key_heads, normalize_qk, _F32)  # no repeat
     return settings, kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings)
 
 
-def token_major(o_BGHTV, tokens: int):
-    """The kernels' output [B, G, Hg, T', V] (T' padded) -> [B, T, H, V]."""
-    return merge_value_heads(jnp.moveaxis(o_BGHTV, 3, 1), 2)[:, :tokens]
+def to_token_major(o, tokens: int, value_dim: int):
+    """The kernels' output, [B, G, Hg, T', V] or token-major [B, T', H V] (T' padded) -> [B, T, H, V]."""
+    if o.ndim == 3:
+        return o.reshape(o.shape[0], o.shape[1], -1, value_dim)[:, :tokens]
+    return merge_value_heads(jnp.moveaxis(o, 3, 1), 2)[:, :tokens]
 
 
 def gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids=None, initial_state=None,
                      chunk_size: int = 64, normalize_qk: bool = True, interpret: bool = False, precision=None,
-                     chunks_per_step=None, vmem_limit_mib: float = 0.0):
+                     chunks_per_step=None, vmem_limit_mib: float = 0.0, token_major: bool = False):
     """ops.gated_delta_rule on the Mosaic kernels: (o [B, T, H, V] in v's dtype, final state float32).
 
-    precision: a key of tpu_chunk.PRECISIONS (default: float32 for float32 inputs, bfloat16x3 else);
-    chunks_per_step: chunks per grid step (default_chunks_per_step)."""
+    precision: a key of tpu_chunk.PRECISIONS (default: float32 for float32 inputs,
+    bfloat16x3_bf16_inverse else); chunks_per_step: chunks per grid step (default_chunks_per_step);
+    token_major: the kernels' blocks read and write the token-major arrays (no layout transposes)."""
     batch, tokens, heads, value_dim = v_BTHV.shape
     key_dim = q_BTGK.shape[3]
     initial_BHKV = initial_or_zeros(initial_state, (batch, heads, key_dim, value_dim), _F32)
     settings, inputs = prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_or_none(segment_ids, batch, tokens),
                                 initial_BHKV, chunk_size=chunk_size, normalize_qk=normalize_qk, interpret=interpret,
-                                precision=precision, chunks_per_step=chunks_per_step, vmem_limit_mib=vmem_limit_mib)
-    o_BGHTV, final_BGHKV = core(*inputs, settings)
-    return token_major(o_BGHTV, tokens), merge_value_heads(final_BGHKV, 1)
+                                precision=precision, chunks_per_step=chunks_per_step, vmem_limit_mib=vmem_limit_mib,
+                                token_major=token_major)
+    o, final_BGHKV = core(*inputs, settings)
+    return to_token_major(o, tokens, value_dim), merge_value_heads(final_BGHKV, 1)
 
 
 # ---------------------------------------------------------------------------------------------

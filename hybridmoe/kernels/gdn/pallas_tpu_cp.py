@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gdn import limits, tpu_chunk
-from hybridmoe.kernels.gdn.pallas_tpu import Settings, block_specs, carry, chunks_of, compiler_params, cost, dims_of
+from hybridmoe.kernels.gdn.pallas_tpu import (Settings, block_specs, carry, chunks_of, compiler_params, cost, dims_of,
+                                              head_rows)
 from hybridmoe.kernels.gdn.tpu_chunk import PRECISIONS
 
 _F32 = jnp.float32
@@ -47,7 +48,7 @@ def _identity(size: int):
 
 def _transition_kernel(k_ref, v_ref, g_ref, beta_ref, end_ref, transition_ref, state_scratch, product_scratch, *,
                        settings: Settings):
-    size, group, per_step = settings.chunk_size, v_ref.shape[0], settings.chunks_per_step
+    size, group, per_step = settings.chunk_size, g_ref.shape[1], settings.chunks_per_step
     step = pl.program_id(2)
 
     @pl.when(step == 0)
@@ -63,15 +64,15 @@ def _transition_kernel(k_ref, v_ref, g_ref, beta_ref, end_ref, transition_ref, s
     carry(product_scratch, products, transition_ref)
 
 
-def transition(k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, settings: Settings):
+def transition(k, v, g_BGNHC, beta_BGNHC, settings: Settings):
     """(S_ext [B, G, Hg, K, V], M_r [B, G, Hg, K, K]) of the shard in pallas_tpu's layouts."""
-    d = dims_of(k_BGTK, v_BGHTV, settings)
+    d = dims_of(k, v, g_BGNHC, settings)
     s = block_specs(d, reverse=False)
     per_head = lambda width: pl.BlockSpec((None, None, d.group, d.key_dim, width),  # noqa: E731
                                           lambda b, g, j: (b, g, 0, 0, 0))
     out_shape = [jax.ShapeDtypeStruct((d.batch, d.key_heads, d.group, d.key_dim, width), _F32)
                  for width in (d.value_dim, d.key_dim)]
-    operands = (k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC)
+    operands = (k, v, g_BGNHC, beta_BGNHC)
     return pl.pallas_call(
         functools.partial(_transition_kernel, settings=settings),
         name=KERNEL_NAMES["transition"], grid=(d.batch, d.key_heads, d.steps),
@@ -79,7 +80,7 @@ def transition(k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, settings: Settings):
         out_specs=[per_head(d.value_dim), per_head(d.key_dim)], out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((d.group, d.key_dim, d.value_dim), _F32),
                         pltpu.VMEM((d.group, d.key_dim, d.key_dim), _F32)],
-        compiler_params=compiler_params(KERNEL_NAMES["transition"], d, settings, jnp.dtype(v_BGHTV.dtype).itemsize),
+        compiler_params=compiler_params(KERNEL_NAMES["transition"], d, settings, jnp.dtype(v.dtype).itemsize),
         cost_estimate=cost("transition", d, settings.precision, operands, out_shape),
         interpret=settings.interpret,
     )(*operands)
@@ -87,7 +88,7 @@ def transition(k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, settings: Settings):
 
 def _state_cotangent_kernel(q_ref, k_ref, g_ref, beta_ref, inverses_ref, do_ref, d_local_ref, d_state_scratch, *,
                             settings: Settings):
-    size, group, per_step = settings.chunk_size, do_ref.shape[0], settings.chunks_per_step
+    size, group, per_step = settings.chunk_size, g_ref.shape[1], settings.chunks_per_step
     step = pl.program_id(2)  # the step-th block from the end
 
     @pl.when(step == 0)
@@ -97,19 +98,19 @@ def _state_cotangent_kernel(q_ref, k_ref, g_ref, beta_ref, inverses_ref, do_ref,
     d_states = tpu_chunk.state_cotangent_step(
         chunks_of(q_ref, k_ref, None, g_ref, beta_ref, size, per_step),
         [[inverses_ref[c * group + h] for h in range(group)] for c in range(per_step)],
-        [[do_ref[h, pl.ds(c * size, size), :] for h in range(group)] for c in range(per_step)],
+        [[do_ref[head_rows(do_ref, h, pl.ds(c * size, size), group)] for h in range(group)] for c in range(per_step)],
         [d_state_scratch[h] for h in range(group)], PRECISIONS[settings.precision])
     carry(d_state_scratch, d_states, d_local_ref)
 
 
-def local_state_cotangent(q_BGTK, k_BGTK, g_BGNHC, beta_BGNHC, inverses, do_BGHTV, settings: Settings):
+def local_state_cotangent(q, k, g_BGNHC, beta_BGNHC, inverses, do, settings: Settings):
     """dS_loc [B, G, Hg, K, V]: the cotangent at the shard's start from its outputs' cotangent dO
     alone (zero after its last chunk); inverses: each chunk's T, the forward's residual
     [B, G, N Hg, C, C]."""
-    d = dims_of(q_BGTK, do_BGHTV, settings)
+    d = dims_of(q, do, g_BGNHC, settings)
     s = block_specs(d, reverse=True)
     out_shape = jax.ShapeDtypeStruct((d.batch, d.key_heads, d.group, d.key_dim, d.value_dim), _F32)
-    operands = (q_BGTK, k_BGTK, g_BGNHC, beta_BGNHC, inverses, do_BGHTV)
+    operands = (q, k, g_BGNHC, beta_BGNHC, inverses, do)
     return pl.pallas_call(
         functools.partial(_state_cotangent_kernel, settings=settings),
         name=KERNEL_NAMES["state_cotangent"], grid=(d.batch, d.key_heads, d.steps),
@@ -118,7 +119,7 @@ def local_state_cotangent(q_BGTK, k_BGTK, g_BGNHC, beta_BGNHC, inverses, do_BGHT
         out_specs=s["state"], out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((d.group, d.key_dim, d.value_dim), _F32)],
         compiler_params=compiler_params(KERNEL_NAMES["state_cotangent"], d, settings,
-                                        jnp.dtype(do_BGHTV.dtype).itemsize),
+                                        jnp.dtype(do.dtype).itemsize),
         cost_estimate=cost("state_cotangent", d, settings.precision, operands, [out_shape]),
         interpret=settings.interpret,
     )(*operands)
