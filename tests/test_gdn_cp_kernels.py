@@ -10,6 +10,8 @@ on the core's own layout (kernels/gdn/pallas_tpu_cp.py), run interpreted on 4 si
 - kernels.gdn.precision reaches the kernels; the validator names every unmet requirement.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -191,24 +193,27 @@ def shard_case():
     trees = {"end state": chunk_start_states(t, jnp.zeros((B, H, K, V)))[1], "transition": cp.cp_m_tree_product(t),
              "local cotangent": cp.cp_dh_tree_cotangent(t, do_BNHCV)}
 
-    def kernels():
+    def kernels(token_major=False):
         settings, inputs = pallas_tpu.prepared(q, k, v, g, beta, starts, jnp.zeros((B, H, K, V)), chunk_size=C,
-                                               normalize_qk=True, interpret=True, chunks_per_step=1)
+                                               normalize_qk=True, interpret=True, chunks_per_step=1,
+                                               token_major=token_major)
         end, transition = pallas_tpu_cp.transition(*inputs[1:5], settings)
         _, _, _, inverses = pallas_tpu.forward(*inputs, settings, save=True)
-        do_BGHTV = jnp.moveaxis(pallas_tpu.split_value_heads(from_chunks(do_BNHCV), 2, G), 1, 3)
-        local = pallas_tpu_cp.local_state_cotangent(inputs[0], inputs[1], inputs[3], inputs[4], inverses, do_BGHTV,
-                                                    settings)
+        do_BTHV = from_chunks(do_BNHCV)
+        do = (do_BTHV.reshape(B, -1, H * V) if token_major
+              else jnp.moveaxis(pallas_tpu.split_value_heads(do_BTHV, 2, G), 1, 3))
+        local = pallas_tpu_cp.local_state_cotangent(inputs[0], inputs[1], inputs[3], inputs[4], inverses, do, settings)
         merge = lambda a: pallas_tpu.merge_value_heads(a, 1)  # noqa: E731
         return {"end state": merge(end), "transition": merge(transition), "local cotangent": merge(local)}
 
     return trees, kernels
 
 
+@pytest.mark.parametrize("token_major", [False, True], ids=["transposed layout", "token-major blocks"])
 @pytest.mark.parametrize("which", ["end state", "transition", "local cotangent"])
-def test_cp_kernels_over_several_grid_steps_equal_the_highest_trees(which, shard_case):
+def test_cp_kernels_over_several_grid_steps_equal_the_highest_trees(which, token_major, shard_case):
     trees, kernels = shard_case
-    got = jax.jit(kernels)()[which]
+    got = jax.jit(functools.partial(kernels, token_major))()[which]
     assert float(jnp.abs(trees[which]).max()) > 1e-2  # long-memory gates: nothing is ~0
     assert _rel_max(got, trees[which]) < 1e-5, _rel_max(got, trees[which])
 
@@ -235,16 +240,18 @@ def test_broken_carries_across_grid_steps_are_caught(variant, shard_case, monkey
     assert broken > 10 * max(clean, 1e-6), f"clean {clean:.2e}, broken {broken:.2e}"
 
 
-def test_the_chip_case_runs_two_ranks_against_the_whole_sequences_reference():
+@pytest.mark.parametrize("arm", ["pallas_tpu", "pallas_tpu_token_major"])
+def test_the_chip_case_runs_two_ranks_against_the_whole_sequences_reference(arm):
     """tools/chip_cases.py's gdn_cp at `tiny` (interpreted): the two ranks mapped by vmap, each taking its
     gradients inside the map, give the whole sequence's output and gradients of the float32 recurrence
     over it within the bf16 inputs' error (3.1e-3 measured; a rank given the other's shard, or a
-    prefix that passes nothing across, is off by more than 1e-1)."""
+    prefix that passes nothing across, is off by more than 1e-1); the kernels on the transposed
+    layouts and on blocks of the token-major arrays."""
     from hybridmoe.tools import chip_cases as cc
 
     (case,) = cc.cases("tiny", interpret=True, families=["gdn_cp"]).values()
     reference = case.reference()
-    built = case.backends["pallas_tpu"]()
+    built = case.backends[arm]()
     fn, args = built.fwd_bwd
     error = cc.relative_error(case.view(built.restore(fn(*args), True), backward=True), reference.fwd_bwd)
     assert case.shape["ranks"] == 2 and error < 1e-2, error

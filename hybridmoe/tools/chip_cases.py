@@ -451,6 +451,7 @@ def _gdn_cp_backends(g, interpret):
                             lambda *args_and_cot: over_ranks(rank_with_gradients, *args_and_cot))
 
     return {"xla": rule("xla", cp_m_scan=True, cp_dh_scan=True), "pallas_tpu": rule(terms_in_kernel=True),
+            "pallas_tpu_token_major": rule(terms_in_kernel=True, token_major=True),
             "pallas_tpu_terms_in_xla": rule(cp_m_scan=True, cp_dh_scan=True)}
 
 

@@ -278,34 +278,34 @@ context_parallel_core.defvjp(_cp_fwd, _cp_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def grouped_core(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, axis_name, prefix, settings):
-    """o [B, G, Hg, T, V] of this rank's shard in pallas_tpu's layouts (kernel_layout), the state
-    entering it from the ranks before."""
-    return _grouped_fwd(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, axis_name, prefix, settings)[0]
+def grouped_core(q, k, v, g_BGNHC, beta_BGNHC, axis_name, prefix, settings):
+    """o of this rank's shard in pallas_tpu's layouts (kernel_layout; v's), the state entering it
+    from the ranks before."""
+    return _grouped_fwd(q, k, v, g_BGNHC, beta_BGNHC, axis_name, prefix, settings)[0]
 
 
-def _grouped_fwd(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, axis_name, prefix, settings):
-    s_ext, m = pallas_tpu_cp.transition(k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, settings)  # pass 1
+def _grouped_fwd(q, k, v, g_BGNHC, beta_BGNHC, axis_name, prefix, settings):
+    s_ext, m = pallas_tpu_cp.transition(k, v, g_BGNHC, beta_BGNHC, settings)  # pass 1
     m_BHKK = checkpoint_name(pallas_tpu.merge_value_heads(m, 1), TRANSITION_NAME)
     s_in_BHKV = checkpoint_name(exclusive_prefix(m_BHKK, pallas_tpu.merge_value_heads(s_ext, 1), axis_name,
                                                  prefix=prefix), STATE_IN_NAME)
-    key_heads = q_BGTK.shape[1]
-    o, _, starts, inverses = pallas_tpu.forward(q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC,
+    key_heads = g_BGNHC.shape[1]
+    o, _, starts, inverses = pallas_tpu.forward(q, k, v, g_BGNHC, beta_BGNHC,
                                                 pallas_tpu.split_value_heads(s_in_BHKV, 1, key_heads), settings,
                                                 save=True)
     starts, inverses = (checkpoint_name(r, RESIDUALS_NAME) for r in (starts, inverses))
-    return o, (q_BGTK, k_BGTK, v_BGHTV, g_BGNHC, beta_BGNHC, starts, inverses, m_BHKK)
+    return o, (q, k, v, g_BGNHC, beta_BGNHC, starts, inverses, m_BHKK)
 
 
-def _grouped_bwd(axis_name, prefix, settings, residuals, do_BGHTV):
+def _grouped_bwd(axis_name, prefix, settings, residuals, do):
     *kernel_residuals, m_BHKK = residuals
-    q_BGTK, k_BGTK, _, g_BGNHC, beta_BGNHC, _, inverses = kernel_residuals
-    d_local = pallas_tpu_cp.local_state_cotangent(q_BGTK, k_BGTK, g_BGNHC, beta_BGNHC, inverses, do_BGHTV, settings)
+    q, k, _, g_BGNHC, beta_BGNHC, _, inverses = kernel_residuals
+    d_local = pallas_tpu_cp.local_state_cotangent(q, k, g_BGNHC, beta_BGNHC, inverses, do, settings)
     # As _cp_bwd: the cotangent at the shard's end is what the ranks after it send back.
     d_end_BHKV = exclusive_prefix(m_BHKK, pallas_tpu.merge_value_heads(d_local, 1), axis_name, prefix=prefix,
                                   reverse=True)
-    grads = pallas_tpu.backward(tuple(kernel_residuals), do_BGHTV,
-                                pallas_tpu.split_value_heads(d_end_BHKV, 1, q_BGTK.shape[1]), settings)
+    grads = pallas_tpu.backward(tuple(kernel_residuals), do,
+                                pallas_tpu.split_value_heads(d_end_BHKV, 1, g_BGNHC.shape[1]), settings)
     return tuple(grads[:5])
 
 
@@ -313,12 +313,12 @@ grouped_core.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def _grouped_context_parallel(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, *, axis_name, chunk_size,
-                              normalize_qk, prefix, interpret, precision):
+                              normalize_qk, prefix, interpret, precision, token_major):
     batch, tokens, heads, value_dim = v_BTHV.shape
     zeros_BHKV = jnp.zeros((batch, heads, q_BTGK.shape[3], value_dim), jnp.float32)  # no initial state on a shard
     settings, inputs = pallas_tpu.prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, zeros_BHKV,
                                            chunk_size=chunk_size, normalize_qk=normalize_qk, interpret=interpret,
-                                           precision=precision)
+                                           precision=precision, token_major=token_major)
     return pallas_tpu.to_token_major(grouped_core(*inputs[:5], axis_name, prefix, settings), tokens, value_dim)
 
 
@@ -326,6 +326,7 @@ def gated_delta_rule_context_parallel(
     q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids, axis_name, chunk_size: int = 64,
     normalize_qk: bool = True, cp_m_scan: bool = False, cp_dh_scan: bool = False, prefix: str = "all_gather",
     backend: str = "xla", interpret: bool = False, precision: str | None = None, terms_in_kernel: bool = False,
+    token_major: bool = False,
 ):
     """gated_delta_rule on this rank's shard of the sequence (inside shard_map over `axis_name`).
 
@@ -334,7 +335,9 @@ def gated_delta_rule_context_parallel(
     precision: the Mosaic kernels' products (tpu_chunk.PRECISIONS; None: the inputs' dtype's default,
     as on one device). terms_in_kernel (pallas_tpu only; gdn.cp_terms_in_kernel): pass 1 and the
     local state cotangent as Mosaic kernels on the chunk kernels' layout (grouped_core), where
-    cp_m_scan and cp_dh_scan have no part. Returns o [B, T / P, H, V] in v's dtype.
+    cp_m_scan and cp_dh_scan have no part; token_major (with terms_in_kernel): the kernels' blocks
+    read and write the token-major arrays (pallas_tpu.gated_delta_rule's). Returns o [B, T / P, H, V]
+    in v's dtype.
     """
     num_tokens = v_BTHV.shape[1]
     if num_tokens % chunk_size:
@@ -342,11 +345,13 @@ def gated_delta_rule_context_parallel(
                          f"chunks of {chunk_size}")
     if terms_in_kernel and backend != "pallas_tpu":
         raise ValueError(f"gdn context parallelism: terms_in_kernel runs on the pallas_tpu core; backend is {backend!r}")
+    if token_major and not terms_in_kernel:
+        raise ValueError("gdn context parallelism: token_major blocks are the grouped core's (terms_in_kernel)")
     starts_BT = cross_rank_starts(document_starts(segment_ids), segment_ids, axis_name)
     if terms_in_kernel:
         o_BTHV = _grouped_context_parallel(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, axis_name=axis_name,
                                            chunk_size=chunk_size, normalize_qk=normalize_qk, prefix=prefix,
-                                           interpret=interpret, precision=precision)
+                                           interpret=interpret, precision=precision, token_major=token_major)
         return o_BTHV.astype(v_BTHV.dtype)
     x, starts_BNC = prepare_chunks(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, chunk_size, normalize_qk)
     if precision is not None and backend != "pallas_tpu":
