@@ -65,6 +65,9 @@ ARMS = {
     # The Mosaic GDN core at three passes for every product, the triangular inverse's doubling too: the
     # precision the defaults ran before the chip's verdict on bfloat16x3_bf16_inverse.
     "gdn_bf16x3": ["kernels.gdn.precision=bfloat16x3"],
+    # The Mosaic GDN core's kernels on blocks of the token-major arrays: no layout copies around them
+    # (docs/levers.md, kernels.gdn.layout).
+    "gdn_token_major": ["kernels.gdn.layout=token_major"],
     "gdn_bf16_chunk128": ["kernels.gdn.precision=bfloat16", "gdn.chunk_size=128"],
     # The Pallas grouped matmuls at the table's tiles (tm 1,024 at this recipe's shapes) on the layout
     # where no row tile spans two experts (docs/levers.md, moe.group_align_rows).

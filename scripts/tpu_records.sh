@@ -34,7 +34,8 @@
 #   gmm-prefetch-table  the same, each kernel's fastest tiles into the tile table (kernels/gmm/tile_table.json)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #   step-default  the same, its default arm alone
-#   step-gdn   the default beside the GDN core's former precision (arm gdn_bf16x3), in one round
+#   step-gdn   the default beside the GDN core's former precision (arm gdn_bf16x3) and its token-major
+#              blocks (arm gdn_token_major), in one round
 #   step-aligned  the default, the Pallas grouped matmuls at the table's tiles, and those on
 #              moe.group_align_rows' layout
 #   step-holdout  its default arm at other shapes -> tpu_step_seq4096.json, tpu_step_layers8_experts8.json
@@ -147,7 +148,7 @@ except ValueError as e:
     gmm-prefetch-table) python3 benchmarks/tpu_gmm_prefetch.py --write-table ;;
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
     step-default) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default ;;
-    step-gdn) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,gdn_bf16x3 ;;
+    step-gdn) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,gdn_bf16x3,gdn_token_major ;;
     step-aligned) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,pallas_gmm_auto,pallas_gmm_auto_aligned --profile 1 ;;
     step-holdout)
       # The calibrated model on shapes it was not calibrated or checked on: the default arm of the

@@ -27,7 +27,7 @@ from jax import lax
 
 from hybridmoe.config import ConfigError
 from hybridmoe.recipe import load_config
-from hybridmoe.kernels.gdn import gated_delta_rule, pallas_chunk, pallas_gpu, pallas_tpu, tpu_chunk
+from hybridmoe.kernels.gdn import gated_delta_rule, limits, pallas_chunk, pallas_gpu, pallas_tpu, tpu_chunk
 from hybridmoe.kernels.gdn.reference import gated_delta_rule_reference
 from helpers import GDN_LAYERS
 from tests.test_gdn_context_parallel import _layer_loss, _on_context_mesh, _rel_max, layer_case, single_device  # noqa: F401
@@ -186,8 +186,8 @@ def test_token_major_blocks_need_lane_aligned_columns():
     gates = jnp.zeros((1, 64, 4))
     with pytest.raises(ValueError, match="key dim 96 not a multiple of 128"):
         pallas_tpu.gated_delta_rule(q, q, v, gates, gates, token_major=True)
-    assert pallas_tpu.token_major_blocks_fit(2, 2, 128, 64, interpret=False) is None  # 2 x 64 = 128 lanes
-    assert "value heads per key head x value dim 96" in pallas_tpu.token_major_blocks_fit(2, 3, 128, 32,
+    assert limits.token_major_blocks_fit(2, 2, 128, 64, interpret=False) is None  # 2 x 64 = 128 lanes
+    assert "value heads per key head x value dim 96" in limits.token_major_blocks_fit(2, 3, 128, 32,
                                                                                          interpret=False)
 
 
@@ -495,10 +495,14 @@ def test_auto_backend_is_the_mosaic_core_on_a_tpu_and_xla_elsewhere():
     assert limits.resolve("xla", "tpu", 64) == "xla" and limits.resolve("pallas_gpu", "cpu", 64) == "pallas_gpu"
 
 
-def test_precision_key_reaches_the_mosaic_core_in_training_and_prefill(monkeypatch):
-    """kernels.gdn.precision reaches the Mosaic core's call from the training forward and from the
-    rollout's prefill (decode.cached_hidden over a 16-token prompt); auto passes none (the kernel's
-    default for the activations' dtype). Traced only (jax.eval_shape): the call is what is checked."""
+@pytest.mark.parametrize("key, keyword, values", [
+    ("precision", "precision", (("bfloat16", "bfloat16"), ("bfloat16x3", "bfloat16x3"), ("auto", None))),
+    ("layout", "token_major", (("token_major", True), ("head_major", None)))])
+def test_kernel_keys_reach_the_mosaic_core_in_training_and_prefill(key, keyword, values, monkeypatch):
+    """kernels.gdn.precision and kernels.gdn.layout reach the Mosaic core's call from the training
+    forward and from the rollout's prefill (decode.cached_hidden over a 16-token prompt); auto and
+    head_major pass none (the kernel's defaults). Traced only (jax.eval_shape): the call is what is
+    checked."""
     from helpers import packed_batch, tiny_config, tiny_params
     from hybridmoe.kernels.gdn import pallas_tpu
     from hybridmoe.model import decode
@@ -508,13 +512,13 @@ def test_precision_key_reaches_the_mosaic_core_in_training_and_prefill(monkeypat
     original = pallas_tpu.gated_delta_rule
 
     def recording(*args, **kw):
-        seen.append(kw.get("precision"))
+        seen.append(kw.get(keyword))
         return original(*args, **kw)
 
     monkeypatch.setattr(pallas_tpu, "gated_delta_rule", recording)
-    for precision, want in (("bfloat16", "bfloat16"), ("bfloat16x3", "bfloat16x3"), ("auto", None)):
+    for value, want in values:
         cfg = tiny_config(*MODEL_OVERRIDES, "kernels.gdn.backend=pallas_tpu", "kernels.interpret=true",
-                          f"kernels.gdn.precision={precision}")
+                          f"kernels.gdn.{key}={value}")
         params = tiny_params(cfg, perturb=False)
         batch = packed_batch(3, 2, 64, cfg.model.vocab_size, doc_lengths=(30, 34))
         for what, run in (("training", lambda: jax.eval_shape(lambda p: nll_sum(p, cfg, batch)[0], params)),
@@ -524,7 +528,7 @@ def test_precision_key_reaches_the_mosaic_core_in_training_and_prefill(monkeypat
                                                              jnp.broadcast_to(jnp.arange(16), (2, 16)))[0], params))):
             seen.clear()
             run()
-            assert seen and set(seen) == {want}, (precision, what, seen)
+            assert seen and set(seen) == {want}, (value, what, seen)
 
 
 def test_sequence_sharded_core_takes_the_precision(layer_case):

@@ -95,13 +95,14 @@ def test_blocked_core_is_self_attention_over_a_block_count_that_divides_the_toke
 # model/decode.py: one cached layer
 
 
-def _decode_cfg(chunk_size=4, backend="auto", precision="auto"):
+def _decode_cfg(chunk_size=4, backend="auto", precision="auto", layout="head_major"):
     from types import SimpleNamespace
 
     from hybridmoe.config.schema import ModelConfig
 
     return SimpleNamespace(model=ModelConfig(head_dim=16, num_heads=2, num_kv_heads=1), gdn=SimpleNamespace(chunk_size=chunk_size),
-                           kernels=SimpleNamespace(gdn=SimpleNamespace(backend=backend, precision=precision), interpret=True))
+                           kernels=SimpleNamespace(gdn=SimpleNamespace(backend=backend, precision=precision, layout=layout),
+                                                   interpret=True))
 
 
 def test_a_cached_gdn_layer_runs_one_token_as_the_chunk_1_xla_recurrence(monkeypatch):
@@ -109,18 +110,18 @@ def test_a_cached_gdn_layer_runs_one_token_as_the_chunk_1_xla_recurrence(monkeyp
 
     seen = []
 
-    def gdn_layer(p, h, seg, m, *, chunk_size, backend, interpret, state, precision):
-        seen.append((h.shape[1], chunk_size, backend, interpret, precision))
+    def gdn_layer(p, h, seg, m, *, chunk_size, backend, interpret, state, precision, layout):
+        seen.append((h.shape[1], chunk_size, backend, interpret, precision, layout))
         return h, {name: (a + 1).astype(jnp.float32) for name, a in state.items()}
 
     monkeypatch.setattr(decode, "gdn_layer", gdn_layer)
     cache = {"conv_q": jnp.zeros((1, 3, 1, 2), jnp.bfloat16), "ssm": jnp.zeros((1, 1, 2, 2), jnp.float32)}
-    cfg = _decode_cfg(chunk_size=4, backend="pallas_tpu", precision="bfloat16")
+    cfg = _decode_cfg(chunk_size=4, backend="pallas_tpu", precision="bfloat16", layout="token_major")
     ctx = (None, jnp.ones((1, 1), jnp.int32), None, None, jnp.int32(0))
     _, new = decode._cached_mixer("gdn", {}, jnp.zeros((1, 1, 8)), cache, ctx, cfg)
     decode._cached_mixer("gdn", {}, jnp.zeros((1, 5, 8)), cache, ctx, cfg)
-    # kernels.gdn.precision handed on; gdn_layer gives it to the Mosaic core only
-    assert seen == [(1, 1, "xla", True, "bfloat16"), (5, 4, "pallas_tpu", True, "bfloat16")]
+    # kernels.gdn.precision and layout handed on; gdn_layer gives them to the Mosaic core only
+    assert seen == [(1, 1, "xla", True, "bfloat16", "token_major"), (5, 4, "pallas_tpu", True, "bfloat16", "token_major")]
     # the new state keeps the cache's dtypes
     assert new["conv_q"].dtype == jnp.bfloat16 and new["ssm"].dtype == jnp.float32
     assert float(new["conv_q"][0, 0, 0, 0]) == 1.0

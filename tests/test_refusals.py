@@ -331,6 +331,13 @@ CASES: dict[str, Case] = {
     "gdn_pallas_tpu_chunk_1": case("_kernels_gdn_backend", ["kernels.gdn.backend=pallas_tpu", "gdn.chunk_size=1",
                                                             "kernels.attention.backend=xla"],
                                    ("kernels.gdn.backend", "needs gdn.chunk_size >= 2 on TPU"), **TPU),
+    "gdn_layout_everything_unmet": case("_kernels_gdn_layout", [*CP2, "train.seq_len=128", "kernels.gdn.layout=token_major"],
+                                        ("kernels.gdn.layout", "sets the Mosaic GDN core's blocks; kernels.gdn.backend "
+                                         "is xla here (set kernels.gdn.backend=pallas_tpu, or layout head_major); under "
+                                         "context parallelism needs gdn.cp_terms_in_kernel=true (the grouped core's "
+                                         "kernels); needs lane-aligned columns per key head on a TPU: key dim 16 and "
+                                         "value heads per key head x value dim 32 not a multiple of 128 lanes "
+                                         "(model.gdn_key_dim, model.gdn_value_dim)")),
     "gdn_precision_on_the_xla_core": case("_kernels_gdn_precision", ["kernels.gdn.precision=bfloat16"],
                                           ("kernels.gdn.precision", "kernels.gdn.backend is xla here")),
     # fp8
@@ -390,6 +397,9 @@ CASES: dict[str, Case] = {
 # Configs at a limit that every rule accepts (the limit itself is allowed): each is the tiny recipe
 # with overrides, and the facts a caller gives. A comparison off by one (< for <=) refuses one.
 ACCEPTED: dict[str, Case] = {
+    # token-major blocks on the Mosaic core, interpreted (every block width fits)
+    "gdn_layout_token_major_interpreted": case((), ["kernels.gdn.backend=pallas_tpu", "kernels.interpret=true",
+                                                    "kernels.gdn.layout=token_major"]),
     # train.seq_len = model.max_seq_len = 256
     "training_rows_fill_the_context": case((), ["train.seq_len=256"]),
     # remat.expert_grad_lag = len(model.layer_pattern) - 1: the block's input holds every layer's gradient

@@ -253,6 +253,13 @@ class GdnKernelConfig(Section):
         "chunk's own products and the triangular inverse, three for the state and the chain between chunks (1.14x "
         "the default, 1.27x with gdn.chunk_size=128); needs the pallas_tpu core (on the whole sequence or under "
         "context parallelism).")
+    layout: Literal["head_major", "token_major"] = Field(
+        "head_major", description="How the Mosaic GDN core's kernels read q, k, v (and dO) and write o (and dq, dk, "
+        "dv): head_major, XLA transposes them to [B, G, (H/G,) T, X] and back; token_major, the kernels' blocks are "
+        "a key head's lane-aligned columns of the token-major arrays, so the layer's flat projections reach them "
+        "with no copy (at the 397B cell's core six value-sized copies fewer per forward + backward by the compiled "
+        "program; not yet timed on a chip: docs/gdn.md, Layouts); needs the pallas_tpu core, the key dim and "
+        "H/G x the value dim multiples of 128 on a TPU, and under context parallelism gdn.cp_terms_in_kernel.")
 
 
 class AttentionKernelConfig(Section):

@@ -89,7 +89,8 @@ def _cached_mixer(kind: str, p, h_BTD, layer_cache, ctx, cfg: Config):
         chunk = 1 if one_token else cfg.gdn.chunk_size
         backend = "xla" if one_token else cfg.kernels.gdn.backend
         y, state = gdn_layer(p, h_BTD, segment_ids_BT, m, chunk_size=chunk, backend=backend,
-                             interpret=cfg.kernels.interpret, state=layer_cache, precision=cfg.kernels.gdn.precision)
+                             interpret=cfg.kernels.interpret, state=layer_cache, precision=cfg.kernels.gdn.precision,
+                             layout=cfg.kernels.gdn.layout)
         return y, jax.tree.map(lambda new, old: new.astype(old.dtype), state, layer_cache)
     raise ValueError(f"unknown layer kind {kind!r}")
 

@@ -38,7 +38,8 @@ def _mixer(kind: str, p, x, positions, segment_ids, cfg: Config, packed: bool = 
             return gdn_layer(p, x, segment_ids, cfg.model, chunk_size=cfg.gdn.chunk_size,
                              backend=cfg.kernels.gdn.backend, interpret=cfg.kernels.interpret,
                              cp_m_scan=cfg.gdn.cp_m_scan, cp_dh_scan=cfg.gdn.cp_dh_scan,
-                             cp_terms_in_kernel=cfg.gdn.cp_terms_in_kernel, precision=cfg.kernels.gdn.precision)
+                             cp_terms_in_kernel=cfg.gdn.cp_terms_in_kernel, precision=cfg.kernels.gdn.precision,
+                             layout=cfg.kernels.gdn.layout)
     raise ValueError(f"unknown layer kind {kind!r}")
 
 

@@ -161,7 +161,8 @@ CORE_SCOPE = "gdn_core"
 @jax.named_scope(CORE_SCOPE)
 def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chunk_size: int,
                                      cp_m_scan: bool, cp_dh_scan: bool, prefix: str, backend: str, interpret: bool,
-                                     precision: str | None = None, cp_terms_in_kernel: bool = False):
+                                     precision: str | None = None, cp_terms_in_kernel: bool = False,
+                                     token_major: bool = False):
     """Causal convs and the core with the sequence split over the mesh's context axis (docs/gdn.md section 3).
 
     Each rank holds a [B, T / P] slice: the convs read the previous rank's last W-1 pre-conv tokens
@@ -183,7 +184,7 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
         return gated_delta_rule_context_parallel(
             *convolved, g, beta, segment_ids=seg, axis_name=axis, chunk_size=chunk_size, normalize_qk=True,
             cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan, prefix=prefix, backend=backend, interpret=interpret,
-            precision=precision, terms_in_kernel=cp_terms_in_kernel)
+            precision=precision, terms_in_kernel=cp_terms_in_kernel, token_major=token_major)
 
     # check_vma off: the core's custom backward places its own collectives.
     return jax.shard_map(local, in_specs=(taps, taps, taps, token, token, token, gate, gate, ids),
@@ -193,12 +194,13 @@ def _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, *, chun
 
 @jax.named_scope(CORE_SCOPE)
 def _core(q, k, v, g, beta, segment_ids_BT, initial_state, *, chunk_size: int, backend: str, interpret: bool,
-          precision: str | None = None):
+          precision: str | None = None, token_major: bool = False):
     """The core on the whole sequence. A Pallas kernel is a custom call that GSPMD cannot split, so
     under a mesh it runs per shard in a shard_map (rows and head groups are independent)."""
     def core(q, k, v, g, beta, seg, state):
         return gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=state, chunk_size=chunk_size,
-                                normalize_qk=True, backend=backend, interpret=interpret, precision=precision)
+                                normalize_qk=True, backend=backend, interpret=interpret, precision=precision,
+                                token_major=token_major)
 
     if backend == "xla" or jax.sharding.get_abstract_mesh().empty:
         return core(q, k, v, g, beta, segment_ids_BT, initial_state)
@@ -217,7 +219,7 @@ def _core(q, k, v, g, beta, segment_ids_BT, initial_state, *, chunk_size: int, b
 
 def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, backend: str = "auto",
               interpret: bool = False, state=None, cp_m_scan: bool = False, cp_dh_scan: bool = False, cp_prefix: str = "all_gather",
-              precision: str = "auto", cp_terms_in_kernel: bool = False):
+              precision: str = "auto", cp_terms_in_kernel: bool = False, layout: str = "head_major"):
     """Returns the layer output, and the new recurrent state when `state` is given (decode/prefill).
 
     state: {"conv_q", "conv_k", "conv_v": [B, W-1, heads, dim] pre-conv tails, "ssm": [B, U, k, v]}.
@@ -226,7 +228,8 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     choose the scans over the trees there (gdn.cp_m_scan, gdn.cp_dh_scan), cp_terms_in_kernel the
     Mosaic core's own kernels for both (gdn.cp_terms_in_kernel); cp_prefix the cross-rank
     prefix (context_parallel.PREFIXES; the other one is kept for benchmarks/gdn_cp.py); precision
-    the Mosaic core's products (kernels.gdn.precision; auto: the kernel's default for the dtype).
+    the Mosaic core's products (kernels.gdn.precision; auto: the kernel's default for the dtype);
+    layout the Mosaic core's blocks (kernels.gdn.layout).
     """
     backend = gdn_limits.resolve(backend, trace_platform(), chunk_size)
     dt = x_BTD.dtype
@@ -236,17 +239,19 @@ def gdn_layer(p, x_BTD, segment_ids_BT, m: ModelConfig, *, chunk_size: int, back
     z = _heads(z, p["wz"])
     g, beta = gates_from_projections(p, b, a)
     precision = None if precision == "auto" or backend != "pallas_tpu" else precision
+    token_major = layout == "token_major" and backend == "pallas_tpu"
     if state is None and context_ranks() > 1:
         q, k, v = (_heads(t, p[name]) for t, name in zip((q, k, v), CONV_TAPS))
         o_BTUv = _conv_and_core_sequence_sharded(p, q, k, v, g, beta, segment_ids_BT, chunk_size=chunk_size,
                                                  cp_m_scan=cp_m_scan, cp_dh_scan=cp_dh_scan, prefix=cp_prefix,
                                                  backend=backend, interpret=interpret, precision=precision,
-                                                 cp_terms_in_kernel=cp_terms_in_kernel)
+                                                 cp_terms_in_kernel=cp_terms_in_kernel, token_major=token_major)
     else:
         tails = None if state is None else [state[name] for name in CONV_TAPS]
         (q, k, v), (tail_q, tail_k, tail_v) = conv_all_channels(p, q, k, v, segment_ids_BT, tails)
         o_BTUv, ssm = _core(q, k, v, g, beta, segment_ids_BT, None if state is None else state["ssm"],
-                            chunk_size=chunk_size, backend=backend, interpret=interpret, precision=precision)
+                            chunk_size=chunk_size, backend=backend, interpret=interpret, precision=precision,
+                            token_major=token_major)
     o_BTUv = checkpoint_name(constrain(o_BTUv, "batch", "seq", "heads", None), "gdn_core_out")
     y = gated_rms_norm(o_BTUv, z, p["norm"], m.rms_norm_eps)
     out = jnp.einsum("btuv,uvd->btd", y.astype(dt), p["wo"].astype(dt))

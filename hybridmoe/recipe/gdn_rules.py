@@ -80,6 +80,28 @@ def _kernels_gdn_precision(cfg: Config, f: Facts) -> list[Problem]:
     return []
 
 
+@rule("kernels.gdn.layout", "kernels.gdn.backend", "gdn.cp_terms_in_kernel", "model.gdn_key_dim",
+      "model.gdn_value_dim", "mesh.context")
+def _kernels_gdn_layout(cfg: Config, f: Facts) -> list[Problem]:
+    """Token-major blocks are the Mosaic core's, on the whole sequence or on the grouped
+    context-parallel core, and on a chip each block is a key head's columns: lane-aligned widths."""
+    if cfg.kernels.gdn.layout == "head_major" or "gdn" not in cfg.model.layer_pattern:
+        return []
+    unmet = []
+    if (backend := _gdn_backend(cfg, f)) != "pallas_tpu":
+        unmet.append(f"sets the Mosaic GDN core's blocks; kernels.gdn.backend is {backend} here (set "
+                     "kernels.gdn.backend=pallas_tpu, or layout head_major)")
+    ranks = _context_size(cfg, f)
+    if ranks is not None and ranks > 1 and not cfg.gdn.cp_terms_in_kernel:
+        unmet.append("under context parallelism needs gdn.cp_terms_in_kernel=true (the grouped core's kernels)")
+    m = cfg.model
+    if why := gdn_limits.token_major_blocks_fit(m.gdn_num_key_heads, m.gdn_num_value_heads // m.gdn_num_key_heads,
+                                     m.gdn_key_dim, m.gdn_value_dim, cfg.kernels.interpret):
+        unmet.append(f"needs lane-aligned columns per key head on a TPU: {why} (model.gdn_key_dim, "
+                     "model.gdn_value_dim)")
+    return [("kernels.gdn.layout", "; ".join(unmet))] if unmet else []
+
+
 @rule("gdn.cp_terms_in_kernel", "gdn.cp_m_scan", "gdn.cp_dh_scan", "kernels.gdn.backend", "mesh.context")
 def _gdn_cp_terms_in_kernel(cfg: Config, f: Facts) -> list[Problem]:
     """The Mosaic core's own context-parallel kernels: sequence-sharded GDN on the pallas_tpu core, and

@@ -121,3 +121,13 @@ def vmem_needs(limit_mib: float = 0.0, **dims) -> dict:
 
     needs = {k: tpu_bytes(tpu_buffers(k, **dims)) for k in KERNELS}
     return {k: Need(k, need, int(tpu_limit_mib(limit_mib, need) * MIB)) for k, need in needs.items()}
+
+
+def token_major_blocks_fit(key_heads: int, group: int, key_dim: int, value_dim: int, interpret: bool) -> str | None:
+    """Why a token-major block of a key head's columns cannot be a Mosaic block (its width must be a
+    multiple of 128 lanes or the array's whole width), else None; interpreted, every width fits."""
+    if interpret or key_heads == 1:
+        return None
+    bad = [f"{name} {width}" for name, width in (("key dim", key_dim), ("value heads per key head x value dim",
+                                                                         group * value_dim)) if width % 128]
+    return f"{' and '.join(bad)} not a multiple of 128 lanes" if bad else None

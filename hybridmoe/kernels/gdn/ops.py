@@ -58,6 +58,7 @@ def gated_delta_rule(
     backend: str = "xla",
     interpret: bool = False,
     precision: str | None = None,
+    token_major: bool = False,
 ):
     """Gated delta rule over a sequence (docs/gdn.md sections 1-2).
 
@@ -68,7 +69,9 @@ def gated_delta_rule(
     [B, Hv, dk, dv] (optional, zeros) applies to each row's first document only.
     backend: xla (any platform), pallas_tpu (Mosaic TPU) or pallas_gpu (Triton); the Pallas backends
     run on CPU with interpret=True (tests). precision: the pallas_tpu core's products (a key of
-    tpu_chunk.PRECISIONS; None: its default for the inputs' dtype); no other backend takes one.
+    tpu_chunk.PRECISIONS; None: its default for the inputs' dtype); no other backend takes one;
+    token_major: the pallas_tpu kernels' blocks read and write the token-major arrays (docs/gdn.md,
+    Layouts), pallas_tpu only.
     Returns (o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] float32).
     """
     if backend not in _BACKENDS:
@@ -78,7 +81,10 @@ def gated_delta_rule(
         raise ValueError(f"gdn: chunk_size must be positive; got {chunk_size}")
     if precision is not None and backend != "pallas_tpu":
         raise ValueError(f"gdn: precision {precision!r} is the pallas_tpu core's; backend {backend!r} takes none")
+    if token_major and backend != "pallas_tpu":
+        raise ValueError(f"gdn: token_major blocks are the pallas_tpu core's; backend {backend!r} has none")
     extra = {} if precision is None else {"precision": precision}
+    extra.update({"token_major": True} if token_major else {})
     return _BACKENDS[backend](interpret)(
         q,
         k,

@@ -369,16 +369,6 @@ def settings_for(chunk_size: int, group: int, chunks: int, dtype, *, precision=N
                     token_major)
 
 
-def token_major_blocks_fit(key_heads: int, group: int, key_dim: int, value_dim: int, interpret: bool) -> str | None:
-    """Why a token-major block of a key head's columns cannot be a Mosaic block (its width must be a
-    multiple of 128 lanes or the array's whole width), else None; interpreted, every width fits."""
-    if interpret or key_heads == 1:
-        return None
-    bad = [f"{name} {width}" for name, width in (("key dim", key_dim), ("value heads per key head x value dim",
-                                                                         group * value_dim)) if width % 128]
-    return f"{' and '.join(bad)} not a multiple of 128 lanes" if bad else None
-
-
 def prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, *, chunk_size: int,
              normalize_qk: bool, interpret: bool, precision=None, chunks_per_step=None, vmem_limit_mib: float = 0.0,
              token_major: bool = False):
@@ -387,7 +377,7 @@ def prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, *
     token_major: the kernels read q, k, v and write o in place of the transposed layouts."""
     tokens, heads = v_BTHV.shape[1:3]
     key_heads = q_BTGK.shape[2]
-    if token_major and (why := token_major_blocks_fit(key_heads, heads // key_heads, q_BTGK.shape[3],
+    if token_major and (why := limits.token_major_blocks_fit(key_heads, heads // key_heads, q_BTGK.shape[3],
                                                       v_BTHV.shape[3], interpret)):
         raise ValueError(f"gdn pallas_tpu: token-major blocks need lane-aligned columns per key head: {why}")
     settings = settings_for(chunk_size, heads // key_heads, -(-tokens // chunk_size), v_BTHV.dtype, precision=precision,
