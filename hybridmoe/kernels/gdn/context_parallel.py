@@ -319,7 +319,7 @@ def _grouped_context_parallel(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT
     settings, inputs = pallas_tpu.prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, zeros_BHKV,
                                            chunk_size=chunk_size, normalize_qk=normalize_qk, interpret=interpret,
                                            precision=precision, token_major=token_major)
-    return pallas_tpu.to_token_major(grouped_core(*inputs[:5], axis_name, prefix, settings), tokens, value_dim)
+    return pallas_tpu.output_BTHV(grouped_core(*inputs[:5], axis_name, prefix, settings), tokens, value_dim)
 
 
 def gated_delta_rule_context_parallel(

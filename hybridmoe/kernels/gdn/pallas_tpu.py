@@ -387,7 +387,7 @@ def prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, *
     return settings, kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings)
 
 
-def to_token_major(o, tokens: int, value_dim: int):
+def output_BTHV(o, tokens: int, value_dim: int):
     """The kernels' output, [B, G, Hg, T', V] or token-major [B, T', H V] (T' padded) -> [B, T, H, V]."""
     if o.ndim == 3:
         return o.reshape(o.shape[0], o.shape[1], -1, value_dim)[:, :tokens]
@@ -410,7 +410,7 @@ def gated_delta_rule(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, *, segment_ids=Non
                                 precision=precision, chunks_per_step=chunks_per_step, vmem_limit_mib=vmem_limit_mib,
                                 token_major=token_major)
     o, final_BGHKV = core(*inputs, settings)
-    return to_token_major(o, tokens, value_dim), merge_value_heads(final_BGHKV, 1)
+    return output_BTHV(o, tokens, value_dim), merge_value_heads(final_BGHKV, 1)
 
 
 # ---------------------------------------------------------------------------------------------
