@@ -247,11 +247,11 @@ class GdnKernelConfig(Section):
     precision: Literal["auto", "bfloat16x3", "bfloat16x3_bf16_inverse", "bfloat16", "float32"] = Field(
         "auto", description="The Mosaic GDN core's products (kernels/gdn/tpu_chunk.py PRECISIONS; docs/gdn.md): auto: "
         "float32 for float32 activations, bfloat16x3_bf16_inverse for bfloat16 (three bfloat16 passes per product "
-        "but for the triangular inverse's doubling, at one: the xla path's errors but the final state's; 1.14x "
+        "but for the triangular inverse's doubling, at one: the xla path's errors but the final state's; 1.10x "
         "bfloat16x3's forward + backward on a v5e at the 397B cell's core, benchmarks/records/tpu_kernels.json "
         "gdn_cell); bfloat16x3: three passes for every product (the xla path's errors); bfloat16: one pass for the "
-        "chunk's own products and the triangular inverse, three for the state and the chain between chunks (1.14x "
-        "the default, 1.27x with gdn.chunk_size=128); needs the pallas_tpu core (on the whole sequence or under "
+        "chunk's own products and the triangular inverse, three for the state and the chain between chunks (1.16x "
+        "the default, 1.31x with gdn.chunk_size=128); needs the pallas_tpu core (on the whole sequence or under "
         "context parallelism).")
     layout: Literal["head_major", "token_major"] = Field(
         "head_major", description="How the Mosaic GDN core's kernels read q, k, v (and dO) and write o (and dq, dk, "
