@@ -141,9 +141,13 @@ def run_case(case, rounds: int, log, profile_ops: int = 0) -> tuple[dict, dict]:
         times = harness.interleaved(calls, rounds)
         for name, t in times.items():
             out[name][f"{part}_ms"] = 1e3 * statistics.median(t["wall_s"])
-        for (name, p), (compiled, args) in programs.items() if profile_ops else ():
-            if p == part:
-                out[name][f"{part}_ops"] = device_ops(compiled, args, top=profile_ops)
+        if profile_ops:
+            for (name, p), (compiled, args) in programs.items():
+                if p == part:
+                    traced = out[name][f"{part}_ops"] = device_ops(compiled, args, top=profile_ops)
+                    log(f"  {case.name} {name} {part} on the device, {traced['traced_ms']:.2f} ms traced: "
+                        + ", ".join(f"{r['op']} {r['ms']:.2f}" for r in traced["ops"])
+                        + f", other {traced['other_ms']:.2f}")
     for name, row in out.items():
         flops_fwd, flops_both = case.flops
         if "fwd_ms" in row:
@@ -303,12 +307,6 @@ def main(argv=None) -> int:
         harness.mark("start", name)
         case_start = time.perf_counter()
         kernels[name], facts[name] = run_case(all_cases[name], args.rounds, log, args.profile_ops)
-        for backend, row in kernels[name].items():
-            for part in ("fwd", "fwd_bwd") if args.profile_ops else ():
-                if f"{part}_ops" in row:
-                    traced = row[f"{part}_ops"]
-                    log(f"  {name} {backend} {part} on the device, {traced['traced_ms']:.2f} ms traced: " + ", ".join(
-                        f"{r['op']} {r['ms']:.2f}" for r in traced["ops"]) + f", other {traced['other_ms']:.2f}")
         facts[name].update(seconds=round(time.perf_counter() - case_start, 1), commit=source_commit(),
                            ceiling_tflops=ceiling)
         write()

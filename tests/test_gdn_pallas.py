@@ -10,6 +10,8 @@ Mosaic kernels, math in tpu_chunk.py) and pallas_gpu (pallas_gpu.py, Triton, mat
   grid step to the next; and the GPU kernels' own) each caught with a 10x margin.
 - Program facts: each key head reaches the kernels once (no float32 copy per value head); the
   stated cost counts every bfloat16 pass the chunk math runs.
+- The kernels on blocks of the token-major arrays (kernels.gdn.layout=token_major) against the
+  oracle and the transposed layout, and the width they need on a chip.
 - The whole tiny model on the 8-device mesh, the sequence-sharded layer and decode's prefill
   against the XLA path; the GPU kernels' Triton lowering; the config validator.
 (The Mosaic TPU compile and its VMEM: tests/test_gdn_tpu_compile.py, tpu_compile tests.)

@@ -7,6 +7,7 @@ the VMEM model; small chunks; the training step runs the core's kernels per shar
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import jax
@@ -46,10 +47,15 @@ def _core_grad(device, *, tokens, key_heads, value_heads, key_dim, value_dim, ch
     return compile_abstract(jax.grad(loss, (0, 1, 2, 3, 4)), *args)
 
 
+def _elements(dims: str) -> int:
+    """Elements of an HLO array type's dimensions as written ("16384,64,128"; "" for a scalar)."""
+    return math.prod(int(d) for d in dims.split(",") if d)
+
+
 def _f32_buffers(hlo_text: str, elements: int) -> list[str]:
     """Every float32 array type in the program with exactly `elements` elements."""
     shapes = re.findall(r"f32\[([\d,]+)\]", hlo_text)
-    return sorted({s for s in shapes if eval("*".join(s.split(",")) or "1") == elements})
+    return sorted({s for s in shapes if _elements(s) == elements})
 
 
 def _cell_needs():
@@ -85,7 +91,7 @@ def _value_sized_moves(hlo_text: str) -> list[str]:
     elements = CELL["tokens"] * CELL["value_heads"] * CELL["value_dim"]
     moves = []
     for m in re.finditer(r"%([\w.\-]+) = bf16\[([\d,]+)\]\{[^}]*\} (copy|transpose|fusion)\(", hlo_text):
-        if eval("*".join(m.group(2).split(","))) == elements:
+        if _elements(m.group(2)) == elements:
             moves.append(f"{m.group(1)} {m.group(3)} [{m.group(2)}]")
     return moves
 

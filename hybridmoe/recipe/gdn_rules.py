@@ -95,8 +95,9 @@ def _kernels_gdn_layout(cfg: Config, f: Facts) -> list[Problem]:
     if ranks is not None and ranks > 1 and not cfg.gdn.cp_terms_in_kernel:
         unmet.append("under context parallelism needs gdn.cp_terms_in_kernel=true (the grouped core's kernels)")
     m = cfg.model
-    if why := gdn_limits.token_major_blocks_fit(m.gdn_num_key_heads, m.gdn_num_value_heads // m.gdn_num_key_heads,
-                                     m.gdn_key_dim, m.gdn_value_dim, cfg.kernels.interpret):
+    group = m.gdn_num_value_heads // m.gdn_num_key_heads
+    if why := gdn_limits.token_major_blocks_fit(m.gdn_num_key_heads, group, m.gdn_key_dim, m.gdn_value_dim,
+                                                cfg.kernels.interpret):
         unmet.append(f"needs lane-aligned columns per key head on a TPU: {why} (model.gdn_key_dim, "
                      "model.gdn_value_dim)")
     return [("kernels.gdn.layout", "; ".join(unmet))] if unmet else []

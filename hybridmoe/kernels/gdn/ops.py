@@ -84,7 +84,8 @@ def gated_delta_rule(
     if token_major and backend != "pallas_tpu":
         raise ValueError(f"gdn: token_major blocks are the pallas_tpu core's; backend {backend!r} has none")
     extra = {} if precision is None else {"precision": precision}
-    extra.update({"token_major": True} if token_major else {})
+    if token_major:
+        extra["token_major"] = True
     return _BACKENDS[backend](interpret)(
         q,
         k,
