@@ -34,8 +34,9 @@
 #   gmm-prefetch-table  the same, each kernel's fastest tiles into the tile table (kernels/gmm/tile_table.json)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #   step-default  the same, its default arm alone
-#   step-gdn   the default beside the GDN core's former precision (arm gdn_bf16x3) and its token-major
-#              blocks (arm gdn_token_major), in one round
+#   step-gdn   the default beside the GDN core's token-major blocks (arm gdn_token_major) and those at
+#              chunks of 128 (gdn_chunk128_token_major), in one round
+#   kernels-gdn-cell  the GDN core's whole-sequence cell case alone (every settings arm)
 #   step-aligned  the default, the Pallas grouped matmuls at the table's tiles, and those on
 #              moe.group_align_rows' layout
 #   step-holdout  its default arm at other shapes -> tpu_step_seq4096.json, tpu_step_layers8_experts8.json
@@ -135,6 +136,7 @@ except ValueError as e:
     kernels-cell) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache ;;
     kernels-cell-moe) python3 benchmarks/tpu_kernels.py --geometry cell --compile-cache .tpu-cache --only gmm_cell,moe_mlp_cell ;;
     kernels-gdn) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cell,gdn_one_chip ;;
+    kernels-gdn-cell) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cell ;;
     kernels-fp8) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only moe_mlp_fp8_cell ;;
     kernels-gdn-profile) python3 benchmarks/tpu_kernels.py --compile-cache .tpu-cache --only gdn_cell,gdn_cp_cell \
       --profile-ops 8 --case-share-s 270 ;;
@@ -148,7 +150,8 @@ except ValueError as e:
     gmm-prefetch-table) python3 benchmarks/tpu_gmm_prefetch.py --write-table ;;
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
     step-default) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default ;;
-    step-gdn) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,gdn_bf16x3,gdn_token_major ;;
+    step-gdn) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache \
+      --only default,gdn_token_major,gdn_chunk128_token_major ;;
     step-aligned) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,pallas_gmm_auto,pallas_gmm_auto_aligned --profile 1 ;;
     step-holdout)
       # The calibrated model on shapes it was not calibrated or checked on: the default arm of the
@@ -170,6 +173,6 @@ except ValueError as e:
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-gdn-profile, kernels-gdn-cp, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, moe-combine, step, step-default, step-gdn, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-gdn-cell, kernels-gdn-profile, kernels-gdn-cp, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, moe-combine, step, step-default, step-gdn, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done

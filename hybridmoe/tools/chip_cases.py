@@ -399,6 +399,8 @@ GDN_SETTINGS = {"pallas_tpu_bf16": (None, "bfloat16", None, False),
                 "pallas_tpu_c128": (128, None, None, False),
                 "pallas_tpu_c128_bf16": (128, "bfloat16", None, False),
                 "pallas_tpu_c128_bf16x3": (128, "bfloat16x3", None, False),
+                "pallas_tpu_c128_token_major": (128, None, None, True),
+                "pallas_tpu_c128_bf16_token_major": (128, "bfloat16", None, True),
                 "pallas_tpu_chunk_heads_16": (None, None, 16, False),
                 "pallas_tpu_bf16_chunk_heads_16": (None, "bfloat16", 16, False)}
 
