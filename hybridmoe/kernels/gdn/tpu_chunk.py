@@ -128,6 +128,32 @@ def mxu(a, b, contract, parts: int):
     return out
 
 
+def _exact(x) -> bool:
+    return x.dtype == BF16
+
+
+def scaled_product(t, scale_C1, x, parts: int):
+    """t diag(scale) x: the scale on t's columns where x is exact in bfloat16 (then x is never split:
+    a pass fewer), else on x's rows."""
+    if _exact(x):
+        return mxu(t * row_of(scale_C1), x, _NN, parts)
+    return mxu(t, scale_C1 * x, _NN, parts)
+
+
+def product_with_scaled_rows(x, y, scale_C1, parts: int):
+    """x (diag(scale) y)^T = (x y^T) diag(scale), the scale where y stays exact (scaled_product's rule)."""
+    if _exact(y):
+        return mxu(x, y, _NT, parts) * row_of(scale_C1)
+    return mxu(x, scale_C1 * y, _NT, parts)
+
+
+def scaled_rows_tn(x, scale_C1, y, parts: int):
+    """(diag(scale) x)^T y = x^T (diag(scale) y): the scale on the side that is not exact in bfloat16."""
+    if _exact(x) and not _exact(y):
+        return mxu(x, scale_C1 * y, _TN, parts)
+    return mxu(scale_C1 * x, y, _TN, parts)
+
+
 def positions(size: int):
     """Row and column index of a [size, size] tile (2D iotas: what Mosaic lowers)."""
     return lax.broadcasted_iota(jnp.int32, (size, size), 0), lax.broadcasted_iota(jnp.int32, (size, size), 1)
@@ -233,13 +259,12 @@ class _Terms(NamedTuple):
 
     decays: list
     beta: list  # [C, 1]
+    key_scale: list  # beta a [C, 1]: W = T diag(beta a) k
     kk: list  # k k^T [C, D] (the item's chunk's)
     lower: list  # L [C, D]
     inverse: list  # T [C, D]
-    k_scaled: list  # diag(beta a) k [C, K]
-    v_scaled: list  # diag(beta) v [C, V]
     w: list  # [C, K]
-    u: list  # [C, V]
+    u: list  # [C, V]: T diag(beta) v
     attn: list  # A = q k^T * Gamma [C, D]
 
 
@@ -254,7 +279,7 @@ def _terms(chunks: list[ChunkIn], precision: Precision, inverses=None, *, output
     k = [c.k for c in chunks for _ in range(heads)]
     d = [decays(g) for c in chunks for g in c.g]
     beta = [column(b) for c in chunks for b in c.beta]
-    kk = lower = qk = attn = u = v_scaled = None
+    kk = lower = qk = attn = u = None
     if inverses is None or values:
         kk_by_chunk = [mxu(c.k, c.k, _NT, precision.keys) for c in chunks]  # once per key head
         kk = [x for x in kk_by_chunk for _ in range(heads)]
@@ -264,15 +289,14 @@ def _terms(chunks: list[ChunkIn], precision: Precision, inverses=None, *, output
         qk = [x for x in qk_by_chunk for _ in range(heads)]
     if inverses is None:
         inverses = unit_lower_inverses(lower, precision.inverse)
-    k_scaled = _each(lambda b, dd, x: (b * dd.from_start) * x, beta, d, k)
-    w = _each(lambda t, x: mxu(t, x, _NN, precision.keys), inverses, k_scaled)
+    key_scale = _each(lambda b, dd: b * dd.from_start, beta, d)
+    w = _each(lambda t, s, x: scaled_product(t, s, x, precision.keys), inverses, key_scale, k)
     if values:
-        v = [x.astype(F32) for c in chunks for x in c.v]
-        v_scaled = _each(lambda b, x: b * x, beta, v)
-        u = _each(lambda t, x: mxu(t, x, _NN, precision.keys), inverses, v_scaled)
+        u = _each(lambda t, b, x: scaled_product(t, b, x, precision.keys), inverses, beta,
+                  [x for c in chunks for x in c.v])
     if outputs:
         attn = _each(lambda x, dd: x * dd.gamma, qk, d)
-    return _Terms(d, beta, kk, lower, list(inverses), k_scaled, v_scaled, w, u, attn)
+    return _Terms(d, beta, key_scale, kk, lower, list(inverses), w, u, attn)
 
 
 def _state_chain_step(t: _Terms, items, k_CK, states: list, precision: Precision, *, values: bool = True):
@@ -281,7 +305,7 @@ def _state_chain_step(t: _Terms, items, k_CK, states: list, precision: Precision
     S -> c S - (diag(e) k)^T W S, applied to any [K, X] (a product of transitions)."""
     w_s = [mxu(t.w[i], s, _NN, precision.state) for i, s in zip(items, states)]
     v_new = [t.u[i] - x for i, x in zip(items, w_s)] if values else [-x for x in w_s]
-    ends = [t.decays[i].chunk * s + mxu(t.decays[i].to_end * k_CK, vn, _TN, precision.state)
+    ends = [t.decays[i].chunk * s + scaled_rows_tn(k_CK, t.decays[i].to_end, vn, precision.state)
             for i, s, vn in zip(items, states, v_new)]
     return v_new, ends
 
@@ -317,24 +341,24 @@ class HeadGrad(NamedTuple):
     beta: jax.Array
 
 
-def _state_cotangent_chain(t: _Terms, q: list, k_to_end: list, do: list, d_states: list, precision: Precision):
+def _state_cotangent_chain(t: _Terms, q: list, k: list, do: list, d_states: list, precision: Precision):
     """The reverse walk of the state cotangent over the step's chunks (last first), from the end
     states' cotangents (one per head): O = diag(a) q S + A V_new and S_end = c S + (diag(e) k)^T V_new
-    give dV_new = A^T dO + diag(e) k dS_end and dS = c dS_end + (diag(a) q)^T dO - W^T dV_new.
+    give dV_new = A^T dO + diag(e) (k dS_end) and dS = c dS_end + (diag(a) q)^T dO - W^T dV_new.
     Returns (each item's end-state cotangent, each item's dV_new, the first chunk's start-state
     cotangents); items are chunk-major, as _terms'."""
     p = precision
     heads = len(d_states)
     d = t.decays
     attn_do = _each(lambda a, x: mxu(a, x, _TN, p.outputs), t.attn, do)
-    q_do = _each(lambda dd, x, y: mxu(dd.from_start * x, y, _TN, p.outputs), d, q, do)
+    q_do = _each(lambda dd, x, y: scaled_rows_tn(x, dd.from_start, y, p.outputs), d, q, do)
     d_end = [None] * len(do)
     d_v_new = [None] * len(do)
     for c in reversed(range(len(do) // heads)):
         for h in range(heads):
             i = c * heads + h
             d_end[i] = d_states[h]
-            d_v_new[i] = attn_do[i] + mxu(k_to_end[i], d_states[h], _NN, p.state)
+            d_v_new[i] = attn_do[i] + d[i].to_end * mxu(k[i], d_states[h], _NN, p.state)
         d_states = [d[c * heads + h].chunk * d_states[h] + q_do[c * heads + h]
                     - mxu(t.w[c * heads + h], d_v_new[c * heads + h], _TN, p.state) for h in range(heads)]
     return d_end, d_v_new, d_states
@@ -358,13 +382,12 @@ def backward_step(chunks: list[ChunkIn], starts: list, inverses: list, d_outs: l
     q = [c.q for c in chunks for _ in range(heads)]
     k = [c.k for c in chunks for _ in range(heads)]
     state = [s for per_chunk in starts for s in per_chunk]
-    do = [x.astype(F32) for per_chunk in d_outs for x in per_chunk]
+    do = [x for per_chunk in d_outs for x in per_chunk]  # in its dtype: a bfloat16 dO is never split
     d = t.decays
     v_new = _each(lambda u, w, s: u - mxu(w, s, _NN, p.state), t.u, t.w, state)
-    k_to_end = _each(lambda dd, x: dd.to_end * x, d, k)
     # O = diag(a) q S + A V_new;  S_end = c S + (diag(e) k)^T V_new: the parts of dV_new and dS_start
     # without the end state's cotangent, then the chain.
-    d_end, d_v_new, d_states = _state_cotangent_chain(t, q, k_to_end, do, d_states, p)
+    d_end, d_v_new, d_states = _state_cotangent_chain(t, q, k, do, d_states, p)
     d_attn = _each(lambda x, vn: jnp.where(row >= col, mxu(x, vn, _NT, p.outputs), 0.0), do, v_new)
     d_q_decayed = _each(lambda x, s: mxu(x, s, _NT, p.outputs), do, state)
     d_k_to_end = _each(lambda vn, de: mxu(vn, de, _NT, p.outputs), v_new, d_end)
@@ -374,8 +397,10 @@ def backward_step(chunks: list[ChunkIn], starts: list, inverses: list, d_outs: l
     d_w = _each(lambda dv, s: -mxu(dv, s, _NT, p.state), d_v_new, state)
     d_k_scaled = _each(lambda tt, dw: mxu(tt, dw, _TN, p.keys), t.inverse, d_w)
     d_v_scaled = _each(lambda tt, dv: mxu(tt, dv, _TN, p.keys), t.inverse, d_v_new)
-    d_inverse = _each(lambda dw, ks, dv, vs: mxu(dw, ks, _NT, p.keys) + mxu(dv, vs, _NT, p.keys),
-                      d_w, t.k_scaled, d_v_new, t.v_scaled)
+    v = [x for c in chunks for x in c.v]
+    d_inverse = _each(lambda dw, x, ks, dv, y, b: (product_with_scaled_rows(dw, x, ks, p.keys)
+                                                   + product_with_scaled_rows(dv, y, b, p.keys)),
+                      d_w, k, t.key_scale, d_v_new, v, t.beta)
     t_dt = _each(lambda tt, dt: mxu(tt, dt, _TN, p.inverse), t.inverse, d_inverse)
     # T = (I + L)^-1: dL = strict_lower(-T^T dT T^T).
     d_lower = _each(lambda x, tt: jnp.where(row > col, -mxu(x, tt, _NT, p.inverse), 0.0), t_dt, t.inverse)
@@ -396,7 +421,7 @@ def backward_step(chunks: list[ChunkIn], starts: list, inverses: list, d_outs: l
     grads = []
     for i in range(len(state)):
         c = i // heads
-        v_f32 = chunks[c].v[i % heads].astype(F32)
+        v_f32 = v[i].astype(F32)
         k_dot_dks = jnp.sum(k[i] * d_k_scaled[i], axis=1, keepdims=True)
         d_beta = (jnp.sum(d_lower_gamma[i] * t.kk[i], axis=1, keepdims=True) + d[i].from_start * k_dot_dks
                   + jnp.sum(v_f32 * d_v_scaled[i], axis=1, keepdims=True))
@@ -440,9 +465,9 @@ def state_cotangent_step(chunks: list[ChunkIn], inverses: list, d_outs: list, d_
     heads = len(d_states)
     t = _terms(chunks, precision, [x for per_chunk in inverses for x in per_chunk], values=False)
     q = [c.q for c in chunks for _ in range(heads)]
-    k_to_end = _each(lambda dd, x: dd.to_end * x, t.decays, [c.k for c in chunks for _ in range(heads)])
-    do = [x.astype(F32) for per_chunk in d_outs for x in per_chunk]
-    return _state_cotangent_chain(t, q, k_to_end, do, d_states, precision)[2]
+    k = [c.k for c in chunks for _ in range(heads)]
+    do = [x for per_chunk in d_outs for x in per_chunk]
+    return _state_cotangent_chain(t, q, k, do, d_states, precision)[2]
 
 
 def _chunk_shapes(C: int, K: int, V: int, group: int, precision: str):
