@@ -197,7 +197,8 @@ def test_token_major_blocks_need_lane_aligned_columns():
 # Broken variants: each patched into the kernels' own code and caught against the oracle.
 
 _ORIGINAL = {"specs": pallas_tpu.block_specs, "decays": tpu_chunk.decays, "inverses": tpu_chunk.unit_lower_inverses,
-             "gpu_chunk_step": pallas_chunk.chunk_step, "head_rows": pallas_tpu.head_rows}
+             "gpu_chunk_step": pallas_chunk.chunk_step, "head_rows": pallas_tpu.head_rows,
+             "key_scales": pallas_tpu.query_key_scales}
 
 
 def _backward_blocks_in_forward_order(d, reverse):
@@ -246,6 +247,17 @@ def _token_major_heads_swapped(ref, h, rows, group):
     return _ORIGINAL["head_rows"](ref, h if len(ref.shape) == 3 else group - 1 - h, rows, group)
 
 
+def _key_factors_swapped(q, k, normalize_qk, dtype):
+    """Each row of q multiplied by k's factor and k's by q's (the Keys' factors wired crosswise)."""
+    q, k, q_scale, k_scale = _ORIGINAL["key_scales"](q, k, normalize_qk, dtype)
+    return q, k, k_scale, q_scale
+
+
+def _factor_on_the_rows_of_t(t, scale_C1, x, parts):
+    """T diag(s) x taken as diag(s) T x: the diagonal factor (beta a, a row's factor) on T's rows."""
+    return tpu_chunk.mxu(scale_C1 * t, x, ((1,), (0,)), parts)
+
+
 def _gpu_chunk_decay_dropped(q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse=None):
     """The state carried into the next chunk without its decay exp(sum g) (the recurrence's S <- exp(g) S)."""
     o, end = _ORIGINAL["gpu_chunk_step"](q, k, v, g_c, g_r, beta, starts_c, starts_r, state, inverse)
@@ -261,6 +273,8 @@ BROKEN = {  # name: (backend run, [(module, attribute, the broken function)])
                                                             (pallas_tpu, "merge_value_heads", _value_heads_untiled)]),
     "inverse_skips_its_last_level": ("pallas_tpu", [(tpu_chunk, "unit_lower_inverses", _inverses_skip_last_level)]),
     "state_not_carried_across_grid_steps": ("pallas_tpu", [(pallas_tpu, "_walk_starts", lambda step: step >= 0)]),
+    "q_and_k_row_factors_swapped": ("pallas_tpu", [(pallas_tpu, "query_key_scales", _key_factors_swapped)]),
+    "diagonal_factor_on_the_rows_of_t": ("pallas_tpu", [(tpu_chunk, "scaled_product", _factor_on_the_rows_of_t)]),
     "token_major_value_heads_swapped": ("pallas_tpu_token_major", [(pallas_tpu, "head_rows", _token_major_heads_swapped)]),
     "gpu_backward_chunks_in_forward_order": ("pallas_gpu", [(pallas_gpu, "_chunk_order", lambda n, num, reverse: n)]),
     "gpu_forward_substitution_skips_last_row": ("pallas_gpu", [(pallas_chunk, "_forward_substitution",
@@ -309,7 +323,7 @@ def test_each_key_head_reaches_the_kernels_once(packed_case):
     assert sorted(e.params["name"] for e in calls) == ["gdn_chunk_backward", "gdn_chunk_forward"]
     padded = -(-tokens // (CHUNK * PER_STEP)) * CHUNK * PER_STEP
     for e in calls:
-        q_operand, k_operand = (v.aval for v in e.invars[:2])
+        q_operand, k_operand = (v.aval for v in e.invars[:4:2])  # each followed by its rows' factors
         assert q_operand.shape == k_operand.shape == (batch, key_heads, padded, key_dim), e.params["name"]
     per_value_head = [v.aval.shape for e in iter_eqns(jaxpr) for v in e.outvars
                       if getattr(v.aval, "dtype", None) == jnp.float32 and v.aval.shape[-1:] == (key_dim,)
@@ -326,9 +340,10 @@ def test_stated_flops_count_every_bfloat16_pass():
     C = K = V = 16
     per_head = 3 * C * C * C + 6 * (2 * 3 * C**3 + 2 * C * C * K + 2 * C * K * V + C * K * V + C * C * V)
     assert tpu_chunk.chunk_macs("forward", C, K, V, 2, "float32") == 6 * 2 * C * C * K + 2 * per_head
-    # The default bfloat16 precision: one pass for k k^T, q k^T, W, U and the inverse; three for
-    # q S, A V_new and the chain's W S and k^T V_new; the segment sum's three.
-    bf16_per_head = 3 * C**3 + 2 * 3 * C**3 + 2 * C * C * K + 3 * (2 * C * K * V + C * K * V + C * C * V)
+    # bfloat16: one pass for k k^T, q k^T, W, U and the inverse; three for A V_new and the chain's
+    # W S; two for q S and the chain's k^T V_new, whose q and k rows are bfloat16 (never split);
+    # the segment sum's three.
+    bf16_per_head = 3 * C**3 + 2 * 3 * C**3 + 2 * C * C * K + 3 * (C * K * V + C * C * V) + 2 * (2 * C * K * V)
     assert tpu_chunk.chunk_macs("forward", C, K, V, 2, "bfloat16") == 2 * C * C * K + 2 * bf16_per_head
     # bfloat16x3_bf16_inverse: bfloat16x3 less two of the three passes of each doubling product (the
     # forward's 2 (log2 C - 1) per head; the backward's two products of T's adjoint per head).
@@ -534,19 +549,23 @@ def test_kernel_keys_reach_the_mosaic_core_in_training_and_prefill(key, keyword,
 
 
 def test_sequence_sharded_core_takes_the_precision(layer_case):
-    """kernels.gdn.precision under context parallelism: over 4 context ranks at precision bfloat16 the
-    layer's loss and gradients lie near the one-device Mosaic core's at bfloat16 (2.7e-3: the cross-rank
-    passes round differently) and far from the float32 core's (2.5e-2), where a precision dropped on the
-    ranks would put them (about 1e-5 from float32)."""
+    """kernels.gdn.precision under context parallelism: over 4 context ranks at precision bfloat16, with
+    the ranks' terms in the kernels (the one-device core's layout and rows), the layer's loss and
+    gradients lie near the one-device Mosaic core's at bfloat16 (the cross-rank passes round
+    differently) and far from the float32 core's (2.7e-2), where a precision dropped on the ranks
+    would put them (about 1e-5 from float32). With the terms by XLA (pass 2 on normalised q and k,
+    rounded there rather than as rows) the ranks are as far from float32: the precision reached them too."""
     cfg, params, x, seg = layer_case
     grad = lambda loss: jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))  # noqa: E731
-    core = dict(backend="pallas_tpu", interpret=True)
-    sharded = _on_context_mesh(4, grad(_layer_loss(cfg, 16, precision="bfloat16", **core)), params, x, seg)
-    one = {p: grad(_layer_loss(cfg, 16, precision=p, **core))(params, x, seg) for p in ("bfloat16", "float32")}
+    core = dict(backend="pallas_tpu", interpret=True, precision="bfloat16")
+    sharded = {terms: _on_context_mesh(4, grad(_layer_loss(cfg, 16, cp_terms_in_kernel=terms, **core)), params, x, seg)
+               for terms in (True, False)}
+    one = {p: grad(_layer_loss(cfg, 16, **{**core, "precision": p}))(params, x, seg) for p in ("bfloat16", "float32")}
 
     def error(a, b):
         (va, ga), (vb, gb) = a, b
         return max([_rel_max(va, vb)] + [_rel_max(u, w) for u, w in zip(jax.tree.leaves(ga), jax.tree.leaves(gb))])
 
-    same, apart = error(sharded, one["bfloat16"]), error(sharded, one["float32"])
+    same, apart = error(sharded[True], one["bfloat16"]), error(sharded[True], one["float32"])
     assert same < apart / 5, f"vs one device at bfloat16 {same:.2e}, vs float32 {apart:.2e}"
+    assert error(sharded[False], one["float32"]) > apart / 5, error(sharded[False], one["float32"])

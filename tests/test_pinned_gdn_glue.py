@@ -33,7 +33,8 @@ def test_forward_buffers_count_values_per_further_chunk_head():
     # C 64, K 32, V 16, group 2, 3 chunks per step: 192 tokens; 2 * 3 - 1 = 5 further chunk-heads
     b = _by_name(limits.tpu_buffers("gdn_chunk_forward", chunk_size=64, key_dim=32, value_dim=16, group=2,
                                     chunks_per_step=3, itemsize=2))
-    assert (b["q"].shape, b["q"].itemsize, b["q"].count) == ((192, 32), 4, 2)
+    assert (b["q"].shape, b["q"].itemsize, b["q"].count) == ((192, 32), 2, 2)  # the input's rows
+    assert (b["q_scale"].shape, b["q_scale"].itemsize) == ((3, 1, 64), 4)
     assert (b["v"].shape, b["v"].itemsize) == ((2, 192, 16), 2)
     assert (b["o"].shape, b["o"].itemsize) == ((2, 192, 16), 2)
     assert b["log_gates"].shape == b["beta"].shape == (3, 2, 64)

@@ -110,10 +110,13 @@ def _call(kernel: str, tiles, limit_mib: float, dev):
     v = s((GDN_B, GDN_H, 1, GDN_N * a, c), F32)
     gates = s((GDN_B, GDN_H, GDN_N, 1, a), F32)
     state = s((GDN_B, GDN_H, 1, b, c), F32)
+    keys = lambda x: (P.Keys(x[0], x[1]), P.Keys(x[2], x[3]))  # noqa: E731 - q, k: rows and their factors
     if kernel == "gdn_chunk_forward":
-        return lambda *x: P.forward(*x, settings, save=True), (tokens, tokens, v, gates, gates, state)
-    residuals = (tokens, tokens, v, gates, gates, s((GDN_B, GDN_H, GDN_N, b, c), F32), s((GDN_B, GDN_H, GDN_N, a, a), F32))
-    return lambda *x: P.backward(x[:7], x[7], x[8], settings), (*residuals, v, state)
+        return (lambda *x: P.forward(*keys(x), *x[4:], settings, save=True),
+                (tokens, gates, tokens, gates, v, gates, gates, state))
+    residuals = (tokens, gates, tokens, gates, v, gates, gates, s((GDN_B, GDN_H, GDN_N, b, c), F32),
+                 s((GDN_B, GDN_H, GDN_N, a, a), F32))
+    return lambda *x: P.backward((*keys(x), *x[4:9]), x[9], x[10], settings), (*residuals, v, state)
 
 
 _OVERFLOW = re.compile(r"CompileTimeScopedVmemOom|Ran out of memory in memory space vmem", re.I)

@@ -306,7 +306,7 @@ def _grouped_bwd(axis_name, prefix, settings, residuals, do):
                                   reverse=True)
     grads = pallas_tpu.backward(tuple(kernel_residuals), do,
                                 pallas_tpu.split_value_heads(d_end_BHKV, 1, g_BGNHC.shape[1]), settings)
-    return tuple(grads[:5])
+    return pallas_tpu.input_cotangents(q, k, grads, settings)[:5]
 
 
 grouped_core.defvjp(_grouped_fwd, _grouped_bwd)

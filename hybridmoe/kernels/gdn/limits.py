@@ -70,7 +70,8 @@ CP_KERNELS = ("gdn_cp_transition", "gdn_cp_local_cotangent")
 def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, group: int = 1,
                 chunks_per_step: int | None = None, itemsize: int = 4):
     """The VMEM buffers of one Mosaic GDN kernel (KERNELS), the forward as a gradient runs it (it
-    writes the backward's residuals); itemsize: v's and the output's (q and k are float32)."""
+    writes the backward's residuals); itemsize: v's, the output's and q's and k's rows' (the inputs'
+    dtype; their cotangents are float32)."""
     from hybridmoe.kernels.vmem import Buffer
 
     if kernel not in KERNELS + CP_KERNELS:
@@ -78,7 +79,8 @@ def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, g
     C, K, V, H = chunk_size, key_dim, value_dim, group
     n = chunks_per_step or default_chunks_per_step(C, H)
     tokens = n * C
-    inputs = [Buffer("q", (tokens, K), 4), Buffer("k", (tokens, K), 4), Buffer("v", (H, tokens, V), itemsize),
+    inputs = [Buffer("q", (tokens, K), itemsize), Buffer("q_scale", (n, 1, C), 4), Buffer("k", (tokens, K), itemsize),
+              Buffer("k_scale", (n, 1, C), 4), Buffer("v", (H, tokens, V), itemsize),
               Buffer("log_gates", (n, H, C), 4), Buffer("beta", (n, H, C), 4)]
     residuals = [Buffer("chunk_starts", (n * H, K, V), 4), Buffer("inverses", (n * H, C, C), 4)]
     state = Buffer("state", (H, K, V), 4, 1, "scratch")
@@ -96,10 +98,10 @@ def tpu_buffers(kernel: str, *, chunk_size: int, key_dim: int, value_dim: int, g
                 *grads, Buffer("d_initial", (H, K, V), 4), state, *values]
     if kernel == "gdn_cp_transition":  # no q: k, v and the gates in; S_ext and M_r out, both carried
         product = Buffer("product", (H, K, K), 4, 1, "scratch")
-        return [*inputs[1:], Buffer("end_state", (H, K, V), 4), Buffer("transition", (H, K, K), 4), state, product,
+        return [*inputs[2:], Buffer("end_state", (H, K, V), 4), Buffer("transition", (H, K, K), 4), state, product,
                 *values]
     # gdn_cp_local_cotangent: q, k, the gates, the inverses and dO in; dS_loc out
-    return [inputs[0], inputs[1], *inputs[3:], residuals[1], Buffer("do", (H, tokens, V), itemsize),
+    return [*inputs[:4], *inputs[5:], residuals[1], Buffer("do", (H, tokens, V), itemsize),
             Buffer("d_local", (H, K, V), 4), state, *values]
 
 

@@ -17,11 +17,13 @@ also writes each chunk's start state and T (the backward's residuals: it recompu
 the plain forward writes neither.
 
 Layouts (each key head appears once, never repeated per value head), by Settings.token_major:
-  head-major (the wrapper's transposes): q, k [B, G, T, K] float32 (normalised, q scaled); v, o
+  head-major (the wrapper's transposes): q, k [B, G, T, K] (Keys: the input's rows, bfloat16 for
+  a bfloat16 input, and a float32 factor per row that normalises and scales them); v, o
   [B, G, H/G, T, V] in v's dtype; token-major (no transposes: the token-major arrays with their
   head and feature axes merged, a grid step's block the key head's columns): q, k [B, T, G K],
   v, o [B, T, H V], a value head's rows the lane-aligned columns [h V, (h + 1) V) of its key
-  head's block. Either way log gates and beta [B, G, N, H/G, C] float32 (a document start's log
+  head's block. Either way the rows' factors [B, G, N, 1, C], log gates and beta [B, G, N, H/G, C]
+  float32 (a document start's log
   gate is tpu_chunk.START_LOG_GATE); states [B, G, H/G, K, V] float32; residuals: start states
   [B, G, N H/G, K, V] and inverses [B, G, N H/G, C, C] float32 (chunk-major).
 
@@ -49,7 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from hybridmoe.kernels.gdn import limits, tpu_chunk
 from hybridmoe.kernels.gdn.limits import RESIDUALS_NAME, default_chunks_per_step
-from hybridmoe.kernels.gdn.reference import initial_or_zeros, prepare_query_key, starts_or_none
+from hybridmoe.kernels.gdn.reference import initial_or_zeros, query_key_scales, starts_or_none
 from hybridmoe.kernels.gdn.tpu_chunk import PRECISIONS, START_LOG_GATE, ChunkIn, chunk_macs
 from hybridmoe.kernels.vmem import tpu_bytes, tpu_limit_bytes
 
@@ -67,6 +69,41 @@ class Settings(NamedTuple):
     interpret: bool = False
     vmem_limit_mib: float = 0.0
     token_major: bool = False  # the layouts of q, k, v and o (the module's docstring)
+    bfloat16_rows: bool = False  # q's and k's rows are bfloat16 values: the kernels read them as bfloat16
+
+
+class Keys(NamedTuple):
+    """q or k as the kernels take them: the input's rows and one float32 factor per row, the
+    normalisation and the dk^-1/2 query scale (reference.query_key_scales). A bfloat16 input's rows
+    stay exact, so every product with q or k splits only its other operand (tpu_chunk.mxu: two
+    passes of three). rows: in the kernels' layout, float32 holding the input's values (the kernels
+    read them in bfloat16 under Settings.bfloat16_rows; the cotangents stay float32); scale
+    [B, G, N, 1, C] float32."""
+
+    rows: jax.Array
+    scale: jax.Array
+
+
+def kernel_rows(keys: Keys, settings: Settings):
+    """The rows as the kernels read them."""
+    return keys.rows.astype(jnp.bfloat16) if settings.bfloat16_rows else keys.rows
+
+
+def keys_cotangent(keys: Keys, d_normalised, settings: Settings) -> Keys:
+    """Keys' cotangent from the normalised q's or k's (the kernels' dq, dk, in the rows' layout):
+    rows * scale has d rows = scale * d and d scale = the rows' dot product with d."""
+    batch, key_heads, chunks, _, size = keys.scale.shape
+    scale = keys.scale.reshape(batch, key_heads, chunks * size)  # [B, G, T]
+    if settings.token_major:  # rows [B, T, G K]
+        scale = jnp.moveaxis(scale, 1, 2)[..., None]  # [B, T, G, 1]
+        rows = keys.rows.reshape(*scale.shape[:3], -1)
+        grad = d_normalised.reshape(rows.shape)
+        d_scale = jnp.moveaxis(jnp.sum(rows * grad, axis=-1), 2, 1)
+        d_rows = (grad * scale).reshape(keys.rows.shape)
+    else:  # rows [B, G, T, K]
+        d_rows = d_normalised * scale[..., None]
+        d_scale = jnp.sum(keys.rows * d_normalised, axis=-1)
+    return Keys(d_rows, d_scale.reshape(keys.scale.shape))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,21 +137,23 @@ def head_rows(ref, h: int, rows, group: int):
     return rows, pl.ds(h * width, width)
 
 
-def chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size: int, per_step: int) -> list[ChunkIn]:
-    """The grid step's chunks as tpu_chunk.ChunkIn, each a view of the blocks (a kernel that reads no
-    q or no v passes None: q None, v empty lists)."""
+def chunks_of(q_refs, k_refs, v_ref, g_ref, beta_ref, size: int, per_step: int) -> list[ChunkIn]:
+    """The grid step's chunks as tpu_chunk.ChunkIn, each a view of the blocks; q_refs and k_refs: the
+    (rows, scale) refs of Keys (a kernel that reads no q or no v passes None: q None, v empty lists)."""
     group = g_ref.shape[1]
     out = []
     for c in range(per_step):
         rows = pl.ds(c * size, size)
-        out.append(ChunkIn(None if q_ref is None else q_ref[rows, :], k_ref[rows, :],
+        q, q_scale = (None, None) if q_refs is None else (q_refs[0][rows, :], q_refs[1][c, pl.ds(0, 1), :])
+        out.append(ChunkIn(q, k_refs[0][rows, :],
                            [] if v_ref is None else [v_ref[head_rows(v_ref, h, rows, group)] for h in range(group)],
                            [g_ref[c, pl.ds(h, 1), :] for h in range(group)],
-                           [beta_ref[c, pl.ds(h, 1), :] for h in range(group)]))
+                           [beta_ref[c, pl.ds(h, 1), :] for h in range(group)], q_scale, k_refs[1][c, pl.ds(0, 1), :]))
     return out
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, settings: Settings, save: bool):
+def _forward_kernel(q_ref, q_scale_ref, k_ref, k_scale_ref, v_ref, g_ref, beta_ref, initial_ref, *refs,
+                    settings: Settings, save: bool):
     if save:
         o_ref, final_ref, starts_ref, inverses_ref, state_scratch = refs
     else:
@@ -126,7 +165,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, se
     def _():
         state_scratch[...] = initial_ref[...]
 
-    chunks = chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size, per_step)
+    chunks = chunks_of((q_ref, q_scale_ref), (k_ref, k_scale_ref), v_ref, g_ref, beta_ref, size, per_step)
     outs, inverses, starts, states = tpu_chunk.forward_step(
         chunks, [state_scratch[h] for h in range(group)], PRECISIONS[settings.precision])
     for c in range(per_step):
@@ -138,8 +177,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, initial_ref, *refs, se
     carry(state_scratch, states, final_ref)
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_ref, do_ref, d_final_ref,
-                     dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, d_initial_ref, d_state_scratch, *,
+def _backward_kernel(q_ref, q_scale_ref, k_ref, k_scale_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_ref,
+                     do_ref, d_final_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, d_initial_ref, d_state_scratch, *,
                      settings: Settings):
     size, group, per_step = settings.chunk_size, g_ref.shape[1], settings.chunks_per_step
     step = pl.program_id(2)  # the step-th block from the end
@@ -150,7 +189,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, starts_ref, inverses_
 
     rows = [pl.ds(c * size, size) for c in range(per_step)]
     dq, dk, grads, d_states = tpu_chunk.backward_step(
-        chunks_of(q_ref, k_ref, v_ref, g_ref, beta_ref, size, per_step),
+        chunks_of((q_ref, q_scale_ref), (k_ref, k_scale_ref), v_ref, g_ref, beta_ref, size, per_step),
         [[starts_ref[c * group + h] for h in range(group)] for c in range(per_step)],
         [[inverses_ref[c * group + h] for h in range(group)] for c in range(per_step)],
         [[do_ref[head_rows(do_ref, h, rows[c], group)] for h in range(group)] for c in range(per_step)],
@@ -185,9 +224,10 @@ class Dims(NamedTuple):
         return self.chunks // self.per_step
 
 
-def dims_of(q, v, g_BGNHC, settings: Settings) -> Dims:
-    """The grid's dimensions from q's (or k's), v's (or dO's) and the gates' layouts: head-major q
+def dims_of(keys: Keys, v, g_BGNHC, settings: Settings) -> Dims:
+    """The grid's dimensions from q's (or k's) rows, v's (or dO's) and the gates' layouts: head-major q
     [B, G, T, K] and v [B, G, Hg, T, V], or token-major [B, T, G K] and [B, T, H V]."""
+    q = keys.rows
     batch, key_heads, _, group, _ = g_BGNHC.shape
     if settings.token_major:
         tokens, key_dim, value_dim = q.shape[1], q.shape[2] // key_heads, v.shape[2] // (key_heads * group)
@@ -215,6 +255,8 @@ def block_specs(d: Dims, reverse: bool):
         **token_blocks,
         "chunks": lambda *tail: pl.BlockSpec((None, None, d.per_step, d.group, *tail),
                                              lambda b, g, j: (b, g, block(j), 0, *(0,) * len(tail))),
+        # Per chunk, one row for the key head (Keys.scale [B, G, N, 1, C]).
+        "row_per_chunk": pl.BlockSpec((None, None, d.per_step, 1, d.chunk), lambda b, g, j: (b, g, block(j), 0, 0)),
         # Per (chunk, value head), the two flattened (chunk-major): [N Hg, ...] (5-D arrays).
         "items": lambda *tail: pl.BlockSpec((None, None, d.per_step * d.group, *tail),
                                             lambda b, g, j: (b, g, block(j), *(0,) * len(tail))),
@@ -245,8 +287,8 @@ def compiler_params(name: str, d: Dims, settings: Settings, itemsize: int):
                                 vmem_limit_bytes=tpu_limit_bytes(settings.vmem_limit_mib, need))
 
 
-def forward(q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings, *, save: bool):
-    """q, k, v in the layouts of settings.token_major (the module's docstring) -> (o in v's layout,
+def forward(q: Keys, k: Keys, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings, *, save: bool):
+    """q, k (Keys), v in the layouts of settings.token_major (the module's docstring) -> (o in v's layout,
     final state [B, G, Hg, K, V]) and, with save, the residuals: the state
     at every chunk's start [B, G, N Hg, K, V] and every chunk's T [B, G, N Hg, C, C] (per chunk and
     value head, chunk-major)."""
@@ -259,12 +301,13 @@ def forward(q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings, *, 
         out_shape += [shape(d.batch, d.key_heads, d.chunks * d.group, d.key_dim, d.value_dim),
                       shape(d.batch, d.key_heads, d.chunks * d.group, d.chunk, d.chunk)]
         out_specs += [s["items"](d.key_dim, d.value_dim), s["items"](d.chunk, d.chunk)]
-    operands = (q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV)
+    operands = (kernel_rows(q, settings), q.scale, kernel_rows(k, settings), k.scale, v, g_BGNHC, beta_BGNHC,
+                initial_BGHKV)
+    keys = [s["tokens"](d.key_dim), s["row_per_chunk"]] * 2
     return pl.pallas_call(
         functools.partial(_forward_kernel, settings=settings, save=save),
         name=KERNEL_NAMES["forward"], grid=(d.batch, d.key_heads, d.steps),
-        in_specs=[s["tokens"](d.key_dim), s["tokens"](d.key_dim), s["heads"](d.value_dim), s["chunks"](d.chunk),
-                  s["chunks"](d.chunk), s["state"]],
+        in_specs=[*keys, s["heads"](d.value_dim), s["chunks"](d.chunk), s["chunks"](d.chunk), s["state"]],
         out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((d.group, d.key_dim, d.value_dim), _F32)],
         compiler_params=compiler_params(KERNEL_NAMES["forward"], d, settings, jnp.dtype(v.dtype).itemsize),
@@ -274,18 +317,20 @@ def forward(q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings: Settings, *, 
 
 
 def backward(residuals, do, d_final_BGHKV, settings: Settings):
-    """Cotangents of (q, k, v, log gates, beta, initial state) in their layouts (dv in v's dtype)."""
+    """Cotangents of (the normalised q and k in their rows' layout, v, log gates, beta, initial state)
+    (dv in v's dtype; input_cotangents turns the first two into Keys')."""
     q, k, v, g_BGNHC, beta_BGNHC, starts, inverses = residuals
     d = dims_of(q, v, g_BGNHC, settings)
     s = block_specs(d, reverse=True)
     like = lambda a, dtype=_F32: jax.ShapeDtypeStruct(a.shape, dtype)  # noqa: E731
-    out_shape = [like(q), like(k), like(v, v.dtype), like(g_BGNHC), like(beta_BGNHC),
+    out_shape = [like(q.rows), like(k.rows), like(v, v.dtype), like(g_BGNHC), like(beta_BGNHC),
                  like(d_final_BGHKV)]
-    operands = (*residuals, do, d_final_BGHKV)
+    operands = (kernel_rows(q, settings), q.scale, kernel_rows(k, settings), k.scale, v, g_BGNHC, beta_BGNHC,
+                starts, inverses, do, d_final_BGHKV)
     return pl.pallas_call(
         functools.partial(_backward_kernel, settings=settings),
         name=KERNEL_NAMES["backward"], grid=(d.batch, d.key_heads, d.steps),
-        in_specs=[s["tokens"](d.key_dim), s["tokens"](d.key_dim), s["heads"](d.value_dim), s["chunks"](d.chunk),
+        in_specs=[*[s["tokens"](d.key_dim), s["row_per_chunk"]] * 2, s["heads"](d.value_dim), s["chunks"](d.chunk),
                   s["chunks"](d.chunk), s["items"](d.key_dim, d.value_dim), s["items"](d.chunk, d.chunk),
                   s["heads"](d.value_dim), s["state"]],
         out_specs=[s["tokens"](d.key_dim), s["tokens"](d.key_dim), s["heads"](d.value_dim), s["chunks"](d.chunk),
@@ -313,9 +358,15 @@ def _core_fwd(q, k, v, g_BGNHC, beta_BGNHC, initial_BGHKV, settings):
     return (o, final), (q, k, v, g_BGNHC, beta_BGNHC, starts, inverses)
 
 
+def input_cotangents(q: Keys, k: Keys, grads, settings: Settings):
+    """backward's cotangents with those of the normalised q and k as the Keys' (keys_cotangent)."""
+    dq, dk, *rest = grads
+    return (keys_cotangent(q, dq, settings), keys_cotangent(k, dk, settings), *rest)
+
+
 def _core_bwd(settings, residuals, cotangents):
     do, d_final_BGHKV = cotangents
-    return tuple(backward(residuals, do, d_final_BGHKV, settings))
+    return input_cotangents(*residuals[:2], backward(residuals, do, d_final_BGHKV, settings), settings)
 
 
 core.defvjp(_core_fwd, _core_bwd)
@@ -336,10 +387,11 @@ def merge_value_heads(x, axis: int):
     return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
 
 
-def kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings: Settings):
-    """Token-major inputs (q, k already normalised and scaled, float32) -> the kernels' layouts,
-    padded to whole grid steps with tokens that leave the state alone (g = 0, beta = 0, k = 0); a
-    document start's log gate is START_LOG_GATE."""
+def kernel_layout(q_BTGK, q_scale_BTG, k_BTGK, k_scale_BTG, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV,
+                  settings: Settings):
+    """Token-major inputs (q, k as rows float32 and their rows' factors: reference.query_key_scales)
+    -> the kernels' layouts (q, k as Keys), padded to whole grid steps with tokens that leave the
+    state alone (g = 0, beta = 0, k = 0); a document start's log gate is START_LOG_GATE."""
     key_heads = q_BTGK.shape[2]
     pad = -q_BTGK.shape[1] % (settings.chunks_per_step * settings.chunk_size)
     pad_time = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
@@ -355,26 +407,27 @@ def kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BH
     else:
         q, k = (jnp.moveaxis(pad_time(a), 1, 2) for a in (q_BTGK, k_BTGK))
         v = jnp.moveaxis(split_value_heads(pad_time(v_BTHV), 2, key_heads), 1, 3)
-    return q, k, v, gates(log_gates_BTH), gates(beta_BTH), split_value_heads(initial_BHKV, 1, key_heads)
+    return (Keys(q, gates(q_scale_BTG)), Keys(k, gates(k_scale_BTG)), v, gates(log_gates_BTH), gates(beta_BTH),
+            split_value_heads(initial_BHKV, 1, key_heads))
 
 
 def settings_for(chunk_size: int, group: int, chunks: int, dtype, *, precision=None, chunks_per_step=None,
-                 interpret=False, vmem_limit_mib=0.0, token_major=False) -> Settings:
+                 interpret=False, vmem_limit_mib=0.0, token_major=False, bfloat16_rows=False) -> Settings:
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"gdn pallas_tpu: unknown precision {precision!r}; choices: {', '.join(PRECISIONS)}")
     if chunks_per_step is not None and chunks_per_step < 1:
         raise ValueError(f"gdn pallas_tpu: chunks_per_step must be positive; got {chunks_per_step}")
     per_step = chunks_per_step or default_chunks_per_step(chunk_size, group, chunks)
     return Settings(chunk_size, per_step, precision or tpu_chunk.precision_name(dtype), interpret, vmem_limit_mib,
-                    token_major)
+                    token_major, bfloat16_rows)
 
 
 def prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, *, chunk_size: int,
              normalize_qk: bool, interpret: bool, precision=None, chunks_per_step=None, vmem_limit_mib: float = 0.0,
              token_major: bool = False):
-    """(Settings, the kernels' inputs in their layouts) from token-major inputs (q, k as given: here
-    normalised and scaled, each key head once) and the document starts [B, T] (bool or None);
-    token_major: the kernels read q, k, v and write o in place of the transposed layouts."""
+    """(Settings, the kernels' inputs in their layouts) from token-major inputs (q, k as given, each key
+    head once: the kernels normalise and scale them by row factors) and the document starts [B, T]
+    (bool or None); token_major: the kernels read q, k, v and write o in place of the transposed layouts."""
     tokens, heads = v_BTHV.shape[1:3]
     key_heads = q_BTGK.shape[2]
     if token_major and (why := limits.token_major_blocks_fit(key_heads, heads // key_heads, q_BTGK.shape[3],
@@ -382,9 +435,10 @@ def prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, *
         raise ValueError(f"gdn pallas_tpu: token-major blocks need lane-aligned columns per key head: {why}")
     settings = settings_for(chunk_size, heads // key_heads, -(-tokens // chunk_size), v_BTHV.dtype, precision=precision,
                             chunks_per_step=chunks_per_step, interpret=interpret, vmem_limit_mib=vmem_limit_mib,
-                            token_major=token_major)
-    q_BTGK, k_BTGK = prepare_query_key(q_BTGK, k_BTGK, key_heads, normalize_qk, _F32)  # no repeat
-    return settings, kernel_layout(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings)
+                            token_major=token_major,
+                            bfloat16_rows=jnp.dtype(q_BTGK.dtype) == jnp.bfloat16 == jnp.dtype(k_BTGK.dtype))
+    keys = query_key_scales(q_BTGK, k_BTGK, normalize_qk, _F32)  # (q, k, q_scale, k_scale); no repeat
+    return settings, kernel_layout(*keys[::2], *keys[1::2], v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings)
 
 
 def output_BTHV(o, tokens: int, value_dim: int):
@@ -427,8 +481,9 @@ def chunk_inputs_forward(x, starts_BNC, initial_BHKV, *, interpret: bool, precis
     tokens = lambda a: jnp.moveaxis(pad_chunks(a), 2, 1).reshape(batch, heads, -1, a.shape[-1])  # noqa: E731
     log_gates = jnp.where(starts_BNC[:, :, None, :], START_LOG_GATE, x.g)
     gates = lambda a: jnp.moveaxis(pad_chunks(a), 2, 1)[:, :, :, None, :]  # noqa: E731
-    args = (tokens(x.q), tokens(x.k), tokens(x.v)[:, :, None], gates(log_gates), gates(x.beta),
-            initial_BHKV[:, :, None])
+    unit = gates(jnp.ones_like(x.beta))  # q and k come normalised and scaled: a factor of 1 per row
+    args = (Keys(tokens(x.q), unit), Keys(tokens(x.k), unit), tokens(x.v)[:, :, None], gates(log_gates),
+            gates(x.beta), initial_BHKV[:, :, None])
     o, final, states, inverses = forward(*args, settings, save=True)
     o_BNHCV = jnp.moveaxis(o[:, :, 0].reshape(batch, heads, -1, size, o.shape[-1]), 1, 2)[:, :chunks]
     return (o_BNHCV, final[:, :, 0]), (args[:5] + (states, inverses), starts_BNC)

@@ -18,9 +18,10 @@ L2_NORM_EPS = 1e-6
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def l2_normalize(x_K, eps: float = L2_NORM_EPS):
-    """x * rsqrt(sum(x^2) + eps) over the last axis, as fla / transformers do (not F.normalize's max)."""
-    return x_K * lax.rsqrt(jnp.sum(x_K * x_K, axis=-1, keepdims=True) + eps)
+def l2_scale(x_K, eps: float = L2_NORM_EPS):
+    """rsqrt(sum(x^2) + eps) over the last axis (dropped): the L2 normalisation is x times it, as fla
+    and transformers do it (not F.normalize's max)."""
+    return lax.rsqrt(jnp.sum(x_K * x_K, axis=-1) + eps)
 
 
 def compute_dtype(dtype):
@@ -36,18 +37,27 @@ def prepare_query_key(q_GK, k_GK, num_value_heads: int, normalize_qk: bool, dtyp
     contraction when |k| <= 1. The dk^-1/2 scale is applied whether or not normalize_qk is set,
     as in fla (scale defaults to dk^-1/2) and transformers' torch_*_gated_delta_rule.
     """
-    num_key_heads, key_dim = q_GK.shape[-2], q_GK.shape[-1]
-    q_GK = q_GK.astype(dtype)
-    k_GK = k_GK.astype(dtype)
-    if normalize_qk:
-        q_GK = l2_normalize(q_GK)
-        k_GK = l2_normalize(k_GK)
-    q_GK = q_GK * (key_dim**-0.5)
+    num_key_heads = q_GK.shape[-2]
+    q_GK, k_GK, q_scale_G, k_scale_G = query_key_scales(q_GK, k_GK, normalize_qk, dtype)
+    q_GK = q_GK * q_scale_G[..., None]
+    k_GK = k_GK * k_scale_G[..., None]
     # Value head h reads key head h // (H // G): repeat (not tile) lays the copies out that way.
     group_size = num_value_heads // num_key_heads
     q_HK = jnp.repeat(q_GK, group_size, axis=-2)
     k_HK = jnp.repeat(k_GK, group_size, axis=-2)
     return q_HK, k_HK
+
+
+def query_key_scales(q_GK, k_GK, normalize_qk: bool, dtype):
+    """(q, k in `dtype`, the factor of each of their rows [..., G]): prepare_query_key's q and k before
+    the grouping are q * q_scale and k * k_scale, the normalisation and the dk^-1/2 query scale as
+    one factor per row. The Mosaic kernels take q and k in this form, so that bfloat16 rows reach
+    the MXU unrounded (kernels/gdn/pallas_tpu.py, Keys)."""
+    q_GK, k_GK = q_GK.astype(dtype), k_GK.astype(dtype)
+    query_scale = q_GK.shape[-1] ** -0.5
+    if normalize_qk:
+        return q_GK, k_GK, l2_scale(q_GK) * query_scale, l2_scale(k_GK)
+    return q_GK, k_GK, jnp.full(q_GK.shape[:-1], query_scale, dtype), jnp.ones(k_GK.shape[:-1], dtype)
 
 
 def starts_or_none(segment_ids_BT, batch: int, tokens: int):

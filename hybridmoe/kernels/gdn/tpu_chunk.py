@@ -20,8 +20,13 @@ Precision. Every matmul runs on the MXU as bfloat16 passes with float32 accumula
 explicitly (`mxu`): a float32 operand is split into `parts` bfloat16 pieces (hi, mid, lo), and the
 products of pieces whose orders add up to less than `parts` are summed: 1 part is one pass (the
 operand rounded to bfloat16), 2 parts three passes (about 2^-16 relative), 3 parts six passes
-(float32, what Precision.HIGHEST does). A bfloat16 or 0/1 operand is exact and is never split.
-Writing the passes out keeps the FLOPs a kernel states (chunk_macs) equal to what it runs, on the
+(float32, what Precision.HIGHEST does). A bfloat16 or 0/1 operand is exact and is never split
+(two passes of three, or three of six). So the products keep bfloat16 data unscaled wherever
+they can: q and k arrive as their rows (the input's bfloat16 values) and one float32 factor per
+row (the normalisation and dk^-1/2), v and dO in their dtype, and a diagonal factor (the decays,
+beta, the rows' factors) goes on the side of a product that is split anyway (scaled_product,
+product_with_scaled_rows, scaled_rows_tn): the same products, a third fewer passes for every one
+with q, k, v or dO in it. Writing the passes out keeps the FLOPs a kernel states (chunk_macs) equal to what it runs, on the
 chip and interpreted. `Precision` chooses the parts per group of products; `PRECISIONS` gives the
 float32 path (everything float32), the bfloat16 default (three passes everywhere but the triangular
 inverse's doubling: the XLA path's errors but the final state's), three passes everywhere, and a
@@ -238,15 +243,19 @@ def unit_lower_inverse(lower_CD, parts: int):
 
 
 class ChunkIn(NamedTuple):
-    """One chunk of a key head and the value heads that read it: q, k [C, K] float32 (normalised, q
-    scaled); per value head (lists): v [C, V] in the input dtype, log gates g and beta as rows [1, C]
-    float32."""
+    """One chunk of a key head and the value heads that read it: q, k [C, K] as the input's rows
+    (bfloat16 rows stay bfloat16: exact, never split) and the factor of each row, q_scale and k_scale
+    as rows [1, C] float32: the normalised, scaled q is diag(q_scale) q, and k likewise
+    (reference.query_key_scales); per value head (lists): v [C, V] in the input dtype, log gates g
+    and beta as rows [1, C] float32."""
 
     q: jax.Array
     k: jax.Array
     v: list
     g: list
     beta: list
+    q_scale: jax.Array
+    k_scale: jax.Array
 
 
 def _each(fn, *lists):
@@ -259,8 +268,10 @@ class _Terms(NamedTuple):
 
     decays: list
     beta: list  # [C, 1]
-    key_scale: list  # beta a [C, 1]: W = T diag(beta a) k
-    kk: list  # k k^T [C, D] (the item's chunk's)
+    q_scale: list  # [C, 1] (None without q)
+    k_scale: list  # [C, 1]
+    key_scale: list  # beta a k_scale [C, 1]: W = T diag(beta a) k (k normalised) = T diag(key_scale) k (rows)
+    kk: list  # k k^T [C, D] of the normalised k (the item's chunk's)
     lower: list  # L [C, D]
     inverse: list  # T [C, D]
     w: list  # [C, K]
@@ -276,27 +287,32 @@ def _terms(chunks: list[ChunkIn], precision: Precision, inverses=None, *, output
     lists); with T given and no `values`, no k k^T nor L either (nothing left needs them)."""
     heads = len(chunks[0].g)
     row, col = positions(chunks[0].k.shape[0])
-    k = [c.k for c in chunks for _ in range(heads)]
+    per_item = lambda by_chunk: [x for x in by_chunk for _ in range(heads)]  # noqa: E731
+    k = per_item([c.k for c in chunks])
+    k_scale_by_chunk = [column(c.k_scale) for c in chunks]
+    q_scale_by_chunk = None if chunks[0].q is None else [column(c.q_scale) for c in chunks]
     d = [decays(g) for c in chunks for g in c.g]
     beta = [column(b) for c in chunks for b in c.beta]
     kk = lower = qk = attn = u = None
+    # The normalised q k^T and k k^T: the rows' product (one exact pass for bfloat16 rows), scaled
+    # by the row factors on both sides; once per key head.
     if inverses is None or values:
-        kk_by_chunk = [mxu(c.k, c.k, _NT, precision.keys) for c in chunks]  # once per key head
-        kk = [x for x in kk_by_chunk for _ in range(heads)]
+        kk = per_item([mxu(c.k, c.k, _NT, precision.keys) * r * c.k_scale for c, r in zip(chunks, k_scale_by_chunk)])
         lower = _each(lambda b, x, dd: jnp.where(row > col, b * x * dd.gamma, 0.0), beta, kk, d)
     if outputs:
-        qk_by_chunk = [mxu(c.q, c.k, _NT, precision.keys) for c in chunks]
-        qk = [x for x in qk_by_chunk for _ in range(heads)]
+        qk = per_item([mxu(c.q, c.k, _NT, precision.keys) * r * c.k_scale for c, r in zip(chunks, q_scale_by_chunk)])
     if inverses is None:
         inverses = unit_lower_inverses(lower, precision.inverse)
-    key_scale = _each(lambda b, dd: b * dd.from_start, beta, d)
+    k_scale = per_item(k_scale_by_chunk)
+    key_scale = _each(lambda b, dd, r: b * dd.from_start * r, beta, d, k_scale)
     w = _each(lambda t, s, x: scaled_product(t, s, x, precision.keys), inverses, key_scale, k)
     if values:
         u = _each(lambda t, b, x: scaled_product(t, b, x, precision.keys), inverses, beta,
                   [x for c in chunks for x in c.v])
     if outputs:
         attn = _each(lambda x, dd: x * dd.gamma, qk, d)
-    return _Terms(d, beta, key_scale, kk, lower, list(inverses), w, u, attn)
+    q_scale = None if q_scale_by_chunk is None else per_item(q_scale_by_chunk)
+    return _Terms(d, beta, q_scale, k_scale, key_scale, kk, lower, list(inverses), w, u, attn)
 
 
 def _state_chain_step(t: _Terms, items, k_CK, states: list, precision: Precision, *, values: bool = True):
@@ -305,7 +321,7 @@ def _state_chain_step(t: _Terms, items, k_CK, states: list, precision: Precision
     S -> c S - (diag(e) k)^T W S, applied to any [K, X] (a product of transitions)."""
     w_s = [mxu(t.w[i], s, _NN, precision.state) for i, s in zip(items, states)]
     v_new = [t.u[i] - x for i, x in zip(items, w_s)] if values else [-x for x in w_s]
-    ends = [t.decays[i].chunk * s + scaled_rows_tn(k_CK, t.decays[i].to_end, vn, precision.state)
+    ends = [t.decays[i].chunk * s + scaled_rows_tn(k_CK, t.decays[i].to_end * t.k_scale[i], vn, precision.state)
             for i, s, vn in zip(items, states, v_new)]
     return v_new, ends
 
@@ -326,7 +342,7 @@ def forward_step(chunks: list[ChunkIn], states: list, precision: Precision):
         starts.append(list(states))
         v_new, ends = _state_chain_step(t, items, chunk.k, states, p)
         q_s = [mxu(chunk.q, s, _NN, p.outputs) for s in states]
-        outs.append([t.decays[i].from_start * x + mxu(t.attn[i], vn, _NN, p.outputs)
+        outs.append([(t.decays[i].from_start * t.q_scale[i]) * x + mxu(t.attn[i], vn, _NN, p.outputs)
                      for i, x, vn in zip(items, q_s, v_new)])
         states = ends
         inverses.append([t.inverse[i] for i in items])
@@ -351,14 +367,14 @@ def _state_cotangent_chain(t: _Terms, q: list, k: list, do: list, d_states: list
     heads = len(d_states)
     d = t.decays
     attn_do = _each(lambda a, x: mxu(a, x, _TN, p.outputs), t.attn, do)
-    q_do = _each(lambda dd, x, y: scaled_rows_tn(x, dd.from_start, y, p.outputs), d, q, do)
+    q_do = _each(lambda dd, r, x, y: scaled_rows_tn(x, dd.from_start * r, y, p.outputs), d, t.q_scale, q, do)
     d_end = [None] * len(do)
     d_v_new = [None] * len(do)
     for c in reversed(range(len(do) // heads)):
         for h in range(heads):
             i = c * heads + h
             d_end[i] = d_states[h]
-            d_v_new[i] = attn_do[i] + d[i].to_end * mxu(k[i], d_states[h], _NN, p.state)
+            d_v_new[i] = attn_do[i] + (d[i].to_end * t.k_scale[i]) * mxu(k[i], d_states[h], _NN, p.state)
         d_states = [d[c * heads + h].chunk * d_states[h] + q_do[c * heads + h]
                     - mxu(t.w[c * heads + h], d_v_new[c * heads + h], _TN, p.state) for h in range(heads)]
     return d_end, d_v_new, d_states
@@ -410,10 +426,14 @@ def backward_step(chunks: list[ChunkIn], starts: list, inverses: list, d_outs: l
     d_qk = _each(lambda da, dd: da * dd.gamma, d_attn, d)
     # Cotangent of Gamma's log (the segment sums): dGamma * Gamma.
     d_segment = _each(lambda dl, lo, da, a: dl * lo + da * a, d_lower, t.lower, d_attn, t.attn)
-    dq_items = _each(lambda dqk, x, dd, dqd: mxu(dqk, x, _NN, p.keys) + dd.from_start * dqd, d_qk, k, d, d_q_decayed)
-    dk_items = _each(lambda dqk, x, dkk, y, b, dd, dks, dke: (
-        mxu(dqk, x, _TN, p.keys) + mxu(dkk, y, _NN, p.keys) + mxu(dkk, y, _TN, p.keys)
-        + (b * dd.from_start) * dks + dd.to_end * dke), d_qk, q, d_kk, k, t.beta, d, d_k_scaled, d_k_to_end)
+    # The cotangents of the normalised q and k: their products with q and k take the rows and the
+    # row factors (q k^T = diag(q_scale) q_rows k_rows^T diag(k_scale)).
+    dq_items = _each(lambda dqk, x, r, dd, dqd: scaled_product(dqk, r, x, p.keys) + dd.from_start * dqd,
+                     d_qk, k, t.k_scale, d, d_q_decayed)
+    dk_items = _each(lambda dqk, x, rq, dkk, y, rk, b, dd, dks, dke: (
+        scaled_rows_tn(dqk, rq, x, p.keys) + scaled_product(dkk, rk, y, p.keys) + scaled_rows_tn(dkk, rk, y, p.keys)
+        + (b * dd.from_start) * dks + dd.to_end * dke),
+        d_qk, q, t.q_scale, d_kk, k, t.k_scale, t.beta, d, d_k_scaled, d_k_to_end)
     # g_t is in the segment sum (j, i] for j < t <= i, in log a_i for i >= t, in log e_j for j < t
     # and in the chunk's sum: one exact matmul with the [j < t] mask, then masked sums over i
     # (sublanes) that leave dg as a row.
@@ -422,12 +442,12 @@ def backward_step(chunks: list[ChunkIn], starts: list, inverses: list, d_outs: l
     for i in range(len(state)):
         c = i // heads
         v_f32 = v[i].astype(F32)
-        k_dot_dks = jnp.sum(k[i] * d_k_scaled[i], axis=1, keepdims=True)
+        k_dot_dks = t.k_scale[i] * jnp.sum(k[i] * d_k_scaled[i], axis=1, keepdims=True)
         d_beta = (jnp.sum(d_lower_gamma[i] * t.kk[i], axis=1, keepdims=True) + d[i].from_start * k_dot_dks
                   + jnp.sum(v_f32 * d_v_scaled[i], axis=1, keepdims=True))
-        d_log_from_start = (t.beta[i] * k_dot_dks + jnp.sum(q[i] * d_q_decayed[i], axis=1, keepdims=True)
-                            ) * d[i].from_start
-        d_log_to_end = jnp.sum(k[i] * d_k_to_end[i], axis=1, keepdims=True) * d[i].to_end
+        d_log_from_start = (t.beta[i] * k_dot_dks
+                            + t.q_scale[i] * jnp.sum(q[i] * d_q_decayed[i], axis=1, keepdims=True)) * d[i].from_start
+        d_log_to_end = t.k_scale[i] * jnp.sum(k[i] * d_k_to_end[i], axis=1, keepdims=True) * d[i].to_end
         dg = (jnp.sum(jnp.where(row >= col, prefix[i] + d_log_from_start, 0.0)
                       + jnp.where(row < col, d_log_to_end, 0.0), axis=0, keepdims=True) + d_log_chunk[i])
         grads.append(HeadGrad(t.beta[i] * d_v_scaled[i], dg, row_of(d_beta)))
@@ -473,7 +493,9 @@ def state_cotangent_step(chunks: list[ChunkIn], inverses: list, d_outs: list, d_
 def _chunk_shapes(C: int, K: int, V: int, group: int, precision: str):
     f32 = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
     v = jax.ShapeDtypeStruct((C, V), F32 if precision == "float32" else BF16)
-    return ChunkIn(f32(C, K), f32(C, K), [v] * group, [f32(1, C)] * group, [f32(1, C)] * group), [f32(K, V)] * group
+    rows = jax.ShapeDtypeStruct((C, K), F32 if precision == "float32" else BF16)
+    return (ChunkIn(rows, rows, [v] * group, [f32(1, C)] * group, [f32(1, C)] * group, f32(1, C), f32(1, C)),
+            [f32(K, V)] * group)
 
 
 @functools.cache
@@ -492,7 +514,7 @@ def chunk_macs(kernel: str, C: int, K: int, V: int, group: int = 1, precision: s
         args = (chunk, states, [f32(C, C)] * group, list(chunk.v), states)
     elif kernel == "transition":
         products = [jax.ShapeDtypeStruct((K, K), F32)] * group
-        fn, args = (lambda ch, s, m: transition_step([ch._replace(q=None)], s, m, p)), (chunk, states, products)
+        fn, args = (lambda ch, s, m: transition_step([ch._replace(q=None, q_scale=None)], s, m, p)), (chunk, states, products)
     elif kernel == "state_cotangent":
         f32 = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
         fn = lambda ch, t, do, ds: state_cotangent_step([ch._replace(v=[])], [t], [do], ds, p)  # noqa: E731
