@@ -232,6 +232,20 @@ def test_unit_lower_inverse(size):
     np.testing.assert_allclose(np.asarray(inverse), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("size", [64, 128])
+def test_mosaic_doubling_inverse(size):
+    """The Mosaic kernels' T by doubling (tpu_chunk.unit_lower_inverses at float32: six passes), its
+    levels of 8 rows and more on their blocks' second halves' rows alone, vs numpy; a product that
+    dropped or misplaced a block of rows would be off by the block's entries (about 0.3)."""
+    from hybridmoe.kernels.gdn import tpu_chunk
+
+    rng = np.random.default_rng(size)
+    lower = np.tril(rng.normal(size=(2, size, size)) * 0.3, -1)
+    inverses = tpu_chunk.unit_lower_inverses([jnp.asarray(x, jnp.float32) for x in lower], 3)
+    for inverse, x in zip(inverses, lower):
+        np.testing.assert_allclose(np.asarray(inverse), np.linalg.inv(np.eye(size) + x), rtol=1e-4, atol=1e-5)
+
+
 def test_rejects_unknown_backend_and_bad_shapes():
     q, k, v, g, beta, _ = make_inputs(seed=8, tokens=4, key_heads=3, value_heads=4)
     assert BACKENDS == ("xla", "xla_autodiff", "pallas_tpu", "pallas_gpu")

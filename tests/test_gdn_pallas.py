@@ -336,21 +336,24 @@ def test_stated_flops_count_every_bfloat16_pass():
     at dims (C, K, V) = (16, 16, 16), one chunk of a group of 2: the float32 path's forward runs
     6 passes of every product but the segment sums (3: their 0/1 operand is exact); against a hand
     count of the forward's products (q k^T, k k^T once; per value head: the segment sum, the
-    doubling inverse's 2 (log2 C - 1) products, W, U, W S, q S, A V_new, k^T V_new)."""
+    doubling inverse's 2 (log2 C - 1) products, W, U, W S, q S, A V_new, k^T V_new). The doubling's
+    levels of 8 rows and more take only their blocks' second halves' rows: at C 16 the levels of 2
+    and 4 are 2 C^3 each, the level of 8 is 2 (C / 2) C^2: 5 C^3 in all."""
     C = K = V = 16
-    per_head = 3 * C * C * C + 6 * (2 * 3 * C**3 + 2 * C * C * K + 2 * C * K * V + C * K * V + C * C * V)
+    inverse = 5 * C**3
+    per_head = 3 * C * C * C + 6 * (inverse + 2 * C * C * K + 2 * C * K * V + C * K * V + C * C * V)
     assert tpu_chunk.chunk_macs("forward", C, K, V, 2, "float32") == 6 * 2 * C * C * K + 2 * per_head
     # bfloat16: one pass for k k^T, q k^T, W, U and the inverse; three for A V_new and the chain's
     # W S; two for q S and the chain's k^T V_new, whose q and k rows are bfloat16 (never split);
     # the segment sum's three.
-    bf16_per_head = 3 * C**3 + 2 * 3 * C**3 + 2 * C * C * K + 3 * (C * K * V + C * C * V) + 2 * (2 * C * K * V)
+    bf16_per_head = 3 * C**3 + inverse + 2 * C * C * K + 3 * (C * K * V + C * C * V) + 2 * (2 * C * K * V)
     assert tpu_chunk.chunk_macs("forward", C, K, V, 2, "bfloat16") == 2 * C * C * K + 2 * bf16_per_head
     # bfloat16x3_bf16_inverse: bfloat16x3 less two of the three passes of each doubling product (the
-    # forward's 2 (log2 C - 1) per head; the backward's two products of T's adjoint per head).
-    for kernel, inverse_products in (("forward", 2 * 3), ("backward", 2)):
+    # forward's; the backward's two products of T's adjoint per head, C^3 each).
+    for kernel, inverse_macs in (("forward", inverse), ("backward", 2 * C**3)):
         saved = (tpu_chunk.chunk_macs(kernel, C, K, V, 2, "bfloat16x3")
                  - tpu_chunk.chunk_macs(kernel, C, K, V, 2, "bfloat16x3_bf16_inverse"))
-        assert saved == 2 * inverse_products * 2 * C**3, (kernel, saved)
+        assert saved == 2 * inverse_macs * 2, (kernel, saved)
 
 
 # ---------------------------------------------------------------------------------------------

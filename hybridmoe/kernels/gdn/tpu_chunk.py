@@ -231,10 +231,31 @@ def unit_lower_inverses(lowers_CD: list, parts: int) -> list:
     while span < size:
         shift = span.bit_length() - 1  # log2(span)
         pair_block = ((row >> (shift + 1)) == (col >> (shift + 1))) & ((row >> shift) != (col >> shift))
-        left = [mxu(t, jnp.where(pair_block, lower, 0.0), _NN, parts) for t, lower in zip(inverses, lowers_CD)]
-        inverses = [t - mxu(x, t, _NN, parts) for t, x in zip(inverses, left)]
+        if span < _ROW_TILE:
+            left = [mxu(t, jnp.where(pair_block, lower, 0.0), _NN, parts) for t, lower in zip(inverses, lowers_CD)]
+            inverses = [t - mxu(x, t, _NN, parts) for t, x in zip(inverses, left)]
+        else:  # only the second halves' rows of T_s L_s T_s are not zero: half the rows through the MXU
+            lower_rows = [jnp.where(pair_block, lower, 0.0) for lower in lowers_CD]
+            left = [mxu(second_halves(t, span), x, _NN, parts) for t, x in zip(inverses, lower_rows)]
+            inverses = [t - into_second_halves(mxu(x, t, _NN, parts), span) for t, x in zip(inverses, left)]
         span *= 2
     return inverses
+
+
+# Rows of a float32 tile: row blocks of this many rows are whole vregs (slices and joins move no data).
+_ROW_TILE = 8
+
+
+def second_halves(x, span: int):
+    """The rows of x in the second half of each block of 2 span rows, in order: [C / 2, D]."""
+    return jnp.concatenate([x[start + span:start + 2 * span] for start in range(0, x.shape[0], 2 * span)], axis=0)
+
+
+def into_second_halves(x, span: int):
+    """second_halves' inverse: x's rows back in the second halves, zero rows in the first: [2 R, D]."""
+    zeros = jnp.zeros((span, x.shape[1]), x.dtype)
+    return jnp.concatenate([part for start in range(0, x.shape[0], span) for part in (zeros, x[start:start + span])],
+                           axis=0)
 
 
 def unit_lower_inverse(lower_CD, parts: int):
