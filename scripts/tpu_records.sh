@@ -34,8 +34,8 @@
 #   gmm-prefetch-table  the same, each kernel's fastest tiles into the tile table (kernels/gmm/tile_table.json)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #   step-default  the same, its default arm alone
-#   step-gdn   the default beside the GDN core's token-major blocks (arm gdn_token_major) and those at
-#              chunks of 128 (gdn_chunk128_token_major), in one round
+#   step-gdn   the default beside the GDN core at chunks of 128 (arm gdn_chunk128) and that at its
+#              bfloat16 precision (gdn_bf16_chunk128), in one round
 #   kernels-gdn-cell  the GDN core's whole-sequence cell case alone (every settings arm)
 #   step-aligned  the default, the Pallas grouped matmuls at the table's tiles, and those on
 #              moe.group_align_rows' layout
@@ -151,7 +151,7 @@ except ValueError as e:
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
     step-default) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default ;;
     step-gdn) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache \
-      --only default,gdn_token_major,gdn_chunk128_token_major ;;
+      --only default,gdn_chunk128,gdn_bf16_chunk128 ;;
     step-aligned) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,pallas_gmm_auto,pallas_gmm_auto_aligned --profile 1 ;;
     step-holdout)
       # The calibrated model on shapes it was not calibrated or checked on: the default arm of the
