@@ -7,6 +7,7 @@
 #   stamp      write .source-commit (for a copy of the tree sent to a host without its history)
 #   tests      benchmarks/tpu_tests.py    -> benchmarks/records/tpu_tests.json
 #   tests-fp8  the same, the tests of the fp8 weights' kernels only (merged into the record)
+#   tests-gdn  the same, the tests of the GDN kernels only (whole sequence and context-parallel ranks)
 #   calibrate  hybridmoe calibrate        -> hybridmoe/analysis/chip_calibration.json (+ records/tpu_calibration.json)
 #   tiles      hybridmoe tune-gmm (the one-chip recipe's grouped matmuls) -> hybridmoe/kernels/gmm/tile_table.json
 #              (+ records/tpu_gmm_tiles.json)
@@ -34,8 +35,7 @@
 #   gmm-prefetch-table  the same, each kernel's fastest tiles into the tile table (kernels/gmm/tile_table.json)
 #   step       benchmarks/tpu_step.py     -> benchmarks/records/tpu_step.json
 #   step-default  the same, its default arm alone
-#   step-gdn   the default beside the GDN core at chunks of 128 (arm gdn_chunk128) and that at its
-#              bfloat16 precision (gdn_bf16_chunk128), in one round
+#   step-gdn   the default (the GDN core at chunks of 128) beside chunks of 64 (arm gdn_chunk64), in one round
 #   kernels-gdn-cell  the GDN core's whole-sequence cell case alone (every settings arm)
 #   step-aligned  the default, the Pallas grouped matmuls at the table's tiles, and those on
 #              moe.group_align_rows' layout
@@ -128,6 +128,7 @@ except ValueError as e:
     sys.exit(f"tpu_records: {e}")' ;;
     tests) python3 benchmarks/tpu_tests.py ;;
     tests-fp8) python3 benchmarks/tpu_tests.py -k fp8 ;;
+    tests-gdn) python3 benchmarks/tpu_tests.py -k gdn ;;
     calibrate) python3 -m hybridmoe calibrate --out benchmarks/records/tpu_calibration.json ;;
     tiles) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --budget-s 420 --out benchmarks/records/tpu_gmm_tiles.json ;;
     tiles-missing) python3 -m hybridmoe tune-gmm recipe=qwen3.5-35b-a3b-v5e-1 --missing --budget-s 420 \
@@ -151,7 +152,7 @@ except ValueError as e:
     step) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache ;;
     step-default) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default ;;
     step-gdn) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache \
-      --only default,gdn_chunk128,gdn_bf16_chunk128 ;;
+      --only default,gdn_chunk64 ;;
     step-aligned) python3 benchmarks/tpu_step.py --compile-cache .tpu-cache --only default,pallas_gmm_auto,pallas_gmm_auto_aligned --profile 1 ;;
     step-holdout)
       # The calibrated model on shapes it was not calibrated or checked on: the default arm of the
@@ -173,6 +174,6 @@ except ValueError as e:
     rl) python3 benchmarks/tpu_rl.py ;;
     rl-batch) python3 benchmarks/tpu_rl.py --part batch ;;
     rl-learn) python3 benchmarks/tpu_rl.py --part learn ;;
-    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-gdn-cell, kernels-gdn-profile, kernels-gdn-cp, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, moe-combine, step, step-default, step-gdn, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
+    *) echo "tpu_records: unknown stage $stage (stamp, tests, tests-fp8, tests-gdn, calibrate, tiles, tiles-missing, kernels-one-chip, kernels-cell, kernels-cell-moe, kernels-gdn, kernels-gdn-cell, kernels-gdn-profile, kernels-gdn-cp, kernels-fp8, kernels-missing, gmm-uneven, gmm-uneven-again, gmm-aligned, moe-combine, step, step-default, step-gdn, step-aligned, step-holdout, peer-full, peer-minimal, rl, rl-batch, rl-learn)" >&2; exit 2 ;;
   esac
 done
