@@ -247,18 +247,19 @@ class GdnKernelConfig(Section):
     precision: Literal["auto", "bfloat16x3", "bfloat16x3_bf16_inverse", "bfloat16", "float32"] = Field(
         "auto", description="The Mosaic GDN core's products (kernels/gdn/tpu_chunk.py PRECISIONS; docs/gdn.md): auto: "
         "float32 for float32 activations, bfloat16x3_bf16_inverse for bfloat16 (three bfloat16 passes per product "
-        "but for the triangular inverse's doubling, at one: the xla path's errors but the final state's; 1.10x "
+        "but for the triangular inverse's doubling, at one: the xla path's errors but the final state's; 1.08x "
         "bfloat16x3's forward + backward on a v5e at the 397B cell's core, benchmarks/records/tpu_kernels.json "
         "gdn_cell); bfloat16x3: three passes for every product (the xla path's errors); bfloat16: one pass for the "
-        "chunk's own products and the triangular inverse, three for the state and the chain between chunks (1.16x "
-        "the default, 1.31x with gdn.chunk_size=128); needs the pallas_tpu core (on the whole sequence or under "
+        "chunk's own products and the triangular inverse, three for the state and the chain between chunks (1.09x "
+        "the default, 1.23x with gdn.chunk_size=128); needs the pallas_tpu core (on the whole sequence or under "
         "context parallelism).")
     layout: Literal["head_major", "token_major"] = Field(
         "head_major", description="How the Mosaic GDN core's kernels read q, k, v (and dO) and write o (and dq, dk, "
         "dv): head_major, XLA transposes them to [B, G, (H/G,) T, X] and back; token_major, the kernels' blocks are "
         "a key head's lane-aligned columns of the token-major arrays, so the layer's flat projections reach them "
         "with no copy (at the 397B cell's core six value-sized copies fewer per forward + backward by the compiled "
-        "program; not yet timed on a chip: docs/gdn.md, Layouts); needs the pallas_tpu core, the key dim and "
+        "program; yet a v5e chip timed the core 1.02x slower on them and the one-chip step 1.02x: docs/gdn.md, "
+        "Layouts); needs the pallas_tpu core, the key dim and "
         "H/G x the value dim multiples of 128 on a TPU, and under context parallelism gdn.cp_terms_in_kernel.")
 
 

@@ -92,7 +92,7 @@ PRECISIONS = {
     # bfloat16 inputs, the default: three passes everywhere but T's doubling, at one pass. T is a
     # third of the forward's MXU work and its chain of 10 dependent products half of the forward's
     # cycles (libtpu's static profile, v5e, the 397B cell's heads: 0.69x "bfloat16x3"'s forward
-    # cycles; a v5e chip at the cell: 29.5 ms forward + backward against 32.6,
+    # cycles; a v5e chip at the cell: 25.55 ms forward + backward against 27.64 at 459723c,
     # benchmarks/records/tpu_kernels.json gdn_cell). The errors stay "bfloat16x3"'s but for the final
     # state's (CPU, as above: o 1.7e-3, gradients <= 2.4e-3, final state 3.0e-4 where three passes
     # give 5e-6): W and U still take T at three passes, and T's rounding is to its own entries, not
