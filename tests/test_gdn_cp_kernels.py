@@ -51,7 +51,7 @@ BROKEN = {  # name: [(module, attribute, the broken function)]
     "local cotangent walked front to back within a step": [(tpu_chunk, "state_cotangent_step", _walked_front_to_back)],
     "local cotangent dropped": [(pallas_tpu_cp, "local_state_cotangent",
                                  lambda q, k, g, beta, inverses, do, settings: jnp.zeros(
-                                     (*do.shape[:3], q.shape[-1], do.shape[-1]), jnp.float32))],
+                                     (*do.shape[:3], q.rows.shape[-1], do.shape[-1]), jnp.float32))],
 }
 
 

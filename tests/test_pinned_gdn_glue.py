@@ -40,8 +40,8 @@ def test_forward_buffers_count_values_per_further_chunk_head():
     assert b["log_gates"].shape == b["beta"].shape == (3, 2, 64)
     assert b["chunk_starts"].shape == (6, 32, 16) and b["inverses"].shape == (6, 64, 64)
     assert (b["state"].shape, b["state"].count, b["state"].kind) == ((2, 32, 16), 1, "scratch")
-    # forward counts: base (0, 22, 1) + 5 * (0, 0, 5)
-    assert [b[n].count for n in ("c_by_c", "c_by_k", "k_by_v")] == [0, 22, 26]
+    # forward counts: base (17, 0, 0) + 5 * (0, 0, 5)
+    assert [b[n].count for n in ("c_by_c", "c_by_k", "k_by_v")] == [17, 0, 25]
     assert b["c_by_k"].shape == (64, 32)  # [C, max(K, V)]
     assert b["k_by_v"].shape == (32, 16)
 
