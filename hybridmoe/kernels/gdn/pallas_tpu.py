@@ -437,8 +437,9 @@ def prepared(q_BTGK, k_BTGK, v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, *
                             chunks_per_step=chunks_per_step, interpret=interpret, vmem_limit_mib=vmem_limit_mib,
                             token_major=token_major,
                             bfloat16_rows=jnp.dtype(q_BTGK.dtype) == jnp.bfloat16 == jnp.dtype(k_BTGK.dtype))
-    keys = query_key_scales(q_BTGK, k_BTGK, normalize_qk, _F32)  # (q, k, q_scale, k_scale); no repeat
-    return settings, kernel_layout(*keys[::2], *keys[1::2], v_BTHV, g_BTH, beta_BTH, starts_BT, initial_BHKV, settings)
+    q_BTGK, k_BTGK, q_scale_BTG, k_scale_BTG = query_key_scales(q_BTGK, k_BTGK, normalize_qk, _F32)  # no repeat
+    return settings, kernel_layout(q_BTGK, q_scale_BTG, k_BTGK, k_scale_BTG, v_BTHV, g_BTH, beta_BTH, starts_BT,
+                                   initial_BHKV, settings)
 
 
 def output_BTHV(o, tokens: int, value_dim: int):

@@ -26,9 +26,9 @@ they can: q and k arrive as their rows (the input's bfloat16 values) and one flo
 row (the normalisation and dk^-1/2), v and dO in their dtype, and a diagonal factor (the decays,
 beta, the rows' factors) goes on the side of a product that is split anyway (scaled_product,
 product_with_scaled_rows, scaled_rows_tn): the same products, a third fewer passes for every one
-with q, k, v or dO in it. Writing the passes out keeps the FLOPs a kernel states (chunk_macs) equal to what it runs, on the
-chip and interpreted. `Precision` chooses the parts per group of products; `PRECISIONS` gives the
-float32 path (everything float32), the bfloat16 default (three passes everywhere but the triangular
+with q, k, v or dO in it. Writing the passes out keeps the FLOPs a kernel states (chunk_macs)
+equal to what it runs, on the chip and interpreted. `Precision` chooses the parts per group of
+products; `PRECISIONS` gives the float32 path (everything float32), the bfloat16 default (three passes everywhere but the triangular
 inverse's doubling: the XLA path's errors but the final state's), three passes everywhere, and a
 faster bfloat16 path (see each one's comment for which products take how many passes and why).
 
@@ -107,8 +107,12 @@ def precision_name(dtype) -> str:
     return "float32" if jnp.dtype(dtype).itemsize >= 4 else "bfloat16x3_bf16_inverse"
 
 
+def _exact(x) -> bool:
+    return x.dtype == BF16
+
+
 def _bf16_parts(x, parts: int):
-    if x.dtype == BF16:
+    if _exact(x):
         return [x]
     out, rest = [], x.astype(F32)
     for i in range(parts):
@@ -131,10 +135,6 @@ def mxu(a, b, contract, parts: int):
         product = lax.dot_general(pieces_a[i], pieces_b[j], (contract, ((), ())), preferred_element_type=F32)
         out = product if out is None else out + product
     return out
-
-
-def _exact(x) -> bool:
-    return x.dtype == BF16
 
 
 def scaled_product(t, scale_C1, x, parts: int):
@@ -535,7 +535,8 @@ def chunk_macs(kernel: str, C: int, K: int, V: int, group: int = 1, precision: s
         args = (chunk, states, [f32(C, C)] * group, list(chunk.v), states)
     elif kernel == "transition":
         products = [jax.ShapeDtypeStruct((K, K), F32)] * group
-        fn, args = (lambda ch, s, m: transition_step([ch._replace(q=None, q_scale=None)], s, m, p)), (chunk, states, products)
+        fn = lambda ch, s, m: transition_step([ch._replace(q=None, q_scale=None)], s, m, p)  # noqa: E731
+        args = (chunk, states, products)
     elif kernel == "state_cotangent":
         f32 = lambda *s: jax.ShapeDtypeStruct(s, F32)  # noqa: E731
         fn = lambda ch, t, do, ds: state_cotangent_step([ch._replace(v=[])], [t], [do], ds, p)  # noqa: E731
