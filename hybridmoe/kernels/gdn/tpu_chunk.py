@@ -28,7 +28,8 @@ beta, the rows' factors) goes on the side of a product that is split anyway (sca
 product_with_scaled_rows, scaled_rows_tn): the same products, a third fewer passes for every one
 with q, k, v or dO in it. Writing the passes out keeps the FLOPs a kernel states (chunk_macs)
 equal to what it runs, on the chip and interpreted. `Precision` chooses the parts per group of
-products; `PRECISIONS` gives the float32 path (everything float32), the bfloat16 default (three passes everywhere but the triangular
+products; `PRECISIONS` gives the float32 path (everything float32), the bfloat16 default (three
+passes everywhere but the triangular
 inverse's doubling: the XLA path's errors but the final state's), three passes everywhere, and a
 faster bfloat16 path (see each one's comment for which products take how many passes and why).
 
